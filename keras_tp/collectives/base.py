@@ -1,0 +1,127 @@
+"""The collective interface every backend adapter implements."""
+
+import contextlib
+import contextvars
+import math
+
+import keras
+import ml_dtypes
+import numpy as np
+
+from keras_tp.stats import CommunicationStats
+
+REDUCE_OPS = ("sum", "mean", "max", "min")
+
+_CURRENT_ADAPTER = contextvars.ContextVar("keras_tp_adapter", default=None)
+
+
+class CollectiveAdapter:
+    """Collectives over the ranks of one mesh axis, on per-rank tensors.
+
+    Every tensor passed in or returned is the local value of one rank. On JAX
+    the methods are only valid inside a sharded region (a `shard_map`); on
+    torch and TensorFlow inside a launched process or replica context.
+
+    Subclasses implement the raw collectives (`_all_reduce`, `_all_gather`,
+    `_reduce_scatter`, `_broadcast`, `barrier`, `rank`, `size`) and the four
+    Megatron conjugate operators with the backend's custom-gradient tool.
+    This class validates arguments and counts calls and bytes in `stats`.
+
+    Args:
+        axis_name: name of the mesh axis the collectives run over.
+    """
+
+    backend = None
+
+    def __init__(self, axis_name="model"):
+        self.axis_name = axis_name
+        self.stats = CommunicationStats()
+
+    def rank(self):
+        """Index of this rank along the axis (may be a traced scalar)."""
+        raise NotImplementedError
+
+    def size(self):
+        """Number of ranks along the axis (a Python int)."""
+        raise NotImplementedError
+
+    def all_reduce(self, x, op="sum"):
+        """Reduces `x` over all ranks with `op` (sum, mean, max or min)."""
+        if op not in REDUCE_OPS:
+            raise ValueError(f"`op` must be one of {REDUCE_OPS}, got {op!r}.")
+        self._record("all_reduce", x)
+        return self._all_reduce(x, op)
+
+    def all_gather(self, x, axis=0):
+        """Concatenates every rank's `x` along `axis`."""
+        self._record("all_gather", x)
+        return self._all_gather(x, axis)
+
+    def reduce_scatter(self, x, axis=0, op="sum"):
+        """Reduces `x` over ranks and returns this rank's slice of `axis`."""
+        if op not in ("sum", "mean"):
+            raise ValueError(f"`op` must be 'sum' or 'mean', got {op!r}.")
+        if x.shape[axis] % self.size():
+            raise ValueError(
+                f"reduce_scatter needs axis {axis} of shape {tuple(x.shape)} "
+                f"to divide by the {self.size()} ranks."
+            )
+        self._record("reduce_scatter", x)
+        return self._reduce_scatter(x, axis, op)
+
+    def broadcast(self, x, root=0):
+        """Returns rank `root`'s `x` on every rank."""
+        self._record("broadcast", x)
+        return self._broadcast(x, root)
+
+    def barrier(self):
+        """Blocks until every rank reaches this point."""
+        raise NotImplementedError
+
+    def copy_to_parallel(self, x):
+        """Megatron `f`: identity forward, all-reduce of the gradient."""
+        raise NotImplementedError
+
+    def reduce_from_parallel(self, x):
+        """Megatron `g`: all-reduce forward, identity gradient."""
+        raise NotImplementedError
+
+    def gather_from_parallel(self, x, axis=-1):
+        """All-gather along `axis` forward; keep the local slice backward."""
+        raise NotImplementedError
+
+    def scatter_to_parallel(self, x, axis=-1):
+        """Keep the local slice forward; all-gather the gradient backward."""
+        raise NotImplementedError
+
+    def _record(self, kind, x, direction="forward"):
+        self.stats.record(kind, nbytes(x), direction)
+
+    @contextlib.contextmanager
+    def activated(self):
+        """Makes this adapter the one `keras_tp.collectives` functions use."""
+        token = _CURRENT_ADAPTER.set(self)
+        try:
+            yield self
+        finally:
+            _CURRENT_ADAPTER.reset(token)
+
+
+def current_adapter():
+    """Returns the adapter of the enclosing sharded region or process."""
+    adapter = _CURRENT_ADAPTER.get()
+    if adapter is None:
+        raise RuntimeError(
+            "keras_tp collectives are only available inside a sharded region "
+            "(the call of a layer sharded by `TensorParallelKeras`) or inside "
+            "a process started by `keras_tp.launch` / `torchrun`."
+        )
+    return adapter
+
+
+def nbytes(x):
+    """Bytes of a tensor of any backend, from its static shape and dtype."""
+    dtype = keras.backend.standardize_dtype(x.dtype)
+    # ml_dtypes names the dtypes NumPy lacks (bfloat16, float8_*).
+    itemsize = np.dtype(getattr(ml_dtypes, dtype, dtype)).itemsize
+    return math.prod(int(dim) for dim in x.shape) * itemsize

@@ -1,0 +1,122 @@
+"""JAX adapter: `jax.lax` collectives over a named axis of a `shard_map`."""
+
+import functools
+
+import jax
+from jax._src.lax.parallel import all_gather_invariant
+
+from keras_tp.collectives.base import CollectiveAdapter
+
+
+class JaxCollectiveAdapter(CollectiveAdapter):
+    """Collectives over the `axis_name` axis of a `jax.sharding.Mesh`.
+
+    Valid inside `jax.shard_map` with `check_vma=True`, which is how the JAX
+    runtime runs every sharded region. The conjugate operators are
+    `jax.custom_vjp`s so that the backward collectives are explicit (and
+    counted) and a gradient is never reduced twice.
+
+    Args:
+        axis_size: number of devices along `axis_name`.
+        axis_name: mesh axis the collectives run over.
+    """
+
+    backend = "jax"
+
+    def __init__(self, axis_size, axis_name="model"):
+        super().__init__(axis_name)
+        self._axis_size = axis_size
+        self._build_conjugate_ops()
+
+    def rank(self):
+        return jax.lax.axis_index(self.axis_name)
+
+    def size(self):
+        return self._axis_size
+
+    def _all_reduce(self, x, op):
+        axis = self.axis_name
+        if op == "sum":
+            return jax.lax.psum(x, axis)
+        if op == "mean":
+            return jax.lax.pmean(x, axis)
+        if op == "max":
+            return jax.lax.pmax(x, axis)
+        return jax.lax.pmin(x, axis)
+
+    def _all_gather(self, x, axis):
+        return jax.lax.all_gather(x, self.axis_name, axis=axis, tiled=True)
+
+    def _reduce_scatter(self, x, axis, op):
+        out = jax.lax.psum_scatter(
+            x, self.axis_name, scatter_dimension=axis, tiled=True
+        )
+        return out / self._axis_size if op == "mean" else out
+
+    def _broadcast(self, x, root):
+        # Zero every rank's value but the root's: the sum is the root's value.
+        keep = (jax.lax.axis_index(self.axis_name) == root).astype(x.dtype)
+        return jax.lax.psum(x * keep, self.axis_name)
+
+    def barrier(self):
+        """No-op: a compiled SPMD program has no rank that runs ahead."""
+
+    def _build_conjugate_ops(self):
+        axis = self.axis_name
+        record = self._record
+
+        @jax.custom_vjp
+        def copy_to_parallel(x):
+            return jax.lax.pcast(x, axis, to="varying")
+
+        def copy_fwd(x):
+            return copy_to_parallel(x), None
+
+        def copy_bwd(_, grad):
+            record("all_reduce", grad, "backward")
+            return (jax.lax.psum(grad, axis),)
+
+        copy_to_parallel.defvjp(copy_fwd, copy_bwd)
+
+        def reduce_from_parallel(x):
+            # psum of a device-varying value is device-invariant; under
+            # check_vma its transpose is a plain broadcast, with no collective.
+            record("all_reduce", x, "forward")
+            return jax.lax.psum(x, axis)
+
+        def gather_from_parallel(x, gather_axis=-1):
+            record("all_gather", x, "forward")
+            gather_axis = gather_axis % x.ndim
+            # The invariant all-gather transposes to a local slice: the
+            # cotangent of a replicated output is already equal on all ranks.
+            return all_gather_invariant(x, axis, axis=gather_axis, tiled=True)
+
+        @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+        def scatter(x, scatter_axis):
+            return _local_slice(x, scatter_axis)
+
+        def scatter_fwd(x, scatter_axis):
+            return scatter(x, scatter_axis), None
+
+        def scatter_bwd(scatter_axis, _, grad):
+            record("all_gather", grad, "backward")
+            full = all_gather_invariant(
+                grad, axis, axis=scatter_axis, tiled=True
+            )
+            return (full,)
+
+        scatter.defvjp(scatter_fwd, scatter_bwd)
+
+        def _local_slice(x, scatter_axis):
+            local = x.shape[scatter_axis] // self._axis_size
+            start = jax.lax.axis_index(axis) * local
+            x = jax.lax.pcast(x, axis, to="varying")
+            return jax.lax.dynamic_slice_in_dim(x, start, local, scatter_axis)
+
+        def scatter_to_parallel(x, scatter_axis=-1):
+            return scatter(x, scatter_axis % x.ndim)
+
+        self.copy_to_parallel = copy_to_parallel
+        self.reduce_from_parallel = reduce_from_parallel
+        self.gather_from_parallel = gather_from_parallel
+        self.scatter_to_parallel = scatter_to_parallel

@@ -1,0 +1,232 @@
+"""`TensorParallelKeras`: a `keras.Model` whose layers are split across devices."""
+
+import keras
+from keras.src.utils import io_utils
+
+from keras_tp import regions
+from keras_tp.collectives.base import nbytes
+from keras_tp.plan.auto import auto_plan
+from keras_tp.plan.sharding_plan import ShardingPlan
+from keras_tp.runtime import runtime_class
+
+
+class TensorParallelKeras(keras.Model):
+    """Runs a built Keras model with its layers split across devices.
+
+    Dense, EinsumDense, convolution, embedding and attention layers are
+    split column- and row-wise as Megatron-LM does, every device computes
+    with its own shard, and the results match the model on one device.
+    Everything `keras.Model` does keeps working: `compile`, `fit` (with
+    callbacks and validation), `evaluate`, `predict`, the `*_on_batch`
+    methods and `__call__`.
+
+    The wrapped model is converted in place: its split layers only run
+    through this object afterwards. `get_weights()`, `set_weights()` and
+    `save()` use the original model's variable order and full shapes, and
+    `save()` writes the original, unsplit architecture, which plain
+    `keras.saving.load_model()` opens.
+
+    Args:
+        model: a built `keras.Model` (Sequential, Functional or subclassed).
+        world_size: total number of devices; defaults to all available.
+        device_ids: device names to use, e.g. `["cpu:0", "cpu:1"]`.
+        plan: `"auto"`, a `keras_tp.ShardingPlan`, or a dict
+            `{regex on variable.path: style}`.
+        data_parallel: size of the data-parallel axis. Only `1` for now.
+        zero_stage: ZeRO stage. Only `0` for now.
+
+    Example:
+
+    ```python
+    keras_tp.configure_virtual_devices(4)
+    model = build_my_keras_model()
+    tp = keras_tp.TensorParallelKeras(model, world_size=4)
+    tp.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    tp.fit(x, y, epochs=3)
+    tp.summary()
+    ```
+    """
+
+    def __init__(
+        self,
+        model,
+        world_size=None,
+        device_ids=None,
+        plan="auto",
+        data_parallel=1,
+        zero_stage=0,
+        **kwargs,
+    ):
+        if data_parallel != 1 or zero_stage != 0:
+            raise NotImplementedError(
+                f"data_parallel={data_parallel}, zero_stage={zero_stage}: "
+                "data parallelism and ZeRO are not implemented yet; use "
+                "data_parallel=1, zero_stage=0 (pure tensor parallelism)."
+            )
+        if not isinstance(model, keras.Model):
+            raise TypeError(
+                f"TensorParallelKeras wraps a keras.Model, got {type(model)}."
+            )
+        if not model.built:
+            raise ValueError(
+                f"Model '{model.name}' is not built. Call "
+                "`model.build(input_shape)` or run it once on a batch first."
+            )
+        name = kwargs.pop("name", f"tensor_parallel_{model.name}")
+        super().__init__(name=name, **kwargs)
+        self.model = model
+        runtime = runtime_class()(world_size, device_ids, data_parallel)
+        tensor_parallel = runtime.tensor_parallel
+        if isinstance(plan, str):
+            if plan != "auto":
+                raise ValueError(
+                    f"plan must be 'auto', a ShardingPlan or a dict, got {plan!r}."
+                )
+            bound = auto_plan(model, tensor_parallel)
+        elif isinstance(plan, (ShardingPlan, dict, list, tuple)):
+            rules = plan.rules if isinstance(plan, ShardingPlan) else plan
+            bound = ShardingPlan(rules).bind(model, tensor_parallel)
+        else:
+            raise TypeError(
+                f"plan must be 'auto', a ShardingPlan or a dict, got {type(plan)}."
+            )
+        self._runtime = runtime
+        self._plan = bound
+        axes = bound.variable_axes()
+        for variable in model.variables:
+            entry = axes.get(variable.path)
+            axis = entry[1] if entry is not None and entry[0] is variable else None
+            runtime.place_variable(variable, axis)
+        self._regions = regions.install(bound, runtime)
+        self.built = True
+
+    @property
+    def sharding_plan(self):
+        """The `ShardingPlan` applied to the model, bound to it."""
+        return self._plan
+
+    @property
+    def device_mesh(self):
+        """The `keras.distribution.DeviceMesh` with axes `data` x `model`."""
+        return self._runtime.device_mesh
+
+    def call(self, inputs, training=None):
+        with self._runtime.adapter.stats.recording("call"):
+            return self.model(inputs, training=training)
+
+    def train_step(self, *args, **kwargs):
+        with self._runtime.adapter.stats.recording("train"):
+            return super().train_step(*args, **kwargs)
+
+    def test_step(self, *args, **kwargs):
+        with self._runtime.adapter.stats.recording("test"):
+            return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args, **kwargs):
+        with self._runtime.adapter.stats.recording("predict"):
+            return super().predict_step(*args, **kwargs)
+
+    def communication_stats(self, phase="train"):
+        """Collectives of the last step of `phase`, per kind.
+
+        Args:
+            phase: `"train"` (default), `"test"`, `"predict"` or `"call"`
+                (a direct `__call__`).
+
+        Returns:
+            `{kind: {"calls", "bytes", "forward_calls", "forward_bytes",
+            "backward_calls", "backward_bytes"}}` where kind is
+            `all_reduce`, `all_gather`, `reduce_scatter` or `broadcast`, and
+            bytes are what one rank contributes.
+        """
+        return self._runtime.adapter.stats.summary(phase)
+
+    def reset_communication_stats(self):
+        """Forgets the recorded collectives of every phase."""
+        self._runtime.adapter.stats.reset()
+
+    def parameter_bytes_per_device(self):
+        """`{device: bytes}` of the model's variables, read from the arrays."""
+        return self._runtime.device_bytes(self.model.variables)
+
+    def get_parallelism_info(self):
+        """A dict describing how the model is parallelised.
+
+        Returns:
+            A dict with `backend`, `world_size`, `tensor_parallel`,
+            `data_parallel`, `zero_stage`, `devices`,
+            `parameter_bytes_per_device` (measured from the arrays),
+            `parameter_bytes_total` (unsplit), `sharded_layers` and
+            `replicated_layers` (path: reason).
+        """
+        return {
+            "backend": self._runtime.backend,
+            "world_size": self._runtime.world_size,
+            "tensor_parallel": self._runtime.tensor_parallel,
+            "data_parallel": self._runtime.data_parallel,
+            "zero_stage": 0,
+            "devices": list(self._runtime.devices),
+            "parameter_bytes_per_device": self.parameter_bytes_per_device(),
+            "parameter_bytes_total": sum(
+                nbytes(v) for v in self.model.variables
+            ),
+            "sharded_layers": [e.layer.path for e in self._plan.layers],
+            "replicated_layers": dict(self._plan.replicated),
+        }
+
+    def summary(self, print_fn=None, **kwargs):
+        """Prints the plan: per layer, style, local shape and bytes/device.
+
+        Args:
+            print_fn: function taking a line of text; defaults to Keras'
+                `io_utils.print_msg`.
+        """
+        print_fn = print_fn or io_utils.print_msg
+        print_fn(format_plan(self._plan, self._runtime.tensor_parallel))
+        per_device = self.parameter_bytes_per_device()
+        total = sum(nbytes(v) for v in self.model.variables)
+        print_fn(
+            f"Parameters: {_mb(total)} unsplit; per device (measured): "
+            + ", ".join(f"{d} {_mb(b)}" for d, b in per_device.items())
+        )
+
+    def save(self, filepath, overwrite=True, **kwargs):
+        """Saves the original, unsplit model with the current weights."""
+        return self.model.save(filepath, overwrite=overwrite, **kwargs)
+
+    def save_weights(self, filepath, overwrite=True, **kwargs):
+        """Saves the unsplit weights of the original model."""
+        return self.model.save_weights(filepath, overwrite=overwrite, **kwargs)
+
+    def get_config(self):
+        raise NotImplementedError(
+            "TensorParallelKeras is not serialised itself: `save()` writes "
+            "the original model, which you wrap again after loading."
+        )
+
+
+def format_plan(plan, world_size):
+    """The plan as a table: layer, style, local shape, bytes per device."""
+    header = f"{'Layer (variable)':48} {'Style':28} {'Local shape':18} {'Bytes/device':>12}"
+    lines = [f"Tensor-parallel plan, world_size={world_size}", header, "-" * len(header)]
+    for entry in plan.leaf_layers():
+        variables = entry.handler.variables(entry.layer)
+        for role, variable in variables.items():
+            axis = entry.axes.get(role)
+            shape = list(variable.shape)
+            if axis is not None:
+                shape[axis] //= world_size
+            local_bytes = nbytes(variable) // (world_size if axis is not None else 1)
+            style = repr(entry.style) if role == entry.handler.primary else ""
+            lines.append(
+                f"{variable.path:48} {style:28} {str(tuple(shape)):18} {local_bytes:>12,}"
+            )
+    if plan.replicated:
+        lines.append("Replicated (whole on every device):")
+        for path, reason in plan.replicated.items():
+            lines.append(f"  {path}: {reason}")
+    return "\n".join(lines)
+
+
+def _mb(nbytes):
+    return f"{nbytes / 2**20:.3f} MiB"

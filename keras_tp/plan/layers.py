@@ -1,0 +1,342 @@
+"""How each supported Keras layer type is split, and its per-rank math.
+
+A handler knows, for one layer type, which variables a style splits and on
+which axis, which axis of the input and output is split, and how a rank
+computes its part with `keras.ops` and the collective adapter. The math is
+written on local (per-rank) tensors only, so it is the same for every
+backend; the runtimes decide how the local tensors come to exist.
+"""
+
+import keras
+from keras import ops
+
+from keras_tp.plan.styles import Column, Row, Vocab
+
+
+class ShardingError(ValueError):
+    """A plan asks for a split that cannot be done exactly."""
+
+
+class LayerHandler:
+    """Base class: the sharding rules of one family of leaf layers."""
+
+    layer_types = ()
+    styles = ()
+    primary = "kernel"
+
+    def matches(self, layer):
+        return isinstance(layer, self.layer_types)
+
+    def variables(self, layer):
+        """The layer's variables by role (`kernel`, `bias`, ...)."""
+        roles = {self.primary: getattr(layer, self.primary)}
+        bias = getattr(layer, "bias", None)
+        if bias is not None:
+            roles["bias"] = bias
+        return roles
+
+    def split_axes(self, layer, style):
+        """`{role: axis or None}`: the axis each variable is split on."""
+        raise NotImplementedError
+
+    def split_size(self, layer, style):
+        """Length of the split dimension, for divisibility checks."""
+        kernel = self.variables(layer)[self.primary]
+        return kernel.shape[self.split_axes(layer, style)[self.primary]]
+
+    def unsupported_reason(self, layer):
+        """Why this layer must stay replicated, or `None`."""
+        if getattr(layer, "quantization_mode", None) is not None:
+            return f"quantized ({layer.quantization_mode})"
+        if getattr(layer, "lora_enabled", False):
+            return "LoRA is enabled"
+        return None
+
+    def input_axis(self, layer, style, ndim):
+        """Axis on which the layer's first input arrives split, or `None`."""
+        return None
+
+    def output_axis(self, layer, style, ndim):
+        """Axis on which the layer's output leaves split, or `None`."""
+        return None
+
+    def parallel_input(self, style):
+        """Whether a replicated input is consumed by split weights.
+
+        Such an input enters through `copy_to_parallel`, whose backward pass
+        all-reduces the input gradient.
+        """
+        return isinstance(style, Column)
+
+    def local_call(self, layer, style, adapter, weights, inputs, **kwargs):
+        """Computes this rank's output from its local `weights` by role."""
+        raise NotImplementedError
+
+
+def _finish(layer, style, adapter, x, bias, axis):
+    """Adds the bias and applies the activation around the collective.
+
+    A Row layer reduces its partial products before the (replicated) bias;
+    a gathering Column layer gathers before the activation, so that an
+    activation over features (softmax) sees all of them.
+    """
+    if isinstance(style, Row):
+        x = adapter.reduce_from_parallel(x)
+    if bias is not None:
+        x = ops.add(x, bias)
+    if isinstance(style, Column) and style.gather_output:
+        x = adapter.gather_from_parallel(x, axis)
+    if layer.activation is not None:
+        x = layer.activation(x)
+    return x
+
+
+class DenseHandler(LayerHandler):
+    layer_types = (keras.layers.Dense,)
+    styles = (Column, Row)
+
+    def split_axes(self, layer, style):
+        if isinstance(style, Column):
+            return {"kernel": 1, "bias": 0}
+        return {"kernel": 0, "bias": None}
+
+    def input_axis(self, layer, style, ndim):
+        if isinstance(style, Row) and style.input_is_parallel:
+            return ndim - 1
+        return None
+
+    def output_axis(self, layer, style, ndim):
+        if isinstance(style, Column) and not style.gather_output:
+            return ndim - 1
+        return None
+
+    def local_call(self, layer, style, adapter, weights, inputs, **kwargs):
+        x = inputs
+        if isinstance(style, Row) and not style.input_is_parallel:
+            x = adapter.scatter_to_parallel(x, -1)
+        x = ops.matmul(x, weights["kernel"])
+        return _finish(layer, style, adapter, x, weights.get("bias"), -1)
+
+
+class EinsumDenseHandler(LayerHandler):
+    """EinsumDense, including attention projections.
+
+    Column splits the first kernel axis that appears in the output but not
+    in the input: the heads axis of a query/key/value projection. Row splits
+    the first kernel axis contracted with the input: the heads axis of an
+    attention output projection.
+    """
+
+    layer_types = (keras.layers.EinsumDense,)
+    styles = (Column, Row)
+
+    @staticmethod
+    def _specs(layer):
+        inputs, output = layer.equation.split("->")
+        input_spec, kernel_spec = inputs.split(",")
+        return input_spec, kernel_spec, output
+
+    def _split_letter(self, layer, style):
+        input_spec, kernel_spec, output_spec = self._specs(layer)
+        for letter in kernel_spec:
+            in_input = letter in input_spec
+            in_output = letter in output_spec
+            if isinstance(style, Column) and in_output and not in_input:
+                return letter
+            if isinstance(style, Row) and in_input and not in_output:
+                return letter
+        raise ShardingError(
+            f"EinsumDense layer '{layer.path}' with equation "
+            f"'{layer.equation}' has no kernel axis that {style!r} can split."
+        )
+
+    def unsupported_reason(self, layer):
+        reason = super().unsupported_reason(layer)
+        if reason is None and "." in layer.equation.split("->")[0].split(",")[1]:
+            reason = "its kernel spec uses '...'"
+        return reason
+
+    def split_axes(self, layer, style):
+        letter = self._split_letter(layer, style)
+        _, kernel_spec, output_spec = self._specs(layer)
+        axes = {"kernel": kernel_spec.index(letter), "bias": None}
+        if isinstance(style, Column) and layer.bias_axes:
+            # The bias covers the output letters from its first one onward,
+            # with size-1 axes for the letters it does not name.
+            first = min(output_spec.index(c) for c in layer.bias_axes)
+            bias_spec = output_spec[first:]
+            if letter in layer.bias_axes:
+                axes["bias"] = bias_spec.index(letter)
+        return axes
+
+    @staticmethod
+    def _axis_from_end(spec, letter, ndim):
+        letters = spec.replace("...", "")
+        return ndim - (len(letters) - letters.index(letter))
+
+    def input_axis(self, layer, style, ndim):
+        if isinstance(style, Row) and style.input_is_parallel:
+            input_spec = self._specs(layer)[0]
+            letter = self._split_letter(layer, style)
+            return self._axis_from_end(input_spec, letter, ndim)
+        return None
+
+    def output_axis(self, layer, style, ndim):
+        if isinstance(style, Column) and not style.gather_output:
+            output_spec = self._specs(layer)[2]
+            letter = self._split_letter(layer, style)
+            return self._axis_from_end(output_spec, letter, ndim)
+        return None
+
+    def local_call(self, layer, style, adapter, weights, inputs, **kwargs):
+        x = inputs
+        letter = self._split_letter(layer, style)
+        input_spec, _, output_spec = self._specs(layer)
+        if isinstance(style, Row) and not style.input_is_parallel:
+            axis = self._axis_from_end(input_spec, letter, len(x.shape))
+            x = adapter.scatter_to_parallel(x, axis)
+        x = ops.einsum(layer.equation, x, weights["kernel"])
+        out_axis = None
+        if isinstance(style, Column):
+            out_axis = self._axis_from_end(output_spec, letter, len(x.shape))
+        return _finish(layer, style, adapter, x, weights.get("bias"), out_axis)
+
+
+class ConvHandler(LayerHandler):
+    """Conv1D/2D/3D: Column splits filters, Row splits input channels."""
+
+    layer_types = (
+        keras.layers.Conv1D,
+        keras.layers.Conv2D,
+        keras.layers.Conv3D,
+    )
+    styles = (Column, Row)
+
+    def unsupported_reason(self, layer):
+        reason = super().unsupported_reason(layer)
+        if reason is None and layer.groups != 1:
+            reason = f"grouped convolution (groups={layer.groups})"
+        return reason
+
+    def split_axes(self, layer, style):
+        ndim = len(layer.kernel.shape)
+        if isinstance(style, Column):
+            return {"kernel": ndim - 1, "bias": 0}
+        return {"kernel": ndim - 2, "bias": None}
+
+    @staticmethod
+    def _channel_axis(layer, ndim):
+        return ndim - 1 if layer.data_format == "channels_last" else 1
+
+    def input_axis(self, layer, style, ndim):
+        if isinstance(style, Row) and style.input_is_parallel:
+            return self._channel_axis(layer, ndim)
+        return None
+
+    def output_axis(self, layer, style, ndim):
+        if isinstance(style, Column) and not style.gather_output:
+            return self._channel_axis(layer, ndim)
+        return None
+
+    def local_call(self, layer, style, adapter, weights, inputs, **kwargs):
+        x = inputs
+        axis = self._channel_axis(layer, len(x.shape))
+        if isinstance(style, Row) and not style.input_is_parallel:
+            x = adapter.scatter_to_parallel(x, axis)
+        x = layer.convolution_op(x, weights["kernel"])
+        bias = weights.get("bias")
+        if bias is not None:
+            shape = [1] * len(x.shape)
+            shape[axis] = bias.shape[0]
+            bias = ops.reshape(bias, shape)
+        return _finish(layer, style, adapter, x, bias, axis)
+
+
+class EmbeddingHandler(LayerHandler):
+    """Embedding: Vocab splits the table's rows; ids outside are masked."""
+
+    layer_types = (keras.layers.Embedding,)
+    styles = (Vocab,)
+    primary = "embeddings"
+
+    def split_axes(self, layer, style):
+        return {"embeddings": 0}
+
+    def parallel_input(self, style):
+        return False
+
+    def local_call(self, layer, style, adapter, weights, inputs, **kwargs):
+        table = weights["embeddings"]
+        rows = table.shape[0]
+        ids = inputs
+        if ids.dtype != "int32" and ids.dtype != "int64":
+            ids = ops.cast(ids, "int32")
+        local_ids = ids - adapter.rank() * rows
+        in_range = ops.logical_and(local_ids >= 0, local_ids < rows)
+        safe_ids = ops.where(in_range, local_ids, ops.zeros_like(local_ids))
+        out = ops.take(table, safe_ids, axis=0)
+        out = ops.where(ops.expand_dims(in_range, -1), out, 0)
+        out = adapter.reduce_from_parallel(out)
+        return ops.cast(out, layer.compute_dtype)
+
+
+LEAF_HANDLERS = (
+    DenseHandler(),
+    EinsumDenseHandler(),
+    ConvHandler(),
+    EmbeddingHandler(),
+)
+
+
+def leaf_handler(layer):
+    """The handler of a supported leaf layer, or `None`."""
+    for handler in LEAF_HANDLERS:
+        if handler.matches(layer):
+            return handler
+    return None
+
+
+class AttentionUnit:
+    """MultiHeadAttention / GroupQueryAttention as one sharded region.
+
+    Query, key, value (and gate) projections are Column on the heads axis,
+    the output projection is Row, and the attention core between them runs
+    unchanged on each rank's heads. So the block costs one all-reduce
+    forward (after the output projection) and one backward (for the input).
+    """
+
+    layer_types = (
+        keras.layers.MultiHeadAttention,
+        keras.layers.GroupQueryAttention,
+    )
+
+    def matches(self, layer):
+        return isinstance(layer, self.layer_types)
+
+    def projections(self, layer):
+        """`{attribute: sublayer}` of the projections, column ones first."""
+        names = ["_query_dense", "_key_dense", "_value_dense"]
+        if getattr(layer, "_use_gate", False):
+            names.append("_gate_dense")
+        names.append("_output_dense")
+        return {name: getattr(layer, name) for name in names}
+
+    def heads(self, layer):
+        """`(query_heads, key_value_heads)`."""
+        if isinstance(layer, keras.layers.GroupQueryAttention):
+            return layer.num_query_heads, layer.num_key_value_heads
+        return layer.num_heads, layer.num_heads
+
+    @staticmethod
+    def projection_style(name):
+        """The style of projection `name` when the unit is sharded."""
+        return Row() if name == "_output_dense" else Column()
+
+    def output_axes(self, layer, kwargs):
+        """Output axes: the scores, if returned, stay split on heads."""
+        if kwargs.get("return_attention_scores"):
+            return (None, 1)
+        return None
+
+
+ATTENTION = AttentionUnit()

@@ -1,0 +1,342 @@
+"""`ShardingPlan`: which layers are split, and how, as data."""
+
+import collections
+import re
+
+import keras
+
+from keras_tp.plan.layers import ATTENTION
+from keras_tp.plan.layers import ShardingError
+from keras_tp.plan.layers import leaf_handler
+from keras_tp.plan.styles import Replicate
+from keras_tp.plan.styles import ShardingStyle
+
+MODEL_AXIS = "model"
+
+ShardedLayer = collections.namedtuple(
+    "ShardedLayer", ["layer", "handler", "style", "axes"]
+)
+ShardedLayer.__doc__ = """One split leaf layer: its handler, style and the
+axis each of its variables (by role) is split on (`None`: replicated)."""
+
+ShardedUnit = collections.namedtuple("ShardedUnit", ["layer", "projections"])
+ShardedUnit.__doc__ = """An attention layer run as one region; `projections`
+maps the sublayer attribute to its `ShardedLayer`."""
+
+
+class ShardingPlan:
+    """An ordered mapping from variable-path regex to sharding style.
+
+    Like `keras.distribution.LayoutMap`, keys are matched against the path
+    of each supported layer's main variable (`kernel`, or `embeddings`): an
+    exact match wins, otherwise exactly one key may match with `re.search`.
+    Layers no key matches stay replicated.
+
+    A plan returned by `auto_plan` or `TensorParallelKeras.sharding_plan` is
+    also *bound* to its model: it knows the split axis of every variable and
+    why each remaining layer stays replicated, which `summary()` and
+    `to_layout_map()` use.
+
+    Args:
+        rules: a dict `{regex: style}` or an iterable of `(regex, style)`.
+
+    Example:
+
+    ```python
+    plan = keras_tp.ShardingPlan({
+        "embed/embeddings": keras_tp.Vocab(),
+        r"block_\\d+/attention/(query|key|value)/kernel": keras_tp.Column(),
+        r"block_\\d+/attention/attention_output/kernel": keras_tp.Row(),
+        r"block_\\d+/mlp_up/kernel": keras_tp.Column(),
+        r"block_\\d+/mlp_down/kernel": keras_tp.Row(),
+    })
+    tp = keras_tp.TensorParallelKeras(model, world_size=2, plan=plan)
+    ```
+    """
+
+    def __init__(self, rules=None):
+        items = rules.items() if isinstance(rules, dict) else (rules or ())
+        self.rules = []
+        for pattern, style in items:
+            if not isinstance(style, ShardingStyle):
+                raise TypeError(
+                    f"The style for {pattern!r} must be a keras_tp style "
+                    f"(Column(), Row(), Vocab() or Replicate()), got {style!r}."
+                )
+            re.compile(pattern)
+            self.rules.append((pattern, style))
+        self.world_size = None
+        self.layers = []
+        self.replicated = {}
+
+    def __repr__(self):
+        lines = [f"    {pattern!r}: {style!r}," for pattern, style in self.rules]
+        return "ShardingPlan({\n" + "\n".join(lines) + "\n})"
+
+    def __len__(self):
+        return len(self.rules)
+
+    def items(self):
+        return list(self.rules)
+
+    def match(self, path):
+        """Returns `(pattern, style)` for `path`, or `None`."""
+        for pattern, style in self.rules:
+            if pattern == path:
+                return pattern, style
+        hits = [(p, s) for p, s in self.rules if re.search(p, path)]
+        if len(hits) > 1:
+            raise ValueError(
+                f"Variable path '{path}' matches several plan keys: "
+                f"{[p for p, _ in hits]}. Make the keys more specific "
+                "(anchor them with ^ and $) so each path matches one."
+            )
+        return hits[0] if hits else None
+
+    def bind(self, model, world_size):
+        """Resolves the rules against `model`'s layers for `world_size` ranks.
+
+        Returns a new, bound `ShardingPlan`. Raises a `ShardingError` that
+        names the variable and the fix when a rule cannot be applied exactly.
+        """
+        bound = ShardingPlan(self.rules)
+        bound.world_size = world_size
+        used = set()
+        tied = tied_variables(model)
+        for layer in supported_layers(model):
+            if ATTENTION.matches(layer):
+                entry = _bind_attention(self, layer, world_size, tied, used)
+            else:
+                entry = _bind_leaf(self, layer, world_size, tied, used)
+            if entry is not None:
+                bound.layers.append(entry)
+        unused = [p for p, _ in self.rules if p not in used]
+        if unused:
+            raise ValueError(
+                f"Plan keys {unused} match no variable of a supported layer "
+                f"in model '{model.name}'. Check the paths with "
+                "`[v.path for v in model.weights]`."
+            )
+        bound.replicated = replicated_layers(model, bound)
+        return bound
+
+    def variable_axes(self):
+        """`{variable_path: (variable, axis)}` of every split variable."""
+        axes = {}
+        for entry in self.leaf_layers():
+            variables = entry.handler.variables(entry.layer)
+            for role, axis in entry.axes.items():
+                if axis is not None and role in variables:
+                    variable = variables[role]
+                    axes[variable.path] = (variable, axis)
+        return axes
+
+    def leaf_layers(self):
+        """Every `ShardedLayer`, the projections of units included."""
+        for entry in self.layers:
+            if isinstance(entry, ShardedUnit):
+                yield from entry.projections.values()
+            else:
+                yield entry
+
+    def to_layout_map(self, device_mesh):
+        """Exports the same sharding as a `keras.distribution.LayoutMap`.
+
+        Each split variable maps to a layout naming `"model"` on its split
+        axis; everything else is replicated. The map can be given to
+        `keras.distribution.ModelParallel` to compare with Keras' own
+        (GSPMD) model parallelism on JAX.
+
+        Args:
+            device_mesh: a `keras.distribution.DeviceMesh` with a `"model"`
+                axis whose size equals the plan's world size.
+
+        Returns:
+            A `keras.distribution.LayoutMap`.
+        """
+        if self.world_size is None:
+            raise ValueError(
+                "to_layout_map() needs a plan bound to a model: use "
+                "`keras_tp.auto_plan(model, world_size)`, "
+                "`tp.sharding_plan`, or `plan.bind(model, world_size)`."
+            )
+        if MODEL_AXIS not in device_mesh.axis_names:
+            raise ValueError(
+                f"The device mesh needs a '{MODEL_AXIS}' axis; it has "
+                f"{device_mesh.axis_names}."
+            )
+        size = device_mesh.shape[device_mesh.axis_names.index(MODEL_AXIS)]
+        if size != self.world_size:
+            raise ValueError(
+                f"The mesh's '{MODEL_AXIS}' axis has {size} devices but the "
+                f"plan was made for {self.world_size}."
+            )
+        layout_map = keras.distribution.LayoutMap(device_mesh)
+        for path, (variable, axis) in self.variable_axes().items():
+            axes = [None] * len(variable.shape)
+            axes[axis] = MODEL_AXIS
+            layout_map["^" + re.escape(path) + "$"] = tuple(axes)
+        return layout_map
+
+
+def walk_layers(layer):
+    """Yields every sublayer of `layer`, depth first, each once."""
+    seen = set()
+    stack = list(reversed(layer._flatten_layers(include_self=False, recursive=False)))
+    while stack:
+        sub = stack.pop()
+        if id(sub) in seen:
+            continue
+        seen.add(id(sub))
+        yield sub
+        stack.extend(
+            reversed(sub._flatten_layers(include_self=False, recursive=False))
+        )
+
+
+def supported_layers(model):
+    """Attention units and supported leaf layers, outside any unit."""
+    inside_units = set()
+    layers = []
+    for layer in walk_layers(model):
+        if id(layer) in inside_units:
+            continue
+        if ATTENTION.matches(layer):
+            inside_units.update(id(sub) for sub in walk_layers(layer))
+            layers.append(layer)
+        elif leaf_handler(layer) is not None:
+            layers.append(layer)
+    return layers
+
+
+def tied_variables(model):
+    """Ids of variables reachable from more than one place in the model.
+
+    A variable owned by two layers, or owned by a layer that has two
+    parents, can be read by code the handlers never see (a tied output
+    projection, say), so it must not be split.
+    """
+    owners = collections.defaultdict(set)
+    parents = collections.defaultdict(set)
+    for parent in [model, *walk_layers(model)]:
+        for child in parent._flatten_layers(include_self=False, recursive=False):
+            parents[id(child)].add(id(parent))
+        for variable in _own_variables(parent):
+            owners[id(variable)].add(id(parent))
+    tied = set()
+    for layer in walk_layers(model):
+        shared_layer = len(parents[id(layer)]) > 1
+        for variable in layer.weights:
+            if shared_layer or len(owners[id(variable)]) > 1:
+                tied.add(id(variable))
+    return tied
+
+
+def _style_for(plan, variable, used):
+    hit = plan.match(variable.path)
+    if hit is None:
+        return None
+    used.add(hit[0])
+    return None if isinstance(hit[1], Replicate) else hit[1]
+
+
+def check_shardable(layer, handler, style, world_size, tied):
+    """Raises a `ShardingError` if `style` cannot split `layer` exactly."""
+    variables = handler.variables(layer)
+    primary = variables[handler.primary]
+    if not isinstance(style, handler.styles):
+        allowed = ", ".join(s.__name__ + "()" for s in handler.styles)
+        raise ShardingError(
+            f"Variable '{primary.path}': {style!r} does not apply to "
+            f"{type(layer).__name__} layers. Use {allowed} or Replicate()."
+        )
+    reason = handler.unsupported_reason(layer)
+    if reason:
+        raise ShardingError(
+            f"Variable '{primary.path}' cannot be split: layer "
+            f"'{layer.path}' is {reason}. Map it to Replicate()."
+        )
+    for variable in variables.values():
+        if id(variable) in tied:
+            raise ShardingError(
+                f"Variable '{variable.path}' is tied (used by more than one "
+                "layer), so a split copy would be read unsplit elsewhere. "
+                "Map it to Replicate() or untie the weights."
+            )
+    size = handler.split_size(layer, style)
+    if size % world_size:
+        axis = handler.split_axes(layer, style)[handler.primary]
+        raise ShardingError(
+            f"Variable '{primary.path}' of shape {tuple(primary.shape)} "
+            f"cannot be split {world_size} ways with {style!r}: axis "
+            f"{axis} has size {size}, not divisible by {world_size}. Use a "
+            f"world_size that divides {size}, or map it to Replicate()."
+        )
+
+
+def _bind_leaf(plan, layer, world_size, tied, used):
+    handler = leaf_handler(layer)
+    style = _style_for(plan, handler.variables(layer)[handler.primary], used)
+    if style is None:
+        return None
+    check_shardable(layer, handler, style, world_size, tied)
+    return ShardedLayer(layer, handler, style, handler.split_axes(layer, style))
+
+
+def _bind_attention(plan, layer, world_size, tied, used):
+    projections = ATTENTION.projections(layer)
+    styles = {}
+    for name, sub in projections.items():
+        handler = leaf_handler(sub)
+        styles[name] = _style_for(plan, handler.variables(sub)[handler.primary], used)
+    if all(style is None for style in styles.values()):
+        return None
+    expected = {name: ATTENTION.projection_style(name) for name in projections}
+    if styles != expected:
+        listing = ", ".join(f"{n.strip('_')}={s!r}" for n, s in styles.items())
+        raise ShardingError(
+            f"Attention layer '{layer.path}' is split partially ({listing}). "
+            "Its query/key/value projections must all be Column() and its "
+            "output projection Row(), or all Replicate()."
+        )
+    query_heads, kv_heads = ATTENTION.heads(layer)
+    if query_heads % world_size or kv_heads % world_size:
+        raise ShardingError(
+            f"Attention layer '{layer.path}' has {query_heads} query heads "
+            f"and {kv_heads} key/value heads; both must be divisible by "
+            f"world_size={world_size} to split it by heads. Map its "
+            "projections to Replicate(), or use a world_size dividing "
+            f"{kv_heads}."
+        )
+    entries = {}
+    for name, sub in projections.items():
+        handler = leaf_handler(sub)
+        check_shardable(sub, handler, styles[name], world_size, tied)
+        entries[name] = ShardedLayer(
+            sub, handler, styles[name], handler.split_axes(sub, styles[name])
+        )
+    return ShardedUnit(layer, entries)
+
+
+def replicated_layers(model, bound):
+    """`{layer_path: reason}` for layers with weights that are not split."""
+    split = set()
+    for entry in bound.layers:
+        split.add(id(entry.layer))
+        if isinstance(entry, ShardedUnit):
+            split.update(id(sub) for sub in walk_layers(entry.layer))
+    reasons = {}
+    for layer in walk_layers(model):
+        if id(layer) in split or not _own_variables(layer):
+            continue
+        if leaf_handler(layer) is None and not ATTENTION.matches(layer):
+            reasons[layer.path] = f"{type(layer).__name__}: not a layer keras_tp splits"
+        else:
+            reasons[layer.path] = "not in the plan"
+    return reasons
+
+
+
+def _own_variables(layer):
+    """Variables tracked on `layer` itself, not through its sublayers."""
+    return layer._trainable_variables + layer._non_trainable_variables

@@ -1,0 +1,75 @@
+"""Sharding styles: what a layer becomes under tensor parallelism."""
+
+
+class ShardingStyle:
+    """Base class of the styles a `ShardingPlan` assigns to layers."""
+
+    def _fields(self):
+        return {}
+
+    def __repr__(self):
+        fields = ", ".join(f"{k}={v!r}" for k, v in self._fields().items())
+        return f"{type(self).__name__}({fields})"
+
+    def __eq__(self, other):
+        return type(self) is type(other) and self._fields() == other._fields()
+
+    def __hash__(self):
+        return hash((type(self), tuple(self._fields().items())))
+
+
+class Column(ShardingStyle):
+    """Splits a layer's output features across ranks (Megatron column).
+
+    The kernel is split on its output axis (the heads axis of an attention
+    projection, the filters of a convolution) and so is the bias. The
+    replicated input enters through `copy_to_parallel`, so the backward pass
+    all-reduces its gradient once.
+
+    Args:
+        gather_output: if `True`, all-gather the output so the next layer
+            sees the full features. Leave `False` when a `Row` layer
+            consumes the output: it stays sharded and no collective runs.
+
+    Example:
+
+    >>> plan = ShardingPlan({"mlp_up/kernel": Column(), "mlp_down/kernel": Row()})
+    """
+
+    def __init__(self, gather_output=False):
+        self.gather_output = bool(gather_output)
+
+    def _fields(self):
+        return {"gather_output": self.gather_output}
+
+
+class Row(ShardingStyle):
+    """Splits a layer's input features across ranks (Megatron row).
+
+    The kernel is split on its contracted axis; each rank multiplies its
+    slice of the input, the partial results are all-reduced, and then the
+    (replicated) bias and the activation are applied once.
+
+    Args:
+        input_is_parallel: `True` when the input arrives split, as the
+            output of a `Column` layer. `False` slices a replicated input
+            locally (its gradient is all-gathered in the backward pass).
+    """
+
+    def __init__(self, input_is_parallel=True):
+        self.input_is_parallel = bool(input_is_parallel)
+
+    def _fields(self):
+        return {"input_is_parallel": self.input_is_parallel}
+
+
+class Vocab(ShardingStyle):
+    """Splits an embedding table's rows (the vocabulary) across ranks.
+
+    Each rank looks up the ids that fall in its range, writes zeros for the
+    rest, and one all-reduce assembles the embeddings.
+    """
+
+
+class Replicate(ShardingStyle):
+    """Keeps the layer whole on every rank."""

@@ -1,0 +1,144 @@
+"""Sharded regions: the layers whose call runs per rank on local weights.
+
+A region is a split leaf layer, or an attention layer with its projections.
+Installing a plan replaces the region layer's `call` with one that hands the
+work to the backend runtime (which makes the local tensors: a `shard_map` on
+JAX, the process itself on torch). Inside, the handlers read their local
+weights from a context set by the runtime, so the per-rank math never
+touches backend details.
+"""
+
+import contextlib
+import contextvars
+
+from keras_tp.plan.layers import ATTENTION
+from keras_tp.plan.sharding_plan import ShardedUnit
+
+_LOCAL_WEIGHTS = contextvars.ContextVar("keras_tp_local_weights", default=None)
+
+
+class ShardedRegion:
+    """One layer whose call runs on every rank with local weights.
+
+    Args:
+        layer: the Keras layer whose `call` is replaced.
+        members: the `ShardedLayer`s whose weights the region splits.
+        compute: the per-rank function, called with the layer's arguments.
+        output_axes: function of `(args, kwargs)` giving, for each output,
+            the axis it leaves split on (`None`: replicated).
+    """
+
+    def __init__(self, layer, members, compute, output_axes):
+        self.layer = layer
+        self.members = members
+        self.compute = compute
+        self.output_axes = output_axes
+
+    def variables(self):
+        """`[(variable, axis)]` of every member weight (axis may be None)."""
+        pairs = []
+        for member in self.members:
+            variables = member.handler.variables(member.layer)
+            for role, variable in variables.items():
+                pairs.append((variable, member.axes.get(role)))
+        return pairs
+
+    @property
+    def parallel_input(self):
+        """Whether replicated inputs must pass `copy_to_parallel`."""
+        return any(m.handler.parallel_input(m.style) for m in self.members)
+
+    def input_axis(self, args):
+        """Axis on which the first positional input arrives split."""
+        if len(self.members) != 1 or not args:
+            return None
+        member = self.members[0]
+        return member.handler.input_axis(
+            member.layer, member.style, len(args[0].shape)
+        )
+
+    @contextlib.contextmanager
+    def local_weights(self, values):
+        """Binds each member variable to its local value inside the block."""
+        mapping = {
+            id(variable): value
+            for (variable, _), value in zip(self.variables(), values)
+        }
+        token = _LOCAL_WEIGHTS.set(mapping)
+        try:
+            yield
+        finally:
+            _LOCAL_WEIGHTS.reset(token)
+
+
+def _local_weights_of(member):
+    mapping = _LOCAL_WEIGHTS.get()
+    if mapping is None:
+        raise RuntimeError(
+            f"Layer '{member.layer.path}' is split by keras_tp and can only "
+            "run inside its sharded region (through the TensorParallelKeras "
+            "model that owns it)."
+        )
+    variables = member.handler.variables(member.layer)
+    return {role: mapping[id(v)] for role, v in variables.items()}
+
+
+def _member_call(member, adapter):
+    def local_call(inputs, *args, **kwargs):
+        weights = _local_weights_of(member)
+        return member.handler.local_call(
+            member.layer, member.style, adapter, weights, inputs, **kwargs
+        )
+
+    return local_call
+
+
+def _leaf_output_axes(member):
+    def output_axes(args, kwargs):
+        shape = member.layer.compute_output_shape(tuple(args[0].shape))
+        return member.handler.output_axis(member.layer, member.style, len(shape))
+
+    return output_axes
+
+
+def install(plan, runtime):
+    """Replaces the `call` of every region layer of a bound `plan`.
+
+    Returns the list of installed `ShardedRegion`s.
+    """
+    adapter = runtime.adapter
+    regions = []
+    for entry in plan.layers:
+        if isinstance(entry, ShardedUnit):
+            members = list(entry.projections.values())
+            for member in members:
+                _set_call(member.layer, _member_call(member, adapter))
+            unit = entry.layer
+            region = ShardedRegion(
+                unit,
+                members,
+                unit.call,
+                lambda args, kwargs, unit=unit: ATTENTION.output_axes(unit, kwargs),
+            )
+        else:
+            region = ShardedRegion(
+                entry.layer,
+                [entry],
+                _member_call(entry, adapter),
+                _leaf_output_axes(entry),
+            )
+        _set_call(region.layer, _region_call(region, runtime))
+        regions.append(region)
+    return regions
+
+
+def _region_call(region, runtime):
+    def sharded_call(*args, **kwargs):
+        return runtime.run_region(region, args, kwargs)
+
+    return sharded_call
+
+
+def _set_call(layer, call):
+    # Bypass Keras' attribute tracking: `call` is a method, not state.
+    object.__setattr__(layer, "call", call)

@@ -1,0 +1,84 @@
+"""What every backend runtime provides to `TensorParallelKeras`."""
+
+import keras
+
+
+class Runtime:
+    """Owns the devices, the collective adapter and the variable storage.
+
+    Subclasses decide how ranks exist (mesh devices or processes), how a
+    variable's local shard is stored, and how a sharded region runs.
+
+    Args:
+        world_size: total number of devices; `None` means all available.
+        device_ids: explicit device names such as `["cpu:0", "cpu:1"]`.
+        data_parallel: size of the data axis of the `data x model` mesh.
+    """
+
+    backend = None
+
+    def __init__(self, world_size=None, device_ids=None, data_parallel=1):
+        available = self._available_devices()
+        if device_ids is not None:
+            device_ids = [str(d).lower() for d in device_ids]
+            missing = [d for d in device_ids if d not in available]
+            if missing:
+                raise ValueError(
+                    f"device_ids {missing} are not available on the "
+                    f"{self.backend} backend; available: {available}."
+                )
+            if world_size is not None and world_size != len(device_ids):
+                raise ValueError(
+                    f"world_size={world_size} but {len(device_ids)} "
+                    "device_ids were given; pass one or make them agree."
+                )
+            devices = device_ids
+        else:
+            if world_size is None:
+                world_size = len(available)
+            if world_size < 1:
+                raise ValueError(f"world_size must be >= 1, got {world_size}.")
+            if world_size > len(available):
+                raise ValueError(
+                    f"world_size={world_size} is larger than the "
+                    f"{len(available)} {self.backend} device(s) available "
+                    f"({available}). keras_tp never runs several ranks on one "
+                    "device. On a CPU machine call "
+                    f"`keras_tp.configure_virtual_devices({world_size})` "
+                    "before any Keras operation, or lower world_size."
+                )
+            devices = available[:world_size]
+        if len(devices) % data_parallel:
+            raise ValueError(
+                f"world_size={len(devices)} is not divisible by "
+                f"data_parallel={data_parallel}."
+            )
+        self.devices = devices
+        self.world_size = len(devices)
+        self.data_parallel = data_parallel
+        self.tensor_parallel = self.world_size // data_parallel
+        self.device_mesh = keras.distribution.DeviceMesh(
+            shape=(data_parallel, self.tensor_parallel),
+            axis_names=("data", "model"),
+            devices=devices,
+        )
+        self._build()
+
+    def _available_devices(self):
+        raise NotImplementedError
+
+    def _build(self):
+        """Creates the backend mesh and `self.adapter`."""
+        raise NotImplementedError
+
+    def place_variable(self, variable, axis):
+        """Stores `variable` split on `axis` (or replicated if `None`)."""
+        raise NotImplementedError
+
+    def device_bytes(self, variables):
+        """`{device: bytes}` these variables occupy, read from the arrays."""
+        raise NotImplementedError
+
+    def run_region(self, region, args, kwargs):
+        """Runs a `ShardedRegion`'s call on every rank; returns the output."""
+        raise NotImplementedError

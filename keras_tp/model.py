@@ -96,7 +96,7 @@ class TensorParallelKeras(keras.Model):
         for variable in model.variables:
             entry = axes.get(variable.path)
             axis = entry[1] if entry is not None and entry[0] is variable else None
-            runtime.place_variable(variable, axis)
+            runtime.place(variable, axis)
         self._regions = regions.install(bound, runtime)
         self.built = True
 
@@ -115,16 +115,16 @@ class TensorParallelKeras(keras.Model):
             return self.model(inputs, training=training)
 
     def train_step(self, *args, **kwargs):
-        with self._runtime.adapter.stats.recording("train"):
-            return super().train_step(*args, **kwargs)
+        step = super().train_step
+        return self._runtime.run_step("train", step, *args, **kwargs)
 
     def test_step(self, *args, **kwargs):
-        with self._runtime.adapter.stats.recording("test"):
-            return super().test_step(*args, **kwargs)
+        step = super().test_step
+        return self._runtime.run_step("test", step, *args, **kwargs)
 
     def predict_step(self, *args, **kwargs):
-        with self._runtime.adapter.stats.recording("predict"):
-            return super().predict_step(*args, **kwargs)
+        step = super().predict_step
+        return self._runtime.run_step("predict", step, *args, **kwargs)
 
     def communication_stats(self, phase="train"):
         """Collectives of the last step of `phase`, per kind.
@@ -149,6 +149,12 @@ class TensorParallelKeras(keras.Model):
         """`{device: bytes}` of the model's variables, read from the arrays."""
         return self._runtime.device_bytes(self.model.variables)
 
+    def optimizer_bytes_per_device(self):
+        """`{device: bytes}` of the optimizer's variables (slots included)."""
+        if self.optimizer is None:
+            raise ValueError("The model is not compiled: it has no optimizer.")
+        return self._runtime.device_bytes(self.optimizer.variables)
+
     def get_parallelism_info(self):
         """A dict describing how the model is parallelised.
 
@@ -167,12 +173,14 @@ class TensorParallelKeras(keras.Model):
             "zero_stage": 0,
             "devices": list(self._runtime.devices),
             "parameter_bytes_per_device": self.parameter_bytes_per_device(),
-            "parameter_bytes_total": sum(
-                nbytes(v) for v in self.model.variables
-            ),
+            "parameter_bytes_total": self._full_parameter_bytes(),
             "sharded_layers": [e.layer.path for e in self._plan.layers],
             "replicated_layers": dict(self._plan.replicated),
         }
+
+    def _full_parameter_bytes(self):
+        shapes = self._runtime.full_shapes
+        return sum(nbytes(v, shapes[id(v)]) for v in self.model.variables)
 
     def summary(self, print_fn=None, **kwargs):
         """Prints the plan: per layer, style, local shape and bytes/device.
@@ -182,17 +190,43 @@ class TensorParallelKeras(keras.Model):
                 `io_utils.print_msg`.
         """
         print_fn = print_fn or io_utils.print_msg
-        print_fn(format_plan(self._plan, self._runtime.tensor_parallel))
+        print_fn(format_plan(self._plan, self._runtime))
         per_device = self.parameter_bytes_per_device()
-        total = sum(nbytes(v) for v in self.model.variables)
+        total = self._full_parameter_bytes()
         print_fn(
             f"Parameters: {_mb(total)} unsplit; per device (measured): "
             + ", ".join(f"{d} {_mb(b)}" for d, b in per_device.items())
         )
 
+    def get_weights(self):
+        """The original model's weights, unsplit, as NumPy arrays."""
+        return [self._runtime.full_value(v) for v in self.model.weights]
+
+    def set_weights(self, weights):
+        """Sets the original model's weights from unsplit arrays.
+
+        Args:
+            weights: arrays in the order and full shapes of `get_weights()`.
+        """
+        variables = self.model.weights
+        if len(weights) != len(variables):
+            raise ValueError(
+                f"set_weights() got {len(weights)} arrays but model "
+                f"'{self.model.name}' has {len(variables)} weights."
+            )
+        for variable, value in zip(variables, weights):
+            if tuple(value.shape) != tuple(variable.shape):
+                raise ValueError(
+                    f"set_weights(): variable '{variable.path}' has full "
+                    f"shape {tuple(variable.shape)}, got {tuple(value.shape)}."
+                )
+            self._runtime.assign_full_value(variable, value)
+
     def save(self, filepath, overwrite=True, **kwargs):
         """Saves the original, unsplit model with the current weights."""
-        return self.model.save(filepath, overwrite=overwrite, **kwargs)
+        self._runtime.save_model(
+            self.model, filepath, overwrite=overwrite, **kwargs
+        )
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
         """Saves the unsplit weights of the original model."""
@@ -205,18 +239,16 @@ class TensorParallelKeras(keras.Model):
         )
 
 
-def format_plan(plan, world_size):
+def format_plan(plan, runtime):
     """The plan as a table: layer, style, local shape, bytes per device."""
+    world_size = runtime.tensor_parallel
     header = f"{'Layer (variable)':48} {'Style':28} {'Local shape':18} {'Bytes/device':>12}"
     lines = [f"Tensor-parallel plan, world_size={world_size}", header, "-" * len(header)]
     for entry in plan.leaf_layers():
         variables = entry.handler.variables(entry.layer)
         for role, variable in variables.items():
-            axis = entry.axes.get(role)
-            shape = list(variable.shape)
-            if axis is not None:
-                shape[axis] //= world_size
-            local_bytes = nbytes(variable) // (world_size if axis is not None else 1)
+            shape = runtime.local_shape(variable)
+            local_bytes = nbytes(variable, shape)
             style = repr(entry.style) if role == entry.handler.primary else ""
             lines.append(
                 f"{variable.path:48} {style:28} {str(tuple(shape)):18} {local_bytes:>12,}"

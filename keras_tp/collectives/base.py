@@ -119,9 +119,15 @@ def current_adapter():
     return adapter
 
 
-def nbytes(x):
-    """Bytes of a tensor of any backend, from its static shape and dtype."""
+def nbytes(x, shape=None):
+    """Bytes of a tensor (or variable) of any backend, from shape and dtype.
+
+    Args:
+        x: the tensor or variable; only its dtype is read if `shape` is set.
+        shape: the shape to count instead of `x.shape`.
+    """
     dtype = keras.backend.standardize_dtype(x.dtype)
     # ml_dtypes names the dtypes NumPy lacks (bfloat16, float8_*).
     itemsize = np.dtype(getattr(ml_dtypes, dtype, dtype)).itemsize
-    return math.prod(int(dim) for dim in x.shape) * itemsize
+    shape = x.shape if shape is None else shape
+    return math.prod(int(dim) for dim in shape) * itemsize

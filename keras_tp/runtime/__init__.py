@@ -1,39 +1,49 @@
-"""Backend runtimes; the only place, with `collectives`, that knows backends."""
+"""Backend runtimes; with `collectives`, the only code that knows backends.
+
+Each backend module defines a `Runtime` subclass named `RUNTIME` and a
+`configure_virtual_devices(n)` function.
+"""
+
+import importlib
 
 import keras
+
+_MODULES = {
+    "jax": "keras_tp.runtime.jax",
+    "torch": "keras_tp.runtime.torch",
+    "tensorflow": "keras_tp.runtime.tensorflow",
+}
+
+
+def backend_module():
+    """The runtime module of the current Keras backend."""
+    backend = keras.backend.backend()
+    if backend not in _MODULES:
+        raise NotImplementedError(
+            f"keras_tp supports the backends {sorted(_MODULES)}, not "
+            f"'{backend}'. Set KERAS_BACKEND before importing keras."
+        )
+    return importlib.import_module(_MODULES[backend])
 
 
 def runtime_class():
     """The `Runtime` subclass of the current Keras backend."""
-    backend = keras.backend.backend()
-    if backend == "jax":
-        from keras_tp.runtime.jax import JaxRuntime
-
-        return JaxRuntime
-    raise NotImplementedError(
-        f"keras_tp does not support the '{backend}' backend yet; use "
-        "KERAS_BACKEND=jax."
-    )
+    return backend_module().RUNTIME
 
 
 def configure_virtual_devices(n):
     """Sets up `n` virtual CPU devices for the current Keras backend.
 
-    Call it before any Keras operation. On JAX it sets
-    `jax_num_cpu_devices`; if JAX was already initialised with another
-    device count it raises an error that says what to do.
+    Call it right after importing keras_tp, before any Keras operation.
+    On JAX it sets `jax_num_cpu_devices`; on TensorFlow it splits the CPU
+    into `n` logical devices; on torch, where ranks are processes, it is a
+    no-op that logs how to start them (`keras_tp.launch` or `torchrun`).
+    If the backend was already initialised with another device count it
+    raises an error that says what to do.
 
     Args:
         n: number of CPU devices to create.
     """
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}.")
-    backend = keras.backend.backend()
-    if backend == "jax":
-        from keras_tp.runtime.jax import configure_virtual_devices as configure
-
-        return configure(n)
-    raise NotImplementedError(
-        f"configure_virtual_devices does not support the '{backend}' backend "
-        "yet; use KERAS_BACKEND=jax."
-    )
+    return backend_module().configure_virtual_devices(n)

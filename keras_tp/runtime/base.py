@@ -57,6 +57,8 @@ class Runtime:
         self.world_size = len(devices)
         self.data_parallel = data_parallel
         self.tensor_parallel = self.world_size // data_parallel
+        self.variable_axes = {}
+        self.full_shapes = {}
         self.device_mesh = keras.distribution.DeviceMesh(
             shape=(data_parallel, self.tensor_parallel),
             axis_names=("data", "model"),
@@ -71,13 +73,49 @@ class Runtime:
         """Creates the backend mesh and `self.adapter`."""
         raise NotImplementedError
 
+    def place(self, variable, axis):
+        """Stores `variable` split on `axis` (`None`: replicated)."""
+        self.variable_axes[id(variable)] = axis
+        self.full_shapes[id(variable)] = tuple(variable.shape)
+        self.place_variable(variable, axis)
+
+    def local_shape(self, variable):
+        """The shape of one rank's shard of a placed variable."""
+        shape = list(self.full_shapes[id(variable)])
+        axis = self.variable_axes[id(variable)]
+        if axis is not None:
+            shape[axis] //= self.tensor_parallel
+        return tuple(shape)
+
     def place_variable(self, variable, axis):
-        """Stores `variable` split on `axis` (or replicated if `None`)."""
+        """Backend part of `place`: make the variable hold its local shard."""
         raise NotImplementedError
+
+    def full_value(self, variable):
+        """The unsplit value of a placed variable, as a NumPy array."""
+        return keras.ops.convert_to_numpy(variable.value)
+
+    def assign_full_value(self, variable, value):
+        """Assigns an unsplit `value` to a placed variable."""
+        variable.assign(value)
+
+    def save_model(self, model, filepath, **kwargs):
+        """Writes the unsplit `model` with its current weights."""
+        model.save(filepath, **kwargs)
 
     def device_bytes(self, variables):
         """`{device: bytes}` these variables occupy, read from the arrays."""
         raise NotImplementedError
+
+    def run_step(self, phase, step, *args, **kwargs):
+        """Runs one Keras step function (`train_step`, ...) of `phase`.
+
+        The default records the step's collectives under `phase` and calls
+        Keras' own step; runtimes override it when their backend's step
+        needs more (replica context, say).
+        """
+        with self.adapter.stats.recording(phase):
+            return step(*args, **kwargs)
 
     def run_region(self, region, args, kwargs):
         """Runs a `ShardedRegion`'s call on every rank; returns the output."""

@@ -164,3 +164,4 @@ def _to_jax_device(name):
         if device.id == int(index):
             return device
     raise ValueError(f"No JAX device named '{name}'.")
+RUNTIME = JaxRuntime

@@ -72,10 +72,11 @@ class TensorParallelKeras(keras.Model):
                 f"Model '{model.name}' is not built. Call "
                 "`model.build(input_shape)` or run it once on a batch first."
             )
-        name = kwargs.pop("name", f"tensor_parallel_{model.name}")
-        super().__init__(name=name, **kwargs)
-        self.model = model
         runtime = runtime_class()(world_size, device_ids, data_parallel)
+        name = kwargs.pop("name", f"tensor_parallel_{model.name}")
+        with runtime.scope():
+            super().__init__(name=name, **kwargs)
+        self.model = model
         tensor_parallel = runtime.tensor_parallel
         if isinstance(plan, str):
             if plan != "auto":
@@ -113,6 +114,10 @@ class TensorParallelKeras(keras.Model):
     def call(self, inputs, training=None):
         with self._runtime.adapter.stats.recording("call"):
             return self.model(inputs, training=training)
+
+    def compile(self, *args, **kwargs):
+        with self._runtime.scope():
+            super().compile(*args, **kwargs)
 
     def train_step(self, *args, **kwargs):
         step = super().train_step

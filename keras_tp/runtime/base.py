@@ -1,5 +1,7 @@
 """What every backend runtime provides to `TensorParallelKeras`."""
 
+import contextlib
+
 import keras
 
 
@@ -106,6 +108,14 @@ class Runtime:
     def device_bytes(self, variables):
         """`{device: bytes}` these variables occupy, read from the arrays."""
         raise NotImplementedError
+
+    def scope(self):
+        """Context in which the model is wrapped and compiled.
+
+        The default does nothing; a runtime whose backend needs its own
+        scope (a `tf.distribute` strategy, say) returns it here.
+        """
+        return contextlib.nullcontext()
 
     def run_step(self, phase, step, *args, **kwargs):
         """Runs one Keras step function (`train_step`, ...) of `phase`.

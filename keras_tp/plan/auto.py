@@ -7,6 +7,7 @@ from keras import ops
 
 from keras_tp.plan.layers import ATTENTION
 from keras_tp.plan.layers import ShardingError
+from keras_tp.plan.layers import is_elementwise
 from keras_tp.plan.layers import leaf_handler
 from keras_tp.plan.sharding_plan import ShardingPlan
 from keras_tp.plan.sharding_plan import check_shardable
@@ -14,15 +15,6 @@ from keras_tp.plan.sharding_plan import supported_layers
 from keras_tp.plan.sharding_plan import tied_variables
 from keras_tp.plan.sharding_plan import walk_layers
 from keras_tp.plan.styles import Column, Row, Vocab
-
-ELEMENTWISE_ACTIVATIONS = frozenset(
-    [
-        "linear", "relu", "relu6", "leaky_relu", "elu", "selu", "celu",
-        "gelu", "silu", "swish", "hard_silu", "hard_swish", "mish", "tanh",
-        "sigmoid", "hard_sigmoid", "log_sigmoid", "softplus", "softsign",
-        "exponential", "tanh_shrink", "squareplus", "sparse_plus",
-    ]
-)
 
 # Layers that act on every feature independently and keep the shape, so
 # a Column output can flow through them to its Row consumer.
@@ -45,14 +37,6 @@ _POOLING_LAYERS = (
 )
 
 Call = collections.namedtuple("Call", ["layer", "inputs", "outputs"])
-
-
-def is_elementwise(activation):
-    """Whether a Keras activation acts on each feature independently."""
-    if activation is None:
-        return True
-    name = getattr(activation, "__name__", None)
-    return name in ELEMENTWISE_ACTIVATIONS
 
 
 def auto_plan(model, world_size):
@@ -132,12 +116,6 @@ class _Planner:
             check_shardable(layer, handler, style, self.world_size, self.tied)
         except ShardingError as error:
             return str(error)
-        if (
-            isinstance(style, Column)
-            and not style.gather_output
-            and not is_elementwise(layer.activation)
-        ):
-            return "its activation is not elementwise"
         return None
 
     def attention_reason(self, layer):
@@ -156,14 +134,15 @@ class _Planner:
     def leaf_styles(self, layers):
         """Pairs Column→Row, then splits the rest where it divides."""
         styles = {}
+        candidates = {id(layer) for layer in layers}
         for call in self.calls:
             layer = call.layer
-            if id(layer) in styles or leaf_handler(layer) is None:
+            if id(layer) in styles or id(layer) not in candidates:
                 continue
             if len(self.calls_of[id(layer)]) != 1:
                 continue
             row = self._row_partner(call)
-            if row is not None:
+            if row is not None and id(row) in candidates and id(row) not in styles:
                 styles[id(layer)] = (layer, Column())
                 styles[id(row)] = (row, Row())
         reasons = {}

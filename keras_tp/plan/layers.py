@@ -13,6 +13,23 @@ from keras import ops
 from keras_tp.plan.styles import Column, Row, Vocab
 
 
+ELEMENTWISE_ACTIVATIONS = frozenset(
+    [
+        "linear", "relu", "relu6", "leaky_relu", "elu", "selu", "celu",
+        "gelu", "silu", "swish", "hard_silu", "hard_swish", "mish", "tanh",
+        "sigmoid", "hard_sigmoid", "log_sigmoid", "softplus", "softsign",
+        "exponential", "tanh_shrink", "squareplus", "sparse_plus",
+    ]
+)
+
+def is_elementwise(activation):
+    """Whether a Keras activation acts on each feature independently."""
+    if activation is None:
+        return True
+    name = getattr(activation, "__name__", None)
+    return name in ELEMENTWISE_ACTIVATIONS
+
+
 class ShardingError(ValueError):
     """A plan asks for a split that cannot be done exactly."""
 

@@ -7,7 +7,9 @@ import keras
 
 from keras_tp.plan.layers import ATTENTION
 from keras_tp.plan.layers import ShardingError
+from keras_tp.plan.layers import is_elementwise
 from keras_tp.plan.layers import leaf_handler
+from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Replicate
 from keras_tp.plan.styles import ShardingStyle
 
@@ -255,6 +257,18 @@ def check_shardable(layer, handler, style, world_size, tied):
         raise ShardingError(
             f"Variable '{primary.path}' cannot be split: layer "
             f"'{layer.path}' is {reason}. Map it to Replicate()."
+        )
+    activation = getattr(layer, "activation", None)
+    if (
+        isinstance(style, Column)
+        and not style.gather_output
+        and not is_elementwise(activation)
+    ):
+        raise ShardingError(
+            f"Variable '{primary.path}': {style!r} leaves the output split, "
+            f"but the activation {getattr(activation, '__name__', activation)!r} "
+            f"of layer '{layer.path}' mixes features. Use "
+            "Column(gather_output=True) or Replicate()."
         )
     for variable in variables.values():
         if id(variable) in tied:

@@ -1,0 +1,477 @@
+"""Tensor parallelism on the JAX backend, on 4 virtual CPU devices.
+
+Run alone: `KERAS_BACKEND=jax python -m pytest tests/test_jax.py`.
+The oracle is always the same model, same seed, on one device.
+"""
+
+import os
+import re
+
+import pytest
+
+if os.environ.get("KERAS_BACKEND", "jax") != "jax":
+    pytest.skip("JAX tests run with KERAS_BACKEND=jax", allow_module_level=True)
+os.environ["KERAS_BACKEND"] = "jax"
+
+import keras_tp  # noqa: E402
+
+keras_tp.configure_virtual_devices(4)
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from keras import layers  # noqa: E402
+
+from tests import models  # noqa: E402
+
+ATOL = 1e-5
+STEPS = 5
+BATCH = 4
+
+
+def loss_fn():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def max_diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b))
+
+
+def pair(name, world_size, **kwargs):
+    """The reference model and a TensorParallelKeras of an identical copy."""
+    reference = models.BUILDERS[name]()
+    tp = keras_tp.TensorParallelKeras(
+        models.BUILDERS[name](), world_size=world_size, **kwargs
+    )
+    return reference, tp
+
+
+def gradients(model, x, y):
+    """Gradients of the loss w.r.t. the trainable variables, in order."""
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+
+    def loss(values):
+        logits, _ = model.stateless_call(values, non_trainable, x)
+        return loss_fn()(y, logits)
+
+    return jax.jit(jax.grad(loss))(trainable)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer_lm", "subclassed"])
+def test_matches_single_device(name, world_size):
+    reference, tp = pair(name, world_size)
+    x, y = models.data_for(name, batch=STEPS * BATCH)
+    assert max_diff([reference(x)], [tp(x)]) <= ATOL
+    assert max_diff(gradients(reference, x, y), gradients(tp, x, y)) <= ATOL
+    for model in (reference, tp):
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss_fn())
+    ref_history = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    tp_history = tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    assert tp.optimizer.iterations.numpy() == STEPS
+    assert max_diff(reference.get_weights(), tp.get_weights()) <= ATOL
+    np.testing.assert_allclose(
+        tp_history.history["loss"], ref_history.history["loss"], rtol=1e-5
+    )
+
+
+def _sharded_and_replicated_bytes(tp):
+    split = {id(v) for v, _ in tp.sharding_plan.variable_axes().values()}
+    sharded = sum(v.value.nbytes for v in tp.model.variables if id(v) in split)
+    replicated = sum(v.value.nbytes for v in tp.model.variables if id(v) not in split)
+    return sharded, replicated
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer_lm", "subclassed"])
+def test_memory_per_device(name, world_size):
+    _, tp = pair(name, world_size)
+    sharded, replicated = _sharded_and_replicated_bytes(tp)
+    assert sharded > replicated  # the plan splits most of the model
+    bound = 1.01 * (sharded / world_size + replicated)
+    per_device = tp.parameter_bytes_per_device()
+    assert len(per_device) == world_size
+    assert max(per_device.values()) <= bound
+
+    tp.compile(optimizer="adam", loss=loss_fn())
+    x, y = models.data_for(name, batch=BATCH)
+    tp.fit(x, y, batch_size=BATCH, verbose=0)
+    # Adam keeps two slots per variable; its scalars (iterations, learning
+    # rate) are counted on top.
+    scalars = sum(
+        v.value.nbytes for v in tp.optimizer.variables if len(v.shape) == 0
+    )
+    optimizer_bytes = tp.optimizer_bytes_per_device()
+    assert max(optimizer_bytes.values()) <= 2 * bound + scalars
+    assert max(tp.parameter_bytes_per_device().values()) <= bound
+
+
+def _count_hlo(text, op):
+    """Tensors reduced by `op` in compiled HLO.
+
+    XLA's combiner may merge independent collectives into one tuple op, so
+    count the operands of each op rather than the ops.
+    """
+    calls = re.findall(rf"\s{op}(?:-start)?\(([^)]*)\)", text)
+    return sum(operands.count("%") for operands in calls)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_transformer_collectives_per_block(world_size):
+    blocks = 2
+    reference, tp = pair("transformer_lm", world_size)
+    tp.compile(optimizer="adam", loss=loss_fn())
+    x, y = models.data_for("transformer_lm", batch=BATCH)
+    tp.fit(x, y, batch_size=BATCH, verbose=0)
+    stats = tp.communication_stats()
+    # Megatron's minimum: per block one all-reduce after attention and one
+    # after the MLP forward, and one each for their input gradients
+    # backward. Outside the blocks: the two vocab-parallel embeddings
+    # reduce forward, the LM head gathers its logits forward and reduces
+    # its input gradient backward.
+    assert stats["all_reduce"]["forward_calls"] == 2 * blocks + 2
+    assert stats["all_reduce"]["backward_calls"] == 2 * blocks + 1
+    assert stats["all_gather"]["forward_calls"] == 1
+    assert stats["all_gather"]["backward_calls"] == 0
+    assert set(stats) == {"all_reduce", "all_gather"}
+    activation_bytes = BATCH * 8 * 16 * 4  # batch x seq x dim, float32
+    position_bytes = 8 * 16 * 4  # positions are looked up once per batch
+    assert stats["all_reduce"]["forward_bytes"] == (
+        (2 * blocks + 1) * activation_bytes + position_bytes
+    )
+
+    state = (
+        [v.value for v in tp.trainable_variables],
+        [v.value for v in tp.non_trainable_variables],
+        [v.value for v in tp.optimizer.variables],
+        [v.value for v in tp.metrics_variables],
+    )
+    lowered = jax.jit(tp.train_step).lower(state, (x, y))
+    assert lowered.as_text().count("stablehlo.all_reduce") == stats["all_reduce"]["calls"]
+    hlo = lowered.compile().as_text()
+    assert _count_hlo(hlo, "all-reduce") == stats["all_reduce"]["calls"]
+    assert _count_hlo(hlo, "all-gather") == stats["all_gather"]["calls"]
+    assert _count_hlo(hlo, "reduce-scatter") == 0
+
+
+def test_predict_evaluate_and_batch_methods_match():
+    reference, tp = pair("mlp", 2)
+    x, y = models.data_for("mlp", batch=32)
+    for model in (reference, tp):
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=loss_fn(),
+            metrics=["accuracy"],
+        )
+    seen = []
+    callback = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: seen.append(logs["val_loss"])
+    )
+    ref_history = reference.fit(
+        x, y, epochs=2, batch_size=8, validation_split=0.25, shuffle=False, verbose=0
+    )
+    tp_history = tp.fit(
+        x,
+        y,
+        epochs=2,
+        batch_size=8,
+        validation_split=0.25,
+        shuffle=False,
+        verbose=0,
+        callbacks=[callback],
+    )
+    assert set(tp_history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+    for key, values in ref_history.history.items():
+        np.testing.assert_allclose(tp_history.history[key], values, rtol=1e-5)
+    assert seen == tp_history.history["val_loss"]
+    np.testing.assert_allclose(
+        tp.evaluate(x, y, verbose=0), reference.evaluate(x, y, verbose=0), rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        tp.predict(x, verbose=0), reference.predict(x, verbose=0), atol=ATOL
+    )
+    np.testing.assert_allclose(
+        tp.train_on_batch(x, y), reference.train_on_batch(x, y), rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        tp.test_on_batch(x, y), reference.test_on_batch(x, y), rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        tp.predict_on_batch(x), reference.predict_on_batch(x), atol=ATOL
+    )
+    assert tp.communication_stats("predict")["all_reduce"]["forward_calls"] == 1
+
+
+def test_weights_round_trip_and_save(tmp_path):
+    reference, tp = pair("transformer_lm", 4)
+    x, _ = models.data_for("transformer_lm", batch=BATCH)
+    weights = [w + 0.01 for w in reference.get_weights()]
+    tp.set_weights(weights)
+    reference.set_weights(weights)
+    assert [w.shape for w in tp.get_weights()] == [w.shape for w in weights]
+    assert max_diff(tp.get_weights(), weights) == 0.0
+    assert max_diff([tp(x)], [reference(x)]) <= ATOL
+    # set_weights keeps the split: each device still holds a quarter.
+    sharded, replicated = _sharded_and_replicated_bytes(tp)
+    assert max(tp.parameter_bytes_per_device().values()) <= 1.01 * (
+        sharded / 4 + replicated
+    )
+
+    path = str(tmp_path / "trained.keras")
+    tp.save(path)
+    loaded = keras.saving.load_model(path)
+    assert not isinstance(loaded, keras_tp.TensorParallelKeras)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), tp.predict(x, verbose=0), atol=ATOL)
+    with pytest.raises(ValueError, match="token_embedding/embeddings"):
+        tp.set_weights([np.zeros((3, 3))] + weights[1:])
+
+
+def test_summary_and_parallelism_info():
+    _, tp = pair("transformer_lm", 2)
+    lines = []
+    tp.summary(print_fn=lines.append)
+    text = "\n".join(lines)
+    assert "block0_mlp_up/kernel" in text and "Column(gather_output=False)" in text
+    assert "(16, 32)" in text  # mlp_up's local kernel shape on 2 devices
+    assert "final_ln: LayerNormalization" in text
+    info = tp.get_parallelism_info()
+    assert info["backend"] == "jax"
+    assert info["world_size"] == 2 and info["tensor_parallel"] == 2
+    assert info["data_parallel"] == 1
+    assert info["devices"] == ["cpu:0", "cpu:1"]
+    assert set(info["parameter_bytes_per_device"]) == {"cpu:0", "cpu:1"}
+    assert "final_ln" in info["replicated_layers"]
+
+
+def test_plan_as_dict_and_layout_map_match_keras_model_parallel():
+    reference, tp = pair(
+        "mlp", 2, plan={"up/kernel": keras_tp.Column(), "down/kernel": keras_tp.Row()}
+    )
+    assert [type(e.style) for e in tp.sharding_plan.layers] == [keras_tp.Column, keras_tp.Row]
+    assert tp.sharding_plan.replicated == {"head": "not in the plan"}
+    x, _ = models.data_for("mlp")
+    np.testing.assert_allclose(tp(x), reference(x), atol=ATOL)
+
+    layout_map = tp.sharding_plan.to_layout_map(tp.device_mesh)
+    assert tuple(layout_map["up/kernel"].axes) == (None, "model")
+    assert tuple(layout_map["up/bias"].axes) == ("model",)
+    assert tuple(layout_map["down/kernel"].axes) == ("model", None)
+    assert layout_map["down/bias"] is None
+    distribution = keras.distribution.ModelParallel(
+        layout_map=layout_map, batch_dim_name="data"
+    )
+    with distribution.scope():
+        gspmd = models.mlp()
+    kernel = gspmd.get_layer("up").kernel.value
+    assert kernel.addressable_shards[0].data.shape == (16, 16)
+    np.testing.assert_allclose(gspmd(x), reference(x), atol=ATOL)
+
+
+def test_explicit_plan_rows_with_replicated_input():
+    reference, tp = pair("mlp", 2, plan={"head/kernel": keras_tp.Row(input_is_parallel=False)})
+    x, y = models.data_for("mlp", batch=8)
+    assert max_diff(gradients(reference, x, y), gradients(tp, x, y)) <= ATOL
+
+
+def test_gathering_column_applies_softmax_to_all_features():
+    keras.utils.set_random_seed(0)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,))
+        return keras.Model(inputs, layers.Dense(8, activation="softmax", name="probs")(inputs))
+
+    reference = build()
+    tp = keras_tp.TensorParallelKeras(build(), world_size=4)
+    assert tp.sharding_plan.layers[0].style == keras_tp.Column(gather_output=True)
+    x = np.random.default_rng(0).normal(size=(5, 6)).astype("float32")
+    np.testing.assert_allclose(tp(x), reference(x), atol=ATOL)
+    with pytest.raises(keras_tp.ShardingError, match="probs/kernel.*activation"):
+        keras_tp.TensorParallelKeras(build(), world_size=2, plan={"probs": keras_tp.Column()})
+
+
+def gqa_model(kv_heads):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4, 16))
+    out = layers.GroupQueryAttention(
+        head_dim=4, num_query_heads=4, num_key_value_heads=kv_heads, name="gqa"
+    )(inputs, inputs)
+    return keras.Model(inputs, layers.Dense(8, name="head")(out))
+
+
+def test_grouped_query_attention():
+    x = np.random.default_rng(0).normal(size=(3, 4, 16)).astype("float32")
+    tp = keras_tp.TensorParallelKeras(gqa_model(2), world_size=2)
+    assert "gqa" in tp.get_parallelism_info()["sharded_layers"]
+    np.testing.assert_allclose(tp(x), gqa_model(2)(x), atol=ATOL)
+
+    # Fewer key/value heads than ranks: auto replicates, an explicit plan
+    # is refused with the layer, the counts and the fix.
+    tp = keras_tp.TensorParallelKeras(gqa_model(2), world_size=4)
+    assert "2 key/value heads" in tp.sharding_plan.replicated["gqa"]
+    np.testing.assert_allclose(tp(x), gqa_model(2)(x), atol=ATOL)
+    plan = {
+        "gqa/(query|key|value)/kernel": keras_tp.Column(),
+        "gqa/attention_output/kernel": keras_tp.Row(),
+    }
+    with pytest.raises(keras_tp.ShardingError, match="'gqa' has 4 query heads and 2 key/value heads"):
+        keras_tp.TensorParallelKeras(gqa_model(2), world_size=4, plan=plan)
+
+
+def tied_lm():
+    """An LM whose output projection reads the embedding table."""
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((5,), dtype="int32")
+    embedding = layers.Embedding(32, 8, name="embedding")
+    hidden = layers.Dense(8, name="hidden")(embedding(tokens))
+    logits = TiedOutput(embedding, name="tied_output")(hidden)
+    return keras.Model(tokens, logits)
+
+
+@keras.saving.register_keras_serializable(package="keras_tp_tests")
+class TiedOutput(layers.Layer):
+    def __init__(self, embedding, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = embedding
+
+    def call(self, x):
+        return keras.ops.matmul(x, keras.ops.transpose(self.embedding.embeddings))
+
+
+def test_tied_embeddings_stay_whole():
+    tokens = np.arange(10).reshape(2, 5).astype("int32")
+    tp = keras_tp.TensorParallelKeras(tied_lm(), world_size=2)
+    assert "embedding" in tp.sharding_plan.replicated
+    np.testing.assert_allclose(tp(tokens), tied_lm()(tokens), atol=ATOL)
+    with pytest.raises(keras_tp.ShardingError, match="'embedding/embeddings' is tied"):
+        keras_tp.TensorParallelKeras(tied_lm(), world_size=2, plan={"embedding": keras_tp.Vocab()})
+
+
+def test_indivisible_dimensions():
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6,))
+        x = layers.Dense(30, activation="relu", name="odd")(inputs)
+        return keras.Model(inputs, layers.Dense(5, name="out")(x))
+
+    tp = keras_tp.TensorParallelKeras(build(), world_size=4)
+    assert "not divisible by 4" in tp.sharding_plan.replicated["odd"]
+    x = np.ones((2, 6), "float32")
+    np.testing.assert_allclose(tp(x), build()(x), atol=ATOL)
+    with pytest.raises(keras_tp.ShardingError, match="'odd/kernel' of shape \\(6, 30\\).*not divisible by 4"):
+        keras_tp.TensorParallelKeras(build(), world_size=4, plan={"odd": keras_tp.Column()})
+
+
+def test_bad_inputs_have_clear_errors():
+    with pytest.raises(ValueError, match="world_size=8 is larger than the 4 jax device"):
+        keras_tp.TensorParallelKeras(models.mlp(), world_size=8)
+    with pytest.raises(ValueError, match="device_ids \\['cpu:9'\\] are not available"):
+        keras_tp.TensorParallelKeras(models.mlp(), device_ids=["cpu:0", "cpu:9"])
+    with pytest.raises(NotImplementedError, match="data_parallel=2"):
+        keras_tp.TensorParallelKeras(models.mlp(), world_size=4, data_parallel=2)
+    with pytest.raises(ValueError, match="is not built"):
+        keras_tp.TensorParallelKeras(keras.Sequential([layers.Dense(4)]), world_size=2)
+    with pytest.raises(ValueError, match="\\['nope'\\] match no variable"):
+        keras_tp.TensorParallelKeras(models.mlp(), world_size=2, plan={"nope": keras_tp.Row()})
+    with pytest.raises(keras_tp.ShardingError, match="'up/kernel': Vocab\\(\\) does not apply to Dense"):
+        keras_tp.TensorParallelKeras(models.mlp(), world_size=2, plan={"up": keras_tp.Vocab()})
+    with pytest.raises(keras_tp.ShardingError, match="'block0_attention' is split partially"):
+        keras_tp.TensorParallelKeras(
+            models.transformer_lm(),
+            world_size=2,
+            plan={"block0_attention/query": keras_tp.Column()},
+        )
+    with pytest.raises(ValueError, match="matches several plan keys"):
+        keras_tp.TensorParallelKeras(
+            models.mlp(), world_size=2, plan={"u": keras_tp.Column(), "up": keras_tp.Column()}
+        )
+    with pytest.raises(TypeError, match="must be a keras_tp style"):
+        keras_tp.ShardingPlan({"up": "column"})
+    with pytest.raises(RuntimeError, match="already initialised with 4 CPU device"):
+        keras_tp.configure_virtual_devices(2)
+    keras_tp.configure_virtual_devices(4)  # same count again: a no-op
+
+
+def test_explicit_devices_and_default_world_size():
+    reference = models.mlp()
+    tp = keras_tp.TensorParallelKeras(models.mlp(), device_ids=["cpu:2", "cpu:3"])
+    assert tp.get_parallelism_info()["devices"] == ["cpu:2", "cpu:3"]
+    kernel = tp.model.get_layer("up").kernel.value
+    assert {str(s.device) for s in kernel.addressable_shards} == {"TFRT_CPU_2", "TFRT_CPU_3"} or {
+        s.device.id for s in kernel.addressable_shards
+    } == {2, 3}
+    x, _ = models.data_for("mlp")
+    np.testing.assert_allclose(tp(x), reference(x), atol=ATOL)
+    assert keras_tp.TensorParallelKeras(models.mlp()).get_parallelism_info()["world_size"] == 4
+
+
+def test_collectives_interface():
+    from jax.sharding import PartitionSpec as P
+
+    from keras_tp.collectives.jax import JaxCollectiveAdapter
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(1, 4), ("data", "model"))
+    adapter = JaxCollectiveAdapter(4)
+    x = np.arange(16, dtype="float32").reshape(4, 4)
+
+    def run(fn, out_spec=P("model")):
+        def local(block):
+            with adapter.activated():
+                return fn(block)
+
+        return np.asarray(
+            jax.shard_map(local, mesh=mesh, in_specs=P("model"), out_specs=out_spec, check_vma=False)(x)
+        )
+
+    rows = [x[i : i + 1] for i in range(4)]
+    np.testing.assert_allclose(run(lambda b: keras_tp.collectives.all_reduce(b)), np.tile(sum(rows), (4, 1)))
+    np.testing.assert_allclose(run(lambda b: keras_tp.collectives.all_reduce(b, "mean")), np.tile(sum(rows) / 4, (4, 1)))
+    np.testing.assert_allclose(run(lambda b: keras_tp.collectives.all_reduce(b, "max")), np.tile(rows[3], (4, 1)))
+    np.testing.assert_allclose(run(lambda b: keras_tp.collectives.all_reduce(b, "min")), np.tile(rows[0], (4, 1)))
+    np.testing.assert_allclose(run(lambda b: keras_tp.collectives.all_gather(b, axis=0)), np.tile(x, (4, 1)))
+    np.testing.assert_allclose(
+        run(lambda b: keras_tp.collectives.reduce_scatter(b, axis=1)), sum(rows).reshape(4, 1)
+    )
+    np.testing.assert_allclose(run(lambda b: keras_tp.collectives.broadcast(b, root=2)), np.tile(rows[2], (4, 1)))
+    np.testing.assert_allclose(
+        run(lambda b: b * 0 + keras_tp.collectives.rank()), np.repeat(np.arange(4.0), 4).reshape(4, 4)
+    )
+    assert run(lambda b: b * 0 + keras_tp.collectives.size())[0, 0] == 4
+    with pytest.raises(ValueError, match="`op` must be one of"):
+        run(lambda b: keras_tp.collectives.all_reduce(b, "prod"))
+    with pytest.raises(RuntimeError, match="only available inside a sharded region"):
+        keras_tp.collectives.all_reduce(x)
+
+
+def test_conjugate_operators_give_exact_gradients():
+    """copy_to_parallel must all-reduce its gradient once, not N times."""
+    from jax.sharding import PartitionSpec as P
+
+    from keras_tp.collectives.jax import JaxCollectiveAdapter
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(1, 4), ("data", "model"))
+    adapter = JaxCollectiveAdapter(4)
+    x = np.random.default_rng(0).normal(size=(3, 8)).astype("float32")
+    w = np.random.default_rng(1).normal(size=(8, 8)).astype("float32")
+
+    def column_row(x, w):
+        def local(x, w_col):
+            h = adapter.copy_to_parallel(x) @ w_col
+            return adapter.gather_from_parallel(h, -1)
+
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(None, "model")), out_specs=P())(x, w)
+
+    def scatter_reduce(x, w):
+        def local(x, w_row):
+            return adapter.reduce_from_parallel(adapter.scatter_to_parallel(x, -1) @ w_row)
+
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("model", None)), out_specs=P())(x, w)
+
+    def loss(f):
+        return lambda x, w: jax.numpy.sum(jax.numpy.sin(f(x, w)))
+
+    expected = jax.grad(loss(lambda x, w: x @ w), argnums=(0, 1))(x, w)
+    for f in (column_row, scatter_reduce):
+        got = jax.grad(loss(f), argnums=(0, 1))(x, w)
+        assert max_diff(got, expected) <= ATOL

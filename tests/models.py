@@ -4,6 +4,8 @@ import keras
 import numpy as np
 from keras import layers
 
+from keras_tp.demo.models import transformer_lm
+
 
 def mlp(seed=0, features=16, hidden=32, classes=8):
     keras.utils.set_random_seed(seed)
@@ -28,49 +30,6 @@ def cnn(seed=0, classes=8):
         ],
         name="cnn",
     )
-
-
-def transformer_lm(seed=0, vocab=64, seq_len=8, dim=16, heads=4, blocks=2):
-    """A GPT-style functional LM: token+position embeddings, pre-LN blocks."""
-    keras.utils.set_random_seed(seed)
-    tokens = keras.Input((seq_len,), dtype="int32", name="tokens")
-    x = layers.Embedding(vocab, dim, name="token_embedding")(tokens)
-    positions = PositionEmbedding(seq_len, dim, name="position_embedding")(x)
-    x = layers.Add(name="embed_add")([x, positions])
-    for i in range(blocks):
-        h = layers.LayerNormalization(name=f"block{i}_ln1")(x)
-        h = layers.MultiHeadAttention(
-            heads, dim // heads, name=f"block{i}_attention"
-        )(h, h, use_causal_mask=True)
-        x = layers.Add(name=f"block{i}_add1")([x, h])
-        h = layers.LayerNormalization(name=f"block{i}_ln2")(x)
-        h = layers.Dense(4 * dim, activation="gelu", name=f"block{i}_mlp_up")(h)
-        h = layers.Dense(dim, name=f"block{i}_mlp_down")(h)
-        x = layers.Add(name=f"block{i}_add2")([x, h])
-    x = layers.LayerNormalization(name="final_ln")(x)
-    logits = layers.Dense(vocab, name="lm_head")(x)
-    return keras.Model(tokens, logits, name="transformer_lm")
-
-
-@keras.saving.register_keras_serializable(package="keras_tp_tests")
-class PositionEmbedding(layers.Layer):
-    """Learned positions, looked up with an Embedding sublayer."""
-
-    def __init__(self, seq_len, dim, **kwargs):
-        super().__init__(**kwargs)
-        self.seq_len = seq_len
-        self.dim = dim
-        self.table = layers.Embedding(seq_len, dim, name="table")
-
-    def build(self, input_shape):
-        self.table.build((None,))
-
-    def call(self, x):
-        positions = keras.ops.arange(keras.ops.shape(x)[1])
-        return keras.ops.expand_dims(self.table(positions), 0)
-
-    def get_config(self):
-        return {**super().get_config(), "seq_len": self.seq_len, "dim": self.dim}
 
 
 @keras.saving.register_keras_serializable(package="keras_tp_tests")
@@ -109,6 +68,12 @@ class SubclassedNet(keras.Model):
         self.block2 = ResidualMLP(dim, hidden, name="block2")
         self.head = layers.Dense(classes, name="head")
 
+    def build(self, input_shape):
+        self.stem.build(input_shape)
+        self.block1.build(input_shape[:-1] + (self.dim,))
+        self.block2.build(input_shape[:-1] + (self.dim,))
+        self.head.build(input_shape[:-1] + (self.dim,))
+
     def call(self, x):
         return self.head(self.block2(self.block1(self.stem(x))))
 
@@ -146,6 +111,6 @@ def data_for(name, batch=16, seed=1):
 BUILDERS = {
     "mlp": mlp,
     "cnn": cnn,
-    "transformer_lm": transformer_lm,
+    "transformer_lm": lambda seed=0: transformer_lm(seed=seed),
     "subclassed": subclassed,
 }

@@ -262,6 +262,8 @@ def example_inputs(model):
     symbolic = getattr(model, "_inputs_struct", None)
     if symbolic is None:
         symbolic = getattr(model, "inputs", None) or None
+        if isinstance(model, keras.Sequential) and symbolic:
+            symbolic = symbolic[0]  # Sequential takes one tensor, not a list
     if symbolic is not None:
         return keras.tree.map_structure(
             lambda t: ops.zeros(_concrete(t.shape, batch=True), dtype=t.dtype),

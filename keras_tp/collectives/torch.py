@@ -1,0 +1,232 @@
+"""PyTorch adapter: `torch.distributed` collectives between rank processes.
+
+Every rank is a process holding its local tensors, so the collectives are
+the `torch.distributed` ones over a process group (gloo on CPU, nccl on
+GPU). Plain `dist.all_reduce` is invisible to autograd, and the gradient of
+`torch.distributed.nn.functional.all_reduce` is another all-reduce, which
+makes tensor-parallel gradients N times too large. So Megatron's conjugate
+operators are small `torch.autograd.Function`s whose backward pass issues
+(and counts) exactly the collective the math needs, or none.
+"""
+
+import torch
+import torch.distributed as dist
+
+from keras_tp.collectives.base import CollectiveAdapter
+
+_TORCH_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    # gloo has no AVG: "mean" is a sum divided by the number of ranks.
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+def _is_symbolic(x):
+    """Whether `x` only carries a shape (Keras traces on the meta device).
+
+    Keras infers output shapes by running layers on "meta" tensors, which
+    have no data. Every rank traces alike, so a collective there is skipped
+    and only its output shape is produced.
+    """
+    return x.device.type == "meta"
+
+
+class TorchCollectiveAdapter(CollectiveAdapter):
+    """Collectives over a `torch.distributed` process group.
+
+    Valid in every process of an initialised process group (started by
+    `keras_tp.launch` or `torchrun`). The raw collectives (`all_reduce`,
+    `all_gather`, `reduce_scatter`, `broadcast`) move data without
+    gradients; differentiable code uses the conjugate operators.
+
+    Args:
+        group: the `torch.distributed` process group of the `model` axis;
+            `None` is the default (world) group.
+        axis_name: name of the mesh axis the collectives run over.
+
+    Example:
+
+    ```python
+    adapter = TorchCollectiveAdapter()
+    total = adapter.all_reduce(torch.ones(3))   # 3 x world_size
+    ```
+    """
+
+    backend = "torch"
+
+    def __init__(self, group=None, axis_name="model"):
+        super().__init__(axis_name)
+        self.group = group
+        self._rank = dist.get_rank(group)
+        self._size = dist.get_world_size(group)
+
+    def rank(self):
+        return self._rank
+
+    def size(self):
+        return self._size
+
+    def barrier(self):
+        dist.barrier(group=self.group)
+
+    def _record(self, kind, x, direction="forward"):
+        # A symbolic trace moves no data; count only real collectives.
+        if not _is_symbolic(x):
+            super()._record(kind, x, direction)
+
+    def _all_reduce(self, x, op):
+        out = _detached_copy(x, "all_reduce")
+        if not _is_symbolic(out):
+            dist.all_reduce(out, op=_TORCH_REDUCE_OPS[op], group=self.group)
+        return out / self._size if op == "mean" else out
+
+    def _all_gather(self, x, axis):
+        _check_not_differentiated(x, "all_gather")
+        with torch.no_grad():
+            return self.gather(x, axis)
+
+    def _reduce_scatter(self, x, axis, op):
+        # reduce_scatter_tensor splits dimension 0: bring `axis` there.
+        full = _detached_copy(x, "reduce_scatter").movedim(axis, 0).contiguous()
+        local = full.narrow(0, 0, full.shape[0] // self._size).clone()
+        if not _is_symbolic(full):
+            dist.reduce_scatter_tensor(
+                local, full, op=dist.ReduceOp.SUM, group=self.group
+            )
+        local = local.movedim(0, axis)
+        return local / self._size if op == "mean" else local
+
+    def _broadcast(self, x, root):
+        out = _detached_copy(x, "broadcast")
+        if not _is_symbolic(out):
+            source = dist.get_global_rank(self.group or dist.group.WORLD, root)
+            dist.broadcast(out, src=source, group=self.group)
+        return out
+
+    def gather(self, x, axis):
+        """Concatenates every rank's `x` along `axis` (not counted)."""
+        x = x.contiguous()
+        if _is_symbolic(x):
+            return torch.cat([x] * self._size, dim=axis)
+        parts = [torch.empty_like(x) for _ in range(self._size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=axis)
+
+    def local_slice(self, x, axis):
+        """This rank's contiguous slice of `x` along `axis`."""
+        if x.shape[axis] % self._size:
+            raise ValueError(
+                f"Cannot split axis {axis} of shape {tuple(x.shape)} "
+                f"evenly across {self._size} ranks."
+            )
+        length = x.shape[axis] // self._size
+        return x.narrow(axis, self._rank * length, length).contiguous()
+
+    def sum_in_place(self, x):
+        """All-reduces (sums) `x` in place unless it is symbolic (not counted)."""
+        if not _is_symbolic(x):
+            dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
+        return x
+
+    def copy_to_parallel(self, x):
+        return _CopyToParallel.apply(x, self)
+
+    def reduce_from_parallel(self, x):
+        self._record("all_reduce", x, "forward")
+        return _ReduceFromParallel.apply(x, self)
+
+    def gather_from_parallel(self, x, axis=-1):
+        self._record("all_gather", x, "forward")
+        return _GatherFromParallel.apply(x, self, axis % x.ndim)
+
+    def scatter_to_parallel(self, x, axis=-1):
+        return _ScatterToParallel.apply(x, self, axis % x.ndim)
+
+
+class _CopyToParallel(torch.autograd.Function):
+    """Megatron `f`: identity forward; all-reduce of the gradient backward.
+
+    A replicated input consumed by split weights gets one partial gradient
+    per rank; their sum is the input's gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x, adapter):
+        ctx.adapter = adapter
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        adapter = ctx.adapter
+        adapter._record("all_reduce", grad, "backward")
+        return adapter.sum_in_place(_contiguous_copy(grad)), None
+
+
+class _ReduceFromParallel(torch.autograd.Function):
+    """Megatron `g`: all-reduce forward; identity gradient backward.
+
+    The output is replicated, so the gradient arriving on each rank is
+    already the full gradient of every rank's partial sum.
+    """
+
+    @staticmethod
+    def forward(ctx, x, adapter):
+        return adapter.sum_in_place(_contiguous_copy(x))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromParallel(torch.autograd.Function):
+    """All-gather along `axis` forward; this rank's slice of the gradient back."""
+
+    @staticmethod
+    def forward(ctx, x, adapter, axis):
+        ctx.adapter = adapter
+        ctx.axis = axis
+        return adapter.gather(x, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.adapter.local_slice(grad, ctx.axis), None, None
+
+
+class _ScatterToParallel(torch.autograd.Function):
+    """This rank's slice along `axis` forward; all-gather of the gradient back."""
+
+    @staticmethod
+    def forward(ctx, x, adapter, axis):
+        ctx.adapter = adapter
+        ctx.axis = axis
+        return adapter.local_slice(x, axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        adapter = ctx.adapter
+        adapter._record("all_gather", grad, "backward")
+        return adapter.gather(grad, ctx.axis), None, None
+
+
+def _check_not_differentiated(x, name):
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise ValueError(
+            f"collectives.{name} does not propagate gradients on torch (a "
+            "plain torch.distributed collective is invisible to autograd). "
+            "In differentiable code use copy_to_parallel, "
+            "reduce_from_parallel, gather_from_parallel or "
+            "scatter_to_parallel, or pass a detached tensor."
+        )
+
+
+def _detached_copy(x, name):
+    """A copy of `x` the in-place `torch.distributed` calls may overwrite."""
+    _check_not_differentiated(x, name)
+    return _contiguous_copy(x.detach())
+
+
+def _contiguous_copy(x):
+    # torch.distributed writes into dense buffers in place.
+    return x.clone(memory_format=torch.contiguous_format)

@@ -1,4 +1,4 @@
-"""`TensorParallelKeras`: a `keras.Model` whose layers are split across devices."""
+"""`TensorParallelKeras`: a `keras.Model` split across devices."""
 
 import keras
 from keras.src.utils import io_utils
@@ -81,7 +81,8 @@ class TensorParallelKeras(keras.Model):
         if isinstance(plan, str):
             if plan != "auto":
                 raise ValueError(
-                    f"plan must be 'auto', a ShardingPlan or a dict, got {plan!r}."
+                    "plan must be 'auto', a ShardingPlan or a dict, got "
+                    f"{plan!r}."
                 )
             bound = auto_plan(model, tensor_parallel)
         elif isinstance(plan, (ShardingPlan, dict, list, tuple)):
@@ -89,14 +90,17 @@ class TensorParallelKeras(keras.Model):
             bound = ShardingPlan(rules).bind(model, tensor_parallel)
         else:
             raise TypeError(
-                f"plan must be 'auto', a ShardingPlan or a dict, got {type(plan)}."
+                "plan must be 'auto', a ShardingPlan or a dict, got "
+                f"{type(plan)}."
             )
         self._runtime = runtime
         self._plan = bound
         axes = bound.variable_axes()
         for variable in model.variables:
             entry = axes.get(variable.path)
-            axis = entry[1] if entry is not None and entry[0] is variable else None
+            axis = (
+                entry[1] if entry is not None and entry[0] is variable else None
+            )
             runtime.place(variable, axis)
         self._regions = regions.install(bound, runtime)
         self.built = True
@@ -247,8 +251,15 @@ class TensorParallelKeras(keras.Model):
 def format_plan(plan, runtime):
     """The plan as a table: layer, style, local shape, bytes per device."""
     world_size = runtime.tensor_parallel
-    header = f"{'Layer (variable)':48} {'Style':28} {'Local shape':18} {'Bytes/device':>12}"
-    lines = [f"Tensor-parallel plan, world_size={world_size}", header, "-" * len(header)]
+    header = (
+        f"{'Layer (variable)':48} {'Style':28} {'Local shape':18} "
+        f"{'Bytes/device':>12}"
+    )
+    lines = [
+        f"Tensor-parallel plan, world_size={world_size}",
+        header,
+        "-" * len(header),
+    ]
     for entry in plan.leaf_layers():
         variables = entry.handler.variables(entry.layer)
         for role, variable in variables.items():
@@ -256,7 +267,8 @@ def format_plan(plan, runtime):
             local_bytes = nbytes(variable, shape)
             style = repr(entry.style) if role == entry.handler.primary else ""
             lines.append(
-                f"{variable.path:48} {style:28} {str(tuple(shape)):18} {local_bytes:>12,}"
+                f"{variable.path:48} {style:28} {str(tuple(shape)):18} "
+                f"{local_bytes:>12,}"
             )
     if plan.replicated:
         lines.append("Replicated (whole on every device):")

@@ -96,7 +96,9 @@ def _member_call(member, adapter):
 def _leaf_output_axes(member):
     def output_axes(args, kwargs):
         shape = member.layer.compute_output_shape(tuple(args[0].shape))
-        return member.handler.output_axis(member.layer, member.style, len(shape))
+        return member.handler.output_axis(
+            member.layer, member.style, len(shape)
+        )
 
     return output_axes
 
@@ -118,7 +120,9 @@ def install(plan, runtime):
                 unit,
                 members,
                 unit.call,
-                lambda args, kwargs, unit=unit: ATTENTION.output_axes(unit, kwargs),
+                lambda args, kwargs, unit=unit: ATTENTION.output_axes(
+                    unit, kwargs
+                ),
             )
         else:
             region = ShardedRegion(

@@ -21,7 +21,9 @@ def cnn(seed=0, classes=8):
     return keras.Sequential(
         [
             keras.Input((8, 8, 3)),
-            layers.Conv2D(8, 3, padding="same", activation="relu", name="conv1"),
+            layers.Conv2D(
+                8, 3, padding="same", activation="relu", name="conv1"
+            ),
             layers.Conv2D(8, 3, padding="same", name="conv2"),
             layers.MaxPooling2D(name="pool"),
             layers.Flatten(name="flatten"),
@@ -97,14 +99,20 @@ def data_for(name, batch=16, seed=1):
     """`(x, y)` for the model builder `name`, made in code."""
     rng = np.random.default_rng(seed)
     if name == "mlp":
-        return rng.normal(size=(batch, 16)).astype("float32"), rng.integers(0, 8, batch)
+        return rng.normal(size=(batch, 16)).astype("float32"), rng.integers(
+            0, 8, batch
+        )
     if name == "cnn":
-        return rng.normal(size=(batch, 8, 8, 3)).astype("float32"), rng.integers(0, 8, batch)
+        return rng.normal(size=(batch, 8, 8, 3)).astype(
+            "float32"
+        ), rng.integers(0, 8, batch)
     if name == "transformer_lm":
         tokens = rng.integers(0, 64, (batch, 9))
         return tokens[:, :-1].astype("int32"), tokens[:, 1:].astype("int32")
     if name == "subclassed":
-        return rng.normal(size=(batch, 12)).astype("float32"), rng.integers(0, 8, batch)
+        return rng.normal(size=(batch, 12)).astype("float32"), rng.integers(
+            0, 8, batch
+        )
     raise ValueError(name)
 
 

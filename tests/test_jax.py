@@ -34,7 +34,10 @@ def loss_fn():
 
 
 def max_diff(a, b):
-    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b))
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+        for x, y in zip(a, b)
+    )
 
 
 def pair(name, world_size, **kwargs):
@@ -67,7 +70,9 @@ def test_matches_single_device(name, world_size):
     assert max_diff(gradients(reference, x, y), gradients(tp, x, y)) <= ATOL
     for model in (reference, tp):
         model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss_fn())
-    ref_history = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    ref_history = reference.fit(
+        x, y, batch_size=BATCH, shuffle=False, verbose=0
+    )
     tp_history = tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
     assert tp.optimizer.iterations.numpy() == STEPS
     assert max_diff(reference.get_weights(), tp.get_weights()) <= ATOL
@@ -79,7 +84,9 @@ def test_matches_single_device(name, world_size):
 def _sharded_and_replicated_bytes(tp):
     split = {id(v) for v, _ in tp.sharding_plan.variable_axes().values()}
     sharded = sum(v.value.nbytes for v in tp.model.variables if id(v) in split)
-    replicated = sum(v.value.nbytes for v in tp.model.variables if id(v) not in split)
+    replicated = sum(
+        v.value.nbytes for v in tp.model.variables if id(v) not in split
+    )
     return sharded, replicated
 
 
@@ -148,7 +155,10 @@ def test_transformer_collectives_per_block(world_size):
         [v.value for v in tp.metrics_variables],
     )
     lowered = jax.jit(tp.train_step).lower(state, (x, y))
-    assert lowered.as_text().count("stablehlo.all_reduce") == stats["all_reduce"]["calls"]
+    assert (
+        lowered.as_text().count("stablehlo.all_reduce")
+        == stats["all_reduce"]["calls"]
+    )
     hlo = lowered.compile().as_text()
     assert _count_hlo(hlo, "all-reduce") == stats["all_reduce"]["calls"]
     assert _count_hlo(hlo, "all-gather") == stats["all_gather"]["calls"]
@@ -169,7 +179,13 @@ def test_predict_evaluate_and_batch_methods_match():
         on_epoch_end=lambda epoch, logs: seen.append(logs["val_loss"])
     )
     ref_history = reference.fit(
-        x, y, epochs=2, batch_size=8, validation_split=0.25, shuffle=False, verbose=0
+        x,
+        y,
+        epochs=2,
+        batch_size=8,
+        validation_split=0.25,
+        shuffle=False,
+        verbose=0,
     )
     tp_history = tp.fit(
         x,
@@ -181,12 +197,19 @@ def test_predict_evaluate_and_batch_methods_match():
         verbose=0,
         callbacks=[callback],
     )
-    assert set(tp_history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+    assert set(tp_history.history) == {
+        "loss",
+        "accuracy",
+        "val_loss",
+        "val_accuracy",
+    }
     for key, values in ref_history.history.items():
         np.testing.assert_allclose(tp_history.history[key], values, rtol=1e-5)
     assert seen == tp_history.history["val_loss"]
     np.testing.assert_allclose(
-        tp.evaluate(x, y, verbose=0), reference.evaluate(x, y, verbose=0), rtol=1e-5
+        tp.evaluate(x, y, verbose=0),
+        reference.evaluate(x, y, verbose=0),
+        rtol=1e-5,
     )
     np.testing.assert_allclose(
         tp.predict(x, verbose=0), reference.predict(x, verbose=0), atol=ATOL
@@ -222,7 +245,9 @@ def test_weights_round_trip_and_save(tmp_path):
     tp.save(path)
     loaded = keras.saving.load_model(path)
     assert not isinstance(loaded, keras_tp.TensorParallelKeras)
-    np.testing.assert_allclose(loaded.predict(x, verbose=0), tp.predict(x, verbose=0), atol=ATOL)
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), tp.predict(x, verbose=0), atol=ATOL
+    )
     with pytest.raises(ValueError, match="token_embedding/embeddings"):
         tp.set_weights([np.zeros((3, 3))] + weights[1:])
 
@@ -232,7 +257,9 @@ def test_summary_and_parallelism_info():
     lines = []
     tp.summary(print_fn=lines.append)
     text = "\n".join(lines)
-    assert "block0_mlp_up/kernel" in text and "Column(gather_output=False)" in text
+    assert (
+        "block0_mlp_up/kernel" in text and "Column(gather_output=False)" in text
+    )
     assert "(16, 32)" in text  # mlp_up's local kernel shape on 2 devices
     assert "final_ln: LayerNormalization" in text
     info = tp.get_parallelism_info()
@@ -246,9 +273,14 @@ def test_summary_and_parallelism_info():
 
 def test_plan_as_dict_and_layout_map_match_keras_model_parallel():
     reference, tp = pair(
-        "mlp", 2, plan={"up/kernel": keras_tp.Column(), "down/kernel": keras_tp.Row()}
+        "mlp",
+        2,
+        plan={"up/kernel": keras_tp.Column(), "down/kernel": keras_tp.Row()},
     )
-    assert [type(e.style) for e in tp.sharding_plan.layers] == [keras_tp.Column, keras_tp.Row]
+    assert [type(e.style) for e in tp.sharding_plan.layers] == [
+        keras_tp.Column,
+        keras_tp.Row,
+    ]
     assert tp.sharding_plan.replicated == {"head": "not in the plan"}
     x, _ = models.data_for("mlp")
     np.testing.assert_allclose(tp(x), reference(x), atol=ATOL)
@@ -269,7 +301,9 @@ def test_plan_as_dict_and_layout_map_match_keras_model_parallel():
 
 
 def test_explicit_plan_rows_with_replicated_input():
-    reference, tp = pair("mlp", 2, plan={"head/kernel": keras_tp.Row(input_is_parallel=False)})
+    reference, tp = pair(
+        "mlp", 2, plan={"head/kernel": keras_tp.Row(input_is_parallel=False)}
+    )
     x, y = models.data_for("mlp", batch=8)
     assert max_diff(gradients(reference, x, y), gradients(tp, x, y)) <= ATOL
 
@@ -280,15 +314,23 @@ def test_gathering_column_applies_softmax_to_all_features():
     def build():
         keras.utils.set_random_seed(0)
         inputs = keras.Input((6,))
-        return keras.Model(inputs, layers.Dense(8, activation="softmax", name="probs")(inputs))
+        return keras.Model(
+            inputs, layers.Dense(8, activation="softmax", name="probs")(inputs)
+        )
 
     reference = build()
     tp = keras_tp.TensorParallelKeras(build(), world_size=4)
-    assert tp.sharding_plan.layers[0].style == keras_tp.Column(gather_output=True)
+    assert tp.sharding_plan.layers[0].style == keras_tp.Column(
+        gather_output=True
+    )
     x = np.random.default_rng(0).normal(size=(5, 6)).astype("float32")
     np.testing.assert_allclose(tp(x), reference(x), atol=ATOL)
-    with pytest.raises(keras_tp.ShardingError, match="probs/kernel.*activation"):
-        keras_tp.TensorParallelKeras(build(), world_size=2, plan={"probs": keras_tp.Column()})
+    with pytest.raises(
+        keras_tp.ShardingError, match="probs/kernel.*activation"
+    ):
+        keras_tp.TensorParallelKeras(
+            build(), world_size=2, plan={"probs": keras_tp.Column()}
+        )
 
 
 def gqa_model(kv_heads):
@@ -315,7 +357,10 @@ def test_grouped_query_attention():
         "gqa/(query|key|value)/kernel": keras_tp.Column(),
         "gqa/attention_output/kernel": keras_tp.Row(),
     }
-    with pytest.raises(keras_tp.ShardingError, match="'gqa' has 4 query heads and 2 key/value heads"):
+    with pytest.raises(
+        keras_tp.ShardingError,
+        match="'gqa' has 4 query heads and 2 key/value heads",
+    ):
         keras_tp.TensorParallelKeras(gqa_model(2), world_size=4, plan=plan)
 
 
@@ -336,7 +381,9 @@ class TiedOutput(layers.Layer):
         self.embedding = embedding
 
     def call(self, x):
-        return keras.ops.matmul(x, keras.ops.transpose(self.embedding.embeddings))
+        return keras.ops.matmul(
+            x, keras.ops.transpose(self.embedding.embeddings)
+        )
 
 
 def test_tied_embeddings_stay_whole():
@@ -344,8 +391,12 @@ def test_tied_embeddings_stay_whole():
     tp = keras_tp.TensorParallelKeras(tied_lm(), world_size=2)
     assert "embedding" in tp.sharding_plan.replicated
     np.testing.assert_allclose(tp(tokens), tied_lm()(tokens), atol=ATOL)
-    with pytest.raises(keras_tp.ShardingError, match="'embedding/embeddings' is tied"):
-        keras_tp.TensorParallelKeras(tied_lm(), world_size=2, plan={"embedding": keras_tp.Vocab()})
+    with pytest.raises(
+        keras_tp.ShardingError, match="'embedding/embeddings' is tied"
+    ):
+        keras_tp.TensorParallelKeras(
+            tied_lm(), world_size=2, plan={"embedding": keras_tp.Vocab()}
+        )
 
 
 def test_indivisible_dimensions():
@@ -359,24 +410,48 @@ def test_indivisible_dimensions():
     assert "not divisible by 4" in tp.sharding_plan.replicated["odd"]
     x = np.ones((2, 6), "float32")
     np.testing.assert_allclose(tp(x), build()(x), atol=ATOL)
-    with pytest.raises(keras_tp.ShardingError, match="'odd/kernel' of shape \\(6, 30\\).*not divisible by 4"):
-        keras_tp.TensorParallelKeras(build(), world_size=4, plan={"odd": keras_tp.Column()})
+    with pytest.raises(
+        keras_tp.ShardingError,
+        match="'odd/kernel' of shape \\(6, 30\\).*not divisible by 4",
+    ):
+        keras_tp.TensorParallelKeras(
+            build(), world_size=4, plan={"odd": keras_tp.Column()}
+        )
 
 
 def test_bad_inputs_have_clear_errors():
-    with pytest.raises(ValueError, match="world_size=8 is larger than the 4 jax device"):
+    with pytest.raises(
+        ValueError, match="world_size=8 is larger than the 4 jax device"
+    ):
         keras_tp.TensorParallelKeras(models.mlp(), world_size=8)
-    with pytest.raises(ValueError, match="device_ids \\['cpu:9'\\] are not available"):
-        keras_tp.TensorParallelKeras(models.mlp(), device_ids=["cpu:0", "cpu:9"])
+    with pytest.raises(
+        ValueError, match="device_ids \\['cpu:9'\\] are not available"
+    ):
+        keras_tp.TensorParallelKeras(
+            models.mlp(), device_ids=["cpu:0", "cpu:9"]
+        )
     with pytest.raises(NotImplementedError, match="data_parallel=2"):
-        keras_tp.TensorParallelKeras(models.mlp(), world_size=4, data_parallel=2)
+        keras_tp.TensorParallelKeras(
+            models.mlp(), world_size=4, data_parallel=2
+        )
     with pytest.raises(ValueError, match="is not built"):
-        keras_tp.TensorParallelKeras(keras.Sequential([layers.Dense(4)]), world_size=2)
+        keras_tp.TensorParallelKeras(
+            keras.Sequential([layers.Dense(4)]), world_size=2
+        )
     with pytest.raises(ValueError, match="\\['nope'\\] match no variable"):
-        keras_tp.TensorParallelKeras(models.mlp(), world_size=2, plan={"nope": keras_tp.Row()})
-    with pytest.raises(keras_tp.ShardingError, match="'up/kernel': Vocab\\(\\) does not apply to Dense"):
-        keras_tp.TensorParallelKeras(models.mlp(), world_size=2, plan={"up": keras_tp.Vocab()})
-    with pytest.raises(keras_tp.ShardingError, match="'block0_attention' is split partially"):
+        keras_tp.TensorParallelKeras(
+            models.mlp(), world_size=2, plan={"nope": keras_tp.Row()}
+        )
+    with pytest.raises(
+        keras_tp.ShardingError,
+        match="'up/kernel': Vocab\\(\\) does not apply to Dense",
+    ):
+        keras_tp.TensorParallelKeras(
+            models.mlp(), world_size=2, plan={"up": keras_tp.Vocab()}
+        )
+    with pytest.raises(
+        keras_tp.ShardingError, match="'block0_attention' is split partially"
+    ):
         keras_tp.TensorParallelKeras(
             models.transformer_lm(),
             world_size=2,
@@ -384,26 +459,38 @@ def test_bad_inputs_have_clear_errors():
         )
     with pytest.raises(ValueError, match="matches several plan keys"):
         keras_tp.TensorParallelKeras(
-            models.mlp(), world_size=2, plan={"u": keras_tp.Column(), "up": keras_tp.Column()}
+            models.mlp(),
+            world_size=2,
+            plan={"u": keras_tp.Column(), "up": keras_tp.Column()},
         )
     with pytest.raises(TypeError, match="must be a keras_tp style"):
         keras_tp.ShardingPlan({"up": "column"})
-    with pytest.raises(RuntimeError, match="already initialised with 4 CPU device"):
+    with pytest.raises(
+        RuntimeError, match="already initialised with 4 CPU device"
+    ):
         keras_tp.configure_virtual_devices(2)
     keras_tp.configure_virtual_devices(4)  # same count again: a no-op
 
 
 def test_explicit_devices_and_default_world_size():
     reference = models.mlp()
-    tp = keras_tp.TensorParallelKeras(models.mlp(), device_ids=["cpu:2", "cpu:3"])
+    tp = keras_tp.TensorParallelKeras(
+        models.mlp(), device_ids=["cpu:2", "cpu:3"]
+    )
     assert tp.get_parallelism_info()["devices"] == ["cpu:2", "cpu:3"]
     kernel = tp.model.get_layer("up").kernel.value
-    assert {str(s.device) for s in kernel.addressable_shards} == {"TFRT_CPU_2", "TFRT_CPU_3"} or {
-        s.device.id for s in kernel.addressable_shards
-    } == {2, 3}
+    assert {str(s.device) for s in kernel.addressable_shards} == {
+        "TFRT_CPU_2",
+        "TFRT_CPU_3",
+    } or {s.device.id for s in kernel.addressable_shards} == {2, 3}
     x, _ = models.data_for("mlp")
     np.testing.assert_allclose(tp(x), reference(x), atol=ATOL)
-    assert keras_tp.TensorParallelKeras(models.mlp()).get_parallelism_info()["world_size"] == 4
+    assert (
+        keras_tp.TensorParallelKeras(models.mlp()).get_parallelism_info()[
+            "world_size"
+        ]
+        == 4
+    )
 
 
 def test_collectives_interface():
@@ -411,7 +498,9 @@ def test_collectives_interface():
 
     from keras_tp.collectives.jax import JaxCollectiveAdapter
 
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(1, 4), ("data", "model"))
+    mesh = jax.sharding.Mesh(
+        np.array(jax.devices()[:4]).reshape(1, 4), ("data", "model")
+    )
     adapter = JaxCollectiveAdapter(4)
     x = np.arange(16, dtype="float32").reshape(4, 4)
 
@@ -421,26 +510,54 @@ def test_collectives_interface():
                 return fn(block)
 
         return np.asarray(
-            jax.shard_map(local, mesh=mesh, in_specs=P("model"), out_specs=out_spec, check_vma=False)(x)
+            jax.shard_map(
+                local,
+                mesh=mesh,
+                in_specs=P("model"),
+                out_specs=out_spec,
+                check_vma=False,
+            )(x)
         )
 
     rows = [x[i : i + 1] for i in range(4)]
-    np.testing.assert_allclose(run(lambda b: keras_tp.collectives.all_reduce(b)), np.tile(sum(rows), (4, 1)))
-    np.testing.assert_allclose(run(lambda b: keras_tp.collectives.all_reduce(b, "mean")), np.tile(sum(rows) / 4, (4, 1)))
-    np.testing.assert_allclose(run(lambda b: keras_tp.collectives.all_reduce(b, "max")), np.tile(rows[3], (4, 1)))
-    np.testing.assert_allclose(run(lambda b: keras_tp.collectives.all_reduce(b, "min")), np.tile(rows[0], (4, 1)))
-    np.testing.assert_allclose(run(lambda b: keras_tp.collectives.all_gather(b, axis=0)), np.tile(x, (4, 1)))
     np.testing.assert_allclose(
-        run(lambda b: keras_tp.collectives.reduce_scatter(b, axis=1)), sum(rows).reshape(4, 1)
+        run(lambda b: keras_tp.collectives.all_reduce(b)),
+        np.tile(sum(rows), (4, 1)),
     )
-    np.testing.assert_allclose(run(lambda b: keras_tp.collectives.broadcast(b, root=2)), np.tile(rows[2], (4, 1)))
     np.testing.assert_allclose(
-        run(lambda b: b * 0 + keras_tp.collectives.rank()), np.repeat(np.arange(4.0), 4).reshape(4, 4)
+        run(lambda b: keras_tp.collectives.all_reduce(b, "mean")),
+        np.tile(sum(rows) / 4, (4, 1)),
+    )
+    np.testing.assert_allclose(
+        run(lambda b: keras_tp.collectives.all_reduce(b, "max")),
+        np.tile(rows[3], (4, 1)),
+    )
+    np.testing.assert_allclose(
+        run(lambda b: keras_tp.collectives.all_reduce(b, "min")),
+        np.tile(rows[0], (4, 1)),
+    )
+    np.testing.assert_allclose(
+        run(lambda b: keras_tp.collectives.all_gather(b, axis=0)),
+        np.tile(x, (4, 1)),
+    )
+    np.testing.assert_allclose(
+        run(lambda b: keras_tp.collectives.reduce_scatter(b, axis=1)),
+        sum(rows).reshape(4, 1),
+    )
+    np.testing.assert_allclose(
+        run(lambda b: keras_tp.collectives.broadcast(b, root=2)),
+        np.tile(rows[2], (4, 1)),
+    )
+    np.testing.assert_allclose(
+        run(lambda b: b * 0 + keras_tp.collectives.rank()),
+        np.repeat(np.arange(4.0), 4).reshape(4, 4),
     )
     assert run(lambda b: b * 0 + keras_tp.collectives.size())[0, 0] == 4
     with pytest.raises(ValueError, match="`op` must be one of"):
         run(lambda b: keras_tp.collectives.all_reduce(b, "prod"))
-    with pytest.raises(RuntimeError, match="only available inside a sharded region"):
+    with pytest.raises(
+        RuntimeError, match="only available inside a sharded region"
+    ):
         keras_tp.collectives.all_reduce(x)
 
 
@@ -450,7 +567,9 @@ def test_conjugate_operators_give_exact_gradients():
 
     from keras_tp.collectives.jax import JaxCollectiveAdapter
 
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(1, 4), ("data", "model"))
+    mesh = jax.sharding.Mesh(
+        np.array(jax.devices()[:4]).reshape(1, 4), ("data", "model")
+    )
     adapter = JaxCollectiveAdapter(4)
     x = np.random.default_rng(0).normal(size=(3, 8)).astype("float32")
     w = np.random.default_rng(1).normal(size=(8, 8)).astype("float32")
@@ -460,13 +579,19 @@ def test_conjugate_operators_give_exact_gradients():
             h = adapter.copy_to_parallel(x) @ w_col
             return adapter.gather_from_parallel(h, -1)
 
-        return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(None, "model")), out_specs=P())(x, w)
+        return jax.shard_map(
+            local, mesh=mesh, in_specs=(P(), P(None, "model")), out_specs=P()
+        )(x, w)
 
     def scatter_reduce(x, w):
         def local(x, w_row):
-            return adapter.reduce_from_parallel(adapter.scatter_to_parallel(x, -1) @ w_row)
+            return adapter.reduce_from_parallel(
+                adapter.scatter_to_parallel(x, -1) @ w_row
+            )
 
-        return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("model", None)), out_specs=P())(x, w)
+        return jax.shard_map(
+            local, mesh=mesh, in_specs=(P(), P("model", None)), out_specs=P()
+        )(x, w)
 
     def loss(f):
         return lambda x, w: jax.numpy.sum(jax.numpy.sin(f(x, w)))
@@ -475,3 +600,29 @@ def test_conjugate_operators_give_exact_gradients():
     for f in (column_row, scatter_reduce):
         got = jax.grad(loss(f), argnums=(0, 1))(x, w)
         assert max_diff(got, expected) <= ATOL
+
+
+def test_attention_dropout_trains_and_state_stays_outside_regions():
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6, 16))
+        h = layers.MultiHeadAttention(4, 4, dropout=0.5, name="mha")(
+            inputs, inputs
+        )
+        return keras.Model(inputs, layers.Dense(16, name="out")(h))
+
+    tp = keras_tp.TensorParallelKeras(build(), world_size=2)
+    tp.compile(optimizer="sgd", loss="mse")
+    x = np.random.default_rng(0).normal(size=(8, 6, 16)).astype("float32")
+    seed = tp.model.get_layer("mha")._dropout_layer.seed_generator.state
+    before = np.asarray(seed.value).copy()
+    history = tp.fit(x, x, batch_size=4, epochs=2, verbose=0)
+    assert np.all(np.isfinite(history.history["loss"]))
+    assert not np.array_equal(
+        before, np.asarray(seed.value)
+    )  # dropout drew seeds
+    reference = build()
+    reference.set_weights(tp.get_weights())
+    np.testing.assert_allclose(
+        tp.predict(x, verbose=0), reference.predict(x, verbose=0), atol=ATOL
+    )

@@ -28,7 +28,11 @@ class PositionEmbedding(layers.Layer):
         return keras.ops.expand_dims(self.table(positions), 0)
 
     def get_config(self):
-        return {**super().get_config(), "seq_len": self.seq_len, "dim": self.dim}
+        return {
+            **super().get_config(),
+            "seq_len": self.seq_len,
+            "dim": self.dim,
+        }
 
 
 def transformer_lm(vocab=64, seq_len=8, dim=16, heads=4, blocks=2, seed=0):

@@ -8,3 +8,14 @@ from keras_tp.plan.styles import Replicate
 from keras_tp.plan.styles import Row
 from keras_tp.plan.styles import ShardingStyle
 from keras_tp.plan.styles import Vocab
+
+__all__ = [
+    "Column",
+    "Replicate",
+    "Row",
+    "ShardingError",
+    "ShardingPlan",
+    "ShardingStyle",
+    "Vocab",
+    "auto_plan",
+]

@@ -14,7 +14,9 @@ from keras_tp.plan.sharding_plan import check_shardable
 from keras_tp.plan.sharding_plan import supported_layers
 from keras_tp.plan.sharding_plan import tied_variables
 from keras_tp.plan.sharding_plan import walk_layers
-from keras_tp.plan.styles import Column, Row, Vocab
+from keras_tp.plan.styles import Column
+from keras_tp.plan.styles import Row
+from keras_tp.plan.styles import Vocab
 
 # Layers that act on every feature independently and keep the shape, so
 # a Column output can flow through them to its Row consumer.
@@ -82,7 +84,11 @@ def auto_plan(model, world_size):
             else:
                 reasons[layer.path] = reason
     styles, leaf_reasons = planner.leaf_styles(
-        [l for l in supported_layers(model) if not ATTENTION.matches(l)]
+        [
+            layer
+            for layer in supported_layers(model)
+            if not ATTENTION.matches(layer)
+        ]
     )
     for layer, style in styles:
         rules[_primary_path(layer)] = style
@@ -142,7 +148,11 @@ class _Planner:
             if len(self.calls_of[id(layer)]) != 1:
                 continue
             row = self._row_partner(call)
-            if row is not None and id(row) in candidates and id(row) not in styles:
+            if (
+                row is not None
+                and id(row) in candidates
+                and id(row) not in styles
+            ):
                 styles[id(layer)] = (layer, Column())
                 styles[id(row)] = (row, Row())
         reasons = {}
@@ -161,8 +171,10 @@ class _Planner:
                     reasons[layer.path] = reason
             if id(layer) in styles:
                 reasons.pop(layer.path, None)
-        order = {id(l): i for i, l in enumerate(layers)}
-        ordered = sorted(styles.values(), key=lambda item: order.get(id(item[0]), 0))
+        order = {id(layer): i for i, layer in enumerate(layers)}
+        ordered = sorted(
+            styles.values(), key=lambda item: order.get(id(item[0]), 0)
+        )
         return ordered, reasons
 
     def _row_partner(self, call):
@@ -245,7 +257,9 @@ def trace_layer_calls(model):
 def _recording(layer, call, calls):
     def recording_call(*args, **kwargs):
         outputs = call(*args, **kwargs)
-        flat_in = [t for t in keras.tree.flatten((args, kwargs)) if _is_tensor(t)]
+        flat_in = [
+            t for t in keras.tree.flatten((args, kwargs)) if _is_tensor(t)
+        ]
         flat_out = [t for t in keras.tree.flatten(outputs) if _is_tensor(t)]
         calls.append(Call(layer, flat_in, flat_out))
         return outputs
@@ -287,4 +301,3 @@ def _concrete(shape, batch):
     if dims and batch and dims[0] is None:
         dims[0] = 1
     return tuple(2 if d is None else int(d) for d in dims)
-

@@ -10,17 +10,38 @@ backend; the runtimes decide how the local tensors come to exist.
 import keras
 from keras import ops
 
-from keras_tp.plan.styles import Column, Row, Vocab
-
+from keras_tp.plan.styles import Column
+from keras_tp.plan.styles import Row
+from keras_tp.plan.styles import Vocab
 
 ELEMENTWISE_ACTIVATIONS = frozenset(
     [
-        "linear", "relu", "relu6", "leaky_relu", "elu", "selu", "celu",
-        "gelu", "silu", "swish", "hard_silu", "hard_swish", "mish", "tanh",
-        "sigmoid", "hard_sigmoid", "log_sigmoid", "softplus", "softsign",
-        "exponential", "tanh_shrink", "squareplus", "sparse_plus",
+        "linear",
+        "relu",
+        "relu6",
+        "leaky_relu",
+        "elu",
+        "selu",
+        "celu",
+        "gelu",
+        "silu",
+        "swish",
+        "hard_silu",
+        "hard_swish",
+        "mish",
+        "tanh",
+        "sigmoid",
+        "hard_sigmoid",
+        "log_sigmoid",
+        "softplus",
+        "softsign",
+        "exponential",
+        "tanh_shrink",
+        "squareplus",
+        "sparse_plus",
     ]
 )
+
 
 def is_elementwise(activation):
     """Whether a Keras activation acts on each feature independently."""
@@ -169,7 +190,10 @@ class EinsumDenseHandler(LayerHandler):
 
     def unsupported_reason(self, layer):
         reason = super().unsupported_reason(layer)
-        if reason is None and "." in layer.equation.split("->")[0].split(",")[1]:
+        if (
+            reason is None
+            and "." in layer.equation.split("->")[0].split(",")[1]
+        ):
             reason = "its kernel spec uses '...'"
         return reason
 

@@ -72,7 +72,9 @@ class ShardingPlan:
         self.replicated = {}
 
     def __repr__(self):
-        lines = [f"    {pattern!r}: {style!r}," for pattern, style in self.rules]
+        lines = [
+            f"    {pattern!r}: {style!r}," for pattern, style in self.rules
+        ]
         return "ShardingPlan({\n" + "\n".join(lines) + "\n})"
 
     def __len__(self):
@@ -184,7 +186,9 @@ class ShardingPlan:
 def walk_layers(layer):
     """Yields every sublayer of `layer`, depth first, each once."""
     seen = set()
-    stack = list(reversed(layer._flatten_layers(include_self=False, recursive=False)))
+    stack = list(
+        reversed(layer._flatten_layers(include_self=False, recursive=False))
+    )
     while stack:
         sub = stack.pop()
         if id(sub) in seen:
@@ -221,7 +225,9 @@ def tied_variables(model):
     owners = collections.defaultdict(set)
     parents = collections.defaultdict(set)
     for parent in [model, *walk_layers(model)]:
-        for child in parent._flatten_layers(include_self=False, recursive=False):
+        for child in parent._flatten_layers(
+            include_self=False, recursive=False
+        ):
             parents[id(child)].add(id(parent))
         for variable in _own_variables(parent):
             owners[id(variable)].add(id(parent))
@@ -266,7 +272,8 @@ def check_shardable(layer, handler, style, world_size, tied):
     ):
         raise ShardingError(
             f"Variable '{primary.path}': {style!r} leaves the output split, "
-            f"but the activation {getattr(activation, '__name__', activation)!r} "
+            "but the activation "
+            f"{getattr(activation, '__name__', activation)!r} "
             f"of layer '{layer.path}' mixes features. Use "
             "Column(gather_output=True) or Replicate()."
         )
@@ -302,7 +309,9 @@ def _bind_attention(plan, layer, world_size, tied, used):
     styles = {}
     for name, sub in projections.items():
         handler = leaf_handler(sub)
-        styles[name] = _style_for(plan, handler.variables(sub)[handler.primary], used)
+        styles[name] = _style_for(
+            plan, handler.variables(sub)[handler.primary], used
+        )
     if all(style is None for style in styles.values()):
         return None
     expected = {name: ATTENTION.projection_style(name) for name in projections}
@@ -344,11 +353,12 @@ def replicated_layers(model, bound):
         if id(layer) in split or not _own_variables(layer):
             continue
         if leaf_handler(layer) is None and not ATTENTION.matches(layer):
-            reasons[layer.path] = f"{type(layer).__name__}: not a layer keras_tp splits"
+            reasons[layer.path] = (
+                f"{type(layer).__name__}: not a layer keras_tp splits"
+            )
         else:
             reasons[layer.path] = "not in the plan"
     return reasons
-
 
 
 def _own_variables(layer):

@@ -33,7 +33,7 @@ class Column(ShardingStyle):
 
     Example:
 
-    >>> plan = ShardingPlan({"mlp_up/kernel": Column(), "mlp_down/kernel": Row()})
+    >>> plan = ShardingPlan({"up/kernel": Column(), "down/kernel": Row()})
     """
 
     def __init__(self, gather_output=False):

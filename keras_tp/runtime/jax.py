@@ -13,6 +13,7 @@ import keras
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
+from keras.src.backend import StatelessScope
 from keras.src.backend import get_keras_mask
 from keras.src.backend import set_keras_mask
 
@@ -113,13 +114,18 @@ class JaxRuntime(Runtime):
         variables = region.variables()
         weights = [variable.value for variable, _ in variables]
         weight_specs = [_spec(axis) for _, axis in variables]
+        # Other state the layer's own call may read or update (the seed of
+        # an attention dropout, say) enters and leaves the region
+        # explicitly: a value traced inside shard_map must not leak out.
+        member_ids = {id(variable) for variable, _ in variables}
+        state = [v for v in region.layer.variables if id(v) not in member_ids]
         out_axes = region.output_axes(args, kwargs)
         out_specs = jax.tree_util.tree_map(
             _spec, out_axes, is_leaf=lambda x: x is None or isinstance(x, int)
         )
         adapter = self.adapter
 
-        def local_fn(local_arrays, local_masks, local_weights):
+        def local_fn(local_arrays, local_masks, local_weights, local_state):
             local_masks = iter(local_masks)
             for array, mask in zip(local_arrays, masks):
                 if mask is not None:
@@ -141,8 +147,15 @@ class JaxRuntime(Runtime):
             local_args, local_kwargs = jax.tree_util.tree_unflatten(
                 treedef, local_leaves
             )
-            with region.local_weights(local_weights), adapter.activated():
-                return region.compute(*local_args, **local_kwargs)
+            with (
+                StatelessScope(
+                    state_mapping=list(zip(state, local_state))
+                ) as scope,
+                region.local_weights(local_weights),
+                adapter.activated(),
+            ):
+                outputs = region.compute(*local_args, **local_kwargs)
+            return outputs, [scope.get_current_value(v) for v in state]
 
         mapped = jax.shard_map(
             local_fn,
@@ -151,11 +164,17 @@ class JaxRuntime(Runtime):
                 array_specs,
                 [PartitionSpec()] * len(mask_arrays),
                 weight_specs,
+                [PartitionSpec()] * len(state),
             ),
-            out_specs=out_specs,
+            out_specs=(out_specs, [PartitionSpec()] * len(state)),
             check_vma=True,
         )
-        return mapped(arrays, mask_arrays, weights)
+        outputs, new_state = mapped(
+            arrays, mask_arrays, weights, [v.value for v in state]
+        )
+        for variable, value in zip(state, new_state):
+            variable.assign(value)
+        return outputs
 
 
 def _to_jax_device(name):
@@ -164,4 +183,6 @@ def _to_jax_device(name):
         if device.id == int(index):
             return device
     raise ValueError(f"No JAX device named '{name}'.")
+
+
 RUNTIME = JaxRuntime

@@ -119,6 +119,10 @@ class TensorParallelKeras(keras.Model):
         with self._runtime.adapter.stats.recording("call"):
             return self.model(inputs, training=training)
 
+    def get_layer(self, name=None, index=None):
+        """Looks a layer up in the wrapped model (see `keras.Model`)."""
+        return self.model.get_layer(name=name, index=index)
+
     def compile(self, *args, **kwargs):
         with self._runtime.scope():
             super().compile(*args, **kwargs)

@@ -262,6 +262,7 @@ def test_summary_and_parallelism_info():
     )
     assert "(16, 32)" in text  # mlp_up's local kernel shape on 2 devices
     assert "final_ln: LayerNormalization" in text
+    assert tp.get_layer("final_ln") is tp.model.get_layer("final_ln")
     info = tp.get_parallelism_info()
     assert info["backend"] == "jax"
     assert info["world_size"] == 2 and info["tensor_parallel"] == 2

@@ -1,5 +1,7 @@
 """`TensorParallelKeras`: a `keras.Model` split across devices."""
 
+import weakref
+
 import keras
 from keras.src.utils import io_utils
 
@@ -8,6 +10,10 @@ from keras_tp.collectives.base import nbytes
 from keras_tp.plan.auto import auto_plan
 from keras_tp.plan.sharding_plan import ShardingPlan
 from keras_tp.runtime import runtime_class
+
+
+# Models whose layers were converted in place, so they are not split twice.
+_WRAPPED_MODELS = weakref.WeakSet()
 
 
 class TensorParallelKeras(keras.Model):
@@ -67,6 +73,12 @@ class TensorParallelKeras(keras.Model):
             raise TypeError(
                 f"TensorParallelKeras wraps a keras.Model, got {type(model)}."
             )
+        if model in _WRAPPED_MODELS:
+            raise ValueError(
+                f"Model '{model.name}' is already split by a "
+                "TensorParallelKeras. Wrap each model once; to change the "
+                "plan, rebuild the model (or load its saved copy)."
+            )
         if not model.built:
             raise ValueError(
                 f"Model '{model.name}' is not built. Call "
@@ -103,6 +115,7 @@ class TensorParallelKeras(keras.Model):
             )
             runtime.place(variable, axis)
         self._regions = regions.install(bound, runtime)
+        _WRAPPED_MODELS.add(model)
         self.built = True
 
     @property

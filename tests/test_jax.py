@@ -464,6 +464,10 @@ def test_bad_inputs_have_clear_errors():
             world_size=2,
             plan={"u": keras_tp.Column(), "up": keras_tp.Column()},
         )
+    model = models.mlp()
+    keras_tp.TensorParallelKeras(model, world_size=2)
+    with pytest.raises(ValueError, match="'mlp' is already split"):
+        keras_tp.TensorParallelKeras(model, world_size=2)
     with pytest.raises(TypeError, match="must be a keras_tp style"):
         keras_tp.ShardingPlan({"up": "column"})
     with pytest.raises(

@@ -1,6 +1,7 @@
 """keras_tp: real tensor parallelism for Keras 3."""
 
 from keras_tp import collectives
+from keras_tp.launch import launch
 from keras_tp.model import TensorParallelKeras
 from keras_tp.plan import Column
 from keras_tp.plan import Replicate
@@ -26,4 +27,5 @@ __all__ = [
     "auto_plan",
     "collectives",
     "configure_virtual_devices",
+    "launch",
 ]

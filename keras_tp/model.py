@@ -241,10 +241,11 @@ class TensorParallelKeras(keras.Model):
                 f"'{self.model.name}' has {len(variables)} weights."
             )
         for variable, value in zip(variables, weights):
-            if tuple(value.shape) != tuple(variable.shape):
+            full_shape = self._runtime.full_shapes[id(variable)]
+            if tuple(value.shape) != full_shape:
                 raise ValueError(
                     f"set_weights(): variable '{variable.path}' has full "
-                    f"shape {tuple(variable.shape)}, got {tuple(value.shape)}."
+                    f"shape {full_shape}, got {tuple(value.shape)}."
                 )
             self._runtime.assign_full_value(variable, value)
 

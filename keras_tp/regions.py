@@ -132,6 +132,7 @@ def install(plan, runtime):
                 _leaf_output_axes(entry),
             )
         _set_call(region.layer, _region_call(region, runtime))
+        runtime.prepare_region(region)
         regions.append(region)
     return regions
 

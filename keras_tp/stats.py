@@ -2,7 +2,6 @@
 
 import collections
 import contextlib
-import threading
 
 _DIRECTIONS = ("forward", "backward")
 
@@ -22,11 +21,9 @@ class CommunicationStats:
 
     def __init__(self):
         self._records = {}
-        self._local = threading.local()
-
-    @property
-    def active_phase(self):
-        return getattr(self._local, "phase", None)
+        # Process-wide, not per thread: torch runs CUDA backward passes on
+        # worker threads, whose collectives belong to the same step.
+        self.active_phase = None
 
     @contextlib.contextmanager
     def recording(self, phase):
@@ -39,11 +36,11 @@ class CommunicationStats:
             yield
             return
         self._records[phase] = []
-        self._local.phase = phase
+        self.active_phase = phase
         try:
             yield
         finally:
-            self._local.phase = None
+            self.active_phase = None
 
     def record(self, kind, nbytes, direction="forward"):
         """Adds one collective call of `kind` moving `nbytes` per rank."""

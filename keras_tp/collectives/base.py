@@ -13,6 +13,7 @@ from keras_tp.stats import CommunicationStats
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
 _CURRENT_ADAPTER = contextvars.ContextVar("keras_tp_adapter", default=None)
+_PROCESS_ADAPTER = None
 
 
 class CollectiveAdapter:
@@ -107,9 +108,19 @@ class CollectiveAdapter:
             _CURRENT_ADAPTER.reset(token)
 
 
+def set_process_adapter(adapter):
+    """Makes `adapter` the one used outside sharded regions.
+
+    Runtimes whose ranks are processes (torch) call it, so that
+    `keras_tp.collectives` works anywhere in a rank's code.
+    """
+    global _PROCESS_ADAPTER
+    _PROCESS_ADAPTER = adapter
+
+
 def current_adapter():
     """Returns the adapter of the enclosing sharded region or process."""
-    adapter = _CURRENT_ADAPTER.get()
+    adapter = _CURRENT_ADAPTER.get() or _PROCESS_ADAPTER
     if adapter is None:
         raise RuntimeError(
             "keras_tp collectives are only available inside a sharded region "

@@ -37,9 +37,10 @@ class TorchCollectiveAdapter(CollectiveAdapter):
     """Collectives over a `torch.distributed` process group.
 
     Valid in every process of an initialised process group (started by
-    `keras_tp.launch` or `torchrun`). The raw collectives (`all_reduce`,
-    `all_gather`, `reduce_scatter`, `broadcast`) move data without
-    gradients; differentiable code uses the conjugate operators.
+    `keras_tp.launch` or `torchrun`); the adapter may be created before the
+    group is. The raw collectives (`all_reduce`, `all_gather`,
+    `reduce_scatter`, `broadcast`) move data without gradients;
+    differentiable code uses the conjugate operators.
 
     Args:
         group: the `torch.distributed` process group of the `model` axis;
@@ -59,14 +60,12 @@ class TorchCollectiveAdapter(CollectiveAdapter):
     def __init__(self, group=None, axis_name="model"):
         super().__init__(axis_name)
         self.group = group
-        self._rank = dist.get_rank(group)
-        self._size = dist.get_world_size(group)
 
     def rank(self):
-        return self._rank
+        return dist.get_rank(self.group)
 
     def size(self):
-        return self._size
+        return dist.get_world_size(self.group)
 
     def barrier(self):
         dist.barrier(group=self.group)
@@ -80,23 +79,22 @@ class TorchCollectiveAdapter(CollectiveAdapter):
         out = _detached_copy(x, "all_reduce")
         if not _is_symbolic(out):
             dist.all_reduce(out, op=_TORCH_REDUCE_OPS[op], group=self.group)
-        return out / self._size if op == "mean" else out
+        return out / self.size() if op == "mean" else out
 
     def _all_gather(self, x, axis):
         _check_not_differentiated(x, "all_gather")
-        with torch.no_grad():
-            return self.gather(x, axis)
+        return self.gather(x, axis)
 
     def _reduce_scatter(self, x, axis, op):
-        # reduce_scatter_tensor splits dimension 0: bring `axis` there.
+        # reduce_scatter_single splits dimension 0: bring `axis` there.
         full = _detached_copy(x, "reduce_scatter").movedim(axis, 0).contiguous()
-        local = full.narrow(0, 0, full.shape[0] // self._size).clone()
+        local = full.new_empty((full.shape[0] // self.size(), *full.shape[1:]))
         if not _is_symbolic(full):
-            dist.reduce_scatter_tensor(
+            dist.reduce_scatter_single(
                 local, full, op=dist.ReduceOp.SUM, group=self.group
             )
         local = local.movedim(0, axis)
-        return local / self._size if op == "mean" else local
+        return local / self.size() if op == "mean" else local
 
     def _broadcast(self, x, root):
         out = _detached_copy(x, "broadcast")
@@ -109,23 +107,24 @@ class TorchCollectiveAdapter(CollectiveAdapter):
         """Concatenates every rank's `x` along `axis` (not counted)."""
         x = x.contiguous()
         if _is_symbolic(x):
-            return torch.cat([x] * self._size, dim=axis)
-        parts = [torch.empty_like(x) for _ in range(self._size)]
+            return torch.cat([x] * self.size(), dim=axis)
+        parts = [torch.empty_like(x) for _ in range(self.size())]
         dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=axis)
 
     def local_slice(self, x, axis):
-        """This rank's contiguous slice of `x` along `axis`."""
-        if x.shape[axis] % self._size:
+        """A copy of this rank's contiguous slice of `x` along `axis`."""
+        if x.shape[axis] % self.size():
             raise ValueError(
                 f"Cannot split axis {axis} of shape {tuple(x.shape)} "
-                f"evenly across {self._size} ranks."
+                f"evenly across {self.size()} ranks."
             )
-        length = x.shape[axis] // self._size
-        return x.narrow(axis, self._rank * length, length).contiguous()
+        length = x.shape[axis] // self.size()
+        # A copy, never a view: a view would keep the full storage alive.
+        return _contiguous_copy(x.narrow(axis, self.rank() * length, length))
 
     def sum_in_place(self, x):
-        """All-reduces (sums) `x` in place unless it is symbolic (not counted)."""
+        """Sums `x` over the ranks in place (not counted; symbolic: no-op)."""
         if not _is_symbolic(x):
             dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
         return x
@@ -181,7 +180,7 @@ class _ReduceFromParallel(torch.autograd.Function):
 
 
 class _GatherFromParallel(torch.autograd.Function):
-    """All-gather along `axis` forward; this rank's slice of the gradient back."""
+    """All-gather along `axis` forward; the local gradient slice back."""
 
     @staticmethod
     def forward(ctx, x, adapter, axis):
@@ -195,7 +194,7 @@ class _GatherFromParallel(torch.autograd.Function):
 
 
 class _ScatterToParallel(torch.autograd.Function):
-    """This rank's slice along `axis` forward; all-gather of the gradient back."""
+    """The local slice along `axis` forward; gradient all-gathered back."""
 
     @staticmethod
     def forward(ctx, x, adapter, axis):

@@ -127,6 +127,9 @@ class Runtime:
         with self.adapter.stats.recording(phase):
             return step(*args, **kwargs)
 
+    def prepare_region(self, region):
+        """Called once per region when a plan is installed; default no-op."""
+
     def run_region(self, region, args, kwargs):
         """Runs a `ShardedRegion`'s call on every rank; returns the output."""
         raise NotImplementedError

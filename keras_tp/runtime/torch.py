@@ -1,0 +1,315 @@
+"""PyTorch runtime: one process per rank over `torch.distributed`.
+
+Each rank is a process (started by `keras_tp.launch` or `torchrun`) in a
+process group, gloo on CPU and nccl on GPU. A split Keras variable keeps
+its `torch.nn.Parameter` but the parameter's storage is replaced by this
+rank's slice, so the variable's shape is the local shape, Keras' optimizer
+creates local slots from it, and Keras' own torch trainer runs unchanged.
+A sharded region runs eagerly on the local tensors of the process.
+
+Multi-node runs use the usual torchrun flags, on every node:
+
+```
+torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK \
+    --rdzv-backend c10d --rdzv-endpoint $HOST:29500 train.py
+```
+"""
+
+import atexit
+import gc
+import logging
+import os
+
+import keras
+import torch
+import torch.distributed as dist
+from keras.src.backend import get_keras_mask
+from keras.src.backend import set_keras_mask
+
+from keras_tp.collectives.base import set_process_adapter
+from keras_tp.collectives.torch import TorchCollectiveAdapter
+from keras_tp.runtime.base import Runtime
+
+logger = logging.getLogger(__name__)
+
+_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def configure_virtual_devices(n):
+    """No-op on torch, where ranks are processes: logs how to start them."""
+    logger.info(
+        "On the torch backend each rank is a process, so there are no "
+        "virtual devices to configure. Start %d ranks with "
+        "`keras_tp.launch(train_fn, world_size=%d)` (notebooks, scripts) or "
+        "`torchrun --nproc-per-node %d script.py`.",
+        n,
+        n,
+        n,
+    )
+
+
+def join_process_group(world_size=None):
+    """Initialises the default process group of this process if needed.
+
+    A process started by `keras_tp.launch` or `torchrun` joins its group
+    from the `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`
+    variables; an un-launched process may only run one rank, in a group of
+    its own. The group uses nccl for CUDA tensors and gloo for CPU ones.
+
+    Args:
+        world_size: the number of ranks the caller asks for, to explain
+            the error when this process was not launched as a rank.
+    """
+    if dist.is_initialized():
+        return
+    cuda = torch.cuda.is_available()
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    if all(name in os.environ for name in _LAUNCH_VARIABLES):
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, init_method="env://")
+    elif world_size in (None, 1):
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1
+        )
+    else:
+        raise RuntimeError(
+            f"TensorParallelKeras(world_size={world_size}) on the torch "
+            "backend needs one process per rank, but this process was not "
+            "started as a rank (no torch.distributed process group and no "
+            f"{'/'.join(_LAUNCH_VARIABLES)} variables). From a notebook or a "
+            f"script, run your training function with "
+            f"`keras_tp.launch(train_fn, world_size={world_size})`; from a "
+            f"shell, `torchrun --nproc-per-node {world_size} script.py`."
+        )
+    atexit.register(_leave_process_group)
+
+
+def _leave_process_group():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _parameter(variable):
+    """The `torch.nn.Parameter` a Keras torch variable stores its value in."""
+    return variable._value
+
+
+def _swap_storage(variable, value):
+    """Makes `variable` hold `value` (any shape); returns the old Parameter.
+
+    The `torch.nn.Parameter` object stays the one Keras layers and torch
+    modules track, but its tensor is swapped whole: assigning `.data` would
+    keep autograd metadata of the old shape, which breaks the next backward
+    pass if a graph built before (the planner's trace, say) is alive.
+    """
+    parameter = _parameter(variable)
+    if not isinstance(value, torch.nn.Parameter):
+        value = torch.nn.Parameter(value, requires_grad=parameter.requires_grad)
+    try:
+        torch.utils.swap_tensors(parameter, value)
+    except RuntimeError:
+        # A dead autograd graph in a reference cycle still holds the tensor.
+        gc.collect()
+        try:
+            torch.utils.swap_tensors(parameter, value)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"Cannot split variable '{variable.path}': a live autograd "
+                "graph still uses it (an output of the model computed with "
+                "gradients before wrapping it, say). Delete such outputs, or "
+                "compute them under torch.no_grad(), before creating "
+                f"TensorParallelKeras. ({e})"
+            ) from None
+    variable._shape = tuple(parameter.shape)
+    return value
+
+
+class TorchRuntime(Runtime):
+    """Runs tensor parallelism with one process per rank.
+
+    The devices are named `"<type>:<rank>"`, one per rank of the process
+    group (`"cpu:0"`, `"cpu:1"`, ... or `"cuda:0"`, ...), and each process
+    stores and computes only its own rank's shards.
+    """
+
+    backend = "torch"
+
+    def __init__(self, world_size=None, device_ids=None, data_parallel=1):
+        join_process_group(world_size)
+        ranks = dist.get_world_size()
+        if world_size is not None and world_size != ranks:
+            raise ValueError(
+                f"world_size={world_size} but this process group has {ranks} "
+                f"rank(s). Start {world_size} processes (keras_tp.launch or "
+                f"torchrun --nproc-per-node {world_size}) or pass "
+                f"world_size={ranks}."
+            )
+        super().__init__(world_size, device_ids, data_parallel)
+        if self.world_size != ranks:
+            raise ValueError(
+                f"device_ids name {self.world_size} device(s) but the process "
+                f"group has {ranks} rank(s): on torch each rank is one process "
+                "with one device."
+            )
+        self._input_widths = {}
+
+    def _available_devices(self):
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        return [
+            f"{device_type}:{rank}" for rank in range(dist.get_world_size())
+        ]
+
+    def _build(self):
+        self.rank = dist.get_rank()
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+        self.adapter = TorchCollectiveAdapter()
+        set_process_adapter(self.adapter)
+
+    def place_variable(self, variable, axis):
+        value = _parameter(variable).detach()
+        if axis is not None:
+            value = self.adapter.local_slice(value, axis)
+        elif value.device == self.device:
+            return
+        _swap_storage(variable, value.to(self.device))
+
+    def full_value(self, variable):
+        axis = self.variable_axes[id(variable)]
+        value = _parameter(variable).detach()
+        if axis is not None:
+            value = self.adapter.all_gather(value, axis)
+        return keras.ops.convert_to_numpy(value)
+
+    def assign_full_value(self, variable, value):
+        """Assigns this rank's slice of `value`.
+
+        Every rank passes the same full `value`, as in any SPMD program, so
+        each takes its slice locally without communicating.
+        """
+        tensor = keras.ops.convert_to_tensor(value, dtype=variable.dtype)
+        axis = self.variable_axes[id(variable)]
+        if axis is not None:
+            tensor = self.adapter.local_slice(tensor, axis)
+        variable.assign(tensor)
+
+    def save_model(self, model, filepath, **kwargs):
+        """Gathers the full weights on rank 0, which writes the file.
+
+        The other ranks hold one full variable at a time while gathering.
+        Every rank returns once the file is written, and raises if rank 0
+        failed to write it.
+        """
+        split = [
+            (variable, self.variable_axes[id(variable)])
+            for variable in model.variables
+            if self.variable_axes.get(id(variable)) is not None
+        ]
+        shards = []
+        error = None
+        try:
+            for variable, axis in split:
+                full = self.adapter.gather(_parameter(variable).detach(), axis)
+                if self.rank == 0:
+                    shards.append((variable, _swap_storage(variable, full)))
+            if self.rank == 0:
+                model.save(filepath, **kwargs)
+        except Exception as e:
+            error = e
+        finally:
+            for variable, local in shards:
+                _swap_storage(variable, local)
+        saved = torch.tensor([error is None], dtype=torch.int32)
+        dist.broadcast(saved, src=0)
+        if error is not None:
+            raise error
+        if not saved.item():
+            raise RuntimeError(
+                f"Rank 0 failed to save the model to '{filepath}'; its "
+                "exception says why."
+            )
+
+    def device_bytes(self, variables):
+        """`{this rank's device: bytes}`, each torch storage counted once."""
+        seen = set()
+        total = 0
+        for variable in variables:
+            storage = _parameter(variable).untyped_storage()
+            key = (storage.device, storage.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+        return {self.devices[self.rank]: total}
+
+    def run_region(self, region, args, kwargs):
+        self._check_input(region, args)
+        if region.parallel_input:
+            args, kwargs = self._copy_replicated_inputs(args, kwargs)
+        weights = [variable.value for variable, _ in region.variables()]
+        with region.local_weights(weights), self.adapter.activated():
+            return region.compute(*args, **kwargs)
+
+    def prepare_region(self, region):
+        """Lets a split layer take local-width inputs.
+
+        Keras checks a layer's `input_spec` before its `call`, and a Row
+        layer here receives a Column layer's local output. `_check_input`
+        checks the feature widths instead, split-aware, with the layer's
+        name and the fix in its errors.
+        """
+        for layer in [region.layer] + [m.layer for m in region.members]:
+            spec = layer.input_spec
+            if isinstance(spec, keras.InputSpec) and spec.axes:
+                self._input_widths[id(layer)] = dict(spec.axes)
+                spec.axes = {}
+
+    def _check_input(self, region, args):
+        widths = self._input_widths.get(id(region.layer))
+        if not widths or not args:
+            return
+        shape = tuple(args[0].shape)
+        split_axis = region.input_axis(args)
+        layer = region.layer
+        for axis, size in widths.items():
+            axis %= len(shape)
+            if axis == split_axis:
+                local = size // self.tensor_parallel
+                if shape[axis] != local:
+                    raise ValueError(
+                        f"Layer '{layer.path}' is split "
+                        f"{region.members[0].style!r}: its input must arrive "
+                        f"split on axis {axis}, {local} of {size} features per "
+                        f"rank, but it has shape {shape}. A Row layer with "
+                        "input_is_parallel=True must consume a Column "
+                        "layer's output; use Row(input_is_parallel=False) for "
+                        "a replicated input."
+                    )
+            elif shape[axis] != size:
+                raise ValueError(
+                    f"Layer '{layer.path}' expects {size} features on axis "
+                    f"{axis} of its input, got shape {shape}."
+                )
+
+    def _copy_replicated_inputs(self, args, kwargs):
+        """Passes each distinct float input once through `copy_to_parallel`."""
+        copies = {}
+
+        def copy(x):
+            if not (torch.is_tensor(x) and x.is_floating_point()):
+                return x
+            if id(x) not in copies:
+                out = self.adapter.copy_to_parallel(x)
+                mask = get_keras_mask(x)
+                if mask is not None:
+                    set_keras_mask(out, mask)
+                copies[id(x)] = out
+            return copies[id(x)]
+
+        return keras.tree.map_structure(copy, (args, kwargs))
+
+
+RUNTIME = TorchRuntime

@@ -11,7 +11,6 @@ from keras_tp.plan.auto import auto_plan
 from keras_tp.plan.sharding_plan import ShardingPlan
 from keras_tp.runtime import runtime_class
 
-
 # Models whose layers were converted in place, so they are not split twice.
 _WRAPPED_MODELS = weakref.WeakSet()
 
@@ -137,6 +136,7 @@ class TensorParallelKeras(keras.Model):
         return self.model.get_layer(name=name, index=index)
 
     def compile(self, *args, **kwargs):
+        kwargs.setdefault("jit_compile", self._runtime.jit_compile_default)
         with self._runtime.scope():
             super().compile(*args, **kwargs)
 
@@ -257,7 +257,9 @@ class TensorParallelKeras(keras.Model):
 
     def save_weights(self, filepath, overwrite=True, **kwargs):
         """Saves the unsplit weights of the original model."""
-        return self.model.save_weights(filepath, overwrite=overwrite, **kwargs)
+        self._runtime.save_weights(
+            self.model, filepath, overwrite=overwrite, **kwargs
+        )
 
     def get_config(self):
         raise NotImplementedError(

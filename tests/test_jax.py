@@ -248,6 +248,11 @@ def test_weights_round_trip_and_save(tmp_path):
     np.testing.assert_allclose(
         loaded.predict(x, verbose=0), tp.predict(x, verbose=0), atol=ATOL
     )
+    weights_path = str(tmp_path / "trained.weights.h5")
+    tp.save_weights(weights_path)
+    plain = models.transformer_lm(seed=3)
+    plain.load_weights(weights_path)
+    assert max_diff(plain.get_weights(), weights) == 0.0
     with pytest.raises(ValueError, match="token_embedding/embeddings"):
         tp.set_weights([np.zeros((3, 3))] + weights[1:])
 

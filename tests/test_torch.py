@@ -169,6 +169,7 @@ def test_set_weights_round_trip(api_run):
 def test_saved_model_loads_in_plain_keras(api_run):
     path, ranks = api_run
     assert ranks[0]["saved_predictions"] <= TOLERANCE
+    assert ranks[0]["saved_weights"] == 0.0
     # In this process: plain Keras, no process group, no keras_tp.
     loaded = keras.saving.load_model(path)
     x, _ = models.data_for("transformer_lm")

@@ -18,6 +18,9 @@ class Runtime:
     """
 
     backend = None
+    # What `compile(jit_compile=...)` defaults to; Keras' "auto" enables XLA
+    # where the backend can compile the whole step.
+    jit_compile_default = "auto"
 
     def __init__(self, world_size=None, device_ids=None, data_parallel=1):
         available = self._available_devices()
@@ -104,6 +107,10 @@ class Runtime:
     def save_model(self, model, filepath, **kwargs):
         """Writes the unsplit `model` with its current weights."""
         model.save(filepath, **kwargs)
+
+    def save_weights(self, model, filepath, **kwargs):
+        """Writes the unsplit weights of `model`."""
+        model.save_weights(filepath, **kwargs)
 
     def device_bytes(self, variables):
         """`{device: bytes}` these variables occupy, read from the arrays."""

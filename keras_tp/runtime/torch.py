@@ -198,7 +198,17 @@ class TorchRuntime(Runtime):
         variable.assign(tensor)
 
     def save_model(self, model, filepath, **kwargs):
-        """Gathers the full weights on rank 0, which writes the file.
+        """Gathers the full weights on rank 0, which writes the model."""
+        self._write_on_rank_zero(model, lambda: model.save(filepath, **kwargs))
+
+    def save_weights(self, model, filepath, **kwargs):
+        """Gathers the full weights on rank 0, which writes them."""
+        self._write_on_rank_zero(
+            model, lambda: model.save_weights(filepath, **kwargs)
+        )
+
+    def _write_on_rank_zero(self, model, write):
+        """Runs `write` on rank 0 while its variables hold full values.
 
         The other ranks hold one full variable at a time while gathering.
         Every rank returns once the file is written, and raises if rank 0
@@ -217,7 +227,7 @@ class TorchRuntime(Runtime):
                 if self.rank == 0:
                     shards.append((variable, _swap_storage(variable, full)))
             if self.rank == 0:
-                model.save(filepath, **kwargs)
+                write()
         except Exception as e:
             error = e
         finally:
@@ -229,8 +239,8 @@ class TorchRuntime(Runtime):
             raise error
         if not saved.item():
             raise RuntimeError(
-                f"Rank 0 failed to save the model to '{filepath}'; its "
-                "exception says why."
+                "Rank 0 failed to write the model's weights; its exception "
+                "says why."
             )
 
     def device_bytes(self, variables):

@@ -245,6 +245,15 @@ def api_checks(save_path):
         result["saved_predictions"] = _max_diff(
             loaded.predict(x, verbose=0), predictions
         )
+    weights_path = save_path.replace(".keras", ".weights.h5")
+    tp.save_weights(weights_path)
+    if rank == 0:
+        plain = models.transformer_lm(seed=3)
+        plain.load_weights(weights_path)
+        result["saved_weights"] = max(
+            _max_diff(a, b)
+            for a, b in zip(plain.get_weights(), reference.get_weights())
+        )
     result["shards_after_save"] = tp.parameter_bytes_per_device()
     result["forward_after_save"] = _max_diff(tp(x), reference(x))
     result["reference_predictions"] = _numpy(reference(x))

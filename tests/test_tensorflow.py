@@ -1,0 +1,585 @@
+"""Tensor parallelism on the TensorFlow backend, over tf.distribute replicas.
+
+Run in a process of its own (the backend is read when Keras is imported):
+
+    KERAS_BACKEND=tensorflow python -m pytest tests/test_tensorflow.py -q
+
+The module splits the CPU into 4 virtual devices before TensorFlow starts
+and picks 2 or 4 of them per model with `world_size`/`device_ids`. The
+oracle is the same model on one device.
+"""
+
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import keras  # noqa: E402
+import pytest  # noqa: E402
+
+if keras.backend.backend() != "tensorflow":
+    pytest.skip(
+        "TensorFlow tests; run with KERAS_BACKEND=tensorflow",
+        allow_module_level=True,
+    )
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import keras_tp  # noqa: E402
+from keras_tp.runtime.tensorflow import TensorFlowRuntime  # noqa: E402
+
+keras_tp.configure_virtual_devices(4)
+
+from tests import models  # noqa: E402
+
+TOLERANCE = 1e-5
+FIT_STEPS = 5
+BATCH = 4
+MODELS = ("mlp", "cnn", "transformer_lm", "subclassed")
+CASES = [(name, n) for name in MODELS for n in (2, 4)]
+
+
+def _loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _compile(model, **kwargs):
+    model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=_loss(), **kwargs)
+
+
+def _max_diff(a, b):
+    return max(
+        float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(a, b)
+    )
+
+
+def _replica_gradients(tp, x, y):
+    """Per-replica gradients of the TP model, each a list over variables.
+
+    The loss is computed on every replica with the functional loss, which
+    (unlike a `keras.losses.Loss` object) does not divide by the replicas.
+    """
+    strategy = tp._runtime.strategy
+    variables = tp.trainable_variables
+
+    def replica_step():
+        with tf.GradientTape() as tape:
+            logits = tp(x, training=True)
+            loss = keras.ops.mean(
+                keras.losses.sparse_categorical_crossentropy(
+                    y, logits, from_logits=True
+                )
+            )
+        return tape.gradient(loss, variables)
+
+    per_replica = tf.function(lambda: strategy.run(replica_step))()
+    return [
+        [tf.convert_to_tensor(g).numpy() for g in gradients]
+        for gradients in strategy.experimental_local_results(per_replica)
+    ]
+
+
+def _reference_gradients(model, x, y):
+    with tf.GradientTape() as tape:
+        logits = model(x, training=True)
+        loss = keras.ops.mean(
+            keras.losses.sparse_categorical_crossentropy(
+                y, logits, from_logits=True
+            )
+        )
+    return [
+        tf.convert_to_tensor(g).numpy()
+        for g in tape.gradient(loss, model.trainable_variables)
+    ]
+
+
+def _split_axes(tp):
+    """`{variable path: split axis}` of the applied plan."""
+    return {
+        path: axis
+        for path, (_, axis) in tp.sharding_plan.variable_axes().items()
+    }
+
+
+def _components(variable):
+    return [c.numpy() for c in variable.value.values]
+
+
+@functools.lru_cache(maxsize=None)
+def run_case(name, n):
+    """Builds, checks and trains one model on `n` devices; cached per case."""
+    build = models.BUILDERS[name]
+    reference, tp_model = build(), build()
+    x, y = models.data_for(name, batch=BATCH * FIT_STEPS)
+    tp = keras_tp.TensorParallelKeras(tp_model, world_size=n)
+    result = {"tp": tp, "reference": reference, "x": x, "y": y}
+
+    result["call_diff"] = _max_diff([tp(x)], [reference(x)])
+    # Gradients on one batch, per replica, before any training.
+    batch_x, batch_y = x[:BATCH], y[:BATCH]
+    result["replica_gradients"] = _replica_gradients(tp, batch_x, batch_y)
+    result["reference_gradients"] = _reference_gradients(
+        reference, batch_x, batch_y
+    )
+
+    for model in (reference, tp):
+        _compile(model, metrics=["accuracy"])
+    result["predict_diff"] = _max_diff(
+        [tp.predict(x, verbose=0)], [reference.predict(x, verbose=0)]
+    )
+    for model in (reference, tp):
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    result["weight_diff"] = _max_diff(tp.get_weights(), reference.get_weights())
+    result["train_stats"] = tp.communication_stats("train")
+    return result
+
+
+@pytest.mark.parametrize("name,n", CASES)
+def test_forward_matches_one_device(name, n):
+    case = run_case(name, n)
+    assert case["call_diff"] <= TOLERANCE
+    assert case["predict_diff"] <= TOLERANCE
+
+
+@pytest.mark.parametrize("name,n", CASES)
+def test_gradients_match_one_device(name, n):
+    case = run_case(name, n)
+    axes = _split_axes(case["tp"])
+    variables = case["tp"].trainable_variables
+    per_replica = case["replica_gradients"]
+    assert len(per_replica) == n
+    for i, (variable, expected) in enumerate(
+        zip(variables, case["reference_gradients"])
+    ):
+        shards = [gradients[i] for gradients in per_replica]
+        axis = axes.get(variable.path)
+        # A replicated variable gets the whole gradient on every replica.
+        candidates = (
+            shards if axis is None else [np.concatenate(shards, axis=axis)]
+        )
+        for full in candidates:
+            np.testing.assert_allclose(
+                full, expected, rtol=0, atol=TOLERANCE, err_msg=variable.path
+            )
+
+
+@pytest.mark.parametrize("name,n", CASES)
+def test_weights_after_adam_fit_match_one_device(name, n):
+    case = run_case(name, n)
+    assert case["tp"].optimizer.iterations.numpy() == FIT_STEPS
+    assert case["weight_diff"] <= TOLERANCE
+
+
+@pytest.mark.parametrize("name,n", [("transformer_lm", 2), ("cnn", 4)])
+def test_replicated_variables_stay_identical_on_every_replica(name, n):
+    tp = run_case(name, n)["tp"]
+    variables = tp.model.variables + tp.optimizer.variables
+    replicated = [v for v in variables if len(set(_shapes(v))) == 1]
+    assert len(replicated) < len(variables)
+    for variable in replicated:
+        components = _components(variable)
+        assert len(components) == n
+        for component in components[1:]:
+            np.testing.assert_array_equal(
+                component, components[0], err_msg=variable.path
+            )
+
+
+def _shapes(variable):
+    return [tuple(c.shape) for c in variable.value.values] + [
+        tuple(variable.shape)
+    ]
+
+
+@pytest.mark.parametrize("name,n", CASES)
+def test_bytes_per_device_within_bound(name, n):
+    case = run_case(name, n)
+    tp, reference = case["tp"], case["reference"]
+    split = _split_axes(tp)
+    sharded = replicated = 0
+    for variable in reference.variables:
+        size = variable.numpy().nbytes
+        if variable.path in split:
+            sharded += size
+        else:
+            replicated += size
+    parameter_bound = 1.01 * (sharded / n + replicated)
+    measured = tp.parameter_bytes_per_device()
+    assert len(measured) == n
+    assert all(0 < b <= parameter_bound for b in measured.values()), measured
+
+    # Optimizer: Adam keeps two slots per trainable variable, split like it,
+    # plus the iteration count and learning rate on every device.
+    slot_sharded = 2 * sum(
+        v.numpy().nbytes
+        for v in reference.trainable_variables
+        if v.path in split
+    )
+    slot_replicated = 2 * sum(
+        v.numpy().nbytes
+        for v in reference.trainable_variables
+        if v.path not in split
+    )
+    scalars = sum(
+        v.numpy().nbytes for v in reference.optimizer.variables if not v.shape
+    )
+    optimizer_bound = 1.01 * (slot_sharded / n + slot_replicated + scalars)
+    optimizer_measured = tp.optimizer_bytes_per_device()
+    assert all(0 < b <= optimizer_bound for b in optimizer_measured.values()), (
+        optimizer_measured,
+        optimizer_bound,
+    )
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_transformer_collectives_per_step(n):
+    stats = run_case("transformer_lm", n)["train_stats"]
+    blocks = 2
+    # Per block 2 forward and 2 backward all-reduces; plus the token and
+    # position embeddings (forward) and the lm head's input (backward); the
+    # lm head gathers its logits once.
+    assert stats["all_reduce"]["forward_calls"] == 2 * blocks + 2
+    assert stats["all_reduce"]["backward_calls"] == 2 * blocks + 1
+    assert stats["all_gather"]["forward_calls"] == 1
+    assert stats["all_gather"]["backward_calls"] == 0
+    # One broadcast keeps the replicated variables' gradients identical.
+    tp = run_case("transformer_lm", n)["tp"]
+    split = _split_axes(tp)
+    replicated_bytes = sum(
+        v.numpy().nbytes
+        for v in run_case("transformer_lm", n)["reference"].trainable_variables
+        if v.path not in split
+    )
+    assert (
+        stats["broadcast"]["backward_calls"] == stats["broadcast"]["calls"] == 1
+    )
+    assert stats["broadcast"]["bytes"] == replicated_bytes
+    assert set(stats) == {"all_reduce", "all_gather", "broadcast"}
+    # Bytes are one rank's buffers: a block's forward all-reduce moves the
+    # (batch, seq, dim) activations.
+    seq_len, dim = run_case("transformer_lm", n)["x"].shape[1], 16
+    activations = BATCH * seq_len * dim * 4
+    positions = seq_len * dim * 4  # the position table is looked up once
+    assert (
+        stats["all_reduce"]["forward_bytes"]
+        == (2 * blocks + 1) * activations + positions
+    )
+
+
+def test_transformer_block_adds_two_forward_and_two_backward_all_reduces():
+    counts = {}
+    for blocks in (1, 2):
+        model = models.transformer_lm(blocks=blocks)
+        tp = keras_tp.TensorParallelKeras(model, world_size=2)
+        _compile(tp)
+        x, y = models.data_for("transformer_lm", batch=BATCH)
+        tp.train_on_batch(x, y)
+        stats = tp.communication_stats()["all_reduce"]
+        counts[blocks] = (stats["forward_calls"], stats["backward_calls"])
+    assert counts[2][0] - counts[1][0] == 2
+    assert counts[2][1] - counts[1][1] == 2
+
+
+def test_gradients_are_not_n_times_too_large():
+    """Megatron f/g on TensorFlow: the raw all-reduce gradient is N x."""
+    n = 4
+    runtime = TensorFlowRuntime(world_size=n)
+    adapter = runtime.adapter
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 8)).astype("float32")
+    up = rng.normal(size=(8, 12)).astype("float32")
+    down = rng.normal(size=(12, 5)).astype("float32")
+    up_shards = np.split(up, n, axis=1)
+    down_shards = np.split(down, n, axis=0)
+
+    def replica_gradients(reduce):
+        rank = adapter.rank()
+        up_local = tf.constant(np.stack(up_shards))[rank]
+        down_local = tf.constant(np.stack(down_shards))[rank]
+        inputs = tf.constant(x)
+        with tf.GradientTape() as tape:
+            tape.watch([inputs, up_local, down_local])
+            hidden = tf.tanh(adapter.copy_to_parallel(inputs) @ up_local)
+            out = reduce(hidden @ down_local)
+            loss = tf.reduce_sum(out**2)
+        return tape.gradient(loss, [inputs, up_local, down_local])
+
+    def run(reduce):
+        per_replica = tf.function(
+            lambda: runtime.strategy.run(lambda: replica_gradients(reduce))
+        )()
+        results = runtime.strategy.experimental_local_results(per_replica)
+        dx = results[0][0].numpy()
+        dup = np.concatenate([r[1].numpy() for r in results], axis=1)
+        ddown = np.concatenate([r[2].numpy() for r in results], axis=0)
+        return dx, dup, ddown
+
+    inputs, kernel_up, kernel_down = (tf.Variable(v) for v in (x, up, down))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum((tf.tanh(inputs @ kernel_up) @ kernel_down) ** 2)
+    expected = [
+        g.numpy() for g in tape.gradient(loss, [inputs, kernel_up, kernel_down])
+    ]
+
+    with adapter.activated():
+        ours = run(adapter.reduce_from_parallel)
+        raw = run(
+            lambda t: tf.distribute.get_replica_context().all_reduce("sum", t)
+        )
+    for got, want in zip(ours, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # TensorFlow's own all-reduce gradient all-reduces again: N times.
+    np.testing.assert_allclose(raw[1], n * expected[1], rtol=1e-5, atol=1e-4)
+
+
+def test_collectives_and_their_gradients():
+    n = 4
+    runtime = TensorFlowRuntime(world_size=n)
+    adapter = runtime.adapter
+    collectives = keras_tp.collectives
+
+    def replica_step():
+        with adapter.activated():
+            rank = collectives.rank()
+            x = tf.fill([2, 4], float(rank + 1))
+            with tf.GradientTape(persistent=True) as tape:
+                tape.watch(x)
+                gathered = collectives.all_gather(x, axis=1)
+                scattered = collectives.reduce_scatter(x, axis=1)
+            values = {
+                "sum": collectives.all_reduce(x, "sum"),
+                "mean": collectives.all_reduce(x, "mean"),
+                "max": collectives.all_reduce(x, "max"),
+                "min": collectives.all_reduce(x, "min"),
+                "gathered": gathered,
+                "scattered": scattered,
+                "broadcast": collectives.broadcast(x, root=2),
+                "rank": tf.constant(rank),
+                "size": tf.constant(collectives.size()),
+                # Each rank's output slice weighs rank + 1 in a loss summed
+                # over ranks: d/dx = sum over ranks of that weight.
+                "gather_grad": tape.gradient(
+                    gathered,
+                    x,
+                    output_gradients=tf.fill([2, 4 * n], float(rank + 1)),
+                ),
+                "scatter_grad": tape.gradient(
+                    scattered,
+                    x,
+                    output_gradients=tf.fill([2, 1], float(rank + 1)),
+                ),
+            }
+        return values
+
+    per_replica = tf.function(lambda: runtime.strategy.run(replica_step))()
+    results = runtime.strategy.experimental_local_results(per_replica)
+    total = sum(range(1, n + 1))
+    for rank, values in enumerate(results):
+        values = {k: v.numpy() for k, v in values.items()}
+        assert values["rank"] == rank and values["size"] == n
+        np.testing.assert_allclose(values["sum"], total)
+        np.testing.assert_allclose(values["mean"], total / n)
+        np.testing.assert_allclose(values["max"], n)
+        np.testing.assert_allclose(values["min"], 1)
+        np.testing.assert_allclose(values["broadcast"], 3)
+        np.testing.assert_allclose(
+            values["gathered"],
+            np.repeat(np.arange(1, n + 1), 4)[None].repeat(2, 0),
+        )
+        np.testing.assert_allclose(values["scattered"], np.full((2, 1), total))
+        # all_gather backward = reduce-scatter of the cotangents: rank r's
+        # slice of x receives every rank's weight.
+        np.testing.assert_allclose(values["gather_grad"], total)
+        # reduce_scatter backward = all-gather: slice r of x gets rank r's.
+        np.testing.assert_allclose(
+            values["scatter_grad"], np.arange(1, n + 1)[None].repeat(2, 0)
+        )
+
+
+def test_metrics_are_computed_once():
+    case = run_case("mlp", 2)
+    tp, reference, x, y = case["tp"], case["reference"], case["x"], case["y"]
+    tp_logs = tp.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    reference_logs = reference.evaluate(
+        x, y, batch_size=BATCH, verbose=0, return_dict=True
+    )
+    assert tp_logs == pytest.approx(reference_logs, abs=TOLERANCE)
+    # The loss tracker counted each sample once, not once per replica.
+    total, count = (v.numpy() for v in tp.metrics[0].variables)
+    assert count == len(x)
+    assert total == pytest.approx(reference_logs["loss"] * len(x), rel=1e-5)
+
+
+def test_fit_on_tf_data_matches_fit_on_numpy():
+    case = run_case("mlp", 2)
+    x, y = case["x"], case["y"]
+    tp = keras_tp.TensorParallelKeras(models.mlp(), world_size=2)
+    _compile(tp, metrics=["accuracy"])
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    history = tp.fit(dataset, epochs=1, verbose=0)
+    assert (
+        _max_diff(tp.get_weights(), case["reference"].get_weights())
+        <= TOLERANCE
+    )
+    assert len(history.history["loss"]) == 1
+
+
+def test_keras_training_loop_features_keep_working():
+    tp = keras_tp.TensorParallelKeras(
+        models.mlp(), device_ids=["cpu:2", "cpu:3"]
+    )
+    _compile(tp)
+    x, y = models.data_for("mlp", batch=20)
+    seen = []
+    callback = keras.callbacks.LambdaCallback(
+        on_batch_end=lambda batch, logs: seen.append(batch)
+    )
+    history = tp.fit(
+        x,
+        y,
+        batch_size=4,
+        epochs=2,
+        validation_split=0.2,
+        callbacks=[callback],
+        verbose=0,
+    )
+    assert set(history.history) == {"loss", "val_loss"}
+    assert len(seen) == 8
+    # One row per sample, not one per replica.
+    assert tp.predict(x, batch_size=3, verbose=0).shape == (20, 8)
+    assert tp.predict_on_batch(x[:5]).shape == (5, 8)
+    assert np.isfinite(tp.test_on_batch(x[:4], y[:4]))
+    bytes_per_device = tp.parameter_bytes_per_device()
+    assert set(bytes_per_device) == {"cpu:2", "cpu:3"}
+    assert all(b > 0 for b in bytes_per_device.values())
+
+
+def test_get_set_weights_and_save_round_trip(tmp_path):
+    case = run_case("transformer_lm", 2)
+    tp, x = case["tp"], case["x"]
+    trained = tp.get_weights()
+    fresh = keras_tp.TensorParallelKeras(
+        models.transformer_lm(seed=3), world_size=2
+    )
+    assert _max_diff(fresh.get_weights(), trained) > 1e-3
+    fresh.set_weights(trained)
+    assert _max_diff(fresh.get_weights(), trained) == 0
+    np.testing.assert_allclose(fresh(x), tp(x), atol=TOLERANCE)
+
+    path = str(tmp_path / "transformer.keras")
+    bytes_before = tp.parameter_bytes_per_device()
+    tp.save(path)
+    loaded = keras.saving.load_model(path)
+    assert _max_diff(loaded.get_weights(), trained) == 0
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), tp.predict(x, verbose=0), atol=TOLERANCE
+    )
+    # Saving leaves the model split and training.
+    assert tp.parameter_bytes_per_device() == bytes_before
+
+    weights_path = str(tmp_path / "transformer.weights.h5")
+    tp.save_weights(weights_path)
+    plain = models.transformer_lm(seed=3)
+    plain.load_weights(weights_path)
+    assert _max_diff(plain.get_weights(), trained) == 0
+    assert tp.parameter_bytes_per_device() == bytes_before
+    tp.train_on_batch(x[:BATCH], case["y"][:BATCH])
+
+
+def test_split_variables_cannot_be_read_whole_by_mistake():
+    tp = run_case("mlp", 2)["tp"]
+    kernel = tp.model.get_layer("up").kernel
+    with pytest.raises(ValueError):
+        kernel.numpy()
+
+
+def test_configure_virtual_devices_after_start_says_what_to_do():
+    keras_tp.configure_virtual_devices(4)  # what TensorFlow already has: fine
+    with pytest.raises(
+        RuntimeError, match="before any Keras or TensorFlow operation"
+    ):
+        keras_tp.configure_virtual_devices(3)
+
+
+def test_run_eagerly_matches_one_device():
+    case = run_case("mlp", 2)
+    tp = keras_tp.TensorParallelKeras(models.mlp(), world_size=2)
+    _compile(tp, run_eagerly=True)
+    tp.fit(case["x"], case["y"], batch_size=BATCH, shuffle=False, verbose=0)
+    assert (
+        _max_diff(tp.get_weights(), case["reference"].get_weights())
+        <= TOLERANCE
+    )
+
+
+def test_several_steps_per_execution_are_refused_with_the_fix():
+    tp = keras_tp.TensorParallelKeras(models.mlp(), world_size=2)
+    tp.compile(optimizer="adam", loss=_loss(), steps_per_execution=2)
+    x, y = models.data_for("mlp")
+    with pytest.raises(ValueError, match="steps_per_execution=1"):
+        tp.fit(x, y, batch_size=4, verbose=0)
+
+
+def test_jit_compile_is_refused_with_the_fix():
+    tp = keras_tp.TensorParallelKeras(models.mlp(), world_size=2)
+    tp.compile(optimizer="adam", loss=_loss(), jit_compile=True)
+    x, y = models.data_for("mlp")
+    with pytest.raises(ValueError, match="jit_compile=False"):
+        tp.train_on_batch(x, y)
+
+
+def test_optimizer_options_needing_cross_shard_state_are_refused():
+    tp = keras_tp.TensorParallelKeras(models.mlp(), world_size=2)
+    tp.compile(
+        optimizer=keras.optimizers.Adam(global_clipnorm=1.0), loss=_loss()
+    )
+    x, y = models.data_for("mlp")
+    with pytest.raises(NotImplementedError, match="global_clipnorm"):
+        tp.train_on_batch(x, y)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_multi_worker_mirrored_strategy_matches_one_device(tmp_path):
+    script = os.path.join(
+        os.path.dirname(__file__), "tf_scripts", "multi_worker.py"
+    )
+    cluster = {"worker": [f"localhost:{_free_port()}" for _ in range(2)]}
+    workers = []
+    for index in range(2):
+        env = dict(
+            os.environ,
+            KERAS_BACKEND="tensorflow",
+            TF_CONFIG=json.dumps(
+                {"cluster": cluster, "task": {"type": "worker", "index": index}}
+            ),
+        )
+        out = tmp_path / f"worker{index}.json"
+        log = open(tmp_path / f"worker{index}.log", "w")
+        process = subprocess.Popen(
+            [sys.executable, script, str(out)], env=env, stdout=log, stderr=log
+        )
+        workers.append((process, out, log))
+    for process, _, log in workers:
+        process.wait(timeout=300)
+        log.close()
+    for index, (process, out, _) in enumerate(workers):
+        assert process.returncode == 0, (
+            tmp_path / f"worker{index}.log"
+        ).read_text()[-3000:]
+        result = json.loads(out.read_text())
+        assert result["world_size"] == 2
+        assert result["weight_diff"] <= TOLERANCE
+        assert result["output_diff"] <= TOLERANCE
+        # Each worker holds half of the split parameters.
+        local = [b for b in result["parameter_bytes_per_device"].values() if b]
+        assert len(local) == 1

@@ -1,31 +1,40 @@
-"""keras_tp: real tensor parallelism for Keras 3."""
+"""keras_tp: real tensor parallelism for Keras 3.
 
-from keras_tp import collectives
-from keras_tp.launch import launch
-from keras_tp.model import TensorParallelKeras
-from keras_tp.plan import Column
-from keras_tp.plan import Replicate
-from keras_tp.plan import Row
-from keras_tp.plan import ShardingError
-from keras_tp.plan import ShardingPlan
-from keras_tp.plan import ShardingStyle
-from keras_tp.plan import Vocab
-from keras_tp.plan import auto_plan
-from keras_tp.runtime import configure_virtual_devices
+The public names load on first use, so that a program (the demo, the
+`keras-tp` command) can choose `KERAS_BACKEND` after `import keras_tp` and
+before Keras itself is imported.
+"""
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Column",
-    "Replicate",
-    "Row",
-    "ShardingError",
-    "ShardingPlan",
-    "ShardingStyle",
-    "TensorParallelKeras",
-    "Vocab",
-    "auto_plan",
-    "collectives",
-    "configure_virtual_devices",
-    "launch",
-]
+_EXPORTS = {
+    "Column": "keras_tp.plan",
+    "Replicate": "keras_tp.plan",
+    "Row": "keras_tp.plan",
+    "ShardingError": "keras_tp.plan",
+    "ShardingPlan": "keras_tp.plan",
+    "ShardingStyle": "keras_tp.plan",
+    "TensorParallelKeras": "keras_tp.model",
+    "Vocab": "keras_tp.plan",
+    "auto_plan": "keras_tp.plan",
+    "collectives": "keras_tp.collectives",
+    "configure_virtual_devices": "keras_tp.runtime",
+    "launch": "keras_tp.launcher",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'keras_tp' has no attribute {name!r}")
+    module = importlib.import_module(_EXPORTS[name])
+    value = module if name == "collectives" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

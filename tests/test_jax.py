@@ -358,6 +358,7 @@ def test_grouped_query_attention():
     # is refused with the layer, the counts and the fix.
     tp = keras_tp.TensorParallelKeras(gqa_model(2), world_size=4)
     assert "2 key/value heads" in tp.sharding_plan.replicated["gqa"]
+    assert not [p for p in tp.sharding_plan.replicated if p.startswith("gqa/")]
     np.testing.assert_allclose(tp(x), gqa_model(2)(x), atol=ATOL)
     plan = {
         "gqa/(query|key|value)/kernel": keras_tp.Column(),

@@ -26,10 +26,10 @@ if keras.backend.backend() != "torch":
     )
 
 import keras_tp  # noqa: E402
-from keras_tp.launch import RankError  # noqa: E402
-from keras_tp.launch import RankTimeoutError  # noqa: E402
-from keras_tp.launch import RemoteTraceback  # noqa: E402
-from keras_tp.launch import launch  # noqa: E402
+from keras_tp.launcher import RankError  # noqa: E402
+from keras_tp.launcher import RankTimeoutError  # noqa: E402
+from keras_tp.launcher import RemoteTraceback  # noqa: E402
+from keras_tp.launcher import launch  # noqa: E402
 from tests import models  # noqa: E402
 from tests.torch_scripts import rank_checks  # noqa: E402
 
@@ -269,7 +269,7 @@ def test_launch_times_out_naming_the_hung_rank():
 def test_launch_calls_the_function_in_process_on_jax():
     code = (
         "import os\n"
-        "from keras_tp.launch import launch\n"
+        "from keras_tp.launcher import launch\n"
         "assert launch(os.getpid, world_size=4) == os.getpid()\n"
         "print('in-process')\n"
     )

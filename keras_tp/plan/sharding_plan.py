@@ -342,17 +342,25 @@ def _bind_attention(plan, layer, world_size, tied, used):
 
 
 def replicated_layers(model, bound):
-    """`{layer_path: reason}` for layers with weights that are not split."""
-    split = set()
+    """`{layer_path: reason}` for layers with weights that are not split.
+
+    An attention layer is listed once, not with each of its projections.
+    """
+    covered = set()
     for entry in bound.layers:
-        split.add(id(entry.layer))
+        covered.add(id(entry.layer))
         if isinstance(entry, ShardedUnit):
-            split.update(id(sub) for sub in walk_layers(entry.layer))
+            covered.update(id(sub) for sub in walk_layers(entry.layer))
     reasons = {}
     for layer in walk_layers(model):
-        if id(layer) in split or not _own_variables(layer):
+        if id(layer) in covered:
             continue
-        if leaf_handler(layer) is None and not ATTENTION.matches(layer):
+        if ATTENTION.matches(layer):
+            covered.update(id(sub) for sub in walk_layers(layer))
+            reasons[layer.path] = "not in the plan"
+        elif not _own_variables(layer):
+            continue
+        elif leaf_handler(layer) is None:
             reasons[layer.path] = (
                 f"{type(layer).__name__}: not a layer keras_tp splits"
             )

@@ -81,9 +81,10 @@ def launch(
         What `train_fn` returned on rank 0.
 
     Raises:
-        The exception a rank raised, re-raised here with the rank's
-        traceback as its cause; `RankError` if a rank died without one;
-        `RankTimeoutError` on timeout.
+        Exception: the exception a rank raised, re-raised here with the
+            rank's traceback as its cause.
+        RankError: if a rank died without an exception.
+        RankTimeoutError: if ranks were still running after `timeout`.
 
     Example:
 

@@ -1,0 +1,286 @@
+"""The `keras-tp` command line: `plan` and `demo`, in process and as a program.
+
+Backend-neutral: `plan` needs no devices. Run alone:
+`KERAS_BACKEND=jax python -m pytest tests/test_common_cli.py`.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import keras
+import pytest
+
+import keras_tp
+from keras_tp import cli
+from keras_tp.collectives.base import nbytes
+from keras_tp.demo.models import transformer_lm
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def saved_lm(tmp_path_factory):
+    """The demo's transformer LM (dim 16, 4 heads, vocab 64), saved."""
+    path = tmp_path_factory.mktemp("cli") / "lm.keras"
+    transformer_lm().save(path)
+    return str(path)
+
+
+def run_cli(*args):
+    """Runs `python -m keras_tp.cli` on this checkout; returns the result."""
+    env = {
+        **os.environ,
+        "KERAS_BACKEND": keras.backend.backend(),
+        "PYTHONPATH": str(REPO),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "keras_tp.cli", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def error_lines(stderr):
+    """The CLI's own lines on stderr (a backend may log there too)."""
+    return [line for line in stderr.splitlines() if "keras-tp" in line]
+
+
+def trainable_bytes_per_rank(model, tensor_parallel):
+    """P: trainable bytes one rank holds, from the plan's split axes."""
+    split = dict(keras_tp.auto_plan(model, tensor_parallel).variable_axes())
+    total = 0
+    for variable in model.trainable_variables:
+        shape = list(variable.shape)
+        if variable.path in split:
+            shape[split[variable.path][1]] //= tensor_parallel
+        total += nbytes(variable, shape)
+    return total
+
+
+def memory_row(output, label):
+    """The four numbers of a row of the memory table, as ints."""
+    for line in output.splitlines():
+        if line.startswith(label):
+            fields = line[len(label) :].split()
+            return [int(field.replace(",", "")) for field in fields[:4]]
+    raise AssertionError(f"no row {label!r} in:\n{output}")
+
+
+def test_entry_point_is_declared():
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert '[project.scripts]\nkeras-tp = "keras_tp.cli:main"' in pyproject
+
+
+def test_plan_prints_styles_local_shapes_and_zero_memory(saved_lm, capsys):
+    status = cli.main(
+        [
+            "plan",
+            saved_lm,
+            "--world-size",
+            "8",
+            "--data-parallel",
+            "2",
+            "--zero-stage",
+            "1",
+        ]
+    )
+    output = capsys.readouterr().out
+    assert status == 0
+    assert "data parallel 2 x tensor parallel 4" in output
+    # Per layer: style and the local shape at 4 tensor-parallel ranks.
+    lines = {line.split()[0]: line for line in output.splitlines() if line}
+    assert "Vocab()" in lines["token_embedding/embeddings"]
+    assert "(16, 16)" in lines["token_embedding/embeddings"]  # 64 / 4 rows
+    query = lines["block0_attention/query/kernel"]
+    assert "Column(gather_output=False)" in query and "(16, 1, 4)" in query
+    mlp_down = lines["block1_mlp_down/kernel"]
+    assert "Row(input_is_parallel=True)" in mlp_down
+    assert "(16, 16)" in mlp_down  # 64 hidden / 4
+    assert "Column(gather_output=True)" in lines["lm_head/kernel"]
+    assert "block0_ln1 (128 B): LayerNormalization" in output
+    # Memory: the ZeRO formulas with P per tensor-parallel rank and D = 2.
+    model = keras.saving.load_model(saved_lm)
+    p = trainable_bytes_per_rank(model, 4)
+    assert f"P = {p:,} B" in output
+    expected = {
+        "0 (off)": [p, p, 2 * p],
+        "1 ": [p, p, p],
+        "2 ": [p, p // 2, p],
+        "3 ": [p // 2, p // 2, p],
+    }
+    for label, (params, grads, adam) in expected.items():
+        assert memory_row(output, label) == [
+            params,
+            grads,
+            adam,
+            params + grads + adam,
+        ]
+    full = sum(nbytes(v) for v in model.trainable_variables)
+    assert memory_row(output, "one device") == [full, full, 2 * full, 4 * full]
+    marked = [line for line in output.splitlines() if "<- --zero-stage" in line]
+    assert len(marked) == 1 and marked[0].startswith("1 ")
+
+
+def test_plan_bytes_match_what_tensor_parallel_keras_measures(saved_lm, capsys):
+    """The CLI's arithmetic equals the bytes read from the sharded arrays."""
+    if len(keras.distribution.list_devices()) < 4:
+        pytest.skip("needs 4 devices (run_all.sh configures 4 on JAX)")
+    assert cli.main(["plan", saved_lm, "--world-size", "4"]) == 0
+    output = capsys.readouterr().out
+    tp = keras_tp.TensorParallelKeras(
+        keras.saving.load_model(saved_lm), world_size=4
+    )
+    measured = set(tp.parameter_bytes_per_device().values())
+    assert len(measured) == 1
+    assert memory_row(output, "0 (off)")[0] == measured.pop()
+
+
+def test_zero_memory_formulas():
+    p, d = 1200, 4
+    assert cli.zero_memory(p, 0, d, 0) == {
+        "parameters": p,
+        "gradients": p,
+        "adam": 2 * p,
+        "total": 4 * p,
+    }
+    assert cli.zero_memory(p, 0, d, 1)["total"] == p + p + 2 * p // d
+    assert cli.zero_memory(p, 0, d, 2)["total"] == p + p // d + 2 * p // d
+    assert cli.zero_memory(p, 0, d, 3)["total"] == (p + p + 2 * p) // d
+    # Frozen variables: no gradient, no Adam state, never partitioned.
+    assert cli.zero_memory(p, 100, d, 3)["parameters"] == p // d + 100
+
+
+def test_allow_replicated_lists_the_layers_left_whole(saved_lm, capsys):
+    status = cli.main(
+        ["plan", saved_lm, "--world-size", "8", "--allow-replicated"]
+    )
+    output = capsys.readouterr().out
+    assert status == 0
+    assert (
+        "block0_attention (4,352 B): 4 query and 4 key/value heads do not "
+        "divide by world_size=8" in output
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--world-size", "3"],
+            "--world-size 3 gives tensor-parallel size 3, which does not "
+            "divide the dimensions of 9 layer(s) of 'transformer_lm'",
+        ),
+        (
+            ["--world-size", "6", "--data-parallel", "4"],
+            "--world-size 6 is not divisible by --data-parallel 4",
+        ),
+    ],
+)
+def test_plan_errors_are_one_line(saved_lm, capsys, args, message):
+    assert cli.main(["plan", saved_lm, *args]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("keras-tp plan: error: ")
+    assert message in captured.err
+    assert captured.err.count("\n") == 1
+
+
+def test_plan_refuses_a_file_keras_cannot_load(tmp_path, capsys):
+    not_a_model = tmp_path / "notes.keras"
+    not_a_model.write_text("not a zip file")
+    assert cli.main(["plan", str(not_a_model), "--world-size", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"keras-tp plan: error: cannot load {not_a_model}")
+    assert err.count("\n") == 1
+
+
+def test_usage_errors_exit_2(saved_lm, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plan", saved_lm])  # --world-size is required
+    assert exit_info.value.code == 2
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plan", saved_lm, "--world-size", "0"])
+    assert exit_info.value.code == 2
+    assert "must be a positive integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        ([], ["plan", "demo"]),
+        (["plan"], ["--world-size", "--data-parallel", "--zero-stage"]),
+        (["demo"], ["--backend", "--devices"]),
+    ],
+)
+def test_help(args, expected, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*args, "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert all(option in text for option in expected)
+
+
+def test_demo_forwards_its_options(monkeypatch):
+    commands = []
+    monkeypatch.setattr(
+        cli.subprocess, "call", lambda command: commands.append(command) or 0
+    )
+    assert cli.main(["demo", "--backend", "jax", "--devices", "2"]) == 0
+    assert commands == [
+        [
+            sys.executable,
+            "-m",
+            "keras_tp.demo",
+            "--backend",
+            "jax",
+            "--devices",
+            "2",
+        ]
+    ]
+
+
+def test_program_plan_and_bad_path(saved_lm):
+    result = run_cli("plan", saved_lm, "--world-size", "2")
+    assert result.returncode == 0, result.stderr
+    assert "tensor parallel 2" in result.stdout
+    assert "ZeRO stage" in result.stdout
+
+    result = run_cli("plan", "missing.keras", "--world-size", "2")
+    assert result.returncode == 1
+    assert error_lines(result.stderr) == [
+        "keras-tp plan: error: no such file: missing.keras"
+    ]
+    assert "Traceback" not in result.stderr
+
+
+def test_program_demo_runs_the_demo():
+    if keras.backend.backend() != "jax":
+        pytest.skip("the demo's torch and TensorFlow runs are other tests'")
+    result = run_cli(
+        "demo", "--devices", "2", "--epochs", "1", "--samples", "64"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Tensor-parallel plan, world_size=2" in result.stdout
+    assert "loss, TP=2" in result.stdout
+
+
+def test_plan_on_another_backend_runs_a_fresh_interpreter(
+    saved_lm, monkeypatch
+):
+    other = "torch" if keras.backend.backend() != "torch" else "jax"
+    calls = []
+    monkeypatch.setattr(
+        cli.subprocess,
+        "call",
+        lambda command, env: calls.append((command, env)) or 0,
+    )
+    argv = ["plan", saved_lm, "--world-size", "2", "--backend", other]
+    assert cli.main(argv) == 0
+    [(command, env)] = calls
+    assert command == [sys.executable, "-m", "keras_tp.cli", *argv]
+    assert env["KERAS_BACKEND"] == other

@@ -26,10 +26,11 @@ def test_mkdocs_build_strict(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     api = (site / "api" / "index.html").read_text()
     for name in (
-        "keras_tp.TensorParallelKeras",
-        "keras_tp.ShardingPlan",
-        "keras_tp.auto_plan",
-        "keras_tp.configure_virtual_devices",
+        "keras_tp.model.TensorParallelKeras",
+        "keras_tp.plan.sharding_plan.ShardingPlan",
+        "keras_tp.plan.auto.auto_plan",
+        "keras_tp.runtime.configure_virtual_devices",
+        "keras_tp.launcher.launch",
         "keras_tp.collectives",
     ):
         assert name in api

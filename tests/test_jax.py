@@ -637,3 +637,38 @@ def test_attention_dropout_trains_and_state_stays_outside_regions():
     np.testing.assert_allclose(
         tp.predict(x, verbose=0), reference.predict(x, verbose=0), atol=ATOL
     )
+
+
+def test_two_hosts_gather_weights_and_save(tmp_path):
+    """TP=4 over two jax.distributed processes of two devices each."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = os.path.join(
+        os.path.dirname(__file__), "jax_scripts", "multihost.py"
+    )
+    processes = [
+        subprocess.Popen(
+            [sys.executable, script, str(port), str(i), str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    for process in processes:
+        output, _ = process.communicate(timeout=240)
+        assert process.returncode == 0, output[-3000:]
+    results = [
+        json.loads((tmp_path / f"process{i}.json").read_text())
+        for i in range(2)
+    ]
+    for result in results:
+        assert len(result["devices"]) == 4  # 2 local + 2 remote devices
+        assert result["weights"] <= ATOL
+    assert results[0]["saved"] == 0.0

@@ -11,6 +11,7 @@ import logging
 import jax
 import keras
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 from keras.src.backend import StatelessScope
@@ -84,6 +85,49 @@ class JaxRuntime(Runtime):
         # optimizer gives each slot its reference variable's layout.
         variable._layout = sharding
         variable._direct_assign(variable.value)
+
+    def full_value(self, variable):
+        value = variable.value
+        if not value.is_fully_addressable:
+            # On several hosts every process gathers the shards it lacks.
+            value = multihost_utils.process_allgather(value, tiled=True)
+        return np.asarray(value)
+
+    def save_model(self, model, filepath, **kwargs):
+        self._write_on_process_zero(
+            model, lambda: model.save(filepath, **kwargs)
+        )
+
+    def save_weights(self, model, filepath, **kwargs):
+        self._write_on_process_zero(
+            model, lambda: model.save_weights(filepath, **kwargs)
+        )
+
+    def _write_on_process_zero(self, model, write):
+        """Runs `write` with full weights; on several hosts process 0 writes.
+
+        One process reads global arrays directly. On several hosts the
+        arrays span devices this process cannot read, so every process
+        gathers them, process 0 writes while its variables hold the full
+        values on the host, and all processes wait for it.
+        """
+        if jax.process_count() == 1:
+            write()
+            return
+        variables = model.variables
+        full = [self.full_value(v) for v in variables]
+        if jax.process_index() == 0:
+            placed = [(v._layout, v._value) for v in variables]
+            try:
+                for variable, value in zip(variables, full):
+                    variable._layout = None
+                    variable._direct_assign(jax.numpy.asarray(value))
+                write()
+            finally:
+                for variable, (layout, value) in zip(variables, placed):
+                    variable._layout = layout
+                    variable._value = value
+        multihost_utils.sync_global_devices("keras_tp: model written")
 
     def device_bytes(self, variables):
         totals = {str(d): 0 for d in self.mesh.devices.flat}

@@ -1,0 +1,66 @@
+"""One process of the JAX multi-host test (tests/test_jax.py).
+
+Two processes with two virtual CPU devices each run TP=4 over
+`jax.distributed` (gloo), train the demo LM next to the same model on one
+local device, gather the weights, save on process 0, and write the largest
+differences as JSON:
+
+    python tests/jax_scripts/multihost.py PORT PROCESS_ID OUT_DIR
+"""
+
+import json
+import os
+import sys
+
+os.environ["KERAS_BACKEND"] = "jax"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+import jax  # noqa: E402
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+port, process_id, out_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+jax.distributed.initialize(f"127.0.0.1:{port}", 2, process_id)
+
+import keras_tp  # noqa: E402
+
+keras_tp.configure_virtual_devices(2)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from keras_tp.demo.models import counting_sequences  # noqa: E402
+from keras_tp.demo.models import transformer_lm  # noqa: E402
+
+
+def main():
+    x, y = counting_sequences(64)
+    reference = transformer_lm()
+    tp = keras_tp.TensorParallelKeras(transformer_lm(), world_size=4)
+    for model in (reference, tp):
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+    weights = tp.get_weights()
+    path = os.path.join(out_dir, "multihost.keras")
+    tp.save(path)
+    result = {
+        "devices": tp.get_parallelism_info()["devices"],
+        "weights": max(
+            float(np.max(np.abs(a - b)))
+            for a, b in zip(weights, reference.get_weights())
+        ),
+    }
+    if jax.process_index() == 0:
+        loaded = keras.saving.load_model(path)
+        result["saved"] = max(
+            float(np.max(np.abs(a - b)))
+            for a, b in zip(loaded.get_weights(), weights)
+        )
+    with open(os.path.join(out_dir, f"process{process_id}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

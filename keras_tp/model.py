@@ -113,7 +113,7 @@ class TensorParallelKeras(keras.Model):
                 entry[1] if entry is not None and entry[0] is variable else None
             )
             runtime.place(variable, axis)
-        self._regions = regions.install(bound, runtime)
+        regions.install(bound, runtime)
         _WRAPPED_MODELS.add(model)
         self.built = True
 

@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Column": "keras_tp.plan",
+    "CoordinatedOptimizer": "keras_tp.optimizer",
     "Replicate": "keras_tp.plan",
     "Row": "keras_tp.plan",
     "ShardingError": "keras_tp.plan",

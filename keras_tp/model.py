@@ -7,6 +7,7 @@ from keras.src.utils import io_utils
 
 from keras_tp import regions
 from keras_tp.collectives.base import nbytes
+from keras_tp.optimizer import CoordinatedOptimizer
 from keras_tp.plan.auto import auto_plan
 from keras_tp.plan.sharding_plan import ShardingPlan
 from keras_tp.runtime import runtime_class
@@ -21,6 +22,11 @@ class TensorParallelKeras(keras.Model):
     Dense, EinsumDense, convolution, embedding and attention layers are
     split column- and row-wise as Megatron-LM does, every device computes
     with its own shard, and the results match the model on one device.
+    The devices form a `data x model` mesh: with `data_parallel > 1` each
+    row of the mesh trains on its slice of every global batch, and the
+    compiled optimizer becomes a `keras_tp.CoordinatedOptimizer` that
+    averages gradients (DDP) or partitions optimizer state, gradients and
+    parameters (ZeRO stages 1 to 3) over the data axis.
     Everything `keras.Model` does keeps working: `compile`, `fit` (with
     callbacks and validation), `evaluate`, `predict`, the `*_on_batch`
     methods and `__call__`.
@@ -37,8 +43,10 @@ class TensorParallelKeras(keras.Model):
         device_ids: device names to use, e.g. `["cpu:0", "cpu:1"]`.
         plan: `"auto"`, a `keras_tp.ShardingPlan`, or a dict
             `{regex on variable.path: style}`.
-        data_parallel: size of the data-parallel axis. Only `1` for now.
-        zero_stage: ZeRO stage. Only `0` for now.
+        data_parallel: size of the data axis; `world_size` must divide by
+            it, and the tensor-parallel size is the quotient.
+        zero_stage: 0 (DDP), 1 (optimizer state partitioned over the data
+            axis), 2 (and gradients) or 3 (and parameters).
 
     Example:
 
@@ -49,6 +57,12 @@ class TensorParallelKeras(keras.Model):
     tp.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     tp.fit(x, y, epochs=3)
     tp.summary()
+
+    # 2 data-parallel rows x 2 tensor-parallel ranks, ZeRO-2
+    tp = keras_tp.TensorParallelKeras(model, world_size=4, data_parallel=2,
+                                      zero_stage=2)
+    tp.compile(optimizer=keras.optimizers.AdamW(1e-3), loss="mse")
+    tp.fit(x, y, batch_size=64)   # 64 is the global batch
     ```
     """
 
@@ -62,11 +76,13 @@ class TensorParallelKeras(keras.Model):
         zero_stage=0,
         **kwargs,
     ):
-        if data_parallel != 1 or zero_stage != 0:
-            raise NotImplementedError(
-                f"data_parallel={data_parallel}, zero_stage={zero_stage}: "
-                "data parallelism and ZeRO are not implemented yet; use "
-                "data_parallel=1, zero_stage=0 (pure tensor parallelism)."
+        if zero_stage not in (0, 1, 2, 3):
+            raise ValueError(
+                f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}."
+            )
+        if not isinstance(data_parallel, int) or data_parallel < 1:
+            raise ValueError(
+                f"data_parallel must be an integer >= 1, got {data_parallel!r}."
             )
         if not isinstance(model, keras.Model):
             raise TypeError(
@@ -83,7 +99,9 @@ class TensorParallelKeras(keras.Model):
                 f"Model '{model.name}' is not built. Call "
                 "`model.build(input_shape)` or run it once on a batch first."
             )
-        runtime = runtime_class()(world_size, device_ids, data_parallel)
+        runtime = runtime_class()(
+            world_size, device_ids, data_parallel, zero_stage
+        )
         name = kwargs.pop("name", f"tensor_parallel_{model.name}")
         with runtime.scope():
             super().__init__(name=name, **kwargs)
@@ -113,7 +131,13 @@ class TensorParallelKeras(keras.Model):
                 entry[1] if entry is not None and entry[0] is variable else None
             )
             runtime.place(variable, axis)
-        regions.install(bound, runtime)
+        installed = regions.install(bound, runtime)
+        if zero_stage == 3:
+            for variable in model.trainable_variables:
+                axis = runtime.partition_axis(variable)
+                if axis is not None:
+                    runtime.partition(variable, axis)
+            regions.install_gathers(model, installed, runtime)
         _WRAPPED_MODELS.add(model)
         self.built = True
 
@@ -135,10 +159,39 @@ class TensorParallelKeras(keras.Model):
         """Looks a layer up in the wrapped model (see `keras.Model`)."""
         return self.model.get_layer(name=name, index=index)
 
-    def compile(self, *args, **kwargs):
+    @property
+    def zero_stage(self):
+        return self._runtime.zero_stage
+
+    def compile(self, optimizer="rmsprop", *args, **kwargs):
+        """Configures training as `keras.Model.compile` does.
+
+        With a data axis or a ZeRO stage, `optimizer` is wrapped in a
+        `keras_tp.CoordinatedOptimizer` of the model's stage (pass one
+        yourself to set its bucket size or gradient accumulation).
+        """
         kwargs.setdefault("jit_compile", self._runtime.jit_compile_default)
+        optimizer = self._coordinated(optimizer)
         with self._runtime.scope():
-            super().compile(*args, **kwargs)
+            super().compile(optimizer, *args, **kwargs)
+
+    def _coordinated(self, optimizer):
+        runtime = self._runtime
+        if isinstance(optimizer, CoordinatedOptimizer):
+            if optimizer.zero_stage != runtime.zero_stage:
+                raise ValueError(
+                    f"The CoordinatedOptimizer has zero_stage="
+                    f"{optimizer.zero_stage} but the model was built with "
+                    f"zero_stage={runtime.zero_stage}; make them agree."
+                )
+        elif runtime.per_rank_steps:
+            optimizer = CoordinatedOptimizer(
+                keras.optimizers.get(optimizer), zero_stage=runtime.zero_stage
+            )
+        else:
+            return optimizer
+        optimizer.bind(runtime)
+        return optimizer
 
     def train_step(self, *args, **kwargs):
         step = super().train_step
@@ -176,10 +229,92 @@ class TensorParallelKeras(keras.Model):
         return self._runtime.device_bytes(self.model.variables)
 
     def optimizer_bytes_per_device(self):
-        """`{device: bytes}` of the optimizer's variables (slots included)."""
+        """`{device: bytes}` of the optimizer state (slots included).
+
+        Gradient buffers of a `CoordinatedOptimizer` are not included;
+        `gradient_bytes_per_device()` reports them.
+        """
+        optimizer = self._built_optimizer()
+        variables = (
+            optimizer.state_variables
+            if isinstance(optimizer, CoordinatedOptimizer)
+            else optimizer.variables
+        )
+        return self._runtime.device_bytes(variables)
+
+    def gradient_bytes_per_device(self):
+        """`{device: bytes}` of the gradients each rank keeps between steps.
+
+        Only a `CoordinatedOptimizer` keeps gradients (its buffers, which
+        also accumulate micro-batches); other optimizers hold none.
+        """
+        optimizer = self._built_optimizer()
+        if not isinstance(optimizer, CoordinatedOptimizer):
+            return {device: 0 for device in self._runtime.devices}
+        return self._runtime.device_bytes(optimizer.gradient_buffers)
+
+    def _built_optimizer(self):
         if self.optimizer is None:
             raise ValueError("The model is not compiled: it has no optimizer.")
-        return self._runtime.device_bytes(self.optimizer.variables)
+        if not self.optimizer.built:
+            raise ValueError(
+                "The optimizer has no state yet: train one step first, or "
+                "call `tp.optimizer.build(tp.trainable_variables)`."
+            )
+        return self.optimizer
+
+    def get_gradient_sharding_info(self):
+        """How gradients and optimizer state are shared over the data axis.
+
+        Returns:
+            A dict with `zero_stage`, `data_parallel`, `bucket_cap_mb`,
+            `gradient_accumulation_steps`, `buckets` (per bucket: index,
+            MB, number of variables and its collective),
+            `unpartitioned_variables`, and per device, measured from the
+            arrays, `parameter_bytes`, `gradient_bytes` and
+            `optimizer_bytes`.
+        """
+        optimizer = self._built_optimizer()
+        if not isinstance(optimizer, CoordinatedOptimizer):
+            raise ValueError(
+                "The model trains with plain tensor parallelism (no data "
+                "axis, no ZeRO): its gradients are not shared. Pass "
+                "data_parallel or zero_stage to TensorParallelKeras."
+            )
+        info = optimizer.sharding_info()
+        info["parameter_bytes"] = self.parameter_bytes_per_device()
+        info["gradient_bytes"] = self.gradient_bytes_per_device()
+        info["optimizer_bytes"] = self.optimizer_bytes_per_device()
+        return info
+
+    def check_gradient_consistency(self, atol=0.0):
+        """Debug check that the replicas of every variable agree.
+
+        Compares the copies that data parallelism and tensor parallelism
+        keep of the same numbers: the parameters, and the synchronised
+        gradients a `CoordinatedOptimizer` keeps.
+
+        Args:
+            atol: largest difference tolerated.
+
+        Returns:
+            `{"consistent": bool, "max_difference": float, "variables":
+            {path: difference}}`.
+        """
+        variables = list(self.model.variables)
+        optimizer = self.optimizer
+        if isinstance(optimizer, CoordinatedOptimizer) and optimizer.built:
+            variables += optimizer.state_variables
+            # ZeRO-1 keeps each rank's own, unsynchronised gradient.
+            if optimizer.zero_stage != 1:
+                variables += optimizer.gradient_buffers
+        differences = self._runtime.replica_differences(variables)
+        worst = max(differences.values(), default=0.0)
+        return {
+            "consistent": worst <= atol,
+            "max_difference": worst,
+            "variables": differences,
+        }
 
     def get_parallelism_info(self):
         """A dict describing how the model is parallelised.
@@ -196,7 +331,7 @@ class TensorParallelKeras(keras.Model):
             "world_size": self._runtime.world_size,
             "tensor_parallel": self._runtime.tensor_parallel,
             "data_parallel": self._runtime.data_parallel,
-            "zero_stage": 0,
+            "zero_stage": self._runtime.zero_stage,
             "devices": list(self._runtime.devices),
             "parameter_bytes_per_device": self.parameter_bytes_per_device(),
             "parameter_bytes_total": self._full_parameter_bytes(),

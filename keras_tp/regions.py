@@ -11,8 +11,12 @@ touches backend details.
 import contextlib
 import contextvars
 
+import keras
+
 from keras_tp.plan.layers import ATTENTION
 from keras_tp.plan.sharding_plan import ShardedUnit
+from keras_tp.plan.sharding_plan import walk_layers
+from keras_tp.plan.styles import Row
 
 _LOCAL_WEIGHTS = contextvars.ContextVar("keras_tp_local_weights", default=None)
 
@@ -56,6 +60,22 @@ class ShardedRegion:
         return member.handler.input_axis(
             member.layer, member.style, len(args[0].shape)
         )
+
+    def accept_split_input(self):
+        """Lets the region's Row layers take their input split.
+
+        Keras checks a layer's input against the `input_spec` it was built
+        with, whose feature width is the full one; when the region runs on
+        a rank's local tensors a Row layer receives this rank's slice, so
+        that width check is dropped (the rank check stays).
+        """
+        for member in self.members:
+            spec = member.layer.input_spec
+            splits_input = (
+                isinstance(member.style, Row) and member.style.input_is_parallel
+            )
+            if splits_input and isinstance(spec, keras.InputSpec):
+                spec.axes = {}
 
     @contextlib.contextmanager
     def local_weights(self, values):
@@ -135,6 +155,42 @@ def install(plan, runtime):
         runtime.prepare_region(region)
         regions.append(region)
     return regions
+
+
+def install_gathers(model, installed_regions, runtime):
+    """ZeRO-3: gathers each layer's parameter partitions around its call.
+
+    A region gathers all its members' weights at once; every other layer
+    gathers the trainable variables it owns directly.
+
+    Args:
+        model: the wrapped model.
+        installed_regions: the regions `install` returned.
+        runtime: the runtime holding the partitions.
+    """
+    partitioned = runtime.data_axes
+    covered = set()
+    for region in installed_regions:
+        members = [v for v, _ in region.variables()]
+        covered.update(id(v) for v in members)
+        variables = [v for v in members if id(v) in partitioned]
+        if variables:
+            _set_call(
+                region.layer,
+                runtime.gathered_call(
+                    region.layer, variables, region.layer.call
+                ),
+            )
+    for layer in walk_layers(model):
+        variables = [
+            v
+            for v in layer._trainable_variables
+            if id(v) in partitioned and id(v) not in covered
+        ]
+        if variables:
+            _set_call(
+                layer, runtime.gathered_call(layer, variables, layer.call)
+            )
 
 
 def _region_call(region, runtime):

@@ -3,7 +3,7 @@
 import collections
 import contextlib
 
-_DIRECTIONS = ("forward", "backward")
+_DIRECTIONS = ("forward", "backward", "optimizer")
 
 
 class CommunicationStats:
@@ -16,7 +16,11 @@ class CommunicationStats:
     is traced, which is exact because a compiled step issues the same
     collectives every time it runs; eager backends (torch) record every step.
 
-    Bytes are the size of the local buffer each rank contributes to the call.
+    Bytes are the size of the whole buffer of the call, as NCCL counts it:
+    the input of an all-reduce, reduce-scatter or broadcast, the output of
+    an all-gather. Each record also names the mesh axis it ran over and
+    whether it served the forward pass, the backward pass or the optimizer
+    (gradient synchronisation, parameter gathering).
     """
 
     def __init__(self):
@@ -24,6 +28,16 @@ class CommunicationStats:
         # Process-wide, not per thread: torch runs CUDA backward passes on
         # worker threads, whose collectives belong to the same step.
         self.active_phase = None
+        self._label = None
+
+    @contextlib.contextmanager
+    def labelled(self, direction):
+        """Records collectives of the block under `direction` by default."""
+        previous, self._label = self._label, direction
+        try:
+            yield
+        finally:
+            self._label = previous
 
     @contextlib.contextmanager
     def recording(self, phase):
@@ -42,8 +56,9 @@ class CommunicationStats:
         finally:
             self.active_phase = None
 
-    def record(self, kind, nbytes, direction="forward"):
-        """Adds one collective call of `kind` moving `nbytes` per rank."""
+    def record(self, kind, nbytes, direction=None, axis="model"):
+        """Adds one collective call of `kind` moving `nbytes` over `axis`."""
+        direction = direction or self._label or "forward"
         if direction not in _DIRECTIONS:
             raise ValueError(
                 f"`direction` must be one of {_DIRECTIONS}, got {direction!r}."
@@ -51,10 +66,16 @@ class CommunicationStats:
         phase = self.active_phase
         if phase is None:
             return
-        self._records[phase].append((kind, int(nbytes), direction))
+        self._records[phase].append((kind, int(nbytes), direction, axis))
 
-    def summary(self, phase="train"):
-        """Returns `{kind: {calls, bytes, forward_calls, ...}}` for `phase`."""
+    def summary(self, phase="train", axis=None):
+        """Returns `{kind: {calls, bytes, forward_calls, ...}}` for `phase`.
+
+        Args:
+            phase: the phase whose last step to summarise.
+            axis: only the collectives over this mesh axis (`"model"`,
+                `"data"`, or `"world"` for both); `None` counts all.
+        """
         totals = collections.defaultdict(
             lambda: {
                 "calls": 0,
@@ -63,9 +84,13 @@ class CommunicationStats:
                 "forward_bytes": 0,
                 "backward_calls": 0,
                 "backward_bytes": 0,
+                "optimizer_calls": 0,
+                "optimizer_bytes": 0,
             }
         )
-        for kind, nbytes, direction in self._records.get(phase, []):
+        for kind, nbytes, direction, on_axis in self._records.get(phase, []):
+            if axis is not None and on_axis != axis:
+                continue
             entry = totals[kind]
             entry["calls"] += 1
             entry["bytes"] += nbytes

@@ -55,7 +55,7 @@ class CollectiveAdapter:
 
     def all_gather(self, x, axis=0):
         """Concatenates every rank's `x` along `axis`."""
-        self._record("all_gather", x)
+        self._record("all_gather", x, scale=self.size())
         return self._all_gather(x, axis)
 
     def reduce_scatter(self, x, axis=0, op="sum"):
@@ -95,8 +95,10 @@ class CollectiveAdapter:
         """Keep the local slice forward; all-gather the gradient backward."""
         raise NotImplementedError
 
-    def _record(self, kind, x, direction="forward"):
-        self.stats.record(kind, nbytes(x), direction)
+    def _record(self, kind, x, direction=None, scale=1):
+        """Counts one call; `scale` turns the input's bytes into the call's
+        (an all-gather moves `size()` times its input)."""
+        self.stats.record(kind, nbytes(x) * scale, direction, self.axis_name)
 
     @contextlib.contextmanager
     def activated(self):

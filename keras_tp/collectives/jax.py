@@ -11,21 +11,28 @@ from keras_tp.collectives.base import CollectiveAdapter
 class JaxCollectiveAdapter(CollectiveAdapter):
     """Collectives over the `axis_name` axis of a `jax.sharding.Mesh`.
 
-    Valid inside `jax.shard_map` with `check_vma=True`, which is how the JAX
-    runtime runs every sharded region. The conjugate operators are
+    Valid inside `jax.shard_map`. The conjugate operators are
     `jax.custom_vjp`s so that the backward collectives are explicit (and
-    counted) and a gradient is never reduced twice.
+    counted) and a gradient is never reduced twice. With `check_vma=True`
+    (a region's own `shard_map`) JAX tracks which values vary across
+    devices; a whole per-rank step runs with `check_vma=False`, where every
+    differentiated collective must carry its own gradient rule, so
+    `reduce_from_parallel` becomes a `custom_vjp` too.
 
     Args:
-        axis_size: number of devices along `axis_name`.
+        axis_size: number of devices along `axis_name` (a name or a tuple
+            of names, for collectives over several axes).
         axis_name: mesh axis the collectives run over.
+        check_vma: whether the enclosing `shard_map` checks varying
+            manual axes.
     """
 
     backend = "jax"
 
-    def __init__(self, axis_size, axis_name="model"):
+    def __init__(self, axis_size, axis_name="model", check_vma=True):
         super().__init__(axis_name)
         self._axis_size = axis_size
+        self.check_vma = check_vma
         self._build_conjugate_ops()
 
     def rank(self):
@@ -45,7 +52,11 @@ class JaxCollectiveAdapter(CollectiveAdapter):
         return jax.lax.pmin(x, axis)
 
     def _all_gather(self, x, axis):
-        return jax.lax.all_gather(x, self.axis_name, axis=axis, tiled=True)
+        if self.check_vma:
+            return jax.lax.all_gather(x, self.axis_name, axis=axis, tiled=True)
+        # Every rank receives the same result; without vma tracking the
+        # invariant form keeps a later gradient from being reduced again.
+        return all_gather_invariant(x, self.axis_name, axis=axis, tiled=True)
 
     def _reduce_scatter(self, x, axis, op):
         out = jax.lax.psum_scatter(
@@ -64,10 +75,14 @@ class JaxCollectiveAdapter(CollectiveAdapter):
     def _build_conjugate_ops(self):
         axis = self.axis_name
         record = self._record
+        check_vma = self.check_vma
+
+        def varying(x):
+            return jax.lax.pcast(x, axis, to="varying") if check_vma else x
 
         @jax.custom_vjp
         def copy_to_parallel(x):
-            return jax.lax.pcast(x, axis, to="varying")
+            return varying(x)
 
         def copy_fwd(x):
             return copy_to_parallel(x), None
@@ -84,8 +99,22 @@ class JaxCollectiveAdapter(CollectiveAdapter):
             record("all_reduce", x, "forward")
             return jax.lax.psum(x, axis)
 
+        @jax.custom_vjp
+        def reduce_untracked(x):
+            record("all_reduce", x, "forward")
+            return jax.lax.psum(x, axis)
+
+        def reduce_untracked_fwd(x):
+            return reduce_untracked(x), None
+
+        def reduce_untracked_bwd(_, grad):
+            # Without vma tracking psum would transpose to another psum.
+            return (grad,)
+
+        reduce_untracked.defvjp(reduce_untracked_fwd, reduce_untracked_bwd)
+
         def gather_from_parallel(x, gather_axis=-1):
-            record("all_gather", x, "forward")
+            record("all_gather", x, "forward", self._axis_size)
             gather_axis = gather_axis % x.ndim
             # The invariant all-gather transposes to a local slice: the
             # cotangent of a replicated output is already equal on all ranks.
@@ -99,7 +128,7 @@ class JaxCollectiveAdapter(CollectiveAdapter):
             return scatter(x, scatter_axis), None
 
         def scatter_bwd(scatter_axis, _, grad):
-            record("all_gather", grad, "backward")
+            record("all_gather", grad, "backward", self._axis_size)
             full = all_gather_invariant(
                 grad, axis, axis=scatter_axis, tiled=True
             )
@@ -110,13 +139,15 @@ class JaxCollectiveAdapter(CollectiveAdapter):
         def _local_slice(x, scatter_axis):
             local = x.shape[scatter_axis] // self._axis_size
             start = jax.lax.axis_index(axis) * local
-            x = jax.lax.pcast(x, axis, to="varying")
+            x = varying(x)
             return jax.lax.dynamic_slice_in_dim(x, start, local, scatter_axis)
 
         def scatter_to_parallel(x, scatter_axis=-1):
             return scatter(x, scatter_axis % x.ndim)
 
         self.copy_to_parallel = copy_to_parallel
-        self.reduce_from_parallel = reduce_from_parallel
+        self.reduce_from_parallel = (
+            reduce_from_parallel if check_vma else reduce_untracked
+        )
         self.gather_from_parallel = gather_from_parallel
         self.scatter_to_parallel = scatter_to_parallel

@@ -57,9 +57,9 @@ class ReplicaStats(CommunicationStats):
         with super().recording(phase):
             yield
 
-    def record(self, kind, nbytes, direction="forward"):
+    def record(self, kind, nbytes, direction=None, axis="model"):
         if _first_local_replica():
-            super().record(kind, nbytes, direction)
+            super().record(kind, nbytes, direction, axis)
 
 
 class TensorFlowCollectiveAdapter(CollectiveAdapter):
@@ -133,7 +133,7 @@ class TensorFlowCollectiveAdapter(CollectiveAdapter):
             )
         return context
 
-    def _record(self, kind, x, direction="forward"):
+    def _record(self, kind, x, direction=None, scale=1):
         shape = tf.TensorShape(x.shape)
         if not shape.is_fully_defined():
             # Recording happens while the step is traced; a dimension left
@@ -141,9 +141,9 @@ class TensorFlowCollectiveAdapter(CollectiveAdapter):
             logger.debug(
                 "%s of a tensor of shape %s: bytes not counted.", kind, shape
             )
-            self.stats.record(kind, 0, direction)
+            self.stats.record(kind, 0, direction, self.axis_name)
             return
-        self.stats.record(kind, nbytes(x), direction)
+        self.stats.record(kind, nbytes(x) * scale, direction, self.axis_name)
 
     def _sum(self, x):
         """The raw all-reduce sum, with TensorFlow's own gradient."""
@@ -214,7 +214,9 @@ class TensorFlowCollectiveAdapter(CollectiveAdapter):
         @tf.custom_gradient
         def reduce_scatter(x):
             def grad(upstream):
-                self._record("all_gather", upstream, "backward")
+                self._record(
+                    "all_gather", upstream, "backward", self._axis_size
+                )
                 full = self._gather(upstream, axis)
                 return full / self._axis_size if op == "mean" else full
 
@@ -250,7 +252,7 @@ class TensorFlowCollectiveAdapter(CollectiveAdapter):
 
     def gather_from_parallel(self, x, axis=-1):
         axis = axis % len(x.shape)
-        self._record("all_gather", x, "forward")
+        self._record("all_gather", x, "forward", self._axis_size)
 
         @tf.custom_gradient
         def gather_from_parallel(x):
@@ -268,7 +270,9 @@ class TensorFlowCollectiveAdapter(CollectiveAdapter):
         @tf.custom_gradient
         def scatter_to_parallel(x):
             def grad(upstream):
-                self._record("all_gather", upstream, "backward")
+                self._record(
+                    "all_gather", upstream, "backward", self._axis_size
+                )
                 return self._gather(upstream, axis)
 
             return self._local_slice(x, axis), grad

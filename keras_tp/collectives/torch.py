@@ -70,10 +70,10 @@ class TorchCollectiveAdapter(CollectiveAdapter):
     def barrier(self):
         dist.barrier(group=self.group)
 
-    def _record(self, kind, x, direction="forward"):
+    def _record(self, kind, x, direction=None, scale=1):
         # A symbolic trace moves no data; count only real collectives.
         if not _is_symbolic(x):
-            super()._record(kind, x, direction)
+            super()._record(kind, x, direction, scale)
 
     def _all_reduce(self, x, op):
         out = _detached_copy(x, "all_reduce")
@@ -137,7 +137,7 @@ class TorchCollectiveAdapter(CollectiveAdapter):
         return _ReduceFromParallel.apply(x, self)
 
     def gather_from_parallel(self, x, axis=-1):
-        self._record("all_gather", x, "forward")
+        self._record("all_gather", x, "forward", self.size())
         return _GatherFromParallel.apply(x, self, axis % x.ndim)
 
     def scatter_to_parallel(self, x, axis=-1):
@@ -205,7 +205,7 @@ class _ScatterToParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         adapter = ctx.adapter
-        adapter._record("all_gather", grad, "backward")
+        adapter._record("all_gather", grad, "backward", adapter.size())
         return adapter.gather(grad, ctx.axis), None, None
 
 

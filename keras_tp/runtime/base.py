@@ -15,6 +15,7 @@ class Runtime:
         world_size: total number of devices; `None` means all available.
         device_ids: explicit device names such as `["cpu:0", "cpu:1"]`.
         data_parallel: size of the data axis of the `data x model` mesh.
+        zero_stage: the ZeRO stage (0 to 3) of the data axis.
     """
 
     backend = None
@@ -22,7 +23,10 @@ class Runtime:
     # where the backend can compile the whole step.
     jit_compile_default = "auto"
 
-    def __init__(self, world_size=None, device_ids=None, data_parallel=1):
+    def __init__(
+        self, world_size=None, device_ids=None, data_parallel=1, zero_stage=0
+    ):
+        self.zero_stage = zero_stage
         available = self._available_devices()
         if device_ids is not None:
             device_ids = [str(d).lower() for d in device_ids]
@@ -62,8 +66,13 @@ class Runtime:
         self.world_size = len(devices)
         self.data_parallel = data_parallel
         self.tensor_parallel = self.world_size // data_parallel
+        # With a data axis or ZeRO the whole step runs per rank, and the
+        # CoordinatedOptimizer synchronises the data axis.
+        self.per_rank_steps = data_parallel > 1 or zero_stage > 0
         self.variable_axes = {}
         self.full_shapes = {}
+        # Axis of a variable's shard partitioned over `data` (ZeRO), by id.
+        self.data_axes = {}
         self.device_mesh = keras.distribution.DeviceMesh(
             shape=(data_parallel, self.tensor_parallel),
             axis_names=("data", "model"),
@@ -75,7 +84,12 @@ class Runtime:
         raise NotImplementedError
 
     def _build(self):
-        """Creates the backend mesh and `self.adapter`."""
+        """Creates the backend mesh and the adapters.
+
+        `self.adapter` runs over the `model` axis, `self.data_adapter` over
+        the `data` axis and `self.world_adapter` over both; they share one
+        `CommunicationStats`.
+        """
         raise NotImplementedError
 
     def place(self, variable, axis):
@@ -84,13 +98,70 @@ class Runtime:
         self.full_shapes[id(variable)] = tuple(variable.shape)
         self.place_variable(variable, axis)
 
-    def local_shape(self, variable):
-        """The shape of one rank's shard of a placed variable."""
+    def model_shard_shape(self, variable):
+        """The shape of a placed variable's tensor-parallel shard."""
         shape = list(self.full_shapes[id(variable)])
         axis = self.variable_axes[id(variable)]
         if axis is not None:
             shape[axis] //= self.tensor_parallel
         return tuple(shape)
+
+    def local_shape(self, variable):
+        """The shape one rank stores: its shard, and its ZeRO partition."""
+        shape = list(self.model_shard_shape(variable))
+        data_axis = self.data_axes.get(id(variable))
+        if data_axis is not None:
+            shape[data_axis] //= self.data_parallel
+        return tuple(shape)
+
+    def partition_axis(self, variable):
+        """The axis ZeRO partitions a variable's shard on, or `None`.
+
+        The first axis that the data-parallel size divides; a variable with
+        none (a bias of odd size, a scalar) stays whole on every rank.
+        """
+        for axis, size in enumerate(self.model_shard_shape(variable)):
+            if size % self.data_parallel == 0:
+                return axis
+        return None
+
+    def place_like(self, variable, reference, data_axis=None):
+        """Places a new variable shaped like a placed `reference`.
+
+        For optimizer slots and gradient buffers: split like the reference
+        over `model`, and partitioned over `data` on `data_axis` if given.
+        """
+        self.variable_axes[id(variable)] = self.variable_axes[id(reference)]
+        self.full_shapes[id(variable)] = self.full_shapes[id(reference)]
+        self.place_variable_like(variable, reference, data_axis)
+        if data_axis is not None:
+            self.data_axes[id(variable)] = data_axis
+
+    def place_variable_like(self, variable, reference, data_axis):
+        """Backend part of `place_like`."""
+        raise NotImplementedError
+
+    def partition(self, variable, data_axis):
+        """Keeps only this rank's ZeRO-3 partition of a placed variable."""
+        self.partition_variable(variable, data_axis)
+        self.data_axes[id(variable)] = data_axis
+
+    def partition_variable(self, variable, data_axis):
+        """Backend part of `partition`."""
+        raise NotImplementedError
+
+    def gathered_call(self, layer, variables, call):
+        """Wraps a layer's `call` to gather its ZeRO-3 partitions around it.
+
+        Args:
+            layer: the layer.
+            variables: the partitioned variables the call reads.
+            call: the layer's call.
+
+        Returns:
+            A function with the signature of `call`.
+        """
+        raise NotImplementedError
 
     def place_variable(self, variable, axis):
         """Backend part of `place`: make the variable hold its local shard."""
@@ -111,6 +182,10 @@ class Runtime:
     def save_weights(self, model, filepath, **kwargs):
         """Writes the unsplit weights of `model`."""
         model.save_weights(filepath, **kwargs)
+
+    def replica_differences(self, variables):
+        """`{path: largest difference}` between copies that must be equal."""
+        raise NotImplementedError
 
     def device_bytes(self, variables):
         """`{device: bytes}` these variables occupy, read from the arrays."""

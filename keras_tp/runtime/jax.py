@@ -1,11 +1,21 @@
 """JAX runtime: one controller, a `data x model` Mesh, `shard_map` regions.
 
 Variables stay global Keras variables whose values are placed with a
-`NamedSharding`, so each device stores only its shard and Keras' own JAX
-trainer (jit, grad, optimizer) runs unchanged. A sharded region runs its
-per-rank math in a small `jax.shard_map` over the mesh.
+`NamedSharding`, so each device stores only its shard.
+
+- **Tensor parallelism only**: Keras' own JAX trainer (jit, grad,
+  optimizer) runs unchanged, and a sharded region runs its per-rank math in
+  a small `jax.shard_map` over the mesh.
+- **With a data axis or ZeRO**: Keras' step function runs whole inside one
+  `shard_map` that is manual over both axes, so every device computes its
+  own loss on its slice of the batch and its own gradients, as a torch
+  process would. Regions then run directly on the local values, and the
+  `CoordinatedOptimizer` issues the data-axis collectives itself (nesting a
+  region's `shard_map` inside would bind the `data` axis twice).
 """
 
+import contextlib
+import functools
 import logging
 
 import jax
@@ -20,6 +30,8 @@ from keras.src.backend import set_keras_mask
 
 from keras_tp.collectives.jax import JaxCollectiveAdapter
 from keras_tp.runtime.base import Runtime
+from keras_tp.variables import bind_values
+from keras_tp.variables import local_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +68,19 @@ def _spec(axis, axis_name="model"):
     return PartitionSpec(*([None] * axis), axis_name)
 
 
+def _placement_spec(ndim, axis, data_axis):
+    """Split `axis` over `model` and partition `data_axis` over `data`.
+
+    On a shared axis the model shard is cut first, then partitioned.
+    """
+    spec = [None] * ndim
+    if axis is not None:
+        spec[axis] = "model"
+    if data_axis is not None:
+        spec[data_axis] = ("model", "data") if data_axis == axis else "data"
+    return PartitionSpec(*spec)
+
+
 def _is_array(value):
     return isinstance(value, (jax.Array, np.ndarray)) or (
         hasattr(value, "shape") and hasattr(value, "dtype")
@@ -77,14 +102,48 @@ class JaxRuntime(Runtime):
         )
         # Mesh() keeps Auto axes; jax.make_mesh would make them Explicit.
         self.mesh = jax.sharding.Mesh(grid, ("data", "model"))
-        self.adapter = JaxCollectiveAdapter(self.tensor_parallel)
+        # A per-rank step runs without vma checks (see the module docstring).
+        check_vma = not self.per_rank_steps
+        self.adapter = JaxCollectiveAdapter(
+            self.tensor_parallel, check_vma=check_vma
+        )
+        self.data_adapter = JaxCollectiveAdapter(
+            self.data_parallel, "data", check_vma=check_vma
+        )
+        self.world_adapter = JaxCollectiveAdapter(
+            self.world_size, ("data", "model"), check_vma=check_vma
+        )
+        self.data_adapter.stats = self.world_adapter.stats = self.adapter.stats
+        self._inside_ranks = False
 
     def place_variable(self, variable, axis):
-        sharding = NamedSharding(self.mesh, _spec(axis))
+        self._lay_out(variable)
+
+    def place_variable_like(self, variable, reference, data_axis):
+        self._lay_out(variable, data_axis)
+
+    def partition_variable(self, variable, data_axis):
+        self._lay_out(variable, data_axis)
+
+    def _lay_out(self, variable, data_axis=None):
+        spec = _placement_spec(
+            len(self.full_shapes[id(variable)]),
+            self.variable_axes[id(variable)],
+            data_axis,
+        )
         # Keras' JAX variables re-apply `_layout` on every assign, and the
         # optimizer gives each slot its reference variable's layout.
-        variable._layout = sharding
+        variable._layout = NamedSharding(self.mesh, spec)
         variable._direct_assign(variable.value)
+
+    def _variable_spec(self, variable):
+        if id(variable) not in self.full_shapes:
+            return PartitionSpec()
+        return _placement_spec(
+            len(self.full_shapes[id(variable)]),
+            self.variable_axes[id(variable)],
+            self.data_axes.get(id(variable)),
+        )
 
     def full_value(self, variable):
         value = variable.value
@@ -137,7 +196,199 @@ class JaxRuntime(Runtime):
                     totals[str(shard.device)] += shard.data.nbytes
         return totals
 
+    def replica_differences(self, variables):
+        """Largest difference between the copies of each variable.
+
+        Devices holding the same slice of a global array (the data-parallel
+        replicas, and the model ranks of a replicated variable) must hold
+        the same numbers.
+        """
+        differences = {}
+        for variable in variables:
+            copies = {}
+            for shard in variable.value.addressable_shards:
+                key = tuple((s.start, s.stop) for s in shard.index)
+                copies.setdefault(key, []).append(np.asarray(shard.data))
+            worst = 0.0
+            for group in copies.values():
+                for other in group[1:]:
+                    diff = np.abs(other.astype("float64") - group[0])
+                    worst = max(worst, float(diff.max(initial=0.0)))
+            differences[variable.path] = worst
+        return differences
+
+    # Per-rank steps (data axis, ZeRO) ----------------------------------
+
+    def run_step(self, phase, step, *args, **kwargs):
+        if not self.per_rank_steps:
+            return super().run_step(phase, step, *args, **kwargs)
+        state, data = args
+        model = step.__self__
+        with self.adapter.stats.recording(phase):
+            return self._per_rank_step(phase, model, step, state, data)
+
+    def _per_rank_step(self, phase, model, step, state, data):
+        """Runs Keras' step on every device, on that device's values.
+
+        The state enters with the placement of each variable, the batch
+        split over `data`; the metrics' updates are summed over `data` and
+        the non-trainable variables (BatchNorm statistics) averaged, in one
+        all-reduce, so the logs are those of the global batch.
+        """
+        groups = [model.trainable_variables, model.non_trainable_variables]
+        if phase == "train":
+            groups.append(model.optimizer.variables)
+        if phase != "predict":
+            groups.append(model.metrics_variables)
+        state_specs = tuple(
+            [self._variable_spec(v) for v in group] for group in groups
+        )
+        data_specs = jax.tree_util.tree_map(self._batch_spec, data)
+        placed = [
+            v for group in groups for v in group if id(v) in self.full_shapes
+        ]
+
+        def per_rank(state, data):
+            with local_shapes(placed, self.local_shape), self._ranks():
+                if phase == "predict":
+                    return step(state, data)
+                logs, new_state = step(state, data)
+                new_state = list(new_state)
+                metrics, non_trainable = self._synchronised_state(
+                    groups[1], new_state[1], state[-1], new_state[-1]
+                )
+                new_state[1], new_state[-1] = non_trainable, metrics
+                mapping = list(zip(groups[-1], metrics))
+                with StatelessScope(state_mapping=mapping):
+                    logs = model.get_metrics_result()
+                return logs, tuple(new_state)
+
+        out_specs = (
+            PartitionSpec("data")
+            if phase == "predict"
+            else (PartitionSpec(), state_specs)
+        )
+        mapped = jax.shard_map(
+            per_rank,
+            mesh=self.mesh,
+            in_specs=(state_specs, data_specs),
+            out_specs=out_specs,
+            check_vma=False,
+        )
+        return mapped(tuple(state), data)
+
+    def _batch_spec(self, leaf):
+        if not _is_array(leaf) or len(leaf.shape) == 0:
+            return PartitionSpec()
+        if leaf.shape[0] % self.data_parallel:
+            raise ValueError(
+                f"A batch of {leaf.shape[0]} samples cannot be split evenly "
+                f"over data_parallel={self.data_parallel} ranks. Use a batch "
+                "size (and a dataset size, or `drop_remainder=True`) that "
+                f"divides by {self.data_parallel}."
+            )
+        return PartitionSpec("data")
+
+    def _synchronised_state(self, non_trainable, values, old_metrics, metrics):
+        """Global metrics and averaged non-trainables, in one all-reduce."""
+        pieces = []
+        for old, new in zip(old_metrics, metrics):
+            pieces.append(("metric", new - old))
+        for variable, value in zip(non_trainable, values):
+            synced = (
+                jax.numpy.issubdtype(value.dtype, jax.numpy.floating)
+                and id(variable) not in self.data_axes
+            )
+            pieces.append(("mean", value if synced else None))
+        floats = [
+            (i, piece)
+            for i, (_, piece) in enumerate(pieces)
+            if piece is not None
+            and jax.numpy.issubdtype(piece.dtype, jax.numpy.floating)
+        ]
+        summed = {}
+        if floats:
+            flat = jax.numpy.concatenate(
+                [
+                    jax.numpy.ravel(
+                        piece / self.data_parallel
+                        if pieces[i][0] == "mean"
+                        else piece
+                    ).astype("float32")
+                    for i, piece in floats
+                ]
+            )
+            flat = self.data_adapter.all_reduce(flat, "sum")
+            offset = 0
+            for i, piece in floats:
+                size = piece.size
+                summed[i] = (
+                    flat[offset : offset + size]
+                    .reshape(piece.shape)
+                    .astype(piece.dtype)
+                )
+                offset += size
+        new_metrics = []
+        for i, (old, new) in enumerate(zip(old_metrics, metrics)):
+            if i in summed:
+                new_metrics.append(old + summed[i])
+            else:
+                new_metrics.append(
+                    old + self.data_adapter.all_reduce(new - old, "sum")
+                )
+        offset = len(old_metrics)
+        new_values = [
+            summed.get(offset + i, value) for i, value in enumerate(values)
+        ]
+        return new_metrics, new_values
+
+    @contextlib.contextmanager
+    def _ranks(self):
+        """Marks the tracing of a per-rank step (regions run locally)."""
+        previous, self._inside_ranks = self._inside_ranks, True
+        try:
+            yield
+        finally:
+            self._inside_ranks = previous
+
+    def _local_region(self, region, args, kwargs):
+        """A region inside a per-rank step: the values are already local."""
+        if region.parallel_input:
+            args, kwargs = _copy_replicated_inputs(self.adapter, args, kwargs)
+        weights = [variable.value for variable, _ in region.variables()]
+        with region.local_weights(weights), self.adapter.activated():
+            return region.compute(*args, **kwargs)
+
+    def gathered_call(self, layer, variables, call):
+        """ZeRO-3: gathers the layer's partitions around its call.
+
+        The gather's backward pass reduce-scatters (and averages) the
+        gradient over `data`. The gathered parameters are not rematerialised
+        for the backward pass: JAX can emit the re-gather
+        (`jax.checkpoint`), but XLA merges it with the forward gather, so
+        one gather per parameter and step is what runs (2 x the parameters
+        communicated per step, not 3 x).
+        """
+        axes = [self.data_axes[id(v)] for v in variables]
+        gather = _partition_gather(self.data_adapter)
+
+        def zero3_call(*args, **kwargs):
+            if not self._inside_ranks:
+                return call(*args, **kwargs)
+            full = [gather(v.value, axis) for v, axis in zip(variables, axes)]
+            with bind_values(zip(variables, full)):
+                return call(*args, **kwargs)
+
+        return zero3_call
+
+    def prepare_region(self, region):
+        """In per-rank steps Row layers receive their input split."""
+        if self.per_rank_steps:
+            region.accept_split_input()
+
     def run_region(self, region, args, kwargs):
+        if self._inside_ranks:
+            return self._local_region(region, args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten(
             (args, kwargs), is_leaf=lambda x: x is None
         )
@@ -219,6 +470,51 @@ class JaxRuntime(Runtime):
         for variable, value in zip(state, new_state):
             variable.assign(value)
         return outputs
+
+
+def _partition_gather(adapter):
+    """All-gather of ZeRO-3 partitions; its gradient is a reduce-scatter."""
+    record = adapter._record
+    size = adapter.size()
+    axis_name = adapter.axis_name
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+    def gather(partition, axis):
+        record("all_gather", partition, "forward", size)
+        return jax.lax.all_gather(partition, axis_name, axis=axis, tiled=True)
+
+    def gather_fwd(partition, axis):
+        return gather(partition, axis), None
+
+    def gather_bwd(axis, _, grad):
+        record("reduce_scatter", grad, "backward")
+        summed = jax.lax.psum_scatter(
+            grad, axis_name, scatter_dimension=axis, tiled=True
+        )
+        return (summed / size,)
+
+    gather.defvjp(gather_fwd, gather_bwd)
+    return gather
+
+
+def _copy_replicated_inputs(adapter, args, kwargs):
+    """Passes each distinct float input once through `copy_to_parallel`."""
+    copies = {}
+
+    def copy(x):
+        if not (
+            _is_array(x) and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
+        ):
+            return x
+        if id(x) not in copies:
+            out = adapter.copy_to_parallel(x)
+            mask = get_keras_mask(x)
+            if mask is not None:
+                set_keras_mask(out, mask)
+            copies[id(x)] = out
+        return copies[id(x)]
+
+    return keras.tree.map_structure(copy, (args, kwargs))
 
 
 def _to_jax_device(name):

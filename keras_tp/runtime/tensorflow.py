@@ -52,7 +52,6 @@ from keras.src.optimizers import base_optimizer
 
 from keras_tp.collectives.base import nbytes
 from keras_tp.collectives.tensorflow import TensorFlowCollectiveAdapter
-from keras_tp.plan.styles import Row
 from keras_tp.runtime.base import Runtime
 
 logger = logging.getLogger(__name__)
@@ -167,6 +166,19 @@ class TensorFlowRuntime(Runtime):
     # The replicas run under tf.distribute, which XLA cannot compile as one
     # program (see `run_step`).
     jit_compile_default = False
+
+    def __init__(
+        self, world_size=None, device_ids=None, data_parallel=1, zero_stage=0
+    ):
+        if data_parallel > 1 or zero_stage > 0:
+            raise NotImplementedError(
+                f"data_parallel={data_parallel}, zero_stage={zero_stage}: "
+                "data parallelism and ZeRO are implemented on the JAX backend "
+                "only so far; on TensorFlow use data_parallel=1, "
+                "zero_stage=0 (tensor parallelism), or switch KERAS_BACKEND "
+                "to jax."
+            )
+        super().__init__(world_size, device_ids, data_parallel, zero_stage)
 
     def _available_devices(self):
         if _MULTI_WORKER_STRATEGY is not None:
@@ -524,20 +536,8 @@ class TensorFlowRuntime(Runtime):
     # Sharded regions -------------------------------------------------------
 
     def prepare_region(self, region):
-        """Lets the region's Row layers take their input split.
-
-        Keras checks a layer's input against the `input_spec` it was built
-        with, whose feature width is the full one; inside a replica a Row
-        layer receives this rank's slice, so that width check is dropped
-        (the rank check stays).
-        """
-        for member in region.members:
-            spec = member.layer.input_spec
-            splits_input = (
-                isinstance(member.style, Row) and member.style.input_is_parallel
-            )
-            if splits_input and isinstance(spec, keras.InputSpec):
-                spec.axes = {}
+        """Lets the region's Row layers take their input split."""
+        region.accept_split_input()
 
     def run_region(self, region, args, kwargs):
         context = tf.distribute.get_replica_context()

@@ -125,6 +125,16 @@ def _swap_storage(variable, value):
     return value
 
 
+def _refuse_data_axis(data_parallel, zero_stage):
+    if data_parallel > 1 or zero_stage > 0:
+        raise NotImplementedError(
+            f"data_parallel={data_parallel}, zero_stage={zero_stage}: data "
+            "parallelism and ZeRO are implemented on the JAX backend only so "
+            "far; on torch use data_parallel=1, zero_stage=0 (tensor "
+            "parallelism), or switch KERAS_BACKEND to jax."
+        )
+
+
 class TorchRuntime(Runtime):
     """Runs tensor parallelism with one process per rank.
 
@@ -135,7 +145,10 @@ class TorchRuntime(Runtime):
 
     backend = "torch"
 
-    def __init__(self, world_size=None, device_ids=None, data_parallel=1):
+    def __init__(
+        self, world_size=None, device_ids=None, data_parallel=1, zero_stage=0
+    ):
+        _refuse_data_axis(data_parallel, zero_stage)
         join_process_group(world_size)
         ranks = dist.get_world_size()
         if world_size is not None and world_size != ranks:
@@ -145,7 +158,7 @@ class TorchRuntime(Runtime):
                 f"torchrun --nproc-per-node {world_size}) or pass "
                 f"world_size={ranks}."
             )
-        super().__init__(world_size, device_ids, data_parallel)
+        super().__init__(world_size, device_ids, data_parallel, zero_stage)
         if self.world_size != ranks:
             raise ValueError(
                 f"device_ids name {self.world_size} device(s) but the process "

@@ -1,0 +1,628 @@
+"""`CoordinatedOptimizer`: data parallelism and ZeRO around any Keras optimizer.
+
+The optimizer runs on every rank, on that rank's tensors. Gradients of
+tensor-parallel shards are already exact on their rank; what is left is the
+`data` axis of the mesh, where each rank saw another slice of the batch:
+
+- stage 0 (DDP): the gradients are averaged with one all-reduce per bucket;
+- stage 1: each rank keeps the full local gradient, reduce-scatters it, and
+  updates only its partition of the optimizer state; the updated parameter
+  partitions are all-gathered;
+- stage 2: as stage 1, but only the gradient partition is kept;
+- stage 3: parameters are partitioned too; the runtime gathers a layer's
+  parameters around its call, and the gather's backward pass reduce-scatters
+  the gradient, so the optimizer receives partitions.
+
+A variable is partitioned along the first axis of its tensor-parallel shard
+that the data-parallel size divides; a variable with no such axis stays
+whole on every rank and its gradient is all-reduced.
+"""
+
+import math
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_tp.collectives.base import nbytes
+from keras_tp.variables import bind_values
+
+
+class Bucket:
+    """Variables whose gradients travel in one collective call.
+
+    Args:
+        index: position of the bucket (the first is synchronised first).
+        variables: the variables, in order.
+        partition_axes: per variable, the axis partitioned over the data
+            axis, or `None` for all of them (an all-reduce bucket).
+        shapes: per variable, the shape of its tensor-parallel shard.
+        nbytes: bytes of those shards together.
+    """
+
+    def __init__(self, index, variables, partition_axes, shapes, nbytes):
+        self.index = index
+        self.variables = variables
+        self.partition_axes = partition_axes
+        self.shapes = shapes
+        self.nbytes = nbytes
+
+    @property
+    def partitioned(self):
+        return self.partition_axes is not None
+
+    def describe(self):
+        return {
+            "bucket": self.index,
+            "mb": self.nbytes / 2**20,
+            "variables": len(self.variables),
+            "collective": "reduce_scatter"
+            if self.partitioned
+            else "all_reduce",
+        }
+
+
+def _as_rows(x, axis, parts):
+    """`x` as `parts` rows, row `r` holding partition `r` of `axis`."""
+    return ops.reshape(ops.moveaxis(x, axis, 0), (parts, -1))
+
+
+def _from_rows(rows, axis, shape):
+    """Inverse of `_as_rows` for rows that rebuild a tensor of `shape`."""
+    moved = [shape[axis]] + [d for i, d in enumerate(shape) if i != axis]
+    return ops.moveaxis(ops.reshape(rows, moved), 0, axis)
+
+
+def _split_columns(matrix, widths):
+    """Splits a 2-D tensor into column blocks of the given widths."""
+    edges = np.cumsum(widths)[:-1].tolist()
+    return ops.split(matrix, edges, axis=1) if edges else [matrix]
+
+
+class CoordinatedOptimizer(keras.optimizers.Optimizer):
+    """Wraps a Keras optimizer for data parallelism and ZeRO stages 0 to 3.
+
+    `TensorParallelKeras.compile()` wraps the given optimizer in one of these
+    when the model has a data axis or a ZeRO stage; build one yourself to
+    choose the bucket size or gradient accumulation. Every Keras optimizer
+    works inside, with learning-rate schedules, weight decay, `clipvalue`,
+    `clipnorm`, `global_clipnorm` and EMA: norms are computed over the whole
+    model across shards (one all-reduce of the squared norms), and the
+    step counter and schedule are the same on every rank.
+
+    Args:
+        optimizer: the Keras optimizer that updates the parameters.
+        zero_stage: 0 (DDP), 1, 2 or 3; must match the model's.
+        bucket_cap_mb: most megabytes of gradient per collective call.
+        gradient_accumulation_steps: micro-batches per update. DDP and
+            ZeRO-1 accumulate the local gradient and synchronise once per
+            update; ZeRO-2 and 3 reduce-scatter every micro-batch, because
+            keeping only a partition of the gradient is their point.
+        name: name of the optimizer.
+
+    Example:
+
+    ```python
+    tp = keras_tp.TensorParallelKeras(model, world_size=4, data_parallel=4,
+                                      zero_stage=1)
+    optimizer = keras_tp.CoordinatedOptimizer(
+        keras.optimizers.AdamW(1e-3, global_clipnorm=1.0),
+        zero_stage=1, bucket_cap_mb=25, gradient_accumulation_steps=2)
+    tp.compile(optimizer=optimizer, loss="mse")
+    ```
+    """
+
+    def __init__(
+        self,
+        optimizer,
+        zero_stage=0,
+        bucket_cap_mb=25,
+        gradient_accumulation_steps=1,
+        name=None,
+    ):
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise TypeError(
+                "CoordinatedOptimizer wraps a keras.optimizers.Optimizer, got "
+                f"{type(optimizer)}."
+            )
+        if isinstance(optimizer, CoordinatedOptimizer):
+            raise ValueError("The optimizer is already a CoordinatedOptimizer.")
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            raise NotImplementedError(
+                "LossScaleOptimizer inside CoordinatedOptimizer is not "
+                "supported yet; train in float32 or bfloat16."
+            )
+        if zero_stage not in (0, 1, 2, 3):
+            raise ValueError(
+                f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}."
+            )
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}.")
+        if (
+            not isinstance(gradient_accumulation_steps, int)
+            or gradient_accumulation_steps < 1
+        ):
+            raise ValueError(
+                "gradient_accumulation_steps must be an integer >= 1, got "
+                f"{gradient_accumulation_steps!r}."
+            )
+        if optimizer.gradient_accumulation_steps:
+            raise ValueError(
+                f"Optimizer '{optimizer.name}' accumulates gradients itself; "
+                "pass gradient_accumulation_steps to CoordinatedOptimizer "
+                "instead, which synchronises only at accumulation boundaries."
+            )
+        if optimizer.built:
+            raise ValueError(
+                f"Optimizer '{optimizer.name}' is already built on other "
+                "variables; give CoordinatedOptimizer a new optimizer."
+            )
+        super().__init__(
+            learning_rate=0.0, name=name or f"coordinated_{optimizer.name}"
+        )
+        self.inner_optimizer = optimizer
+        self.zero_stage = zero_stage
+        self.bucket_cap_mb = bucket_cap_mb
+        # Not `gradient_accumulation_steps`: Keras' base optimizer would
+        # build its own accumulators from that attribute.
+        self.accumulation_steps = gradient_accumulation_steps
+        # Norms need every shard's gradient, so clipping by norm happens
+        # here, across ranks, instead of in the inner optimizer.
+        self.clip_norm = optimizer.clipnorm
+        self.global_clip_norm = optimizer.global_clipnorm
+        optimizer.clipnorm = None
+        optimizer.global_clipnorm = None
+        self._runtime = None
+
+    def bind(self, runtime):
+        """Attaches the runtime whose ranks this optimizer coordinates."""
+        if self._runtime is not None and self._runtime is not runtime:
+            raise ValueError(
+                f"CoordinatedOptimizer '{self.name}' already belongs to "
+                "another TensorParallelKeras model; compile with a new one."
+            )
+        self._runtime = runtime
+
+    # Building -----------------------------------------------------------
+
+    @property
+    def data_parallel(self):
+        return self._runtime.data_parallel
+
+    def build(self, var_list):
+        if self._runtime is None:
+            raise ValueError(
+                "CoordinatedOptimizer only runs inside a TensorParallelKeras "
+                "model: pass it to `TensorParallelKeras.compile()`."
+            )
+        runtime = self._runtime
+        var_list = list(var_list)
+        self.partition_axes = {
+            id(v): (runtime.partition_axis(v) if self.zero_stage else None)
+            for v in var_list
+        }
+        self.buckets = self._make_buckets(var_list)
+        original = self.inner_optimizer.add_variable_from_reference
+
+        def add_placed_variable(reference_variable, name=None, **kwargs):
+            variable = original(reference_variable, name=name, **kwargs)
+            runtime.place_like(
+                variable,
+                reference_variable,
+                self._slot_partition_axis(reference_variable),
+            )
+            return variable
+
+        self.inner_optimizer.add_variable_from_reference = add_placed_variable
+        try:
+            self.inner_optimizer.build(var_list)
+        finally:
+            del self.inner_optimizer.add_variable_from_reference
+        self.gradient_buffers = []
+        for variable in var_list:
+            buffer = self.add_variable_from_reference(variable, "gradient")
+            axis = self.partition_axes[id(variable)]
+            keep_partition = self.zero_stage >= 2 and axis is not None
+            runtime.place_like(
+                buffer, variable, axis if keep_partition else None
+            )
+            self.gradient_buffers.append(buffer)
+        if self.accumulation_steps > 1:
+            self.micro_step = self.add_variable(
+                (), initializer="zeros", dtype="int32", name="micro_step"
+            )
+        super().build(var_list)
+
+    def _slot_partition_axis(self, reference_variable):
+        if self.zero_stage == 0:
+            return None
+        return self.partition_axes.get(id(reference_variable))
+
+    def _make_buckets(self, var_list):
+        """Groups variables into buckets of at most `bucket_cap_mb`.
+
+        Variables are taken in reverse order, as their gradients become
+        ready in the backward pass; partitioned variables and whole ones
+        go to separate buckets, as do dtypes.
+        """
+        cap = self.bucket_cap_mb * 2**20
+        open_buckets = {}
+        closed = []
+        for variable in reversed(var_list):
+            axis = self.partition_axes[id(variable)]
+            key = (axis is not None, variable.dtype)
+            shape = self._runtime.model_shard_shape(variable)
+            size = nbytes(variable, shape)
+            current = open_buckets.get(key)
+            if current is not None and current[3] + size > cap:
+                closed.append(open_buckets.pop(key))
+                current = None
+            if current is None:
+                current = open_buckets[key] = ([], [], [], 0)
+            variables, axes, shapes, total = current
+            variables.append(variable)
+            axes.append(axis)
+            shapes.append(shape)
+            open_buckets[key] = (variables, axes, shapes, total + size)
+        closed.extend(open_buckets.values())
+        return [
+            Bucket(
+                index,
+                variables,
+                axes if axes[0] is not None else None,
+                shapes,
+                total,
+            )
+            for index, (variables, axes, shapes, total) in enumerate(closed)
+        ]
+
+    @property
+    def variables(self):
+        return self._variables + self.inner_optimizer.variables
+
+    @property
+    def state_variables(self):
+        """Variables of the optimizer state: all but the gradient buffers."""
+        buffers = {id(b) for b in self.gradient_buffers}
+        return [v for v in self.variables if id(v) not in buffers]
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    # Applying -----------------------------------------------------------
+
+    def apply(self, grads, trainable_variables=None):
+        """Synchronises `grads` over the data axis and updates the model.
+
+        Called on every rank with that rank's gradients of its local
+        tensors (for ZeRO-3, of its parameter partitions).
+        """
+        if trainable_variables is None:
+            trainable_variables = self._trainable_variables
+        trainable_variables = list(trainable_variables)
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        grads = [
+            ops.zeros(tuple(v.shape), v.dtype) if g is None else g
+            for g, v in zip(grads, trainable_variables)
+        ]
+        steps = self.accumulation_steps
+        with self._runtime.data_adapter.stats.labelled("optimizer"):
+            if steps == 1:
+                self._update(self._synchronised(grads, trainable_variables))
+                return
+            self._accumulate_or_update(grads, trainable_variables)
+
+    def _accumulate_or_update(self, grads, variables):
+        """One micro-batch: accumulate, and update at the boundary.
+
+        The branches are pure functions of the variables' values, so the
+        collectives of the update run only on boundary steps, on every
+        backend (a traced `cond` on JAX and TensorFlow).
+        """
+        steps = self.accumulation_steps
+        stage = self.zero_stage
+        if stage >= 2:
+            # Keep only this rank's partition: reduce-scatter right away.
+            grads = self._reduce_scatter(grads, variables)
+        boundary = ops.equal(ops.mod(self.micro_step + 1, steps), 0)
+        touched = list(variables) + self.variables
+        accumulated = [
+            ops.add(buffer.value, grad)
+            for buffer, grad in zip(self.gradient_buffers, grads)
+        ]
+
+        def update():
+            mean = [ops.divide(g, steps) for g in accumulated]
+            if stage < 2:
+                mean = self._synchronised(mean, variables)
+            self._update(mean)
+            for buffer in self.gradient_buffers:
+                buffer.assign(ops.zeros_like(buffer.value))
+            self.micro_step.assign(0)
+
+        def accumulate():
+            for buffer, value in zip(self.gradient_buffers, accumulated):
+                buffer.assign(value)
+            self.micro_step.assign_add(1)
+
+        _stateful_cond(boundary, update, accumulate, touched)
+
+    def _synchronised(self, grads, variables):
+        """The gradients every rank uses, each of its own partition."""
+        if self.zero_stage == 0:
+            grads = self._all_reduce(grads, variables)
+            self._store_gradients(grads)
+            return grads
+        if self.zero_stage == 1:
+            self._store_gradients(grads)
+        grads = self._reduce_scatter(grads, variables)
+        if self.zero_stage >= 2:
+            self._store_gradients(grads)
+        return grads
+
+    def _store_gradients(self, grads):
+        if self.accumulation_steps == 1:
+            for buffer, grad in zip(self.gradient_buffers, grads):
+                buffer.assign(grad)
+
+    def _all_reduce(self, grads, variables):
+        """Averages the gradients over the data axis, one call per bucket."""
+        position = {id(v): i for i, v in enumerate(variables)}
+        out = list(grads)
+        for bucket in self.buckets:
+            for i, value in self._all_reduce_bucket(bucket, grads, position):
+                out[i] = value
+        return out
+
+    def _reduce_scatter(self, grads, variables):
+        """Each rank's partition of the averaged gradients, per bucket.
+
+        Gradients of variables without a partition axis are all-reduced.
+        Under ZeRO-3 the partitioned gradients arrive reduced already.
+        """
+        adapter = self._runtime.data_adapter
+        parts = adapter.size()
+        position = {id(v): i for i, v in enumerate(variables)}
+        out = list(grads)
+        for bucket in self.buckets:
+            if not bucket.partitioned:
+                for i, value in self._all_reduce_bucket(
+                    bucket, grads, position
+                ):
+                    out[i] = value
+                continue
+            if self.zero_stage == 3:
+                continue
+            indices = [position[id(v)] for v in bucket.variables]
+            rows = ops.concatenate(
+                [
+                    _as_rows(grads[i], axis, parts)
+                    for i, axis in zip(indices, bucket.partition_axes)
+                ],
+                axis=1,
+            )
+            local = adapter.reduce_scatter(rows, axis=0, op="mean")
+            widths = [math.prod(s) // parts for s in bucket.shapes]
+            for i, piece, axis, shape in zip(
+                indices,
+                _split_columns(local, widths),
+                bucket.partition_axes,
+                bucket.shapes,
+            ):
+                part_shape = list(shape)
+                part_shape[axis] //= parts
+                out[i] = _from_rows(piece, axis, part_shape)
+        return out
+
+    def _all_reduce_bucket(self, bucket, grads, position):
+        adapter = self._runtime.data_adapter
+        indices = [position[id(v)] for v in bucket.variables]
+        flat = ops.concatenate(
+            [ops.reshape(grads[i], (-1,)) for i in indices], axis=0
+        )
+        flat = adapter.all_reduce(flat, "mean")
+        sizes = [math.prod(s) for s in bucket.shapes]
+        pieces = _split_columns(ops.reshape(flat, (1, -1)), sizes)
+        return [
+            (i, ops.reshape(piece, shape))
+            for i, piece, shape in zip(indices, pieces, bucket.shapes)
+        ]
+
+    def _all_gather(self, partitions, variables):
+        """Rebuilds every partitioned variable from all ranks' partitions."""
+        adapter = self._runtime.data_adapter
+        parts = adapter.size()
+        position = {id(v): i for i, v in enumerate(variables)}
+        out = {}
+        for bucket in self.buckets:
+            if not bucket.partitioned:
+                continue
+            indices = [position[id(v)] for v in bucket.variables]
+            row = ops.concatenate(
+                [
+                    _as_rows(partitions[i], axis, 1)
+                    for i, axis in zip(indices, bucket.partition_axes)
+                ],
+                axis=1,
+            )
+            rows = adapter.all_gather(row, axis=0)
+            widths = [math.prod(s) // parts for s in bucket.shapes]
+            for i, piece, axis, shape in zip(
+                indices,
+                _split_columns(rows, widths),
+                bucket.partition_axes,
+                bucket.shapes,
+            ):
+                out[i] = _from_rows(piece, axis, shape)
+        return out
+
+    def _update(self, grads):
+        """Clips, updates this rank's partitions, gathers the parameters."""
+        variables = self._trainable_variables
+        grads = self._clipped(grads, variables)
+        if self.zero_stage in (0, 3):
+            self.inner_optimizer.apply(grads, variables)
+            return
+        adapter = self._runtime.data_adapter
+        rank = adapter.rank()
+        parts = adapter.size()
+        bound = []
+        for variable, grad in zip(variables, grads):
+            axis = self.partition_axes[id(variable)]
+            if axis is None:
+                continue
+            bound.append(
+                (variable, _partition(variable.value, axis, rank, parts))
+            )
+        with bind_values(bound) as scope:
+            self.inner_optimizer.apply(grads, variables)
+            partitions = [
+                scope.get_current_value(v)
+                if self.partition_axes[id(v)] is not None
+                else None
+                for v in variables
+            ]
+        for i, full in self._all_gather(partitions, variables).items():
+            variables[i].assign(full)
+
+    def _clipped(self, grads, variables):
+        """Applies `clipnorm` / `global_clipnorm` with norms across ranks."""
+        if not (self.clip_norm or self.global_clip_norm):
+            return grads
+        squares = ops.stack(
+            [
+                ops.multiply(
+                    ops.sum(ops.square(ops.cast(g, "float32"))),
+                    self._norm_weight(v, g),
+                )
+                for g, v in zip(grads, variables)
+            ]
+        )
+        world = self._runtime.world_adapter
+        if self.global_clip_norm:
+            total = world.all_reduce(ops.sum(squares), "sum")
+            norm = ops.sqrt(total)
+            clip = self.global_clip_norm
+            scale = clip * ops.minimum(1.0 / norm, 1.0 / clip)
+            scale = scale + (norm - norm)
+            return [ops.multiply(g, ops.cast(scale, g.dtype)) for g in grads]
+        norms = ops.sqrt(world.all_reduce(squares, "sum"))
+        clipped = []
+        for i, g in enumerate(grads):
+            norm = norms[i]
+            safe = ops.where(norm > 0, norm, ops.ones_like(norm))
+            norm = ops.where(norm > 0, safe, norm)
+            scale = self.clip_norm / ops.maximum(norm, self.clip_norm)
+            clipped.append(ops.multiply(g, ops.cast(scale, g.dtype)))
+        return clipped
+
+    def _norm_weight(self, variable, grad):
+        """Share of this rank's copy of a gradient in the global sum.
+
+        A gradient held whole by several ranks (replicated over the model
+        axis, or not partitioned over the data axis) is counted once in the
+        sum over all ranks.
+        """
+        runtime = self._runtime
+        weight = 1.0
+        if runtime.variable_axes.get(id(variable)) is None:
+            weight /= runtime.tensor_parallel
+        local = tuple(runtime.model_shard_shape(variable))
+        if tuple(grad.shape) == local:
+            weight /= runtime.data_parallel
+        return weight
+
+    def finalize_variable_values(self, var_list):
+        """Writes the EMA weights at the end of `fit()` (`use_ema`)."""
+        inner = self.inner_optimizer
+        if not inner.use_ema:
+            return
+        runtime = self._runtime
+        averages = inner._model_variables_moving_average
+        for variable in var_list:
+            average = averages[inner._get_variable_index(variable)]
+            runtime.assign_full_value(variable, runtime.full_value(average))
+
+    # Monitoring ---------------------------------------------------------
+
+    def sharding_info(self):
+        """Stage and bucket layout (see `get_gradient_sharding_info`)."""
+        if not self.built:
+            raise ValueError(
+                "The optimizer is not built yet: train one step first (or "
+                "call `optimizer.build(model.trainable_variables)`)."
+            )
+        return {
+            "zero_stage": self.zero_stage,
+            "data_parallel": self.data_parallel,
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "gradient_accumulation_steps": self.accumulation_steps,
+            "buckets": [bucket.describe() for bucket in self.buckets],
+            "unpartitioned_variables": [
+                v.path
+                for v in self._trainable_variables
+                if self.zero_stage and self.partition_axes[id(v)] is None
+            ],
+        }
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "optimizer": keras.saving.serialize_keras_object(
+                self.inner_optimizer
+            ),
+            "zero_stage": self.zero_stage,
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "gradient_accumulation_steps": self.accumulation_steps,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        optimizer = keras.saving.deserialize_keras_object(
+            config.pop("optimizer"), custom_objects=custom_objects
+        )
+        return cls(optimizer, **config)
+
+
+def _partition(value, axis, rank, parts):
+    """Partition `rank` of `parts` equal slices of `value` along `axis`."""
+    shape = list(value.shape)
+    shape[axis] //= parts
+    start = [0] * len(shape)
+    start[axis] = rank * shape[axis]
+    return ops.slice(value, start, shape)
+
+
+def _stateful_cond(pred, true_fn, false_fn, variables):
+    """`ops.cond` over functions that assign variables.
+
+    Traced conditionals (JAX, TensorFlow) cannot let assignments escape
+    their branches, so each branch runs on the variables' current values
+    bound in a scope and returns the new ones, which are assigned after.
+    """
+    current = [v.value for v in variables]
+
+    def branch(fn):
+        def run():
+            with bind_values(zip(variables, current)) as scope:
+                fn()
+                return [scope.get_current_value(v) for v in variables]
+
+        return run
+
+    new = ops.cond(pred, branch(true_fn), branch(false_fn))
+    for variable, value in zip(variables, new):
+        variable.assign(value)

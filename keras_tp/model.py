@@ -205,20 +205,26 @@ class TensorParallelKeras(keras.Model):
         step = super().predict_step
         return self._runtime.run_step("predict", step, *args, **kwargs)
 
-    def communication_stats(self, phase="train"):
+    def communication_stats(self, phase="train", axis=None):
         """Collectives of the last step of `phase`, per kind.
 
         Args:
             phase: `"train"` (default), `"test"`, `"predict"` or `"call"`
                 (a direct `__call__`).
+            axis: only the collectives over this mesh axis: `"model"`
+                (tensor parallelism), `"data"` (data parallelism and ZeRO)
+                or `("data", "model")` (a global norm); `None` counts all.
 
         Returns:
             `{kind: {"calls", "bytes", "forward_calls", "forward_bytes",
-            "backward_calls", "backward_bytes"}}` where kind is
-            `all_reduce`, `all_gather`, `reduce_scatter` or `broadcast`, and
-            bytes are what one rank contributes.
+            "backward_calls", "backward_bytes", "optimizer_calls",
+            "optimizer_bytes"}}` where kind is `all_reduce`, `all_gather`,
+            `reduce_scatter` or `broadcast`. Bytes are the whole buffer of
+            each call (an all-gather's output); the `optimizer_*` entries
+            are the gradient synchronisation and parameter gathering of a
+            `CoordinatedOptimizer`.
         """
-        return self._runtime.adapter.stats.summary(phase)
+        return self._runtime.adapter.stats.summary(phase, axis)
 
     def reset_communication_stats(self):
         """Forgets the recorded collectives of every phase."""

@@ -51,15 +51,36 @@ class Bucket:
     def partitioned(self):
         return self.partition_axes is not None
 
-    def describe(self):
-        return {
-            "bucket": self.index,
-            "mb": self.nbytes / 2**20,
-            "variables": len(self.variables),
-            "collective": "reduce_scatter"
-            if self.partitioned
-            else "all_reduce",
-        }
+    def chunks(self, cap_bytes, itemsize):
+        """`[(start, stop)]` element ranges of at most `cap_bytes` each.
+
+        An all-reduce bucket is one flat vector cut into equal calls, so a
+        large variable can span two calls and the number of calls is
+        exactly the bytes over the cap, rounded up.
+        """
+        total = sum(math.prod(s) for s in self.shapes)
+        if not self.partitioned:
+            step = max(1, int(cap_bytes // itemsize))
+            return [(a, min(a + step, total)) for a in range(0, total, step)]
+        return [(0, total)]
+
+    def describe(self, cap_bytes, itemsize):
+        """One entry per collective call of the bucket."""
+        edges = np.cumsum([0] + [math.prod(s) for s in self.shapes])
+        entries = []
+        for start, stop in self.chunks(cap_bytes, itemsize):
+            overlapping = np.sum((edges[:-1] < stop) & (edges[1:] > start))
+            entries.append(
+                {
+                    "bucket": self.index,
+                    "mb": (stop - start) * itemsize / 2**20,
+                    "variables": int(overlapping),
+                    "collective": (
+                        "reduce_scatter" if self.partitioned else "all_reduce"
+                    ),
+                }
+            )
+        return entries
 
 
 def _as_rows(x, axis, parts):
@@ -186,6 +207,10 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
     # Building -----------------------------------------------------------
 
     @property
+    def _cap_bytes(self):
+        return self.bucket_cap_mb * 2**20
+
+    @property
     def data_parallel(self):
         return self._runtime.data_parallel
 
@@ -245,7 +270,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         ready in the backward pass; partitioned variables and whole ones
         go to separate buckets, as do dtypes.
         """
-        cap = self.bucket_cap_mb * 2**20
+        cap = self._cap_bytes
         open_buckets = {}
         closed = []
         for variable in reversed(var_list):
@@ -254,7 +279,9 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             shape = self._runtime.model_shard_shape(variable)
             size = nbytes(variable, shape)
             current = open_buckets.get(key)
-            if current is not None and current[3] + size > cap:
+            # All-reduce buckets are cut into calls of `cap` bytes later.
+            full = axis is not None and current is not None
+            if full and current[3] + size > cap:
                 closed.append(open_buckets.pop(key))
                 current = None
             if current is None:
@@ -432,7 +459,12 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         flat = ops.concatenate(
             [ops.reshape(grads[i], (-1,)) for i in indices], axis=0
         )
-        flat = adapter.all_reduce(flat, "mean")
+        itemsize = nbytes(flat, (1,))
+        pieces = [
+            adapter.all_reduce(flat[start:stop], "mean")
+            for start, stop in bucket.chunks(self._cap_bytes, itemsize)
+        ]
+        flat = ops.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
         sizes = [math.prod(s) for s in bucket.shapes]
         pieces = _split_columns(ops.reshape(flat, (1, -1)), sizes)
         return [
@@ -569,7 +601,14 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             "data_parallel": self.data_parallel,
             "bucket_cap_mb": self.bucket_cap_mb,
             "gradient_accumulation_steps": self.accumulation_steps,
-            "buckets": [bucket.describe() for bucket in self.buckets],
+            "buckets": [
+                entry
+                for bucket in self.buckets
+                for entry in bucket.describe(
+                    self._cap_bytes,
+                    nbytes(bucket.variables[0], (1,)),
+                )
+            ],
             "unpartitioned_variables": [
                 v.path
                 for v in self._trainable_variables

@@ -1,0 +1,250 @@
+"""DDP and ZeRO-1/2/3 on the JAX backend, with and without tensor parallelism.
+
+Run alone: `KERAS_BACKEND=jax python -m pytest tests/test_jax_dp.py`.
+The oracle is the same model on one device trained on the whole global
+batch; memory is read from the arrays, collectives from the step's records
+and from its compiled HLO.
+"""
+
+import math
+import os
+import re
+
+import pytest
+
+if os.environ.get("KERAS_BACKEND", "jax") != "jax":
+    pytest.skip("JAX tests run with KERAS_BACKEND=jax", allow_module_level=True)
+os.environ["KERAS_BACKEND"] = "jax"
+
+import keras_tp  # noqa: E402
+
+keras_tp.configure_virtual_devices(4)
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tests import models  # noqa: E402
+
+STEPS = 5
+BATCH = 8  # global batch, split over the data axis
+
+
+def loss_fn():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def max_diff(a, b):
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+        for x, y in zip(a, b)
+    )
+
+
+def make_optimizer(kind):
+    if kind == "sgd":
+        return keras.optimizers.SGD(0.05, momentum=0.9)
+    if kind == "adam":
+        return keras.optimizers.Adam(1e-3)
+    schedule = keras.optimizers.schedules.ExponentialDecay(1e-2, 2, 0.8)
+    return keras.optimizers.AdamW(
+        schedule, weight_decay=0.05, global_clipnorm=0.5
+    )
+
+
+def train_pair(name, world_size, data_parallel, zero_stage, kind, **options):
+    reference = models.BUILDERS[name]()
+    tp = keras_tp.TensorParallelKeras(
+        models.BUILDERS[name](),
+        world_size=world_size,
+        data_parallel=data_parallel,
+        zero_stage=zero_stage,
+    )
+    steps = options.get("gradient_accumulation_steps", 1)
+    # Whole updates only: a trailing partial accumulation is not applied.
+    samples = (STEPS // steps) * steps * BATCH
+    x, y = models.data_for(name, batch=samples)
+    reference.compile(optimizer=make_optimizer(kind), loss=loss_fn())
+    optimizer = make_optimizer(kind)
+    if options:
+        optimizer = keras_tp.CoordinatedOptimizer(
+            optimizer, zero_stage=zero_stage, **options
+        )
+    tp.compile(optimizer=optimizer, loss=loss_fn(), metrics=["accuracy"])
+    ref_history = reference.fit(
+        x, y, batch_size=BATCH * steps, shuffle=False, verbose=0
+    )
+    tp_history = tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    return reference, tp, ref_history, tp_history
+
+
+CASES = [
+    # (world_size, data_parallel): pure DDP on 2 and 4, and 2 data x 2 model.
+    (2, 2),
+    (4, 4),
+    (4, 2),
+]
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("world_size,data_parallel", CASES)
+def test_matches_one_device(world_size, data_parallel, zero_stage):
+    kind = "adam" if world_size != data_parallel else "sgd"
+    reference, tp, ref_history, tp_history = train_pair(
+        "mlp", world_size, data_parallel, zero_stage, kind
+    )
+    assert tp.optimizer.iterations.numpy() == STEPS
+    assert max_diff(reference.get_weights(), tp.get_weights()) <= 1e-5
+    # The logged loss is the global batch's, not rank 0's.
+    np.testing.assert_allclose(
+        tp_history.history["loss"], ref_history.history["loss"], rtol=1e-5
+    )
+    report = tp.check_gradient_consistency()
+    assert report["consistent"], report
+
+
+@pytest.mark.parametrize(
+    "world_size,data_parallel,zero_stage", [(4, 2, 2), (4, 4, 1), (4, 2, 3)]
+)
+def test_adamw_clipnorm_schedule_match(world_size, data_parallel, zero_stage):
+    reference, tp, _, _ = train_pair(
+        "transformer_lm", world_size, data_parallel, zero_stage, "adamw"
+    )
+    assert max_diff(reference.get_weights(), tp.get_weights()) <= 1e-4
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_gradient_accumulation_matches_larger_batch(zero_stage):
+    reference, tp, _, _ = train_pair(
+        "mlp", 2, 2, zero_stage, "sgd", gradient_accumulation_steps=2
+    )
+    assert max_diff(reference.get_weights(), tp.get_weights()) <= 1e-5
+
+
+def _bytes(per_device):
+    return max(per_device.values())
+
+
+@pytest.mark.parametrize("data_parallel", [2, 4])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_memory_follows_zero_formulas(zero_stage, data_parallel):
+    reference, tp, _, _ = train_pair(
+        "mlp", data_parallel, data_parallel, zero_stage, "adam"
+    )
+    psi = sum(v.numpy().nbytes for v in reference.trainable_variables)
+    d = data_parallel
+    params = {0: psi, 1: psi, 2: psi, 3: psi / d}[zero_stage]
+    grads = {0: psi, 1: psi, 2: psi / d, 3: psi / d}[zero_stage]
+    adam = 2 * psi if zero_stage == 0 else 2 * psi / d
+    info = tp.get_gradient_sharding_info()
+    scalars = 64  # step counters and learning rates
+    assert _bytes(info["parameter_bytes"]) == pytest.approx(params, rel=0.05)
+    assert _bytes(info["gradient_bytes"]) == pytest.approx(grads, rel=0.05)
+    assert _bytes(info["optimizer_bytes"]) - scalars <= 1.05 * adam
+    assert _bytes(info["optimizer_bytes"]) >= 0.95 * adam
+
+
+def _count_hlo(text, op):
+    calls = re.findall(rf"\s{op}(?:-start)?\(([^)]*)\)", text)
+    return sum(operands.count("%") for operands in calls)
+
+
+def _compiled_step(tp, x, y):
+    state = (
+        [v.value for v in tp.trainable_variables],
+        [v.value for v in tp.non_trainable_variables],
+        [v.value for v in tp.optimizer.variables],
+        [v.value for v in tp.metrics_variables],
+    )
+    return jax.jit(tp.train_step).lower(state, (x, y)).compile().as_text()
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_communication_is_the_zero_minimum(zero_stage):
+    data_parallel = 4
+    bucket_mb = 0.002
+    reference = models.mlp()
+    tp = keras_tp.TensorParallelKeras(
+        models.mlp(), world_size=4, data_parallel=4, zero_stage=zero_stage
+    )
+    optimizer = keras_tp.CoordinatedOptimizer(
+        keras.optimizers.Adam(1e-3),
+        zero_stage=zero_stage,
+        bucket_cap_mb=bucket_mb,
+    )
+    tp.compile(optimizer=optimizer, loss=loss_fn())
+    x, y = models.data_for("mlp", batch=BATCH)
+    tp.fit(x, y, batch_size=BATCH, verbose=0)
+    psi = sum(v.numpy().nbytes for v in reference.trainable_variables)
+    data = tp.communication_stats(axis="data")
+    synced = {k: v["optimizer_bytes"] for k, v in data.items()}
+    # One all-reduce of the metrics' state per step, forward.
+    assert data["all_reduce"]["forward_calls"] == 1
+    if zero_stage == 0:
+        assert synced == {"all_reduce": psi}
+        calls = math.ceil(psi / (bucket_mb * 2**20))
+        assert data["all_reduce"]["optimizer_calls"] == calls
+        assert len(tp.get_gradient_sharding_info()["buckets"]) == calls
+    elif zero_stage in (1, 2):
+        assert synced["reduce_scatter"] == psi
+        assert synced["all_gather"] == psi
+    else:
+        # The gathers run forward, the reduce-scatters backward (see the
+        # docs: XLA merges the backward re-gather with the forward one).
+        assert data["all_gather"]["forward_bytes"] == psi
+        assert data["reduce_scatter"]["backward_bytes"] == psi
+        assert synced.get("all_gather", 0) == 0
+    hlo = _compiled_step(tp, x, y)
+    stats = tp.communication_stats()
+    assert _count_hlo(hlo, "all-reduce") == stats["all_reduce"]["calls"]
+    assert _count_hlo(hlo, "all-gather") == stats.get("all_gather", {}).get(
+        "calls", 0
+    )
+    assert _count_hlo(hlo, "reduce-scatter") == stats.get(
+        "reduce_scatter", {}
+    ).get("calls", 0)
+
+
+def test_zero3_save_loads_in_plain_keras(tmp_path):
+    _, tp, _, _ = train_pair("mlp", 4, 2, 3, "adam")
+    path = str(tmp_path / "model.keras")
+    tp.save(path)
+    loaded = keras.saving.load_model(path)
+    assert max_diff(loaded.get_weights(), tp.get_weights()) == 0.0
+    x, _ = models.data_for("mlp", batch=BATCH)
+    assert max_diff([loaded.predict(x, verbose=0)], [tp.predict(x)]) <= 1e-5
+
+
+def test_evaluate_and_predict_are_global():
+    reference, tp, _, _ = train_pair("mlp", 4, 2, 2, "sgd")
+    x, y = models.data_for("mlp", batch=16, seed=3)
+    reference.compile(loss=loss_fn(), metrics=["accuracy"])
+    ref_logs = reference.evaluate(x, y, batch_size=8, verbose=0)
+    tp_logs = tp.evaluate(x, y, batch_size=8, verbose=0)
+    np.testing.assert_allclose(tp_logs, ref_logs, rtol=1e-5)
+    assert max_diff([reference.predict(x, verbose=0)], [tp.predict(x)]) <= 1e-5
+
+
+def test_batch_that_does_not_split_is_refused():
+    tp = keras_tp.TensorParallelKeras(
+        models.mlp(), world_size=4, data_parallel=4
+    )
+    tp.compile(optimizer="sgd", loss=loss_fn())
+    x, y = models.data_for("mlp", batch=6)
+    with pytest.raises(ValueError, match="cannot be split evenly"):
+        tp.fit(x, y, batch_size=6, verbose=0)
+
+
+def test_optimizer_stage_must_match_model():
+    tp = keras_tp.TensorParallelKeras(
+        models.mlp(), world_size=2, data_parallel=2, zero_stage=1
+    )
+    optimizer = keras_tp.CoordinatedOptimizer(
+        keras.optimizers.SGD(0.1), zero_stage=2
+    )
+    with pytest.raises(ValueError, match="zero_stage=2"):
+        tp.compile(optimizer=optimizer, loss=loss_fn())
+    with pytest.raises(ValueError, match="accumulates gradients itself"):
+        keras_tp.CoordinatedOptimizer(
+            keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)
+        )

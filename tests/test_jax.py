@@ -437,9 +437,9 @@ def test_bad_inputs_have_clear_errors():
         keras_tp.TensorParallelKeras(
             models.mlp(), device_ids=["cpu:0", "cpu:9"]
         )
-    with pytest.raises(NotImplementedError, match="data_parallel=2"):
+    with pytest.raises(ValueError, match="not divisible by data_parallel=3"):
         keras_tp.TensorParallelKeras(
-            models.mlp(), world_size=4, data_parallel=2
+            models.mlp(), world_size=4, data_parallel=3
         )
     with pytest.raises(ValueError, match="is not built"):
         keras_tp.TensorParallelKeras(

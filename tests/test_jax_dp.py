@@ -161,7 +161,6 @@ def _compiled_step(tp, x, y):
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 def test_communication_is_the_zero_minimum(zero_stage):
-    data_parallel = 4
     bucket_mb = 0.002
     reference = models.mlp()
     tp = keras_tp.TensorParallelKeras(

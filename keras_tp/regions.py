@@ -12,6 +12,8 @@ import contextlib
 import contextvars
 
 import keras
+from keras.src.backend import get_keras_mask
+from keras.src.backend import set_keras_mask
 
 from keras_tp.plan.layers import ATTENTION
 from keras_tp.plan.sharding_plan import ShardedUnit
@@ -89,6 +91,34 @@ class ShardedRegion:
             yield
         finally:
             _LOCAL_WEIGHTS.reset(token)
+
+
+def copy_replicated_inputs(adapter, args, kwargs, is_float):
+    """Passes each distinct float input once through `copy_to_parallel`.
+
+    For a region that runs on a rank's local tensors: its replicated inputs
+    enter the parallel part (Megatron `f`), so their gradients are summed
+    over the ranks. Keras masks follow their tensors.
+
+    Args:
+        adapter: the `model`-axis collective adapter.
+        args, kwargs: the region's call arguments.
+        is_float: the backend's test for a floating-point tensor.
+    """
+    copies = {}
+
+    def copy(x):
+        if not is_float(x):
+            return x
+        if id(x) not in copies:
+            out = adapter.copy_to_parallel(x)
+            mask = get_keras_mask(x)
+            if mask is not None:
+                set_keras_mask(out, mask)
+            copies[id(x)] = out
+        return copies[id(x)]
+
+    return keras.tree.map_structure(copy, (args, kwargs))
 
 
 def _local_weights_of(member):

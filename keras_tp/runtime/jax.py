@@ -29,6 +29,7 @@ from keras.src.backend import get_keras_mask
 from keras.src.backend import set_keras_mask
 
 from keras_tp.collectives.jax import JaxCollectiveAdapter
+from keras_tp.regions import copy_replicated_inputs
 from keras_tp.runtime.base import Runtime
 from keras_tp.variables import bind_values
 from keras_tp.variables import local_shapes
@@ -79,6 +80,12 @@ def _placement_spec(ndim, axis, data_axis):
     if data_axis is not None:
         spec[data_axis] = ("model", "data") if data_axis == axis else "data"
     return PartitionSpec(*spec)
+
+
+def _is_float_array(value):
+    return _is_array(value) and jax.numpy.issubdtype(
+        value.dtype, jax.numpy.floating
+    )
 
 
 def _is_array(value):
@@ -354,7 +361,9 @@ class JaxRuntime(Runtime):
     def _local_region(self, region, args, kwargs):
         """A region inside a per-rank step: the values are already local."""
         if region.parallel_input:
-            args, kwargs = _copy_replicated_inputs(self.adapter, args, kwargs)
+            args, kwargs = copy_replicated_inputs(
+                self.adapter, args, kwargs, _is_float_array
+            )
         weights = [variable.value for variable, _ in region.variables()]
         with region.local_weights(weights), self.adapter.activated():
             return region.compute(*args, **kwargs)
@@ -495,26 +504,6 @@ def _partition_gather(adapter):
 
     gather.defvjp(gather_fwd, gather_bwd)
     return gather
-
-
-def _copy_replicated_inputs(adapter, args, kwargs):
-    """Passes each distinct float input once through `copy_to_parallel`."""
-    copies = {}
-
-    def copy(x):
-        if not (
-            _is_array(x) and jax.numpy.issubdtype(x.dtype, jax.numpy.floating)
-        ):
-            return x
-        if id(x) not in copies:
-            out = adapter.copy_to_parallel(x)
-            mask = get_keras_mask(x)
-            if mask is not None:
-                set_keras_mask(out, mask)
-            copies[id(x)] = out
-        return copies[id(x)]
-
-    return keras.tree.map_structure(copy, (args, kwargs))
 
 
 def _to_jax_device(name):

@@ -23,11 +23,10 @@ import os
 import keras
 import torch
 import torch.distributed as dist
-from keras.src.backend import get_keras_mask
-from keras.src.backend import set_keras_mask
 
 from keras_tp.collectives.base import set_process_adapter
 from keras_tp.collectives.torch import TorchCollectiveAdapter
+from keras_tp.regions import copy_replicated_inputs
 from keras_tp.runtime.base import Runtime
 
 logger = logging.getLogger(__name__)
@@ -88,6 +87,10 @@ def join_process_group(world_size=None):
 def _leave_process_group():
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _is_float_tensor(x):
+    return torch.is_tensor(x) and x.is_floating_point()
 
 
 def _parameter(variable):
@@ -271,7 +274,9 @@ class TorchRuntime(Runtime):
     def run_region(self, region, args, kwargs):
         self._check_input(region, args)
         if region.parallel_input:
-            args, kwargs = self._copy_replicated_inputs(args, kwargs)
+            args, kwargs = copy_replicated_inputs(
+                self.adapter, args, kwargs, _is_float_tensor
+            )
         weights = [variable.value for variable, _ in region.variables()]
         with region.local_weights(weights), self.adapter.activated():
             return region.compute(*args, **kwargs)
@@ -316,23 +321,6 @@ class TorchRuntime(Runtime):
                     f"Layer '{layer.path}' expects {size} features on axis "
                     f"{axis} of its input, got shape {shape}."
                 )
-
-    def _copy_replicated_inputs(self, args, kwargs):
-        """Passes each distinct float input once through `copy_to_parallel`."""
-        copies = {}
-
-        def copy(x):
-            if not (torch.is_tensor(x) and x.is_floating_point()):
-                return x
-            if id(x) not in copies:
-                out = self.adapter.copy_to_parallel(x)
-                mask = get_keras_mask(x)
-                if mask is not None:
-                    set_keras_mask(out, mask)
-                copies[id(x)] = out
-            return copies[id(x)]
-
-        return keras.tree.map_structure(copy, (args, kwargs))
 
 
 RUNTIME = TorchRuntime

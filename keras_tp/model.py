@@ -122,6 +122,14 @@ class TensorParallelKeras(keras.Model):
                 "plan must be 'auto', a ShardingPlan or a dict, got "
                 f"{type(plan)}."
             )
+        if tensor_parallel == 1:
+            # Splitting over one rank changes nothing but would still issue
+            # collectives over the model axis: every layer stays whole.
+            bound = ShardingPlan().bind(model, 1)
+            bound.replicated = {
+                path: "one tensor-parallel rank: nothing to split"
+                for path in bound.replicated
+            }
         self._runtime = runtime
         self._plan = bound
         axes = bound.variable_axes()
@@ -153,7 +161,7 @@ class TensorParallelKeras(keras.Model):
 
     def call(self, inputs, training=None):
         with self._runtime.adapter.stats.recording("call"):
-            return self.model(inputs, training=training)
+            return self._runtime.call_model(self.model, inputs, training)
 
     def get_layer(self, name=None, index=None):
         """Looks a layer up in the wrapped model (see `keras.Model`)."""

@@ -25,58 +25,13 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tests import models  # noqa: E402
-
-STEPS = 5
-BATCH = 8  # global batch, split over the data axis
-
-
-def loss_fn():
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def max_diff(a, b):
-    return max(
-        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-        for x, y in zip(a, b)
-    )
-
-
-def make_optimizer(kind):
-    if kind == "sgd":
-        return keras.optimizers.SGD(0.05, momentum=0.9)
-    if kind == "adam":
-        return keras.optimizers.Adam(1e-3)
-    schedule = keras.optimizers.schedules.ExponentialDecay(1e-2, 2, 0.8)
-    return keras.optimizers.AdamW(
-        schedule, weight_decay=0.05, global_clipnorm=0.5
-    )
-
-
-def train_pair(name, world_size, data_parallel, zero_stage, kind, **options):
-    reference = models.BUILDERS[name]()
-    tp = keras_tp.TensorParallelKeras(
-        models.BUILDERS[name](),
-        world_size=world_size,
-        data_parallel=data_parallel,
-        zero_stage=zero_stage,
-    )
-    steps = options.get("gradient_accumulation_steps", 1)
-    # Whole updates only: a trailing partial accumulation is not applied.
-    samples = (STEPS // steps) * steps * BATCH
-    x, y = models.data_for(name, batch=samples)
-    reference.compile(optimizer=make_optimizer(kind), loss=loss_fn())
-    optimizer = make_optimizer(kind)
-    if options:
-        optimizer = keras_tp.CoordinatedOptimizer(
-            optimizer, zero_stage=zero_stage, **options
-        )
-    tp.compile(optimizer=optimizer, loss=loss_fn(), metrics=["accuracy"])
-    ref_history = reference.fit(
-        x, y, batch_size=BATCH * steps, shuffle=False, verbose=0
-    )
-    tp_history = tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-    return reference, tp, ref_history, tp_history
-
+from tests.dp_cases import BATCH  # noqa: E402
+from tests.dp_cases import STEPS  # noqa: E402
+from tests.dp_cases import batchnorm_after_one_step  # noqa: E402
+from tests.dp_cases import loss_fn  # noqa: E402
+from tests.dp_cases import max_diff  # noqa: E402
+from tests.dp_cases import train_pair  # noqa: E402
+from tests.dp_cases import zero_bytes  # noqa: E402
 
 CASES = [
     # (world_size, data_parallel): pure DDP on 2 and 4, and 2 data x 2 model.
@@ -132,10 +87,7 @@ def test_memory_follows_zero_formulas(zero_stage, data_parallel):
         "mlp", data_parallel, data_parallel, zero_stage, "adam"
     )
     psi = sum(v.numpy().nbytes for v in reference.trainable_variables)
-    d = data_parallel
-    params = {0: psi, 1: psi, 2: psi, 3: psi / d}[zero_stage]
-    grads = {0: psi, 1: psi, 2: psi / d, 3: psi / d}[zero_stage]
-    adam = 2 * psi if zero_stage == 0 else 2 * psi / d
+    params, grads, adam = zero_bytes(psi, data_parallel, zero_stage)
     info = tp.get_gradient_sharding_info()
     scalars = 64  # step counters and learning rates
     assert _bytes(info["parameter_bytes"]) == pytest.approx(params, rel=0.05)
@@ -247,3 +199,12 @@ def test_optimizer_stage_must_match_model():
         keras_tp.CoordinatedOptimizer(
             keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)
         )
+
+
+@pytest.mark.parametrize("world_size,data_parallel", [(2, 2), (4, 2)])
+def test_batchnorm_statistics_are_averaged_over_data(world_size, data_parallel):
+    difference, consistency = batchnorm_after_one_step(
+        world_size, data_parallel, 1
+    )
+    assert difference <= 1e-6
+    assert consistency["consistent"], consistency

@@ -316,13 +316,3 @@ def test_torchrun_smoke(tmp_path):
     assert len(report["losses"]) == train_smoke.EPOCHS
     np.testing.assert_allclose(report["losses"], one_device, rtol=1e-5)
 
-
-def test_data_axis_is_refused_until_implemented():
-    # Data parallelism and ZeRO run on JAX only so far: torch must refuse
-    # them with the way out, not train silently without them.
-    with pytest.raises(NotImplementedError, match="JAX backend only"):
-        keras_tp.TensorParallelKeras(
-            models.mlp(), world_size=2, data_parallel=2
-        )
-    with pytest.raises(NotImplementedError, match="zero_stage=1"):
-        keras_tp.TensorParallelKeras(models.mlp(), world_size=1, zero_stage=1)

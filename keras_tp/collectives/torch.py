@@ -23,7 +23,7 @@ _TORCH_REDUCE_OPS = {
 }
 
 
-def _is_symbolic(x):
+def is_symbolic(x):
     """Whether `x` only carries a shape (Keras traces on the meta device).
 
     Keras infers output shapes by running layers on "meta" tensors, which
@@ -72,12 +72,12 @@ class TorchCollectiveAdapter(CollectiveAdapter):
 
     def _record(self, kind, x, direction=None, scale=1):
         # A symbolic trace moves no data; count only real collectives.
-        if not _is_symbolic(x):
+        if not is_symbolic(x):
             super()._record(kind, x, direction, scale)
 
     def _all_reduce(self, x, op):
         out = _detached_copy(x, "all_reduce")
-        if not _is_symbolic(out):
+        if not is_symbolic(out):
             dist.all_reduce(out, op=_TORCH_REDUCE_OPS[op], group=self.group)
         return out / self.size() if op == "mean" else out
 
@@ -89,7 +89,7 @@ class TorchCollectiveAdapter(CollectiveAdapter):
         # reduce_scatter_single splits dimension 0: bring `axis` there.
         full = _detached_copy(x, "reduce_scatter").movedim(axis, 0).contiguous()
         local = full.new_empty((full.shape[0] // self.size(), *full.shape[1:]))
-        if not _is_symbolic(full):
+        if not is_symbolic(full):
             dist.reduce_scatter_single(
                 local, full, op=dist.ReduceOp.SUM, group=self.group
             )
@@ -98,7 +98,7 @@ class TorchCollectiveAdapter(CollectiveAdapter):
 
     def _broadcast(self, x, root):
         out = _detached_copy(x, "broadcast")
-        if not _is_symbolic(out):
+        if not is_symbolic(out):
             source = dist.get_global_rank(self.group or dist.group.WORLD, root)
             dist.broadcast(out, src=source, group=self.group)
         return out
@@ -106,7 +106,7 @@ class TorchCollectiveAdapter(CollectiveAdapter):
     def gather(self, x, axis):
         """Concatenates every rank's `x` along `axis` (not counted)."""
         x = x.contiguous()
-        if _is_symbolic(x):
+        if is_symbolic(x):
             return torch.cat([x] * self.size(), dim=axis)
         parts = [torch.empty_like(x) for _ in range(self.size())]
         dist.all_gather(parts, x, group=self.group)
@@ -125,7 +125,7 @@ class TorchCollectiveAdapter(CollectiveAdapter):
 
     def sum_in_place(self, x):
         """Sums `x` over the ranks in place (not counted; symbolic: no-op)."""
-        if not _is_symbolic(x):
+        if not is_symbolic(x):
             dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
         return x
 

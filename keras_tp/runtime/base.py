@@ -1,8 +1,10 @@
 """What every backend runtime provides to `TensorParallelKeras`."""
 
 import contextlib
+import math
 
 import keras
+from keras import ops
 
 
 class Runtime:
@@ -183,6 +185,82 @@ class Runtime:
         """Writes the unsplit weights of `model`."""
         model.save_weights(filepath, **kwargs)
 
+    def check_batch_size(self, size):
+        """Raises unless a global batch of `size` splits over the data axis."""
+        if size % self.data_parallel:
+            raise ValueError(
+                f"A batch of {size} samples cannot be split evenly "
+                f"over data_parallel={self.data_parallel} ranks. Use a batch "
+                "size (and a dataset size, or `drop_remainder=True`) that "
+                f"divides by {self.data_parallel}."
+            )
+
+    def synchronised_state(self, non_trainable, values, old_metrics, metrics):
+        """Global metrics and data-averaged non-trainables, in one all-reduce.
+
+        Each data rank updated the metrics with its slice of the batch:
+        their updates are summed over `data`, so the metrics are those of
+        the global batch. Float non-trainable state (BatchNorm statistics)
+        that is not partitioned is averaged over `data`.
+
+        Args:
+            non_trainable: the model's non-trainable variables.
+            values: their values after this rank's step.
+            old_metrics: the metric variables' values before the step.
+            metrics: their values after this rank's step.
+
+        Returns:
+            `(new metric values, new non-trainable values)`.
+        """
+        pieces = [("sum", new - old) for old, new in zip(old_metrics, metrics)]
+        for variable, value in zip(non_trainable, values):
+            averaged = _is_float(value) and id(variable) not in self.data_axes
+            pieces.append(("mean", value if averaged else None))
+        floats = [
+            (i, kind, piece)
+            for i, (kind, piece) in enumerate(pieces)
+            if piece is not None and _is_float(piece)
+        ]
+        summed = {}
+        if floats:
+            flat = ops.concatenate(
+                [
+                    ops.reshape(
+                        ops.cast(
+                            piece / self.data_parallel
+                            if kind == "mean"
+                            else piece,
+                            "float32",
+                        ),
+                        (-1,),
+                    )
+                    for _, kind, piece in floats
+                ]
+            )
+            flat = self.data_adapter.all_reduce(flat, "sum")
+            offset = 0
+            for i, _, piece in floats:
+                size = math.prod(piece.shape)
+                summed[i] = ops.cast(
+                    ops.reshape(flat[offset : offset + size], piece.shape),
+                    piece.dtype,
+                )
+                offset += size
+        new_metrics = [
+            old
+            + (
+                summed[i]
+                if i in summed
+                else self.data_adapter.all_reduce(new - old, "sum")
+            )
+            for i, (old, new) in enumerate(zip(old_metrics, metrics))
+        ]
+        offset = len(old_metrics)
+        new_values = [
+            summed.get(offset + i, value) for i, value in enumerate(values)
+        ]
+        return new_metrics, new_values
+
     def replica_differences(self, variables):
         """`{path: largest difference}` between copies that must be equal."""
         raise NotImplementedError
@@ -198,6 +276,14 @@ class Runtime:
         scope (a `tf.distribute` strategy, say) returns it here.
         """
         return contextlib.nullcontext()
+
+    def call_model(self, model, inputs, training):
+        """Calls the wrapped `model` outside a step (`tp(x)`).
+
+        The default calls it; a runtime whose ranks only exist inside its
+        steps runs the call there.
+        """
+        return model(inputs, training=training)
 
     def run_step(self, phase, step, *args, **kwargs):
         """Runs one Keras step function (`train_step`, ...) of `phase`.
@@ -215,3 +301,7 @@ class Runtime:
     def run_region(self, region, args, kwargs):
         """Runs a `ShardedRegion`'s call on every rank; returns the output."""
         raise NotImplementedError
+
+
+def _is_float(x):
+    return keras.backend.is_float_dtype(keras.backend.standardize_dtype(x.dtype))

@@ -261,7 +261,7 @@ class JaxRuntime(Runtime):
                     return step(state, data)
                 logs, new_state = step(state, data)
                 new_state = list(new_state)
-                metrics, non_trainable = self._synchronised_state(
+                metrics, non_trainable = self.synchronised_state(
                     groups[1], new_state[1], state[-1], new_state[-1]
                 )
                 new_state[1], new_state[-1] = non_trainable, metrics
@@ -287,67 +287,8 @@ class JaxRuntime(Runtime):
     def _batch_spec(self, leaf):
         if not _is_array(leaf) or len(leaf.shape) == 0:
             return PartitionSpec()
-        if leaf.shape[0] % self.data_parallel:
-            raise ValueError(
-                f"A batch of {leaf.shape[0]} samples cannot be split evenly "
-                f"over data_parallel={self.data_parallel} ranks. Use a batch "
-                "size (and a dataset size, or `drop_remainder=True`) that "
-                f"divides by {self.data_parallel}."
-            )
+        self.check_batch_size(leaf.shape[0])
         return PartitionSpec("data")
-
-    def _synchronised_state(self, non_trainable, values, old_metrics, metrics):
-        """Global metrics and averaged non-trainables, in one all-reduce."""
-        pieces = []
-        for old, new in zip(old_metrics, metrics):
-            pieces.append(("metric", new - old))
-        for variable, value in zip(non_trainable, values):
-            synced = (
-                jax.numpy.issubdtype(value.dtype, jax.numpy.floating)
-                and id(variable) not in self.data_axes
-            )
-            pieces.append(("mean", value if synced else None))
-        floats = [
-            (i, piece)
-            for i, (_, piece) in enumerate(pieces)
-            if piece is not None
-            and jax.numpy.issubdtype(piece.dtype, jax.numpy.floating)
-        ]
-        summed = {}
-        if floats:
-            flat = jax.numpy.concatenate(
-                [
-                    jax.numpy.ravel(
-                        piece / self.data_parallel
-                        if pieces[i][0] == "mean"
-                        else piece
-                    ).astype("float32")
-                    for i, piece in floats
-                ]
-            )
-            flat = self.data_adapter.all_reduce(flat, "sum")
-            offset = 0
-            for i, piece in floats:
-                size = piece.size
-                summed[i] = (
-                    flat[offset : offset + size]
-                    .reshape(piece.shape)
-                    .astype(piece.dtype)
-                )
-                offset += size
-        new_metrics = []
-        for i, (old, new) in enumerate(zip(old_metrics, metrics)):
-            if i in summed:
-                new_metrics.append(old + summed[i])
-            else:
-                new_metrics.append(
-                    old + self.data_adapter.all_reduce(new - old, "sum")
-                )
-        offset = len(old_metrics)
-        new_values = [
-            summed.get(offset + i, value) for i, value in enumerate(values)
-        ]
-        return new_metrics, new_values
 
     @contextlib.contextmanager
     def _ranks(self):

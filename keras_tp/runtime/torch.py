@@ -26,8 +26,10 @@ import torch.distributed as dist
 
 from keras_tp.collectives.base import set_process_adapter
 from keras_tp.collectives.torch import TorchCollectiveAdapter
+from keras_tp.collectives.torch import is_symbolic
 from keras_tp.regions import copy_replicated_inputs
 from keras_tp.runtime.base import Runtime
+from keras_tp.variables import bind_values
 
 logger = logging.getLogger(__name__)
 
@@ -128,14 +130,23 @@ def _swap_storage(variable, value):
     return value
 
 
-def _refuse_data_axis(data_parallel, zero_stage):
-    if data_parallel > 1 or zero_stage > 0:
-        raise NotImplementedError(
-            f"data_parallel={data_parallel}, zero_stage={zero_stage}: data "
-            "parallelism and ZeRO are implemented on the JAX backend only so "
-            "far; on torch use data_parallel=1, zero_stage=0 (tensor "
-            "parallelism), or switch KERAS_BACKEND to jax."
-        )
+class _GatherPartition(torch.autograd.Function):
+    """All-gather of ZeRO-3 partitions over `data`; the gradient is their
+    reduce-scatter, averaged over the data ranks."""
+
+    @staticmethod
+    def forward(ctx, partition, adapter, axis):
+        ctx.adapter = adapter
+        ctx.axis = axis
+        adapter._record("all_gather", partition, "forward", adapter.size())
+        return adapter.gather(partition.detach(), axis)
+
+    @staticmethod
+    def backward(ctx, grad):
+        adapter = ctx.adapter
+        with adapter.stats.labelled("backward"):
+            partition = adapter.reduce_scatter(grad, ctx.axis, "mean")
+        return partition, None, None
 
 
 class TorchRuntime(Runtime):
@@ -151,7 +162,6 @@ class TorchRuntime(Runtime):
     def __init__(
         self, world_size=None, device_ids=None, data_parallel=1, zero_stage=0
     ):
-        _refuse_data_axis(data_parallel, zero_stage)
         join_process_group(world_size)
         ranks = dist.get_world_size()
         if world_size is not None and world_size != ranks:
@@ -183,8 +193,35 @@ class TorchRuntime(Runtime):
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
-        self.adapter = TorchCollectiveAdapter()
+        model_group, data_group = self._axis_groups()
+        self.adapter = TorchCollectiveAdapter(model_group)
+        self.data_adapter = TorchCollectiveAdapter(data_group, "data")
+        self.world_adapter = TorchCollectiveAdapter(None, ("data", "model"))
+        self.data_adapter.stats = self.world_adapter.stats = self.adapter.stats
         set_process_adapter(self.adapter)
+
+    def _axis_groups(self):
+        """This rank's process groups of the `model` and `data` mesh axes.
+
+        Rank `r` sits at row `r // tensor_parallel` and column
+        `r % tensor_parallel` of the `data x model` mesh; an axis spanning
+        every rank uses the default group (`None`).
+        """
+        columns = self.tensor_parallel
+        rows = [
+            list(range(row * columns, (row + 1) * columns))
+            for row in range(self.data_parallel)
+        ]
+        # Every rank creates every group, in the same order, as
+        # torch.distributed requires.
+        model_group = data_group = None
+        if self.data_parallel > 1:
+            model_group, _ = dist.new_subgroups_by_enumeration(rows)
+        if self.tensor_parallel > 1:
+            data_group, _ = dist.new_subgroups_by_enumeration(
+                [list(column) for column in zip(*rows)]
+            )
+        return model_group, data_group
 
     def place_variable(self, variable, axis):
         value = _parameter(variable).detach()
@@ -194,23 +231,47 @@ class TorchRuntime(Runtime):
             return
         _swap_storage(variable, value.to(self.device))
 
-    def full_value(self, variable):
-        axis = self.variable_axes[id(variable)]
+    def place_variable_like(self, variable, reference, data_axis):
+        """Keeps this rank's data partition of a slot made like `reference`.
+
+        Keras made the slot in the reference's local shape: its
+        tensor-parallel shard, already partitioned if the reference is
+        (ZeRO-3), in which case there is nothing left to cut.
+        """
+        if data_axis is not None and id(reference) not in self.data_axes:
+            self.partition_variable(variable, data_axis)
+
+    def partition_variable(self, variable, data_axis):
         value = _parameter(variable).detach()
+        _swap_storage(variable, self.data_adapter.local_slice(value, data_axis))
+
+    def _unsplit(self, variable, tensor):
+        """Gathers `tensor`, a rank's part of `variable`, over both axes."""
+        data_axis = self.data_axes.get(id(variable))
+        if data_axis is not None:
+            tensor = self.data_adapter.gather(tensor, data_axis)
+        axis = self.variable_axes[id(variable)]
         if axis is not None:
-            value = self.adapter.all_gather(value, axis)
+            tensor = self.adapter.gather(tensor, axis)
+        return tensor
+
+    def full_value(self, variable):
+        value = self._unsplit(variable, _parameter(variable).detach())
         return keras.ops.convert_to_numpy(value)
 
     def assign_full_value(self, variable, value):
-        """Assigns this rank's slice of `value`.
+        """Assigns this rank's part of `value`.
 
         Every rank passes the same full `value`, as in any SPMD program, so
-        each takes its slice locally without communicating.
+        each takes its part locally without communicating.
         """
         tensor = keras.ops.convert_to_tensor(value, dtype=variable.dtype)
         axis = self.variable_axes[id(variable)]
         if axis is not None:
             tensor = self.adapter.local_slice(tensor, axis)
+        data_axis = self.data_axes.get(id(variable))
+        if data_axis is not None:
+            tensor = self.data_adapter.local_slice(tensor, data_axis)
         variable.assign(tensor)
 
     def save_model(self, model, filepath, **kwargs):
@@ -231,15 +292,15 @@ class TorchRuntime(Runtime):
         failed to write it.
         """
         split = [
-            (variable, self.variable_axes[id(variable)])
+            variable
             for variable in model.variables
-            if self.variable_axes.get(id(variable)) is not None
+            if self.local_shape(variable) != self.full_shapes[id(variable)]
         ]
         shards = []
         error = None
         try:
-            for variable, axis in split:
-                full = self.adapter.gather(_parameter(variable).detach(), axis)
+            for variable in split:
+                full = self._unsplit(variable, _parameter(variable).detach())
                 if self.rank == 0:
                     shards.append((variable, _swap_storage(variable, full)))
             if self.rank == 0:
@@ -259,6 +320,94 @@ class TorchRuntime(Runtime):
                 "says why."
             )
 
+    def replica_differences(self, variables):
+        """Largest difference between the copies of each variable.
+
+        A rank's copy is compared with those of the ranks that must hold
+        the same numbers: its data-parallel replicas (unless the variable
+        is partitioned over `data`) and, for a replicated variable, the
+        other model ranks. Every rank returns the same, world-wide result.
+        """
+        worst = []
+        for variable in variables:
+            local = _parameter(variable).detach().double()
+            difference = local.new_zeros(())
+            peers = []
+            if id(variable) not in self.data_axes:
+                peers.append(self.data_adapter)
+            if self.variable_axes.get(id(variable)) is None:
+                peers.append(self.adapter)
+            for adapter in peers:
+                copies = adapter.gather(local.unsqueeze(0), 0)
+                difference = torch.maximum(
+                    difference, (copies - local).abs().max()
+                )
+            worst.append(difference)
+        if not worst:
+            return {}
+        worst = torch.stack(worst)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        return {
+            variable.path: float(difference)
+            for variable, difference in zip(variables, worst)
+        }
+
+    def gathered_call(self, layer, variables, call):
+        """ZeRO-3: gathers the layer's partitions around its call.
+
+        The gathered parameters live only while the layer runs: autograd
+        keeps the partition in their place and gathers them again when the
+        backward pass needs them, so a step communicates each parameter
+        three times (gather, re-gather, reduce-scatter of its gradient).
+        """
+        axes = [self.data_axes[id(v)] for v in variables]
+        adapter = self.data_adapter
+
+        def zero3_call(*args, **kwargs):
+            partitions = [v.value for v in variables]
+            gathered = [
+                _GatherPartition.apply(p, adapter, axis)
+                for p, axis in zip(partitions, axes)
+            ]
+            if is_symbolic(gathered[0]):
+                # Keras infers shapes on "meta" tensors: nothing to free.
+                with bind_values(zip(variables, gathered)):
+                    return call(*args, **kwargs)
+            storages = {
+                t.untyped_storage().data_ptr(): i
+                for i, t in enumerate(gathered)
+            }
+
+            def pack(tensor):
+                index = storages.get(tensor.untyped_storage().data_ptr())
+                if index is None:
+                    return tensor
+                return (
+                    index,
+                    tensor.size(),
+                    tensor.stride(),
+                    tensor.storage_offset(),
+                )
+
+            def unpack(packed):
+                if isinstance(packed, torch.Tensor):
+                    return packed
+                index, size, stride, offset = packed
+                partition = partitions[index].detach()
+                adapter._record(
+                    "all_gather", partition, "backward", adapter.size()
+                )
+                full = adapter.gather(partition, axes[index])
+                return full.as_strided(size, stride, offset)
+
+            with (
+                torch.autograd.graph.saved_tensors_hooks(pack, unpack),
+                bind_values(zip(variables, gathered)),
+            ):
+                return call(*args, **kwargs)
+
+        return zero3_call
+
     def device_bytes(self, variables):
         """`{this rank's device: bytes}`, each torch storage counted once."""
         seen = set()
@@ -270,6 +419,51 @@ class TorchRuntime(Runtime):
                 seen.add(key)
                 total += storage.nbytes()
         return {self.devices[self.rank]: total}
+
+    def run_step(self, phase, step, *args, **kwargs):
+        """Runs Keras' step; with a data axis, on this rank's batch slice.
+
+        Each data rank trains on its slice of the global batch. Its metric
+        updates are summed over `data` and its float non-trainable state
+        averaged (one all-reduce), so the logs are the global batch's; the
+        predictions of the slices are gathered into the global batch's.
+        """
+        if not self.per_rank_steps:
+            return super().run_step(phase, step, *args, **kwargs)
+        (data,) = args
+        model = step.__self__
+        with self.adapter.stats.recording(phase):
+            data = keras.tree.map_structure(self._batch_slice, data)
+            if phase == "predict":
+                return keras.tree.map_structure(
+                    lambda y: self.data_adapter.all_gather(y, 0)
+                    if torch.is_tensor(y)
+                    else y,
+                    step(data),
+                )
+            metrics = model.metrics_variables
+            before = [v.value.detach().clone() for v in metrics]
+            step(data)
+            non_trainable = model.non_trainable_variables
+            new_metrics, values = self.synchronised_state(
+                non_trainable,
+                [v.value.detach() for v in non_trainable],
+                before,
+                [v.value.detach() for v in metrics],
+            )
+            for variable, value in zip(
+                metrics + non_trainable, new_metrics + values
+            ):
+                variable.assign(value)
+            return model.get_metrics_result()
+
+    def _batch_slice(self, tensor):
+        """This data rank's slice of a global batch tensor."""
+        if not torch.is_tensor(tensor) or tensor.ndim == 0:
+            return tensor
+        self.check_batch_size(tensor.shape[0])
+        size = tensor.shape[0] // self.data_parallel
+        return tensor.narrow(0, self.data_adapter.rank() * size, size)
 
     def run_region(self, region, args, kwargs):
         self._check_input(region, args)

@@ -1,0 +1,134 @@
+"""Training runs shared by the DDP and ZeRO tests of every backend.
+
+The oracle of each run is the same model on one device, trained on the
+whole global batch; the runs themselves only use keras_tp's public API, so
+JAX and TensorFlow call them in the test process and torch on every rank.
+"""
+
+import keras
+import numpy as np
+
+import keras_tp
+from tests import models
+
+STEPS = 5
+BATCH = 8  # global batch, split over the data axis
+
+
+def loss_fn():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def max_diff(a, b):
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
+        for x, y in zip(a, b)
+    )
+
+
+def make_optimizer(kind):
+    """SGD with momentum, Adam, or AdamW with clipping and a schedule."""
+    if kind == "sgd":
+        return keras.optimizers.SGD(0.05, momentum=0.9)
+    if kind == "adam":
+        return keras.optimizers.Adam(1e-3)
+    schedule = keras.optimizers.schedules.ExponentialDecay(1e-2, 2, 0.8)
+    return keras.optimizers.AdamW(
+        schedule, weight_decay=0.05, global_clipnorm=0.5
+    )
+
+
+def train_pair(name, world_size, data_parallel, zero_stage, kind, **options):
+    """Trains `name` on one device and on a `data x model` mesh.
+
+    Args:
+        name: a model of `tests.models.BUILDERS`.
+        world_size, data_parallel, zero_stage: the mesh and the stage.
+        kind: the optimizer, see `make_optimizer`.
+        **options: arguments of a `CoordinatedOptimizer` built explicitly.
+
+    Returns:
+        `(reference, tp, reference_history, tp_history)`.
+    """
+    reference = models.BUILDERS[name]()
+    tp = keras_tp.TensorParallelKeras(
+        models.BUILDERS[name](),
+        world_size=world_size,
+        data_parallel=data_parallel,
+        zero_stage=zero_stage,
+    )
+    steps = options.get("gradient_accumulation_steps", 1)
+    # Whole updates only: a trailing partial accumulation is not applied.
+    samples = (STEPS // steps) * steps * BATCH
+    x, y = models.data_for(name, batch=samples)
+    reference.compile(optimizer=make_optimizer(kind), loss=loss_fn())
+    optimizer = make_optimizer(kind)
+    if options:
+        optimizer = keras_tp.CoordinatedOptimizer(
+            optimizer, zero_stage=zero_stage, **options
+        )
+    tp.compile(optimizer=optimizer, loss=loss_fn(), metrics=["accuracy"])
+    ref_history = reference.fit(
+        x, y, batch_size=BATCH * steps, shuffle=False, verbose=0
+    )
+    tp_history = tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    return reference, tp, ref_history, tp_history
+
+
+def zero_bytes(psi, data_parallel, zero_stage):
+    """ZeRO's `(parameter, gradient, Adam state)` bytes per rank.
+
+    Args:
+        psi: bytes of the trainable parameters (of one tensor-parallel
+            shard).
+        data_parallel: size of the data axis.
+        zero_stage: 0 (DDP) to 3.
+    """
+    d = data_parallel
+    parameters = psi / d if zero_stage == 3 else psi
+    gradients = psi / d if zero_stage >= 2 else psi
+    adam = 2 * psi / d if zero_stage >= 1 else 2 * psi
+    return parameters, gradients, adam
+
+
+def batchnorm_after_one_step(world_size, data_parallel, zero_stage):
+    """Moving mean of a BatchNorm after one data-parallel step.
+
+    Each data rank normalises with its own slice's statistics; keras_tp
+    averages the moving statistics over the data axis. After one step the
+    moving mean is `(1 - momentum) x` the mean of the slices' means, which
+    is the global batch's mean: the same as on one device.
+
+    Returns:
+        `(largest difference to one device, check_gradient_consistency())`.
+    """
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((16,))
+        x = keras.layers.Dense(32, name="up")(inputs)
+        x = keras.layers.BatchNormalization(name="norm")(x)
+        outputs = keras.layers.Dense(8, name="head")(x)
+        return keras.Model(inputs, outputs)
+
+    reference = build()
+    tp = keras_tp.TensorParallelKeras(
+        build(),
+        world_size=world_size,
+        data_parallel=data_parallel,
+        zero_stage=zero_stage,
+    )
+    x, y = models.data_for("mlp", batch=BATCH)
+    for model in (reference, tp):
+        model.compile(optimizer=keras.optimizers.SGD(0.0), loss=loss_fn())
+        model.train_on_batch(x, y)
+    means = [
+        dict(zip([v.path for v in variables], weights))
+        for variables, weights in (
+            (reference.weights, reference.get_weights()),
+            (tp.model.weights, tp.get_weights()),
+        )
+    ]
+    path = reference.get_layer("norm").moving_mean.path
+    difference = max_diff([means[0][path]], [means[1][path]])
+    return difference, tp.check_gradient_consistency()

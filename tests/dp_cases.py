@@ -6,24 +6,14 @@ JAX and TensorFlow call them in the test process and torch on every rank.
 """
 
 import keras
-import numpy as np
 
 import keras_tp
 from tests import models
+from tests.models import loss_fn
+from tests.models import max_diff
 
 STEPS = 5
 BATCH = 8  # global batch, split over the data axis
-
-
-def loss_fn():
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def max_diff(a, b):
-    return max(
-        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-        for x, y in zip(a, b)
-    )
 
 
 def make_optimizer(kind):

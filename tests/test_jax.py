@@ -23,21 +23,12 @@ import numpy as np  # noqa: E402
 from keras import layers  # noqa: E402
 
 from tests import models  # noqa: E402
+from tests.models import loss_fn  # noqa: E402
+from tests.models import max_diff  # noqa: E402
 
 ATOL = 1e-5
 STEPS = 5
 BATCH = 4
-
-
-def loss_fn():
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def max_diff(a, b):
-    return max(
-        float(np.max(np.abs(np.asarray(x) - np.asarray(y))))
-        for x, y in zip(a, b)
-    )
 
 
 def pair(name, world_size, **kwargs):

@@ -28,10 +28,10 @@ from tests import models  # noqa: E402
 from tests.dp_cases import BATCH  # noqa: E402
 from tests.dp_cases import STEPS  # noqa: E402
 from tests.dp_cases import batchnorm_after_one_step  # noqa: E402
-from tests.dp_cases import loss_fn  # noqa: E402
-from tests.dp_cases import max_diff  # noqa: E402
 from tests.dp_cases import train_pair  # noqa: E402
 from tests.dp_cases import zero_bytes  # noqa: E402
+from tests.models import loss_fn  # noqa: E402
+from tests.models import max_diff  # noqa: E402
 
 CASES = [
     # (world_size, data_parallel): pure DDP on 2 and 4, and 2 data x 2 model.

@@ -22,8 +22,8 @@ if keras.backend.backend() != "torch":
 from keras_tp.launcher import launch  # noqa: E402
 from tests import models  # noqa: E402
 from tests.dp_cases import STEPS  # noqa: E402
-from tests.dp_cases import max_diff  # noqa: E402
 from tests.dp_cases import zero_bytes  # noqa: E402
+from tests.models import max_diff  # noqa: E402
 from tests.torch_scripts import dp_checks  # noqa: E402
 
 LAUNCH_TIMEOUT = 500

@@ -304,4 +304,6 @@ class Runtime:
 
 
 def _is_float(x):
-    return keras.backend.is_float_dtype(keras.backend.standardize_dtype(x.dtype))
+    return keras.backend.is_float_dtype(
+        keras.backend.standardize_dtype(x.dtype)
+    )

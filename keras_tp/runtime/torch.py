@@ -436,9 +436,11 @@ class TorchRuntime(Runtime):
             data = keras.tree.map_structure(self._batch_slice, data)
             if phase == "predict":
                 return keras.tree.map_structure(
-                    lambda y: self.data_adapter.all_gather(y, 0)
-                    if torch.is_tensor(y)
-                    else y,
+                    lambda y: (
+                        self.data_adapter.all_gather(y, 0)
+                        if torch.is_tensor(y)
+                        else y
+                    ),
                     step(data),
                 )
             metrics = model.metrics_variables

@@ -33,9 +33,7 @@ def run_case(name, world_size, data_parallel, zero_stage, kind, **options):
         "reference_losses": ref_history.history["loss"],
         "iterations": int(tp.optimizer.iterations.numpy()),
         "consistency": tp.check_gradient_consistency(),
-        "psi": sum(
-            v.numpy().nbytes for v in reference.trainable_variables
-        ),
+        "psi": sum(v.numpy().nbytes for v in reference.trainable_variables),
         "parameter_bytes": _own(info["parameter_bytes"]),
         "gradient_bytes": _own(info["gradient_bytes"]),
         "optimizer_bytes": _own(info["optimizer_bytes"]),

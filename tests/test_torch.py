@@ -315,4 +315,3 @@ def test_torchrun_smoke(tmp_path):
     one_device = train_smoke.train(models.mlp())
     assert len(report["losses"]) == train_smoke.EPOCHS
     np.testing.assert_allclose(report["losses"], one_device, rtol=1e-5)
-

@@ -316,7 +316,8 @@ class TensorParallelKeras(keras.Model):
             {path: difference}}`.
         """
         variables = list(self.model.variables)
-        optimizer = self.optimizer
+        # Before compile() a Keras model may not have the attribute yet.
+        optimizer = getattr(self, "optimizer", None)
         if isinstance(optimizer, CoordinatedOptimizer) and optimizer.built:
             variables += optimizer.state_variables
             # ZeRO-1 keeps each rank's own, unsynchronised gradient.

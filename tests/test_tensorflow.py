@@ -583,14 +583,3 @@ def test_multi_worker_mirrored_strategy_matches_one_device(tmp_path):
         # Each worker holds half of the split parameters.
         local = [b for b in result["parameter_bytes_per_device"].values() if b]
         assert len(local) == 1
-
-
-def test_data_axis_is_refused_until_implemented():
-    # Data parallelism and ZeRO run on JAX only so far: TensorFlow must
-    # refuse them with the way out, not train silently without them.
-    with pytest.raises(NotImplementedError, match="JAX backend only"):
-        keras_tp.TensorParallelKeras(
-            models.mlp(), world_size=4, data_parallel=2
-        )
-    with pytest.raises(NotImplementedError, match="zero_stage=2"):
-        keras_tp.TensorParallelKeras(models.mlp(), world_size=2, zero_stage=2)

@@ -1,15 +1,20 @@
-"""TensorFlow adapter: `tf.distribute.ReplicaContext` collectives.
+"""TensorFlow adapter: collectives between the replicas of a strategy.
 
 Every rank is a replica of a `tf.distribute` strategy (`MirroredStrategy` on
 one host, `MultiWorkerMirroredStrategy` across hosts), and the collectives
-run in its replica context. TensorFlow gives `ReplicaContext.all_reduce` the
-gradient of data parallelism, another all-reduce, which makes tensor-parallel
-gradients N times too large; so every collective here is wrapped in
-`tf.custom_gradient` with the gradient tensor parallelism needs, and the
-backward collectives are explicit (and counted).
+run in its replica context. An axis that spans every replica uses
+`tf.distribute.ReplicaContext`; an axis that spans part of them (a row or a
+column of a `data x model` mesh) uses TensorFlow's collective V2 ops with a
+group key of its own (`ReplicaGroups`). TensorFlow gives
+`ReplicaContext.all_reduce` the gradient of data parallelism, another
+all-reduce, which makes tensor-parallel gradients N times too large; so
+every collective here is wrapped in `tf.custom_gradient` with the gradient
+tensor parallelism needs, and the backward collectives are explicit (and
+counted).
 """
 
 import contextlib
+import itertools
 import logging
 
 import tensorflow as tf
@@ -62,6 +67,137 @@ class ReplicaStats(CommunicationStats):
             super().record(kind, nbytes, direction, axis)
 
 
+class ReplicaGroups:
+    """Collective groups over parts of the replicas of one strategy.
+
+    `ReplicaContext` collectives always span every replica of a strategy.
+    A mesh axis may span only some of them: the `model` ranks of one
+    data-parallel row, or the `data` ranks that hold the same
+    tensor-parallel shard. Each group made here gets a group key of its own,
+    and its members issue TensorFlow's collective V2 ops
+    (`CollectiveReduceV2`, `CollectiveGatherV2`) with it, so the groups of
+    several axes run side by side on the same devices.
+
+    TensorFlow ranks the members of a group by device name; a group is
+    listed here in that order, so that position in the list is the rank.
+    All groups share one ordering token per device: every device then issues
+    its collectives, of every axis, in program order, as NCCL requires.
+
+    Args:
+        devices: the device of every replica, indexed by replica id.
+        group_key_start: the first group key. The groups take consecutive
+            keys from it, which no other collective of the process (the
+            strategy's own included) may use.
+    """
+
+    def __init__(self, devices, group_key_start):
+        self._devices = list(devices)
+        self._next_group_key = group_key_start
+        self._tokens = {}
+
+    def split(self, groups):
+        """Makes one collective group per list of replica ids.
+
+        Args:
+            groups: lists of replica ids, each in device-name order.
+
+        Returns:
+            `{replica id: member}` for every replica of the groups.
+        """
+        members = {}
+        for group in groups:
+            names = [self._devices[replica] for replica in group]
+            if names != sorted(names):
+                raise ValueError(
+                    f"Replicas {group} are not listed in device-name order "
+                    f"({names}), which is the order TensorFlow ranks them in."
+                )
+            group_key = self._next_group_key
+            self._next_group_key += 1
+            for rank, replica in enumerate(group):
+                device = self._devices[replica]
+                members[replica] = _GroupMember(
+                    group_key, len(group), rank, device, self._token(device)
+                )
+        return members
+
+    def _token(self, device):
+        if device not in self._tokens:
+            with tf.init_scope(), tf.device(device):
+                self._tokens[device] = tf.Variable(0.0, trainable=False)
+        return self._tokens[device]
+
+
+class _GroupMember:
+    """One replica's end of a collective group (see `ReplicaGroups`).
+
+    Instance keys are drawn when the traced step runs, not when it is
+    traced, as `tf.distribute` does for its own collectives: each device
+    counts its calls in the group, so the n-th collective of every member is
+    the same instance.
+    """
+
+    def __init__(self, group_key, size, rank, device, token):
+        self.group_key = group_key
+        self.size = size
+        self.rank = rank
+        self.device = device
+        self._token = token
+        self._instance_keys = itertools.count(1)
+
+    def _instance_key(self):
+        graph = tf.compat.v1.get_default_graph()
+        # The capture belongs to the function graph, not to a branch of a
+        # tf.cond inside it.
+        while getattr(graph, "is_control_flow_graph", False):
+            graph = graph.outer_graph
+        if not tf.executing_eagerly() and graph.building_function:
+            with graph.as_default():
+                # Passing the method itself delays the key to the call of
+                # the outermost function when functions are nested.
+                return graph.capture_call_time_value(
+                    self._instance_key, tf.TensorSpec([], tf.int32)
+                )
+        with tf.device("/device:CPU:0"):
+            return tf.constant(next(self._instance_keys), tf.int32)
+
+    def _check_traced(self):
+        if tf.executing_eagerly():
+            # Replicas of a MirroredStrategy run one after the other when
+            # eager, so the first member would wait forever for the others.
+            raise RuntimeError(
+                "keras_tp's TensorFlow collectives over part of the replicas "
+                "(a mesh axis with data_parallel > 1) only run in a traced "
+                "function: call `strategy.run` inside a `tf.function`."
+            )
+
+    def all_reduce(self, x):
+        """The sum of `x` over the group."""
+        self._check_traced()
+        with tf.device(self.device):
+            return tf.raw_ops.CollectiveReduceV2(
+                input=x,
+                group_size=self.size,
+                group_key=self.group_key,
+                instance_key=self._instance_key(),
+                ordering_token=[self._token.handle],
+                merge_op="Add",
+                final_op="Id",
+            )
+
+    def all_gather(self, x):
+        """Every member's `x` concatenated along the first axis, by rank."""
+        self._check_traced()
+        with tf.device(self.device):
+            return tf.raw_ops.CollectiveGatherV2(
+                input=x,
+                group_size=self.size,
+                group_key=self.group_key,
+                instance_key=self._instance_key(),
+                ordering_token=[self._token.handle],
+            )
+
+
 class TensorFlowCollectiveAdapter(CollectiveAdapter):
     """Collectives over the replicas of a `tf.distribute` strategy.
 
@@ -71,16 +207,23 @@ class TensorFlowCollectiveAdapter(CollectiveAdapter):
     parallelism needs (Megatron's conjugate operators); in particular the
     gradient of a sum over ranks is never all-reduced again.
 
-    TensorFlow has no reduce-scatter for replica contexts, so
-    `reduce_scatter` is an all-reduce of the whole tensor followed by a local
-    slice: each rank receives N times the bytes it keeps, about twice the
-    network traffic of a true reduce-scatter. `all_reduce` with `max` or
-    `min` is an all-gather followed by a local reduction and has no
-    gradient.
+    Without `groups` the axis spans every replica and the collectives are
+    those of `ReplicaContext`; with `groups` each replica talks to its own
+    group only (a row or a column of the mesh), through collective V2 ops,
+    which run in traced functions only.
+
+    TensorFlow has no reduce-scatter on CPUs (`CollectiveReduceScatterV2` is
+    implemented for NCCL only), so `reduce_scatter` is an all-reduce of the
+    whole tensor followed by a local slice: each rank receives N times the
+    bytes it keeps, about twice the network traffic of a true
+    reduce-scatter. `all_reduce` with `max` or `min` is an all-gather
+    followed by a local reduction and has no gradient.
 
     Args:
-        axis_size: number of replicas (ranks) on the `model` axis.
+        axis_size: number of replicas (ranks) on the axis.
         axis_name: name of the mesh axis the collectives run over.
+        groups: `{replica id: member}` from `ReplicaGroups.split`, or `None`
+            for an axis over every replica.
 
     Example:
 
@@ -99,16 +242,22 @@ class TensorFlowCollectiveAdapter(CollectiveAdapter):
 
     backend = "tensorflow"
 
-    def __init__(self, axis_size, axis_name="model"):
+    def __init__(self, axis_size, axis_name="model", groups=None):
         super().__init__(axis_name)
         self.stats = ReplicaStats()
         self._axis_size = axis_size
+        self._groups = groups
 
     def rank(self):
-        """This replica's index: a Python int when TensorFlow knows it
-        statically (always for `MirroredStrategy`), else an int32 tensor."""
+        """This replica's index on the axis: a Python int when TensorFlow
+        knows it statically (always for `MirroredStrategy`), else an int32
+        tensor."""
         replica_id = self._context().replica_id_in_sync_group
         static = tf.get_static_value(replica_id)
+        if self._axis_size == 1:
+            return 0
+        if self._groups is not None:
+            return self._groups[int(static)].rank
         return replica_id if static is None else int(static)
 
     def size(self):
@@ -145,13 +294,32 @@ class TensorFlowCollectiveAdapter(CollectiveAdapter):
             return
         self.stats.record(kind, nbytes(x) * scale, direction, self.axis_name)
 
+    def _member(self):
+        replica_id = self._context().replica_id_in_sync_group
+        return self._groups[int(tf.get_static_value(replica_id))]
+
     def _sum(self, x):
         """The raw all-reduce sum, with TensorFlow's own gradient."""
-        return self._context().all_reduce(tf.distribute.ReduceOp.SUM, x)
+        if self._axis_size == 1:
+            # A one-rank axis (no data axis, say) has nothing to exchange.
+            return tf.identity(x)
+        if self._groups is None:
+            return self._context().all_reduce(tf.distribute.ReduceOp.SUM, x)
+        return self._member().all_reduce(x)
 
     def _gather(self, x, axis):
         """The raw all-gather along `axis`, with TensorFlow's own gradient."""
-        gathered = self._context().all_gather(x, axis)
+        axis = axis % len(x.shape)
+        if self._axis_size == 1:
+            gathered = tf.identity(x)
+        elif self._groups is None:
+            gathered = self._context().all_gather(x, axis)
+        else:
+            # The group gathers along the first axis.
+            order = list(range(len(x.shape)))
+            order[0], order[axis] = axis, 0
+            gathered = self._member().all_gather(tf.transpose(x, order))
+            gathered = tf.transpose(gathered, order)
         # TensorFlow allows uneven pieces, so it drops the static shape; the
         # pieces here are even.
         shape = tf.TensorShape(x.shape).as_list()
@@ -224,6 +392,27 @@ class TensorFlowCollectiveAdapter(CollectiveAdapter):
             return (local / self._axis_size if op == "mean" else local), grad
 
         return reduce_scatter(x)
+
+    def gather_partitions(self, x, axis):
+        """ZeRO-3's gather of a parameter from its partitions.
+
+        Forward, an all-gather along `axis`; backward, the gradient averaged
+        over the ranks and reduce-scattered, so each rank receives the mean
+        gradient of its own partition.
+        """
+        axis = axis % len(x.shape)
+        self._record("all_gather", x, "forward", self._axis_size)
+
+        @tf.custom_gradient
+        def gather_partitions(x):
+            def grad(upstream):
+                self._record("reduce_scatter", upstream, "backward")
+                local = self._local_slice(self._sum(upstream), axis)
+                return local / self._axis_size
+
+            return self._gather(x, axis), grad
+
+        return gather_partitions(x)
 
     def _broadcast(self, x, root):
         # Zero every rank's value but the root's: the sum is the root's value.

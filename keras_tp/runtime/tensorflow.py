@@ -34,6 +34,19 @@ How the pieces fit:
   small replica step and its split outputs are gathered (these gathers are
   counted in the `"call"` phase); this path gives exact outputs but no
   gradients.
+- **Data axis and ZeRO.** The replicas form the `data x model` mesh, replica
+  `d * T + m` being model rank `m` of data-parallel row `d`. The model axis
+  runs over the replicas of a row and the data axis over those of a column,
+  each with collective groups of its own (`ReplicaGroups`). Every row runs
+  the forward pass on its slice of the global batch; the loss and metrics
+  are computed once, on the rows' outputs put back together, so they are
+  those of the global batch; each row receives `D` times the gradient of
+  the global loss with respect to its output (the gradient of its own mean
+  loss), and the `CoordinatedOptimizer` averages the parameter gradients
+  over the data axis, reduce-scatters them or gathers partitions according
+  to the ZeRO stage. Optimizer slots, gradient buffers and (ZeRO-3)
+  parameters hold one data partition of their shard per replica. Steps with
+  a data axis are always traced, since such groups cannot run eagerly.
 """
 
 import concurrent.futures
@@ -48,16 +61,23 @@ import numpy as np
 import tensorflow as tf
 from keras.src.backend import get_keras_mask
 from keras.src.backend import set_keras_mask
+from keras.src.backend.common.stateless_scope import get_stateless_scope
 from keras.src.optimizers import base_optimizer
 
 from keras_tp.collectives.base import nbytes
+from keras_tp.collectives.tensorflow import ReplicaGroups
 from keras_tp.collectives.tensorflow import TensorFlowCollectiveAdapter
+from keras_tp.optimizer import CoordinatedOptimizer
 from keras_tp.runtime.base import Runtime
+from keras_tp.variables import bind_values
+from keras_tp.variables import local_shapes
 
 logger = logging.getLogger(__name__)
 
 _HOST = "/device:CPU:0"
 _MULTI_WORKER_STRATEGY = None
+# Group keys of the mesh axes start this far above the strategy's own.
+_GROUP_KEY_OFFSET = 50000
 
 
 def configure_virtual_devices(n):
@@ -134,6 +154,11 @@ def _device_name(device):
     return f"/job:{spec.job}/task:{spec.task}/device:{name}"
 
 
+def _full_device_name(device):
+    """`/device:CPU:1` for `cpu:1`: the name TensorFlow orders ranks by."""
+    return tf.DeviceSpec.from_string(device).to_string()
+
+
 class _MirroredStrategy(tf.distribute.MirroredStrategy):
     """A `MirroredStrategy` whose collectives never collide with another's.
 
@@ -156,29 +181,17 @@ class _MirroredStrategy(tf.distribute.MirroredStrategy):
 
 
 class TensorFlowRuntime(Runtime):
-    """Runs tensor parallelism on the replicas of a `tf.distribute` strategy.
+    """Runs tensor parallelism, DDP and ZeRO on `tf.distribute` replicas.
 
-    The replica with id `i` is rank `i` and owns shard `i` of every split
-    variable.
+    The replica with id `d * T + m` is model rank `m` of data-parallel row
+    `d` (`T` is the tensor-parallel size): it owns shard `m` of every split
+    variable and, under ZeRO, partition `d` of that shard.
     """
 
     backend = "tensorflow"
     # The replicas run under tf.distribute, which XLA cannot compile as one
     # program (see `run_step`).
     jit_compile_default = False
-
-    def __init__(
-        self, world_size=None, device_ids=None, data_parallel=1, zero_stage=0
-    ):
-        if data_parallel > 1 or zero_stage > 0:
-            raise NotImplementedError(
-                f"data_parallel={data_parallel}, zero_stage={zero_stage}: "
-                "data parallelism and ZeRO are implemented on the JAX backend "
-                "only so far; on TensorFlow use data_parallel=1, "
-                "zero_stage=0 (tensor parallelism), or switch KERAS_BACKEND "
-                "to jax."
-            )
-        super().__init__(world_size, device_ids, data_parallel, zero_stage)
 
     def _available_devices(self):
         if _MULTI_WORKER_STRATEGY is not None:
@@ -206,6 +219,14 @@ class TensorFlowRuntime(Runtime):
 
     def _build(self):
         if _MULTI_WORKER_STRATEGY is not None:
+            if self.per_rank_steps:
+                raise NotImplementedError(
+                    f"data_parallel={self.data_parallel}, zero_stage="
+                    f"{self.zero_stage}: on TensorFlow, keras_tp runs data "
+                    "parallelism and ZeRO on the devices of one host so far; "
+                    "across workers use data_parallel=1, zero_stage=0 "
+                    "(tensor parallelism), or the JAX backend."
+                )
             strategy = _MULTI_WORKER_STRATEGY
             if self.world_size != strategy.num_replicas_in_sync:
                 raise ValueError(
@@ -217,8 +238,18 @@ class TensorFlowRuntime(Runtime):
                 strategy.extended.worker_devices
             )
         else:
+            if self.data_parallel > 1:
+                # TensorFlow ranks the members of a collective group by
+                # device name. A mesh in that order makes each replica's
+                # place in its row and in its column its rank there.
+                self.devices = sorted(self.devices, key=_full_device_name)
+                self.device_mesh = keras.distribution.DeviceMesh(
+                    shape=(self.data_parallel, self.tensor_parallel),
+                    axis_names=("data", "model"),
+                    devices=self.devices,
+                )
             strategy = _MirroredStrategy(
-                [tf.DeviceSpec.from_string(d).to_string() for d in self.devices]
+                [_full_device_name(d) for d in self.devices]
             )
             first = 0
         self.strategy = strategy
@@ -226,18 +257,84 @@ class TensorFlowRuntime(Runtime):
         self._local_replicas = list(
             range(first, first + len(strategy.extended.worker_devices))
         )
-        self.adapter = TensorFlowCollectiveAdapter(self.tensor_parallel)
+        self._build_adapters()
+
+    def _build_adapters(self):
+        """The collectives of the `model`, `data` and both axes.
+
+        Without a data axis the model axis is every replica and uses the
+        strategy's `ReplicaContext`; with one, each axis gets collective
+        groups of its own: the rows for `model`, the columns for `data`.
+        """
+        size, data, model = (
+            self.world_size,
+            self.data_parallel,
+            self.tensor_parallel,
+        )
+        if data == 1:
+            self.adapter = TensorFlowCollectiveAdapter(model)
+            self.data_adapter = TensorFlowCollectiveAdapter(1, "data")
+            self.world_adapter = TensorFlowCollectiveAdapter(
+                size, ("data", "model")
+            )
+        else:
+            groups = ReplicaGroups(
+                self.strategy.extended.worker_devices,
+                self.strategy._collective_key_base + _GROUP_KEY_OFFSET,
+            )
+            rows = [[d * model + m for m in range(model)] for d in range(data)]
+            columns = [
+                [d * model + m for d in range(data)] for m in range(model)
+            ]
+            self.adapter = TensorFlowCollectiveAdapter(
+                model, groups=groups.split(rows)
+            )
+            self.data_adapter = TensorFlowCollectiveAdapter(
+                data, "data", groups=groups.split(columns)
+            )
+            self.world_adapter = TensorFlowCollectiveAdapter(
+                size, ("data", "model"), groups=groups.split([range(size)])
+            )
+        self.data_adapter.stats = self.adapter.stats
+        self.world_adapter.stats = self.adapter.stats
 
     # Variables ---------------------------------------------------------
 
     def place_variable(self, variable, axis):
-        with tf.init_scope():
-            full = keras.ops.convert_to_numpy(variable.value)
-            variable._value = self._per_replica_variable(variable, full, axis)
+        self._store(variable, axis)
 
-    def _per_replica_variable(self, variable, full, axis):
-        """A per-replica tf.Variable whose component `i` holds shard `i`."""
-        shards = self._local_shards(full, axis)
+    def place_variable_like(self, variable, reference, data_axis):
+        self._store(variable, self.variable_axes[id(variable)], data_axis)
+
+    def partition_variable(self, variable, data_axis):
+        self._store(
+            variable,
+            self.variable_axes[id(variable)],
+            data_axis,
+            full=self.full_value(variable),
+        )
+
+    def _store(self, variable, axis, data_axis=None, full=None):
+        """Gives `variable` a per-replica storage of its pieces.
+
+        Args:
+            variable: the Keras variable; its current value is the full one
+                unless `full` is given.
+            axis: the axis split over `model`, or `None`.
+            data_axis: the axis of the shard partitioned over `data`, or
+                `None`.
+            full: the full value, for a variable already placed.
+        """
+        with tf.init_scope():
+            if full is None:
+                full = keras.ops.convert_to_numpy(variable.value)
+            variable._value = self._per_replica_variable(
+                variable, full, axis, data_axis
+            )
+
+    def _per_replica_variable(self, variable, full, axis, data_axis):
+        """A per-replica tf.Variable whose components hold their pieces."""
+        shards = self._local_shards(full, axis, data_axis)
         with self.strategy.scope():
             storage = tf.Variable(
                 shards[0],
@@ -249,7 +346,7 @@ class TensorFlowRuntime(Runtime):
                 # quietly return shard 0; a replicated one reads replica 0.
                 aggregation=(
                     tf.VariableAggregation.NONE
-                    if axis is not None
+                    if axis is not None or data_axis is not None
                     else tf.VariableAggregation.ONLY_FIRST_REPLICA
                 ),
             )
@@ -257,11 +354,20 @@ class TensorFlowRuntime(Runtime):
             component.assign(shard)
         return storage
 
-    def _local_shards(self, full, axis):
-        if axis is None:
-            return [full] * len(self._local_replicas)
-        pieces = np.split(full, self.tensor_parallel, axis=axis)
-        return [pieces[replica] for replica in self._local_replicas]
+    def _local_shards(self, full, axis, data_axis=None):
+        """The piece of `full` each local replica holds, in replica order:
+        its model rank's shard, and its data rank's partition of it."""
+        model, data = self.tensor_parallel, self.data_parallel
+        pieces = []
+        for replica in self._local_replicas:
+            data_rank, model_rank = divmod(replica, model)
+            piece = full
+            if axis is not None:
+                piece = np.split(piece, model, axis)[model_rank]
+            if data_axis is not None:
+                piece = np.split(piece, data, data_axis)[data_rank]
+            pieces.append(piece)
+        return pieces
 
     @staticmethod
     def _components(variable):
@@ -273,11 +379,28 @@ class TensorFlowRuntime(Runtime):
     def full_value(self, variable):
         components = self._components(variable)
         axis = self.variable_axes.get(id(variable))
-        if axis is None:
-            return components[0].numpy()
-        if len(self._local_replicas) == self.tensor_parallel:
-            return np.concatenate([c.numpy() for c in components], axis=axis)
-        return self._gathered_across_hosts(variable, axis)
+        data_axis = self.data_axes.get(id(variable))
+        if len(self._local_replicas) < self.world_size:
+            # Several workers (there is no data axis then): the other
+            # shards live on other hosts.
+            if axis is None:
+                return components[0].numpy()
+            return self._gathered_across_hosts(variable, axis)
+        model = self.tensor_parallel
+        shards = []
+        for model_rank in range(model if axis is not None else 1):
+            partitions = [
+                components[data_rank * model + model_rank].numpy()
+                for data_rank in range(
+                    self.data_parallel if data_axis is not None else 1
+                )
+            ]
+            shards.append(
+                partitions[0]
+                if data_axis is None
+                else np.concatenate(partitions, axis=data_axis)
+            )
+        return shards[0] if axis is None else np.concatenate(shards, axis=axis)
 
     def _gathered_across_hosts(self, variable, axis):
         def gather():
@@ -289,11 +412,13 @@ class TensorFlowRuntime(Runtime):
 
     def assign_full_value(self, variable, value):
         value = np.asarray(value)
-        axis = self.variable_axes.get(id(variable))
-        for component, shard in zip(
-            self._components(variable), self._local_shards(value, axis)
-        ):
-            component.assign(shard)
+        pieces = self._local_shards(
+            value,
+            self.variable_axes.get(id(variable)),
+            self.data_axes.get(id(variable)),
+        )
+        for component, piece in zip(self._components(variable), pieces):
+            component.assign(piece)
 
     def save_model(self, model, filepath, **kwargs):
         """Saves the unsplit model; on several workers only the chief writes.
@@ -344,15 +469,45 @@ class TensorFlowRuntime(Runtime):
                 totals[name] = totals.get(name, 0) + nbytes(component)
         return totals
 
+    def replica_differences(self, variables):
+        """Largest difference between the copies of each variable.
+
+        Replicas holding the same piece (the data-parallel rows for a shard
+        or a partition, and the model ranks of a replicated variable) must
+        hold the same numbers.
+        """
+        differences = {}
+        for variable in variables:
+            axis = self.variable_axes.get(id(variable))
+            data_axis = self.data_axes.get(id(variable))
+            copies = {}
+            for replica, component in zip(
+                self._local_replicas, self._components(variable)
+            ):
+                data_rank, model_rank = divmod(replica, self.tensor_parallel)
+                piece = (
+                    model_rank if axis is not None else None,
+                    data_rank if data_axis is not None else None,
+                )
+                copies.setdefault(piece, []).append(component.numpy())
+            worst = 0.0
+            for group in copies.values():
+                for other in group[1:]:
+                    diff = np.abs(other.astype("float64") - group[0])
+                    worst = max(worst, float(diff.max(initial=0.0)))
+            differences[variable.path] = worst
+        return differences
+
     # Steps ---------------------------------------------------------------
 
     def run_step(self, phase, step, *args, **kwargs):
         """Runs one train / test / predict step over the replicas.
 
         `step` is Keras' own step; it is not called, because it assumes data
-        parallelism (see the module docstring). The runtime's step keeps its
-        contract: same data format, same loss, metrics and optimizer of the
-        compiled model, same returned logs or predictions.
+        parallelism of another kind (see the module docstring). The
+        runtime's step keeps its contract: same data format, same loss,
+        metrics and optimizer of the compiled model, same returned logs or
+        predictions.
         """
         model = step.__self__
         if model.jit_compile:
@@ -368,13 +523,26 @@ class TensorFlowRuntime(Runtime):
                 "TensorParallelKeras on TensorFlow runs one step per "
                 "execution: call `compile(..., steps_per_execution=1)`."
             )
+        steps = {
+            "train": self._train_step,
+            "test": self._test_step,
+            "predict": self._predict_step,
+        }
         with self.adapter.stats.recording(phase):
             data = self._batch_of_first_worker(*args, **kwargs)
-            if phase == "train":
-                return self._train_step(model, data)
-            if phase == "test":
-                return self._test_step(model, data)
-            return self._predict_step(model, data)
+            return self._traced(steps[phase])(model, data)
+
+    def _traced(self, fn):
+        """`fn`, traced when it would run eagerly and needs a graph.
+
+        The collective groups of a data axis only run in graphs (see
+        `ReplicaGroups`); an eager caller (`run_eagerly=True`, a direct
+        call) gets `fn` traced anew on every call, so the collectives of
+        every call are recorded.
+        """
+        if self.data_parallel > 1 and tf.executing_eagerly():
+            return tf.function(fn)
+        return fn
 
     def _batch_of_first_worker(self, data):
         """The batch every rank must see: worker 0's when there are several.
@@ -384,7 +552,7 @@ class TensorFlowRuntime(Runtime):
         One broadcast per input tensor (counted in the step's collectives)
         makes them all use worker 0's batch.
         """
-        if len(self._local_replicas) == self.tensor_parallel:
+        if len(self._local_replicas) == self.world_size:
             return data
         leaves = tf.nest.flatten(data)
         positions = [i for i, leaf in enumerate(leaves) if tf.is_tensor(leaf)]
@@ -401,8 +569,12 @@ class TensorFlowRuntime(Runtime):
 
     def _on_replicas(self, fn, *args):
         """Runs `fn` on every replica; returns this host's first result."""
-        results = self.strategy.run(fn, args=args)
-        return self.strategy.experimental_local_results(results)[0]
+
+        def run(*args):
+            results = self.strategy.run(fn, args=args)
+            return self.strategy.experimental_local_results(results)[0]
+
+        return self._traced(run)(*args)
 
     @staticmethod
     def _replica_id():
@@ -411,25 +583,123 @@ class TensorFlowRuntime(Runtime):
         )
         return int(tf.get_static_value(replica_id))
 
+    def _in_replica(self):
+        context = tf.distribute.get_replica_context()
+        return context is not None and context.strategy is self.strategy
+
+    def _forward(self, model, x, training, tapes=None):
+        """Runs the model on every replica, each row on its slice of `x`.
+
+        Args:
+            model: the `TensorParallelKeras` model.
+            x: the global batch of inputs.
+            training: the `training` argument of the call.
+            tapes: if given, each replica records its forward pass on a
+                gradient tape kept here under its replica id.
+
+        Returns:
+            The output of each data-parallel row (that of its first model
+            rank; the others hold the same), in row order.
+        """
+        x = self._checked_split(x)
+
+        def forward(x):
+            replica = self._replica_id()
+            local_x = self._row_slice(x, replica // self.tensor_parallel)
+            if tapes is None:
+                return model(local_x, training=training)
+            tape = tf.GradientTape()
+            with tape:
+                y_pred = model(local_x, training=training)
+            tapes[replica] = (tape, y_pred)
+            return y_pred
+
+        with self._local_shapes(model):
+            results = self.strategy.run(forward, args=(x,))
+        local = self.strategy.experimental_local_results(results)
+        return [
+            local[row * self.tensor_parallel]
+            for row in range(self.data_parallel)
+        ]
+
+    def _checked_split(self, x):
+        """`x`, checked to split evenly over the data-parallel rows.
+
+        A batch dimension unknown while tracing is checked when the step
+        runs.
+        """
+        parts = self.data_parallel
+        if parts == 1:
+            return x
+
+        def check(leaf):
+            if not tf.is_tensor(leaf) or leaf.shape.rank == 0:
+                return leaf
+            if leaf.shape[0] is not None:
+                self.check_batch_size(leaf.shape[0])
+                return leaf
+            assertion = tf.debugging.assert_equal(
+                tf.shape(leaf)[0] % parts,
+                0,
+                message=(
+                    f"A batch cannot be split evenly over data_parallel="
+                    f"{parts} ranks. Use a batch size (and a dataset size, "
+                    f"or `drop_remainder=True`) that divides by {parts}."
+                ),
+            )
+            with tf.control_dependencies([assertion]):
+                return tf.identity(leaf)
+
+        return tf.nest.map_structure(check, x)
+
+    def _row_slice(self, x, row):
+        """Row `row`'s equal slice of every batched tensor of `x`."""
+        parts = self.data_parallel
+        if parts == 1:
+            return x
+
+        def piece(leaf):
+            if not tf.is_tensor(leaf) or leaf.shape.rank == 0:
+                return leaf
+            size = leaf.shape[0]
+            size = tf.shape(leaf)[0] // parts if size is None else size // parts
+            return leaf[row * size : (row + 1) * size]
+
+        return tf.nest.map_structure(piece, x)
+
+    def _rows_together(self, rows):
+        """The global batch's outputs from the rows' outputs."""
+        if len(rows) == 1:
+            return rows[0]
+        return tf.nest.map_structure(
+            lambda *parts: tf.concat(parts, axis=0), *rows
+        )
+
+    def _local_shapes(self, model):
+        """Makes the placed variables report the shapes replicas hold.
+
+        Keras checks every `assign` against the variable's shape; inside a
+        replica the values are shards and partitions.
+        """
+        variables = list(model.variables)
+        if model.optimizer is not None and model.optimizer.built:
+            variables += model.optimizer.variables
+        placed = [v for v in variables if id(v) in self.full_shapes]
+        return local_shapes(placed, self.local_shape)
+
     def _train_step(self, model, data):
         optimizer = self._prepare_optimizer(model)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         # Each replica's forward tape, kept for its backward pass.
         tapes = {}
-
-        def forward(x):
-            tape = tf.GradientTape()
-            with tape:
-                y_pred = model(x, training=True)
-            tapes[self._replica_id()] = (tape, y_pred)
-            return y_pred
-
-        y_pred = self._on_replicas(forward, x)
+        rows = self._forward(model, x, training=True, tapes=tapes)
         _check_no_extra_losses(model)
-        # The loss is computed once, outside the replicas, so Keras neither
-        # divides it by the number of replicas nor averages it over them.
+        # The loss is computed once, outside the replicas, on the global
+        # batch, so Keras neither divides it by the number of replicas nor
+        # averages it over them.
         with tf.GradientTape() as loss_tape:
-            loss_tape.watch(y_pred)
+            loss_tape.watch(rows)
+            y_pred = self._rows_together(rows)
             loss = model._compute_loss(
                 x=x,
                 y=y,
@@ -439,29 +709,51 @@ class TensorFlowRuntime(Runtime):
             )
             scaled_loss = optimizer.scale_loss(loss)
         model._loss_tracker.update_state(loss, sample_weight=_batch_size(x))
-        output_gradients = loss_tape.gradient(scaled_loss, y_pred)
+        # Times D, the gradient with respect to a row's output is that of
+        # the row's own mean loss; the CoordinatedOptimizer's average over
+        # `data` then makes the gradient of the global loss, for any loss.
+        row_gradients = [
+            tf.nest.map_structure(
+                lambda g: g * tf.cast(self.data_parallel, g.dtype), gradient
+            )
+            for gradient in loss_tape.gradient(
+                scaled_loss,
+                rows,
+                unconnected_gradients=tf.UnconnectedGradients.ZERO,
+            )
+        ]
 
-        def backward_and_update(output_gradients):
-            tape, local_y_pred = tapes.pop(self._replica_id())
+        def backward_and_update(row_gradients):
+            replica = self._replica_id()
+            tape, local_y_pred = tapes.pop(replica)
             variables = model.trainable_variables
             gradients = tape.gradient(
-                local_y_pred, variables, output_gradients=output_gradients
+                local_y_pred,
+                variables,
+                output_gradients=row_gradients[replica // self.tensor_parallel],
             )
-            gradients = self._replicated_from_first_replica(
-                gradients, variables
-            )
+            if self.per_rank_steps:
+                gradients = _dense(gradients)
+            if self.tensor_parallel > 1:
+                gradients = self._replicated_from_first_replica(
+                    gradients, variables
+                )
             optimizer.apply(gradients, variables)
+            if self.per_rank_steps:
+                self._average_non_trainables(model)
 
         if model.trainable_variables:
-            self._on_replicas(backward_and_update, output_gradients)
+            with self._local_shapes(model):
+                self.strategy.run(backward_and_update, args=(row_gradients,))
         else:
             warnings.warn("The model does not have any trainable weights.")
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _replicated_from_first_replica(self, gradients, variables):
-        """Gives every replica replica 0's gradients of replicated variables.
+        """Gives every model rank the gradients of replicated variables
+        that model rank 0 computed.
 
-        Every replica computes the same gradient for a replicated variable,
+        Every rank computes the same gradient for a replicated variable,
         but TensorFlow does not promise the same bits on different devices
         (a reduction may round differently), and copies that drift apart
         are no longer one model. One broadcast per step and dtype, of all
@@ -485,9 +777,31 @@ class TensorFlowRuntime(Runtime):
                 gradients[i] = tf.reshape(part, piece.shape)
         return gradients
 
+    def _average_non_trainables(self, model):
+        """Averages the non-trainable float state over the data axis.
+
+        BatchNorm statistics, say, which each row updated from its own
+        slice of the batch; one all-reduce for all of them per dtype.
+        """
+        by_dtype = {}
+        for variable in model.non_trainable_variables:
+            floating = tf.as_dtype(variable.dtype).is_floating
+            placed = id(variable) in self.full_shapes
+            if floating and placed and id(variable) not in self.data_axes:
+                by_dtype.setdefault(variable.dtype, []).append(variable)
+        for variables in by_dtype.values():
+            values = [_local_read(v) for v in variables]
+            flat = tf.concat([tf.reshape(v, [-1]) for v in values], axis=0)
+            flat = self.data_adapter.all_reduce(flat, "mean")
+            sizes = [int(np.prod(v.shape)) for v in values]
+            for variable, value, part in zip(
+                variables, values, tf.split(flat, sizes)
+            ):
+                variable.assign(tf.reshape(part, value.shape))
+
     def _test_step(self, model, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        y_pred = self._on_replicas(lambda x: model(x, training=False), x)
+        y_pred = self._rows_together(self._forward(model, x, training=False))
         _check_no_extra_losses(model)
         loss = model._compute_loss(
             x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
@@ -497,10 +811,16 @@ class TensorFlowRuntime(Runtime):
 
     def _predict_step(self, model, data):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        return self._on_replicas(lambda x: model(x, training=False), x)
+        return self._rows_together(self._forward(model, x, training=False))
 
     def _prepare_optimizer(self, model):
-        """Wraps and builds the compiled optimizer (once) for the replicas."""
+        """Wraps and builds the compiled optimizer (once) for the replicas.
+
+        With a data axis or ZeRO the compiled optimizer is a
+        `CoordinatedOptimizer`; it and the optimizer inside it both become
+        `TensorParallelOptimizer`s, the outer one placing its slots and
+        gradient buffers with their ZeRO partitions.
+        """
         optimizer = model.optimizer
         if not isinstance(optimizer, TensorParallelOptimizer):
             _check_optimizer_supported(optimizer, model, self)
@@ -510,10 +830,14 @@ class TensorFlowRuntime(Runtime):
                     "variables. Give TensorParallelKeras.compile() a new "
                     "optimizer."
                 )
-            object.__setattr__(
-                optimizer, "__class__", tensor_parallel_class(type(optimizer))
-            )
-            object.__setattr__(optimizer, "_tensor_parallel_runtime", self)
+            wrapped = [optimizer]
+            if isinstance(optimizer, CoordinatedOptimizer):
+                wrapped.append(optimizer.inner_optimizer)
+            for each in wrapped:
+                object.__setattr__(
+                    each, "__class__", tensor_parallel_class(type(each))
+                )
+                object.__setattr__(each, "_tensor_parallel_runtime", self)
         elif optimizer._tensor_parallel_runtime is not self:
             raise ValueError(
                 f"Optimizer '{optimizer.name}' belongs to another "
@@ -533,6 +857,19 @@ class TensorFlowRuntime(Runtime):
             _outside_distribution_context(build)
         return optimizer
 
+    def call_model(self, model, inputs, training):
+        """A direct call of the wrapped model (`tp(x)`).
+
+        With a data axis or ZeRO the whole call runs in every replica, as
+        in a step, since the mesh axes' collectives and ZeRO-3's gathers
+        exist there only; each row computes the whole batch.
+        """
+        if not self.per_rank_steps or self._in_replica():
+            return model(inputs, training=training)
+        return self._on_replicas(
+            lambda inputs: model(inputs, training=training), inputs
+        )
+
     # Sharded regions -------------------------------------------------------
 
     def prepare_region(self, region):
@@ -540,10 +877,36 @@ class TensorFlowRuntime(Runtime):
         region.accept_split_input()
 
     def run_region(self, region, args, kwargs):
-        context = tf.distribute.get_replica_context()
-        if context is not None and context.strategy is self.strategy:
+        if self._in_replica():
             return self._local_region(region, args, kwargs)
         return self._region_outside_replicas(region, args, kwargs)
+
+    def gathered_call(self, layer, variables, call):
+        """ZeRO-3: gathers the layer's partitions around its call.
+
+        The gather's backward pass averages the gradient over `data` and
+        reduce-scatters it. The tape keeps the gathered parameters for the
+        backward pass, so they are gathered once per step (2 x the
+        parameters communicated, not the 3 x of re-gathering), and stay
+        alive from the layer's forward to its backward.
+        """
+        axes = [self.data_axes[id(v)] for v in variables]
+
+        def zero3_call(*args, **kwargs):
+            if not self._in_replica():
+                raise RuntimeError(
+                    f"Layer '{layer.path}' holds ZeRO-3 partitions, which "
+                    "are gathered only inside its TensorParallelKeras model: "
+                    "call the model, or use predict()."
+                )
+            full = [
+                self.data_adapter.gather_partitions(_local_read(v), axis)
+                for v, axis in zip(variables, axes)
+            ]
+            with bind_values(zip(variables, full)):
+                return call(*args, **kwargs)
+
+        return zero3_call
 
     def _local_region(self, region, args, kwargs):
         """The region's output on this replica, from its local tensors."""
@@ -616,12 +979,14 @@ class TensorParallelOptimizer:
     """Mixin that makes a Keras optimizer update tensor-parallel replicas.
 
     `TensorFlowRuntime` mixes it into the class of the compiled optimizer the
-    first time the model trains. Each replica then applies its own gradients
-    to its own components (shards, and copies of replicated variables) in
-    replica context: gradients are never all-reduced, unlike the TensorFlow
-    optimizer's data-parallel path, because each replica already holds the
-    exact gradient of what it owns. Slot variables are split like the
-    variable they belong to.
+    first time the model trains (with a data axis or ZeRO, into the
+    `CoordinatedOptimizer` and the optimizer it wraps). Each replica then
+    applies its own gradients to its own components (shards, partitions,
+    and copies of replicated variables) in replica context: gradients are
+    never all-reduced by the TensorFlow optimizer's data-parallel path,
+    because each replica already holds the exact gradient of what it owns
+    (the `CoordinatedOptimizer` synchronises the data axis itself). Slot
+    variables are split like the variable they belong to.
     """
 
     def add_variable_from_reference(
@@ -635,10 +1000,44 @@ class TensorParallelOptimizer:
             variable = base_optimizer.BaseOptimizer.add_variable_from_reference(
                 self, reference_variable, name=name, initializer=initializer
             )
-        runtime.place(
-            variable, runtime.variable_axes.get(id(reference_variable))
-        )
+        # With a data axis or ZeRO the CoordinatedOptimizer places it, with
+        # its ZeRO partition.
+        if not runtime.per_rank_steps:
+            runtime.place(
+                variable, runtime.variable_axes.get(id(reference_variable))
+            )
         return variable
+
+    # A variable bound to a value (the ZeRO partition a
+    # CoordinatedOptimizer updates, say) is written through Keras, which
+    # records the write in the binding; any other one directly in this
+    # replica's component.
+
+    def assign(self, variable, value):
+        if _is_bound(variable):
+            variable.assign(value)
+        else:
+            super().assign(variable, value)
+
+    def assign_add(self, variable, value):
+        if _is_bound(variable):
+            variable.assign_add(value)
+        else:
+            super().assign_add(variable, value)
+
+    def assign_sub(self, variable, value):
+        if _is_bound(variable):
+            variable.assign_sub(value)
+        else:
+            super().assign_sub(variable, value)
+
+    def _overwrite_model_variables_with_average_value(
+        self, trainable_variables
+    ):
+        for variable, average in zip(
+            trainable_variables, self._model_variables_moving_average
+        ):
+            self.assign(variable, average)
 
     def _var_key(self, variable):
         # The TensorFlow optimizer keys variables by their distributed
@@ -676,6 +1075,26 @@ def tensor_parallel_class(optimizer_class):
     return _TENSOR_PARALLEL_CLASSES[optimizer_class]
 
 
+def _dense(gradients):
+    """The gradients with `tf.IndexedSlices` (of embeddings) made dense.
+
+    The `CoordinatedOptimizer` sums a gradient over the data axis, which
+    merges the rows of a token seen several times, as on JAX and torch.
+    Keras on one device keeps the slices apart, and Adam's second moment and
+    gradient norms then count each occurrence.
+    """
+    return [
+        tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+        for g in gradients
+    ]
+
+
+def _is_bound(variable):
+    """Whether a Keras scope binds `variable` to a value of its own."""
+    scope = get_stateless_scope()
+    return scope is not None and scope.get_current_value(variable) is not None
+
+
 def _check_optimizer_supported(optimizer, model, runtime):
     if optimizer is None:
         raise ValueError("The model has no optimizer: compile it first.")
@@ -684,26 +1103,34 @@ def _check_optimizer_supported(optimizer, model, runtime):
             "LossScaleOptimizer (mixed_float16) is not supported by "
             "keras_tp on TensorFlow yet; use float32 or bfloat16."
         )
-    unsupported = {
-        "clipnorm": optimizer.clipnorm,
-        "global_clipnorm": optimizer.global_clipnorm,
-        "use_ema": optimizer.use_ema,
-        "gradient_accumulation_steps": optimizer.gradient_accumulation_steps,
-    }
-    used = [name for name, value in unsupported.items() if value]
-    if used:
-        raise NotImplementedError(
-            f"Optimizer options {used} need norms or state across shards, "
-            "which keras_tp on TensorFlow does not implement yet; remove "
-            "them (clipvalue works)."
-        )
+    # A CoordinatedOptimizer takes norms across shards and accumulates
+    # gradients itself.
+    if not isinstance(optimizer, CoordinatedOptimizer):
+        unsupported = {
+            "clipnorm": optimizer.clipnorm,
+            "global_clipnorm": optimizer.global_clipnorm,
+            "use_ema": optimizer.use_ema,
+            "gradient_accumulation_steps": (
+                optimizer.gradient_accumulation_steps
+            ),
+        }
+        used = [name for name, value in unsupported.items() if value]
+        if used:
+            raise NotImplementedError(
+                f"Optimizer options {used} need norms or state across "
+                "shards, which keras_tp on TensorFlow does not implement "
+                "yet; remove them (clipvalue works)."
+            )
     for variable in model.trainable_variables:
         if variable.regularizer is not None:
             raise NotImplementedError(
                 f"Variable '{variable.path}' has a regularizer; keras_tp on "
                 "TensorFlow does not support regularization losses yet."
             )
-        split = runtime.variable_axes.get(id(variable)) is not None
+        split = runtime.variable_axes.get(id(variable)) is not None or (
+            runtime.zero_stage > 0
+            and runtime.partition_axis(variable) is not None
+        )
         if split and variable.constraint is not None:
             raise NotImplementedError(
                 f"Split variable '{variable.path}' has a constraint, which "

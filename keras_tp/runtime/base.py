@@ -4,6 +4,7 @@ import contextlib
 import math
 
 import keras
+import numpy as np
 from keras import ops
 
 
@@ -307,3 +308,20 @@ def _is_float(x):
     return keras.backend.is_float_dtype(
         keras.backend.standardize_dtype(x.dtype)
     )
+
+
+def largest_difference(copies):
+    """Largest absolute difference within groups of copies of one piece.
+
+    Args:
+        copies: `{piece: [arrays that must be equal]}`.
+
+    Returns:
+        The largest difference to the first copy of its group, as a float.
+    """
+    worst = 0.0
+    for group in copies.values():
+        for other in group[1:]:
+            difference = np.abs(np.asarray(other, "float64") - group[0])
+            worst = max(worst, float(difference.max(initial=0.0)))
+    return worst

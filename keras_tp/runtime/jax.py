@@ -31,6 +31,7 @@ from keras.src.backend import set_keras_mask
 from keras_tp.collectives.jax import JaxCollectiveAdapter
 from keras_tp.regions import copy_replicated_inputs
 from keras_tp.runtime.base import Runtime
+from keras_tp.runtime.base import largest_difference
 from keras_tp.variables import bind_values
 from keras_tp.variables import local_shapes
 
@@ -216,12 +217,7 @@ class JaxRuntime(Runtime):
             for shard in variable.value.addressable_shards:
                 key = tuple((s.start, s.stop) for s in shard.index)
                 copies.setdefault(key, []).append(np.asarray(shard.data))
-            worst = 0.0
-            for group in copies.values():
-                for other in group[1:]:
-                    diff = np.abs(other.astype("float64") - group[0])
-                    worst = max(worst, float(diff.max(initial=0.0)))
-            differences[variable.path] = worst
+            differences[variable.path] = largest_difference(copies)
         return differences
 
     # Per-rank steps (data axis, ZeRO) ----------------------------------

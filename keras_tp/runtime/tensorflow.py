@@ -69,6 +69,7 @@ from keras_tp.collectives.tensorflow import ReplicaGroups
 from keras_tp.collectives.tensorflow import TensorFlowCollectiveAdapter
 from keras_tp.optimizer import CoordinatedOptimizer
 from keras_tp.runtime.base import Runtime
+from keras_tp.runtime.base import largest_difference
 from keras_tp.variables import bind_values
 from keras_tp.variables import local_shapes
 
@@ -490,12 +491,7 @@ class TensorFlowRuntime(Runtime):
                     data_rank if data_axis is not None else None,
                 )
                 copies.setdefault(piece, []).append(component.numpy())
-            worst = 0.0
-            for group in copies.values():
-                for other in group[1:]:
-                    diff = np.abs(other.astype("float64") - group[0])
-                    worst = max(worst, float(diff.max(initial=0.0)))
-            differences[variable.path] = worst
+            differences[variable.path] = largest_difference(copies)
         return differences
 
     # Steps ---------------------------------------------------------------

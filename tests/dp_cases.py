@@ -5,6 +5,8 @@ whole global batch; the runs themselves only use keras_tp's public API, so
 JAX and TensorFlow call them in the test process and torch on every rank.
 """
 
+import math
+
 import keras
 
 import keras_tp
@@ -122,3 +124,55 @@ def batchnorm_after_one_step(world_size, data_parallel, zero_stage):
     path = reference.get_layer("norm").moving_mean.path
     difference = max_diff([means[0][path]], [means[1][path]])
     return difference, tp.check_gradient_consistency()
+
+
+def communication_run(zero_stage, bucket_mb):
+    """One step of the MLP on 4 data ranks with buckets of `bucket_mb`.
+
+    Returns:
+        `(tp, psi, x, y)`: the model, the bytes of its trainable
+        parameters, and the batch it trained on.
+    """
+    tp = keras_tp.TensorParallelKeras(
+        models.mlp(), world_size=4, data_parallel=4, zero_stage=zero_stage
+    )
+    optimizer = keras_tp.CoordinatedOptimizer(
+        keras.optimizers.Adam(1e-3),
+        zero_stage=zero_stage,
+        bucket_cap_mb=bucket_mb,
+    )
+    tp.compile(optimizer=optimizer, loss=loss_fn())
+    x, y = models.data_for("mlp", batch=BATCH)
+    tp.fit(x, y, batch_size=BATCH, verbose=0)
+    psi = sum(v.numpy().nbytes for v in models.mlp().trainable_variables)
+    return tp, psi, x, y
+
+
+def check_data_traffic(tp, psi, zero_stage, bucket_mb):
+    """Asserts the bytes a step sends over `data`, stage by stage.
+
+    DDP all-reduces psi in ceil(psi / bucket) calls; ZeRO-1 and 2
+    reduce-scatter psi and all-gather psi; ZeRO-3 with one gather per
+    parameter (JAX, TensorFlow) all-gathers psi forward and reduce-scatters
+    psi backward.
+    """
+    data = tp.communication_stats(axis="data")
+    synced = {
+        kind: entry["optimizer_bytes"]
+        for kind, entry in data.items()
+        if entry["optimizer_bytes"]
+    }
+    if zero_stage == 0:
+        assert synced == {"all_reduce": psi}
+        calls = math.ceil(psi / (bucket_mb * 2**20))
+        assert data["all_reduce"]["optimizer_calls"] == calls
+        assert len(tp.get_gradient_sharding_info()["buckets"]) == calls
+    elif zero_stage in (1, 2):
+        assert synced == {"reduce_scatter": psi, "all_gather": psi}
+    else:
+        assert synced == {}
+        assert data["all_gather"]["forward_bytes"] == psi
+        assert (
+            data["all_gather"]["calls"] == data["all_gather"]["forward_calls"]
+        )
+        assert data["reduce_scatter"]["backward_bytes"] == psi

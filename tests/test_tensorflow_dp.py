@@ -11,7 +11,6 @@ collectives from the step's records and from the traced step's graph.
 """
 
 import functools
-import math
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -36,6 +35,8 @@ from tests import models  # noqa: E402
 from tests.dp_cases import BATCH  # noqa: E402
 from tests.dp_cases import STEPS  # noqa: E402
 from tests.dp_cases import batchnorm_after_one_step  # noqa: E402
+from tests.dp_cases import check_data_traffic  # noqa: E402
+from tests.dp_cases import communication_run  # noqa: E402
 from tests.dp_cases import make_optimizer  # noqa: E402
 from tests.dp_cases import train_pair  # noqa: E402
 from tests.dp_cases import zero_bytes  # noqa: E402
@@ -163,6 +164,9 @@ def test_memory_follows_zero_formulas(zero_stage, data_parallel):
     assert _bytes(info["optimizer_bytes"]) >= 0.95 * adam
 
 
+BUCKET_MB = 0.002
+
+
 def _graph_collectives(tp, x, y):
     """Collective ops one replica issues in a traced training step.
 
@@ -181,41 +185,14 @@ def _graph_collectives(tp, x, y):
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 def test_communication_is_the_zero_minimum(zero_stage):
-    bucket_mb = 0.002
-    reference = models.mlp()
-    tp = keras_tp.TensorParallelKeras(
-        models.mlp(), world_size=4, data_parallel=4, zero_stage=zero_stage
-    )
-    optimizer = keras_tp.CoordinatedOptimizer(
-        keras.optimizers.Adam(1e-3),
-        zero_stage=zero_stage,
-        bucket_cap_mb=bucket_mb,
-    )
-    tp.compile(optimizer=optimizer, loss=loss_fn())
-    x, y = models.data_for("mlp", batch=BATCH)
-    tp.fit(x, y, batch_size=BATCH, verbose=0)
-    psi = sum(v.numpy().nbytes for v in reference.trainable_variables)
-    data = tp.communication_stats(axis="data")
-    synced = {k: v["optimizer_bytes"] for k, v in data.items()}
+    tp, psi, x, y = communication_run(zero_stage, BUCKET_MB)
+    # ZeRO-3: the tape keeps the gathered parameters for the backward pass,
+    # which reduce-scatters: 2 psi.
+    check_data_traffic(tp, psi, zero_stage, BUCKET_MB)
     # The loss and metrics are computed once from the rows' outputs: no
     # collective serves them.
+    data = tp.communication_stats(axis="data")
     assert data.get("all_reduce", {}).get("forward_calls", 0) == 0
-    if zero_stage == 0:
-        assert synced == {"all_reduce": psi}
-        calls = math.ceil(psi / (bucket_mb * 2**20))
-        assert data["all_reduce"]["optimizer_calls"] == calls
-        assert len(tp.get_gradient_sharding_info()["buckets"]) == calls
-    elif zero_stage in (1, 2):
-        assert synced == {"reduce_scatter": psi, "all_gather": psi}
-    else:
-        # One gather per parameter forward; the tape keeps the gathered
-        # parameters for the backward pass, which reduce-scatters: 2 psi.
-        assert data["all_gather"]["forward_bytes"] == psi
-        assert data["reduce_scatter"]["backward_bytes"] == psi
-        assert (
-            data["all_gather"]["calls"] == data["all_gather"]["forward_calls"]
-        )
-        assert synced.get("all_gather", 0) == 0
     # The traced step issues exactly the recorded collectives; a
     # reduce-scatter is an all-reduce on CPUs (TensorFlow implements
     # CollectiveReduceScatterV2 for NCCL only).

@@ -176,3 +176,20 @@ def check_data_traffic(tp, psi, zero_stage, bucket_mb):
             data["all_gather"]["calls"] == data["all_gather"]["forward_calls"]
         )
         assert data["reduce_scatter"]["backward_bytes"] == psi
+
+
+def check_zero_memory(bytes_per_rank, psi, data_parallel, zero_stage):
+    """Asserts one rank's bytes follow the ZeRO formulas within 5% (Adam).
+
+    Args:
+        bytes_per_rank: `(parameter, gradient, optimizer)` bytes of the
+            rank, measured from its arrays.
+        psi: bytes of the trainable parameters.
+        data_parallel, zero_stage: the mesh and the stage.
+    """
+    parameters, gradients, optimizer = bytes_per_rank
+    expected = zero_bytes(psi, data_parallel, zero_stage)
+    assert abs(parameters - expected[0]) <= 0.05 * expected[0]
+    assert abs(gradients - expected[1]) <= 0.05 * expected[1]
+    scalars = 64  # step counters and learning rates
+    assert 0.95 * expected[2] <= optimizer <= 1.05 * expected[2] + scalars

@@ -121,6 +121,29 @@ def copy_replicated_inputs(adapter, args, kwargs, is_float):
     return keras.tree.map_structure(copy, (args, kwargs))
 
 
+def run_on_local_values(region, adapter, args, kwargs, is_float):
+    """Runs a region's per-rank math where the values are already local.
+
+    For a rank that holds its own tensors (a torch process, a JAX device
+    inside a per-rank step): replicated inputs enter the parallel part, and
+    the members read their variables' local values.
+
+    Args:
+        region: the `ShardedRegion`.
+        adapter: the `model`-axis collective adapter.
+        args, kwargs: the region's call arguments, local to the rank.
+        is_float: the backend's test for a floating-point tensor.
+
+    Returns:
+        The region's local outputs.
+    """
+    if region.parallel_input:
+        args, kwargs = copy_replicated_inputs(adapter, args, kwargs, is_float)
+    weights = [variable.value for variable, _ in region.variables()]
+    with region.local_weights(weights), adapter.activated():
+        return region.compute(*args, **kwargs)
+
+
 def _local_weights_of(member):
     mapping = _LOCAL_WEIGHTS.get()
     if mapping is None:

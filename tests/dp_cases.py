@@ -8,6 +8,7 @@ JAX and TensorFlow call them in the test process and torch on every rank.
 import math
 
 import keras
+import numpy as np
 
 import keras_tp
 from tests import models
@@ -193,3 +194,20 @@ def check_zero_memory(bytes_per_rank, psi, data_parallel, zero_stage):
     assert abs(gradients - expected[1]) <= 0.05 * expected[1]
     scalars = 64  # step counters and learning rates
     assert 0.95 * expected[2] <= optimizer <= 1.05 * expected[2] + scalars
+
+
+def check_matches_one_device(reference, tp, reference_history, tp_history):
+    """Asserts a `train_pair` run equals one device after `STEPS` steps.
+
+    The weights agree to 1e-5, the logged loss is the global batch's (not
+    one rank's), and every replica holds the same numbers.
+    """
+    assert int(tp.optimizer.iterations.numpy()) == STEPS
+    assert max_diff(reference.get_weights(), tp.get_weights()) <= 1e-5
+    np.testing.assert_allclose(
+        tp_history.history["loss"],
+        reference_history.history["loss"],
+        rtol=1e-5,
+    )
+    report = tp.check_gradient_consistency()
+    assert report["consistent"], report

@@ -29,7 +29,7 @@ from keras.src.backend import get_keras_mask
 from keras.src.backend import set_keras_mask
 
 from keras_tp.collectives.jax import JaxCollectiveAdapter
-from keras_tp.regions import copy_replicated_inputs
+from keras_tp.regions import run_on_local_values
 from keras_tp.runtime.base import Runtime
 from keras_tp.runtime.base import largest_difference
 from keras_tp.variables import bind_values
@@ -297,13 +297,9 @@ class JaxRuntime(Runtime):
 
     def _local_region(self, region, args, kwargs):
         """A region inside a per-rank step: the values are already local."""
-        if region.parallel_input:
-            args, kwargs = copy_replicated_inputs(
-                self.adapter, args, kwargs, _is_float_array
-            )
-        weights = [variable.value for variable, _ in region.variables()]
-        with region.local_weights(weights), self.adapter.activated():
-            return region.compute(*args, **kwargs)
+        return run_on_local_values(
+            region, self.adapter, args, kwargs, _is_float_array
+        )
 
     def gathered_call(self, layer, variables, call):
         """ZeRO-3: gathers the layer's partitions around its call.

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from keras_tp.collectives.base import set_process_adapter
 from keras_tp.collectives.torch import TorchCollectiveAdapter
 from keras_tp.collectives.torch import is_symbolic
-from keras_tp.regions import copy_replicated_inputs
+from keras_tp.regions import run_on_local_values
 from keras_tp.runtime.base import Runtime
 from keras_tp.variables import bind_values
 
@@ -469,13 +469,9 @@ class TorchRuntime(Runtime):
 
     def run_region(self, region, args, kwargs):
         self._check_input(region, args)
-        if region.parallel_input:
-            args, kwargs = copy_replicated_inputs(
-                self.adapter, args, kwargs, _is_float_tensor
-            )
-        weights = [variable.value for variable, _ in region.variables()]
-        with region.local_weights(weights), self.adapter.activated():
-            return region.compute(*args, **kwargs)
+        return run_on_local_values(
+            region, self.adapter, args, kwargs, _is_float_tensor
+        )
 
     def prepare_region(self, region):
         """Lets a split layer take local-width inputs.

@@ -10,6 +10,7 @@ from keras_tp.collectives.base import nbytes
 from keras_tp.optimizer import CoordinatedOptimizer
 from keras_tp.plan.auto import auto_plan
 from keras_tp.plan.sharding_plan import ShardingPlan
+from keras_tp.plan.verify import check_locally
 from keras_tp.runtime import runtime_class
 
 # Models whose layers were converted in place, so they are not split twice.
@@ -113,10 +114,14 @@ class TensorParallelKeras(keras.Model):
                     "plan must be 'auto', a ShardingPlan or a dict, got "
                     f"{plan!r}."
                 )
-            bound = auto_plan(model, tensor_parallel)
+            bound = auto_plan(
+                model, tensor_parallel, check_local=runtime.local_ranks
+            )
         elif isinstance(plan, (ShardingPlan, dict, list, tuple)):
             rules = plan.rules if isinstance(plan, ShardingPlan) else plan
             bound = ShardingPlan(rules).bind(model, tensor_parallel)
+            if runtime.local_ranks and tensor_parallel > 1:
+                check_locally(model, bound)
         else:
             raise TypeError(
                 "plan must be 'auto', a ShardingPlan or a dict, got "

@@ -384,16 +384,23 @@ class TiedOutput(layers.Layer):
         )
 
 
-def test_tied_embeddings_stay_whole():
+def test_tied_embeddings_split_on_global_arrays_whole_on_local_ranks():
     tokens = np.arange(10).reshape(2, 5).astype("int32")
+    # Without a data axis the tied read sees the global array: exact.
     tp = keras_tp.TensorParallelKeras(tied_lm(), world_size=2)
-    assert "embedding" in tp.sharding_plan.replicated
+    assert "embedding" not in tp.sharding_plan.replicated
     np.testing.assert_allclose(tp(tokens), tied_lm()(tokens), atol=ATOL)
+    # Ranks holding their own slices would read a slice in TiedOutput.
+    plan = keras_tp.auto_plan(tied_lm(), 2, check_local=True)
+    assert "read outside" in plan.replicated["embedding"]
     with pytest.raises(
-        keras_tp.ShardingError, match="'embedding/embeddings' is tied"
+        keras_tp.ShardingError, match="'embedding'.*read outside"
     ):
         keras_tp.TensorParallelKeras(
-            tied_lm(), world_size=2, plan={"embedding": keras_tp.Vocab()}
+            tied_lm(),
+            world_size=4,
+            data_parallel=2,
+            plan={"embedding": keras_tp.Vocab()},
         )
 
 

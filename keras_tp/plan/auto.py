@@ -1,10 +1,26 @@
-"""`auto_plan`: a Megatron plan decided from shapes and the layer graph."""
+"""`auto_plan`: a Megatron plan decided from shapes and the dataflow.
+
+One pipeline, in one direction:
+
+1. **Trace** the model once on a probe batch (`trace.trace_model`): every
+   layer call, its parent call, and which call produced which tensor.
+2. **Group** the splittable layers of each parent call into Megatron
+   pairs: Column layers whose outputs reach one Row layer, either directly
+   or through layers that keep features apart (activations, dropout,
+   pooling), or through raw tensor ops inside the parent (a gate multiply,
+   a rotary embedding, the attention core), recognised by the split width.
+3. **Check** (where ranks run the code between split layers on their own
+   slices: torch, TensorFlow, JAX with a data axis) that every rank's view
+   of the model gives the one-device numbers (`verify.local_problems`),
+   and fall back, group by group, with the reason, where it does not.
+4. **Emit** a bound `ShardingPlan`, each layer's source and reasons kept.
+"""
 
 import collections
 
 import keras
-from keras import ops
 
+from keras_tp.plan import trace as tracing
 from keras_tp.plan.layers import ATTENTION
 from keras_tp.plan.layers import ShardingError
 from keras_tp.plan.layers import is_elementwise
@@ -12,15 +28,15 @@ from keras_tp.plan.layers import leaf_handler
 from keras_tp.plan.sharding_plan import ShardingPlan
 from keras_tp.plan.sharding_plan import check_shardable
 from keras_tp.plan.sharding_plan import supported_layers
-from keras_tp.plan.sharding_plan import tied_variables
-from keras_tp.plan.sharding_plan import walk_layers
 from keras_tp.plan.styles import Column
+from keras_tp.plan.styles import Replicate
 from keras_tp.plan.styles import Row
 from keras_tp.plan.styles import Vocab
+from keras_tp.plan.verify import local_problems
 
 # Layers that act on every feature independently and keep the shape, so
 # a Column output can flow through them to its Row consumer.
-_ELEMENTWISE_LAYERS = (
+_SEPARABLE_LAYERS = (
     keras.layers.Dropout,
     keras.layers.GaussianNoise,
     keras.layers.GaussianDropout,
@@ -28,8 +44,7 @@ _ELEMENTWISE_LAYERS = (
     keras.layers.LeakyReLU,
     keras.layers.ELU,
     keras.layers.Identity,
-)
-_POOLING_LAYERS = (
+    keras.layers.Activation,
     keras.layers.MaxPooling1D,
     keras.layers.MaxPooling2D,
     keras.layers.MaxPooling3D,
@@ -37,28 +52,39 @@ _POOLING_LAYERS = (
     keras.layers.AveragePooling2D,
     keras.layers.AveragePooling3D,
 )
+_FALLBACKS = (Vocab(), Column(gather_output=True), Row(input_is_parallel=False))
 
-Call = collections.namedtuple("Call", ["layer", "inputs", "outputs"])
 
-
-def auto_plan(model, world_size):
+def auto_plan(model, world_size, check_local=True):
     """Returns the plan `TensorParallelKeras(model, plan="auto")` applies.
 
-    The planner runs the model once on a zero batch of one example and
-    records which layer consumes which layer's output. It then pairs a
-    Column layer with the Row layer that consumes its output, through
-    elementwise layers only (activations, dropout, pooling over the
-    other axes), as Megatron does: an MLP costs one all-reduce forward and
-    one backward. Attention layers are split by heads, embeddings by
-    vocabulary rows. A supported layer left unpaired is split as a Column
-    that gathers its output, or else as a Row that slices its input, so its
-    memory is still divided. Layers the planner does not support, and
-    dimensions that do not divide by `world_size`, stay replicated, with
-    the reason in `plan.replicated`.
+    The planner runs the model once on a small probe batch and records
+    every layer call. In each block it pairs the Column layers with the Row
+    layer their outputs reach (an MLP's up and down projections, a gated
+    MLP's gate and up with its down projection, attention's query, key and
+    value with its output projection), as Megatron does: a block costs one
+    all-reduce forward and one backward. Decisions come from shapes and the
+    dataflow, not from layer names. Embeddings are split by vocabulary rows;
+    a `ReversibleEmbedding` used as the LM head shares that split and
+    gathers the logits. A supported layer left unpaired is split as a
+    Column that gathers its output, or else as a Row that slices its input,
+    so its memory is still divided. Layers the planner does not support, and
+    dimensions that do not divide by `world_size`, stay replicated, with the
+    reason in `plan.replicated`.
+
+    With `check_local=True` the plan is also checked for ranks that run the
+    code between split layers on their own slices (torch, TensorFlow, JAX
+    with a data axis): on one device, every rank's view of the model must
+    give the one-device numbers. A pairing that fails falls back to
+    gathering Column / slicing Row layers, and a layer whose weights are
+    read outside its own call stays whole; `plan.fallbacks` says why.
 
     Args:
         model: a built Keras model (Sequential, Functional or subclassed).
         world_size: number of tensor-parallel ranks.
+        check_local: whether to check the plan for ranks that hold their
+            own slices (see above). JAX without a data axis runs that code
+            on global arrays and needs no check.
 
     Returns:
         A `ShardingPlan` bound to `model`.
@@ -70,32 +96,75 @@ def auto_plan(model, world_size):
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}.")
-    calls = trace_layer_calls(model)
-    tied = tied_variables(model)
-    planner = _Planner(world_size, tied, calls)
+    trace = tracing.trace_model(model)
+    planner = _Planner(model, world_size, trace)
+    decisions = planner.decide()
+    fallbacks = {}
+    if check_local and world_size > 1:
+        for _ in range(len(decisions) + 1):
+            plan = _emit(
+                model, world_size, decisions, fallbacks, planner.reasons
+            )
+            problems = local_problems(
+                model, plan, trace, _group_of(decisions)
+            )
+            if not problems:
+                break
+            for key, problem in problems.items():
+                planner.demote(decisions, key, problem, fallbacks)
+    return _emit(model, world_size, decisions, fallbacks, planner.reasons)
+
+
+Decision = collections.namedtuple(
+    "Decision", ["layer", "style", "group", "source"]
+)
+Decision.__doc__ = """How one supported layer (or attention unit) is split:
+its style, the id of its Megatron group (layers paired together fall back
+together) and what decided it."""
+
+
+def _emit(model, world_size, decisions, fallbacks, reasons):
     rules = {}
-    reasons = {}
-    for layer in supported_layers(model):
+    for decision in decisions.values():
+        layer = decision.layer
         if ATTENTION.matches(layer):
-            reason = planner.attention_reason(layer)
-            if reason is None:
-                for name, sub in ATTENTION.projections(layer).items():
-                    rules[_primary_path(sub)] = ATTENTION.projection_style(name)
-            else:
-                reasons[layer.path] = reason
-    styles, leaf_reasons = planner.leaf_styles(
-        [
-            layer
-            for layer in supported_layers(model)
-            if not ATTENTION.matches(layer)
-        ]
-    )
-    for layer, style in styles:
-        rules[_primary_path(layer)] = style
-    reasons.update(leaf_reasons)
+            for name, sub in ATTENTION.projections(layer).items():
+                style = (
+                    decision.style
+                    if isinstance(decision.style, Replicate)
+                    else ATTENTION.projection_style(name)
+                )
+                rules[_primary_path(sub)] = style
+        else:
+            rules[_primary_path(layer)] = decision.style
     plan = ShardingPlan(rules).bind(model, world_size)
-    plan.replicated.update(reasons)
+    plan.sources = {
+        d.layer.path: d.source
+        for d in decisions.values()
+        if not isinstance(d.style, Replicate)
+    }
+    plan.fallbacks = dict(fallbacks)
+    for path in plan.replicated:
+        if path in reasons:
+            plan.replicated[path] = reasons[path]
+    for decision in decisions.values():
+        path = decision.layer.path
+        if isinstance(decision.style, Replicate):
+            plan.replicated[path] = fallbacks.get(path) or reasons.get(
+                path, "kept whole"
+            )
     return plan
+
+
+def _group_of(decisions):
+    """`{id(leaf layer): group}`, the projections of units included."""
+    groups = {}
+    for decision in decisions.values():
+        groups[id(decision.layer)] = decision.group
+        if ATTENTION.matches(decision.layer):
+            for sub in ATTENTION.projections(decision.layer).values():
+                groups[id(sub)] = decision.group
+    return groups
 
 
 def _primary_path(layer):
@@ -104,27 +173,200 @@ def _primary_path(layer):
 
 
 class _Planner:
-    def __init__(self, world_size, tied, calls):
+    def __init__(self, model, world_size, trace):
+        self.model = model
         self.world_size = world_size
-        self.tied = tied
-        self.calls = calls
-        self.consumers = collections.defaultdict(list)
-        self.calls_of = collections.defaultdict(list)
-        for call in calls:
-            self.calls_of[id(call.layer)].append(call)
-            for tensor in call.inputs:
-                self.consumers[id(tensor)].append(call)
+        self.trace = trace
+        self.reasons = {}
 
-    def reason(self, layer, style):
-        """Why `style` cannot split `layer`, or `None` if it can."""
+    # Deciding ---------------------------------------------------------
+
+    def decide(self):
+        """`{id(layer): Decision}` for every layer that is split."""
+        decisions = {}
+        leaves = []
+        for layer in supported_layers(self.model):
+            if ATTENTION.matches(layer):
+                reason = self._attention_reason(layer)
+                if reason is None:
+                    decisions[id(layer)] = Decision(
+                        layer, Column(), id(layer), "auto: attention heads"
+                    )
+                else:
+                    self.reasons[layer.path] = reason
+            else:
+                leaves.append(layer)
+        candidates = {id(layer) for layer in leaves}
+        for parent in self.trace.children:
+            groups, whole = self._groups(self.trace.children[parent], candidates)
+            for columns, row in groups:
+                key = id(row.layer)
+                for call in columns:
+                    decisions[id(call.layer)] = Decision(
+                        call.layer, Column(), key, "auto: Column -> Row"
+                    )
+                decisions[key] = Decision(
+                    row.layer, Row(), key, "auto: Column -> Row"
+                )
+            for call in whole:
+                decisions[id(call.layer)] = Decision(
+                    call.layer, Replicate(), id(call.layer), "auto: whole"
+                )
+        for layer in leaves:
+            if id(layer) in decisions:
+                continue
+            if not self.trace.calls_of[id(layer)]:
+                self.reasons[layer.path] = "not called when the model ran"
+                continue
+            style = self._fallback_style(layer, ())
+            if style is not None:
+                decisions[id(layer)] = Decision(
+                    layer, style, id(layer), "auto: alone"
+                )
+        return decisions
+
+    def _groups(self, calls, candidates):
+        """Megatron groups among the direct child calls of one parent.
+
+        Walks the calls in order, keeping the Column candidates whose
+        output is still open. A Row candidate closes the open Columns its
+        input comes from: directly (through separable layers) or, when its
+        input was made by raw ops, every open Column whose output only raw
+        ops read, provided one of them has the Row's split width.
+
+        Returns:
+            `(groups, whole)`: `[(column calls, row call)]`, and the calls
+            that feed a group through raw ops but cannot be split on its
+            axis (key/value heads fewer than the ranks): they stay whole,
+            as Megatron keeps them.
+        """
+        open_columns = []
+        unsplit = []
+        groups = []
+        whole = []
+        for call in calls:
+            if not self._single_call_candidate(call, candidates):
+                continue
+            if self._can_split(call.layer, Row()):
+                partners = self._row_partners(call, open_columns)
+                if partners:
+                    groups.append(([c for c, _ in partners], call))
+                    open_columns = [c for c in open_columns if c not in partners]
+                    if any(not s for _, s in partners):
+                        whole.extend(unsplit)
+                    unsplit = []
+                    continue
+            consumers = self._span_consumers(call)
+            if Column in leaf_handler(call.layer).styles and consumers == set():
+                if self._can_split(call.layer, Column()):
+                    open_columns.append((call, consumers))
+                else:
+                    unsplit.append(call)
+            elif consumers and self._can_split(call.layer, Column()):
+                open_columns.append((call, consumers))
+        for call in whole:
+            self.reasons[call.layer.path] = (
+                "its output meets split heads through raw ops but "
+                f"{self._split_size(call)} does not divide by "
+                f"world_size={self.world_size}; kept whole, as Megatron keeps "
+                "key/value heads fewer than the ranks"
+            )
+        return groups, whole
+
+    def _split_size(self, call):
+        return leaf_handler(call.layer).split_size(call.layer, Column())
+
+    def _row_partners(self, row, open_columns):
+        width = leaf_handler(row.layer).split_size(row.layer, Row())
+        direct = [
+            (call, consumers)
+            for call, consumers in open_columns
+            if consumers and row.index in consumers
+        ]
+        if direct:
+            if all(self._width(call) == width for call, _ in direct):
+                return direct
+            return []
+        producer = row.inputs and self.trace.producer.get(id(row.inputs[0]))
+        if producer and not _opaque(producer.layer):
+            return []  # its input comes from a recorded, unpaired layer
+        opaque = [(c, s) for c, s in open_columns if not s]
+        if any(self._width(call) == width for call, _ in opaque):
+            return opaque
+        return []
+
+    def _width(self, call):
+        handler = leaf_handler(call.layer)
+        output = call.outputs[0]
+        axis = handler.output_axis(call.layer, Column(), len(output.shape))
+        return output.shape[axis]
+
+    def _span_consumers(self, call):
+        """Indices of the non-separable calls reading `call`'s output.
+
+        Follows the output through separable layers (each call once, and
+        only forward in time, so the walk ends). Returns an empty set when
+        only raw ops read it, or `None` when a consumer is not a Row
+        candidate (the output must be gathered).
+        """
+        if len(call.outputs) != 1:
+            return None
+        ends = set()
+        seen = set()
+        tensors = [call.outputs[0]]
+        while tensors:
+            tensor = tensors.pop()
+            for consumer in self.trace.consumers[id(tensor)]:
+                if consumer.index <= call.index or consumer.index in seen:
+                    continue
+                seen.add(consumer.index)
+                if call.index in self.trace.ancestors(consumer):
+                    continue  # inside the Column layer's own call
+                if _separable(consumer, tensor):
+                    tensors.extend(
+                        t for t in consumer.outputs if t is not tensor
+                    )
+                    continue
+                if _opaque(consumer.layer):
+                    continue  # like raw ops: the check decides
+                handler = leaf_handler(consumer.layer)
+                if handler is None or Row not in handler.styles:
+                    return None
+                if not consumer.inputs or consumer.inputs[0] is not tensor:
+                    return None
+                ends.add(consumer.index)
+        return ends
+
+    def _single_call_candidate(self, call, candidates):
+        return (
+            id(call.layer) in candidates
+            and len(self.trace.calls_of[id(call.layer)]) == 1
+            and call.outputs
+        )
+
+    def _can_split(self, layer, style):
         handler = leaf_handler(layer)
+        if not isinstance(style, handler.styles):
+            return False
         try:
-            check_shardable(layer, handler, style, self.world_size, self.tied)
+            check_shardable(layer, handler, style, self.world_size)
         except ShardingError as error:
-            return str(error)
+            self.reasons.setdefault(layer.path, str(error))
+            return False
+        return True
+
+    def _fallback_style(self, layer, exclude):
+        for style in _FALLBACKS:
+            if style in exclude:
+                continue
+            if isinstance(style, leaf_handler(layer).styles) and self._can_split(
+                layer, style
+            ):
+                self.reasons.pop(layer.path, None)
+                return style
         return None
 
-    def attention_reason(self, layer):
+    def _attention_reason(self, layer):
         query_heads, kv_heads = ATTENTION.heads(layer)
         if query_heads % self.world_size or kv_heads % self.world_size:
             return (
@@ -132,172 +374,83 @@ class _Planner:
                 f"divide by world_size={self.world_size}"
             )
         for name, sub in ATTENTION.projections(layer).items():
-            reason = self.reason(sub, ATTENTION.projection_style(name))
-            if reason:
-                return reason
+            handler = leaf_handler(sub)
+            try:
+                check_shardable(
+                    sub, handler, ATTENTION.projection_style(name), self.world_size
+                )
+            except ShardingError as error:
+                return str(error)
         return None
 
-    def leaf_styles(self, layers):
-        """Pairs Column→Row, then splits the rest where it divides."""
-        styles = {}
-        candidates = {id(layer) for layer in layers}
-        for call in self.calls:
-            layer = call.layer
-            if id(layer) in styles or id(layer) not in candidates:
-                continue
-            if len(self.calls_of[id(layer)]) != 1:
-                continue
-            row = self._row_partner(call)
-            if (
-                row is not None
-                and id(row) in candidates
-                and id(row) not in styles
-            ):
-                styles[id(layer)] = (layer, Column())
-                styles[id(row)] = (row, Row())
-        reasons = {}
-        for layer in layers:
-            if id(layer) in styles:
-                continue
-            if not self.calls_of[id(layer)]:
-                reasons[layer.path] = "not called when the model was traced"
-                continue
-            for style in (Vocab(), Column(gather_output=True), Row(False)):
-                if isinstance(style, leaf_handler(layer).styles):
-                    reason = self.reason(layer, style)
-                    if reason is None:
-                        styles[id(layer)] = (layer, style)
-                        break
-                    reasons[layer.path] = reason
-            if id(layer) in styles:
-                reasons.pop(layer.path, None)
-        order = {id(layer): i for i, layer in enumerate(layers)}
-        ordered = sorted(
-            styles.values(), key=lambda item: order.get(id(item[0]), 0)
-        )
-        return ordered, reasons
+    # Falling back -----------------------------------------------------
 
-    def _row_partner(self, call):
-        """The layer that can be Row for `call`'s Column output, or `None`."""
-        column = call.layer
-        handler = leaf_handler(column)
-        if Column not in handler.styles or self.reason(column, Column()):
-            return None
-        if len(call.outputs) != 1:
-            return None
-        tensor = call.outputs[0]
-        ndim = len(tensor.shape)
-        axis = handler.output_axis(column, Column(), ndim)
-        width = tensor.shape[axis]
-        while True:
-            consumers = self.consumers[id(tensor)]
-            if len(consumers) != 1:
-                return None
-            nxt = consumers[0]
-            if _passes_split_axis(nxt, axis, ndim, width):
-                tensor = nxt.outputs[0]
-                continue
-            break
-        row = nxt.layer
-        row_handler = leaf_handler(row)
-        if row_handler is None or Row not in row_handler.styles:
-            return None
-        if len(self.calls_of[id(row)]) != 1 or nxt.inputs[0] is not tensor:
-            return None
-        if self.reason(row, Row()):
-            return None
-        if row_handler.input_axis(row, Row(), ndim) != axis:
-            return None
-        if row_handler.split_size(row, Row()) != width:
-            return None
-        return row
+    def demote(self, decisions, key, problem, fallbacks):
+        """Falls back the group `key` (or the layer path `key`) names.
 
-
-def _passes_split_axis(call, axis, ndim, width):
-    """Whether `call` keeps features on `axis` independent and in place."""
-    layer = call.layer
-    if len(call.inputs) != 1 or len(call.outputs) != 1:
-        return False
-    out = call.outputs[0]
-    if len(out.shape) != ndim or out.shape[axis] != width:
-        return False
-    if isinstance(layer, _ELEMENTWISE_LAYERS):
-        return True
-    if isinstance(layer, keras.layers.Activation):
-        return is_elementwise(layer.activation)
-    if isinstance(layer, _POOLING_LAYERS):
-        channels_last = layer.data_format == "channels_last"
-        return axis == (ndim - 1 if channels_last else 1)
-    return False
-
-
-def trace_layer_calls(model):
-    """Runs `model` on zeros and records every layer call, in order.
-
-    Returns a list of `Call(layer, inputs, outputs)` with the flattened
-    input and output tensors (kept alive, so their ids stay unique).
-    """
-    inputs = example_inputs(model)
-    calls = []
-    patched = []
-    for layer in walk_layers(model):
-        patched.append((layer, layer.__dict__.get("call")))
-        object.__setattr__(layer, "call", _recording(layer, layer.call, calls))
-    try:
-        model(inputs, training=False)
-    finally:
-        for layer, previous in patched:
-            if previous is None:
-                object.__delattr__(layer, "call")
-            else:
-                object.__setattr__(layer, "call", previous)
-    return calls
-
-
-def _recording(layer, call, calls):
-    def recording_call(*args, **kwargs):
-        outputs = call(*args, **kwargs)
-        flat_in = [
-            t for t in keras.tree.flatten((args, kwargs)) if _is_tensor(t)
+        A group whose pairing failed becomes gathering Columns and slicing
+        Rows, and so does every group of the same shape (the other blocks
+        of a stack); a layer that already fell back, or whose weights are
+        read outside its call, stays whole.
+        """
+        members = [
+            d
+            for d in decisions.values()
+            if d.group == key or d.layer.path == key
         ]
-        flat_out = [t for t in keras.tree.flatten(outputs) if _is_tensor(t)]
-        calls.append(Call(layer, flat_in, flat_out))
-        return outputs
+        if not problem.whole and members:
+            signature = _signature(members, decisions)
+            groups = {d.group for d in decisions.values()}
+            for group in groups:
+                same = [d for d in decisions.values() if d.group == group]
+                if group != key and _signature(same, decisions) == signature:
+                    members += same
+        for decision in members:
+            layer = decision.layer
+            fallbacks[layer.path] = problem.reason
+            paired = decision.source == "auto: Column -> Row"
+            style = None
+            if paired and not problem.whole and not ATTENTION.matches(layer):
+                style = self._fallback_style(layer, (Vocab(),))
+            if style is None:
+                style = Replicate()
+            decisions[id(layer)] = Decision(
+                layer, style, id(layer), "auto: fallback"
+            )
 
-    return recording_call
 
-
-def _is_tensor(value):
-    return hasattr(value, "shape") and hasattr(value, "dtype")
-
-
-def example_inputs(model):
-    """Zeros shaped like `model`'s inputs, batch 1 (unknown dims: 2)."""
-    symbolic = getattr(model, "_inputs_struct", None)
-    if symbolic is None:
-        symbolic = getattr(model, "inputs", None) or None
-        if isinstance(model, keras.Sequential) and symbolic:
-            symbolic = symbolic[0]  # Sequential takes one tensor, not a list
-    if symbolic is not None:
-        return keras.tree.map_structure(
-            lambda t: ops.zeros(_concrete(t.shape, batch=True), dtype=t.dtype),
-            symbolic,
+def _signature(members, decisions):
+    """What a group looks like: layer types, weight shapes and styles."""
+    return sorted(
+        (
+            type(d.layer).__name__,
+            tuple(tuple(v.shape) for v in d.layer.weights),
+            repr(d.style),
         )
-    shapes = getattr(model, "_build_shapes_dict", None)
-    if model.built and shapes and len(shapes) == 1:
-        shape = next(iter(shapes.values()))
-        return keras.tree.map_shape_structure(
-            lambda s: ops.zeros(_concrete(s, batch=True)), shape
-        )
-    raise ValueError(
-        f"Model '{model.name}' has no known input shape. Build it first: "
-        "call `model.build(input_shape)` or run it once on a batch, then "
-        "wrap it in TensorParallelKeras."
+        for d in members
     )
 
 
-def _concrete(shape, batch):
-    dims = list(shape)
-    if dims and batch and dims[0] is None:
-        dims[0] = 1
-    return tuple(2 if d is None else int(d) for d in dims)
+def _opaque(layer):
+    """A layer of another library with no weights: read like raw ops.
+
+    Keras' own layers are known to the planner; a weightless layer from
+    elsewhere (a rotary embedding, say) may or may not keep the split
+    features apart, which only the local-execution check can tell.
+    """
+    return not layer.weights and not type(layer).__module__.startswith(
+        "keras."
+    )
+
+
+def _separable(call, tensor):
+    """Whether `call` keeps the features of `tensor` apart and in place."""
+    layer = call.layer
+    if not isinstance(layer, _SEPARABLE_LAYERS):
+        return False
+    if isinstance(layer, keras.layers.Activation):
+        if not is_elementwise(layer.activation):
+            return False
+    if len(call.outputs) != 1:
+        return False
+    return len(call.outputs[0].shape) == len(tensor.shape)

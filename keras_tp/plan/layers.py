@@ -8,47 +8,45 @@ backend; the runtimes decide how the local tensors come to exist.
 """
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Row
 from keras_tp.plan.styles import Vocab
 
-ELEMENTWISE_ACTIVATIONS = frozenset(
-    [
-        "linear",
-        "relu",
-        "relu6",
-        "leaky_relu",
-        "elu",
-        "selu",
-        "celu",
-        "gelu",
-        "silu",
-        "swish",
-        "hard_silu",
-        "hard_swish",
-        "mish",
-        "tanh",
-        "sigmoid",
-        "hard_sigmoid",
-        "log_sigmoid",
-        "softplus",
-        "softsign",
-        "exponential",
-        "tanh_shrink",
-        "squareplus",
-        "sparse_plus",
-    ]
-)
-
-
 def is_elementwise(activation):
-    """Whether a Keras activation acts on each feature independently."""
+    """Whether an activation acts on each feature independently.
+
+    Decided by what it computes, not by its name: on a random batch, the
+    activation of a slice of the features must equal the same slice of
+    the activation of all of them (softmax, say, fails).
+    """
     if activation is None:
         return True
-    name = getattr(activation, "__name__", None)
-    return name in ELEMENTWISE_ACTIVATIONS
+    return _slices_commute(activation)
+
+
+_SAMPLE = np.random.default_rng(0).normal(size=(2, 8)).astype("float32")
+_ELEMENTWISE_CACHE = {}
+
+
+def _slices_commute(function):
+    key = id(function)
+    if key not in _ELEMENTWISE_CACHE:
+        try:
+            whole = ops.convert_to_numpy(function(ops.convert_to_tensor(_SAMPLE)))
+            part = ops.convert_to_numpy(
+                function(ops.convert_to_tensor(_SAMPLE[:, :3]))
+            )
+            verdict = whole.shape == _SAMPLE.shape and np.allclose(
+                whole[:, :3], part, rtol=1e-5, atol=1e-6
+            )
+        except Exception:  # noqa: BLE001 - not applicable to a slice
+            verdict = False
+        # Keep the function alive so its id is not reused.
+        _ELEMENTWISE_CACHE[key] = (bool(verdict), function)
+    return _ELEMENTWISE_CACHE[key][0]
 
 
 class ShardingError(ValueError):
@@ -294,19 +292,35 @@ class ConvHandler(LayerHandler):
 
 
 class EmbeddingHandler(LayerHandler):
-    """Embedding: Vocab splits the table's rows; ids outside are masked."""
+    """Embedding: Vocab splits the table's rows; ids outside are masked.
+
+    A `ReversibleEmbedding` also projects hidden states back to the
+    vocabulary (`reverse=True`), the LM head of keras-hub models, through
+    the same table (tied) or a table of its own (`reverse_embeddings`).
+    That call is a Column on the vocabulary: each rank computes the logits
+    of its rows, which are gathered.
+    """
 
     layer_types = (keras.layers.Embedding,)
     styles = (Vocab,)
     primary = "embeddings"
 
+    def variables(self, layer):
+        roles = {"embeddings": layer.embeddings}
+        reverse = getattr(layer, "reverse_embeddings", None)
+        if reverse is not None:
+            roles["reverse_embeddings"] = reverse
+        return roles
+
     def split_axes(self, layer, style):
-        return {"embeddings": 0}
+        return {"embeddings": 0, "reverse_embeddings": 1}
 
     def parallel_input(self, style):
         return False
 
     def local_call(self, layer, style, adapter, weights, inputs, **kwargs):
+        if kwargs.get("reverse"):
+            return self._local_logits(layer, adapter, weights, inputs)
         table = weights["embeddings"]
         rows = table.shape[0]
         ids = inputs
@@ -319,6 +333,24 @@ class EmbeddingHandler(LayerHandler):
         out = ops.where(ops.expand_dims(in_range, -1), out, 0)
         out = adapter.reduce_from_parallel(out)
         return ops.cast(out, layer.compute_dtype)
+
+    @staticmethod
+    def _local_logits(layer, adapter, weights, hidden):
+        # The hidden states are whole on every rank and each rank's logits
+        # read them: their gradient is summed over the ranks.
+        hidden = adapter.copy_to_parallel(hidden)
+        if layer.tie_weights:
+            kernel = ops.transpose(weights["embeddings"])
+        else:
+            kernel = weights["reverse_embeddings"]
+        if layer.reverse_dtype is not None:
+            hidden = ops.cast(hidden, layer.reverse_dtype)
+            kernel = ops.cast(kernel, layer.reverse_dtype)
+        logits = adapter.gather_from_parallel(ops.matmul(hidden, kernel), -1)
+        if layer.logit_soft_cap is not None:
+            cap = layer.logit_soft_cap
+            logits = ops.multiply(ops.tanh(ops.divide(logits, cap)), cap)
+        return logits
 
 
 LEAF_HANDLERS = (

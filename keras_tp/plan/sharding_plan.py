@@ -106,12 +106,11 @@ class ShardingPlan:
         bound = ShardingPlan(self.rules)
         bound.world_size = world_size
         used = set()
-        tied = tied_variables(model)
         for layer in supported_layers(model):
             if ATTENTION.matches(layer):
-                entry = _bind_attention(self, layer, world_size, tied, used)
+                entry = _bind_attention(self, layer, world_size, used)
             else:
-                entry = _bind_leaf(self, layer, world_size, tied, used)
+                entry = _bind_leaf(self, layer, world_size, used)
             if entry is not None:
                 bound.layers.append(entry)
         unused = [p for p, _ in self.rules if p not in used]
@@ -215,31 +214,6 @@ def supported_layers(model):
     return layers
 
 
-def tied_variables(model):
-    """Ids of variables reachable from more than one place in the model.
-
-    A variable owned by two layers, or owned by a layer that has two
-    parents, can be read by code the handlers never see (a tied output
-    projection, say), so it must not be split.
-    """
-    owners = collections.defaultdict(set)
-    parents = collections.defaultdict(set)
-    for parent in [model, *walk_layers(model)]:
-        for child in parent._flatten_layers(
-            include_self=False, recursive=False
-        ):
-            parents[id(child)].add(id(parent))
-        for variable in _own_variables(parent):
-            owners[id(variable)].add(id(parent))
-    tied = set()
-    for layer in walk_layers(model):
-        shared_layer = len(parents[id(layer)]) > 1
-        for variable in layer.weights:
-            if shared_layer or len(owners[id(variable)]) > 1:
-                tied.add(id(variable))
-    return tied
-
-
 def _style_for(plan, variable, used):
     hit = plan.match(variable.path)
     if hit is None:
@@ -248,7 +222,7 @@ def _style_for(plan, variable, used):
     return None if isinstance(hit[1], Replicate) else hit[1]
 
 
-def check_shardable(layer, handler, style, world_size, tied):
+def check_shardable(layer, handler, style, world_size):
     """Raises a `ShardingError` if `style` cannot split `layer` exactly."""
     variables = handler.variables(layer)
     primary = variables[handler.primary]
@@ -277,13 +251,6 @@ def check_shardable(layer, handler, style, world_size, tied):
             f"of layer '{layer.path}' mixes features. Use "
             "Column(gather_output=True) or Replicate()."
         )
-    for variable in variables.values():
-        if id(variable) in tied:
-            raise ShardingError(
-                f"Variable '{variable.path}' is tied (used by more than one "
-                "layer), so a split copy would be read unsplit elsewhere. "
-                "Map it to Replicate() or untie the weights."
-            )
     size = handler.split_size(layer, style)
     if size % world_size:
         axis = handler.split_axes(layer, style)[handler.primary]
@@ -295,16 +262,16 @@ def check_shardable(layer, handler, style, world_size, tied):
         )
 
 
-def _bind_leaf(plan, layer, world_size, tied, used):
+def _bind_leaf(plan, layer, world_size, used):
     handler = leaf_handler(layer)
     style = _style_for(plan, handler.variables(layer)[handler.primary], used)
     if style is None:
         return None
-    check_shardable(layer, handler, style, world_size, tied)
+    check_shardable(layer, handler, style, world_size)
     return ShardedLayer(layer, handler, style, handler.split_axes(layer, style))
 
 
-def _bind_attention(plan, layer, world_size, tied, used):
+def _bind_attention(plan, layer, world_size, used):
     projections = ATTENTION.projections(layer)
     styles = {}
     for name, sub in projections.items():
@@ -334,7 +301,7 @@ def _bind_attention(plan, layer, world_size, tied, used):
     entries = {}
     for name, sub in projections.items():
         handler = leaf_handler(sub)
-        check_shardable(sub, handler, styles[name], world_size, tied)
+        check_shardable(sub, handler, styles[name], world_size)
         entries[name] = ShardedLayer(
             sub, handler, styles[name], handler.split_axes(sub, styles[name])
         )

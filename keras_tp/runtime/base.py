@@ -22,6 +22,9 @@ class Runtime:
     """
 
     backend = None
+    # Whether each rank runs the code between split layers on its own
+    # slices (so `auto_plan` must check the plan for that).
+    local_ranks = True
     # What `compile(jit_compile=...)` defaults to; Keras' "auto" enables XLA
     # where the backend can compile the whole step.
     jit_compile_default = "auto"

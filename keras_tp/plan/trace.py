@@ -1,0 +1,181 @@
+"""Tracing a model's layer calls: the dataflow graph the planner reads.
+
+The model runs once, eagerly, on a small probe batch with every layer's
+`call` instrumented. Each call is recorded in the order it starts, with
+its parent (the layer call it runs inside), its input and output tensors,
+and their values, which the local-execution check compares against. Raw
+tensor ops between layer calls (a residual add, a reshape, a gate multiply)
+are not recorded: a tensor no recorded call produced came from such ops.
+"""
+
+import collections
+import contextlib
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_tp.plan.sharding_plan import walk_layers
+
+Call = collections.namedtuple(
+    "Call", ["index", "layer", "inputs", "outputs", "parent", "result"]
+)
+Call.__doc__ = """One layer call: its position in start order, the layer, the
+flattened input and output tensors, the index of the call it ran inside
+(`None` at the top) and what the call returned."""
+
+
+class Trace:
+    """The recorded calls of one forward pass, with producer/consumer maps.
+
+    Args:
+        calls: the `Call`s in start order.
+        inputs: the probe inputs the model ran on.
+        outputs: the model's outputs.
+    """
+
+    def __init__(self, calls, inputs, outputs):
+        self.calls = calls
+        self.inputs = inputs
+        self.outputs = outputs
+        self.producer = {}
+        self.consumers = collections.defaultdict(list)
+        self.children = collections.defaultdict(list)
+        self.calls_of = collections.defaultdict(list)
+        for call in calls:
+            self.children[call.parent].append(call)
+            self.calls_of[id(call.layer)].append(call)
+            for tensor in call.inputs:
+                self.consumers[id(tensor)].append(call)
+        # Calls finish innermost first; the outermost producer of a tensor
+        # is the one its consumers outside see, and a layer that returns
+        # its input unchanged (Dropout at inference) produces nothing new.
+        for call in calls:
+            known = {id(t) for t in call.inputs}
+            for tensor in call.outputs:
+                if id(tensor) not in known:
+                    self.producer.setdefault(id(tensor), call)
+
+    def ancestors(self, call):
+        """The indices of the calls `call` runs inside, innermost first."""
+        chain = []
+        parent = call.parent
+        while parent is not None:
+            chain.append(parent)
+            parent = self.calls[parent].parent
+        return chain
+
+
+@contextlib.contextmanager
+def instrumented(model, wrap):
+    """Replaces the `call` of every sublayer of `model` inside the block.
+
+    Args:
+        model: the model.
+        wrap: function `(layer, call) -> new call`.
+    """
+    patched = []
+    for layer in walk_layers(model):
+        patched.append((layer, layer.__dict__.get("call")))
+        object.__setattr__(layer, "call", wrap(layer, layer.call))
+    try:
+        yield
+    finally:
+        for layer, previous in patched:
+            if previous is None:
+                object.__delattr__(layer, "call")
+            else:
+                object.__setattr__(layer, "call", previous)
+
+
+def trace_model(model, inputs=None):
+    """Runs `model` once on `inputs` and records every layer call.
+
+    Args:
+        model: a built Keras model.
+        inputs: the batch to run; defaults to `probe_inputs(model)`.
+
+    Returns:
+        A `Trace`.
+    """
+    if inputs is None:
+        inputs = probe_inputs(model)
+    calls = []
+    stack = []
+
+    def wrap(layer, call):
+        def recording_call(*args, **kwargs):
+            index = len(calls)
+            parent = stack[-1] if stack else None
+            calls.append(None)
+            stack.append(index)
+            try:
+                outputs = call(*args, **kwargs)
+            finally:
+                stack.pop()
+            calls[index] = Call(
+                index,
+                layer,
+                flat_tensors((args, kwargs)),
+                flat_tensors(outputs),
+                parent,
+                outputs,
+            )
+            return outputs
+
+        return recording_call
+
+    with instrumented(model, wrap):
+        outputs = model(inputs, training=False)
+    # A call that raised leaves no record; nothing else can be missing.
+    return Trace([c for c in calls if c is not None], inputs, outputs)
+
+
+def flat_tensors(structure):
+    """The tensors in a nested structure, in order."""
+    return [t for t in keras.tree.flatten(structure) if is_tensor(t)]
+
+
+def is_tensor(value):
+    return hasattr(value, "shape") and hasattr(value, "dtype")
+
+
+def probe_inputs(model, batch=2, seed=0):
+    """A small batch shaped like `model`'s inputs, made in code.
+
+    Float inputs are random normal, so that features differ and a wrong
+    split shows in the numbers; integer and boolean inputs (token ids,
+    padding masks, segment ids) are ones, valid for any vocabulary.
+    Unknown dimensions other than the batch are 8.
+    """
+    rng = np.random.default_rng(seed)
+
+    def make(shape, dtype):
+        dims = [batch if i == 0 and d is None else d for i, d in enumerate(shape)]
+        dims = tuple(8 if d is None else int(d) for d in dims)
+        dtype = keras.backend.standardize_dtype(dtype)
+        if keras.backend.is_float_dtype(dtype):
+            value = rng.normal(size=dims).astype("float32")
+            return ops.convert_to_tensor(value, dtype=dtype)
+        return ops.ones(dims, dtype=dtype)
+
+    symbolic = getattr(model, "_inputs_struct", None)
+    if symbolic is None:
+        symbolic = getattr(model, "inputs", None) or None
+        if isinstance(model, keras.Sequential) and symbolic:
+            symbolic = symbolic[0]  # Sequential takes one tensor, not a list
+    if symbolic is not None:
+        return keras.tree.map_structure(
+            lambda t: make(t.shape, t.dtype), symbolic
+        )
+    shapes = getattr(model, "_build_shapes_dict", None)
+    if model.built and shapes and len(shapes) == 1:
+        shape = next(iter(shapes.values()))
+        return keras.tree.map_shape_structure(
+            lambda s: make(s, "float32"), shape
+        )
+    raise ValueError(
+        f"Model '{model.name}' has no known input shape. Build it first: "
+        "call `model.build(input_shape)` or run it once on a batch, then "
+        "wrap it in TensorParallelKeras."
+    )

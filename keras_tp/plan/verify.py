@@ -1,0 +1,308 @@
+"""The local-execution check: every rank's view of a plan, on one device.
+
+On torch and TensorFlow (and on JAX with a data axis) each rank runs the
+whole model's code on its own tensors: the raw ops between a Column layer
+and its Row partner see that rank's slice. A reshape to a head count read
+from the layer's config, or a weight read outside its layer's `call`
+(tied weights), then breaks silently. The planner cannot see those ops, so
+it checks the plan numerically once, when it is made, on the probe batch
+of its trace:
+
+- for each rank, the model runs on one device with every split layer
+  replaced by what that rank computes: a Column layer its slice of the
+  output, from its slice of the weights; a layer whose output is whole
+  after its collective (Row, Vocab, a gathering Column) the one-device
+  output of that call, so the ranks need not run together;
+- a Row layer's input must be that rank's slice of its one-device input,
+  every whole value (the inputs of split layers, each block's output, the
+  model's output) must equal the one-device value, and a split variable
+  must not be read outside its layer's call.
+
+No collective runs: this is a check of the plan, not a way to train.
+"""
+
+import collections
+
+import keras
+import numpy as np
+from keras import ops
+from keras.src.backend.common.stateless_scope import StatelessScope
+
+from keras_tp.plan import trace as tracing
+from keras_tp.plan.layers import ShardingError
+from keras_tp.plan.styles import Column
+from keras_tp.plan.styles import Row
+
+Problem = collections.namedtuple("Problem", ["reason", "whole"])
+Problem.__doc__ = """Why a group (or a layer) fails the check, and whether it
+must stay whole (`whole=True`) or may still gather/slice."""
+
+# Relative to the largest magnitude of the one-device value: float32
+# round-off of a sliced matmul is far below it, a wrong split far above.
+_TOLERANCE = 1e-3
+
+
+class _OneRank:
+    """The collective adapter of one emulated rank: no collective runs.
+
+    A Column layer's local call only needs its rank and `copy_to_parallel`
+    (identity forward); the layers whose output needs a collective are not
+    run but answered with their one-device output.
+    """
+
+    def __init__(self, rank):
+        self._rank = rank
+
+    def rank(self):
+        return self._rank
+
+    def copy_to_parallel(self, x):
+        return x
+
+
+class _ReadWatcher(StatelessScope):
+    """Records reads of split variables; the values stay the variables'."""
+
+    def __init__(self, watched):
+        super().__init__()
+        self.watched = watched
+        self.read = []
+
+    def get_current_value(self, variable):
+        if id(variable) in self.watched:
+            self.read.append(self.watched[id(variable)])
+        return None
+
+
+def check_locally(model, plan):
+    """Raises a `ShardingError` if a rank holding its slices would be wrong.
+
+    For a plan given by the user: the same check `auto_plan` runs, with
+    each failing layer named.
+
+    Args:
+        model: the model `plan` is bound to (not yet split).
+        plan: a bound `ShardingPlan`.
+    """
+    group_of = {id(e.layer): e.layer.path for e in plan.leaf_layers()}
+    problems = local_problems(model, plan, tracing.trace_model(model), group_of)
+    if problems:
+        listing = "; ".join(
+            f"'{path}': {problem.reason}" for path, problem in problems.items()
+        )
+        raise ShardingError(
+            f"The plan cannot run with each rank holding its own slices: "
+            f"{listing}. Map these layers to Replicate(), or let "
+            'plan="auto" choose.'
+        )
+
+
+def local_problems(model, plan, trace, group_of):
+    """Checks a bound plan for ranks that hold their own slices.
+
+    Args:
+        model: the model `plan` is bound to (not yet split).
+        plan: a bound `ShardingPlan`.
+        trace: the `Trace` of `model` on the probe batch (the one-device
+            values).
+        group_of: `{id(layer): group key}` for each split leaf layer;
+            problems are reported per group.
+
+    Returns:
+        `{group key or layer path: Problem}`; empty when every rank's view
+        gives the one-device numbers.
+    """
+    for rank in range(plan.world_size):
+        problems = _Emulation(model, plan, trace, group_of, rank).run()
+        if problems:
+            return problems
+    return {}
+
+
+class _Emulation:
+    def __init__(self, model, plan, trace, group_of, rank):
+        self.model = model
+        self.plan = plan
+        self.trace = trace
+        self.group_of = group_of
+        self.rank = rank
+        self.entries = {id(e.layer): e for e in plan.leaf_layers()}
+        self.problems = {}
+        self.active = []  # groups whose split values are alive
+        self.counters = collections.Counter()
+
+    def run(self):
+        watched = {}
+        for entry in self.entries.values():
+            for variable in entry.handler.variables(entry.layer).values():
+                watched[id(variable)] = entry.layer.path
+        self.local_weights = {
+            id(entry.layer): {
+                role: self._local_slice(variable, entry.axes.get(role))
+                for role, variable in entry.handler.variables(
+                    entry.layer
+                ).items()
+            }
+            for entry in self.entries.values()
+        }
+        watcher = _ReadWatcher(watched)
+        specs = self._relax_row_specs()
+        try:
+            with tracing.instrumented(self.model, self._wrap), watcher:
+                outputs = self.model(self.trace.inputs, training=False)
+            if not self.problems:
+                self._compare(
+                    tracing.flat_tensors(outputs),
+                    tracing.flat_tensors(self.trace.outputs),
+                    "the model's output",
+                    None,
+                )
+        except Exception as error:  # noqa: BLE001 - any failure is a finding
+            if not self.problems:
+                self._blame_active(
+                    f"a rank's slice breaks the code between split layers "
+                    f"({type(error).__name__}: {_first_line(error)})"
+                )
+        finally:
+            for spec, axes in specs:
+                spec.axes = axes
+        for path in dict.fromkeys(watcher.read):
+            self.problems[path] = Problem(
+                f"its weights are also read outside the layer's own call "
+                "(tied weights), where a rank would see only its slice",
+                True,
+            )
+        return self.problems
+
+    def _relax_row_specs(self):
+        """Row layers take their input split: drop the width check."""
+        saved = []
+        for entry in self.entries.values():
+            spec = entry.layer.input_spec
+            if (
+                isinstance(entry.style, Row)
+                and entry.style.input_is_parallel
+                and isinstance(spec, keras.InputSpec)
+            ):
+                saved.append((spec, spec.axes))
+                spec.axes = {}
+        return saved
+
+    def _wrap(self, layer, call):
+        entry = self.entries.get(id(layer))
+
+        def emulated(*args, **kwargs):
+            index = self.counters[id(layer)]
+            self.counters[id(layer)] += 1
+            reference = self.trace.calls_of[id(layer)][index]
+            if entry is None:
+                return self._run_whole(layer, call, reference, args, kwargs)
+            return self._run_split(entry, reference, args, kwargs)
+
+        return emulated
+
+    def _run_whole(self, layer, call, reference, args, kwargs):
+        outputs = call(*args, **kwargs)
+        inputs = tracing.flat_tensors((args, kwargs))
+        local = [tuple(a.shape) for a in inputs] != [
+            tuple(a.shape) for a in reference.inputs
+        ]
+        own = layer._trainable_variables
+        if local and own and self.active:
+            self._blame_active(
+                f"layer '{layer.path}' runs on split activations with "
+                f"weights of its own ({own[0].path}), whose gradient would "
+                "be partial on each rank"
+            )
+        elif not local:
+            self._compare(
+                tracing.flat_tensors(outputs),
+                reference.outputs,
+                f"the output of '{layer.path}'",
+                None,
+            )
+        return outputs
+
+    def _run_split(self, entry, reference, args, kwargs):
+        layer, style = entry.layer, entry.style
+        group = self.group_of[id(layer)]
+        inputs = tracing.flat_tensors((args, kwargs))
+        splits_input = isinstance(style, Row) and style.input_is_parallel
+        if splits_input:
+            axis = entry.handler.input_axis(
+                layer, style, len(reference.inputs[0].shape)
+            )
+            expected = np.array_split(
+                _numpy(reference.inputs[0]), self.plan.world_size, axis
+            )[self.rank]
+            self._compare(
+                inputs[:1], [expected], f"the input of '{layer.path}'", group
+            )
+            if group in self.active:
+                self.active.remove(group)
+        else:
+            self._compare(
+                inputs, reference.inputs, f"the input of '{layer.path}'", group
+            )
+        if isinstance(style, Column) and not style.gather_output:
+            weights = self.local_weights[id(layer)]
+            if group not in self.active:
+                self.active.append(group)
+            return entry.handler.local_call(
+                layer, style, _OneRank(self.rank), weights, args[0], **kwargs
+            )
+        return reference.result
+
+    def _local_slice(self, variable, axis):
+        value = _numpy(variable)
+        if axis is not None:
+            value = np.array_split(value, self.plan.world_size, axis)[
+                self.rank
+            ]
+        return ops.convert_to_tensor(value, dtype=variable.dtype)
+
+    def _compare(self, actual, expected, what, group):
+        if self.problems:
+            return
+        for a, b in zip(actual, expected):
+            a, b = _numpy(a), _numpy(b)
+            if a.shape != b.shape:
+                reason = (
+                    f"{what} has shape {a.shape} on a rank, expected "
+                    f"{b.shape}"
+                )
+            elif not _close(a, b):
+                reason = f"{what} differs from the one-device value"
+            else:
+                continue
+            if group is None:
+                self._blame_active(reason)
+            else:
+                self.problems[group] = Problem(reason, False)
+            return
+
+    def _blame_active(self, reason):
+        if self.problems:
+            return
+        blamed = self.active or list(dict.fromkeys(self.group_of.values()))
+        for group in blamed:
+            self.problems[group] = Problem(reason, False)
+
+
+def _numpy(x):
+    value = ops.convert_to_numpy(x)
+    return np.asarray(value)
+
+
+def _close(a, b):
+    if a.dtype.kind not in "fc":
+        return np.array_equal(a, b)
+    a = a.astype("float64")
+    b = b.astype("float64")
+    scale = max(1.0, float(np.max(np.abs(b), initial=0.0)))
+    return bool(np.max(np.abs(a - b), initial=0.0) <= _TOLERANCE * scale)
+
+
+def _first_line(error):
+    text = str(error).strip().splitlines()
+    return text[0][:200] if text else ""

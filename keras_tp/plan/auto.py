@@ -18,12 +18,12 @@ One pipeline, in one direction:
 
 import collections
 
-import keras
+import numpy as np
+from keras import ops
 
 from keras_tp.plan import trace as tracing
 from keras_tp.plan.layers import ATTENTION
 from keras_tp.plan.layers import ShardingError
-from keras_tp.plan.layers import is_elementwise
 from keras_tp.plan.layers import leaf_handler
 from keras_tp.plan.sharding_plan import ShardingPlan
 from keras_tp.plan.sharding_plan import check_shardable
@@ -34,24 +34,6 @@ from keras_tp.plan.styles import Row
 from keras_tp.plan.styles import Vocab
 from keras_tp.plan.verify import local_problems
 
-# Layers that act on every feature independently and keep the shape, so
-# a Column output can flow through them to its Row consumer.
-_SEPARABLE_LAYERS = (
-    keras.layers.Dropout,
-    keras.layers.GaussianNoise,
-    keras.layers.GaussianDropout,
-    keras.layers.ReLU,
-    keras.layers.LeakyReLU,
-    keras.layers.ELU,
-    keras.layers.Identity,
-    keras.layers.Activation,
-    keras.layers.MaxPooling1D,
-    keras.layers.MaxPooling2D,
-    keras.layers.MaxPooling3D,
-    keras.layers.AveragePooling1D,
-    keras.layers.AveragePooling2D,
-    keras.layers.AveragePooling3D,
-)
 _FALLBACKS = (Vocab(), Column(gather_output=True), Row(input_is_parallel=False))
 
 
@@ -304,16 +286,21 @@ class _Planner:
     def _span_consumers(self, call):
         """Indices of the non-separable calls reading `call`'s output.
 
-        Follows the output through separable layers (each call once, and
-        only forward in time, so the walk ends). Returns an empty set when
-        only raw ops read it, or `None` when a consumer is not a Row
-        candidate (the output must be gathered).
+        Follows the output through layers that keep the split features
+        apart (activations, dropout, pooling, a norm over another axis),
+        each call once and only forward in time, so the walk ends. Returns
+        an empty set when only raw ops read it, or `None` when a consumer
+        is not a Row candidate (the output must be gathered).
         """
         if len(call.outputs) != 1:
             return None
+        output = call.outputs[0]
+        axis = leaf_handler(call.layer).output_axis(
+            call.layer, Column(), len(output.shape)
+        )
         ends = set()
         seen = set()
-        tensors = [call.outputs[0]]
+        tensors = [output]
         while tensors:
             tensor = tensors.pop()
             for consumer in self.trace.consumers[id(tensor)]:
@@ -322,14 +309,14 @@ class _Planner:
                 seen.add(consumer.index)
                 if call.index in self.trace.ancestors(consumer):
                     continue  # inside the Column layer's own call
-                if _separable(consumer, tensor):
+                if _opaque(consumer.layer):
+                    continue  # like raw ops: the check decides
+                handler = leaf_handler(consumer.layer)
+                if handler is None and _commutes(consumer, tensor, axis):
                     tensors.extend(
                         t for t in consumer.outputs if t is not tensor
                     )
                     continue
-                if _opaque(consumer.layer):
-                    continue  # like raw ops: the check decides
-                handler = leaf_handler(consumer.layer)
                 if handler is None or Row not in handler.styles:
                     return None
                 if not consumer.inputs or consumer.inputs[0] is not tensor:
@@ -443,14 +430,29 @@ def _opaque(layer):
     )
 
 
-def _separable(call, tensor):
-    """Whether `call` keeps the features of `tensor` apart and in place."""
-    layer = call.layer
-    if not isinstance(layer, _SEPARABLE_LAYERS):
+def _commutes(call, tensor, axis):
+    """Whether `call`'s layer keeps the features on `axis` apart, in place.
+
+    Decided by what the layer computes on the traced values: run on a
+    slice of `tensor` along `axis`, it must give the same slice of its
+    traced output (an activation, dropout, pooling over other axes, a norm
+    over another axis do; a norm over `axis`, a reshape do not).
+    """
+    if len(call.inputs) != 1 or len(call.outputs) != 1:
         return False
-    if isinstance(layer, keras.layers.Activation):
-        if not is_elementwise(layer.activation):
-            return False
-    if len(call.outputs) != 1:
+    output = call.outputs[0]
+    if tuple(output.shape) != tuple(tensor.shape) or tensor.shape[axis] < 2:
         return False
-    return len(call.outputs[0].shape) == len(tensor.shape)
+    part = np.arange(tensor.shape[axis] // 2)
+    try:
+        sliced = ops.convert_to_tensor(
+            np.take(ops.convert_to_numpy(tensor), part, axis),
+            dtype=tensor.dtype,
+        )
+        actual = ops.convert_to_numpy(call.layer.call(sliced))
+    except Exception:  # noqa: BLE001 - the layer cannot run on a slice
+        return False
+    expected = np.take(ops.convert_to_numpy(output), part, axis)
+    return actual.shape == expected.shape and bool(
+        np.allclose(actual, expected, rtol=1e-4, atol=1e-5)
+    )

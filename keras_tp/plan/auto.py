@@ -238,8 +238,10 @@ class _Planner:
                         whole.extend(unsplit)
                     unsplit = []
                     continue
+            if Column not in leaf_handler(call.layer).styles:
+                continue
             consumers = self._span_consumers(call)
-            if Column in leaf_handler(call.layer).styles and consumers == set():
+            if consumers == set():
                 if self._can_split(call.layer, Column()):
                     open_columns.append((call, consumers))
                 else:

@@ -232,9 +232,19 @@ class _Emulation:
             axis = entry.handler.input_axis(
                 layer, style, len(reference.inputs[0].shape)
             )
-            expected = np.array_split(
-                _numpy(reference.inputs[0]), self.plan.world_size, axis
-            )[self.rank]
+            whole = _numpy(reference.inputs[0])
+            if inputs and tuple(inputs[0].shape) == whole.shape:
+                width = whole.shape[axis]
+                self.problems[group] = Problem(
+                    f"Layer '{layer.path}' receives its whole input, but "
+                    f"Row() expects this rank's {width // self.plan.world_size}"
+                    f" of {width} features (the output of a Column layer); "
+                    "use Row(input_is_parallel=False) for a whole input",
+                    False,
+                )
+            expected = np.array_split(whole, self.plan.world_size, axis)[
+                self.rank
+            ]
             self._compare(
                 inputs[:1], [expected], f"the input of '{layer.path}'", group
             )

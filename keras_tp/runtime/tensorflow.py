@@ -728,8 +728,9 @@ class TensorFlowRuntime(Runtime):
                 variables,
                 output_gradients=row_gradients[replica // self.tensor_parallel],
             )
-            if self.per_rank_steps:
-                gradients = _dense(gradients)
+            # A split variable lives in per-replica storage, which cannot
+            # take sparse (scatter) updates.
+            gradients = _dense(gradients)
             if self.tensor_parallel > 1:
                 gradients = self._replicated_from_first_replica(
                     gradients, variables
@@ -1074,7 +1075,8 @@ def tensor_parallel_class(optimizer_class):
 def _dense(gradients):
     """The gradients with `tf.IndexedSlices` (of embeddings) made dense.
 
-    The `CoordinatedOptimizer` sums a gradient over the data axis, which
+    Per-replica (`ON_READ`) variables take no scatter updates. The
+    `CoordinatedOptimizer` sums a gradient over the data axis, which
     merges the rows of a token seen several times, as on JAX and torch.
     Keras on one device keeps the slices apart, and Adam's second moment and
     gradient norms then count each occurrence.

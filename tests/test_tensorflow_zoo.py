@@ -1,0 +1,50 @@
+"""keras-hub models split on TensorFlow: replicas on 4 virtual CPUs.
+
+Run with `KERAS_BACKEND=tensorflow python -m pytest
+tests/test_tensorflow_zoo.py`. The checks are shared with JAX and torch in
+`tests/zoo_cases.py`.
+"""
+
+import keras
+import pytest
+
+if keras.backend.backend() != "tensorflow":
+    pytest.skip(
+        "TensorFlow backend tests; run with KERAS_BACKEND=tensorflow",
+        allow_module_level=True,
+    )
+
+import keras_tp  # noqa: E402
+
+keras_tp.configure_virtual_devices(4)
+
+from tests import zoo_cases  # noqa: E402
+
+_runs = {}
+
+
+def measure(name):
+    if name not in _runs:
+        _runs[name] = zoo_cases.measure(name, 2)
+    return _runs[name]
+
+
+# Mixtral adds its load-balancing loss in the forward pass, which the
+# TensorFlow runtime refuses with a clear error (tested below).
+@pytest.mark.parametrize(
+    "name", [n for n in zoo_cases.TRANSFORMERS if n != "mixtral"]
+)
+def test_exact_at_two_replicas(name):
+    zoo_cases.check_exact(measure(name))
+
+
+def test_losses_added_in_the_forward_pass_are_refused():
+    with pytest.raises(NotImplementedError, match="adds losses"):
+        measure("mixtral")
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_megatron_forward(name):
+    results = measure(name)
+    assert not results["fallbacks"], results["fallbacks"]
+    zoo_cases.check_megatron_forward(results)

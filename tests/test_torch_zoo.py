@@ -1,0 +1,63 @@
+"""keras-hub models split on torch: 2 processes over gloo.
+
+Run with `KERAS_BACKEND=torch python -m pytest tests/test_torch_zoo.py`.
+One launch runs every model (starting processes is the slow part); each
+rank builds its one-device oracle with the same seed. The checks are
+shared with JAX and TensorFlow in `tests/zoo_cases.py`.
+"""
+
+import keras
+import pytest
+
+if keras.backend.backend() != "torch":
+    pytest.skip(
+        "torch backend tests; run with KERAS_BACKEND=torch",
+        allow_module_level=True,
+    )
+
+from keras_tp.launcher import launch  # noqa: E402
+from tests import zoo_cases  # noqa: E402
+from tests.torch_scripts import zoo_checks  # noqa: E402
+
+NAMES = list(zoo_cases.TRANSFORMERS)
+WORLD_SIZE = 2
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return launch(
+        zoo_checks.zoo_checks,
+        world_size=WORLD_SIZE,
+        args=(NAMES, WORLD_SIZE),
+        timeout=900,
+    )
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_exact_on_every_rank(ranks, name):
+    for rank in ranks:
+        zoo_cases.check_exact(rank[name])
+
+
+def test_megatron_pairs_where_each_rank_runs_its_slices(ranks):
+    results = ranks[0]
+    # Llama's attention and MLP run on a rank's heads and features as
+    # they are: the forward pass costs Megatron's minimum.
+    for name in ("gpt2", "llama"):
+        assert not results[name]["fallbacks"], results[name]["fallbacks"]
+        zoo_cases.check_megatron_forward(results[name])
+
+
+def test_fallbacks_say_why(ranks):
+    results = ranks[0]
+    # Gemma reshapes its query to the head count of its config, which a
+    # rank holding half the heads cannot do.
+    gemma = results["gemma"]["fallbacks"]
+    assert "decoder_block_0/attention/query" in gemma
+    assert "breaks the code between split layers" in "".join(gemma.values())
+    # Qwen3 normalises each head with weights of its own, whose gradient
+    # would be partial on each rank.
+    qwen3 = results["qwen3"]["fallbacks"]
+    assert "weights of its own" in "".join(qwen3.values())
+    for name in ("gemma", "qwen3"):
+        assert results[name]["bytes_ratio"] <= 1.25, results[name]

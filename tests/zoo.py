@@ -1,0 +1,630 @@
+"""A zoo of tiny, offline, deterministic models for the tests.
+
+Every builder here makes a small keras-hub task model (or a
+`keras.applications` model) from a hand-written config: no presets, no
+downloads, random float32 weights. Each builder calls
+`keras.utils.set_random_seed(seed)` before it creates a single layer, so two
+calls with the same seed give identical weights, and each returns
+`(model, x, y)`:
+
+- `model`: a built keras model; keras-hub task models get
+  `preprocessor=None`, so they take token ids (or images) directly.
+- `x`: a numpy input batch: for text models the dict of arrays the model
+  takes (batch 4, sequence 8, padding masks all ones), for image models a
+  `(4, 32, 32, 3)` float32 array.
+- `y`: numpy integer labels: token ids shaped `(4, 8)` for language models,
+  class ids shaped `(4,)` for classifiers.
+
+The same seed gives the same weights on one backend only: each backend
+draws its random numbers differently.
+
+All configurable dropout is 0, so training steps are deterministic. The
+keras-hub configs are tiny (hidden 32 or 64, 2 layers, vocabulary 128,
+intermediate 64 or 128), so a forward pass costs tens of milliseconds on a
+CPU; `resnet50` (23.6M parameters) and `efficientnetb0` (4.0M) keep their
+standard architectures and cost 0.1 to 1 second. Head counts
+divide by 2 and 4 wherever the family allows, so the models can be split
+2 and 4 ways by a tensor-parallel planner; the exceptions are on purpose:
+Gemma uses one key/value head (multi-query attention) and Mistral uses two
+key/value heads for eight query heads (grouped-query attention).
+
+`ZOO` maps each family name to its builder; `loss_for(name)` gives the loss
+to compile that model with (every model here outputs logits).
+
+Example:
+
+    model, x, y = ZOO["gemma"](seed=0)
+    model.compile(optimizer="sgd", loss=loss_for("gemma"))
+    model.train_on_batch(x, y)
+"""
+
+import keras
+import keras_hub
+import numpy as np
+
+BATCH = 4
+SEQ_LEN = 8
+VOCAB = 128
+IMAGE_SHAPE = (32, 32, 3)
+NUM_CLASSES = 3
+
+
+def _rng(seed):
+    """A numpy generator for the data, independent of the weight seed."""
+    return np.random.default_rng(seed + 1000)
+
+
+def _token_ids(seed, vocab=VOCAB, shape=(BATCH, SEQ_LEN)):
+    """Random token ids in `[0, vocab)`, int32."""
+    return _rng(seed).integers(0, vocab, size=shape).astype("int32")
+
+
+def _lm_data(seed):
+    """Inputs and next-token labels for a causal language model.
+
+    Args:
+        seed: int. Seed of the data.
+
+    Returns:
+        A `(x, y)` tuple: `x` a dict of `token_ids` and `padding_mask`,
+        `y` int32 token ids shaped `(BATCH, SEQ_LEN)`.
+    """
+    ids = _token_ids(seed, shape=(BATCH, SEQ_LEN + 1))
+    x = {
+        "token_ids": np.ascontiguousarray(ids[:, :-1]),
+        "padding_mask": np.ones((BATCH, SEQ_LEN), "int32"),
+    }
+    return x, np.ascontiguousarray(ids[:, 1:])
+
+
+def _classifier_data(seed, segment_ids=False):
+    """Inputs and class labels for a text classifier.
+
+    Args:
+        seed: int. Seed of the data.
+        segment_ids: bool. Whether to add all-zero `segment_ids` (BERT).
+
+    Returns:
+        A `(x, y)` tuple: `x` a dict of `token_ids` and `padding_mask`
+        (and `segment_ids`), `y` int32 class ids shaped `(BATCH,)`.
+    """
+    x = {
+        "token_ids": _token_ids(seed),
+        "padding_mask": np.ones((BATCH, SEQ_LEN), "int32"),
+    }
+    if segment_ids:
+        x["segment_ids"] = np.zeros((BATCH, SEQ_LEN), "int32")
+    y = _rng(seed + 1).integers(0, NUM_CLASSES, size=(BATCH,))
+    return x, y.astype("int32")
+
+
+def _seq2seq_data(seed):
+    """Inputs and labels for an encoder-decoder language model.
+
+    Args:
+        seed: int. Seed of the data.
+
+    Returns:
+        A `(x, y)` tuple: `x` a dict of `encoder_token_ids`,
+        `encoder_padding_mask`, `decoder_token_ids` and
+        `decoder_padding_mask`, `y` the decoder ids shifted by one, int32,
+        shaped `(BATCH, SEQ_LEN)`.
+    """
+    encoder_ids = _token_ids(seed)
+    decoder_ids = _token_ids(seed + 1, shape=(BATCH, SEQ_LEN + 1))
+    ones = np.ones((BATCH, SEQ_LEN), "int32")
+    x = {
+        "encoder_token_ids": encoder_ids,
+        "encoder_padding_mask": ones,
+        "decoder_token_ids": np.ascontiguousarray(decoder_ids[:, :-1]),
+        "decoder_padding_mask": ones.copy(),
+    }
+    return x, np.ascontiguousarray(decoder_ids[:, 1:])
+
+
+def _image_data(seed):
+    """Images in `[0, 1)` and class labels for an image classifier.
+
+    Args:
+        seed: int. Seed of the data.
+
+    Returns:
+        A `(x, y)` tuple: `x` float32 images shaped `(BATCH, 32, 32, 3)`,
+        `y` int32 class ids shaped `(BATCH,)`.
+    """
+    rng = _rng(seed)
+    x = rng.random((BATCH,) + IMAGE_SHAPE).astype("float32")
+    y = rng.integers(0, NUM_CLASSES, size=(BATCH,)).astype("int32")
+    return x, y
+
+
+def gemma(seed=0):
+    """A tiny `GemmaCausalLM`: multi-query attention, tied embeddings.
+
+    4 query heads share 1 key/value head (head_dim 16); the output logits
+    reuse the token embedding (`ReversibleEmbedding`, tied).
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_query_heads=4,
+        num_key_value_heads=1,
+        hidden_dim=64,
+        intermediate_dim=128,
+        head_dim=16,
+        dropout=0.0,
+        dtype="float32",
+    )
+    model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    x, y = _lm_data(seed)
+    return model, x, y
+
+
+def gpt2(seed=0):
+    """A tiny `GPT2CausalLM`: 4 heads, tied embeddings.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_heads=4,
+        hidden_dim=32,
+        intermediate_dim=64,
+        dropout=0.0,
+        max_sequence_length=16,
+        dtype="float32",
+    )
+    model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    x, y = _lm_data(seed)
+    return model, x, y
+
+
+def llama(seed=0):
+    """A tiny `LlamaCausalLM`: 4 query and 4 key/value heads, untied.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_query_heads=4,
+        num_key_value_heads=4,
+        hidden_dim=32,
+        intermediate_dim=64,
+        dropout=0.0,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+    x, y = _lm_data(seed)
+    return model, x, y
+
+
+def mistral(seed=0):
+    """A tiny `MistralCausalLM`: grouped-query attention, 8 query heads.
+
+    8 query heads share 2 key/value heads (head_dim 8), untied embeddings.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.MistralBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_query_heads=8,
+        num_key_value_heads=2,
+        hidden_dim=64,
+        intermediate_dim=128,
+        dropout=0.0,
+        dtype="float32",
+    )
+    model = keras_hub.models.MistralCausalLM(
+        backbone=backbone, preprocessor=None
+    )
+    x, y = _lm_data(seed)
+    return model, x, y
+
+
+def qwen3(seed=0):
+    """A tiny `Qwen3CausalLM`: 8 query and 4 key/value heads, tied.
+
+    Qwen3 normalizes queries and keys per head (RMS norms of size head_dim)
+    and ties the output projection to the token embedding.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.Qwen3Backbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_query_heads=8,
+        num_key_value_heads=4,
+        head_dim=8,
+        hidden_dim=64,
+        intermediate_dim=128,
+        dropout=0.0,
+        tie_word_embeddings=True,
+        dtype="float32",
+    )
+    model = keras_hub.models.Qwen3CausalLM(backbone=backbone, preprocessor=None)
+    x, y = _lm_data(seed)
+    return model, x, y
+
+
+def phi3(seed=0):
+    """A tiny `Phi3CausalLM`: 8 query and 8 key/value heads, untied.
+
+    keras-hub's Phi3 keeps separate query, key and value projections and
+    separate gate and up feedforward projections (no fused `qkv_proj` or
+    `gate_up_proj` as in the Hugging Face checkpoints). Its config differs
+    from `llama`'s so the two models do not end up with identical weights.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.Phi3Backbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        hidden_dim=64,
+        intermediate_dim=128,
+        num_query_heads=8,
+        num_key_value_heads=8,
+        dropout=0.0,
+        max_sequence_length=64,
+        pretraining_sequence_length=64,
+        dtype="float32",
+    )
+    model = keras_hub.models.Phi3CausalLM(backbone=backbone, preprocessor=None)
+    x, y = _lm_data(seed)
+    return model, x, y
+
+
+def mixtral(seed=0):
+    """A tiny `MixtralCausalLM`: 4 experts, top 2, grouped-query attention.
+
+    8 query heads share 4 key/value heads (head_dim 8). The experts of a
+    layer are one `MixtralMoeExperts` layer holding three 3-D kernels of
+    shape `(num_experts, ...)`; in training the router adds an auxiliary
+    load-balancing loss with `add_loss`.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.MixtralBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_query_heads=8,
+        num_key_value_heads=4,
+        hidden_dim=64,
+        intermediate_dim=64,
+        num_experts=4,
+        top_k=2,
+        router_jitter_noise=0.0,
+        dropout=0.0,
+        dtype="float32",
+    )
+    model = keras_hub.models.MixtralCausalLM(
+        backbone=backbone, preprocessor=None
+    )
+    x, y = _lm_data(seed)
+    return model, x, y
+
+
+def distilbert(seed=0):
+    """A tiny `DistilBertTextClassifier` with 3 classes and 4 heads.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.DistilBertBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_heads=4,
+        hidden_dim=32,
+        intermediate_dim=64,
+        dropout=0.0,
+        max_sequence_length=16,
+        dtype="float32",
+    )
+    model = keras_hub.models.DistilBertTextClassifier(
+        backbone=backbone,
+        num_classes=NUM_CLASSES,
+        preprocessor=None,
+        dropout=0.0,
+    )
+    x, y = _classifier_data(seed)
+    return model, x, y
+
+
+def roberta(seed=0):
+    """A tiny `RobertaTextClassifier` with 3 classes and 4 heads.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.RobertaBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_heads=4,
+        hidden_dim=32,
+        intermediate_dim=64,
+        dropout=0.0,
+        max_sequence_length=16,
+        dtype="float32",
+    )
+    model = keras_hub.models.RobertaTextClassifier(
+        backbone=backbone,
+        num_classes=NUM_CLASSES,
+        preprocessor=None,
+        dropout=0.0,
+    )
+    x, y = _classifier_data(seed)
+    return model, x, y
+
+
+def bert(seed=0):
+    """A tiny `BertTextClassifier` with 3 classes and 4 heads.
+
+    Its inputs include `segment_ids` (all zeros here).
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_heads=4,
+        hidden_dim=32,
+        intermediate_dim=64,
+        dropout=0.0,
+        max_sequence_length=16,
+        num_segments=2,
+        dtype="float32",
+    )
+    model = keras_hub.models.BertTextClassifier(
+        backbone=backbone,
+        num_classes=NUM_CLASSES,
+        preprocessor=None,
+        dropout=0.0,
+    )
+    x, y = _classifier_data(seed, segment_ids=True)
+    return model, x, y
+
+
+def vit(seed=0):
+    """A tiny `ViTImageClassifier`: 32x32 images, 8x8 patches, 3 classes.
+
+    16 patches plus a class token give a sequence of 17; 4 heads.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.ViTBackbone(
+        image_shape=IMAGE_SHAPE,
+        patch_size=8,
+        num_layers=2,
+        num_heads=4,
+        hidden_dim=32,
+        mlp_dim=64,
+        dropout_rate=0.0,
+        attention_dropout=0.0,
+        dtype="float32",
+    )
+    model = keras_hub.models.ViTImageClassifier(
+        backbone=backbone,
+        num_classes=NUM_CLASSES,
+        preprocessor=None,
+        dropout=0.0,
+    )
+    x, y = _image_data(seed)
+    return model, x, y
+
+
+def bart(seed=0):
+    """A tiny `BartSeq2SeqLM`: encoder-decoder, 4 heads, tied embeddings.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring; `x` is
+        the dict of encoder and decoder ids and masks.
+    """
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.BartBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_heads=4,
+        hidden_dim=32,
+        intermediate_dim=64,
+        dropout=0.0,
+        max_sequence_length=16,
+        dtype="float32",
+    )
+    model = keras_hub.models.BartSeq2SeqLM(backbone=backbone, preprocessor=None)
+    x, y = _seq2seq_data(seed)
+    return model, x, y
+
+
+def t5(seed=0):
+    """A tiny `T5Seq2SeqLM`: encoder-decoder, 4 heads, tied embeddings.
+
+    Uses gated-GELU feedforward blocks (as in T5 v1.1); the first layer of
+    the encoder and of the decoder holds the relative attention bias.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring; `x` is
+        the dict of encoder and decoder ids and masks.
+    """
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.T5Backbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_heads=4,
+        hidden_dim=32,
+        intermediate_dim=64,
+        dropout=0.0,
+        activation="gelu",
+        use_gated_activation=True,
+        tie_embedding_weights=True,
+        dtype="float32",
+    )
+    model = keras_hub.models.T5Seq2SeqLM(backbone=backbone, preprocessor=None)
+    x, y = _seq2seq_data(seed)
+    return model, x, y
+
+
+def _zero_dropout(model):
+    """Sets the rate of every `Dropout` layer of `model` to 0.
+
+    `keras.applications` builders such as `EfficientNetB0` do not expose
+    their dropout rates; a `Dropout` layer reads its rate when called, so
+    zeroing it after construction turns dropout off.
+    """
+    for layer in model._flatten_layers(include_self=False):
+        if isinstance(layer, keras.layers.Dropout):
+            layer.rate = 0.0
+    return model
+
+
+def resnet50(seed=0):
+    """`keras.applications.ResNet50` on 32x32 images, 3 classes, logits.
+
+    Built with `classifier_activation=None`, so it outputs logits. It has
+    BatchNormalization layers, whose moving statistics change in training.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    keras.utils.set_random_seed(seed)
+    model = keras.applications.ResNet50(
+        weights=None,
+        input_shape=IMAGE_SHAPE,
+        classes=NUM_CLASSES,
+        classifier_activation=None,
+    )
+    x, y = _image_data(seed)
+    return model, x, y
+
+
+def efficientnetb0(seed=0):
+    """`keras.applications.EfficientNetB0` on 32x32, 3 classes, logits.
+
+    Built with `classifier_activation=None`, so it outputs logits. Its
+    dropout (top dropout and drop-connect, not constructor arguments of
+    `EfficientNetB0`) is set to 0 after construction. It starts with
+    `Rescaling` and an unadapted `Normalization` layer (mean 0, variance 1)
+    and has BatchNormalization layers.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    keras.utils.set_random_seed(seed)
+    model = keras.applications.EfficientNetB0(
+        weights=None,
+        input_shape=IMAGE_SHAPE,
+        classes=NUM_CLASSES,
+        classifier_activation=None,
+    )
+    _zero_dropout(model)
+    x, y = _image_data(seed)
+    return model, x, y
+
+
+ZOO = {
+    "gemma": gemma,
+    "gpt2": gpt2,
+    "llama": llama,
+    "mistral": mistral,
+    "qwen3": qwen3,
+    "phi3": phi3,
+    "mixtral": mixtral,
+    "distilbert": distilbert,
+    "roberta": roberta,
+    "bert": bert,
+    "vit": vit,
+    "bart": bart,
+    "t5": t5,
+    "resnet50": resnet50,
+    "efficientnetb0": efficientnetb0,
+}
+
+
+def loss_for(name):
+    """The loss to compile the zoo model `name` with.
+
+    Every model in the zoo outputs logits (the keras.applications models
+    are built with `classifier_activation=None`), and every label is an
+    integer id, so this is sparse categorical crossentropy from logits.
+
+    Args:
+        name: str. A key of `ZOO`.
+
+    Returns:
+        A `keras.losses.Loss`.
+
+    Raises:
+        KeyError: if `name` is not in `ZOO`.
+    """
+    if name not in ZOO:
+        raise KeyError(f"Unknown zoo model {name!r}; known: {sorted(ZOO)}")
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)

@@ -347,8 +347,8 @@ class PlanReport:
     def layer_table(self):
         """Per split layer: variable, style, local shape, bytes/device."""
         header = (
-            f"{'Layer (variable)':48} {'Style':28} {'Local shape':18} "
-            f"{'Bytes/device':>12}"
+            f"{'Layer (variable)':48} {'Style':28} {'Source':24} "
+            f"{'Local shape':18} {'Bytes/device':>12}"
         )
         lines = [
             f"Tensor-parallel plan, tensor_parallel={self.plan.world_size}",
@@ -361,8 +361,9 @@ class PlanReport:
             for role, variable in entry.handler.variables(entry.layer).items():
                 listed.add(id(variable))
                 style = repr(entry.style) if role == primary else ""
+                source = self.plan.source_of(entry) if role == primary else ""
                 lines.append(
-                    f"{variable.path:48} {style:28} "
+                    f"{variable.path:48} {style:28} {source:24} "
                     f"{str(self.local_shape(variable)):18} "
                     f"{self.local_bytes([variable]):>12,}"
                 )

@@ -120,6 +120,7 @@ class TensorParallelKeras(keras.Model):
         elif isinstance(plan, (ShardingPlan, dict, list, tuple)):
             rules = plan.rules if isinstance(plan, ShardingPlan) else plan
             bound = ShardingPlan(rules).bind(model, tensor_parallel)
+            bound.sources = {e.layer.path: "user plan" for e in bound.layers}
             if runtime.local_ranks and tensor_parallel > 1:
                 check_locally(model, bound)
         else:
@@ -166,7 +167,8 @@ class TensorParallelKeras(keras.Model):
 
     def call(self, inputs, training=None):
         with self._runtime.adapter.stats.recording("call"):
-            return self._runtime.call_model(self.model, inputs, training)
+            with regions.sharing_copies():
+                return self._runtime.call_model(self.model, inputs, training)
 
     def get_layer(self, name=None, index=None):
         """Looks a layer up in the wrapped model (see `keras.Model`)."""
@@ -427,8 +429,8 @@ def format_plan(plan, runtime):
     """The plan as a table: layer, style, local shape, bytes per device."""
     world_size = runtime.tensor_parallel
     header = (
-        f"{'Layer (variable)':48} {'Style':28} {'Local shape':18} "
-        f"{'Bytes/device':>12}"
+        f"{'Layer (variable)':48} {'Style':28} {'Source':24} "
+        f"{'Local shape':18} {'Bytes/device':>12}"
     )
     lines = [
         f"Tensor-parallel plan, world_size={world_size}",
@@ -440,14 +442,20 @@ def format_plan(plan, runtime):
         for role, variable in variables.items():
             shape = runtime.local_shape(variable)
             local_bytes = nbytes(variable, shape)
-            style = repr(entry.style) if role == entry.handler.primary else ""
+            primary = role == entry.handler.primary
+            style = repr(entry.style) if primary else ""
+            source = plan.source_of(entry) if primary else ""
             lines.append(
-                f"{variable.path:48} {style:28} {str(tuple(shape)):18} "
-                f"{local_bytes:>12,}"
+                f"{variable.path:48} {style:28} {source:24} "
+                f"{str(tuple(shape)):18} {local_bytes:>12,}"
             )
     if plan.replicated:
         lines.append("Replicated (whole on every device):")
         for path, reason in plan.replicated.items():
+            lines.append(f"  {path}: {reason}")
+    if plan.fallbacks:
+        lines.append("Fell back from a Column -> Row pairing:")
+        for path, reason in plan.fallbacks.items():
             lines.append(f"  {path}: {reason}")
     return "\n".join(lines)
 

@@ -21,6 +21,7 @@ from keras_tp.plan.sharding_plan import walk_layers
 from keras_tp.plan.styles import Row
 
 _LOCAL_WEIGHTS = contextvars.ContextVar("keras_tp_local_weights", default=None)
+_SHARED_COPIES = contextvars.ContextVar("keras_tp_shared_copies", default=None)
 
 
 class ShardedRegion:
@@ -105,20 +106,50 @@ def copy_replicated_inputs(adapter, args, kwargs, is_float):
         args, kwargs: the region's call arguments.
         is_float: the backend's test for a floating-point tensor.
     """
-    copies = {}
+    local = {}
 
     def copy(x):
         if not is_float(x):
             return x
-        if id(x) not in copies:
-            out = adapter.copy_to_parallel(x)
-            mask = get_keras_mask(x)
-            if mask is not None:
-                set_keras_mask(out, mask)
-            copies[id(x)] = out
-        return copies[id(x)]
+        return shared_value(x, adapter.copy_to_parallel, local)
 
     return keras.tree.map_structure(copy, (args, kwargs))
+
+
+@contextlib.contextmanager
+def sharing_copies():
+    """Inside, a replicated tensor enters the parallel part once.
+
+    The query, key and value projections of an attention layer (or the
+    gate and up projections of an MLP) read the same tensor; sharing its
+    `copy_to_parallel` sums their input gradients on each rank first, so
+    the backward pass all-reduces once per block, as Megatron's fused
+    projection does, not once per projection.
+    """
+    token = _SHARED_COPIES.set({})
+    try:
+        yield
+    finally:
+        _SHARED_COPIES.reset(token)
+
+
+def shared_value(x, make, fallback=None):
+    """`make(x)`, made once per tensor inside `sharing_copies()`.
+
+    Outside it, `fallback` (a dict) is the cache, or nothing is cached.
+    Keras masks follow their tensors.
+    """
+    copies = _SHARED_COPIES.get()
+    if copies is None:
+        copies = {} if fallback is None else fallback
+    if id(x) not in copies:
+        out = make(x)
+        mask = get_keras_mask(x)
+        if mask is not None:
+            set_keras_mask(out, mask)
+        # The input is kept with its copy so that its id stays unique.
+        copies[id(x)] = (x, out)
+    return copies[id(x)][1]
 
 
 def run_on_local_values(region, adapter, args, kwargs, is_float):
@@ -205,6 +236,8 @@ def install(plan, runtime):
                 _leaf_output_axes(entry),
             )
         _set_call(region.layer, _region_call(region, runtime))
+        for member in region.members:
+            _refuse_late_lora(member.layer)
         runtime.prepare_region(region)
         regions.append(region)
     return regions
@@ -244,6 +277,20 @@ def install_gathers(model, installed_regions, runtime):
             _set_call(
                 layer, runtime.gathered_call(layer, variables, layer.call)
             )
+
+
+def _refuse_late_lora(layer):
+    """A split layer's LoRA must exist when the plan splits its kernel."""
+
+    def enable_lora(*args, **kwargs):
+        raise ValueError(
+            f"Layer '{layer.path}' is split by keras_tp, so LoRA can no "
+            "longer be added to it. Enable LoRA before wrapping: call "
+            "`enable_lora(rank)` on the model (or its backbone), then "
+            "`TensorParallelKeras(model, ...)`."
+        )
+
+    object.__setattr__(layer, "enable_lora", enable_lora)
 
 
 def _region_call(region, runtime):

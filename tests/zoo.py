@@ -160,7 +160,7 @@ def gemma(seed=0):
         intermediate_dim=128,
         head_dim=16,
         dropout=0.0,
-        dtype="float32",
+        dtype=None,
     )
     model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
     x, y = _lm_data(seed)
@@ -185,7 +185,7 @@ def gpt2(seed=0):
         intermediate_dim=64,
         dropout=0.0,
         max_sequence_length=16,
-        dtype="float32",
+        dtype=None,
     )
     model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
     x, y = _lm_data(seed)
@@ -211,7 +211,7 @@ def llama(seed=0):
         intermediate_dim=64,
         dropout=0.0,
         tie_word_embeddings=False,
-        dtype="float32",
+        dtype=None,
     )
     model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
     x, y = _lm_data(seed)
@@ -238,7 +238,7 @@ def mistral(seed=0):
         hidden_dim=64,
         intermediate_dim=128,
         dropout=0.0,
-        dtype="float32",
+        dtype=None,
     )
     model = keras_hub.models.MistralCausalLM(
         backbone=backbone, preprocessor=None
@@ -270,7 +270,7 @@ def qwen3(seed=0):
         intermediate_dim=128,
         dropout=0.0,
         tie_word_embeddings=True,
-        dtype="float32",
+        dtype=None,
     )
     model = keras_hub.models.Qwen3CausalLM(backbone=backbone, preprocessor=None)
     x, y = _lm_data(seed)
@@ -302,7 +302,7 @@ def phi3(seed=0):
         dropout=0.0,
         max_sequence_length=64,
         pretraining_sequence_length=64,
-        dtype="float32",
+        dtype=None,
     )
     model = keras_hub.models.Phi3CausalLM(backbone=backbone, preprocessor=None)
     x, y = _lm_data(seed)
@@ -335,7 +335,7 @@ def mixtral(seed=0):
         top_k=2,
         router_jitter_noise=0.0,
         dropout=0.0,
-        dtype="float32",
+        dtype=None,
     )
     model = keras_hub.models.MixtralCausalLM(
         backbone=backbone, preprocessor=None
@@ -362,7 +362,7 @@ def distilbert(seed=0):
         intermediate_dim=64,
         dropout=0.0,
         max_sequence_length=16,
-        dtype="float32",
+        dtype=None,
     )
     model = keras_hub.models.DistilBertTextClassifier(
         backbone=backbone,
@@ -392,7 +392,7 @@ def roberta(seed=0):
         intermediate_dim=64,
         dropout=0.0,
         max_sequence_length=16,
-        dtype="float32",
+        dtype=None,
     )
     model = keras_hub.models.RobertaTextClassifier(
         backbone=backbone,
@@ -425,7 +425,7 @@ def bert(seed=0):
         dropout=0.0,
         max_sequence_length=16,
         num_segments=2,
-        dtype="float32",
+        dtype=None,
     )
     model = keras_hub.models.BertTextClassifier(
         backbone=backbone,
@@ -458,7 +458,7 @@ def vit(seed=0):
         mlp_dim=64,
         dropout_rate=0.0,
         attention_dropout=0.0,
-        dtype="float32",
+        dtype=None,
     )
     model = keras_hub.models.ViTImageClassifier(
         backbone=backbone,
@@ -489,7 +489,7 @@ def bart(seed=0):
         intermediate_dim=64,
         dropout=0.0,
         max_sequence_length=16,
-        dtype="float32",
+        dtype=None,
     )
     model = keras_hub.models.BartSeq2SeqLM(backbone=backbone, preprocessor=None)
     x, y = _seq2seq_data(seed)
@@ -520,7 +520,7 @@ def t5(seed=0):
         activation="gelu",
         use_gated_activation=True,
         tie_embedding_weights=True,
-        dtype="float32",
+        dtype=None,
     )
     model = keras_hub.models.T5Seq2SeqLM(backbone=backbone, preprocessor=None)
     x, y = _seq2seq_data(seed)
@@ -590,8 +590,32 @@ def efficientnetb0(seed=0):
     return model, x, y
 
 
+def gemma_lora(seed=0):
+    """`gemma` with LoRA of rank 4 on its backbone, as for fine-tuning.
+
+    The adapters' `b` factors start at zero in Keras; here they are random
+    so that the merged update shows in the outputs from the first step.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    model, x, y = gemma(seed)
+    model.backbone.enable_lora(4)
+    rng = _rng(seed + 1)
+    for variable in model.weights:
+        if variable.path.endswith("lora_kernel_b"):
+            variable.assign(
+                0.1 * rng.normal(size=variable.shape).astype("float32")
+            )
+    return model, x, y
+
+
 ZOO = {
     "gemma": gemma,
+    "gemma_lora": gemma_lora,
     "gpt2": gpt2,
     "llama": llama,
     "mistral": mistral,

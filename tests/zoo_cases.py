@@ -22,6 +22,7 @@ _ROW = keras_tp.Row()
 
 TRANSFORMERS = (
     "gemma",
+    "gemma_lora",
     "gpt2",
     "llama",
     "mistral",
@@ -41,16 +42,21 @@ DECODER_LMS = ("gemma", "gpt2", "llama", "mistral", "qwen3", "phi3")
 BLOCKS = 2
 
 
-def check_megatron_forward(results):
-    """A decoder LM's forward pass costs Megatron's minimum on `model`.
+def check_megatron(results):
+    """A decoder LM's training step costs Megatron's minimum on `model`.
 
-    One all-reduce per attention and per MLP (the Row layers), one for the
-    vocabulary-parallel embedding, and one all-gather of the logits.
+    Forward: one all-reduce per attention and per MLP (their Row layers)
+    and one for the vocabulary-parallel embedding, and one all-gather of
+    the logits. Backward: one all-reduce per attention and per MLP input
+    (their Column layers share it) and one for the LM head's input.
     """
     rows = [s for s in results["plan"].values() if s == repr(_ROW)]
     assert len(rows) == 2 * BLOCKS, results["plan"]
     collectives = results["collectives"]
-    assert collectives["all_reduce"]["forward"] == 2 * BLOCKS + 1
+    assert collectives["all_reduce"] == {
+        "forward": 2 * BLOCKS + 1,
+        "backward": 2 * BLOCKS + 1,
+    }, collectives
     assert collectives["all_gather"] == {"forward": 1, "backward": 0}
 
 
@@ -113,9 +119,60 @@ def _largest(a, b):
     a = keras.tree.flatten(a)
     b = keras.tree.flatten(b)
     return max(
-        float(np.max(np.abs(np.asarray(x, "float64") - np.asarray(y))))
-        for x, y in zip(
-            [keras.ops.convert_to_numpy(t) for t in a],
-            [keras.ops.convert_to_numpy(t) for t in b],
-        )
+        float(np.max(np.abs(_float64(x) - _float64(y))))
+        for x, y in zip(a, b)
     )
+
+
+def _float64(x):
+    return np.asarray(keras.ops.convert_to_numpy(x)).astype("float64")
+
+
+def mixed_precision(name, world_size, policy="mixed_bfloat16"):
+    """Forward and 2-SGD-step differences under a mixed dtype policy.
+
+    Both models are built under `policy`; the forward difference is
+    relative to the largest output. Returns `(forward, weights)`.
+    """
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy(policy)
+    try:
+        reference, x, y = zoo.ZOO[name]()
+        tp = keras_tp.TensorParallelKeras(
+            zoo.ZOO[name]()[0], world_size=world_size
+        )
+        out = keras.ops.convert_to_numpy(keras.ops.cast(tp(x), "float32"))
+        expected = keras.ops.convert_to_numpy(
+            keras.ops.cast(reference(x), "float32")
+        )
+        forward = float(np.max(np.abs(out - expected))) / float(
+            np.max(np.abs(expected))
+        )
+        for model in (reference, tp):
+            model.compile(
+                optimizer=keras.optimizers.SGD(1e-2),
+                loss=zoo.loss_for(name),
+            )
+            for _ in range(2):
+                model.train_on_batch(x, y)
+        weights = _largest(tp.get_weights(), reference.get_weights())
+    finally:
+        keras.config.set_dtype_policy(previous)
+    return forward, weights
+
+
+def check_mixed_precision(forward, weights):
+    # bfloat16 keeps 8 bits of mantissa: a split sums its partial
+    # products in another order, so outputs agree to bfloat16 rounding,
+    # and the float32 master weights after 2 steps to about 1e-4.
+    assert forward <= 1e-2, forward
+    assert weights <= 1e-4, weights
+
+
+def forward_difference(name, world_size):
+    """Largest output difference of a zoo model split `world_size` ways."""
+    reference, x, _ = zoo.ZOO[name]()
+    tp = keras_tp.TensorParallelKeras(
+        zoo.ZOO[name]()[0], world_size=world_size
+    )
+    return _largest(tp(x), reference(x))

@@ -17,7 +17,9 @@ One pipeline, in one direction:
 """
 
 import collections
+import logging
 
+import keras
 import numpy as np
 from keras import ops
 
@@ -32,8 +34,12 @@ from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Replicate
 from keras_tp.plan.styles import Row
 from keras_tp.plan.styles import Vocab
+from keras_tp.plan.verify import Problem
 from keras_tp.plan.verify import local_problems
 
+logger = logging.getLogger(__name__)
+
+_PAIRED = "auto: Column -> Row"
 _FALLBACKS = (Vocab(), Column(gather_output=True), Row(input_is_parallel=False))
 
 
@@ -82,6 +88,24 @@ def auto_plan(model, world_size, check_local=True):
     planner = _Planner(model, world_size, trace)
     decisions = planner.decide()
     fallbacks = {}
+    if check_local:
+        for key in planner.whole_inputs:
+            if not any(
+                d.group == key and d.paired for d in decisions.values()
+            ):
+                continue  # fell back with a group of the same shape
+            planner.demote(
+                decisions,
+                key,
+                Problem(
+                    "its key/value projections stay whole (fewer heads than "
+                    "ranks) and meet its split query heads through raw ops: "
+                    "a rank holding some query heads would compute a partial "
+                    "gradient for them",
+                    False,
+                ),
+                fallbacks,
+            )
     if check_local and world_size > 1:
         for _ in range(len(decisions) + 1):
             plan = _emit(
@@ -98,11 +122,12 @@ def auto_plan(model, world_size, check_local=True):
 
 
 Decision = collections.namedtuple(
-    "Decision", ["layer", "style", "group", "source"]
+    "Decision", ["layer", "style", "group", "source", "paired"],
+    defaults=[False],
 )
 Decision.__doc__ = """How one supported layer (or attention unit) is split:
 its style, the id of its Megatron group (layers paired together fall back
-together) and what decided it."""
+together), what decided it, and whether it is in a Column -> Row pair."""
 
 
 def _emit(model, world_size, decisions, fallbacks, reasons):
@@ -138,6 +163,38 @@ def _emit(model, world_size, decisions, fallbacks, reasons):
     return plan
 
 
+def model_layout_map(model, world_size):
+    """The `keras.distribution.LayoutMap` the model ships, or `None`.
+
+    keras-hub backbones of some families have a static `get_layout_map`;
+    a task model reaches it through its `backbone`.
+    """
+    owner = model if hasattr(model, "get_layout_map") else None
+    if owner is None:
+        owner = getattr(model, "backbone", None)
+    get_layout_map = getattr(owner, "get_layout_map", None)
+    if get_layout_map is None:
+        return None
+    # The map is only read, never applied: the devices are names.
+    mesh = keras.distribution.DeviceMesh(
+        shape=(1, world_size),
+        axis_names=("batch", "model"),
+        devices=[f"cpu:{i}" for i in range(world_size)],
+    )
+    try:
+        return get_layout_map(mesh)
+    except (TypeError, ValueError) as error:
+        logger.info("The layout map of %s is not usable: %s", owner, error)
+        return None
+
+
+def _model_axis(axes):
+    for axis, name in enumerate(axes):
+        if name == "model" or (isinstance(name, tuple) and "model" in name):
+            return axis
+    return None
+
+
 def _group_of(decisions):
     """`{id(leaf layer): group}`, the projections of units included."""
     groups = {}
@@ -160,6 +217,8 @@ class _Planner:
         self.world_size = world_size
         self.trace = trace
         self.reasons = {}
+        # Groups fed by a whole layer (key/value heads fewer than ranks).
+        self.whole_inputs = {}
 
     # Deciding ---------------------------------------------------------
 
@@ -185,15 +244,17 @@ class _Planner:
                 key = id(row.layer)
                 for call in columns:
                     decisions[id(call.layer)] = Decision(
-                        call.layer, Column(), key, "auto: Column -> Row"
+                        call.layer, Column(), key, _PAIRED, True
                     )
                 decisions[key] = Decision(
-                    row.layer, Row(), key, "auto: Column -> Row"
+                    row.layer, Row(), key, _PAIRED, True
                 )
-            for call in whole:
+            for call, key in whole:
                 decisions[id(call.layer)] = Decision(
                     call.layer, Replicate(), id(call.layer), "auto: whole"
                 )
+                self.whole_inputs[key] = call.layer.path
+        self._apply_layout_map(decisions, leaves)
         for layer in leaves:
             if id(layer) in decisions:
                 continue
@@ -206,6 +267,61 @@ class _Planner:
                     layer, style, id(layer), "auto: alone"
                 )
         return decisions
+
+    def _apply_layout_map(self, decisions, leaves):
+        """The model's own layout map decides the layers it lists.
+
+        keras-hub ships one for some families (`get_layout_map()` on Gemma,
+        Llama, Qwen): the model authors' choice of which weights to split
+        on the `model` axis. A listed layer is split where the map splits
+        it and kept whole where the map does; its style is the Megatron
+        pairing's when the planner found one (a GSPMD layout may name
+        another axis of the same pair, which GSPMD reconciles with extra
+        collectives), else the style of the axis the map names.
+        """
+        layout_map = model_layout_map(self.model, self.world_size)
+        if layout_map is None:
+            return
+        for layer in leaves:
+            handler = leaf_handler(layer)
+            path = handler.variables(layer)[handler.primary].path
+            layout = layout_map[path]
+            if layout is None:
+                continue
+            axis = _model_axis(layout.axes)
+            decision = decisions.get(id(layer))
+            source = "model layout map"
+            if axis is None:
+                self.reasons[layer.path] = "kept whole by the model layout map"
+                decisions[id(layer)] = Decision(
+                    layer, Replicate(), id(layer), source
+                )
+            elif decision is not None and not isinstance(
+                decision.style, Replicate
+            ):
+                split = handler.split_axes(layer, decision.style)
+                if split[handler.primary] != axis:
+                    source += " (Megatron axis)"
+                decisions[id(layer)] = decision._replace(source=source)
+            else:
+                style = self._style_of_axis(layer, axis)
+                if style is not None:
+                    decisions[id(layer)] = Decision(
+                        layer, style, id(layer), source
+                    )
+
+    def _style_of_axis(self, layer, axis):
+        """The unpaired style splitting `layer`'s main variable on `axis`."""
+        handler = leaf_handler(layer)
+        for style in _FALLBACKS:
+            if not isinstance(style, handler.styles):
+                continue
+            if handler.split_axes(layer, style)[handler.primary] != axis:
+                continue
+            if self._can_split(layer, style):
+                self.reasons.pop(layer.path, None)
+                return style
+        return None
 
     def _groups(self, calls, candidates):
         """Megatron groups among the direct child calls of one parent.
@@ -235,7 +351,7 @@ class _Planner:
                     groups.append(([c for c, _ in partners], call))
                     open_columns = [c for c in open_columns if c not in partners]
                     if any(not s for _, s in partners):
-                        whole.extend(unsplit)
+                        whole.extend((c, id(call.layer)) for c in unsplit)
                     unsplit = []
                     continue
             if Column not in leaf_handler(call.layer).styles:
@@ -248,7 +364,7 @@ class _Planner:
                     unsplit.append(call)
             elif consumers and self._can_split(call.layer, Column()):
                 open_columns.append((call, consumers))
-        for call in whole:
+        for call, _ in whole:
             self.reasons[call.layer.path] = (
                 "its output meets split heads through raw ops but "
                 f"{self._split_size(call)} does not divide by "
@@ -397,7 +513,7 @@ class _Planner:
         for decision in members:
             layer = decision.layer
             fallbacks[layer.path] = problem.reason
-            paired = decision.source == "auto: Column -> Row"
+            paired = decision.paired
             style = None
             if paired and not problem.whole and not ATTENTION.matches(layer):
                 style = self._fallback_style(layer, (Vocab(),))

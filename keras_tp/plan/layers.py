@@ -64,11 +64,20 @@ class LayerHandler:
         return isinstance(layer, self.layer_types)
 
     def variables(self, layer):
-        """The layer's variables by role (`kernel`, `bias`, ...)."""
-        roles = {self.primary: getattr(layer, self.primary)}
+        """The layer's variables by role (`kernel`, `bias`, ...).
+
+        With LoRA enabled, Keras' `kernel` property is the merged tensor;
+        the roles are the frozen kernel and the two adapter factors.
+        """
+        roles = {self.primary: getattr(layer, "_" + self.primary, None)}
+        if roles[self.primary] is None:
+            roles[self.primary] = getattr(layer, self.primary)
         bias = getattr(layer, "bias", None)
         if bias is not None:
             roles["bias"] = bias
+        if getattr(layer, "lora_enabled", False):
+            roles["lora_a"] = layer.lora_kernel_a
+            roles["lora_b"] = layer.lora_kernel_b
         return roles
 
     def split_axes(self, layer, style):
@@ -84,9 +93,38 @@ class LayerHandler:
         """Why this layer must stay replicated, or `None`."""
         if getattr(layer, "quantization_mode", None) is not None:
             return f"quantized ({layer.quantization_mode})"
-        if getattr(layer, "lora_enabled", False):
-            return "LoRA is enabled"
         return None
+
+    def lora_axes(self, layer, kernel_axis):
+        """Split axes of the LoRA factors of a kernel split on `kernel_axis`.
+
+        The merged kernel is `kernel + a @ b * alpha / rank`, with `a`
+        shaped like the kernel but for its last axis (the rank) and `b`
+        `(rank, last axis)`: a split of the last axis splits `b`'s columns,
+        any other axis the same axis of `a`; the other factor stays whole.
+        """
+        if kernel_axis is None:
+            return {"lora_a": None, "lora_b": None}
+        if kernel_axis == len(layer._kernel.shape) - 1:
+            return {"lora_a": None, "lora_b": 1}
+        return {"lora_a": kernel_axis, "lora_b": None}
+
+    def local_kernel(self, layer, style, adapter, weights):
+        """This rank's kernel, with its LoRA update merged in.
+
+        The factor that stays whole is read through `copy_to_parallel`:
+        each rank's slice of the update gives only part of its gradient.
+        """
+        kernel = weights[self.primary]
+        if "lora_a" not in weights:
+            return kernel
+        a, b = weights["lora_a"], weights["lora_b"]
+        if self.split_axes(layer, style)["lora_a"] is None:
+            a = adapter.copy_to_parallel(a)
+        else:
+            b = adapter.copy_to_parallel(b)
+        update = ops.matmul(a, b) * (layer.lora_alpha / layer.lora_rank)
+        return ops.cast(ops.add(kernel, update), kernel.dtype)
 
     def input_axis(self, layer, style, ndim):
         """Axis on which the layer's first input arrives split, or `None`."""
@@ -133,8 +171,8 @@ class DenseHandler(LayerHandler):
 
     def split_axes(self, layer, style):
         if isinstance(style, Column):
-            return {"kernel": 1, "bias": 0}
-        return {"kernel": 0, "bias": None}
+            return {"kernel": 1, "bias": 0, **self.lora_axes(layer, 1)}
+        return {"kernel": 0, "bias": None, **self.lora_axes(layer, 0)}
 
     def input_axis(self, layer, style, ndim):
         if isinstance(style, Row) and style.input_is_parallel:
@@ -150,7 +188,7 @@ class DenseHandler(LayerHandler):
         x = inputs
         if isinstance(style, Row) and not style.input_is_parallel:
             x = adapter.scatter_to_parallel(x, -1)
-        x = ops.matmul(x, weights["kernel"])
+        x = ops.matmul(x, self.local_kernel(layer, style, adapter, weights))
         return _finish(layer, style, adapter, x, weights.get("bias"), -1)
 
 
@@ -199,6 +237,7 @@ class EinsumDenseHandler(LayerHandler):
         letter = self._split_letter(layer, style)
         _, kernel_spec, output_spec = self._specs(layer)
         axes = {"kernel": kernel_spec.index(letter), "bias": None}
+        axes.update(self.lora_axes(layer, axes["kernel"]))
         if isinstance(style, Column) and layer.bias_axes:
             # The bias covers the output letters from its first one onward,
             # with size-1 axes for the letters it does not name.
@@ -234,7 +273,8 @@ class EinsumDenseHandler(LayerHandler):
         if isinstance(style, Row) and not style.input_is_parallel:
             axis = self._axis_from_end(input_spec, letter, len(x.shape))
             x = adapter.scatter_to_parallel(x, axis)
-        x = ops.einsum(layer.equation, x, weights["kernel"])
+        kernel = self.local_kernel(layer, style, adapter, weights)
+        x = ops.einsum(layer.equation, x, kernel)
         out_axis = None
         if isinstance(style, Column):
             out_axis = self._axis_from_end(output_spec, letter, len(x.shape))
@@ -258,10 +298,13 @@ class ConvHandler(LayerHandler):
         return reason
 
     def split_axes(self, layer, style):
-        ndim = len(layer.kernel.shape)
-        if isinstance(style, Column):
-            return {"kernel": ndim - 1, "bias": 0}
-        return {"kernel": ndim - 2, "bias": None}
+        ndim = len(layer._kernel.shape)
+        axis = ndim - 1 if isinstance(style, Column) else ndim - 2
+        return {
+            "kernel": axis,
+            "bias": 0 if isinstance(style, Column) else None,
+            **self.lora_axes(layer, axis),
+        }
 
     @staticmethod
     def _channel_axis(layer, ndim):
@@ -282,7 +325,7 @@ class ConvHandler(LayerHandler):
         axis = self._channel_axis(layer, len(x.shape))
         if isinstance(style, Row) and not style.input_is_parallel:
             x = adapter.scatter_to_parallel(x, axis)
-        x = layer.convolution_op(x, weights["kernel"])
+        x = layer.convolution_op(x, self.local_kernel(layer, style, adapter, weights))
         bias = weights.get("bias")
         if bias is not None:
             shape = [1] * len(x.shape)

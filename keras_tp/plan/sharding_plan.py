@@ -70,6 +70,10 @@ class ShardingPlan:
         self.world_size = None
         self.layers = []
         self.replicated = {}
+        # What decided each split layer (`"user plan"`, `"model layout
+        # map"`, `"auto: ..."`), and why auto fell back where it did.
+        self.sources = {}
+        self.fallbacks = {}
 
     def __repr__(self):
         lines = [
@@ -122,6 +126,15 @@ class ShardingPlan:
             )
         bound.replicated = replicated_layers(model, bound)
         return bound
+
+    def source_of(self, entry):
+        """What decided the split of a `ShardedLayer` (or its unit)."""
+        for path, source in self.sources.items():
+            if entry.layer.path == path or entry.layer.path.startswith(
+                path + "/"
+            ):
+                return source
+        return ""
 
     def variable_axes(self):
         """`{variable_path: (variable, axis)}` of every split variable."""

@@ -22,6 +22,7 @@ No collective runs: this is a check of the plan, not a way to train.
 """
 
 import collections
+import logging
 
 import keras
 import numpy as np
@@ -32,6 +33,8 @@ from keras_tp.plan import trace as tracing
 from keras_tp.plan.layers import ShardingError
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Row
+
+logger = logging.getLogger(__name__)
 
 Problem = collections.namedtuple("Problem", ["reason", "whole"])
 Problem.__doc__ = """Why a group (or a layer) fails the check, and whether it
@@ -158,6 +161,7 @@ class _Emulation:
                     None,
                 )
         except Exception as error:  # noqa: BLE001 - any failure is a finding
+            logger.debug("Rank %d's view failed", self.rank, exc_info=True)
             if not self.problems:
                 self._blame_active(
                     f"a rank's slice breaks the code between split layers "

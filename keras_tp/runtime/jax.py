@@ -30,6 +30,7 @@ from keras.src.backend import set_keras_mask
 
 from keras_tp.collectives.jax import JaxCollectiveAdapter
 from keras_tp.regions import run_on_local_values
+from keras_tp.regions import shared_value
 from keras_tp.runtime.base import Runtime
 from keras_tp.runtime.base import largest_difference
 from keras_tp.variables import bind_values
@@ -128,6 +129,7 @@ class JaxRuntime(Runtime):
             self.world_size, ("data", "model"), check_vma=check_vma
         )
         self.data_adapter.stats = self.world_adapter.stats = self.adapter.stats
+        self._copies_per_device = _per_device_copies(self.adapter, self.mesh)
         self._inside_ranks = False
 
     def place_variable(self, variable, axis):
@@ -352,6 +354,23 @@ class JaxRuntime(Runtime):
             _spec(input_axis) if a is first_input else PartitionSpec()
             for a in arrays
         ]
+        # Replicated float inputs of a region with split weights enter as
+        # one copy per device, shared by every region that reads them in
+        # this call, so their gradient is all-reduced once (Megatron `f`).
+        per_device = [
+            region.parallel_input
+            and spec == PartitionSpec()
+            and _is_float_array(a)
+            for a, spec in zip(arrays, array_specs)
+        ]
+        arrays = [
+            shared_value(a, self._copies_per_device) if copy else a
+            for a, copy in zip(arrays, per_device)
+        ]
+        array_specs = [
+            PartitionSpec("model") if copy else spec
+            for copy, spec in zip(per_device, array_specs)
+        ]
         masks = [get_keras_mask(a) for a in arrays]
         mask_arrays = [m for m in masks if m is not None]
         variables = region.variables()
@@ -369,18 +388,13 @@ class JaxRuntime(Runtime):
         adapter = self.adapter
 
         def local_fn(local_arrays, local_masks, local_weights, local_state):
+            local_arrays = [
+                a[0] if copy else a for a, copy in zip(local_arrays, per_device)
+            ]
             local_masks = iter(local_masks)
             for array, mask in zip(local_arrays, masks):
                 if mask is not None:
                     set_keras_mask(array, next(local_masks))
-            if region.parallel_input:
-                local_arrays = [
-                    adapter.copy_to_parallel(a)
-                    if spec == PartitionSpec()
-                    and jax.numpy.issubdtype(a.dtype, jax.numpy.floating)
-                    else a
-                    for a, spec in zip(local_arrays, array_specs)
-                ]
             local_leaves = [
                 local_arrays[array_index[id(leaf)]]
                 if id(leaf) in array_index
@@ -418,6 +432,32 @@ class JaxRuntime(Runtime):
         for variable, value in zip(state, new_state):
             variable.assign(value)
         return outputs
+
+
+def _per_device_copies(adapter, mesh):
+    """Megatron `f` on global arrays: one copy of `x` per model rank.
+
+    The copies are laid out one per device (no communication); the
+    gradient of the copies, each device's partial sum, is summed over the
+    devices: one all-reduce, however many regions read them.
+    """
+    size = adapter.size()
+    layout = NamedSharding(mesh, PartitionSpec("model"))
+
+    @jax.custom_vjp
+    def copies(x):
+        stacked = jax.numpy.broadcast_to(x[None], (size,) + x.shape)
+        return jax.lax.with_sharding_constraint(stacked, layout)
+
+    def copies_fwd(x):
+        return copies(x), None
+
+    def copies_bwd(_, grad):
+        adapter._record("all_reduce", grad[0], "backward")
+        return (jax.numpy.sum(grad, axis=0),)
+
+    copies.defvjp(copies_fwd, copies_bwd)
+    return copies
 
 
 def _partition_gather(adapter):

@@ -68,6 +68,7 @@ from keras_tp.collectives.base import nbytes
 from keras_tp.collectives.tensorflow import ReplicaGroups
 from keras_tp.collectives.tensorflow import TensorFlowCollectiveAdapter
 from keras_tp.optimizer import CoordinatedOptimizer
+from keras_tp.regions import shared_value
 from keras_tp.runtime.base import Runtime
 from keras_tp.runtime.base import largest_difference
 from keras_tp.variables import bind_values
@@ -728,9 +729,8 @@ class TensorFlowRuntime(Runtime):
                 variables,
                 output_gradients=row_gradients[replica // self.tensor_parallel],
             )
-            # A split variable lives in per-replica storage, which cannot
-            # take sparse (scatter) updates.
-            gradients = _dense(gradients)
+            if self.per_rank_steps:
+                gradients = _dense(gradients)
             if self.tensor_parallel > 1:
                 gradients = self._replicated_from_first_replica(
                     gradients, variables
@@ -912,26 +912,18 @@ class TensorFlowRuntime(Runtime):
         leaves = tf.nest.flatten((args, kwargs))
         if region.parallel_input:
             copies = {}
+            local = {}
             for leaf in leaves:
                 split = leaf is first_input and input_axis is not None
-                if (
-                    _is_float_tensor(leaf)
-                    and not split
-                    and id(leaf) not in copies
-                ):
-                    copies[id(leaf)] = self._copy_to_parallel(leaf)
+                if _is_float_tensor(leaf) and not split:
+                    copies[id(leaf)] = shared_value(
+                        leaf, self.adapter.copy_to_parallel, local
+                    )
             leaves = [copies.get(id(leaf), leaf) for leaf in leaves]
             args, kwargs = tf.nest.pack_sequence_as((args, kwargs), leaves)
         weights = [_local_read(variable) for variable, _ in region.variables()]
         with region.local_weights(weights), self.adapter.activated():
             return region.compute(*args, **kwargs)
-
-    def _copy_to_parallel(self, x):
-        mask = get_keras_mask(x)
-        copy = self.adapter.copy_to_parallel(x)
-        if mask is not None:
-            set_keras_mask(copy, mask)
-        return copy
 
     def _region_outside_replicas(self, region, args, kwargs):
         """Runs the region as its own replica step and gathers its outputs."""
@@ -1020,13 +1012,13 @@ class TensorParallelOptimizer:
         if _is_bound(variable):
             variable.assign_add(value)
         else:
-            super().assign_add(variable, value)
+            super().assign_add(variable, _scattered(value))
 
     def assign_sub(self, variable, value):
         if _is_bound(variable):
             variable.assign_sub(value)
         else:
-            super().assign_sub(variable, value)
+            super().assign_sub(variable, _scattered(value))
 
     def _overwrite_model_variables_with_average_value(
         self, trainable_variables
@@ -1072,11 +1064,23 @@ def tensor_parallel_class(optimizer_class):
     return _TENSOR_PARALLEL_CLASSES[optimizer_class]
 
 
+def _scattered(value):
+    """A sparse update (`tf.IndexedSlices`) as the dense tensor it adds.
+
+    Per-replica (`ON_READ`) components take no scatter ops; the dense sum
+    of the slices changes the same rows by the same amounts (repeated rows
+    add up, as a scatter does). The optimizer's own sparse arithmetic
+    (Adam touching only the rows seen) happens before, unchanged.
+    """
+    if isinstance(value, tf.IndexedSlices):
+        return tf.convert_to_tensor(value)
+    return value
+
+
 def _dense(gradients):
     """The gradients with `tf.IndexedSlices` (of embeddings) made dense.
 
-    Per-replica (`ON_READ`) variables take no scatter updates. The
-    `CoordinatedOptimizer` sums a gradient over the data axis, which
+    The `CoordinatedOptimizer` sums a gradient over the data axis, which
     merges the rows of a token seen several times, as on JAX and torch.
     Keras on one device keeps the slices apart, and Adam's second moment and
     gradient norms then count each occurrence.

@@ -5,7 +5,16 @@ from tests.torch_scripts.rank_checks import _all_ranks
 
 
 def zoo_checks(names, world_size):
-    """`zoo_cases.measure` of each model; every rank's results."""
-    return _all_ranks(
-        {name: zoo_cases.measure(name, world_size) for name in names}
-    )
+    """`zoo_cases.measure` of each model; every rank's results.
+
+    Under `"mixed_bfloat16"`, `zoo_cases.mixed_precision` of Llama; under
+    `"cnn_forward"`, the forward differences of the keras.applications
+    models.
+    """
+    results = {name: zoo_cases.measure(name, world_size) for name in names}
+    results["mixed_bfloat16"] = zoo_cases.mixed_precision("llama", world_size)
+    results["cnn_forward"] = {
+        name: zoo_cases.forward_difference(name, world_size)
+        for name in ("resnet50", "efficientnetb0")
+    }
+    return _all_ranks(results)

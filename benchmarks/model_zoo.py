@@ -87,7 +87,7 @@ def main(argv=None):
         page = page[:start] + "\n" + text + "\n" + page[page.index(END) :]
         with open(PAGE, "w") as f:
             f.write(page)
-    keras.utils.io_utils.print_msg(text)
+    print(text)
 
 
 if __name__ == "__main__":

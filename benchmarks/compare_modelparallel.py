@@ -17,6 +17,11 @@ Markdown tables:
 Run:
 
     python benchmarks/compare_modelparallel.py --devices 4
+    python benchmarks/compare_modelparallel.py --devices 4 --model gpt2 \
+        --dim 256 --heads 4 --vocab 1024
+
+`--model gpt2` trains keras-hub's `GPT2CausalLM` (tied embeddings, built
+offline with random weights) with the plan `plan="auto"` gives it.
 """
 
 import argparse
@@ -42,6 +47,9 @@ HLO_COLLECTIVES = (
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument(
+        "--model", choices=("transformer_lm", "gpt2"), default="transformer_lm"
+    )
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--blocks", type=int, default=2)
@@ -64,6 +72,22 @@ def main():
     from keras_tp.demo.models import transformer_lm
 
     def build():
+        if args.model == "gpt2":
+            import keras_hub
+
+            keras.utils.set_random_seed(0)
+            backbone = keras_hub.models.GPT2Backbone(
+                vocabulary_size=args.vocab,
+                num_layers=args.blocks,
+                num_heads=args.heads,
+                hidden_dim=args.dim,
+                intermediate_dim=4 * args.dim,
+                max_sequence_length=args.seq_len,
+                dropout=0.0,
+            )
+            return keras_hub.models.GPT2CausalLM(
+                backbone=backbone, preprocessor=None
+            )
         return transformer_lm(
             vocab=args.vocab,
             seq_len=args.seq_len,
@@ -76,11 +100,14 @@ def main():
         model.compile(
             optimizer=keras.optimizers.Adam(1e-3),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            weighted_metrics=None,
         )
 
     x, y = counting_sequences(
         args.batch * args.steps, vocab=args.vocab, seq_len=args.seq_len
     )
+    if args.model == "gpt2":
+        x = {"token_ids": x, "padding_mask": (x >= 0).astype("int32")}
     fit_args = dict(x=x, y=y, batch_size=args.batch, shuffle=False, verbose=0)
 
     single = build()
@@ -122,7 +149,7 @@ def main():
     step_times = {name: statistics.median(t) for name, t in times.items()}
 
     print(
-        f"Transformer LM: dim {args.dim}, {args.heads} heads, "
+        f"{args.model}: dim {args.dim}, {args.heads} heads, "
         f"{args.blocks} blocks, vocab {args.vocab}, sequence {args.seq_len}, "
         f"batch {args.batch}; {args.devices} virtual CPU devices "
         f"({os.cpu_count()} cores); jax {jax.__version__}, "
@@ -175,6 +202,8 @@ def _hlo_collectives(jax, model, x, y, batch):
     XLA may merge independent collectives into one op with several
     operands, so operands are counted, not ops.
     """
+    import keras
+
     state = (
         [v.value for v in model.trainable_variables],
         [v.value for v in model.non_trainable_variables],
@@ -183,7 +212,10 @@ def _hlo_collectives(jax, model, x, y, batch):
     )
     hlo = (
         jax.jit(model.train_step)
-        .lower(state, (x[:batch], y[:batch]))
+        .lower(
+            state,
+            (keras.tree.map_structure(lambda a: a[:batch], x), y[:batch]),
+        )
         .compile()
         .as_text()
     )

@@ -7,7 +7,6 @@ the checks are shared with torch and TensorFlow in `tests/zoo_cases.py`.
 
 import jax
 import keras
-import numpy as np
 import pytest
 
 if keras.backend.backend() != "jax":
@@ -21,10 +20,8 @@ import keras_tp  # noqa: E402
 keras_tp.configure_virtual_devices(4)
 
 from tests import zoo  # noqa: E402
-from tests.test_jax import _count_hlo  # noqa: E402
 from tests import zoo_cases  # noqa: E402
-
-
+from tests.test_jax import _count_hlo  # noqa: E402
 
 _runs = {}
 
@@ -97,9 +94,7 @@ def test_compiled_step_has_the_counted_collectives(name):
         [v.value for v in tp.metrics_variables],
     )
     hlo = jax.jit(tp.train_step).lower(state, (x, y)).compile().as_text()
-    assert (
-        _count_hlo(hlo, "all-reduce") == stats["all_reduce"]["calls"] + added
-    )
+    assert _count_hlo(hlo, "all-reduce") == stats["all_reduce"]["calls"] + added
     assert _count_hlo(hlo, "all-gather") == stats["all_gather"]["calls"]
     assert stats["all_reduce"]["calls"] == 2 * (2 * zoo_cases.BLOCKS + 1)
 

@@ -119,8 +119,7 @@ def _largest(a, b):
     a = keras.tree.flatten(a)
     b = keras.tree.flatten(b)
     return max(
-        float(np.max(np.abs(_float64(x) - _float64(y))))
-        for x, y in zip(a, b)
+        float(np.max(np.abs(_float64(x) - _float64(y)))) for x, y in zip(a, b)
     )
 
 
@@ -172,7 +171,5 @@ def check_mixed_precision(forward, weights):
 def forward_difference(name, world_size):
     """Largest output difference of a zoo model split `world_size` ways."""
     reference, x, _ = zoo.ZOO[name]()
-    tp = keras_tp.TensorParallelKeras(
-        zoo.ZOO[name]()[0], world_size=world_size
-    )
+    tp = keras_tp.TensorParallelKeras(zoo.ZOO[name]()[0], world_size=world_size)
     return _largest(tp(x), reference(x))

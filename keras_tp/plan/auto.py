@@ -88,32 +88,13 @@ def auto_plan(model, world_size, check_local=True):
     planner = _Planner(model, world_size, trace)
     decisions = planner.decide()
     fallbacks = {}
-    if check_local:
-        for key in planner.whole_inputs:
-            if not any(
-                d.group == key and d.paired for d in decisions.values()
-            ):
-                continue  # fell back with a group of the same shape
-            planner.demote(
-                decisions,
-                key,
-                Problem(
-                    "its key/value projections stay whole (fewer heads than "
-                    "ranks) and meet its split query heads through raw ops: "
-                    "a rank holding some query heads would compute a partial "
-                    "gradient for them",
-                    False,
-                ),
-                fallbacks,
-            )
     if check_local and world_size > 1:
+        planner.demote_whole_key_values(decisions, fallbacks)
         for _ in range(len(decisions) + 1):
             plan = _emit(
                 model, world_size, decisions, fallbacks, planner.reasons
             )
-            problems = local_problems(
-                model, plan, trace, _group_of(decisions)
-            )
+            problems = local_problems(model, plan, trace, _group_of(decisions))
             if not problems:
                 break
             for key, problem in problems.items():
@@ -122,7 +103,8 @@ def auto_plan(model, world_size, check_local=True):
 
 
 Decision = collections.namedtuple(
-    "Decision", ["layer", "style", "group", "source", "paired"],
+    "Decision",
+    ["layer", "style", "group", "source", "paired"],
     defaults=[False],
 )
 Decision.__doc__ = """How one supported layer (or attention unit) is split:
@@ -239,16 +221,16 @@ class _Planner:
                 leaves.append(layer)
         candidates = {id(layer) for layer in leaves}
         for parent in self.trace.children:
-            groups, whole = self._groups(self.trace.children[parent], candidates)
+            groups, whole = self._groups(
+                self.trace.children[parent], candidates
+            )
             for columns, row in groups:
                 key = id(row.layer)
                 for call in columns:
                     decisions[id(call.layer)] = Decision(
                         call.layer, Column(), key, _PAIRED, True
                     )
-                decisions[key] = Decision(
-                    row.layer, Row(), key, _PAIRED, True
-                )
+                decisions[key] = Decision(row.layer, Row(), key, _PAIRED, True)
             for call, key in whole:
                 decisions[id(call.layer)] = Decision(
                     call.layer, Replicate(), id(call.layer), "auto: whole"
@@ -349,7 +331,9 @@ class _Planner:
                 partners = self._row_partners(call, open_columns)
                 if partners:
                     groups.append(([c for c, _ in partners], call))
-                    open_columns = [c for c in open_columns if c not in partners]
+                    open_columns = [
+                        c for c in open_columns if c not in partners
+                    ]
                     if any(not s for _, s in partners):
                         whole.extend((c, id(call.layer)) for c in unsplit)
                     unsplit = []
@@ -464,9 +448,9 @@ class _Planner:
         for style in _FALLBACKS:
             if style in exclude:
                 continue
-            if isinstance(style, leaf_handler(layer).styles) and self._can_split(
-                layer, style
-            ):
+            if isinstance(
+                style, leaf_handler(layer).styles
+            ) and self._can_split(layer, style):
                 self.reasons.pop(layer.path, None)
                 return style
         return None
@@ -482,13 +466,39 @@ class _Planner:
             handler = leaf_handler(sub)
             try:
                 check_shardable(
-                    sub, handler, ATTENTION.projection_style(name), self.world_size
+                    sub,
+                    handler,
+                    ATTENTION.projection_style(name),
+                    self.world_size,
                 )
             except ShardingError as error:
                 return str(error)
         return None
 
     # Falling back -----------------------------------------------------
+
+    def demote_whole_key_values(self, decisions, fallbacks):
+        """Falls back the groups fed by whole key/value projections.
+
+        Where ranks hold their own slices, a rank holding some query heads
+        would compute only part of the gradient of a whole key/value
+        projection; the local check sees forward values, not that.
+        """
+        for key in self.whole_inputs:
+            if not any(d.group == key and d.paired for d in decisions.values()):
+                continue  # fell back with a group of the same shape
+            self.demote(
+                decisions,
+                key,
+                Problem(
+                    "its key/value projections stay whole (fewer heads than "
+                    "ranks) and meet its split query heads through raw ops: "
+                    "a rank holding some query heads would compute a partial "
+                    "gradient for them",
+                    False,
+                ),
+                fallbacks,
+            )
 
     def demote(self, decisions, key, problem, fallbacks):
         """Falls back the group `key` (or the layer path `key`) names.
@@ -543,9 +553,7 @@ def _opaque(layer):
     elsewhere (a rotary embedding, say) may or may not keep the split
     features apart, which only the local-execution check can tell.
     """
-    return not layer.weights and not type(layer).__module__.startswith(
-        "keras."
-    )
+    return not layer.weights and not type(layer).__module__.startswith("keras.")
 
 
 def _commutes(call, tensor, axis):

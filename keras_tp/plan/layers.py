@@ -15,6 +15,7 @@ from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Row
 from keras_tp.plan.styles import Vocab
 
+
 def is_elementwise(activation):
     """Whether an activation acts on each feature independently.
 
@@ -35,7 +36,9 @@ def _slices_commute(function):
     key = id(function)
     if key not in _ELEMENTWISE_CACHE:
         try:
-            whole = ops.convert_to_numpy(function(ops.convert_to_tensor(_SAMPLE)))
+            whole = ops.convert_to_numpy(
+                function(ops.convert_to_tensor(_SAMPLE))
+            )
             part = ops.convert_to_numpy(
                 function(ops.convert_to_tensor(_SAMPLE[:, :3]))
             )
@@ -325,7 +328,9 @@ class ConvHandler(LayerHandler):
         axis = self._channel_axis(layer, len(x.shape))
         if isinstance(style, Row) and not style.input_is_parallel:
             x = adapter.scatter_to_parallel(x, axis)
-        x = layer.convolution_op(x, self.local_kernel(layer, style, adapter, weights))
+        x = layer.convolution_op(
+            x, self.local_kernel(layer, style, adapter, weights)
+        )
         bias = weights.get("bias")
         if bias is not None:
             shape = [1] * len(x.shape)

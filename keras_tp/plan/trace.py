@@ -151,7 +151,9 @@ def probe_inputs(model, batch=2, seed=0):
     rng = np.random.default_rng(seed)
 
     def make(shape, dtype):
-        dims = [batch if i == 0 and d is None else d for i, d in enumerate(shape)]
+        dims = [
+            batch if i == 0 and d is None else d for i, d in enumerate(shape)
+        ]
         dims = tuple(8 if d is None else int(d) for d in dims)
         dtype = keras.backend.standardize_dtype(dtype)
         if keras.backend.is_float_dtype(dtype):

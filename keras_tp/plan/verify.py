@@ -172,7 +172,7 @@ class _Emulation:
                 spec.axes = axes
         for path in dict.fromkeys(watcher.read):
             self.problems[path] = Problem(
-                f"its weights are also read outside the layer's own call "
+                "its weights are also read outside the layer's own call "
                 "(tied weights), where a rank would see only its slice",
                 True,
             )
@@ -270,9 +270,7 @@ class _Emulation:
     def _local_slice(self, variable, axis):
         value = _numpy(variable)
         if axis is not None:
-            value = np.array_split(value, self.plan.world_size, axis)[
-                self.rank
-            ]
+            value = np.array_split(value, self.plan.world_size, axis)[self.rank]
         return ops.convert_to_tensor(value, dtype=variable.dtype)
 
     def _compare(self, actual, expected, what, group):
@@ -282,8 +280,7 @@ class _Emulation:
             a, b = _numpy(a), _numpy(b)
             if a.shape != b.shape:
                 reason = (
-                    f"{what} has shape {a.shape} on a rank, expected "
-                    f"{b.shape}"
+                    f"{what} has shape {a.shape} on a rank, expected {b.shape}"
                 )
             elif not _close(a, b):
                 reason = f"{what} differs from the one-device value"

@@ -59,8 +59,6 @@ import warnings
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.backend import get_keras_mask
-from keras.src.backend import set_keras_mask
 from keras.src.backend.common.stateless_scope import get_stateless_scope
 from keras.src.optimizers import base_optimizer
 

@@ -7,6 +7,7 @@ the checks are shared with torch and TensorFlow in `tests/zoo_cases.py`.
 
 import jax
 import keras
+import numpy as np
 import pytest
 
 if keras.backend.backend() != "jax":
@@ -130,3 +131,28 @@ def test_plan_sources_and_lora_after_wrapping():
 
 def test_mixed_bfloat16_trains_at_parity():
     zoo_cases.check_mixed_precision(*zoo_cases.mixed_precision("llama", 2))
+
+
+def test_int8_quantized_layers_stay_whole_or_are_refused():
+    def build():
+        model, x, _ = zoo.ZOO["llama"]()
+        model.quantize("int8")
+        return model, x
+
+    reference, x = build()
+    tp = keras_tp.TensorParallelKeras(build()[0], world_size=2)
+    reasons = tp.sharding_plan.replicated
+    assert reasons["transformer_layer_0/feedforward_output_dense"] == (
+        "quantized (int8)"
+    )
+    np.testing.assert_allclose(tp(x), reference(x), atol=1e-5)
+    with pytest.raises(keras_tp.ShardingError, match="quantized \\(int8\\)"):
+        keras_tp.TensorParallelKeras(
+            build()[0],
+            world_size=2,
+            plan={
+                "transformer_layer_0/feedforward_output_dense/kernel": (
+                    keras_tp.Row()
+                )
+            },
+        )

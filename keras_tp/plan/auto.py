@@ -241,7 +241,12 @@ class _Planner:
             if id(layer) in decisions:
                 continue
             if not self.trace.calls_of[id(layer)]:
-                self.reasons[layer.path] = "not called when the model ran"
+                # A quantized layer runs `quantized_call`, not `call`.
+                handler = leaf_handler(layer)
+                self.reasons[layer.path] = (
+                    handler.unsupported_reason(layer)
+                    or "not called when the model ran"
+                )
                 continue
             style = self._fallback_style(layer, ())
             if style is not None:

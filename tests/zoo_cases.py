@@ -65,12 +65,18 @@ def check_exact(results, tolerance=1e-5):
     assert results["weights"] <= tolerance, results
 
 
-def measure(name, world_size, **wrap_kwargs):
-    """Runs the zoo checks of model `name` split `world_size` ways."""
+def pair(name, world_size, **wrap_kwargs):
+    """`(one-device model, split copy, x, y)` of zoo model `name`."""
     reference, x, y = zoo.ZOO[name]()
     tp = keras_tp.TensorParallelKeras(
         zoo.ZOO[name]()[0], world_size=world_size, **wrap_kwargs
     )
+    return reference, tp, x, y
+
+
+def measure(name, world_size, **wrap_kwargs):
+    """Runs the zoo checks of model `name` split `world_size` ways."""
+    reference, tp, x, y = pair(name, world_size, **wrap_kwargs)
     results = {"forward": _largest(tp(x), reference(x))}
     for model in (reference, tp):
         model.compile(
@@ -100,21 +106,6 @@ def measure(name, world_size, **wrap_kwargs):
     return results
 
 
-def adam_difference(name, world_size, **wrap_kwargs):
-    """Weights after 2 Adam steps, split against one device."""
-    reference, x, y = zoo.ZOO[name]()
-    tp = keras_tp.TensorParallelKeras(
-        zoo.ZOO[name]()[0], world_size=world_size, **wrap_kwargs
-    )
-    for model in (reference, tp):
-        model.compile(
-            optimizer=keras.optimizers.Adam(1e-3), loss=zoo.loss_for(name)
-        )
-        for _ in range(2):
-            model.train_on_batch(x, y)
-    return _largest(tp.get_weights(), reference.get_weights())
-
-
 def _largest(a, b):
     a = keras.tree.flatten(a)
     b = keras.tree.flatten(b)
@@ -136,10 +127,7 @@ def mixed_precision(name, world_size, policy="mixed_bfloat16"):
     previous = keras.config.dtype_policy()
     keras.config.set_dtype_policy(policy)
     try:
-        reference, x, y = zoo.ZOO[name]()
-        tp = keras_tp.TensorParallelKeras(
-            zoo.ZOO[name]()[0], world_size=world_size
-        )
+        reference, tp, x, y = pair(name, world_size)
         out = keras.ops.convert_to_numpy(keras.ops.cast(tp(x), "float32"))
         expected = keras.ops.convert_to_numpy(
             keras.ops.cast(reference(x), "float32")
@@ -170,6 +158,5 @@ def check_mixed_precision(forward, weights):
 
 def forward_difference(name, world_size):
     """Largest output difference of a zoo model split `world_size` ways."""
-    reference, x, _ = zoo.ZOO[name]()
-    tp = keras_tp.TensorParallelKeras(zoo.ZOO[name]()[0], world_size=world_size)
+    reference, tp, x, _ = pair(name, world_size)
     return _largest(tp(x), reference(x))

@@ -10,8 +10,10 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "Channelwise": "keras_tp.plan",
     "Column": "keras_tp.plan",
     "CoordinatedOptimizer": "keras_tp.optimizer",
+    "ExpertParallel": "keras_tp.plan",
     "Replicate": "keras_tp.plan",
     "Row": "keras_tp.plan",
     "ShardingError": "keras_tp.plan",

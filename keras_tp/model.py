@@ -442,7 +442,7 @@ def format_plan(plan, runtime):
         for role, variable in variables.items():
             shape = runtime.local_shape(variable)
             local_bytes = nbytes(variable, shape)
-            primary = role == entry.handler.primary
+            primary = role == entry.handler.primary_role(entry.layer)
             style = repr(entry.style) if primary else ""
             source = plan.source_of(entry) if primary else ""
             lines.append(

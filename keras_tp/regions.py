@@ -18,6 +18,7 @@ from keras.src.backend import set_keras_mask
 from keras_tp.plan.layers import ATTENTION
 from keras_tp.plan.sharding_plan import ShardedUnit
 from keras_tp.plan.sharding_plan import walk_layers
+from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Row
 
 _LOCAL_WEIGHTS = contextvars.ContextVar("keras_tp_local_weights", default=None)
@@ -73,12 +74,8 @@ class ShardedRegion:
         that width check is dropped (the rank check stays).
         """
         for member in self.members:
-            spec = member.layer.input_spec
-            splits_input = (
-                isinstance(member.style, Row) and member.style.input_is_parallel
-            )
-            if splits_input and isinstance(spec, keras.InputSpec):
-                spec.axes = {}
+            if isinstance(member.style, Row) and member.style.input_is_parallel:
+                _accept_split_input(member.layer)
 
     @contextlib.contextmanager
     def local_weights(self, values):
@@ -199,6 +196,9 @@ def _member_call(member, adapter):
 
 def _leaf_output_axes(member):
     def output_axes(args, kwargs):
+        style = member.style
+        if not isinstance(style, Column) or style.gather_output:
+            return None
         shape = member.layer.compute_output_shape(tuple(args[0].shape))
         return member.handler.output_axis(
             member.layer, member.style, len(shape)
@@ -228,6 +228,11 @@ def install(plan, runtime):
                     unit, kwargs
                 ),
             )
+        elif not entry.handler.needs_region(entry.style):
+            # It runs unchanged on each rank's values, which arrive split.
+            _accept_split_input(entry.layer)
+            runtime.prepare_local_layer(entry.layer)
+            continue
         else:
             region = ShardedRegion(
                 entry.layer,
@@ -277,6 +282,14 @@ def install_gathers(model, installed_regions, runtime):
             _set_call(
                 layer, runtime.gathered_call(layer, variables, layer.call)
             )
+
+
+def _accept_split_input(layer):
+    """Drops the feature-width check of `layer`'s input spec (see above)."""
+    specs = layer.input_spec
+    for spec in specs if isinstance(specs, (list, tuple)) else [specs]:
+        if isinstance(spec, keras.InputSpec):
+            spec.axes = {}
 
 
 def _refuse_late_lora(layer):

@@ -34,9 +34,12 @@ def cnn(seed=0, classes=8):
     return keras.Sequential(
         [
             keras.Input((8, 8, 3)),
-            layers.Conv2D(
-                8, 3, padding="same", activation="relu", name="conv1"
-            ),
+            # No bias before BatchNormalization: its gradient is zero, and
+            # Adam would turn float noise on it into lr-sized steps.
+            layers.Conv2D(8, 3, padding="same", use_bias=False, name="conv1"),
+            # Its statistics follow conv1's split channels (Channelwise).
+            layers.BatchNormalization(name="bn1"),
+            layers.ReLU(name="relu1"),
             layers.Conv2D(8, 3, padding="same", name="conv2"),
             layers.MaxPooling2D(name="pool"),
             layers.Flatten(name="flatten"),

@@ -30,11 +30,14 @@ from keras_tp.plan.layers import leaf_handler
 from keras_tp.plan.sharding_plan import ShardingPlan
 from keras_tp.plan.sharding_plan import check_shardable
 from keras_tp.plan.sharding_plan import supported_layers
+from keras_tp.plan.styles import Channelwise
 from keras_tp.plan.styles import Column
+from keras_tp.plan.styles import ExpertParallel
 from keras_tp.plan.styles import Replicate
 from keras_tp.plan.styles import Row
 from keras_tp.plan.styles import Vocab
 from keras_tp.plan.verify import Problem
+from keras_tp.plan.verify import expert_output_axis
 from keras_tp.plan.verify import local_problems
 
 logger = logging.getLogger(__name__)
@@ -190,7 +193,7 @@ def _group_of(decisions):
 
 def _primary_path(layer):
     handler = leaf_handler(layer)
-    return handler.variables(layer)[handler.primary].path
+    return handler.primary_variable(layer).path
 
 
 class _Planner:
@@ -201,6 +204,9 @@ class _Planner:
         self.reasons = {}
         # Groups fed by a whole layer (key/value heads fewer than ranks).
         self.whole_inputs = {}
+        # Per-channel layers with weights a Column's output passes through
+        # on its way to its Row, by the Column call's index.
+        self.through = {}
 
     # Deciding ---------------------------------------------------------
 
@@ -230,6 +236,10 @@ class _Planner:
                     decisions[id(call.layer)] = Decision(
                         call.layer, Column(), key, _PAIRED, True
                     )
+                    for layer in self.through.get(call.index, ()):
+                        decisions[id(layer)] = Decision(
+                            layer, Channelwise(), key, _PAIRED, True
+                        )
                 decisions[key] = Decision(row.layer, Row(), key, _PAIRED, True)
             for call, key in whole:
                 decisions[id(call.layer)] = Decision(
@@ -248,12 +258,37 @@ class _Planner:
                     or "not called when the model ran"
                 )
                 continue
-            style = self._fallback_style(layer, ())
+            style = self._fallback_style(layer, ()) or self._expert_style(layer)
             if style is not None:
                 decisions[id(layer)] = Decision(
                     layer, style, id(layer), "auto: alone"
                 )
+            elif ExpertParallel in leaf_handler(layer).styles:
+                self.reasons.setdefault(
+                    layer.path,
+                    f"{type(layer).__name__}: kept whole, as no split of "
+                    "its own weights gives its output (by channels between "
+                    "a Column and its Row, or by experts)",
+                )
         return decisions
+
+    def _expert_style(self, layer):
+        """`ExpertParallel` if splitting the layer's experts is exact.
+
+        Checked on the traced call: the ranks' outputs, each from its share
+        of the experts, must gather (or sum) to the one-device output.
+        """
+        handler = leaf_handler(layer)
+        calls = self.trace.calls_of[id(layer)]
+        if ExpertParallel not in handler.styles or len(calls) != 1:
+            return None
+        if not self._can_split(layer, ExpertParallel()):
+            return None
+        found, axis = expert_output_axis(calls[0], handler, self.world_size)
+        if not found:
+            return None
+        self.reasons.pop(layer.path, None)
+        return ExpertParallel(output_axis=axis)
 
     def _apply_layout_map(self, decisions, leaves):
         """The model's own layout map decides the layers it lists.
@@ -271,7 +306,7 @@ class _Planner:
             return
         for layer in leaves:
             handler = leaf_handler(layer)
-            path = handler.variables(layer)[handler.primary].path
+            path = handler.primary_variable(layer).path
             layout = layout_map[path]
             if layout is None:
                 continue
@@ -287,7 +322,7 @@ class _Planner:
                 decision.style, Replicate
             ):
                 split = handler.split_axes(layer, decision.style)
-                if split[handler.primary] != axis:
+                if split[handler.primary_role(layer)] != axis:
                     source += " (Megatron axis)"
                 decisions[id(layer)] = decision._replace(source=source)
             else:
@@ -303,7 +338,8 @@ class _Planner:
         for style in _FALLBACKS:
             if not isinstance(style, handler.styles):
                 continue
-            if handler.split_axes(layer, style)[handler.primary] != axis:
+            role = handler.primary_role(layer)
+            if handler.split_axes(layer, style)[role] != axis:
                 continue
             if self._can_split(layer, style):
                 self.reasons.pop(layer.path, None)
@@ -407,6 +443,7 @@ class _Planner:
         )
         ends = set()
         seen = set()
+        through = []
         tensors = [output]
         while tensors:
             tensor = tensors.pop()
@@ -419,7 +456,11 @@ class _Planner:
                 if _opaque(consumer.layer):
                     continue  # like raw ops: the check decides
                 handler = leaf_handler(consumer.layer)
-                if handler is None and _commutes(consumer, tensor, axis):
+                if self._passes(consumer, handler) and _commutes(
+                    consumer, tensor, axis
+                ):
+                    if handler is not None:
+                        through.append(consumer.layer)
                     tensors.extend(
                         t for t in consumer.outputs if t is not tensor
                     )
@@ -429,7 +470,22 @@ class _Planner:
                 if not consumer.inputs or consumer.inputs[0] is not tensor:
                     return None
                 ends.add(consumer.index)
+        self.through[call.index] = through
         return ends
+
+    def _passes(self, call, handler):
+        """Whether split features may pass `call`'s layer unchanged.
+
+        A weightless layer may, and a per-channel layer with weights
+        (BatchNormalization) called once, its weights split with them.
+        """
+        if handler is None:
+            return True
+        return (
+            Channelwise in handler.styles
+            and len(self.trace.calls_of[id(call.layer)]) == 1
+            and self._can_split(call.layer, Channelwise())
+        )
 
     def _single_call_candidate(self, call, candidates):
         return (
@@ -565,9 +621,11 @@ def _commutes(call, tensor, axis):
     """Whether `call`'s layer keeps the features on `axis` apart, in place.
 
     Decided by what the layer computes on the traced values: run on a
-    slice of `tensor` along `axis`, it must give the same slice of its
-    traced output (an activation, dropout, pooling over other axes, a norm
-    over another axis do; a norm over `axis`, a reshape do not).
+    slice of `tensor` along `axis` (and of its weights along their channel
+    axis), it must give the same slice of its traced output (an
+    activation, dropout, pooling over other axes, a norm over another axis,
+    BatchNormalization over the channels do; a norm over `axis`, a reshape
+    do not).
     """
     if len(call.inputs) != 1 or len(call.outputs) != 1:
         return False
@@ -575,12 +633,27 @@ def _commutes(call, tensor, axis):
     if tuple(output.shape) != tuple(tensor.shape) or tensor.shape[axis] < 2:
         return False
     part = np.arange(tensor.shape[axis] // 2)
+    handler = leaf_handler(call.layer)
+    weights = {}
+    if handler is not None:
+        if handler.channel_length(call.layer) != tensor.shape[axis]:
+            return False
+        axes = handler.split_axes(call.layer, Channelwise())
+        for role, variable in handler.variables(call.layer).items():
+            weights[role] = ops.convert_to_tensor(
+                np.take(ops.convert_to_numpy(variable), part, axes[role]),
+                dtype=variable.dtype,
+            )
     try:
         sliced = ops.convert_to_tensor(
             np.take(ops.convert_to_numpy(tensor), part, axis),
             dtype=tensor.dtype,
         )
-        actual = ops.convert_to_numpy(call.layer.call(sliced))
+        if handler is None:
+            actual = call.layer.call(sliced)
+        else:
+            actual = handler.run_local(call.layer, weights, (sliced,), {})
+        actual = ops.convert_to_numpy(actual)
     except Exception:  # noqa: BLE001 - the layer cannot run on a slice
         return False
     expected = np.take(ops.convert_to_numpy(output), part, axis)

@@ -10,8 +10,11 @@ backend; the runtimes decide how the local tensors come to exist.
 import keras
 import numpy as np
 from keras import ops
+from keras.src.backend.common.stateless_scope import StatelessScope
 
+from keras_tp.plan.styles import Channelwise
 from keras_tp.plan.styles import Column
+from keras_tp.plan.styles import ExpertParallel
 from keras_tp.plan.styles import Row
 from keras_tp.plan.styles import Vocab
 
@@ -66,6 +69,21 @@ class LayerHandler:
     def matches(self, layer):
         return isinstance(layer, self.layer_types)
 
+    def primary_role(self, layer):
+        """The role of the variable whose path names the layer in plans."""
+        return self.primary
+
+    def primary_variable(self, layer):
+        return self.variables(layer)[self.primary_role(layer)]
+
+    def needs_region(self, style):
+        """Whether the layer's call runs per rank through the handler.
+
+        A layer that runs unchanged on each rank's values (its weights
+        split in storage only) needs no region.
+        """
+        return True
+
     def variables(self, layer):
         """The layer's variables by role (`kernel`, `bias`, ...).
 
@@ -89,8 +107,9 @@ class LayerHandler:
 
     def split_size(self, layer, style):
         """Length of the split dimension, for divisibility checks."""
-        kernel = self.variables(layer)[self.primary]
-        return kernel.shape[self.split_axes(layer, style)[self.primary]]
+        role = self.primary_role(layer)
+        kernel = self.variables(layer)[role]
+        return kernel.shape[self.split_axes(layer, style)[role]]
 
     def unsupported_reason(self, layer):
         """Why this layer must stay replicated, or `None`."""
@@ -401,11 +420,124 @@ class EmbeddingHandler(LayerHandler):
         return logits
 
 
+def own_variables(layer):
+    """Variables tracked on `layer` itself, not through its sublayers."""
+    return layer._trainable_variables + layer._non_trainable_variables
+
+
+class _LocalValues(StatelessScope):
+    """Inside, the given variables read as this rank's values."""
+
+    def __init__(self, values):
+        super().__init__()
+        self.values = values
+
+    def get_current_value(self, variable):
+        return self.values.get(id(variable))
+
+
+class OwnWeightsHandler(LayerHandler):
+    """A layer computing with weights of its own, in code keras_tp can't see.
+
+    An expert bank written with raw `einsum`s, a BatchNormalization, a
+    depthwise convolution: the layer's own `call` runs on each rank's
+    slices of its weights, unchanged.
+
+    - `Channelwise()` splits every weight on its channel axis: the one
+      axis whose length all of the layer's weights share. The layer needs
+      no region and no collective: its input arrives split (a `Column`
+      output) and so does its output.
+    - `ExpertParallel()` splits every weight on its leading (experts)
+      axis; each rank's outputs are gathered or summed.
+
+    Whether a split is exact depends on code keras_tp cannot see, so
+    `auto_plan` only chooses these styles after checking them on the
+    traced values.
+    """
+
+    styles = (Channelwise, ExpertParallel)
+
+    def matches(self, layer):
+        if not layer._trainable_variables:
+            return False
+        return not any(
+            sub.weights for sub in layer._flatten_layers(include_self=False)
+        )
+
+    def variables(self, layer):
+        roles = {}
+        for variable in own_variables(layer):
+            role = variable.name
+            while role in roles:
+                role += "_"
+            roles[role] = variable
+        return roles
+
+    def primary_role(self, layer):
+        roles = self.variables(layer)
+        return max(roles, key=lambda role: np.prod(roles[role].shape))
+
+    def needs_region(self, style):
+        return not isinstance(style, Channelwise)
+
+    def split_axes(self, layer, style):
+        variables = self.variables(layer)
+        if isinstance(style, ExpertParallel):
+            leading = {v.shape[0] if v.shape else None for v in variables.values()}
+            if len(leading) != 1 or None in leading:
+                raise ShardingError(
+                    f"Layer '{layer.path}': ExpertParallel() splits every "
+                    "weight on its leading (experts) axis, but the weights "
+                    f"have shapes {[tuple(v.shape) for v in variables.values()]}"
+                    ". Map it to Replicate()."
+                )
+            return {role: 0 for role in variables}
+        length = self.channel_length(layer)
+        if length is None:
+            raise ShardingError(
+                f"Layer '{layer.path}': Channelwise() splits every weight on "
+                "its channel axis, the one axis length all its weights share,"
+                " but the weight shapes "
+                f"{[tuple(v.shape) for v in variables.values()]} have no such"
+                " length. Map it to Replicate()."
+            )
+        return {
+            role: tuple(v.shape).index(length) for role, v in variables.items()
+        }
+
+    def channel_length(self, layer):
+        """The length every weight has on exactly one axis, or `None`."""
+        shapes = [tuple(v.shape) for v in own_variables(layer)]
+        lengths = {
+            length
+            for length in shapes[0]
+            if all(shape.count(length) == 1 for shape in shapes)
+        }
+        return lengths.pop() if len(lengths) == 1 else None
+
+    def parallel_input(self, style):
+        return isinstance(style, ExpertParallel)
+
+    def run_local(self, layer, weights, args, kwargs):
+        """Runs the layer's own `call` with its weights read as `weights`."""
+        variables = self.variables(layer)
+        local = {id(variables[role]): value for role, value in weights.items()}
+        with _LocalValues(local):
+            return type(layer).call(layer, *args, **kwargs)
+
+    def local_call(self, layer, style, adapter, weights, inputs, **kwargs):
+        outputs = self.run_local(layer, weights, (inputs,), kwargs)
+        if style.output_axis is None:
+            return adapter.reduce_from_parallel(outputs)
+        return adapter.gather_from_parallel(outputs, style.output_axis)
+
+
 LEAF_HANDLERS = (
     DenseHandler(),
     EinsumDenseHandler(),
     ConvHandler(),
     EmbeddingHandler(),
+    OwnWeightsHandler(),
 )
 
 

@@ -9,6 +9,7 @@ from keras_tp.plan.layers import ATTENTION
 from keras_tp.plan.layers import ShardingError
 from keras_tp.plan.layers import is_elementwise
 from keras_tp.plan.layers import leaf_handler
+from keras_tp.plan.layers import own_variables
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Replicate
 from keras_tp.plan.styles import ShardingStyle
@@ -63,7 +64,8 @@ class ShardingPlan:
             if not isinstance(style, ShardingStyle):
                 raise TypeError(
                     f"The style for {pattern!r} must be a keras_tp style "
-                    f"(Column(), Row(), Vocab() or Replicate()), got {style!r}."
+                    "(Column(), Row(), Vocab(), Channelwise(), ExpertParallel() or "
+                    f"Replicate()), got {style!r}."
                 )
             re.compile(pattern)
             self.rules.append((pattern, style))
@@ -237,8 +239,7 @@ def _style_for(plan, variable, used):
 
 def check_shardable(layer, handler, style, world_size):
     """Raises a `ShardingError` if `style` cannot split `layer` exactly."""
-    variables = handler.variables(layer)
-    primary = variables[handler.primary]
+    primary = handler.primary_variable(layer)
     if not isinstance(style, handler.styles):
         allowed = ", ".join(s.__name__ + "()" for s in handler.styles)
         raise ShardingError(
@@ -266,7 +267,7 @@ def check_shardable(layer, handler, style, world_size):
         )
     size = handler.split_size(layer, style)
     if size % world_size:
-        axis = handler.split_axes(layer, style)[handler.primary]
+        axis = handler.split_axes(layer, style)[handler.primary_role(layer)]
         raise ShardingError(
             f"Variable '{primary.path}' of shape {tuple(primary.shape)} "
             f"cannot be split {world_size} ways with {style!r}: axis "
@@ -277,7 +278,7 @@ def check_shardable(layer, handler, style, world_size):
 
 def _bind_leaf(plan, layer, world_size, used):
     handler = leaf_handler(layer)
-    style = _style_for(plan, handler.variables(layer)[handler.primary], used)
+    style = _style_for(plan, handler.primary_variable(layer), used)
     if style is None:
         return None
     check_shardable(layer, handler, style, world_size)
@@ -290,7 +291,7 @@ def _bind_attention(plan, layer, world_size, used):
     for name, sub in projections.items():
         handler = leaf_handler(sub)
         styles[name] = _style_for(
-            plan, handler.variables(sub)[handler.primary], used
+            plan, handler.primary_variable(sub), used
         )
     if all(style is None for style in styles.values()):
         return None
@@ -338,7 +339,7 @@ def replicated_layers(model, bound):
         if ATTENTION.matches(layer):
             covered.update(id(sub) for sub in walk_layers(layer))
             reasons[layer.path] = "not in the plan"
-        elif not _own_variables(layer):
+        elif not own_variables(layer):
             continue
         elif leaf_handler(layer) is None:
             reasons[layer.path] = (
@@ -349,6 +350,3 @@ def replicated_layers(model, bound):
     return reasons
 
 
-def _own_variables(layer):
-    """Variables tracked on `layer` itself, not through its sublayers."""
-    return layer._trainable_variables + layer._non_trainable_variables

@@ -73,3 +73,35 @@ class Vocab(ShardingStyle):
 
 class Replicate(ShardingStyle):
     """Keeps the layer whole on every rank."""
+
+
+class Channelwise(ShardingStyle):
+    """Splits a per-channel layer with the channels it receives split.
+
+    For a layer that acts on each channel on its own (BatchNormalization,
+    a depthwise convolution, a per-channel scale) between a `Column` layer
+    and its `Row` partner: every weight is split on its channel axis, and
+    the layer runs unchanged on each rank's channels, with no collective.
+    BatchNormalization keeps its statistics local: a rank's channels are
+    normalised over the batch exactly as on one device.
+    """
+
+
+class ExpertParallel(ShardingStyle):
+    """Splits a bank of experts: each rank holds `experts / N` of them.
+
+    Every weight of the layer is split on its leading (experts) axis, as
+    in torchtitan's and Megatron's expert parallelism. Each rank runs the
+    layer's own `call` on its experts; their outputs are gathered on
+    `output_axis`, or summed when `output_axis` is `None` (a layer that
+    combines its experts itself).
+
+    Args:
+        output_axis: the experts axis of the output, or `None`.
+    """
+
+    def __init__(self, output_axis=0):
+        self.output_axis = output_axis
+
+    def _fields(self):
+        return {"output_axis": self.output_axis}

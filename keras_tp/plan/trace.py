@@ -18,11 +18,12 @@ from keras import ops
 from keras_tp.plan.sharding_plan import walk_layers
 
 Call = collections.namedtuple(
-    "Call", ["index", "layer", "inputs", "outputs", "parent", "result"]
+    "Call",
+    ["index", "layer", "inputs", "outputs", "parent", "result", "arguments"],
 )
 Call.__doc__ = """One layer call: its position in start order, the layer, the
 flattened input and output tensors, the index of the call it ran inside
-(`None` at the top) and what the call returned."""
+(`None` at the top), what the call returned, and its `(args, kwargs)`."""
 
 
 class Trace:
@@ -120,6 +121,7 @@ def trace_model(model, inputs=None):
                 flat_tensors(outputs),
                 parent,
                 outputs,
+                (args, kwargs),
             )
             return outputs
 

@@ -31,7 +31,9 @@ from keras.src.backend.common.stateless_scope import StatelessScope
 
 from keras_tp.plan import trace as tracing
 from keras_tp.plan.layers import ShardingError
+from keras_tp.plan.styles import Channelwise
 from keras_tp.plan.styles import Column
+from keras_tp.plan.styles import ExpertParallel
 from keras_tp.plan.styles import Row
 
 logger = logging.getLogger(__name__)
@@ -98,6 +100,55 @@ def check_locally(model, plan):
             f"{listing}. Map these layers to Replicate(), or let "
             'plan="auto" choose.'
         )
+
+
+def expert_output_axis(call, handler, world_size):
+    """How the ranks' outputs of an expert split make the whole output.
+
+    Runs the traced `call` once per rank, each on its share of the
+    experts (every weight split on its leading axis).
+
+    Args:
+        call: the layer's traced `Call`.
+        handler: its `OwnWeightsHandler`.
+        world_size: the number of ranks.
+
+    Returns:
+        `(True, axis)` if the outputs gather on `axis`, `(True, None)` if
+        they sum, `(False, None)` if neither gives the traced output.
+    """
+    layer = call.layer
+    axes = handler.split_axes(layer, ExpertParallel())
+    variables = handler.variables(layer)
+    args, kwargs = call.arguments
+    try:
+        outputs = []
+        for rank in range(world_size):
+            weights = {
+                role: ops.convert_to_tensor(
+                    np.array_split(_numpy(v), world_size, axes[role])[rank],
+                    dtype=v.dtype,
+                )
+                for role, v in variables.items()
+            }
+            outputs.append(
+                _numpy(handler.run_local(layer, weights, args, kwargs))
+            )
+    except Exception:  # noqa: BLE001 - the layer cannot run on a share
+        logger.debug("No expert split of '%s'", layer.path, exc_info=True)
+        return False, None
+    if len(call.outputs) != 1:
+        return False, None
+    whole = _numpy(call.outputs[0])
+    for axis in range(whole.ndim):
+        if outputs[0].shape[axis] * world_size != whole.shape[axis]:
+            continue
+        gathered = np.concatenate(outputs, axis)
+        if gathered.shape == whole.shape and _close(gathered, whole):
+            return True, axis
+    if outputs[0].shape == whole.shape and _close(sum(outputs), whole):
+        return True, None
+    return False, None
 
 
 def local_problems(model, plan, trace, group_of):
@@ -179,15 +230,14 @@ class _Emulation:
         return self.problems
 
     def _relax_row_specs(self):
-        """Row layers take their input split: drop the width check."""
+        """Layers that take their input split: drop the width check."""
         saved = []
         for entry in self.entries.values():
             spec = entry.layer.input_spec
-            if (
-                isinstance(entry.style, Row)
-                and entry.style.input_is_parallel
-                and isinstance(spec, keras.InputSpec)
-            ):
+            splits_input = isinstance(entry.style, Channelwise) or (
+                isinstance(entry.style, Row) and entry.style.input_is_parallel
+            )
+            if splits_input and isinstance(spec, keras.InputSpec):
                 saved.append((spec, spec.axes))
                 spec.axes = {}
         return saved
@@ -230,6 +280,8 @@ class _Emulation:
     def _run_split(self, entry, reference, args, kwargs):
         layer, style = entry.layer, entry.style
         group = self.group_of[id(layer)]
+        if isinstance(style, Channelwise):
+            return self._run_channelwise(entry, reference, args, kwargs)
         inputs = tracing.flat_tensors((args, kwargs))
         splits_input = isinstance(style, Row) and style.input_is_parallel
         if splits_input:
@@ -266,6 +318,36 @@ class _Emulation:
                 layer, style, _OneRank(self.rank), weights, args[0], **kwargs
             )
         return reference.result
+
+    def _run_channelwise(self, entry, reference, args, kwargs):
+        """A per-channel layer: its input must be this rank's channels."""
+        layer = entry.layer
+        local = _numpy(args[0])
+        whole = _numpy(reference.inputs[0])
+        split = [
+            axis
+            for axis in range(whole.ndim)
+            if local.shape[axis] != whole.shape[axis]
+        ]
+        if len(split) != 1:
+            self.problems[self.group_of[id(layer)]] = Problem(
+                f"Layer '{layer.path}' receives an input of shape "
+                f"{local.shape}, but Channelwise() expects this rank's "
+                f"channels of its input {whole.shape} (the output of a "
+                "Column layer)",
+                False,
+            )
+            return reference.result
+        expected = np.array_split(whole, self.plan.world_size, split[0])
+        self._compare(
+            [local],
+            [expected[self.rank]],
+            f"the input of '{layer.path}'",
+            self.group_of[id(layer)],
+        )
+        return entry.handler.run_local(
+            layer, self.local_weights[id(layer)], args, kwargs
+        )
 
     def _local_slice(self, variable, axis):
         value = _numpy(variable)

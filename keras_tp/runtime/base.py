@@ -302,6 +302,13 @@ class Runtime:
     def prepare_region(self, region):
         """Called once per region when a plan is installed; default no-op."""
 
+    def prepare_local_layer(self, layer):
+        """Called once per layer that runs unchanged on split values.
+
+        Such a layer (a `Channelwise` BatchNormalization) reads its split
+        variables itself, outside any region; default no-op.
+        """
+
     def run_region(self, region, args, kwargs):
         """Runs a `ShardedRegion`'s call on every rank; returns the output."""
         raise NotImplementedError

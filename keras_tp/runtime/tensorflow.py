@@ -54,6 +54,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import warnings
 
 import keras
@@ -218,6 +219,11 @@ class TensorFlowRuntime(Runtime):
         ]
 
     def _build(self):
+        # Whether a layer reads split variables outside regions.
+        self._local_layers = False
+        self._shapes_lock = threading.Lock()
+        self._shapes_users = 0
+        self._shapes_context = None
         if _MULTI_WORKER_STRATEGY is not None:
             if self.per_rank_steps:
                 raise NotImplementedError(
@@ -670,6 +676,7 @@ class TensorFlowRuntime(Runtime):
             lambda *parts: tf.concat(parts, axis=0), *rows
         )
 
+    @contextlib.contextmanager
     def _local_shapes(self, model):
         """Makes the placed variables report the shapes replicas hold.
 
@@ -677,10 +684,27 @@ class TensorFlowRuntime(Runtime):
         replica the values are shards and partitions.
         """
         variables = list(model.variables)
-        if model.optimizer is not None and model.optimizer.built:
-            variables += model.optimizer.variables
+        # `optimizer` exists once the model is compiled.
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and optimizer.built:
+            variables += optimizer.variables
         placed = [v for v in variables if id(v) in self.full_shapes]
-        return local_shapes(placed, self.local_shape)
+        # Replicas run in threads and may each enter: the first one in
+        # sets the shapes, the last one out restores them.
+        with self._shapes_lock:
+            if not self._shapes_users:
+                self._shapes_context = contextlib.ExitStack()
+                self._shapes_context.enter_context(
+                    local_shapes(placed, self.local_shape)
+                )
+            self._shapes_users += 1
+        try:
+            yield
+        finally:
+            with self._shapes_lock:
+                self._shapes_users -= 1
+                if not self._shapes_users:
+                    self._shapes_context.close()
 
     def _train_step(self, model, data):
         optimizer = self._prepare_optimizer(model)
@@ -857,9 +881,14 @@ class TensorFlowRuntime(Runtime):
 
         With a data axis or ZeRO the whole call runs in every replica, as
         in a step, since the mesh axes' collectives and ZeRO-3's gathers
-        exist there only; each row computes the whole batch.
+        exist there only; each row computes the whole batch. So it does
+        when a layer reads its split variables outside any region.
         """
-        if not self.per_rank_steps or self._in_replica():
+        if self._in_replica():
+            # A custom loop's replica step: values are the replica's own.
+            with self._local_shapes(model):
+                return model(inputs, training=training)
+        if not (self.per_rank_steps or self._local_layers):
             return model(inputs, training=training)
         return self._on_replicas(
             lambda inputs: model(inputs, training=training), inputs
@@ -870,6 +899,10 @@ class TensorFlowRuntime(Runtime):
     def prepare_region(self, region):
         """Lets the region's Row layers take their input split."""
         region.accept_split_input()
+
+    def prepare_local_layer(self, layer):
+        # Its split variables can only be read inside a replica.
+        self._local_layers = True
 
     def run_region(self, region, args, kwargs):
         if self._in_replica():

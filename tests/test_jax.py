@@ -333,6 +333,83 @@ def test_gathering_column_applies_softmax_to_all_features():
         )
 
 
+class ExpertBank(layers.Layer):
+    """Experts written with raw weights, as keras-hub's MoE layers are."""
+
+    def __init__(self, experts=4, hidden=8, **kwargs):
+        super().__init__(**kwargs)
+        self.experts = experts
+        self.hidden = hidden
+
+    def build(self, input_shape):
+        features = input_shape[-1]
+        self.up = self.add_weight((self.experts, features, self.hidden))
+        self.down = self.add_weight((self.experts, self.hidden, features))
+
+    def call(self, x):
+        hidden = keras.ops.relu(keras.ops.einsum("tf,efh->eth", x, self.up))
+        return keras.ops.einsum("eth,ehf->etf", hidden, self.down)
+
+
+def expert_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    experts = ExpertBank(name="experts")(inputs)
+    return keras.Model(inputs, keras.ops.sum(experts, axis=0))
+
+
+def test_user_plans_with_channelwise_and_expert_parallel():
+    x, y = models.data_for("cnn", batch=8)
+    plan = {
+        "conv1": keras_tp.Column(),
+        "bn1": keras_tp.Channelwise(),
+        "conv2": keras_tp.Row(),
+    }
+    reference, tp = pair("cnn", 2, plan=plan)
+    assert max_diff(gradients(reference, x, y), gradients(tp, x, y)) <= ATOL
+    assert tp.sharding_plan.variable_axes()["cnn/bn1/moving_mean"][1] == 0
+
+    x = np.random.default_rng(0).normal(size=(5, 6)).astype("float32")
+    reference = expert_model()
+    tp = keras_tp.TensorParallelKeras(expert_model(), world_size=4)
+    assert tp.sharding_plan.layers[0].style == keras_tp.ExpertParallel(0)
+    np.testing.assert_allclose(tp(x), reference(x), atol=ATOL)
+    with pytest.raises(
+        keras_tp.ShardingError,
+        match="'mixed': Channelwise\\(\\) splits every weight on its channel",
+    ):
+        keras_tp.ShardingPlan({"mixed": keras_tp.Channelwise()}).bind(
+            _mixed_weights_model(), 2
+        )
+    with pytest.raises(
+        keras_tp.ShardingError,
+        match="'mixed': ExpertParallel\\(\\) splits every weight on its",
+    ):
+        keras_tp.ShardingPlan({"mixed": keras_tp.ExpertParallel()}).bind(
+            _mixed_weights_model(), 2
+        )
+    with pytest.raises(
+        keras_tp.ShardingError, match="Channelwise\\(\\) does not apply to"
+    ):
+        pair("cnn", 2, plan={"conv1": keras_tp.Channelwise()})
+
+
+class MixedWeights(layers.Layer):
+    """Weights of two lengths: neither a channel axis nor experts."""
+
+    def build(self, input_shape):
+        self.scale = self.add_weight((input_shape[-1],), initializer="ones")
+        self.table = self.add_weight((3, input_shape[-1] + 1))
+
+    def call(self, x):
+        return x * self.scale
+
+
+def _mixed_weights_model():
+    inputs = keras.Input((4,))
+    return keras.Model(inputs, MixedWeights(name="mixed")(inputs))
+
+
 def gqa_model(kv_heads):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((4, 16))

@@ -43,9 +43,17 @@ def test_transformer_families_exact_at_two_ranks(name):
     assert not results["fallbacks"]
     if name in zoo_cases.DECODER_LMS:
         zoo_cases.check_megatron(results)
-    if name not in ("gemma", "gemma_lora", "mixtral"):
+    if name not in ("gemma", "gemma_lora"):
         # Only norms and position tables stay whole.
         assert results["bytes_ratio"] <= 1.05, results["bytes_ratio"]
+    if name == "mixtral":
+        # Each rank holds half of every layer's experts.
+        experts = [s for s in results["plan"].values() if "Expert" in s]
+        assert experts == [repr(keras_tp.ExpertParallel(0))] * 2
+
+
+def test_resnet_pairs_convolutions_through_batchnorm():
+    zoo_cases.check_resnet(zoo_cases.cnn_checks("resnet50", 2))
 
 
 @pytest.mark.parametrize("name", ["gpt2", "qwen3"])

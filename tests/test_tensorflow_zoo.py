@@ -48,3 +48,12 @@ def test_megatron_minimum(name):
     results = measure(name)
     assert not results["fallbacks"], results["fallbacks"]
     zoo_cases.check_megatron(results)
+
+
+def test_experts_split_in_inference():
+    # Training Mixtral is refused (above); its split experts still serve.
+    assert zoo_cases.forward_difference("mixtral", 2) <= 1e-5
+
+
+def test_resnet_pairs_convolutions_through_batchnorm():
+    zoo_cases.check_resnet(zoo_cases.cnn_checks("resnet50", 2))

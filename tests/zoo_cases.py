@@ -160,3 +160,38 @@ def forward_difference(name, world_size):
     """Largest output difference of a zoo model split `world_size` ways."""
     reference, tp, x, _ = pair(name, world_size)
     return _largest(tp(x), reference(x))
+
+
+CNNS = ("resnet50", "efficientnetb0")
+
+
+def cnn_checks(name, world_size):
+    """Forward difference and plan of a `keras.applications` CNN.
+
+    Training is not compared: at the zoo's size (32x32 images, batch 4)
+    BatchNormalization in training mode normalises the last stage over 4
+    nearly equal values, and the one-device model disagrees with itself
+    (compiled against eager) after one SGD step by more than the split
+    does. The Conv -> BatchNormalization -> Conv training path is checked
+    exactly on `tests/models.py`'s `cnn`.
+    """
+    reference, tp, x, _ = pair(name, world_size)
+    styles = [repr(e.style) for e in tp.sharding_plan.leaf_layers()]
+    return {
+        "forward": _largest(tp(x), reference(x)),
+        "channelwise": styles.count(repr(keras_tp.Channelwise())),
+        "pairs": styles.count(repr(_ROW)),
+        "fallbacks": dict(tp.sharding_plan.fallbacks),
+    }
+
+
+def check_resnet(results):
+    """Every bottleneck pairs its first two convolutions through its BN.
+
+    ResNet50 has 16 bottleneck blocks: 1x1 conv (Column) -> BatchNorm
+    (Channelwise, statistics local to the rank's channels) -> ReLU -> 3x3
+    conv (Row).
+    """
+    assert results["forward"] <= 1e-5, results
+    assert results["channelwise"] == results["pairs"] == 16, results
+    assert not results["fallbacks"], results["fallbacks"]

@@ -456,10 +456,9 @@ class _Planner:
                 if _opaque(consumer.layer):
                     continue  # like raw ops: the check decides
                 handler = leaf_handler(consumer.layer)
-                if self._passes(consumer, handler) and _commutes(
-                    consumer, tensor, axis
-                ):
-                    if handler is not None:
+                weights = self._weights_passing(consumer, tensor, axis)
+                if weights is not None:
+                    if weights:
                         through.append(consumer.layer)
                     tensors.extend(
                         t for t in consumer.outputs if t is not tensor
@@ -473,19 +472,33 @@ class _Planner:
         self.through[call.index] = through
         return ends
 
-    def _passes(self, call, handler):
-        """Whether split features may pass `call`'s layer unchanged.
+    def _weights_passing(self, call, tensor, axis):
+        """How split features on `axis` of `tensor` pass `call`'s layer.
 
-        A weightless layer may, and a per-channel layer with weights
-        (BatchNormalization) called once, its weights split with them.
+        Returns `None` if they do not, or the layer's weights split with
+        them (`{role: slice}`, for a per-channel layer such as
+        BatchNormalization, called once), or `{}` if the layer keeps them
+        apart with its weights whole (an activation; a norm over another
+        axis, whose weights the local-execution check then judges).
         """
-        if handler is None:
-            return True
-        return (
-            Channelwise in handler.styles
+        handler = leaf_handler(call.layer)
+        if handler is not None and Channelwise not in handler.styles:
+            return None
+        part = np.arange(tensor.shape[axis] // 2)
+        if (
+            handler is not None
+            and handler.channel_length(call.layer) == tensor.shape[axis]
             and len(self.trace.calls_of[id(call.layer)]) == 1
             and self._can_split(call.layer, Channelwise())
-        )
+        ):
+            axes = handler.split_axes(call.layer, Channelwise())
+            weights = {
+                role: _take(variable, part, axes[role])
+                for role, variable in handler.variables(call.layer).items()
+            }
+            if _commutes(call, tensor, axis, weights):
+                return weights
+        return {} if _commutes(call, tensor, axis) else None
 
     def _single_call_candidate(self, call, candidates):
         return (
@@ -617,15 +630,22 @@ def _opaque(layer):
     return not layer.weights and not type(layer).__module__.startswith("keras.")
 
 
-def _commutes(call, tensor, axis):
+def _take(tensor, indices, axis):
+    return ops.convert_to_tensor(
+        np.take(ops.convert_to_numpy(tensor), indices, axis),
+        dtype=tensor.dtype,
+    )
+
+
+def _commutes(call, tensor, axis, weights=None):
     """Whether `call`'s layer keeps the features on `axis` apart, in place.
 
-    Decided by what the layer computes on the traced values: run on a
-    slice of `tensor` along `axis` (and of its weights along their channel
-    axis), it must give the same slice of its traced output (an
-    activation, dropout, pooling over other axes, a norm over another axis,
-    BatchNormalization over the channels do; a norm over `axis`, a reshape
-    do not).
+    Decided by what the layer computes on the traced values: run on the
+    first half of `tensor` along `axis` (with its weights read as
+    `weights`, their matching halves, if given), it must give the same
+    half of its traced output (an activation, dropout, pooling over other
+    axes, a norm over another axis, BatchNormalization with its weights
+    halved do; a norm over `axis`, a reshape do not).
     """
     if len(call.inputs) != 1 or len(call.outputs) != 1:
         return False
@@ -633,26 +653,13 @@ def _commutes(call, tensor, axis):
     if tuple(output.shape) != tuple(tensor.shape) or tensor.shape[axis] < 2:
         return False
     part = np.arange(tensor.shape[axis] // 2)
-    handler = leaf_handler(call.layer)
-    weights = {}
-    if handler is not None:
-        if handler.channel_length(call.layer) != tensor.shape[axis]:
-            return False
-        axes = handler.split_axes(call.layer, Channelwise())
-        for role, variable in handler.variables(call.layer).items():
-            weights[role] = ops.convert_to_tensor(
-                np.take(ops.convert_to_numpy(variable), part, axes[role]),
-                dtype=variable.dtype,
-            )
     try:
-        sliced = ops.convert_to_tensor(
-            np.take(ops.convert_to_numpy(tensor), part, axis),
-            dtype=tensor.dtype,
-        )
-        if handler is None:
-            actual = call.layer.call(sliced)
-        else:
+        sliced = _take(tensor, part, axis)
+        if weights:
+            handler = leaf_handler(call.layer)
             actual = handler.run_local(call.layer, weights, (sliced,), {})
+        else:
+            actual = call.layer.call(sliced)
         actual = ops.convert_to_numpy(actual)
     except Exception:  # noqa: BLE001 - the layer cannot run on a slice
         return False

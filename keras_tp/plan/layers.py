@@ -482,14 +482,13 @@ class OwnWeightsHandler(LayerHandler):
 
     def split_axes(self, layer, style):
         variables = self.variables(layer)
+        shapes = [tuple(v.shape) for v in variables.values()]
         if isinstance(style, ExpertParallel):
-            leading = {v.shape[0] if v.shape else None for v in variables.values()}
-            if len(leading) != 1 or None in leading:
+            if len({shape[:1] for shape in shapes}) != 1 or not shapes[0]:
                 raise ShardingError(
                     f"Layer '{layer.path}': ExpertParallel() splits every "
                     "weight on its leading (experts) axis, but the weights "
-                    f"have shapes {[tuple(v.shape) for v in variables.values()]}"
-                    ". Map it to Replicate()."
+                    f"have shapes {shapes}. Map it to Replicate()."
                 )
             return {role: 0 for role in variables}
         length = self.channel_length(layer)
@@ -497,9 +496,8 @@ class OwnWeightsHandler(LayerHandler):
             raise ShardingError(
                 f"Layer '{layer.path}': Channelwise() splits every weight on "
                 "its channel axis, the one axis length all its weights share,"
-                " but the weight shapes "
-                f"{[tuple(v.shape) for v in variables.values()]} have no such"
-                " length. Map it to Replicate()."
+                f" but the weight shapes {shapes} have no such length. Map it "
+                "to Replicate()."
             )
         return {
             role: tuple(v.shape).index(length) for role, v in variables.items()

@@ -64,8 +64,8 @@ class ShardingPlan:
             if not isinstance(style, ShardingStyle):
                 raise TypeError(
                     f"The style for {pattern!r} must be a keras_tp style "
-                    "(Column(), Row(), Vocab(), Channelwise(), ExpertParallel() or "
-                    f"Replicate()), got {style!r}."
+                    "(Column(), Row(), Vocab(), Channelwise(), "
+                    f"ExpertParallel() or Replicate()), got {style!r}."
                 )
             re.compile(pattern)
             self.rules.append((pattern, style))
@@ -290,9 +290,7 @@ def _bind_attention(plan, layer, world_size, used):
     styles = {}
     for name, sub in projections.items():
         handler = leaf_handler(sub)
-        styles[name] = _style_for(
-            plan, handler.primary_variable(sub), used
-        )
+        styles[name] = _style_for(plan, handler.primary_variable(sub), used)
     if all(style is None for style in styles.values()):
         return None
     expected = {name: ATTENTION.projection_style(name) for name in projections}
@@ -348,5 +346,3 @@ def replicated_layers(model, bound):
         else:
             reasons[layer.path] = "not in the plan"
     return reasons
-
-

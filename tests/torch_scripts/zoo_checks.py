@@ -8,13 +8,11 @@ def zoo_checks(names, world_size):
     """`zoo_cases.measure` of each model; every rank's results.
 
     Under `"mixed_bfloat16"`, `zoo_cases.mixed_precision` of Llama; under
-    `"cnn_forward"`, the forward differences of the keras.applications
-    models.
+    `"cnns"`, `zoo_cases.cnn_checks` of the keras.applications models.
     """
     results = {name: zoo_cases.measure(name, world_size) for name in names}
     results["mixed_bfloat16"] = zoo_cases.mixed_precision("llama", world_size)
-    results["cnn_forward"] = {
-        name: zoo_cases.forward_difference(name, world_size)
-        for name in ("resnet50", "efficientnetb0")
+    results["cnns"] = {
+        name: zoo_cases.cnn_checks(name, world_size) for name in zoo_cases.CNNS
     }
     return _all_ranks(results)

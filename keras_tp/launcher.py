@@ -16,6 +16,7 @@ import socket
 import tempfile
 import time
 import traceback
+import warnings
 
 import keras
 
@@ -52,6 +53,7 @@ def launch(
     timeout=3600.0,
     master_addr="127.0.0.1",
     master_port=None,
+    threads_per_rank=None,
 ):
     """Runs `train_fn(*args, **kwargs)` on `world_size` ranks.
 
@@ -63,6 +65,14 @@ def launch(
     `cuda:r`. `train_fn` may be defined in a script's `__main__` (guard the
     script's top level with `if __name__ == "__main__":`) or in a notebook
     cell: it is sent to the ranks by value with cloudpickle.
+
+    Each rank's torch computes with `threads_per_rank` CPU threads
+    (`OMP_NUM_THREADS` in the rank). By default the cores this process may
+    use are shared among the ranks: torch would otherwise start a thread
+    per core in every rank, and ranks that each take every core slow one
+    another down (torchrun sets one thread per rank for the same reason).
+    With fewer cores than CPU ranks, `launch` warns that the ranks take
+    turns on the cores.
 
     On the JAX and TensorFlow backends ranks are devices of this process,
     so `train_fn` is simply called here.
@@ -76,6 +86,9 @@ def launch(
             `RankTimeoutError` names them, with the stack each was in.
         master_addr: address of the rendezvous; loopback by default.
         master_port: its port; a free one by default.
+        threads_per_rank: CPU threads of each rank's torch; default:
+            `$OMP_NUM_THREADS` if set, else the usable cores divided by
+            `world_size`, at least 1.
 
     Returns:
         What `train_fn` returned on rank 0.
@@ -111,12 +124,27 @@ def launch(
             f"but {gpus} are visible. Start at most {gpus} ranks, or hide "
             "the GPUs (CUDA_VISIBLE_DEVICES='') to run CPU ranks over gloo."
         )
+    cores = usable_cores()
+    threads = (
+        threads_per_rank
+        or os.environ.get("OMP_NUM_THREADS")
+        or max(1, cores // world_size)
+    )
+    if not gpus and cores < world_size:
+        warnings.warn(
+            f"keras_tp.launch: {world_size} ranks share {cores} CPU cores, "
+            "so they take turns on them and every step waits for the "
+            f"slowest rank. Each rank computes with {threads} thread(s); "
+            f"start at most {cores} ranks for speed.",
+            stacklevel=2,
+        )
     payload = _pickle_by_value((train_fn, args, kwargs))
     port = master_port or _free_port(master_addr)
     with tempfile.TemporaryDirectory(prefix="keras_tp_launch_") as workdir:
-        # Ranks import keras (through keras_tp) before anything else runs:
-        # they must start with this process' backend.
-        with _environment(KERAS_BACKEND="torch"):
+        # Ranks import keras (through keras_tp) and torch before anything
+        # else runs: they must start with this process' backend and with
+        # their share of the cores.
+        with _environment(KERAS_BACKEND="torch", OMP_NUM_THREADS=str(threads)):
             context = mp.start_processes(
                 _run_rank,
                 args=(world_size, master_addr, port, payload, workdir),
@@ -269,6 +297,16 @@ def _pickle_by_value(obj):
     except ImportError:
         return pickle.dumps(obj)
     return cloudpickle.dumps(obj)
+
+
+def usable_cores():
+    """The number of CPU cores this process may run on.
+
+    Its CPU affinity where the platform reports one, else every core.
+    """
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _free_port(address):

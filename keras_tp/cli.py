@@ -2,40 +2,69 @@
 
 ```
 keras-tp plan MODEL.keras --world-size 4 [--data-parallel 2 --zero-stage 1]
-keras-tp demo [--backend jax|torch|tensorflow] [--devices N]
+keras-tp demo [--backend jax|torch|tensorflow] [--devices N] [--save PATH]
 ```
 
 `plan` needs no devices: it loads the model, applies `keras_tp.auto_plan`
 for the tensor-parallel size, and derives local shapes and bytes from the
 plan. The memory it prints for data parallelism and ZeRO comes from the
 ZeRO paper's formulas, not from measurement.
+
+Both commands run on the backend that `--backend` names, else
+`$KERAS_BACKEND`, else JAX. Keras, and with it the backend, is imported
+only by the command that needs it, so that `--help` answers at once.
 """
 
 import argparse
+import atexit
 import importlib
 import math
 import os
+import re
 import subprocess
 import sys
-
-import keras
+import threading
 
 from keras_tp import __version__
-from keras_tp.collectives.base import nbytes
-from keras_tp.plan.auto import auto_plan
-from keras_tp.plan.sharding_plan import walk_layers
 
 BACKENDS = ("jax", "torch", "tensorflow")
+DEFAULT_BACKEND = "jax"
 ZERO_STAGES = (0, 1, 2, 3)
 ADAM_SLOTS = 2
+
+# A line of the C++ logs of TensorFlow, XLA or absl, e.g. "I0000
+# 00:00:1795424013.569436   26970 port.cc:153] oneDNN custom operations
+# are on. ..."; the first letter is the severity.
+_NATIVE_LOG_LINE = re.compile(rb"([IWEF])\d{4} [\d:.]+ +\d+ \S+:\d+\] ")
+_NATIVE_SEVERITIES = b"IWEF"
+# Lines that come with those INFO lines: absl's notice that it logs before
+# it is initialised, and the second line of TensorFlow's CPU feature notice.
+_NATIVE_INFO_COMPANIONS = (
+    b"WARNING: All log messages before absl::InitializeLog() is called",
+    b"To enable the following instructions:",
+)
+# The C++ libraries write to this file descriptor, whatever sys.stderr is.
+_STDERR_FD = 2
+# Seconds to wait at exit for the last lines of stderr to be copied.
+_STDERR_DRAIN_SECONDS = 2.0
 
 
 class CommandError(Exception):
     """A user error, reported as one line on stderr with exit status 1."""
 
 
-def main(argv=None):
-    """Runs `keras-tp` with `argv` (default: `sys.argv[1:]`).
+def main():
+    """The `keras-tp` program: `run(sys.argv[1:])`, without native logs.
+
+    Returns:
+        `run`'s exit status.
+    """
+    quiet_native_logs()
+    return run(sys.argv[1:])
+
+
+def run(argv):
+    """Runs `keras-tp` with the command line arguments `argv`.
 
     Args:
         argv: the command line arguments, without the program name.
@@ -48,10 +77,10 @@ def main(argv=None):
 
     ```python
     from keras_tp import cli
-    cli.main(["plan", "model.keras", "--world-size", "4"])
+    cli.run(["plan", "lm.keras", "--world-size", "4"])
     ```
     """
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = list(argv)
     args = build_parser().parse_args(argv)
     try:
         return args.run(args, argv)
@@ -65,18 +94,115 @@ def main(argv=None):
         return 1
 
 
+def choose_backend(requested=None):
+    """The Keras backend a command runs on, and what chose it.
+
+    `requested` (the `--backend` option), else `$KERAS_BACKEND`, else JAX:
+    the rule of `keras-tp plan`, `keras-tp demo` and
+    `python -m keras_tp.demo` alike. Keras' own `keras.json` does not decide:
+    Keras writes one naming TensorFlow the first time it is imported, so
+    that file does not tell what the user chose.
+
+    Args:
+        requested: the backend named on the command line, or `None`.
+
+    Returns:
+        `(backend, reason)`, the reason being a few words such as
+        `"the default"` or `"from KERAS_BACKEND"`.
+    """
+    if requested:
+        return requested, "from --backend"
+    if os.environ.get("KERAS_BACKEND"):
+        return os.environ["KERAS_BACKEND"], "from KERAS_BACKEND"
+    return DEFAULT_BACKEND, "the default"
+
+
+def describe_backend(backend, reason):
+    """One phrase naming the backend, why, and how to choose another."""
+    return (
+        f"backend {backend} ({reason}; choose one with --backend or "
+        "KERAS_BACKEND)"
+    )
+
+
+def quiet_native_logs():
+    """Keeps the C++ log lines of TensorFlow, XLA and absl off stderr.
+
+    Only the `keras-tp` and demo programs call this, never an import:
+    a library must not change its user's environment. TensorFlow writes
+    several lines when it loads (oneDNN, CUDA stubs, CPU features), some
+    before it reads `TF_CPP_MIN_LOG_LEVEL`, and it loads on every backend
+    where it is installed, through `keras.utils.set_random_seed`. So this
+    sets `TF_CPP_MIN_LOG_LEVEL` to 3 unless it is set, and routes the
+    stderr of this process, which child processes inherit, through a
+    thread that drops the log lines below that level. Fatal lines,
+    Python's warnings and tracebacks pass unchanged;
+    `TF_CPP_MIN_LOG_LEVEL=0` shows every line.
+    """
+    level = os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    # TensorFlow's levels: 1 hides INFO, 2 also WARNING, 3 also ERROR.
+    if level not in ("1", "2", "3"):
+        return
+    hidden = _NATIVE_SEVERITIES[: int(level)]
+    try:
+        terminal = os.dup(_STDERR_FD)
+    except OSError:
+        return  # No stderr to filter.
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, _STDERR_FD)
+    os.close(write_end)
+    copier = threading.Thread(
+        target=_copy_without_native_logs,
+        args=(read_end, terminal, hidden),
+        name="keras-tp-stderr",
+        daemon=True,
+    )
+    copier.start()
+    atexit.register(_restore_stderr, terminal, copier)
+
+
+def _copy_without_native_logs(read_end, terminal, hidden):
+    with open(read_end, "rb") as pipe:
+        for line in pipe:
+            log = _NATIVE_LOG_LINE.match(line)
+            if log:
+                if log.group(1) in hidden:
+                    continue
+            elif line.startswith(_NATIVE_INFO_COMPANIONS) and b"I" in hidden:
+                continue
+            os.write(terminal, line)
+
+
+def _restore_stderr(terminal, copier):
+    sys.stderr.flush()
+    # Closes this process's end of the pipe: the copier reads to its end
+    # once the child processes that inherited the pipe have exited too.
+    os.dup2(terminal, _STDERR_FD)
+    copier.join(_STDERR_DRAIN_SECONDS)
+
+
 def build_parser():
     """The `argparse` parser of `keras-tp` and its subcommands."""
     parser = argparse.ArgumentParser(
         prog="keras-tp",
         description="Tensor parallelism for Keras 3: inspect the plan of a "
-        "saved model, or run the demo.",
+        "saved model, or run the demo. Both run on the backend --backend "
+        f"names, else $KERAS_BACKEND, else {DEFAULT_BACKEND}.",
+        epilog=_examples(
+            "keras-tp demo --save lm.keras",
+            "keras-tp plan lm.keras --world-size 8 --data-parallel 2 "
+            "--zero-stage 1",
+        ),
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument(
         "--version", action="version", version=f"keras_tp {__version__}"
     )
     commands = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND"
+    )
+    backend_help = (
+        f"Keras backend (default: $KERAS_BACKEND, else {DEFAULT_BACKEND})"
     )
 
     plan = commands.add_parser(
@@ -89,8 +215,12 @@ def build_parser():
         "device, then the bytes per device of parameters, gradients and "
         "Adam state (2 slots) for ZeRO stages 0 to 3. Runs on one CPU: "
         "nothing is placed on devices.",
-        epilog="example: keras-tp plan model.keras --world-size 8 "
-        "--data-parallel 2 --zero-stage 1",
+        epilog=_examples(
+            "keras-tp demo --save lm.keras",
+            "keras-tp plan lm.keras --world-size 8 --data-parallel 2 "
+            "--zero-stage 1",
+        ),
+        formatter_class=_HelpFormatter,
     )
     plan.add_argument("model", metavar="MODEL.keras", help="a saved model")
     plan.add_argument(
@@ -115,8 +245,7 @@ def build_parser():
     plan.add_argument(
         "--backend",
         choices=BACKENDS,
-        help="Keras backend that loads the model (default: the one Keras "
-        "is configured with); the plan is the same on every backend",
+        help=f"{backend_help}; the plan is the same on every backend",
     )
     plan.add_argument(
         "--import",
@@ -141,15 +270,14 @@ def build_parser():
         "model on one device",
         description="Run `python -m keras_tp.demo`: train a small "
         "transformer language model split over N devices (virtual CPU "
-        "devices on a CPU machine) and the same model on one device, and "
-        "print the plan, the bytes per device, the collectives of one "
-        "training step and both losses.",
+        "devices on a CPU machine; one process per rank on torch) and the "
+        "same model on one device, and print the plan, the collectives of "
+        "one training step, the parameter bytes per device and both losses "
+        "with a parity verdict.",
+        epilog=_examples("keras-tp demo --save lm.keras"),
+        formatter_class=_HelpFormatter,
     )
-    demo.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        help="Keras backend (default: $KERAS_BACKEND, else jax)",
-    )
+    demo.add_argument("--backend", choices=BACKENDS, help=backend_help)
     demo.add_argument(
         "--devices", type=_positive_int, help="tensor-parallel ranks (4)"
     )
@@ -157,8 +285,26 @@ def build_parser():
     demo.add_argument(
         "--samples", type=_positive_int, help="training sequences (512)"
     )
+    demo.add_argument(
+        "--save",
+        metavar="PATH.keras",
+        help="save the trained model, unsplit, for `keras-tp plan`",
+    )
     demo.set_defaults(run=run_demo)
     return parser
+
+
+def _examples(*commands):
+    return "examples:\n" + "\n".join(f"  {command}" for command in commands)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Wraps descriptions, and keeps the examples one command a line."""
+
+    def _fill_text(self, text, width, indent):
+        if text.startswith("examples:"):
+            return "".join(indent + line for line in text.splitlines(True))
+        return super()._fill_text(text, width, indent)
 
 
 def _positive_int(text):
@@ -176,7 +322,7 @@ def _positive_int(text):
 def run_demo(args, argv):
     """`keras-tp demo`: runs `python -m keras_tp.demo` with the options."""
     command = [sys.executable, "-m", "keras_tp.demo"]
-    for option in ("backend", "devices", "epochs", "samples"):
+    for option in ("backend", "devices", "epochs", "samples", "save"):
         value = getattr(args, option)
         if value is not None:
             command += [f"--{option}", str(value)]
@@ -194,14 +340,18 @@ def run_plan(args, argv):
     tensor_parallel = args.world_size // args.data_parallel
     if not os.path.isfile(args.model):
         raise CommandError(f"no such file: {args.model}")
-    if args.backend and args.backend != keras.backend.backend():
+    backend, reason = choose_backend(args.backend)
+    loaded = sys.modules.get("keras")
+    if loaded is not None and loaded.backend.backend() != backend:
         # Keras reads KERAS_BACKEND once, at import: another backend needs
         # a fresh interpreter.
-        env = {**os.environ, "KERAS_BACKEND": args.backend}
+        env = {**os.environ, "KERAS_BACKEND": backend}
         command = [sys.executable, "-m", "keras_tp.cli", *argv]
         return subprocess.call(command, env=env)
+    _import_keras(backend)
     # Registers the demo's custom layers, so that saved demo models load.
     import keras_tp.demo.models  # noqa: F401
+    from keras_tp.plan.auto import auto_plan
 
     for module in args.modules:
         try:
@@ -219,8 +369,8 @@ def run_plan(args, argv):
     print(
         f"Model '{model.name}' ({args.model}), world size "
         f"{args.world_size} = data parallel {args.data_parallel} x "
-        f"tensor parallel {tensor_parallel}, backend "
-        f"{keras.backend.backend()}"
+        f"tensor parallel {tensor_parallel}, "
+        f"{describe_backend(backend, reason)}"
     )
     print()
     print(report.layer_table())
@@ -229,7 +379,23 @@ def run_plan(args, argv):
     return 0
 
 
+def _import_keras(backend):
+    """Imports Keras on `backend` (Keras reads KERAS_BACKEND at import)."""
+    os.environ["KERAS_BACKEND"] = backend
+    try:
+        import keras  # noqa: F401
+    except ImportError as error:
+        raise CommandError(
+            f"Keras cannot load the {backend} backend "
+            f"({_first_line(error)}): install it "
+            f'(pip install "keras_tp[{backend}]") or choose another one '
+            "with --backend or KERAS_BACKEND."
+        )
+
+
 def _load_model(path):
+    import keras
+
     try:
         return keras.saving.load_model(path, compile=False)
     except Exception as error:
@@ -250,14 +416,33 @@ def _first_line(error):
 def _check_divisible(model, plan, world_size):
     """Refuses a plan that leaves layers whole because sizes don't divide.
 
-    A layer that `auto_plan` splits for one rank but not for this plan's
-    size stays whole only because one of its dimensions does not divide.
+    Such a layer is one that `auto_plan` splits for one rank, with a style
+    that cannot split it at this plan's size. Layers whole for other
+    reasons (a LayerNorm outside a Column -> Row pair) do not count.
     """
+    from keras_tp.plan.auto import auto_plan
+    from keras_tp.plan.sharding_plan import ShardedUnit
+    from keras_tp.plan.sharding_plan import ShardingError
+    from keras_tp.plan.sharding_plan import check_shardable
+
     if plan.world_size == 1:
         return
     split = {entry.layer.path for entry in plan.layers}
-    splittable = auto_plan(model, 1).layers
-    whole = [e.layer.path for e in splittable if e.layer.path not in split]
+    whole = []
+    for entry in auto_plan(model, 1).layers:
+        if entry.layer.path in split:
+            continue
+        if isinstance(entry, ShardedUnit):
+            leaves = entry.projections.values()
+        else:
+            leaves = [entry]
+        try:
+            for leaf in leaves:
+                check_shardable(
+                    leaf.layer, leaf.handler, leaf.style, plan.world_size
+                )
+        except ShardingError:
+            whole.append(entry.layer.path)
     if whole:
         names = ", ".join(whole[:3]) + (", ..." if len(whole) > 3 else "")
         raise CommandError(
@@ -340,12 +525,16 @@ class PlanReport:
 
     def local_bytes(self, variables, split=True):
         """Bytes of `variables` on one model rank (`split=False`: unsplit)."""
+        from keras_tp.collectives.base import nbytes
+
         return sum(
             nbytes(v, self.local_shape(v) if split else None) for v in variables
         )
 
     def layer_table(self):
         """Per split layer: variable, style, local shape, bytes/device."""
+        from keras_tp.plan.sharding_plan import walk_layers
+
         header = (
             f"{'Layer (variable)':48} {'Style':28} {'Source':24} "
             f"{'Local shape':18} {'Bytes/device':>12}"
@@ -357,7 +546,7 @@ class PlanReport:
         ]
         listed = set()
         for entry in self.plan.leaf_layers():
-            primary = entry.handler.primary
+            primary = entry.handler.primary_role(entry.layer)
             for role, variable in entry.handler.variables(entry.layer).items():
                 listed.add(id(variable))
                 style = repr(entry.style) if role == primary else ""

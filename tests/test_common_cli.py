@@ -1,6 +1,7 @@
 """The `keras-tp` command line: `plan` and `demo`, in process and as a program.
 
-Backend-neutral: `plan` needs no devices. Run alone:
+Backend-neutral: `plan` needs no devices. The commands of the README, the
+docs and `--help` run as written in `test_common_examples.py`. Run alone:
 `KERAS_BACKEND=jax python -m pytest tests/test_common_cli.py`.
 """
 
@@ -77,7 +78,7 @@ def test_entry_point_is_declared():
 
 
 def test_plan_prints_styles_local_shapes_and_zero_memory(saved_lm, capsys):
-    status = cli.main(
+    status = cli.run(
         [
             "plan",
             saved_lm,
@@ -92,6 +93,9 @@ def test_plan_prints_styles_local_shapes_and_zero_memory(saved_lm, capsys):
     output = capsys.readouterr().out
     assert status == 0
     assert "data parallel 2 x tensor parallel 4" in output
+    header = output.splitlines()[0]
+    assert f"backend {keras.backend.backend()} (" in header
+    assert "choose one with --backend or KERAS_BACKEND" in header
     # Per layer: style and the local shape at 4 tensor-parallel ranks.
     lines = {line.split()[0]: line for line in output.splitlines() if line}
     assert "Vocab()" in lines["token_embedding/embeddings"]
@@ -130,7 +134,7 @@ def test_plan_bytes_match_what_tensor_parallel_keras_measures(saved_lm, capsys):
     """The CLI's arithmetic equals the bytes read from the sharded arrays."""
     if len(keras.distribution.list_devices()) < 4:
         pytest.skip("needs 4 devices (run_all.sh configures 4 on JAX)")
-    assert cli.main(["plan", saved_lm, "--world-size", "4"]) == 0
+    assert cli.run(["plan", saved_lm, "--world-size", "4"]) == 0
     output = capsys.readouterr().out
     tp = keras_tp.TensorParallelKeras(
         keras.saving.load_model(saved_lm), world_size=4
@@ -156,7 +160,7 @@ def test_zero_memory_formulas():
 
 
 def test_allow_replicated_lists_the_layers_left_whole(saved_lm, capsys):
-    status = cli.main(
+    status = cli.run(
         ["plan", saved_lm, "--world-size", "8", "--allow-replicated"]
     )
     output = capsys.readouterr().out
@@ -173,7 +177,7 @@ def test_allow_replicated_lists_the_layers_left_whole(saved_lm, capsys):
         (
             ["--world-size", "3"],
             "--world-size 3 gives tensor-parallel size 3, which does not "
-            "divide the dimensions of 9 layer(s) of 'transformer_lm'",
+            "divide the dimensions of 14 layer(s) of 'transformer_lm'",
         ),
         (
             ["--world-size", "6", "--data-parallel", "4"],
@@ -182,7 +186,7 @@ def test_allow_replicated_lists_the_layers_left_whole(saved_lm, capsys):
     ],
 )
 def test_plan_errors_are_one_line(saved_lm, capsys, args, message):
-    assert cli.main(["plan", saved_lm, *args]) == 1
+    assert cli.run(["plan", saved_lm, *args]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith("keras-tp plan: error: ")
@@ -193,7 +197,7 @@ def test_plan_errors_are_one_line(saved_lm, capsys, args, message):
 def test_plan_refuses_a_file_keras_cannot_load(tmp_path, capsys):
     not_a_model = tmp_path / "notes.keras"
     not_a_model.write_text("not a zip file")
-    assert cli.main(["plan", str(not_a_model), "--world-size", "2"]) == 1
+    assert cli.run(["plan", str(not_a_model), "--world-size", "2"]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"keras-tp plan: error: cannot load {not_a_model}")
     assert err.count("\n") == 1
@@ -201,10 +205,10 @@ def test_plan_refuses_a_file_keras_cannot_load(tmp_path, capsys):
 
 def test_usage_errors_exit_2(saved_lm, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["plan", saved_lm])  # --world-size is required
+        cli.run(["plan", saved_lm])  # --world-size is required
     assert exit_info.value.code == 2
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["plan", saved_lm, "--world-size", "0"])
+        cli.run(["plan", saved_lm, "--world-size", "0"])
     assert exit_info.value.code == 2
     assert "must be a positive integer" in capsys.readouterr().err
 
@@ -219,10 +223,121 @@ def test_usage_errors_exit_2(saved_lm, capsys):
 )
 def test_help(args, expected, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        cli.main([*args, "--help"])
+        cli.run([*args, "--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     assert all(option in text for option in expected)
+    assert "\nexamples:\n  keras-tp " in text
+
+
+@pytest.mark.parametrize("args", [["--help"], ["plan", "--help"]])
+def test_help_imports_no_backend_and_writes_nothing_on_stderr(args):
+    """`--help` answers at once: Keras and the backends load on first use."""
+    code = (
+        "import sys\n"
+        "from keras_tp import cli\n"
+        "try:\n"
+        "    cli.main()\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = ('keras', 'jax', 'torch', 'tensorflow')\n"
+        "print('loaded:', [name for name in heavy if name in sys.modules])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "usage: keras-tp" in result.stdout
+    assert "loaded: []" in result.stdout
+    assert result.stderr == ""
+
+
+def test_one_backend_rule_for_every_command(monkeypatch):
+    monkeypatch.delenv("KERAS_BACKEND", raising=False)
+    assert cli.choose_backend() == ("jax", "the default")
+    monkeypatch.setenv("KERAS_BACKEND", "torch")
+    assert cli.choose_backend() == ("torch", "from KERAS_BACKEND")
+    assert cli.choose_backend("tensorflow") == ("tensorflow", "from --backend")
+    assert cli.describe_backend("jax", "the default") == (
+        "backend jax (the default; choose one with --backend or KERAS_BACKEND)"
+    )
+
+
+def test_quiet_native_logs_drops_only_native_log_lines():
+    """The programs' stderr filter, in this process and in its children."""
+    native = [
+        "WARNING: All log messages before absl::InitializeLog() is called "
+        "are written to STDERR",
+        "I0000 00:00:1795424013.569436   26970 port.cc:153] oneDNN custom "
+        "operations are on.",
+        "To enable the following instructions: AVX2 FMA, in other "
+        "operations, rebuild TensorFlow with the appropriate compiler flags.",
+        "W0000 00:00:1795424013.570001   26970 x.cc:7] a warning",
+        "E0000 00:00:1795424049.008336   27394 cuda_platform.cc:52] failed "
+        "call to cuInit: INTERNAL: CUDA error",
+    ]
+    kept = [
+        "F0000 00:00:1795424049.008336   27394 x.cc:9] a fatal error",
+        "UserWarning: a Python warning",
+    ]
+    child = (
+        "import os; os.write(2, b'I0000 00:00:1.5 3 c.cc:1] info\\nchild\\n')"
+    )
+    code = (
+        "import os, subprocess, sys\n"
+        "from keras_tp import cli\n"
+        "cli.quiet_native_logs()\n"
+        f"for line in {native + kept!r}:\n"
+        "    os.write(2, (line + '\\n').encode())\n"
+        f"subprocess.run([sys.executable, '-c', {child!r}])\n"
+        "print('from print', file=sys.stderr)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [*kept, "child", "from print"]
+
+    # TF_CPP_MIN_LOG_LEVEL=0 asks for every line.
+    env["TF_CPP_MIN_LOG_LEVEL"] = "0"
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.stderr.splitlines()[: len(native)] == native
+
+
+def test_importing_keras_tp_leaves_the_environment_alone():
+    """Only the programs' `main()` set variables or filter stderr."""
+    code = (
+        "import os\n"
+        "before = dict(os.environ), os.fstat(2)\n"
+        "import keras_tp, keras_tp.cli, keras_tp.demo.__main__\n"
+        "assert (dict(os.environ), os.fstat(2)) == before\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
 
 
 def test_demo_forwards_its_options(monkeypatch):
@@ -230,18 +345,9 @@ def test_demo_forwards_its_options(monkeypatch):
     monkeypatch.setattr(
         cli.subprocess, "call", lambda command: commands.append(command) or 0
     )
-    assert cli.main(["demo", "--backend", "jax", "--devices", "2"]) == 0
-    assert commands == [
-        [
-            sys.executable,
-            "-m",
-            "keras_tp.demo",
-            "--backend",
-            "jax",
-            "--devices",
-            "2",
-        ]
-    ]
+    argv = ["demo", "--backend", "jax", "--devices", "2", "--save", "lm.keras"]
+    assert cli.run(argv) == 0
+    assert commands == [[sys.executable, "-m", "keras_tp.demo", *argv[1:]]]
 
 
 def test_program_plan_and_bad_path(saved_lm):
@@ -258,17 +364,6 @@ def test_program_plan_and_bad_path(saved_lm):
     assert "Traceback" not in result.stderr
 
 
-def test_program_demo_runs_the_demo():
-    if keras.backend.backend() != "jax":
-        pytest.skip("the demo's torch and TensorFlow runs are other tests'")
-    result = run_cli(
-        "demo", "--devices", "2", "--epochs", "1", "--samples", "64"
-    )
-    assert result.returncode == 0, result.stderr
-    assert "Tensor-parallel plan, world_size=2" in result.stdout
-    assert "loss, TP=2" in result.stdout
-
-
 def test_plan_on_another_backend_runs_a_fresh_interpreter(
     saved_lm, monkeypatch
 ):
@@ -280,7 +375,7 @@ def test_plan_on_another_backend_runs_a_fresh_interpreter(
         lambda command, env: calls.append((command, env)) or 0,
     )
     argv = ["plan", saved_lm, "--world-size", "2", "--backend", other]
-    assert cli.main(argv) == 0
+    assert cli.run(argv) == 0
     [(command, env)] = calls
     assert command == [sys.executable, "-m", "keras_tp.cli", *argv]
     assert env["KERAS_BACKEND"] == other

@@ -1,0 +1,42 @@
+"""`keras_tp.launch` shares the CPU cores among torch ranks.
+
+Run with `KERAS_BACKEND=torch python -m pytest tests/test_torch_launcher.py`.
+"""
+
+import os
+
+import keras
+import pytest
+
+if keras.backend.backend() != "torch":
+    pytest.skip(
+        "torch backend tests; run with KERAS_BACKEND=torch",
+        allow_module_level=True,
+    )
+
+import torch  # noqa: E402
+
+from keras_tp import launcher  # noqa: E402
+
+
+def test_ranks_outnumbering_the_cores_warn_and_take_one_thread_each(
+    monkeypatch,
+):
+    # Whatever this machine has, pretend it has one core for two ranks.
+    monkeypatch.setattr(launcher, "usable_cores", lambda: 1)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    with pytest.warns(UserWarning, match="2 ranks share 1 CPU cores"):
+        threads = launcher.launch(
+            torch.get_num_threads, world_size=2, timeout=120
+        )
+    assert threads == 1
+    assert "OMP_NUM_THREADS" not in os.environ
+
+
+def test_threads_per_rank_decides_over_the_cores(monkeypatch):
+    # Four cores would give two ranks two threads each.
+    monkeypatch.setattr(launcher, "usable_cores", lambda: 4)
+    threads = launcher.launch(
+        torch.get_num_threads, world_size=2, threads_per_rank=1
+    )
+    assert threads == 1

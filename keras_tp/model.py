@@ -144,13 +144,13 @@ class TensorParallelKeras(keras.Model):
             axis = (
                 entry[1] if entry is not None and entry[0] is variable else None
             )
-            runtime.place(variable, axis)
+            runtime.placement.place(variable, axis)
         installed = regions.install(bound, runtime)
         if zero_stage == 3:
             for variable in model.trainable_variables:
-                axis = runtime.partition_axis(variable)
+                axis = runtime.placement.partition_axis(variable)
                 if axis is not None:
-                    runtime.partition(variable, axis)
+                    runtime.placement.partition(variable, axis)
             regions.install_gathers(model, installed, runtime)
         _WRAPPED_MODELS.add(model)
         self.built = True
@@ -205,7 +205,9 @@ class TensorParallelKeras(keras.Model):
             )
         else:
             return optimizer
-        optimizer.bind(runtime)
+        optimizer.bind(
+            runtime.placement, runtime.data_adapter, runtime.world_adapter
+        )
         return optimizer
 
     def train_step(self, *args, **kwargs):
@@ -362,7 +364,7 @@ class TensorParallelKeras(keras.Model):
         }
 
     def _full_parameter_bytes(self):
-        shapes = self._runtime.full_shapes
+        shapes = self._runtime.placement.full_shapes
         return sum(nbytes(v, shapes[id(v)]) for v in self.model.variables)
 
     def summary(self, print_fn=None, **kwargs):
@@ -398,7 +400,7 @@ class TensorParallelKeras(keras.Model):
                 f"'{self.model.name}' has {len(variables)} weights."
             )
         for variable, value in zip(variables, weights):
-            full_shape = self._runtime.full_shapes[id(variable)]
+            full_shape = self._runtime.placement.full_shapes[id(variable)]
             if tuple(value.shape) != full_shape:
                 raise ValueError(
                     f"set_weights(): variable '{variable.path}' has full "
@@ -440,7 +442,7 @@ def format_plan(plan, runtime):
     for entry in plan.leaf_layers():
         variables = entry.handler.variables(entry.layer)
         for role, variable in variables.items():
-            shape = runtime.local_shape(variable)
+            shape = runtime.placement.local_shape(variable)
             local_bytes = nbytes(variable, shape)
             primary = role == entry.handler.primary_role(entry.layer)
             style = repr(entry.style) if primary else ""

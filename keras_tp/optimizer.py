@@ -193,16 +193,27 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         self.global_clip_norm = optimizer.global_clipnorm
         optimizer.clipnorm = None
         optimizer.global_clipnorm = None
-        self._runtime = None
+        self._placement = None
+        self._data_adapter = None
+        self._world_adapter = None
 
-    def bind(self, runtime):
-        """Attaches the runtime whose ranks this optimizer coordinates."""
-        if self._runtime is not None and self._runtime is not runtime:
+    def bind(self, placement, data_adapter, world_adapter):
+        """Attaches the mesh whose ranks this optimizer coordinates.
+
+        Args:
+            placement: the `Placement` of the model's variables; slots and
+                gradient buffers are placed like their variables.
+            data_adapter: the collective adapter of the `data` axis.
+            world_adapter: the adapter over the whole mesh.
+        """
+        if self._placement is not None and self._placement is not placement:
             raise ValueError(
                 f"CoordinatedOptimizer '{self.name}' already belongs to "
                 "another TensorParallelKeras model; compile with a new one."
             )
-        self._runtime = runtime
+        self._placement = placement
+        self._data_adapter = data_adapter
+        self._world_adapter = world_adapter
 
     # Building -----------------------------------------------------------
 
@@ -212,18 +223,18 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
 
     @property
     def data_parallel(self):
-        return self._runtime.data_parallel
+        return self._placement.data_parallel
 
     def build(self, var_list):
-        if self._runtime is None:
+        if self._placement is None:
             raise ValueError(
                 "CoordinatedOptimizer only runs inside a TensorParallelKeras "
                 "model: pass it to `TensorParallelKeras.compile()`."
             )
-        runtime = self._runtime
+        placement = self._placement
         var_list = list(var_list)
         self.partition_axes = {
-            id(v): (runtime.partition_axis(v) if self.zero_stage else None)
+            id(v): (placement.partition_axis(v) if self.zero_stage else None)
             for v in var_list
         }
         self.buckets = self._make_buckets(var_list)
@@ -231,7 +242,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
 
         def add_placed_variable(reference_variable, name=None, **kwargs):
             variable = original(reference_variable, name=name, **kwargs)
-            runtime.place_like(
+            placement.place_like(
                 variable,
                 reference_variable,
                 self._slot_partition_axis(reference_variable),
@@ -248,7 +259,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             buffer = self.add_variable_from_reference(variable, "gradient")
             axis = self.partition_axes[id(variable)]
             keep_partition = self.zero_stage >= 2 and axis is not None
-            runtime.place_like(
+            placement.place_like(
                 buffer, variable, axis if keep_partition else None
             )
             self.gradient_buffers.append(buffer)
@@ -276,7 +287,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         for variable in reversed(var_list):
             axis = self.partition_axes[id(variable)]
             key = (axis is not None, variable.dtype)
-            shape = self._runtime.model_shard_shape(variable)
+            shape = self._placement.model_shard_shape(variable)
             size = nbytes(variable, shape)
             current = open_buckets.get(key)
             # All-reduce buckets are cut into calls of `cap` bytes later.
@@ -345,7 +356,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             for g, v in zip(grads, trainable_variables)
         ]
         steps = self.accumulation_steps
-        with self._runtime.data_adapter.stats.labelled("optimizer"):
+        with self._data_adapter.stats.labelled("optimizer"):
             if steps == 1:
                 self._update(self._synchronised(grads, trainable_variables))
                 return
@@ -419,7 +430,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         Gradients of variables without a partition axis are all-reduced.
         Under ZeRO-3 the partitioned gradients arrive reduced already.
         """
-        adapter = self._runtime.data_adapter
+        adapter = self._data_adapter
         parts = adapter.size()
         position = {id(v): i for i, v in enumerate(variables)}
         out = list(grads)
@@ -454,7 +465,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         return out
 
     def _all_reduce_bucket(self, bucket, grads, position):
-        adapter = self._runtime.data_adapter
+        adapter = self._data_adapter
         indices = [position[id(v)] for v in bucket.variables]
         flat = ops.concatenate(
             [ops.reshape(grads[i], (-1,)) for i in indices], axis=0
@@ -474,7 +485,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
 
     def _all_gather(self, partitions, variables):
         """Rebuilds every partitioned variable from all ranks' partitions."""
-        adapter = self._runtime.data_adapter
+        adapter = self._data_adapter
         parts = adapter.size()
         position = {id(v): i for i, v in enumerate(variables)}
         out = {}
@@ -507,7 +518,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         if self.zero_stage in (0, 3):
             self.inner_optimizer.apply(grads, variables)
             return
-        adapter = self._runtime.data_adapter
+        adapter = self._data_adapter
         rank = adapter.rank()
         parts = adapter.size()
         bound = []
@@ -542,7 +553,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
                 for g, v in zip(grads, variables)
             ]
         )
-        world = self._runtime.world_adapter
+        world = self._world_adapter
         if self.global_clip_norm:
             total = world.all_reduce(ops.sum(squares), "sum")
             norm = ops.sqrt(total)
@@ -567,13 +578,13 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         axis, or not partitioned over the data axis) is counted once in the
         sum over all ranks.
         """
-        runtime = self._runtime
+        placement = self._placement
         weight = 1.0
-        if runtime.variable_axes.get(id(variable)) is None:
-            weight /= runtime.tensor_parallel
-        local = tuple(runtime.model_shard_shape(variable))
+        if placement.split_axis(variable) is None:
+            weight /= placement.tensor_parallel
+        local = tuple(placement.model_shard_shape(variable))
         if tuple(grad.shape) == local:
-            weight /= runtime.data_parallel
+            weight /= placement.data_parallel
         return weight
 
     def finalize_variable_values(self, var_list):
@@ -581,11 +592,11 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         inner = self.inner_optimizer
         if not inner.use_ema:
             return
-        runtime = self._runtime
+        placement = self._placement
         averages = inner._model_variables_moving_average
         for variable in var_list:
             average = averages[inner._get_variable_index(variable)]
-            runtime.assign_full_value(variable, runtime.full_value(average))
+            placement.assign_full_value(variable, placement.full_value(average))
 
     # Monitoring ---------------------------------------------------------
 

@@ -259,7 +259,7 @@ def install_gathers(model, installed_regions, runtime):
         installed_regions: the regions `install` returned.
         runtime: the runtime holding the partitions.
     """
-    partitioned = runtime.data_axes
+    partitioned = runtime.placement.data_axes
     covered = set()
     for region in installed_regions:
         members = [v for v, _ in region.variables()]

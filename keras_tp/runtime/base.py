@@ -7,6 +7,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_tp.placement import Placement
+
 
 class Runtime:
     """Owns the devices, the collective adapter and the variable storage.
@@ -75,10 +77,7 @@ class Runtime:
         # With a data axis or ZeRO the whole step runs per rank, and the
         # CoordinatedOptimizer synchronises the data axis.
         self.per_rank_steps = data_parallel > 1 or zero_stage > 0
-        self.variable_axes = {}
-        self.full_shapes = {}
-        # Axis of a variable's shard partitioned over `data` (ZeRO), by id.
-        self.data_axes = {}
+        self.placement = Placement(self.tensor_parallel, data_parallel, self)
         self.device_mesh = keras.distribution.DeviceMesh(
             shape=(data_parallel, self.tensor_parallel),
             axis_names=("data", "model"),
@@ -98,62 +97,12 @@ class Runtime:
         """
         raise NotImplementedError
 
-    def place(self, variable, axis):
-        """Stores `variable` split on `axis` (`None`: replicated)."""
-        self.variable_axes[id(variable)] = axis
-        self.full_shapes[id(variable)] = tuple(variable.shape)
-        self.place_variable(variable, axis)
-
-    def model_shard_shape(self, variable):
-        """The shape of a placed variable's tensor-parallel shard."""
-        shape = list(self.full_shapes[id(variable)])
-        axis = self.variable_axes[id(variable)]
-        if axis is not None:
-            shape[axis] //= self.tensor_parallel
-        return tuple(shape)
-
-    def local_shape(self, variable):
-        """The shape one rank stores: its shard, and its ZeRO partition."""
-        shape = list(self.model_shard_shape(variable))
-        data_axis = self.data_axes.get(id(variable))
-        if data_axis is not None:
-            shape[data_axis] //= self.data_parallel
-        return tuple(shape)
-
-    def partition_axis(self, variable):
-        """The axis ZeRO partitions a variable's shard on, or `None`.
-
-        The first axis that the data-parallel size divides; a variable with
-        none (a bias of odd size, a scalar) stays whole on every rank.
-        """
-        for axis, size in enumerate(self.model_shard_shape(variable)):
-            if size % self.data_parallel == 0:
-                return axis
-        return None
-
-    def place_like(self, variable, reference, data_axis=None):
-        """Places a new variable shaped like a placed `reference`.
-
-        For optimizer slots and gradient buffers: split like the reference
-        over `model`, and partitioned over `data` on `data_axis` if given.
-        """
-        self.variable_axes[id(variable)] = self.variable_axes[id(reference)]
-        self.full_shapes[id(variable)] = self.full_shapes[id(reference)]
-        self.place_variable_like(variable, reference, data_axis)
-        if data_axis is not None:
-            self.data_axes[id(variable)] = data_axis
-
     def place_variable_like(self, variable, reference, data_axis):
-        """Backend part of `place_like`."""
+        """Backend part of `Placement.place_like`."""
         raise NotImplementedError
 
-    def partition(self, variable, data_axis):
-        """Keeps only this rank's ZeRO-3 partition of a placed variable."""
-        self.partition_variable(variable, data_axis)
-        self.data_axes[id(variable)] = data_axis
-
     def partition_variable(self, variable, data_axis):
-        """Backend part of `partition`."""
+        """Backend part of `Placement.partition`."""
         raise NotImplementedError
 
     def gathered_call(self, layer, variables, call):
@@ -170,7 +119,7 @@ class Runtime:
         raise NotImplementedError
 
     def place_variable(self, variable, axis):
-        """Backend part of `place`: make the variable hold its local shard."""
+        """Backend part of `Placement.place`: the variable holds its shard."""
         raise NotImplementedError
 
     def full_value(self, variable):
@@ -218,7 +167,8 @@ class Runtime:
         """
         pieces = [("sum", new - old) for old, new in zip(old_metrics, metrics)]
         for variable, value in zip(non_trainable, values):
-            averaged = _is_float(value) and id(variable) not in self.data_axes
+            partitioned = self.placement.data_axis(variable) is not None
+            averaged = _is_float(value) and not partitioned
             pieces.append(("mean", value if averaged else None))
         floats = [
             (i, kind, piece)

@@ -143,8 +143,8 @@ class JaxRuntime(Runtime):
 
     def _lay_out(self, variable, data_axis=None):
         spec = _placement_spec(
-            len(self.full_shapes[id(variable)]),
-            self.variable_axes[id(variable)],
+            len(self.placement.full_shapes[id(variable)]),
+            self.placement.axes[id(variable)],
             data_axis,
         )
         # Keras' JAX variables re-apply `_layout` on every assign, and the
@@ -153,12 +153,12 @@ class JaxRuntime(Runtime):
         variable._direct_assign(variable.value)
 
     def _variable_spec(self, variable):
-        if id(variable) not in self.full_shapes:
+        if id(variable) not in self.placement.full_shapes:
             return PartitionSpec()
         return _placement_spec(
-            len(self.full_shapes[id(variable)]),
-            self.variable_axes[id(variable)],
-            self.data_axes.get(id(variable)),
+            len(self.placement.full_shapes[id(variable)]),
+            self.placement.axes[id(variable)],
+            self.placement.data_axis(variable),
         )
 
     def full_value(self, variable):
@@ -256,11 +256,14 @@ class JaxRuntime(Runtime):
         )
         data_specs = jax.tree_util.tree_map(self._batch_spec, data)
         placed = [
-            v for group in groups for v in group if id(v) in self.full_shapes
+            v for group in groups for v in group if self.placement.is_placed(v)
         ]
 
         def per_rank(state, data):
-            with local_shapes(placed, self.local_shape), self._ranks():
+            with (
+                local_shapes(placed, self.placement.local_shape),
+                self._ranks(),
+            ):
                 if phase == "predict":
                     return step(state, data)
                 logs, new_state = step(state, data)
@@ -319,7 +322,7 @@ class JaxRuntime(Runtime):
         one gather per parameter and step is what runs (2 x the parameters
         communicated per step, not 3 x).
         """
-        axes = [self.data_axes[id(v)] for v in variables]
+        axes = [self.placement.data_axes[id(v)] for v in variables]
         gather = _partition_gather(self.data_adapter)
 
         def zero3_call(*args, **kwargs):

@@ -310,12 +310,12 @@ class TensorFlowRuntime(Runtime):
         self._store(variable, axis)
 
     def place_variable_like(self, variable, reference, data_axis):
-        self._store(variable, self.variable_axes[id(variable)], data_axis)
+        self._store(variable, self.placement.axes[id(variable)], data_axis)
 
     def partition_variable(self, variable, data_axis):
         self._store(
             variable,
-            self.variable_axes[id(variable)],
+            self.placement.axes[id(variable)],
             data_axis,
             full=self.full_value(variable),
         )
@@ -384,8 +384,8 @@ class TensorFlowRuntime(Runtime):
 
     def full_value(self, variable):
         components = self._components(variable)
-        axis = self.variable_axes.get(id(variable))
-        data_axis = self.data_axes.get(id(variable))
+        axis = self.placement.split_axis(variable)
+        data_axis = self.placement.data_axis(variable)
         if len(self._local_replicas) < self.world_size:
             # Several workers (there is no data axis then): the other
             # shards live on other hosts.
@@ -420,8 +420,8 @@ class TensorFlowRuntime(Runtime):
         value = np.asarray(value)
         pieces = self._local_shards(
             value,
-            self.variable_axes.get(id(variable)),
-            self.data_axes.get(id(variable)),
+            self.placement.split_axis(variable),
+            self.placement.data_axis(variable),
         )
         for component, piece in zip(self._components(variable), pieces):
             component.assign(piece)
@@ -451,7 +451,7 @@ class TensorFlowRuntime(Runtime):
         storages = {}
         try:
             for variable in variables:
-                if id(variable) not in self.variable_axes:
+                if not self.placement.is_placed(variable):
                     continue
                 full = self.full_value(variable)
                 storages[id(variable)] = (variable, variable.value)
@@ -484,8 +484,8 @@ class TensorFlowRuntime(Runtime):
         """
         differences = {}
         for variable in variables:
-            axis = self.variable_axes.get(id(variable))
-            data_axis = self.data_axes.get(id(variable))
+            axis = self.placement.split_axis(variable)
+            data_axis = self.placement.data_axis(variable)
             copies = {}
             for replica, component in zip(
                 self._local_replicas, self._components(variable)
@@ -688,14 +688,14 @@ class TensorFlowRuntime(Runtime):
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and optimizer.built:
             variables += optimizer.variables
-        placed = [v for v in variables if id(v) in self.full_shapes]
+        placed = [v for v in variables if self.placement.is_placed(v)]
         # Replicas run in threads and may each enter: the first one in
         # sets the shapes, the last one out restores them.
         with self._shapes_lock:
             if not self._shapes_users:
                 self._shapes_context = contextlib.ExitStack()
                 self._shapes_context.enter_context(
-                    local_shapes(placed, self.local_shape)
+                    local_shapes(placed, self.placement.local_shape)
                 )
             self._shapes_users += 1
         try:
@@ -783,7 +783,7 @@ class TensorFlowRuntime(Runtime):
         for i, (gradient, variable) in enumerate(zip(gradients, variables)):
             if (
                 gradient is not None
-                and self.variable_axes.get(id(variable)) is None
+                and self.placement.split_axis(variable) is None
             ):
                 gradients[i] = tf.convert_to_tensor(gradient)
                 by_dtype.setdefault(gradients[i].dtype, []).append(i)
@@ -805,8 +805,12 @@ class TensorFlowRuntime(Runtime):
         by_dtype = {}
         for variable in model.non_trainable_variables:
             floating = tf.as_dtype(variable.dtype).is_floating
-            placed = id(variable) in self.full_shapes
-            if floating and placed and id(variable) not in self.data_axes:
+            placed = self.placement.is_placed(variable)
+            if (
+                floating
+                and placed
+                and id(variable) not in self.placement.data_axes
+            ):
                 by_dtype.setdefault(variable.dtype, []).append(variable)
         for variables in by_dtype.values():
             values = [_local_read(v) for v in variables]
@@ -870,8 +874,8 @@ class TensorFlowRuntime(Runtime):
                 # Iterations, learning rate and the like: a copy per replica,
                 # since every replica steps its own optimizer.
                 for variable in optimizer.variables:
-                    if id(variable) not in self.variable_axes:
-                        self.place(variable, None)
+                    if not self.placement.is_placed(variable):
+                        self.placement.place(variable, None)
 
             _outside_distribution_context(build)
         return optimizer
@@ -918,7 +922,7 @@ class TensorFlowRuntime(Runtime):
         parameters communicated, not the 3 x of re-gathering), and stay
         alive from the layer's forward to its backward.
         """
-        axes = [self.data_axes[id(v)] for v in variables]
+        axes = [self.placement.data_axes[id(v)] for v in variables]
 
         def zero3_call(*args, **kwargs):
             if not self._in_replica():
@@ -1023,8 +1027,8 @@ class TensorParallelOptimizer:
         # With a data axis or ZeRO the CoordinatedOptimizer places it, with
         # its ZeRO partition.
         if not runtime.per_rank_steps:
-            runtime.place(
-                variable, runtime.variable_axes.get(id(reference_variable))
+            runtime.placement.place(
+                variable, runtime.placement.split_axis(reference_variable)
             )
         return variable
 
@@ -1160,9 +1164,9 @@ def _check_optimizer_supported(optimizer, model, runtime):
                 f"Variable '{variable.path}' has a regularizer; keras_tp on "
                 "TensorFlow does not support regularization losses yet."
             )
-        split = runtime.variable_axes.get(id(variable)) is not None or (
+        split = runtime.placement.split_axis(variable) is not None or (
             runtime.zero_stage > 0
-            and runtime.partition_axis(variable) is not None
+            and runtime.placement.partition_axis(variable) is not None
         )
         if split and variable.constraint is not None:
             raise NotImplementedError(

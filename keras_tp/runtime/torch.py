@@ -238,7 +238,10 @@ class TorchRuntime(Runtime):
         tensor-parallel shard, already partitioned if the reference is
         (ZeRO-3), in which case there is nothing left to cut.
         """
-        if data_axis is not None and id(reference) not in self.data_axes:
+        if (
+            data_axis is not None
+            and id(reference) not in self.placement.data_axes
+        ):
             self.partition_variable(variable, data_axis)
 
     def partition_variable(self, variable, data_axis):
@@ -247,10 +250,10 @@ class TorchRuntime(Runtime):
 
     def _unsplit(self, variable, tensor):
         """Gathers `tensor`, a rank's part of `variable`, over both axes."""
-        data_axis = self.data_axes.get(id(variable))
+        data_axis = self.placement.data_axis(variable)
         if data_axis is not None:
             tensor = self.data_adapter.gather(tensor, data_axis)
-        axis = self.variable_axes[id(variable)]
+        axis = self.placement.axes[id(variable)]
         if axis is not None:
             tensor = self.adapter.gather(tensor, axis)
         return tensor
@@ -266,10 +269,10 @@ class TorchRuntime(Runtime):
         each takes its part locally without communicating.
         """
         tensor = keras.ops.convert_to_tensor(value, dtype=variable.dtype)
-        axis = self.variable_axes[id(variable)]
+        axis = self.placement.axes[id(variable)]
         if axis is not None:
             tensor = self.adapter.local_slice(tensor, axis)
-        data_axis = self.data_axes.get(id(variable))
+        data_axis = self.placement.data_axis(variable)
         if data_axis is not None:
             tensor = self.data_adapter.local_slice(tensor, data_axis)
         variable.assign(tensor)
@@ -294,7 +297,8 @@ class TorchRuntime(Runtime):
         split = [
             variable
             for variable in model.variables
-            if self.local_shape(variable) != self.full_shapes[id(variable)]
+            if self.placement.local_shape(variable)
+            != self.placement.full_shapes[id(variable)]
         ]
         shards = []
         error = None
@@ -333,9 +337,9 @@ class TorchRuntime(Runtime):
             local = _parameter(variable).detach().double()
             difference = local.new_zeros(())
             peers = []
-            if id(variable) not in self.data_axes:
+            if id(variable) not in self.placement.data_axes:
                 peers.append(self.data_adapter)
-            if self.variable_axes.get(id(variable)) is None:
+            if self.placement.split_axis(variable) is None:
                 peers.append(self.adapter)
             for adapter in peers:
                 copies = adapter.gather(local.unsqueeze(0), 0)
@@ -360,7 +364,7 @@ class TorchRuntime(Runtime):
         backward pass needs them, so a step communicates each parameter
         three times (gather, re-gather, reduce-scatter of its gradient).
         """
-        axes = [self.data_axes[id(v)] for v in variables]
+        axes = [self.placement.data_axes[id(v)] for v in variables]
         adapter = self.data_adapter
 
         def zero3_call(*args, **kwargs):

@@ -1,0 +1,99 @@
+"""`Placement`: where each variable's pieces live on the `data x model` mesh.
+
+Backend-free bookkeeping, read by the optimizer, the model's memory
+reports and the checkpoint code: the axis a variable is split on over the
+`model` axis, its full shape, and the axis its shard is partitioned on
+over `data` (ZeRO). Storing the pieces is the backend's job: a `Placement`
+hands that to its `storage` (the backend runtime).
+"""
+
+
+class Placement:
+    """The split of every placed variable over a `data x model` mesh.
+
+    Args:
+        tensor_parallel: size of the `model` axis.
+        data_parallel: size of the `data` axis.
+        storage: the backend's variable storage, with `place_variable`,
+            `place_variable_like`, `partition_variable`, `full_value` and
+            `assign_full_value`.
+    """
+
+    def __init__(self, tensor_parallel, data_parallel, storage):
+        self.tensor_parallel = tensor_parallel
+        self.data_parallel = data_parallel
+        self.storage = storage
+        # By `id(variable)`: the `model`-axis split (`None`: replicated),
+        # the full shape, and the ZeRO partition axis of the shard.
+        self.axes = {}
+        self.full_shapes = {}
+        self.data_axes = {}
+
+    def place(self, variable, axis):
+        """Stores `variable` split on `axis` (`None`: replicated)."""
+        self.axes[id(variable)] = axis
+        self.full_shapes[id(variable)] = tuple(variable.shape)
+        self.storage.place_variable(variable, axis)
+
+    def place_like(self, variable, reference, data_axis=None):
+        """Places a new variable shaped like a placed `reference`.
+
+        For optimizer slots and gradient buffers: split like the reference
+        over `model`, and partitioned over `data` on `data_axis` if given.
+        """
+        self.axes[id(variable)] = self.axes[id(reference)]
+        self.full_shapes[id(variable)] = self.full_shapes[id(reference)]
+        self.storage.place_variable_like(variable, reference, data_axis)
+        if data_axis is not None:
+            self.data_axes[id(variable)] = data_axis
+
+    def partition(self, variable, data_axis):
+        """Keeps only this rank's ZeRO-3 partition of a placed variable."""
+        self.storage.partition_variable(variable, data_axis)
+        self.data_axes[id(variable)] = data_axis
+
+    def is_placed(self, variable):
+        return id(variable) in self.axes
+
+    def split_axis(self, variable):
+        """The `model`-axis split of a variable, `None` if replicated."""
+        return self.axes.get(id(variable))
+
+    def data_axis(self, variable):
+        """The ZeRO partition axis of a variable's shard, or `None`."""
+        return self.data_axes.get(id(variable))
+
+    def model_shard_shape(self, variable):
+        """The shape of a placed variable's tensor-parallel shard."""
+        shape = list(self.full_shapes[id(variable)])
+        axis = self.axes[id(variable)]
+        if axis is not None:
+            shape[axis] //= self.tensor_parallel
+        return tuple(shape)
+
+    def local_shape(self, variable):
+        """The shape one rank stores: its shard, and its ZeRO partition."""
+        shape = list(self.model_shard_shape(variable))
+        data_axis = self.data_axes.get(id(variable))
+        if data_axis is not None:
+            shape[data_axis] //= self.data_parallel
+        return tuple(shape)
+
+    def partition_axis(self, variable):
+        """The axis ZeRO partitions a variable's shard on, or `None`.
+
+        The first axis that the data-parallel size divides; a variable with
+        none (a bias of odd size, a scalar) stays whole on every rank.
+        """
+        for axis, size in enumerate(self.model_shard_shape(variable)):
+            if size % self.data_parallel == 0:
+                return axis
+        return None
+
+    def full_value(self, variable):
+        """The unsplit value of a placed variable, as a NumPy array."""
+        return self.storage.full_value(variable)
+
+    def assign_full_value(self, variable, value):
+        """Assigns an unsplit `value` to a placed variable."""
+        self.storage.assign_full_value(variable, value)

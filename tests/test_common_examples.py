@@ -330,13 +330,17 @@ def test_python_examples_compile_and_name_real_api():
 
 def top_level_names(module):
     """Names a keras_tp module defines, read without importing it."""
-    path = REPO.joinpath(*module.split(".")).with_suffix(".py")
+    path = REPO.joinpath(*module.split("."))
+    if path.is_dir():
+        path = path / "__init__.py"
     names = set()
-    for node in ast.parse(path.read_text()).body:
+    for node in ast.parse(path.with_suffix(".py").read_text()).body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, ast.Assign):
             names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.ImportFrom):
+            names.update(a.asname or a.name for a in node.names)
     return names
 
 

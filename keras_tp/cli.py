@@ -170,7 +170,12 @@ def _copy_without_native_logs(read_end, terminal, hidden):
                     continue
             elif line.startswith(_NATIVE_INFO_COMPANIONS) and b"I" in hidden:
                 continue
-            os.write(terminal, line)
+            try:
+                os.write(terminal, line)
+            except OSError:
+                # Whoever read stderr went away (`... 2>&1 | head`): keep
+                # draining the pipe, so that no writer blocks on it.
+                pass
 
 
 def _restore_stderr(terminal, copier):

@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Channelwise": "keras_tp.plan",
     "Column": "keras_tp.plan",
-    "CoordinatedOptimizer": "keras_tp.optimizer",
+    "CoordinatedOptimizer": "keras_tp.parallel",
     "ExpertParallel": "keras_tp.plan",
     "Replicate": "keras_tp.plan",
     "Row": "keras_tp.plan",

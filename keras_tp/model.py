@@ -7,7 +7,8 @@ from keras.src.utils import io_utils
 
 from keras_tp import regions
 from keras_tp.collectives.base import nbytes
-from keras_tp.optimizer import CoordinatedOptimizer
+from keras_tp.parallel import CoordinatedOptimizer
+from keras_tp.parallel import zero3
 from keras_tp.plan.auto import auto_plan
 from keras_tp.plan.sharding_plan import ShardingPlan
 from keras_tp.plan.verify import check_locally
@@ -151,7 +152,7 @@ class TensorParallelKeras(keras.Model):
                 axis = runtime.placement.partition_axis(variable)
                 if axis is not None:
                     runtime.placement.partition(variable, axis)
-            regions.install_gathers(model, installed, runtime)
+            zero3.install_gathers(model, installed, runtime)
         _WRAPPED_MODELS.add(model)
         self.built = True
 

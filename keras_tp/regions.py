@@ -17,7 +17,6 @@ from keras.src.backend import set_keras_mask
 
 from keras_tp.plan.layers import ATTENTION
 from keras_tp.plan.sharding_plan import ShardedUnit
-from keras_tp.plan.sharding_plan import walk_layers
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Row
 
@@ -218,7 +217,7 @@ def install(plan, runtime):
         if isinstance(entry, ShardedUnit):
             members = list(entry.projections.values())
             for member in members:
-                _set_call(member.layer, _member_call(member, adapter))
+                set_call(member.layer, _member_call(member, adapter))
             unit = entry.layer
             region = ShardedRegion(
                 unit,
@@ -240,48 +239,12 @@ def install(plan, runtime):
                 _member_call(entry, adapter),
                 _leaf_output_axes(entry),
             )
-        _set_call(region.layer, _region_call(region, runtime))
+        set_call(region.layer, _region_call(region, runtime))
         for member in region.members:
             _refuse_late_lora(member.layer)
         runtime.prepare_region(region)
         regions.append(region)
     return regions
-
-
-def install_gathers(model, installed_regions, runtime):
-    """ZeRO-3: gathers each layer's parameter partitions around its call.
-
-    A region gathers all its members' weights at once; every other layer
-    gathers the trainable variables it owns directly.
-
-    Args:
-        model: the wrapped model.
-        installed_regions: the regions `install` returned.
-        runtime: the runtime holding the partitions.
-    """
-    partitioned = runtime.placement.data_axes
-    covered = set()
-    for region in installed_regions:
-        members = [v for v, _ in region.variables()]
-        covered.update(id(v) for v in members)
-        variables = [v for v in members if id(v) in partitioned]
-        if variables:
-            _set_call(
-                region.layer,
-                runtime.gathered_call(
-                    region.layer, variables, region.layer.call
-                ),
-            )
-    for layer in walk_layers(model):
-        variables = [
-            v
-            for v in layer._trainable_variables
-            if id(v) in partitioned and id(v) not in covered
-        ]
-        if variables:
-            _set_call(
-                layer, runtime.gathered_call(layer, variables, layer.call)
-            )
 
 
 def _accept_split_input(layer):
@@ -313,6 +276,6 @@ def _region_call(region, runtime):
     return sharded_call
 
 
-def _set_call(layer, call):
+def set_call(layer, call):
     # Bypass Keras' attribute tracking: `call` is a method, not state.
     object.__setattr__(layer, "call", call)

@@ -10,6 +10,7 @@ with them, as Keras checks shapes on every assign.
 
 import contextlib
 
+from keras import ops
 from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.common.stateless_scope import get_stateless_scope
 
@@ -97,3 +98,25 @@ def local_shapes(variables, shape_of):
     finally:
         for variable, shape in saved:
             variable._shape = shape
+
+
+def stateful_cond(pred, true_fn, false_fn, variables):
+    """`ops.cond` over functions that assign variables.
+
+    Traced conditionals (JAX, TensorFlow) cannot let assignments escape
+    their branches, so each branch runs on the variables' current values
+    bound in a scope and returns the new ones, which are assigned after.
+    """
+    current = [v.value for v in variables]
+
+    def branch(fn):
+        def run():
+            with bind_values(zip(variables, current)) as scope:
+                fn()
+                return [scope.get_current_value(v) for v in variables]
+
+        return run
+
+    new = ops.cond(pred, branch(true_fn), branch(false_fn))
+    for variable, value in zip(variables, new):
+        variable.assign(value)

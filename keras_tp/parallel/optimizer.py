@@ -18,86 +18,13 @@ that the data-parallel size divides; a variable with no such axis stays
 whole on every rank and its gradient is all-reduced.
 """
 
-import math
-
 import keras
-import numpy as np
 from keras import ops
 
-from keras_tp.collectives.base import nbytes
+from keras_tp.parallel.buckets import make_buckets
+from keras_tp.parallel.clipping import clipped
 from keras_tp.variables import bind_values
-
-
-class Bucket:
-    """Variables whose gradients travel in one collective call.
-
-    Args:
-        index: position of the bucket (the first is synchronised first).
-        variables: the variables, in order.
-        partition_axes: per variable, the axis partitioned over the data
-            axis, or `None` for all of them (an all-reduce bucket).
-        shapes: per variable, the shape of its tensor-parallel shard.
-        nbytes: bytes of those shards together.
-    """
-
-    def __init__(self, index, variables, partition_axes, shapes, nbytes):
-        self.index = index
-        self.variables = variables
-        self.partition_axes = partition_axes
-        self.shapes = shapes
-        self.nbytes = nbytes
-
-    @property
-    def partitioned(self):
-        return self.partition_axes is not None
-
-    def chunks(self, cap_bytes, itemsize):
-        """`[(start, stop)]` element ranges of at most `cap_bytes` each.
-
-        An all-reduce bucket is one flat vector cut into equal calls, so a
-        large variable can span two calls and the number of calls is
-        exactly the bytes over the cap, rounded up.
-        """
-        total = sum(math.prod(s) for s in self.shapes)
-        if not self.partitioned:
-            step = max(1, int(cap_bytes // itemsize))
-            return [(a, min(a + step, total)) for a in range(0, total, step)]
-        return [(0, total)]
-
-    def describe(self, cap_bytes, itemsize):
-        """One entry per collective call of the bucket."""
-        edges = np.cumsum([0] + [math.prod(s) for s in self.shapes])
-        entries = []
-        for start, stop in self.chunks(cap_bytes, itemsize):
-            overlapping = np.sum((edges[:-1] < stop) & (edges[1:] > start))
-            entries.append(
-                {
-                    "bucket": self.index,
-                    "mb": (stop - start) * itemsize / 2**20,
-                    "variables": int(overlapping),
-                    "collective": (
-                        "reduce_scatter" if self.partitioned else "all_reduce"
-                    ),
-                }
-            )
-        return entries
-
-
-def _as_rows(x, axis, parts):
-    """`x` as `parts` rows, row `r` holding partition `r` of `axis`."""
-    return ops.reshape(ops.moveaxis(x, axis, 0), (parts, -1))
-
-
-def _from_rows(rows, axis, shape):
-    """Inverse of `_as_rows` for rows that rebuild a tensor of `shape`."""
-    moved = [shape[axis]] + [d for i, d in enumerate(shape) if i != axis]
-    return ops.moveaxis(ops.reshape(rows, moved), 0, axis)
-
-
-def _split_columns(matrix, widths):
-    """Splits a 2-D tensor into column blocks of the given widths."""
-    edges = np.cumsum(widths)[:-1].tolist()
-    return ops.split(matrix, edges, axis=1) if edges else [matrix]
+from keras_tp.variables import stateful_cond
 
 
 class CoordinatedOptimizer(keras.optimizers.Optimizer):
@@ -237,7 +164,12 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             id(v): (placement.partition_axis(v) if self.zero_stage else None)
             for v in var_list
         }
-        self.buckets = self._make_buckets(var_list)
+        self.buckets = make_buckets(
+            var_list,
+            self.partition_axes,
+            placement.model_shard_shape,
+            self._cap_bytes,
+        )
         original = self.inner_optimizer.add_variable_from_reference
 
         def add_placed_variable(reference_variable, name=None, **kwargs):
@@ -273,46 +205,6 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         if self.zero_stage == 0:
             return None
         return self.partition_axes.get(id(reference_variable))
-
-    def _make_buckets(self, var_list):
-        """Groups variables into buckets of at most `bucket_cap_mb`.
-
-        Variables are taken in reverse order, as their gradients become
-        ready in the backward pass; partitioned variables and whole ones
-        go to separate buckets, as do dtypes.
-        """
-        cap = self._cap_bytes
-        open_buckets = {}
-        closed = []
-        for variable in reversed(var_list):
-            axis = self.partition_axes[id(variable)]
-            key = (axis is not None, variable.dtype)
-            shape = self._placement.model_shard_shape(variable)
-            size = nbytes(variable, shape)
-            current = open_buckets.get(key)
-            # All-reduce buckets are cut into calls of `cap` bytes later.
-            full = axis is not None and current is not None
-            if full and current[3] + size > cap:
-                closed.append(open_buckets.pop(key))
-                current = None
-            if current is None:
-                current = open_buckets[key] = ([], [], [], 0)
-            variables, axes, shapes, total = current
-            variables.append(variable)
-            axes.append(axis)
-            shapes.append(shape)
-            open_buckets[key] = (variables, axes, shapes, total + size)
-        closed.extend(open_buckets.values())
-        return [
-            Bucket(
-                index,
-                variables,
-                axes if axes[0] is not None else None,
-                shapes,
-                total,
-            )
-            for index, (variables, axes, shapes, total) in enumerate(closed)
-        ]
 
     @property
     def variables(self):
@@ -395,7 +287,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
                 buffer.assign(value)
             self.micro_step.assign_add(1)
 
-        _stateful_cond(boundary, update, accumulate, touched)
+        stateful_cond(boundary, update, accumulate, touched)
 
     def _synchronised(self, grads, variables):
         """The gradients every rank uses, each of its own partition."""
@@ -417,11 +309,9 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
 
     def _all_reduce(self, grads, variables):
         """Averages the gradients over the data axis, one call per bucket."""
-        position = {id(v): i for i, v in enumerate(variables)}
         out = list(grads)
         for bucket in self.buckets:
-            for i, value in self._all_reduce_bucket(bucket, grads, position):
-                out[i] = value
+            bucket.all_reduce(grads, variables, out, self._data_adapter)
         return out
 
     def _reduce_scatter(self, grads, variables):
@@ -430,91 +320,35 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         Gradients of variables without a partition axis are all-reduced.
         Under ZeRO-3 the partitioned gradients arrive reduced already.
         """
-        adapter = self._data_adapter
-        parts = adapter.size()
-        position = {id(v): i for i, v in enumerate(variables)}
         out = list(grads)
         for bucket in self.buckets:
             if not bucket.partitioned:
-                for i, value in self._all_reduce_bucket(
-                    bucket, grads, position
-                ):
-                    out[i] = value
-                continue
-            if self.zero_stage == 3:
-                continue
-            indices = [position[id(v)] for v in bucket.variables]
-            rows = ops.concatenate(
-                [
-                    _as_rows(grads[i], axis, parts)
-                    for i, axis in zip(indices, bucket.partition_axes)
-                ],
-                axis=1,
-            )
-            local = adapter.reduce_scatter(rows, axis=0, op="mean")
-            widths = [math.prod(s) // parts for s in bucket.shapes]
-            for i, piece, axis, shape in zip(
-                indices,
-                _split_columns(local, widths),
-                bucket.partition_axes,
-                bucket.shapes,
-            ):
-                part_shape = list(shape)
-                part_shape[axis] //= parts
-                out[i] = _from_rows(piece, axis, part_shape)
+                bucket.all_reduce(grads, variables, out, self._data_adapter)
+            elif self.zero_stage != 3:
+                bucket.reduce_scatter(grads, variables, out, self._data_adapter)
         return out
-
-    def _all_reduce_bucket(self, bucket, grads, position):
-        adapter = self._data_adapter
-        indices = [position[id(v)] for v in bucket.variables]
-        flat = ops.concatenate(
-            [ops.reshape(grads[i], (-1,)) for i in indices], axis=0
-        )
-        itemsize = nbytes(flat, (1,))
-        pieces = [
-            adapter.all_reduce(flat[start:stop], "mean")
-            for start, stop in bucket.chunks(self._cap_bytes, itemsize)
-        ]
-        flat = ops.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
-        sizes = [math.prod(s) for s in bucket.shapes]
-        pieces = _split_columns(ops.reshape(flat, (1, -1)), sizes)
-        return [
-            (i, ops.reshape(piece, shape))
-            for i, piece, shape in zip(indices, pieces, bucket.shapes)
-        ]
 
     def _all_gather(self, partitions, variables):
         """Rebuilds every partitioned variable from all ranks' partitions."""
-        adapter = self._data_adapter
-        parts = adapter.size()
-        position = {id(v): i for i, v in enumerate(variables)}
         out = {}
         for bucket in self.buckets:
-            if not bucket.partitioned:
-                continue
-            indices = [position[id(v)] for v in bucket.variables]
-            row = ops.concatenate(
-                [
-                    _as_rows(partitions[i], axis, 1)
-                    for i, axis in zip(indices, bucket.partition_axes)
-                ],
-                axis=1,
-            )
-            rows = adapter.all_gather(row, axis=0)
-            widths = [math.prod(s) // parts for s in bucket.shapes]
-            for i, piece, axis, shape in zip(
-                indices,
-                _split_columns(rows, widths),
-                bucket.partition_axes,
-                bucket.shapes,
-            ):
-                out[i] = _from_rows(piece, axis, shape)
+            if bucket.partitioned:
+                bucket.all_gather(
+                    partitions, variables, out, self._data_adapter
+                )
         return out
 
     def _update(self, grads):
         """Clips, updates this rank's partitions, gathers the parameters."""
         variables = self._trainable_variables
-        grads = self._clipped(grads, variables)
+        grads = clipped(
+            grads,
+            variables,
+            self._placement,
+            self._world_adapter,
+            self.clip_norm,
+            self.global_clip_norm,
+        )
         if self.zero_stage in (0, 3):
             self.inner_optimizer.apply(grads, variables)
             return
@@ -539,53 +373,6 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             ]
         for i, full in self._all_gather(partitions, variables).items():
             variables[i].assign(full)
-
-    def _clipped(self, grads, variables):
-        """Applies `clipnorm` / `global_clipnorm` with norms across ranks."""
-        if not (self.clip_norm or self.global_clip_norm):
-            return grads
-        squares = ops.stack(
-            [
-                ops.multiply(
-                    ops.sum(ops.square(ops.cast(g, "float32"))),
-                    self._norm_weight(v, g),
-                )
-                for g, v in zip(grads, variables)
-            ]
-        )
-        world = self._world_adapter
-        if self.global_clip_norm:
-            total = world.all_reduce(ops.sum(squares), "sum")
-            norm = ops.sqrt(total)
-            clip = self.global_clip_norm
-            scale = clip * ops.minimum(1.0 / norm, 1.0 / clip)
-            scale = scale + (norm - norm)
-            return [ops.multiply(g, ops.cast(scale, g.dtype)) for g in grads]
-        norms = ops.sqrt(world.all_reduce(squares, "sum"))
-        clipped = []
-        for i, g in enumerate(grads):
-            norm = norms[i]
-            safe = ops.where(norm > 0, norm, ops.ones_like(norm))
-            norm = ops.where(norm > 0, safe, norm)
-            scale = self.clip_norm / ops.maximum(norm, self.clip_norm)
-            clipped.append(ops.multiply(g, ops.cast(scale, g.dtype)))
-        return clipped
-
-    def _norm_weight(self, variable, grad):
-        """Share of this rank's copy of a gradient in the global sum.
-
-        A gradient held whole by several ranks (replicated over the model
-        axis, or not partitioned over the data axis) is counted once in the
-        sum over all ranks.
-        """
-        placement = self._placement
-        weight = 1.0
-        if placement.split_axis(variable) is None:
-            weight /= placement.tensor_parallel
-        local = tuple(placement.model_shard_shape(variable))
-        if tuple(grad.shape) == local:
-            weight /= placement.data_parallel
-        return weight
 
     def finalize_variable_values(self, var_list):
         """Writes the EMA weights at the end of `fit()` (`use_ema`)."""
@@ -613,12 +400,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             "bucket_cap_mb": self.bucket_cap_mb,
             "gradient_accumulation_steps": self.accumulation_steps,
             "buckets": [
-                entry
-                for bucket in self.buckets
-                for entry in bucket.describe(
-                    self._cap_bytes,
-                    nbytes(bucket.variables[0], (1,)),
-                )
+                entry for bucket in self.buckets for entry in bucket.describe()
             ],
             "unpartitioned_variables": [
                 v.path
@@ -654,25 +436,3 @@ def _partition(value, axis, rank, parts):
     start = [0] * len(shape)
     start[axis] = rank * shape[axis]
     return ops.slice(value, start, shape)
-
-
-def _stateful_cond(pred, true_fn, false_fn, variables):
-    """`ops.cond` over functions that assign variables.
-
-    Traced conditionals (JAX, TensorFlow) cannot let assignments escape
-    their branches, so each branch runs on the variables' current values
-    bound in a scope and returns the new ones, which are assigned after.
-    """
-    current = [v.value for v in variables]
-
-    def branch(fn):
-        def run():
-            with bind_values(zip(variables, current)) as scope:
-                fn()
-                return [scope.get_current_value(v) for v in variables]
-
-        return run
-
-    new = ops.cond(pred, branch(true_fn), branch(false_fn))
-    for variable, value in zip(variables, new):
-        variable.assign(value)

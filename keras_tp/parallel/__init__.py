@@ -1,0 +1,14 @@
+"""Data parallelism and ZeRO: what the `data` axis of the mesh does.
+
+- `optimizer`: `CoordinatedOptimizer`, which synchronises gradients over
+  `data` (DDP, ZeRO-1/2/3) around any Keras optimizer;
+- `buckets`: the gradient buckets it sends, one collective each;
+- `zero3`: ZeRO-3's parameter gathers around each layer's call.
+
+Tensor parallelism (the `model` axis) lives in `keras_tp.plan` and
+`keras_tp.regions`; each backend's storage and steps in `keras_tp.runtime`.
+"""
+
+from keras_tp.parallel.optimizer import CoordinatedOptimizer
+
+__all__ = ["CoordinatedOptimizer"]

@@ -1,0 +1,224 @@
+"""Gradient buckets: variables whose gradients travel in one collective.
+
+Gradients are bucketed as DDP and ZeRO bucket them: in reverse order (the
+order they become ready in the backward pass), at most `bucket_cap_mb` per
+collective call, partitioned variables apart from whole ones. A bucket
+flattens its gradients into one tensor, runs one collective over the
+`data` axis, and splits the result back into the variables' shapes.
+"""
+
+import math
+
+import numpy as np
+from keras import ops
+
+from keras_tp.collectives.base import nbytes
+
+
+class Bucket:
+    """Variables whose gradients travel in one collective call.
+
+    Args:
+        index: position of the bucket (the first is synchronised first).
+        variables: the variables, in order.
+        partition_axes: per variable, the axis partitioned over the data
+            axis, or `None` for all of them (an all-reduce bucket).
+        shapes: per variable, the shape of its tensor-parallel shard.
+        nbytes: bytes of those shards together.
+        cap_bytes: the most bytes of one all-reduce call.
+    """
+
+    def __init__(
+        self, index, variables, partition_axes, shapes, nbytes, cap_bytes
+    ):
+        self.index = index
+        self.variables = variables
+        self.partition_axes = partition_axes
+        self.shapes = shapes
+        self.nbytes = nbytes
+        self.cap_bytes = cap_bytes
+
+    @property
+    def partitioned(self):
+        return self.partition_axes is not None
+
+    def chunks(self, itemsize):
+        """`[(start, stop)]` element ranges of at most `cap_bytes` each.
+
+        An all-reduce bucket is one flat vector cut into equal calls, so a
+        large variable can span two calls and the number of calls is
+        exactly the bytes over the cap, rounded up.
+        """
+        total = sum(math.prod(s) for s in self.shapes)
+        if not self.partitioned:
+            step = max(1, int(self.cap_bytes // itemsize))
+            return [(a, min(a + step, total)) for a in range(0, total, step)]
+        return [(0, total)]
+
+    def describe(self):
+        """One entry per collective call of the bucket."""
+        itemsize = nbytes(self.variables[0], (1,))
+        edges = np.cumsum([0] + [math.prod(s) for s in self.shapes])
+        entries = []
+        for start, stop in self.chunks(itemsize):
+            overlapping = np.sum((edges[:-1] < stop) & (edges[1:] > start))
+            entries.append(
+                {
+                    "bucket": self.index,
+                    "mb": (stop - start) * itemsize / 2**20,
+                    "variables": int(overlapping),
+                    "collective": (
+                        "reduce_scatter" if self.partitioned else "all_reduce"
+                    ),
+                }
+            )
+        return entries
+
+    def _indices(self, variables):
+        position = {id(v): i for i, v in enumerate(variables)}
+        return [position[id(v)] for v in self.variables]
+
+    def all_reduce(self, grads, variables, out, adapter):
+        """Averages the bucket's gradients over `adapter`'s axis.
+
+        Args:
+            grads: the gradients of `variables`, in order.
+            variables: the variables the gradients belong to.
+            out: a list like `grads`; the bucket's entries are replaced.
+            adapter: the collective adapter of the `data` axis.
+        """
+        indices = self._indices(variables)
+        flat = ops.concatenate(
+            [ops.reshape(grads[i], (-1,)) for i in indices], axis=0
+        )
+        pieces = [
+            adapter.all_reduce(flat[start:stop], "mean")
+            for start, stop in self.chunks(nbytes(flat, (1,)))
+        ]
+        flat = ops.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+        sizes = [math.prod(s) for s in self.shapes]
+        pieces = _split_columns(ops.reshape(flat, (1, -1)), sizes)
+        for i, piece, shape in zip(indices, pieces, self.shapes):
+            out[i] = ops.reshape(piece, shape)
+
+    def reduce_scatter(self, grads, variables, out, adapter):
+        """This rank's partition of the bucket's averaged gradients.
+
+        Arguments as in `all_reduce`; `out` receives the partitions.
+        """
+        parts = adapter.size()
+        indices = self._indices(variables)
+        rows = ops.concatenate(
+            [
+                _as_rows(grads[i], axis, parts)
+                for i, axis in zip(indices, self.partition_axes)
+            ],
+            axis=1,
+        )
+        local = adapter.reduce_scatter(rows, axis=0, op="mean")
+        widths = [math.prod(s) // parts for s in self.shapes]
+        for i, piece, axis, shape in zip(
+            indices,
+            _split_columns(local, widths),
+            self.partition_axes,
+            self.shapes,
+        ):
+            part_shape = list(shape)
+            part_shape[axis] //= parts
+            out[i] = _from_rows(piece, axis, part_shape)
+
+    def all_gather(self, partitions, variables, out, adapter):
+        """Rebuilds the bucket's variables from all ranks' partitions.
+
+        Args:
+            partitions: per variable of `variables`, this rank's partition.
+            variables: the variables, in order.
+            out: a dict; receives `{index in variables: full value}`.
+            adapter: the collective adapter of the `data` axis.
+        """
+        parts = adapter.size()
+        indices = self._indices(variables)
+        row = ops.concatenate(
+            [
+                _as_rows(partitions[i], axis, 1)
+                for i, axis in zip(indices, self.partition_axes)
+            ],
+            axis=1,
+        )
+        rows = adapter.all_gather(row, axis=0)
+        widths = [math.prod(s) // parts for s in self.shapes]
+        for i, piece, axis, shape in zip(
+            indices,
+            _split_columns(rows, widths),
+            self.partition_axes,
+            self.shapes,
+        ):
+            out[i] = _from_rows(piece, axis, shape)
+
+
+def make_buckets(var_list, partition_axes, shard_shape, cap_bytes):
+    """Groups variables into buckets of at most `cap_bytes`.
+
+    Variables are taken in reverse order, as their gradients become ready
+    in the backward pass; partitioned variables and whole ones go to
+    separate buckets, as do dtypes.
+
+    Args:
+        var_list: the trainable variables.
+        partition_axes: `{id(variable): ZeRO partition axis or None}`.
+        shard_shape: function giving a variable's tensor-parallel shard
+            shape.
+        cap_bytes: the most bytes per collective call.
+
+    Returns:
+        A list of `Bucket`s, in the order they are synchronised.
+    """
+    open_buckets = {}
+    closed = []
+    for variable in reversed(var_list):
+        axis = partition_axes[id(variable)]
+        key = (axis is not None, variable.dtype)
+        shape = shard_shape(variable)
+        size = nbytes(variable, shape)
+        current = open_buckets.get(key)
+        # All-reduce buckets are cut into calls of `cap` bytes later.
+        full = axis is not None and current is not None
+        if full and current[3] + size > cap_bytes:
+            closed.append(open_buckets.pop(key))
+            current = None
+        if current is None:
+            current = open_buckets[key] = ([], [], [], 0)
+        variables, axes, shapes, total = current
+        variables.append(variable)
+        axes.append(axis)
+        shapes.append(shape)
+        open_buckets[key] = (variables, axes, shapes, total + size)
+    closed.extend(open_buckets.values())
+    return [
+        Bucket(
+            index,
+            variables,
+            axes if axes[0] is not None else None,
+            shapes,
+            total,
+            cap_bytes,
+        )
+        for index, (variables, axes, shapes, total) in enumerate(closed)
+    ]
+
+
+def _as_rows(x, axis, parts):
+    """`x` as `parts` rows, row `r` holding partition `r` of `axis`."""
+    return ops.reshape(ops.moveaxis(x, axis, 0), (parts, -1))
+
+
+def _from_rows(rows, axis, shape):
+    """Inverse of `_as_rows` for rows that rebuild a tensor of `shape`."""
+    moved = [shape[axis]] + [d for i, d in enumerate(shape) if i != axis]
+    return ops.moveaxis(ops.reshape(rows, moved), 0, axis)
+
+
+def _split_columns(matrix, widths):
+    """Splits a 2-D tensor into column blocks of the given widths."""
+    edges = np.cumsum(widths)[:-1].tolist()
+    return ops.split(matrix, edges, axis=1) if edges else [matrix]

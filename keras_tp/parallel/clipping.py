@@ -1,0 +1,70 @@
+"""Gradient clipping by norm, with the norms taken across all ranks.
+
+A rank holds slices (tensor-parallel shards, ZeRO partitions) and copies
+(replicated variables) of the model's gradients. `clipnorm` and
+`global_clipnorm` need the norms of the whole gradients: each rank sums
+its squares, weighted so that a piece held by several ranks counts once,
+and one all-reduce over the mesh adds them up.
+"""
+
+from keras import ops
+
+
+def clipped(grads, variables, placement, world, clip_norm, global_clip_norm):
+    """Applies `clipnorm` / `global_clipnorm` with norms across ranks.
+
+    Args:
+        grads: this rank's gradients of `variables`.
+        variables: the trainable variables.
+        placement: the `Placement` of the variables.
+        world: the collective adapter over the whole mesh.
+        clip_norm: the per-variable norm bound, or `None`.
+        global_clip_norm: the bound on the norm of all gradients, or
+            `None`.
+
+    Returns:
+        The clipped gradients (`grads` itself when neither bound is set).
+    """
+    if not (clip_norm or global_clip_norm):
+        return grads
+    squares = ops.stack(
+        [
+            ops.multiply(
+                ops.sum(ops.square(ops.cast(g, "float32"))),
+                _norm_weight(placement, v, g),
+            )
+            for g, v in zip(grads, variables)
+        ]
+    )
+    if global_clip_norm:
+        norm = ops.sqrt(world.all_reduce(ops.sum(squares), "sum"))
+        scale = global_clip_norm * ops.minimum(
+            1.0 / norm, 1.0 / global_clip_norm
+        )
+        scale = scale + (norm - norm)
+        return [ops.multiply(g, ops.cast(scale, g.dtype)) for g in grads]
+    norms = ops.sqrt(world.all_reduce(squares, "sum"))
+    result = []
+    for i, g in enumerate(grads):
+        norm = norms[i]
+        safe = ops.where(norm > 0, norm, ops.ones_like(norm))
+        norm = ops.where(norm > 0, safe, norm)
+        scale = clip_norm / ops.maximum(norm, clip_norm)
+        result.append(ops.multiply(g, ops.cast(scale, g.dtype)))
+    return result
+
+
+def _norm_weight(placement, variable, grad):
+    """Share of this rank's copy of a gradient in the global sum.
+
+    A gradient held whole by several ranks (replicated over the model axis,
+    or not partitioned over the data axis) is counted once in the sum over
+    all ranks.
+    """
+    weight = 1.0
+    if placement.split_axis(variable) is None:
+        weight /= placement.tensor_parallel
+    local = tuple(placement.model_shard_shape(variable))
+    if tuple(grad.shape) == local:
+        weight /= placement.data_parallel
+    return weight

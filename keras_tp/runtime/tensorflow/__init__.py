@@ -66,12 +66,12 @@ from keras.src.optimizers import base_optimizer
 from keras_tp.collectives.base import nbytes
 from keras_tp.collectives.tensorflow import ReplicaGroups
 from keras_tp.collectives.tensorflow import TensorFlowCollectiveAdapter
-from keras_tp.optimizer import CoordinatedOptimizer
+from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.regions import shared_value
 from keras_tp.runtime.base import Runtime
 from keras_tp.runtime.base import largest_difference
-from keras_tp.variables import bind_values
-from keras_tp.variables import local_shapes
+from keras_tp.keras_internals import bind_values
+from keras_tp.keras_internals import local_shapes
 
 logger = logging.getLogger(__name__)
 

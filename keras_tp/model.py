@@ -3,10 +3,10 @@
 import weakref
 
 import keras
-from keras.src.utils import io_utils
 
 from keras_tp import regions
 from keras_tp.collectives.base import nbytes
+from keras_tp.keras_internals import print_msg
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.parallel import zero3
 from keras_tp.plan.auto import auto_plan
@@ -373,9 +373,9 @@ class TensorParallelKeras(keras.Model):
 
         Args:
             print_fn: function taking a line of text; defaults to Keras'
-                `io_utils.print_msg`.
+                `print_msg`.
         """
-        print_fn = print_fn or io_utils.print_msg
+        print_fn = print_fn or print_msg
         print_fn(format_plan(self._plan, self._runtime))
         per_device = self.parameter_bytes_per_device()
         total = self._full_parameter_bytes()

@@ -12,9 +12,9 @@ import contextlib
 import contextvars
 
 import keras
-from keras.src.backend import get_keras_mask
-from keras.src.backend import set_keras_mask
 
+from keras_tp.keras_internals import get_keras_mask
+from keras_tp.keras_internals import set_keras_mask
 from keras_tp.plan.layers import ATTENTION
 from keras_tp.plan.sharding_plan import ShardedUnit
 from keras_tp.plan.styles import Column

@@ -21,10 +21,11 @@ whole on every rank and its gradient is all-reduced.
 import keras
 from keras import ops
 
+from keras_tp.keras_internals import bind_values
+from keras_tp.keras_internals import moving_average
+from keras_tp.keras_internals import stateful_cond
 from keras_tp.parallel.buckets import make_buckets
 from keras_tp.parallel.clipping import clipped
-from keras_tp.variables import bind_values
-from keras_tp.variables import stateful_cond
 
 
 class CoordinatedOptimizer(keras.optimizers.Optimizer):
@@ -380,9 +381,8 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         if not inner.use_ema:
             return
         placement = self._placement
-        averages = inner._model_variables_moving_average
         for variable in var_list:
-            average = averages[inner._get_variable_index(variable)]
+            average = moving_average(inner, variable)
             placement.assign_full_value(variable, placement.full_value(average))
 
     # Monitoring ---------------------------------------------------------

@@ -8,6 +8,7 @@ backend gathers (and whether it re-gathers for the backward pass) is the
 runtime's `gathered_call`.
 """
 
+from keras_tp.keras_internals import own_trainable_variables
 from keras_tp.plan.sharding_plan import walk_layers
 from keras_tp.regions import set_call
 
@@ -39,7 +40,7 @@ def install_gathers(model, installed_regions, runtime):
     for layer in walk_layers(model):
         variables = [
             v
-            for v in layer._trainable_variables
+            for v in own_trainable_variables(layer)
             if id(v) in partitioned and id(v) not in covered
         ]
         if variables:

@@ -10,8 +10,12 @@ backend; the runtimes decide how the local tensors come to exist.
 import keras
 import numpy as np
 from keras import ops
-from keras.src.backend.common.stateless_scope import StatelessScope
 
+from keras_tp.keras_internals import StatelessScope
+from keras_tp.keras_internals import own_trainable_variables
+from keras_tp.keras_internals import own_variables
+from keras_tp.keras_internals import stored_kernel
+from keras_tp.keras_internals import sublayers
 from keras_tp.plan.styles import Channelwise
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import ExpertParallel
@@ -90,7 +94,7 @@ class LayerHandler:
         With LoRA enabled, Keras' `kernel` property is the merged tensor;
         the roles are the frozen kernel and the two adapter factors.
         """
-        roles = {self.primary: getattr(layer, "_" + self.primary, None)}
+        roles = {self.primary: stored_kernel(layer, self.primary)}
         if roles[self.primary] is None:
             roles[self.primary] = getattr(layer, self.primary)
         bias = getattr(layer, "bias", None)
@@ -127,7 +131,7 @@ class LayerHandler:
         """
         if kernel_axis is None:
             return {"lora_a": None, "lora_b": None}
-        if kernel_axis == len(layer._kernel.shape) - 1:
+        if kernel_axis == len(stored_kernel(layer, "kernel").shape) - 1:
             return {"lora_a": None, "lora_b": 1}
         return {"lora_a": kernel_axis, "lora_b": None}
 
@@ -320,7 +324,7 @@ class ConvHandler(LayerHandler):
         return reason
 
     def split_axes(self, layer, style):
-        ndim = len(layer._kernel.shape)
+        ndim = len(stored_kernel(layer, "kernel").shape)
         axis = ndim - 1 if isinstance(style, Column) else ndim - 2
         return {
             "kernel": axis,
@@ -420,11 +424,6 @@ class EmbeddingHandler(LayerHandler):
         return logits
 
 
-def own_variables(layer):
-    """Variables tracked on `layer` itself, not through its sublayers."""
-    return layer._trainable_variables + layer._non_trainable_variables
-
-
 class _LocalValues(StatelessScope):
     """Inside, the given variables read as this rank's values."""
 
@@ -458,11 +457,9 @@ class OwnWeightsHandler(LayerHandler):
     styles = (Channelwise, ExpertParallel)
 
     def matches(self, layer):
-        if not layer._trainable_variables:
+        if not own_trainable_variables(layer):
             return False
-        return not any(
-            sub.weights for sub in layer._flatten_layers(include_self=False)
-        )
+        return not any(sub.weights for sub in sublayers(layer))
 
     def variables(self, layer):
         roles = {}

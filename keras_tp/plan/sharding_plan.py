@@ -5,11 +5,12 @@ import re
 
 import keras
 
+from keras_tp.keras_internals import own_variables
+from keras_tp.keras_internals import sublayers
 from keras_tp.plan.layers import ATTENTION
 from keras_tp.plan.layers import ShardingError
 from keras_tp.plan.layers import is_elementwise
 from keras_tp.plan.layers import leaf_handler
-from keras_tp.plan.layers import own_variables
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Replicate
 from keras_tp.plan.styles import ShardingStyle
@@ -200,18 +201,14 @@ class ShardingPlan:
 def walk_layers(layer):
     """Yields every sublayer of `layer`, depth first, each once."""
     seen = set()
-    stack = list(
-        reversed(layer._flatten_layers(include_self=False, recursive=False))
-    )
+    stack = list(reversed(sublayers(layer, recursive=False)))
     while stack:
         sub = stack.pop()
         if id(sub) in seen:
             continue
         seen.add(id(sub))
         yield sub
-        stack.extend(
-            reversed(sub._flatten_layers(include_self=False, recursive=False))
-        )
+        stack.extend(reversed(sublayers(sub, recursive=False)))
 
 
 def supported_layers(model):

@@ -27,8 +27,9 @@ import logging
 import keras
 import numpy as np
 from keras import ops
-from keras.src.backend.common.stateless_scope import StatelessScope
 
+from keras_tp.keras_internals import StatelessScope
+from keras_tp.keras_internals import own_trainable_variables
 from keras_tp.plan import trace as tracing
 from keras_tp.plan.layers import ShardingError
 from keras_tp.plan.styles import Channelwise
@@ -261,7 +262,7 @@ class _Emulation:
         local = [tuple(a.shape) for a in inputs] != [
             tuple(a.shape) for a in reference.inputs
         ]
-        own = layer._trainable_variables
+        own = own_trainable_variables(layer)
         if local and own and self.active:
             self._blame_active(
                 f"layer '{layer.path}' runs on split activations with "

@@ -24,17 +24,22 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
-from keras.src.backend import StatelessScope
-from keras.src.backend import get_keras_mask
-from keras.src.backend import set_keras_mask
 
 from keras_tp.collectives.jax import JaxCollectiveAdapter
+from keras_tp.keras_internals import StatelessScope
+from keras_tp.keras_internals import bind_values
+from keras_tp.keras_internals import direct_assign
+from keras_tp.keras_internals import get_keras_mask
+from keras_tp.keras_internals import jax_layout
+from keras_tp.keras_internals import local_shapes
+from keras_tp.keras_internals import set_jax_layout
+from keras_tp.keras_internals import set_keras_mask
+from keras_tp.keras_internals import set_stored_value
+from keras_tp.keras_internals import stored_value
 from keras_tp.regions import run_on_local_values
 from keras_tp.regions import shared_value
 from keras_tp.runtime.base import Runtime
 from keras_tp.runtime.base import largest_difference
-from keras_tp.variables import bind_values
-from keras_tp.variables import local_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -149,8 +154,8 @@ class JaxRuntime(Runtime):
         )
         # Keras' JAX variables re-apply `_layout` on every assign, and the
         # optimizer gives each slot its reference variable's layout.
-        variable._layout = NamedSharding(self.mesh, spec)
-        variable._direct_assign(variable.value)
+        set_jax_layout(variable, NamedSharding(self.mesh, spec))
+        direct_assign(variable, variable.value)
 
     def _variable_spec(self, variable):
         if id(variable) not in self.placement.full_shapes:
@@ -192,16 +197,16 @@ class JaxRuntime(Runtime):
         variables = model.variables
         full = [self.full_value(v) for v in variables]
         if jax.process_index() == 0:
-            placed = [(v._layout, v._value) for v in variables]
+            placed = [(jax_layout(v), stored_value(v)) for v in variables]
             try:
                 for variable, value in zip(variables, full):
-                    variable._layout = None
-                    variable._direct_assign(jax.numpy.asarray(value))
+                    set_jax_layout(variable, None)
+                    direct_assign(variable, jax.numpy.asarray(value))
                 write()
             finally:
                 for variable, (layout, value) in zip(variables, placed):
-                    variable._layout = layout
-                    variable._value = value
+                    set_jax_layout(variable, layout)
+                    set_stored_value(variable, value)
         multihost_utils.sync_global_devices("keras_tp: model written")
 
     def device_bytes(self, variables):

@@ -27,9 +27,11 @@ import torch.distributed as dist
 from keras_tp.collectives.base import set_process_adapter
 from keras_tp.collectives.torch import TorchCollectiveAdapter
 from keras_tp.collectives.torch import is_symbolic
+from keras_tp.keras_internals import bind_values
+from keras_tp.keras_internals import set_reported_shape
+from keras_tp.keras_internals import stored_value
 from keras_tp.regions import run_on_local_values
 from keras_tp.runtime.base import Runtime
-from keras_tp.variables import bind_values
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +99,7 @@ def _is_float_tensor(x):
 
 def _parameter(variable):
     """The `torch.nn.Parameter` a Keras torch variable stores its value in."""
-    return variable._value
+    return stored_value(variable)
 
 
 def _swap_storage(variable, value):
@@ -126,7 +128,7 @@ def _swap_storage(variable, value):
                 "compute them under torch.no_grad(), before creating "
                 f"TensorParallelKeras. ({e})"
             ) from None
-    variable._shape = tuple(parameter.shape)
+    set_reported_shape(variable, parameter.shape)
     return value
 
 

@@ -1,4 +1,10 @@
-"""Binding per-rank values to Keras variables for a block of code.
+"""Every use of Keras internals, in one place.
+
+keras_tp reaches below Keras' public API where it must: a rank holds
+slices of variables that Keras believes whole, and a split layer runs
+inside Keras' own call machinery. This is the only module that imports
+`keras.src` or reads private Keras attributes, so a Keras upgrade is
+audited here.
 
 A rank holds slices of many variables: its tensor-parallel shard, and under
 ZeRO its partition along the data axis. Keras code (a layer's `call`, an
@@ -11,8 +17,19 @@ with them, as Keras checks shapes on every assign.
 import contextlib
 
 from keras import ops
+from keras.src.backend import get_keras_mask
+from keras.src.backend import set_keras_mask
 from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.common.stateless_scope import get_stateless_scope
+from keras.src.utils.io_utils import print_msg
+
+__all__ = [
+    "StatelessScope",
+    "get_keras_mask",
+    "get_stateless_scope",
+    "print_msg",
+    "set_keras_mask",
+]
 
 
 class _LayeredScope(StatelessScope):
@@ -41,7 +58,7 @@ class _LayeredScope(StatelessScope):
         elif self.parent is not None:
             self.parent.add_update(update)
         else:
-            variable._direct_assign(value)
+            direct_assign(variable, value)
 
     def get_current_value(self, variable):
         value = self.state_mapping.get(id(variable))
@@ -74,12 +91,12 @@ def bind_values(pairs):
     shapes = [(variable, variable._shape) for variable, _ in pairs]
     try:
         for variable, value in pairs:
-            variable._shape = tuple(int(d) for d in value.shape)
+            set_reported_shape(variable, (int(d) for d in value.shape))
         with _LayeredScope(pairs) as scope:
             yield scope
     finally:
         for variable, shape in shapes:
-            variable._shape = shape
+            set_reported_shape(variable, shape)
 
 
 @contextlib.contextmanager
@@ -93,11 +110,11 @@ def local_shapes(variables, shape_of):
     saved = [(variable, variable._shape) for variable in variables]
     try:
         for variable in variables:
-            variable._shape = tuple(shape_of(variable))
+            set_reported_shape(variable, shape_of(variable))
         yield
     finally:
         for variable, shape in saved:
-            variable._shape = shape
+            set_reported_shape(variable, shape)
 
 
 def stateful_cond(pred, true_fn, false_fn, variables):
@@ -120,3 +137,69 @@ def stateful_cond(pred, true_fn, false_fn, variables):
     new = ops.cond(pred, branch(true_fn), branch(false_fn))
     for variable, value in zip(variables, new):
         variable.assign(value)
+
+
+# Layers ----------------------------------------------------------------
+
+
+def own_variables(layer):
+    """Variables tracked on `layer` itself, not through its sublayers."""
+    return layer._trainable_variables + layer._non_trainable_variables
+
+
+def own_trainable_variables(layer):
+    return list(layer._trainable_variables)
+
+
+def sublayers(layer, recursive=True):
+    """The layers tracked inside `layer`, without `layer` itself."""
+    return layer._flatten_layers(include_self=False, recursive=recursive)
+
+
+def stored_kernel(layer, name):
+    """The variable behind a kernel property, or `None`.
+
+    With LoRA enabled, Keras' `kernel` property is the merged tensor; the
+    variable itself is `_kernel`.
+    """
+    return getattr(layer, "_" + name, None)
+
+
+# Variables -------------------------------------------------------------
+
+
+def set_reported_shape(variable, shape):
+    """Makes `variable.shape` report `shape` (Keras checks assigns on it)."""
+    variable._shape = tuple(shape)
+
+
+def stored_value(variable):
+    """The backend object a Keras variable stores its value in."""
+    return variable._value
+
+
+def set_stored_value(variable, value):
+    variable._value = value
+
+
+def direct_assign(variable, value):
+    """Assigns without Keras' shape check or scope handling."""
+    variable._direct_assign(value)
+
+
+def jax_layout(variable):
+    """The sharding a Keras JAX variable re-applies on every assign."""
+    return variable._layout
+
+
+def set_jax_layout(variable, layout):
+    variable._layout = layout
+
+
+# Optimizers ------------------------------------------------------------
+
+
+def moving_average(optimizer, variable):
+    """The EMA of `variable` kept by `optimizer` (`use_ema=True`)."""
+    averages = optimizer._model_variables_moving_average
+    return averages[optimizer._get_variable_index(variable)]

@@ -430,7 +430,7 @@ def _check_divisible(model, plan, world_size):
     from keras_tp.plan.sharding_plan import ShardingError
     from keras_tp.plan.sharding_plan import check_shardable
 
-    if plan.world_size == 1:
+    if plan.tensor_parallel == 1:
         return
     split = {entry.layer.path for entry in plan.layers}
     whole = []
@@ -444,7 +444,7 @@ def _check_divisible(model, plan, world_size):
         try:
             for leaf in leaves:
                 check_shardable(
-                    leaf.layer, leaf.handler, leaf.style, plan.world_size
+                    leaf.layer, leaf.handler, leaf.style, plan.tensor_parallel
                 )
         except ShardingError:
             whole.append(entry.layer.path)
@@ -452,7 +452,7 @@ def _check_divisible(model, plan, world_size):
         names = ", ".join(whole[:3]) + (", ..." if len(whole) > 3 else "")
         raise CommandError(
             f"--world-size {world_size} gives tensor-parallel size "
-            f"{plan.world_size}, which does not divide the dimensions of "
+            f"{plan.tensor_parallel}, which does not divide the dimensions of "
             f"{len(whole)} layer(s) of '{model.name}' ({names}): they would "
             "stay whole on every device. Pick a world size whose "
             "tensor-parallel part divides them, or pass --allow-replicated "
@@ -525,7 +525,7 @@ class PlanReport:
         shape = list(variable.shape)
         axis = self.split_axes.get(id(variable))
         if axis is not None:
-            shape[axis] //= self.plan.world_size
+            shape[axis] //= self.plan.tensor_parallel
         return tuple(shape)
 
     def local_bytes(self, variables, split=True):
@@ -545,7 +545,8 @@ class PlanReport:
             f"{'Local shape':18} {'Bytes/device':>12}"
         )
         lines = [
-            f"Tensor-parallel plan, tensor_parallel={self.plan.world_size}",
+            "Tensor-parallel plan, tensor_parallel="
+            f"{self.plan.tensor_parallel}",
             header,
             "-" * len(header),
         ]

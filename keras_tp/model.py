@@ -430,13 +430,13 @@ class TensorParallelKeras(keras.Model):
 
 def format_plan(plan, runtime):
     """The plan as a table: layer, style, local shape, bytes per device."""
-    world_size = runtime.tensor_parallel
+    tensor_parallel = runtime.tensor_parallel
     header = (
         f"{'Layer (variable)':48} {'Style':28} {'Source':24} "
         f"{'Local shape':18} {'Bytes/device':>12}"
     )
     lines = [
-        f"Tensor-parallel plan, world_size={world_size}",
+        f"Tensor-parallel plan, tensor_parallel={tensor_parallel}",
         header,
         "-" * len(header),
     ]

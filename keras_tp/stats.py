@@ -73,8 +73,9 @@ class CommunicationStats:
 
         Args:
             phase: the phase whose last step to summarise.
-            axis: only the collectives over this mesh axis (`"model"`,
-                `"data"`, or `"world"` for both); `None` counts all.
+            axis: only the collectives over this mesh axis: `"model"`,
+                `"data"`, or `("data", "model")` for those over the whole
+                mesh (the norms of gradient clipping); `None` counts all.
         """
         totals = collections.defaultdict(
             lambda: {

@@ -167,7 +167,7 @@ def test_allow_replicated_lists_the_layers_left_whole(saved_lm, capsys):
     assert status == 0
     assert (
         "block0_attention (4,352 B): 4 query and 4 key/value heads do not "
-        "divide by world_size=8" in output
+        "divide by tensor_parallel=8" in output
     )
 
 

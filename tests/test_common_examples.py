@@ -121,9 +121,10 @@ NOT_RUN = {
 # `build_my_keras_model`, `x` and `y`.
 MODEL = "model = build_my_keras_model()\n"
 PYTHON_SETUP = {
-    ("docs/guides/jax.md", "plan = keras_tp.auto_plan(model, world_size=4)"): (
-        MODEL
-    ),
+    (
+        "docs/guides/jax.md",
+        "plan = keras_tp.auto_plan(model, tensor_parallel=4)",
+    ): (MODEL),
     (
         "docs/guides/jax.md",
         "tp = keras_tp.TensorParallelKeras(model, world_size=4, plan={",

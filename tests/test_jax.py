@@ -504,6 +504,15 @@ def test_indivisible_dimensions():
         )
 
 
+def test_auto_plan_takes_the_tensor_parallel_size():
+    plan = keras_tp.auto_plan(models.mlp(), tensor_parallel=2)
+    assert plan.tensor_parallel == 2
+    with pytest.warns(DeprecationWarning, match="now auto_plan"):
+        assert keras_tp.auto_plan(models.mlp(), world_size=2).layers
+    with pytest.raises(TypeError, match="tensor_parallel only"):
+        keras_tp.auto_plan(models.mlp(), 2, world_size=2)
+
+
 def test_bad_inputs_have_clear_errors():
     with pytest.raises(
         ValueError, match="world_size=8 is larger than the 4 jax device"

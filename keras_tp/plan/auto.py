@@ -18,6 +18,7 @@ One pipeline, in one direction:
 
 import collections
 import logging
+import warnings
 
 import keras
 import numpy as np
@@ -46,7 +47,7 @@ _PAIRED = "auto: Column -> Row"
 _FALLBACKS = (Vocab(), Column(gather_output=True), Row(input_is_parallel=False))
 
 
-def auto_plan(model, world_size, check_local=True):
+def auto_plan(model, tensor_parallel=None, check_local=True, world_size=None):
     """Returns the plan `TensorParallelKeras(model, plan="auto")` applies.
 
     The planner runs the model once on a small probe batch and records
@@ -60,8 +61,8 @@ def auto_plan(model, world_size, check_local=True):
     gathers the logits. A supported layer left unpaired is split as a
     Column that gathers its output, or else as a Row that slices its input,
     so its memory is still divided. Layers the planner does not support, and
-    dimensions that do not divide by `world_size`, stay replicated, with the
-    reason in `plan.replicated`.
+    dimensions that do not divide by `tensor_parallel`, stay replicated, with
+    the reason in `plan.replicated`.
 
     With `check_local=True` the plan is also checked for ranks that run the
     code between split layers on their own slices (torch, TensorFlow, JAX
@@ -72,37 +73,58 @@ def auto_plan(model, world_size, check_local=True):
 
     Args:
         model: a built Keras model (Sequential, Functional or subclassed).
-        world_size: number of tensor-parallel ranks.
+        tensor_parallel: number of tensor-parallel ranks (the `model` axis
+            of the mesh).
         check_local: whether to check the plan for ranks that hold their
             own slices (see above). JAX without a data axis runs that code
             on global arrays and needs no check.
+        world_size: the former name of `tensor_parallel`; deprecated.
 
     Returns:
         A `ShardingPlan` bound to `model`.
 
     Example:
 
-    >>> plan = keras_tp.auto_plan(model, world_size=2)
+    >>> plan = keras_tp.auto_plan(model, tensor_parallel=2)
     >>> print(plan)
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}.")
+    if world_size is not None:
+        warnings.warn(
+            "auto_plan(world_size=...) is now auto_plan(tensor_parallel=...): "
+            "the plan's size is the model axis of the mesh, not all devices.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if tensor_parallel is not None:
+            raise TypeError(
+                "Pass tensor_parallel only; world_size is its former name."
+            )
+        tensor_parallel = world_size
+    if tensor_parallel is None:
+        raise TypeError(
+            "auto_plan() is missing tensor_parallel, the number of ranks to "
+            "split over."
+        )
+    if tensor_parallel < 1:
+        raise ValueError(
+            f"tensor_parallel must be >= 1, got {tensor_parallel}."
+        )
     trace = tracing.trace_model(model)
-    planner = _Planner(model, world_size, trace)
+    planner = _Planner(model, tensor_parallel, trace)
     decisions = planner.decide()
     fallbacks = {}
-    if check_local and world_size > 1:
+    if check_local and tensor_parallel > 1:
         planner.demote_whole_key_values(decisions, fallbacks)
         for _ in range(len(decisions) + 1):
             plan = _emit(
-                model, world_size, decisions, fallbacks, planner.reasons
+                model, tensor_parallel, decisions, fallbacks, planner.reasons
             )
             problems = local_problems(model, plan, trace, _group_of(decisions))
             if not problems:
                 break
             for key, problem in problems.items():
                 planner.demote(decisions, key, problem, fallbacks)
-    return _emit(model, world_size, decisions, fallbacks, planner.reasons)
+    return _emit(model, tensor_parallel, decisions, fallbacks, planner.reasons)
 
 
 Decision = collections.namedtuple(
@@ -115,7 +137,7 @@ its style, the id of its Megatron group (layers paired together fall back
 together), what decided it, and whether it is in a Column -> Row pair."""
 
 
-def _emit(model, world_size, decisions, fallbacks, reasons):
+def _emit(model, tensor_parallel, decisions, fallbacks, reasons):
     rules = {}
     for decision in decisions.values():
         layer = decision.layer
@@ -129,7 +151,7 @@ def _emit(model, world_size, decisions, fallbacks, reasons):
                 rules[_primary_path(sub)] = style
         else:
             rules[_primary_path(layer)] = decision.style
-    plan = ShardingPlan(rules).bind(model, world_size)
+    plan = ShardingPlan(rules).bind(model, tensor_parallel)
     plan.sources = {
         d.layer.path: d.source
         for d in decisions.values()
@@ -148,7 +170,7 @@ def _emit(model, world_size, decisions, fallbacks, reasons):
     return plan
 
 
-def model_layout_map(model, world_size):
+def model_layout_map(model, tensor_parallel):
     """The `keras.distribution.LayoutMap` the model ships, or `None`.
 
     keras-hub backbones of some families have a static `get_layout_map`;
@@ -162,9 +184,9 @@ def model_layout_map(model, world_size):
         return None
     # The map is only read, never applied: the devices are names.
     mesh = keras.distribution.DeviceMesh(
-        shape=(1, world_size),
+        shape=(1, tensor_parallel),
         axis_names=("batch", "model"),
-        devices=[f"cpu:{i}" for i in range(world_size)],
+        devices=[f"cpu:{i}" for i in range(tensor_parallel)],
     )
     try:
         return get_layout_map(mesh)
@@ -197,9 +219,9 @@ def _primary_path(layer):
 
 
 class _Planner:
-    def __init__(self, model, world_size, trace):
+    def __init__(self, model, tensor_parallel, trace):
         self.model = model
-        self.world_size = world_size
+        self.tensor_parallel = tensor_parallel
         self.trace = trace
         self.reasons = {}
         # Groups fed by a whole layer (key/value heads fewer than ranks).
@@ -284,7 +306,9 @@ class _Planner:
             return None
         if not self._can_split(layer, ExpertParallel()):
             return None
-        found, axis = expert_output_axis(calls[0], handler, self.world_size)
+        found, axis = expert_output_axis(
+            calls[0], handler, self.tensor_parallel
+        )
         if not found:
             return None
         self.reasons.pop(layer.path, None)
@@ -301,7 +325,7 @@ class _Planner:
         another axis of the same pair, which GSPMD reconciles with extra
         collectives), else the style of the axis the map names.
         """
-        layout_map = model_layout_map(self.model, self.world_size)
+        layout_map = model_layout_map(self.model, self.tensor_parallel)
         if layout_map is None:
             return
         for layer in leaves:
@@ -393,8 +417,8 @@ class _Planner:
             self.reasons[call.layer.path] = (
                 "its output meets split heads through raw ops but "
                 f"{self._split_size(call)} does not divide by "
-                f"world_size={self.world_size}; kept whole, as Megatron keeps "
-                "key/value heads fewer than the ranks"
+                f"tensor_parallel={self.tensor_parallel}; kept whole, as "
+                "Megatron keeps key/value heads fewer than the ranks"
             )
         return groups, whole
 
@@ -512,7 +536,7 @@ class _Planner:
         if not isinstance(style, handler.styles):
             return False
         try:
-            check_shardable(layer, handler, style, self.world_size)
+            check_shardable(layer, handler, style, self.tensor_parallel)
         except ShardingError as error:
             self.reasons.setdefault(layer.path, str(error))
             return False
@@ -531,10 +555,13 @@ class _Planner:
 
     def _attention_reason(self, layer):
         query_heads, kv_heads = ATTENTION.heads(layer)
-        if query_heads % self.world_size or kv_heads % self.world_size:
+        if (
+            query_heads % self.tensor_parallel
+            or kv_heads % self.tensor_parallel
+        ):
             return (
                 f"{query_heads} query and {kv_heads} key/value heads do not "
-                f"divide by world_size={self.world_size}"
+                f"divide by tensor_parallel={self.tensor_parallel}"
             )
         for name, sub in ATTENTION.projections(layer).items():
             handler = leaf_handler(sub)
@@ -543,7 +570,7 @@ class _Planner:
                     sub,
                     handler,
                     ATTENTION.projection_style(name),
-                    self.world_size,
+                    self.tensor_parallel,
                 )
             except ShardingError as error:
                 return str(error)

@@ -31,10 +31,13 @@ maps the sublayer attribute to its `ShardedLayer`."""
 class ShardingPlan:
     """An ordered mapping from variable-path regex to sharding style.
 
-    Like `keras.distribution.LayoutMap`, keys are matched against the path
-    of each supported layer's main variable (`kernel`, or `embeddings`): an
-    exact match wins, otherwise exactly one key may match with `re.search`.
-    Layers no key matches stay replicated.
+    Keys are matched against the path of each supported layer's main
+    variable (`kernel`, or `embeddings`): an exact match wins, otherwise
+    exactly one key may match with `re.search`. Unlike
+    `keras.distribution.LayoutMap`, which needs `re.fullmatch`, a key may
+    name part of a path, as torchtitan's plans name modules: `"mlp_up"`
+    matches `"block_0/mlp_up/kernel"`; anchor a key with `^` and `$` to
+    match whole paths only. Layers no key matches stay replicated.
 
     A plan returned by `auto_plan` or `TensorParallelKeras.sharding_plan` is
     also *bound* to its model: it knows the split axis of every variable and
@@ -54,7 +57,7 @@ class ShardingPlan:
         r"block_\\d+/mlp_up/kernel": keras_tp.Column(),
         r"block_\\d+/mlp_down/kernel": keras_tp.Row(),
     })
-    tp = keras_tp.TensorParallelKeras(model, world_size=2, plan=plan)
+    tp = keras_tp.TensorParallelKeras(model, tensor_parallel=2, plan=plan)
     ```
     """
 
@@ -70,7 +73,7 @@ class ShardingPlan:
                 )
             re.compile(pattern)
             self.rules.append((pattern, style))
-        self.world_size = None
+        self.tensor_parallel = None
         self.layers = []
         self.replicated = {}
         # What decided each split layer (`"user plan"`, `"model layout
@@ -104,20 +107,20 @@ class ShardingPlan:
             )
         return hits[0] if hits else None
 
-    def bind(self, model, world_size):
-        """Resolves the rules against `model`'s layers for `world_size` ranks.
+    def bind(self, model, tensor_parallel):
+        """Resolves the rules against `model`'s layers for `tensor_parallel`.
 
         Returns a new, bound `ShardingPlan`. Raises a `ShardingError` that
         names the variable and the fix when a rule cannot be applied exactly.
         """
         bound = ShardingPlan(self.rules)
-        bound.world_size = world_size
+        bound.tensor_parallel = tensor_parallel
         used = set()
         for layer in supported_layers(model):
             if ATTENTION.matches(layer):
-                entry = _bind_attention(self, layer, world_size, used)
+                entry = _bind_attention(self, layer, tensor_parallel, used)
             else:
-                entry = _bind_leaf(self, layer, world_size, used)
+                entry = _bind_leaf(self, layer, tensor_parallel, used)
             if entry is not None:
                 bound.layers.append(entry)
         unused = [p for p, _ in self.rules if p not in used]
@@ -173,11 +176,11 @@ class ShardingPlan:
         Returns:
             A `keras.distribution.LayoutMap`.
         """
-        if self.world_size is None:
+        if self.tensor_parallel is None:
             raise ValueError(
                 "to_layout_map() needs a plan bound to a model: use "
-                "`keras_tp.auto_plan(model, world_size)`, "
-                "`tp.sharding_plan`, or `plan.bind(model, world_size)`."
+                "`keras_tp.auto_plan(model, tensor_parallel)`, "
+                "`tp.sharding_plan`, or `plan.bind(model, tensor_parallel)`."
             )
         if MODEL_AXIS not in device_mesh.axis_names:
             raise ValueError(
@@ -185,10 +188,10 @@ class ShardingPlan:
                 f"{device_mesh.axis_names}."
             )
         size = device_mesh.shape[device_mesh.axis_names.index(MODEL_AXIS)]
-        if size != self.world_size:
+        if size != self.tensor_parallel:
             raise ValueError(
                 f"The mesh's '{MODEL_AXIS}' axis has {size} devices but the "
-                f"plan was made for {self.world_size}."
+                f"plan was made for {self.tensor_parallel}."
             )
         layout_map = keras.distribution.LayoutMap(device_mesh)
         for path, (variable, axis) in self.variable_axes().items():
@@ -234,7 +237,7 @@ def _style_for(plan, variable, used):
     return None if isinstance(hit[1], Replicate) else hit[1]
 
 
-def check_shardable(layer, handler, style, world_size):
+def check_shardable(layer, handler, style, tensor_parallel):
     """Raises a `ShardingError` if `style` cannot split `layer` exactly."""
     primary = handler.primary_variable(layer)
     if not isinstance(style, handler.styles):
@@ -263,26 +266,27 @@ def check_shardable(layer, handler, style, world_size):
             "Column(gather_output=True) or Replicate()."
         )
     size = handler.split_size(layer, style)
-    if size % world_size:
+    if size % tensor_parallel:
         axis = handler.split_axes(layer, style)[handler.primary_role(layer)]
         raise ShardingError(
             f"Variable '{primary.path}' of shape {tuple(primary.shape)} "
-            f"cannot be split {world_size} ways with {style!r}: axis "
-            f"{axis} has size {size}, not divisible by {world_size}. Use a "
-            f"world_size that divides {size}, or map it to Replicate()."
+            f"cannot be split {tensor_parallel} ways with {style!r}: axis "
+            f"{axis} has size {size}, not divisible by {tensor_parallel}. "
+            f"Use a tensor-parallel size that divides {size}, or map it to "
+            "Replicate()."
         )
 
 
-def _bind_leaf(plan, layer, world_size, used):
+def _bind_leaf(plan, layer, tensor_parallel, used):
     handler = leaf_handler(layer)
     style = _style_for(plan, handler.primary_variable(layer), used)
     if style is None:
         return None
-    check_shardable(layer, handler, style, world_size)
+    check_shardable(layer, handler, style, tensor_parallel)
     return ShardedLayer(layer, handler, style, handler.split_axes(layer, style))
 
 
-def _bind_attention(plan, layer, world_size, used):
+def _bind_attention(plan, layer, tensor_parallel, used):
     projections = ATTENTION.projections(layer)
     styles = {}
     for name, sub in projections.items():
@@ -299,18 +303,18 @@ def _bind_attention(plan, layer, world_size, used):
             "output projection Row(), or all Replicate()."
         )
     query_heads, kv_heads = ATTENTION.heads(layer)
-    if query_heads % world_size or kv_heads % world_size:
+    if query_heads % tensor_parallel or kv_heads % tensor_parallel:
         raise ShardingError(
             f"Attention layer '{layer.path}' has {query_heads} query heads "
             f"and {kv_heads} key/value heads; both must be divisible by "
-            f"world_size={world_size} to split it by heads. Map its "
-            "projections to Replicate(), or use a world_size dividing "
-            f"{kv_heads}."
+            f"tensor_parallel={tensor_parallel} to split it by heads. Map "
+            "its projections to Replicate(), or use a tensor-parallel size "
+            f"dividing {kv_heads}."
         )
     entries = {}
     for name, sub in projections.items():
         handler = leaf_handler(sub)
-        check_shardable(sub, handler, styles[name], world_size)
+        check_shardable(sub, handler, styles[name], tensor_parallel)
         entries[name] = ShardedLayer(
             sub, handler, styles[name], handler.split_axes(sub, styles[name])
         )

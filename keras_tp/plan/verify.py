@@ -103,7 +103,7 @@ def check_locally(model, plan):
         )
 
 
-def expert_output_axis(call, handler, world_size):
+def expert_output_axis(call, handler, tensor_parallel):
     """How the ranks' outputs of an expert split make the whole output.
 
     Runs the traced `call` once per rank, each on its share of the
@@ -112,7 +112,7 @@ def expert_output_axis(call, handler, world_size):
     Args:
         call: the layer's traced `Call`.
         handler: its `OwnWeightsHandler`.
-        world_size: the number of ranks.
+        tensor_parallel: the number of ranks.
 
     Returns:
         `(True, axis)` if the outputs gather on `axis`, `(True, None)` if
@@ -124,10 +124,12 @@ def expert_output_axis(call, handler, world_size):
     args, kwargs = call.arguments
     try:
         outputs = []
-        for rank in range(world_size):
+        for rank in range(tensor_parallel):
             weights = {
                 role: ops.convert_to_tensor(
-                    np.array_split(_numpy(v), world_size, axes[role])[rank],
+                    np.array_split(_numpy(v), tensor_parallel, axes[role])[
+                        rank
+                    ],
                     dtype=v.dtype,
                 )
                 for role, v in variables.items()
@@ -142,7 +144,7 @@ def expert_output_axis(call, handler, world_size):
         return False, None
     whole = _numpy(call.outputs[0])
     for axis in range(whole.ndim):
-        if outputs[0].shape[axis] * world_size != whole.shape[axis]:
+        if outputs[0].shape[axis] * tensor_parallel != whole.shape[axis]:
             continue
         gathered = np.concatenate(outputs, axis)
         if gathered.shape == whole.shape and _close(gathered, whole):
@@ -167,7 +169,7 @@ def local_problems(model, plan, trace, group_of):
         `{group key or layer path: Problem}`; empty when every rank's view
         gives the one-device numbers.
     """
-    for rank in range(plan.world_size):
+    for rank in range(plan.tensor_parallel):
         problems = _Emulation(model, plan, trace, group_of, rank).run()
         if problems:
             return problems
@@ -294,12 +296,13 @@ class _Emulation:
                 width = whole.shape[axis]
                 self.problems[group] = Problem(
                     f"Layer '{layer.path}' receives its whole input, but "
-                    f"Row() expects this rank's {width // self.plan.world_size}"
-                    f" of {width} features (the output of a Column layer); "
+                    "Row() expects this rank's "
+                    f"{width // self.plan.tensor_parallel} of {width} "
+                    "features (the output of a Column layer); "
                     "use Row(input_is_parallel=False) for a whole input",
                     False,
                 )
-            expected = np.array_split(whole, self.plan.world_size, axis)[
+            expected = np.array_split(whole, self.plan.tensor_parallel, axis)[
                 self.rank
             ]
             self._compare(
@@ -339,7 +342,7 @@ class _Emulation:
                 False,
             )
             return reference.result
-        expected = np.array_split(whole, self.plan.world_size, split[0])
+        expected = np.array_split(whole, self.plan.tensor_parallel, split[0])
         self._compare(
             [local],
             [expected[self.rank]],
@@ -353,7 +356,9 @@ class _Emulation:
     def _local_slice(self, variable, axis):
         value = _numpy(variable)
         if axis is not None:
-            value = np.array_split(value, self.plan.world_size, axis)[self.rank]
+            value = np.array_split(value, self.plan.tensor_parallel, axis)[
+                self.rank
+            ]
         return ops.convert_to_tensor(value, dtype=variable.dtype)
 
     def _compare(self, actual, expected, what, group):

@@ -1,0 +1,272 @@
+"""Devices of the TensorFlow runtime: the strategy and the mesh on it.
+
+The replicas form the `data x model` mesh, replica `d * T + m` being model
+rank `m` of data-parallel row `d`. The model axis runs over the replicas of
+a row and the data axis over those of a column, each with collective groups
+of its own (`ReplicaGroups`).
+"""
+
+import json
+import logging
+import os
+
+import keras
+import tensorflow as tf
+
+from keras_tp.collectives.tensorflow import TensorFlowCollectiveAdapter
+from keras_tp.collectives.tensorflow_groups import ReplicaGroups
+
+logger = logging.getLogger(__name__)
+
+# The host's CPU, where full values are put together outside the replicas.
+HOST = "/device:CPU:0"
+_MULTI_WORKER_STRATEGY = None
+# Group keys of the mesh axes start this far above the strategy's own.
+_GROUP_KEY_OFFSET = 50000
+
+
+def configure_virtual_devices(n):
+    """Splits the CPU into `n` logical devices; must run before TF starts.
+
+    Args:
+        n: number of CPU devices to create.
+
+    Raises:
+        RuntimeError: if TensorFlow already runs with another number of CPU
+            devices.
+    """
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)]
+        )
+    except RuntimeError:
+        have = len(tf.config.list_logical_devices("CPU"))
+        if have == n:
+            return
+        raise RuntimeError(
+            f"TensorFlow is already initialised with {have} CPU device(s), "
+            f"so configure_virtual_devices({n}) cannot take effect. Call it "
+            "right after `import keras_tp`, before any Keras or TensorFlow "
+            "operation (in a notebook: restart the kernel)."
+        ) from None
+    if tf.config.list_physical_devices("GPU"):
+        logger.info(
+            "GPUs found: keras_tp will use them; the %d virtual CPU devices "
+            "are only used if you pass their device_ids.",
+            n,
+        )
+
+
+def configure_multi_worker():
+    """Creates the `MultiWorkerMirroredStrategy` described by `TF_CONFIG`.
+
+    TensorFlow only configures cross-process collectives before its first
+    operation, so a multi-worker program calls this first thing, on every
+    worker; `TensorParallelKeras` then uses one replica per worker device.
+
+    Returns:
+        The `tf.distribute.MultiWorkerMirroredStrategy`.
+
+    Example:
+
+    ```python
+    # Run on each worker, with TF_CONFIG naming the cluster and this task.
+    import keras_tp
+    from keras_tp.runtime.tensorflow import configure_multi_worker
+    configure_multi_worker()
+    model = build_my_keras_model()
+    tp = keras_tp.TensorParallelKeras(model)   # world_size = all replicas
+    ```
+    """
+    global _MULTI_WORKER_STRATEGY
+    if _MULTI_WORKER_STRATEGY is None:
+        _MULTI_WORKER_STRATEGY = tf.distribute.MultiWorkerMirroredStrategy()
+    return _MULTI_WORKER_STRATEGY
+
+
+def _tf_config_workers():
+    config = json.loads(os.environ.get("TF_CONFIG") or "{}")
+    return len(config.get("cluster", {}).get("worker", []))
+
+
+def device_name(device):
+    """`cpu:1` for a local device; job and task kept for a worker's."""
+    spec = tf.DeviceSpec.from_string(device)
+    name = f"{spec.device_type.lower()}:{spec.device_index or 0}"
+    if spec.job in (None, "localhost"):
+        return name
+    return f"/job:{spec.job}/task:{spec.task}/device:{name}"
+
+
+def _full_device_name(device):
+    """`/device:CPU:1` for `cpu:1`: the name TensorFlow orders ranks by."""
+    return tf.DeviceSpec.from_string(device).to_string()
+
+
+class _MirroredStrategy(tf.distribute.MirroredStrategy):
+    """A `MirroredStrategy` whose collectives never collide with another's.
+
+    Every `MirroredStrategy` numbers its collective groups from 1, so two of
+    them in one process (two models, or 2 and 4 devices) would share group
+    and instance keys and their collectives would mix. Each one here starts
+    at its own base, as TensorFlow's own tests do.
+    """
+
+    _KEY_STRIDE = 100000
+    _instances = 0
+
+    def __init__(self, devices):
+        _MirroredStrategy._instances += 1
+        # Read by MirroredExtended when the strategy is built.
+        self._collective_key_base = (
+            _MirroredStrategy._instances * self._KEY_STRIDE
+        )
+        super().__init__(devices)
+
+
+class ReplicaDevices:
+    """Runtime mixin: the strategy, its replicas and the mesh axes' adapters.
+
+    Also runs functions on the replicas, for the other parts of the runtime.
+    """
+
+    def _available_devices(self):
+        if _MULTI_WORKER_STRATEGY is not None:
+            return self._multi_worker_devices(_MULTI_WORKER_STRATEGY)
+        if _tf_config_workers() > 1:
+            raise RuntimeError(
+                "TF_CONFIG describes several workers: call "
+                "`keras_tp.runtime.tensorflow.configure_multi_worker()` at "
+                "the start of the program, before any TensorFlow operation."
+            )
+        gpus = tf.config.list_logical_devices("GPU")
+        devices = gpus or tf.config.list_logical_devices("CPU")
+        return [device_name(device.name) for device in devices]
+
+    @staticmethod
+    def _multi_worker_devices(strategy):
+        workers = strategy.cluster_resolver.cluster_spec().num_tasks("worker")
+        local = [device_name(d) for d in strategy.extended.worker_devices]
+        task = strategy.cluster_resolver.task_id
+        return [
+            name.replace(f"/task:{task}/", f"/task:{other}/")
+            for other in range(workers)
+            for name in local
+        ]
+
+    def _build_strategy(self):
+        """Creates the strategy over the devices, in mesh order."""
+        if _MULTI_WORKER_STRATEGY is not None:
+            if self.per_rank_steps:
+                raise NotImplementedError(
+                    f"data_parallel={self.data_parallel}, zero_stage="
+                    f"{self.zero_stage}: on TensorFlow, keras_tp runs data "
+                    "parallelism and ZeRO on the devices of one host so far; "
+                    "across workers use data_parallel=1, zero_stage=0 "
+                    "(tensor parallelism), or the JAX backend."
+                )
+            strategy = _MULTI_WORKER_STRATEGY
+            if self.world_size != strategy.num_replicas_in_sync:
+                raise ValueError(
+                    f"world_size={self.world_size}, but the multi-worker "
+                    f"strategy has {strategy.num_replicas_in_sync} replicas; "
+                    "leave world_size and device_ids unset."
+                )
+            first = strategy.cluster_resolver.task_id * len(
+                strategy.extended.worker_devices
+            )
+        else:
+            if self.data_parallel > 1:
+                # TensorFlow ranks the members of a collective group by
+                # device name. A mesh in that order makes each replica's
+                # place in its row and in its column its rank there.
+                self.devices = sorted(self.devices, key=_full_device_name)
+                self.device_mesh = keras.distribution.DeviceMesh(
+                    shape=(self.data_parallel, self.tensor_parallel),
+                    axis_names=("data", "model"),
+                    devices=self.devices,
+                )
+            strategy = _MirroredStrategy(
+                [_full_device_name(d) for d in self.devices]
+            )
+            first = 0
+        self.strategy = strategy
+        # Global replica ids of this host's replicas, in component order.
+        self._local_replicas = list(
+            range(first, first + len(strategy.extended.worker_devices))
+        )
+
+    def _build_adapters(self):
+        """The collectives of the `model`, `data` and both axes.
+
+        Without a data axis the model axis is every replica and uses the
+        strategy's `ReplicaContext`; with one, each axis gets collective
+        groups of its own: the rows for `model`, the columns for `data`.
+        """
+        size, data, model = (
+            self.world_size,
+            self.data_parallel,
+            self.tensor_parallel,
+        )
+        if data == 1:
+            self.adapter = TensorFlowCollectiveAdapter(model)
+            self.data_adapter = TensorFlowCollectiveAdapter(1, "data")
+            self.world_adapter = TensorFlowCollectiveAdapter(
+                size, ("data", "model")
+            )
+        else:
+            groups = ReplicaGroups(
+                self.strategy.extended.worker_devices,
+                self.strategy._collective_key_base + _GROUP_KEY_OFFSET,
+            )
+            rows = [[d * model + m for m in range(model)] for d in range(data)]
+            columns = [
+                [d * model + m for d in range(data)] for m in range(model)
+            ]
+            self.adapter = TensorFlowCollectiveAdapter(
+                model, groups=groups.split(rows)
+            )
+            self.data_adapter = TensorFlowCollectiveAdapter(
+                data, "data", groups=groups.split(columns)
+            )
+            self.world_adapter = TensorFlowCollectiveAdapter(
+                size, ("data", "model"), groups=groups.split([range(size)])
+            )
+        self.data_adapter.stats = self.adapter.stats
+        self.world_adapter.stats = self.adapter.stats
+
+    def _is_chief(self):
+        return _MULTI_WORKER_STRATEGY is None or self._local_replicas[0] == 0
+
+    def _traced(self, fn):
+        """`fn`, traced when it would run eagerly and needs a graph.
+
+        The collective groups of a data axis only run in graphs (see
+        `ReplicaGroups`); an eager caller (`run_eagerly=True`, a direct
+        call) gets `fn` traced anew on every call, so the collectives of
+        every call are recorded.
+        """
+        if self.data_parallel > 1 and tf.executing_eagerly():
+            return tf.function(fn)
+        return fn
+
+    def _on_replicas(self, fn, *args):
+        """Runs `fn` on every replica; returns this host's first result."""
+
+        def run(*args):
+            results = self.strategy.run(fn, args=args)
+            return self.strategy.experimental_local_results(results)[0]
+
+        return self._traced(run)(*args)
+
+    @staticmethod
+    def _replica_id():
+        replica_id = (
+            tf.distribute.get_replica_context().replica_id_in_sync_group
+        )
+        return int(tf.get_static_value(replica_id))
+
+    def _in_replica(self):
+        context = tf.distribute.get_replica_context()
+        return context is not None and context.strategy is self.strategy

@@ -1,0 +1,242 @@
+"""Optimizer of the TensorFlow runtime: each replica updates what it holds.
+
+`TensorParallelOptimizer` is mixed into the class of the compiled optimizer,
+as Keras mixes `TFOptimizer` into its TensorFlow optimizers;
+`prepare_optimizer` does so the first time the model trains.
+"""
+
+import concurrent.futures
+
+import keras
+import tensorflow as tf
+from keras.src.backend.common.stateless_scope import get_stateless_scope
+from keras.src.optimizers import base_optimizer
+
+from keras_tp.parallel import CoordinatedOptimizer
+from keras_tp.runtime.tensorflow.devices import HOST
+
+
+def prepare_optimizer(runtime, model):
+    """Wraps and builds the compiled optimizer (once) for the replicas.
+
+    With a data axis or ZeRO the compiled optimizer is a
+    `CoordinatedOptimizer`; it and the optimizer inside it both become
+    `TensorParallelOptimizer`s, the outer one placing its slots and
+    gradient buffers with their ZeRO partitions.
+
+    Args:
+        runtime: the `TensorFlowRuntime` whose replicas run the optimizer.
+        model: the compiled `TensorParallelKeras` model.
+
+    Returns:
+        The model's optimizer, a `TensorParallelOptimizer`.
+    """
+    optimizer = model.optimizer
+    if not isinstance(optimizer, TensorParallelOptimizer):
+        _check_optimizer_supported(optimizer, model, runtime)
+        if optimizer.built:
+            raise ValueError(
+                f"Optimizer '{optimizer.name}' is already built on other "
+                "variables. Give TensorParallelKeras.compile() a new "
+                "optimizer."
+            )
+        wrapped = [optimizer]
+        if isinstance(optimizer, CoordinatedOptimizer):
+            wrapped.append(optimizer.inner_optimizer)
+        for each in wrapped:
+            object.__setattr__(
+                each, "__class__", tensor_parallel_class(type(each))
+            )
+            object.__setattr__(each, "_tensor_parallel_runtime", runtime)
+    elif optimizer._tensor_parallel_runtime is not runtime:
+        raise ValueError(
+            f"Optimizer '{optimizer.name}' belongs to another "
+            "TensorParallelKeras model; compile with a new optimizer."
+        )
+    if not optimizer.built:
+
+        def build():
+            with keras.name_scope(optimizer.name, caller=optimizer):
+                optimizer.build(model.trainable_variables)
+            # Iterations, learning rate and the like: a copy per replica,
+            # since every replica steps its own optimizer.
+            for variable in optimizer.variables:
+                if not runtime.placement.is_placed(variable):
+                    runtime.placement.place(variable, None)
+
+        _outside_distribution_context(build)
+    return optimizer
+
+
+class TensorParallelOptimizer:
+    """Mixin that makes a Keras optimizer update tensor-parallel replicas.
+
+    `TensorFlowRuntime` mixes it into the class of the compiled optimizer the
+    first time the model trains (with a data axis or ZeRO, into the
+    `CoordinatedOptimizer` and the optimizer it wraps). Each replica then
+    applies its own gradients to its own components (shards, partitions,
+    and copies of replicated variables) in replica context: gradients are
+    never all-reduced by the TensorFlow optimizer's data-parallel path,
+    because each replica already holds the exact gradient of what it owns
+    (the `CoordinatedOptimizer` synchronises the data axis itself). Slot
+    variables are split like the variable they belong to.
+    """
+
+    def add_variable_from_reference(
+        self, reference_variable, name=None, initializer="zeros"
+    ):
+        runtime = self._tensor_parallel_runtime
+        # Created whole on the host (not colocated with the per-replica
+        # reference as the TensorFlow optimizer would), then split like its
+        # reference, so no device holds a full slot.
+        with tf.device(HOST):
+            variable = base_optimizer.BaseOptimizer.add_variable_from_reference(
+                self, reference_variable, name=name, initializer=initializer
+            )
+        # With a data axis or ZeRO the CoordinatedOptimizer places it, with
+        # its ZeRO partition.
+        if not runtime.per_rank_steps:
+            runtime.placement.place(
+                variable, runtime.placement.split_axis(reference_variable)
+            )
+        return variable
+
+    # A variable bound to a value (the ZeRO partition a
+    # CoordinatedOptimizer updates, say) is written through Keras, which
+    # records the write in the binding; any other one directly in this
+    # replica's component.
+
+    def assign(self, variable, value):
+        if _is_bound(variable):
+            variable.assign(value)
+        else:
+            super().assign(variable, value)
+
+    def assign_add(self, variable, value):
+        if _is_bound(variable):
+            variable.assign_add(value)
+        else:
+            super().assign_add(variable, _scattered(value))
+
+    def assign_sub(self, variable, value):
+        if _is_bound(variable):
+            variable.assign_sub(value)
+        else:
+            super().assign_sub(variable, _scattered(value))
+
+    def _overwrite_model_variables_with_average_value(
+        self, trainable_variables
+    ):
+        for variable, average in zip(
+            trainable_variables, self._model_variables_moving_average
+        ):
+            self.assign(variable, average)
+
+    def _var_key(self, variable):
+        # The TensorFlow optimizer keys variables by their distributed
+        # container, whose handle exists only inside a replica; this path
+        # always passes Keras variables, which are their own key.
+        return id(variable)
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        for grad, variable in zip(grads, trainable_variables):
+            self.update_step(grad, variable, learning_rate)
+
+    def _apply_weight_decay(self, variables):
+        if self.weight_decay is None:
+            return
+        for variable in variables:
+            if self._use_weight_decay(variable):
+                lr = keras.ops.cast(self.learning_rate, variable.dtype)
+                wd = keras.ops.cast(self.weight_decay, variable.dtype)
+                # The optimizer's `assign_sub`, as a Keras variable's would
+                # compare the local shard's shape with the full shape.
+                self.assign_sub(variable, variable * wd * lr)
+
+
+_TENSOR_PARALLEL_CLASSES = {}
+
+
+def tensor_parallel_class(optimizer_class):
+    """The subclass of `optimizer_class` with `TensorParallelOptimizer`."""
+    if optimizer_class not in _TENSOR_PARALLEL_CLASSES:
+        _TENSOR_PARALLEL_CLASSES[optimizer_class] = type(
+            f"TensorParallel{optimizer_class.__name__}",
+            (TensorParallelOptimizer, optimizer_class),
+            {"__module__": __name__},
+        )
+    return _TENSOR_PARALLEL_CLASSES[optimizer_class]
+
+
+def _scattered(value):
+    """A sparse update (`tf.IndexedSlices`) as the dense tensor it adds.
+
+    Per-replica (`ON_READ`) components take no scatter ops; the dense sum
+    of the slices changes the same rows by the same amounts (repeated rows
+    add up, as a scatter does). The optimizer's own sparse arithmetic
+    (Adam touching only the rows seen) happens before, unchanged.
+    """
+    if isinstance(value, tf.IndexedSlices):
+        return tf.convert_to_tensor(value)
+    return value
+
+
+def _is_bound(variable):
+    """Whether a Keras scope binds `variable` to a value of its own."""
+    scope = get_stateless_scope()
+    return scope is not None and scope.get_current_value(variable) is not None
+
+
+def _check_optimizer_supported(optimizer, model, runtime):
+    if optimizer is None:
+        raise ValueError("The model has no optimizer: compile it first.")
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise NotImplementedError(
+            "LossScaleOptimizer (mixed_float16) is not supported by "
+            "keras_tp on TensorFlow yet; use float32 or bfloat16."
+        )
+    # A CoordinatedOptimizer takes norms across shards and accumulates
+    # gradients itself.
+    if not isinstance(optimizer, CoordinatedOptimizer):
+        unsupported = {
+            "clipnorm": optimizer.clipnorm,
+            "global_clipnorm": optimizer.global_clipnorm,
+            "use_ema": optimizer.use_ema,
+            "gradient_accumulation_steps": (
+                optimizer.gradient_accumulation_steps
+            ),
+        }
+        used = [name for name, value in unsupported.items() if value]
+        if used:
+            raise NotImplementedError(
+                f"Optimizer options {used} need norms or state across "
+                "shards, which keras_tp on TensorFlow does not implement "
+                "yet; remove them (clipvalue works)."
+            )
+    for variable in model.trainable_variables:
+        if variable.regularizer is not None:
+            raise NotImplementedError(
+                f"Variable '{variable.path}' has a regularizer; keras_tp on "
+                "TensorFlow does not support regularization losses yet."
+            )
+        split = runtime.placement.split_axis(variable) is not None or (
+            runtime.zero_stage > 0
+            and runtime.placement.partition_axis(variable) is not None
+        )
+        if split and variable.constraint is not None:
+            raise NotImplementedError(
+                f"Split variable '{variable.path}' has a constraint, which "
+                "would act on one shard; keras_tp does not support it yet."
+            )
+
+
+def _outside_distribution_context(fn):
+    """Runs `fn` eagerly in a fresh thread, outside any `tf.distribute` context.
+
+    Steps are traced inside Keras' replica context of the default strategy,
+    where TensorFlow refuses to create another strategy's variables, even
+    under `tf.init_scope()` or `merge_call`. Distribution contexts belong to
+    a thread, so a short-lived thread can create them.
+    """
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as executor:
+        return executor.submit(fn).result()

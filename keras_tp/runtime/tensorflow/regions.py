@@ -1,0 +1,131 @@
+"""Sharded regions of the TensorFlow runtime, in and outside the replicas.
+
+Inside a replica a sharded layer runs on the local weights with the
+collectives of `TensorFlowCollectiveAdapter`. Called outside a step (a
+direct `model(x)`), each sharded layer runs as its own small replica step
+and its split outputs are gathered (these gathers are counted in the
+`"call"` phase); this path gives exact outputs but no gradients.
+"""
+
+import tensorflow as tf
+
+from keras_tp.keras_internals import bind_values
+from keras_tp.regions import shared_value
+from keras_tp.runtime.tensorflow.storage import local_read
+
+
+class ReplicaRegions:
+    """Runtime mixin: runs sharded regions and ZeRO-3 gathered calls."""
+
+    def prepare_region(self, region):
+        """Lets the region's Row layers take their input split."""
+        region.accept_split_input()
+
+    def prepare_local_layer(self, layer):
+        # Its split variables can only be read inside a replica.
+        self._local_layers = True
+
+    def run_region(self, region, args, kwargs):
+        if self._in_replica():
+            return self._local_region(region, args, kwargs)
+        return self._region_outside_replicas(region, args, kwargs)
+
+    def gathered_call(self, layer, variables, call):
+        """ZeRO-3: gathers the layer's partitions around its call.
+
+        The gather's backward pass averages the gradient over `data` and
+        reduce-scatters it. The tape keeps the gathered parameters for the
+        backward pass, so they are gathered once per step (2 x the
+        parameters communicated, not the 3 x of re-gathering), and stay
+        alive from the layer's forward to its backward.
+        """
+        axes = [self.placement.data_axes[id(v)] for v in variables]
+
+        def zero3_call(*args, **kwargs):
+            if not self._in_replica():
+                raise RuntimeError(
+                    f"Layer '{layer.path}' holds ZeRO-3 partitions, which "
+                    "are gathered only inside its TensorParallelKeras model: "
+                    "call the model, or use predict()."
+                )
+            full = [
+                self.data_adapter.gather_partitions(local_read(v), axis)
+                for v, axis in zip(variables, axes)
+            ]
+            with bind_values(zip(variables, full)):
+                return call(*args, **kwargs)
+
+        return zero3_call
+
+    def _local_region(self, region, args, kwargs):
+        """The region's output on this replica, from its local tensors."""
+        first_input = args[0] if args else None
+        input_axis = region.input_axis(args)
+        leaves = tf.nest.flatten((args, kwargs))
+        if region.parallel_input:
+            copies = {}
+            local = {}
+            for leaf in leaves:
+                split = leaf is first_input and input_axis is not None
+                if _is_float_tensor(leaf) and not split:
+                    copies[id(leaf)] = shared_value(
+                        leaf, self.adapter.copy_to_parallel, local
+                    )
+            leaves = [copies.get(id(leaf), leaf) for leaf in leaves]
+            args, kwargs = tf.nest.pack_sequence_as((args, kwargs), leaves)
+        weights = [local_read(variable) for variable, _ in region.variables()]
+        with region.local_weights(weights), self.adapter.activated():
+            return region.compute(*args, **kwargs)
+
+    def _region_outside_replicas(self, region, args, kwargs):
+        """Runs the region as its own replica step and gathers its outputs."""
+        leaves = tf.nest.flatten((args, kwargs))
+        tensor_positions = [
+            i for i, leaf in enumerate(leaves) if tf.is_tensor(leaf)
+        ]
+        first_input = args[0] if args else None
+        input_axis = region.input_axis(args)
+        output_axes = region.output_axes(args, kwargs)
+
+        def replica_step(*tensors):
+            local = list(leaves)
+            for position, tensor in zip(tensor_positions, tensors):
+                if leaves[position] is first_input and input_axis is not None:
+                    tensor = self.adapter.scatter_to_parallel(
+                        tensor, input_axis
+                    )
+                local[position] = tensor
+            local_args, local_kwargs = tf.nest.pack_sequence_as(
+                (args, kwargs), local
+            )
+            outputs = self._local_region(region, local_args, local_kwargs)
+            return _gather_split(self.adapter, outputs, output_axes)
+
+        @tf.custom_gradient
+        def sharded_call(*tensors):
+            def grad(*upstream, variables=None):
+                raise NotImplementedError(
+                    f"Layer '{region.layer.path}' was called directly, outside "
+                    "a TensorParallelKeras step, where keras_tp computes no "
+                    "gradients on TensorFlow. Train with fit() or "
+                    "train_on_batch()."
+                )
+
+            return self._on_replicas(replica_step, *tensors), grad
+
+        return sharded_call(*[leaves[i] for i in tensor_positions])
+
+
+def _gather_split(adapter, outputs, axes):
+    """Gathers each output left split along its axis (`None`: replicated)."""
+    if axes is None:
+        return outputs
+    if isinstance(axes, int):
+        return adapter.all_gather(outputs, axes)
+    return type(outputs)(
+        _gather_split(adapter, o, a) for o, a in zip(outputs, axes)
+    )
+
+
+def _is_float_tensor(x):
+    return tf.is_tensor(x) and x.dtype.is_floating

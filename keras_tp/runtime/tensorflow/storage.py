@@ -1,0 +1,279 @@
+"""Storage of the TensorFlow runtime: a per-replica variable per Keras one.
+
+Each Keras variable of the model keeps its full (logical) shape, but its
+storage becomes a per-replica variable (`synchronization=ON_READ`): one
+component on each device, holding that rank's shard, or a whole copy for a
+replicated variable. Replica code reads and updates its own component
+without any synchronisation. Reading a split variable outside replica
+context raises; `get_weights()`, `set_weights()` and `save()` go through
+the runtime, which assembles or splits the value. Optimizer slots, gradient
+buffers and (ZeRO-3) parameters hold one data partition of their shard per
+replica.
+"""
+
+import contextlib
+import logging
+import threading
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_tp.collectives.base import nbytes
+from keras_tp.keras_internals import local_shapes
+from keras_tp.runtime.base import largest_difference
+from keras_tp.runtime.tensorflow.devices import HOST
+from keras_tp.runtime.tensorflow.devices import device_name
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaStorage:
+    """Runtime mixin: places, reads, writes and saves per-replica variables."""
+
+    def place_variable(self, variable, axis):
+        self._store(variable, axis)
+
+    def place_variable_like(self, variable, reference, data_axis):
+        self._store(variable, self.placement.axes[id(variable)], data_axis)
+
+    def partition_variable(self, variable, data_axis):
+        self._store(
+            variable,
+            self.placement.axes[id(variable)],
+            data_axis,
+            full=self.full_value(variable),
+        )
+
+    def _store(self, variable, axis, data_axis=None, full=None):
+        """Gives `variable` a per-replica storage of its pieces.
+
+        Args:
+            variable: the Keras variable; its current value is the full one
+                unless `full` is given.
+            axis: the axis split over `model`, or `None`.
+            data_axis: the axis of the shard partitioned over `data`, or
+                `None`.
+            full: the full value, for a variable already placed.
+        """
+        with tf.init_scope():
+            if full is None:
+                full = keras.ops.convert_to_numpy(variable.value)
+            variable._value = self._per_replica_variable(
+                variable, full, axis, data_axis
+            )
+
+    def _per_replica_variable(self, variable, full, axis, data_axis):
+        """A per-replica tf.Variable whose components hold their pieces."""
+        shards = self._local_shards(full, axis, data_axis)
+        with self.strategy.scope():
+            storage = tf.Variable(
+                shards[0],
+                dtype=variable.dtype,
+                trainable=variable.trainable,
+                name=variable.name,
+                synchronization=tf.VariableSynchronization.ON_READ,
+                # Reading a split variable outside a replica must fail, not
+                # quietly return shard 0; a replicated one reads replica 0.
+                aggregation=(
+                    tf.VariableAggregation.NONE
+                    if axis is not None or data_axis is not None
+                    else tf.VariableAggregation.ONLY_FIRST_REPLICA
+                ),
+            )
+        for component, shard in zip(storage.values, shards):
+            component.assign(shard)
+        return storage
+
+    def _local_shards(self, full, axis, data_axis=None):
+        """The piece of `full` each local replica holds, in replica order:
+        its model rank's shard, and its data rank's partition of it."""
+        model, data = self.tensor_parallel, self.data_parallel
+        pieces = []
+        for replica in self._local_replicas:
+            data_rank, model_rank = divmod(replica, model)
+            piece = full
+            if axis is not None:
+                piece = np.split(piece, model, axis)[model_rank]
+            if data_axis is not None:
+                piece = np.split(piece, data, data_axis)[data_rank]
+            pieces.append(piece)
+        return pieces
+
+    @staticmethod
+    def _components(variable):
+        storage = variable.value
+        if isinstance(storage, tf.distribute.DistributedValues):
+            return storage.values
+        return (storage,)
+
+    def full_value(self, variable):
+        components = self._components(variable)
+        axis = self.placement.split_axis(variable)
+        data_axis = self.placement.data_axis(variable)
+        if len(self._local_replicas) < self.world_size:
+            # Several workers (there is no data axis then): the other
+            # shards live on other hosts.
+            if axis is None:
+                return components[0].numpy()
+            return self._gathered_across_hosts(variable, axis)
+        model = self.tensor_parallel
+        shards = []
+        for model_rank in range(model if axis is not None else 1):
+            partitions = [
+                components[data_rank * model + model_rank].numpy()
+                for data_rank in range(
+                    self.data_parallel if data_axis is not None else 1
+                )
+            ]
+            shards.append(
+                partitions[0]
+                if data_axis is None
+                else np.concatenate(partitions, axis=data_axis)
+            )
+        return shards[0] if axis is None else np.concatenate(shards, axis=axis)
+
+    def _gathered_across_hosts(self, variable, axis):
+        def gather():
+            context = tf.distribute.get_replica_context()
+            return context.all_gather(local_read(variable), axis)
+
+        gathered = tf.function(lambda: self.strategy.run(gather))()
+        return self.strategy.experimental_local_results(gathered)[0].numpy()
+
+    def assign_full_value(self, variable, value):
+        value = np.asarray(value)
+        pieces = self._local_shards(
+            value,
+            self.placement.split_axis(variable),
+            self.placement.data_axis(variable),
+        )
+        for component, piece in zip(self._components(variable), pieces):
+            component.assign(piece)
+
+    def save_model(self, model, filepath, **kwargs):
+        """Saves the unsplit model; on several workers only the chief writes.
+
+        Every variable is assembled on the host for the time of the save.
+        """
+        with self._assembled(model.variables):
+            if self._is_chief():
+                model.save(filepath, **kwargs)
+            else:
+                logger.info(
+                    "Worker is not the chief: %s not written.", filepath
+                )
+
+    def save_weights(self, model, filepath, **kwargs):
+        """Saves the unsplit weights; on several workers only the chief."""
+        with self._assembled(model.variables):
+            if self._is_chief():
+                model.save_weights(filepath, **kwargs)
+
+    @contextlib.contextmanager
+    def _assembled(self, variables):
+        """Gives each placed variable a plain, full storage on the host."""
+        storages = {}
+        try:
+            for variable in variables:
+                if not self.placement.is_placed(variable):
+                    continue
+                full = self.full_value(variable)
+                storages[id(variable)] = (variable, variable.value)
+                with tf.device(HOST):
+                    variable._value = tf.Variable(
+                        full, trainable=variable.trainable, name=variable.name
+                    )
+            yield
+        finally:
+            for variable, storage in storages.values():
+                variable._value = storage
+
+    def device_bytes(self, variables):
+        totals = {device: 0 for device in self.devices}
+        for variable in variables:
+            for component in self._components(variable):
+                name = device_name(component.device)
+                totals[name] = totals.get(name, 0) + nbytes(component)
+        return totals
+
+    def replica_differences(self, variables):
+        """Largest difference between the copies of each variable.
+
+        Replicas holding the same piece (the data-parallel rows for a shard
+        or a partition, and the model ranks of a replicated variable) must
+        hold the same numbers.
+        """
+        differences = {}
+        for variable in variables:
+            axis = self.placement.split_axis(variable)
+            data_axis = self.placement.data_axis(variable)
+            copies = {}
+            for replica, component in zip(
+                self._local_replicas, self._components(variable)
+            ):
+                data_rank, model_rank = divmod(replica, self.tensor_parallel)
+                piece = (
+                    model_rank if axis is not None else None,
+                    data_rank if data_axis is not None else None,
+                )
+                copies.setdefault(piece, []).append(component.numpy())
+            differences[variable.path] = largest_difference(copies)
+        return differences
+
+
+class ReplicaShapes:
+    """Makes the placed variables report the shapes replicas hold.
+
+    Keras checks every `assign` against the variable's shape; inside a
+    replica the values are shards and partitions.
+
+    Args:
+        placement: the runtime's `Placement`.
+    """
+
+    def __init__(self, placement):
+        self._placement = placement
+        self._lock = threading.Lock()
+        self._users = 0
+        self._context = None
+
+    @contextlib.contextmanager
+    def __call__(self, model):
+        """Local shapes for the variables of `model` and of its optimizer.
+
+        Args:
+            model: the `TensorParallelKeras` model.
+        """
+        variables = list(model.variables)
+        # `optimizer` exists once the model is compiled.
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and optimizer.built:
+            variables += optimizer.variables
+        placed = [v for v in variables if self._placement.is_placed(v)]
+        # Replicas run in threads and may each enter: the first one in
+        # sets the shapes, the last one out restores them.
+        with self._lock:
+            if not self._users:
+                self._context = contextlib.ExitStack()
+                self._context.enter_context(
+                    local_shapes(placed, self._placement.local_shape)
+                )
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                if not self._users:
+                    self._context.close()
+
+
+def local_read(variable):
+    """This replica's value of a Keras variable, as a tensor.
+
+    `tf.identity` rather than `tf.convert_to_tensor`: a multi-worker
+    collective given the latter's result takes it for the distributed
+    variable itself and fails.
+    """
+    return tf.identity(variable.value)

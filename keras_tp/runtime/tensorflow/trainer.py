@@ -1,0 +1,357 @@
+"""Steps of the TensorFlow runtime: train, test and predict over the replicas.
+
+Keras' TensorFlow trainer would run its step in every replica and treat the
+replicas as data parallel: it splits each batch, divides the loss by the
+number of replicas and sums the gradients over them. For tensor parallelism
+the model is therefore not put under the strategy; Keras sees one device
+and `run_step` runs the replicas itself: every replica computes the forward
+pass on the same full batch, the loss and the metrics are computed once
+from the (replicated) output, and the gradient of the loss with respect to
+that output is sent back to every replica, which finishes the backward pass
+and updates its own shards with the wrapped optimizer
+(`TensorParallelOptimizer`). The loss is never scaled and no gradient goes
+through the optimizer's all-reduce; the gradients of replicated variables
+are broadcast from replica 0 (one collective per step) so that their copies
+stay bit-identical.
+
+With a data axis every row runs the forward pass on its slice of the
+global batch; the loss and metrics are computed once, on the rows' outputs
+put back together, so they are those of the global batch; each row receives
+`D` times the gradient of the global loss with respect to its output (the
+gradient of its own mean loss), and the `CoordinatedOptimizer` averages the
+parameter gradients over the data axis, reduce-scatters them or gathers
+partitions according to the ZeRO stage. Steps with a data axis are always
+traced, since the collective groups of the mesh axes only run in graphs.
+"""
+
+import warnings
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_tp.runtime.tensorflow.optimizer import prepare_optimizer
+from keras_tp.runtime.tensorflow.storage import local_read
+
+
+class ReplicaTrainer:
+    """Runtime mixin: Keras' train, test and predict steps on the replicas."""
+
+    def run_step(self, phase, step, *args, **kwargs):
+        """Runs one train / test / predict step over the replicas.
+
+        `step` is Keras' own step; it is not called, because it assumes data
+        parallelism of another kind (see the module docstring). The
+        runtime's step keeps its contract: same data format, same loss,
+        metrics and optimizer of the compiled model, same returned logs or
+        predictions.
+        """
+        model = step.__self__
+        if model.jit_compile:
+            raise ValueError(
+                "TensorParallelKeras on TensorFlow runs its replicas with "
+                "tf.distribute, which XLA cannot compile as one program: "
+                "call `compile(..., jit_compile=False)`."
+            )
+        if phase != "predict" and model.steps_per_execution > 1:
+            # Keras loops such steps in a tf.while_loop, inside which
+            # tf.distribute replicas fail to run (plain Keras too).
+            raise ValueError(
+                "TensorParallelKeras on TensorFlow runs one step per "
+                "execution: call `compile(..., steps_per_execution=1)`."
+            )
+        steps = {
+            "train": self._train_step,
+            "test": self._test_step,
+            "predict": self._predict_step,
+        }
+        with self.adapter.stats.recording(phase):
+            data = self._batch_of_first_worker(*args, **kwargs)
+            return self._traced(steps[phase])(model, data)
+
+    def _batch_of_first_worker(self, data):
+        """The batch every rank must see: worker 0's when there are several.
+
+        Each worker process reads its own input; a shuffled order or other
+        data on another worker would silently give its ranks other batches.
+        One broadcast per input tensor (counted in the step's collectives)
+        makes them all use worker 0's batch.
+        """
+        if len(self._local_replicas) == self.world_size:
+            return data
+        leaves = tf.nest.flatten(data)
+        positions = [i for i, leaf in enumerate(leaves) if tf.is_tensor(leaf)]
+
+        def from_first_worker(*tensors):
+            return [self.adapter.broadcast(t, root=0) for t in tensors]
+
+        tensors = self._on_replicas(
+            from_first_worker, *[leaves[i] for i in positions]
+        )
+        for position, tensor in zip(positions, tensors):
+            leaves[position] = tensor
+        return tf.nest.pack_sequence_as(data, leaves)
+
+    def _forward(self, model, x, training, tapes=None):
+        """Runs the model on every replica, each row on its slice of `x`.
+
+        Args:
+            model: the `TensorParallelKeras` model.
+            x: the global batch of inputs.
+            training: the `training` argument of the call.
+            tapes: if given, each replica records its forward pass on a
+                gradient tape kept here under its replica id.
+
+        Returns:
+            The output of each data-parallel row (that of its first model
+            rank; the others hold the same), in row order.
+        """
+        x = self._checked_split(x)
+
+        def forward(x):
+            replica = self._replica_id()
+            local_x = self._row_slice(x, replica // self.tensor_parallel)
+            if tapes is None:
+                return model(local_x, training=training)
+            tape = tf.GradientTape()
+            with tape:
+                y_pred = model(local_x, training=training)
+            tapes[replica] = (tape, y_pred)
+            return y_pred
+
+        with self._local_shapes(model):
+            results = self.strategy.run(forward, args=(x,))
+        local = self.strategy.experimental_local_results(results)
+        return [
+            local[row * self.tensor_parallel]
+            for row in range(self.data_parallel)
+        ]
+
+    def _checked_split(self, x):
+        """`x`, checked to split evenly over the data-parallel rows.
+
+        A batch dimension unknown while tracing is checked when the step
+        runs.
+        """
+        parts = self.data_parallel
+        if parts == 1:
+            return x
+
+        def check(leaf):
+            if not tf.is_tensor(leaf) or leaf.shape.rank == 0:
+                return leaf
+            if leaf.shape[0] is not None:
+                self.check_batch_size(leaf.shape[0])
+                return leaf
+            assertion = tf.debugging.assert_equal(
+                tf.shape(leaf)[0] % parts,
+                0,
+                message=(
+                    f"A batch cannot be split evenly over data_parallel="
+                    f"{parts} ranks. Use a batch size (and a dataset size, "
+                    f"or `drop_remainder=True`) that divides by {parts}."
+                ),
+            )
+            with tf.control_dependencies([assertion]):
+                return tf.identity(leaf)
+
+        return tf.nest.map_structure(check, x)
+
+    def _row_slice(self, x, row):
+        """Row `row`'s equal slice of every batched tensor of `x`."""
+        parts = self.data_parallel
+        if parts == 1:
+            return x
+
+        def piece(leaf):
+            if not tf.is_tensor(leaf) or leaf.shape.rank == 0:
+                return leaf
+            size = leaf.shape[0]
+            size = tf.shape(leaf)[0] // parts if size is None else size // parts
+            return leaf[row * size : (row + 1) * size]
+
+        return tf.nest.map_structure(piece, x)
+
+    def _rows_together(self, rows):
+        """The global batch's outputs from the rows' outputs."""
+        if len(rows) == 1:
+            return rows[0]
+        return tf.nest.map_structure(
+            lambda *parts: tf.concat(parts, axis=0), *rows
+        )
+
+    def _train_step(self, model, data):
+        optimizer = prepare_optimizer(self, model)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        # Each replica's forward tape, kept for its backward pass.
+        tapes = {}
+        rows = self._forward(model, x, training=True, tapes=tapes)
+        _check_no_extra_losses(model)
+        # The loss is computed once, outside the replicas, on the global
+        # batch, so Keras neither divides it by the number of replicas nor
+        # averages it over them.
+        with tf.GradientTape() as loss_tape:
+            loss_tape.watch(rows)
+            y_pred = self._rows_together(rows)
+            loss = model._compute_loss(
+                x=x,
+                y=y,
+                y_pred=y_pred,
+                sample_weight=sample_weight,
+                training=True,
+            )
+            scaled_loss = optimizer.scale_loss(loss)
+        model._loss_tracker.update_state(loss, sample_weight=_batch_size(x))
+        # Times D, the gradient with respect to a row's output is that of
+        # the row's own mean loss; the CoordinatedOptimizer's average over
+        # `data` then makes the gradient of the global loss, for any loss.
+        row_gradients = [
+            tf.nest.map_structure(
+                lambda g: g * tf.cast(self.data_parallel, g.dtype), gradient
+            )
+            for gradient in loss_tape.gradient(
+                scaled_loss,
+                rows,
+                unconnected_gradients=tf.UnconnectedGradients.ZERO,
+            )
+        ]
+
+        def backward_and_update(row_gradients):
+            replica = self._replica_id()
+            tape, local_y_pred = tapes.pop(replica)
+            variables = model.trainable_variables
+            gradients = tape.gradient(
+                local_y_pred,
+                variables,
+                output_gradients=row_gradients[replica // self.tensor_parallel],
+            )
+            if self.per_rank_steps:
+                gradients = _dense(gradients)
+            if self.tensor_parallel > 1:
+                gradients = self._replicated_from_first_replica(
+                    gradients, variables
+                )
+            optimizer.apply(gradients, variables)
+            if self.per_rank_steps:
+                self._average_non_trainables(model)
+
+        if model.trainable_variables:
+            with self._local_shapes(model):
+                self.strategy.run(backward_and_update, args=(row_gradients,))
+        else:
+            warnings.warn("The model does not have any trainable weights.")
+        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _replicated_from_first_replica(self, gradients, variables):
+        """Gives every model rank the gradients of replicated variables
+        that model rank 0 computed.
+
+        Every rank computes the same gradient for a replicated variable,
+        but TensorFlow does not promise the same bits on different devices
+        (a reduction may round differently), and copies that drift apart
+        are no longer one model. One broadcast per step and dtype, of all
+        these gradients together, keeps the copies identical.
+        """
+        gradients = list(gradients)
+        by_dtype = {}
+        for i, (gradient, variable) in enumerate(zip(gradients, variables)):
+            if (
+                gradient is not None
+                and self.placement.split_axis(variable) is None
+            ):
+                gradients[i] = tf.convert_to_tensor(gradient)
+                by_dtype.setdefault(gradients[i].dtype, []).append(i)
+        for indices in by_dtype.values():
+            pieces = [gradients[i] for i in indices]
+            flat = tf.concat([tf.reshape(p, [-1]) for p in pieces], axis=0)
+            flat = self.adapter.broadcast_gradient(flat, root=0)
+            sizes = [int(np.prod(p.shape)) for p in pieces]
+            for i, piece, part in zip(indices, pieces, tf.split(flat, sizes)):
+                gradients[i] = tf.reshape(part, piece.shape)
+        return gradients
+
+    def _average_non_trainables(self, model):
+        """Averages the non-trainable float state over the data axis.
+
+        BatchNorm statistics, say, which each row updated from its own
+        slice of the batch; one all-reduce for all of them per dtype.
+        """
+        by_dtype = {}
+        for variable in model.non_trainable_variables:
+            floating = tf.as_dtype(variable.dtype).is_floating
+            placed = self.placement.is_placed(variable)
+            if (
+                floating
+                and placed
+                and id(variable) not in self.placement.data_axes
+            ):
+                by_dtype.setdefault(variable.dtype, []).append(variable)
+        for variables in by_dtype.values():
+            values = [local_read(v) for v in variables]
+            flat = tf.concat([tf.reshape(v, [-1]) for v in values], axis=0)
+            flat = self.data_adapter.all_reduce(flat, "mean")
+            sizes = [int(np.prod(v.shape)) for v in values]
+            for variable, value, part in zip(
+                variables, values, tf.split(flat, sizes)
+            ):
+                variable.assign(tf.reshape(part, value.shape))
+
+    def _test_step(self, model, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred = self._rows_together(self._forward(model, x, training=False))
+        _check_no_extra_losses(model)
+        loss = model._compute_loss(
+            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
+        )
+        model._loss_tracker.update_state(loss, sample_weight=_batch_size(x))
+        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _predict_step(self, model, data):
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        return self._rows_together(self._forward(model, x, training=False))
+
+    def call_model(self, model, inputs, training):
+        """A direct call of the wrapped model (`tp(x)`).
+
+        With a data axis or ZeRO the whole call runs in every replica, as
+        in a step, since the mesh axes' collectives and ZeRO-3's gathers
+        exist there only; each row computes the whole batch. So it does
+        when a layer reads its split variables outside any region.
+        """
+        if self._in_replica():
+            # A custom loop's replica step: values are the replica's own.
+            with self._local_shapes(model):
+                return model(inputs, training=training)
+        if not (self.per_rank_steps or self._local_layers):
+            return model(inputs, training=training)
+        return self._on_replicas(
+            lambda inputs: model(inputs, training=training), inputs
+        )
+
+
+def _dense(gradients):
+    """The gradients with `tf.IndexedSlices` (of embeddings) made dense.
+
+    The `CoordinatedOptimizer` sums a gradient over the data axis, which
+    merges the rows of a token seen several times, as on JAX and torch.
+    Keras on one device keeps the slices apart, and Adam's second moment and
+    gradient norms then count each occurrence.
+    """
+    return [
+        tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+        for g in gradients
+    ]
+
+
+def _check_no_extra_losses(model):
+    if model.losses:
+        raise NotImplementedError(
+            "The model adds losses in its forward pass (add_loss or activity "
+            "regularization); keras_tp on TensorFlow does not support them "
+            "yet."
+        )
+
+
+def _batch_size(x):
+    first = next(i for i in tf.nest.flatten(x) if i is not None)
+    return tf.shape(first)[0]

@@ -15,7 +15,7 @@ import keras
 
 from keras_tp.keras_internals import get_keras_mask
 from keras_tp.keras_internals import set_keras_mask
-from keras_tp.plan.layers import ATTENTION
+from keras_tp.plan.attention import ATTENTION
 from keras_tp.plan.sharding_plan import ShardedUnit
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Row

@@ -7,9 +7,9 @@ import keras
 
 from keras_tp.keras_internals import own_variables
 from keras_tp.keras_internals import sublayers
-from keras_tp.plan.layers import ATTENTION
-from keras_tp.plan.layers import ShardingError
-from keras_tp.plan.layers import is_elementwise
+from keras_tp.plan.attention import ATTENTION
+from keras_tp.plan.handler import ShardingError
+from keras_tp.plan.handler import is_elementwise
 from keras_tp.plan.layers import leaf_handler
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Replicate

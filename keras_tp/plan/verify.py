@@ -31,7 +31,7 @@ from keras import ops
 from keras_tp.keras_internals import StatelessScope
 from keras_tp.keras_internals import own_trainable_variables
 from keras_tp.plan import trace as tracing
-from keras_tp.plan.layers import ShardingError
+from keras_tp.plan.handler import ShardingError
 from keras_tp.plan.styles import Channelwise
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import ExpertParallel

@@ -1,0 +1,231 @@
+"""Megatron pairs: the Column layers whose outputs reach one Row layer.
+
+Read from the trace, per parent call: a Column's output reaches its Row
+directly, through layers that keep the split features apart (judged by
+what they compute on the traced values), or through raw ops inside the
+parent, recognised by the split width. Walks go forward in time and visit
+each call once, so they end.
+"""
+
+import numpy as np
+from keras import ops
+
+from keras_tp.plan.layers import leaf_handler
+from keras_tp.plan.styles import Channelwise
+from keras_tp.plan.styles import Column
+from keras_tp.plan.styles import Row
+
+
+class MegatronPairing:
+    """The pairing walk of a `Planner` (which provides `trace`,
+    `tensor_parallel`, `reasons`, `through` and `_can_split`)."""
+
+    def _groups(self, calls, candidates):
+        """Megatron groups among the direct child calls of one parent.
+
+        Walks the calls in order, keeping the Column candidates whose
+        output is still open. A Row candidate closes the open Columns its
+        input comes from: directly (through separable layers) or, when its
+        input was made by raw ops, every open Column whose output only raw
+        ops read, provided one of them has the Row's split width.
+
+        Returns:
+            `(groups, whole)`: `[(column calls, row call)]`, and the calls
+            that feed a group through raw ops but cannot be split on its
+            axis (key/value heads fewer than the ranks): they stay whole,
+            as Megatron keeps them.
+        """
+        open_columns = []
+        unsplit = []
+        groups = []
+        whole = []
+        for call in calls:
+            if not self._single_call_candidate(call, candidates):
+                continue
+            if self._can_split(call.layer, Row()):
+                partners = self._row_partners(call, open_columns)
+                if partners:
+                    groups.append(([c for c, _ in partners], call))
+                    open_columns = [
+                        c for c in open_columns if c not in partners
+                    ]
+                    if any(not s for _, s in partners):
+                        whole.extend((c, id(call.layer)) for c in unsplit)
+                    unsplit = []
+                    continue
+            if Column not in leaf_handler(call.layer).styles:
+                continue
+            consumers = self._span_consumers(call)
+            if consumers == set():
+                if self._can_split(call.layer, Column()):
+                    open_columns.append((call, consumers))
+                else:
+                    unsplit.append(call)
+            elif consumers and self._can_split(call.layer, Column()):
+                open_columns.append((call, consumers))
+        for call, _ in whole:
+            self.reasons[call.layer.path] = (
+                "its output meets split heads through raw ops but "
+                f"{self._split_size(call)} does not divide by "
+                f"tensor_parallel={self.tensor_parallel}; kept whole, as "
+                "Megatron keeps key/value heads fewer than the ranks"
+            )
+        return groups, whole
+
+    def _split_size(self, call):
+        return leaf_handler(call.layer).split_size(call.layer, Column())
+
+    def _row_partners(self, row, open_columns):
+        width = leaf_handler(row.layer).split_size(row.layer, Row())
+        direct = [
+            (call, consumers)
+            for call, consumers in open_columns
+            if consumers and row.index in consumers
+        ]
+        if direct:
+            if all(self._width(call) == width for call, _ in direct):
+                return direct
+            return []
+        producer = row.inputs and self.trace.producer.get(id(row.inputs[0]))
+        if producer and not _opaque(producer.layer):
+            return []  # its input comes from a recorded, unpaired layer
+        opaque = [(c, s) for c, s in open_columns if not s]
+        if any(self._width(call) == width for call, _ in opaque):
+            return opaque
+        return []
+
+    def _width(self, call):
+        handler = leaf_handler(call.layer)
+        output = call.outputs[0]
+        axis = handler.output_axis(call.layer, Column(), len(output.shape))
+        return output.shape[axis]
+
+    def _span_consumers(self, call):
+        """Indices of the non-separable calls reading `call`'s output.
+
+        Follows the output through layers that keep the split features
+        apart (activations, dropout, pooling, a norm over another axis),
+        each call once and only forward in time, so the walk ends. Returns
+        an empty set when only raw ops read it, or `None` when a consumer
+        is not a Row candidate (the output must be gathered).
+        """
+        if len(call.outputs) != 1:
+            return None
+        output = call.outputs[0]
+        axis = leaf_handler(call.layer).output_axis(
+            call.layer, Column(), len(output.shape)
+        )
+        ends = set()
+        seen = set()
+        through = []
+        tensors = [output]
+        while tensors:
+            tensor = tensors.pop()
+            for consumer in self.trace.consumers[id(tensor)]:
+                if consumer.index <= call.index or consumer.index in seen:
+                    continue
+                seen.add(consumer.index)
+                if call.index in self.trace.ancestors(consumer):
+                    continue  # inside the Column layer's own call
+                if _opaque(consumer.layer):
+                    continue  # like raw ops: the check decides
+                handler = leaf_handler(consumer.layer)
+                weights = self._weights_passing(consumer, tensor, axis)
+                if weights is not None:
+                    if weights:
+                        through.append(consumer.layer)
+                    tensors.extend(
+                        t for t in consumer.outputs if t is not tensor
+                    )
+                    continue
+                if handler is None or Row not in handler.styles:
+                    return None
+                if not consumer.inputs or consumer.inputs[0] is not tensor:
+                    return None
+                ends.add(consumer.index)
+        self.through[call.index] = through
+        return ends
+
+    def _weights_passing(self, call, tensor, axis):
+        """How split features on `axis` of `tensor` pass `call`'s layer.
+
+        Returns `None` if they do not, or the layer's weights split with
+        them (`{role: slice}`, for a per-channel layer such as
+        BatchNormalization, called once), or `{}` if the layer keeps them
+        apart with its weights whole (an activation; a norm over another
+        axis, whose weights the local-execution check then judges).
+        """
+        handler = leaf_handler(call.layer)
+        if handler is not None and Channelwise not in handler.styles:
+            return None
+        part = np.arange(tensor.shape[axis] // 2)
+        if (
+            handler is not None
+            and handler.channel_length(call.layer) == tensor.shape[axis]
+            and len(self.trace.calls_of[id(call.layer)]) == 1
+            and self._can_split(call.layer, Channelwise())
+        ):
+            axes = handler.split_axes(call.layer, Channelwise())
+            weights = {
+                role: _take(variable, part, axes[role])
+                for role, variable in handler.variables(call.layer).items()
+            }
+            if _commutes(call, tensor, axis, weights):
+                return weights
+        return {} if _commutes(call, tensor, axis) else None
+
+    def _single_call_candidate(self, call, candidates):
+        return (
+            id(call.layer) in candidates
+            and len(self.trace.calls_of[id(call.layer)]) == 1
+            and call.outputs
+        )
+
+
+def _opaque(layer):
+    """A layer of another library with no weights: read like raw ops.
+
+    Keras' own layers are known to the planner; a weightless layer from
+    elsewhere (a rotary embedding, say) may or may not keep the split
+    features apart, which only the local-execution check can tell.
+    """
+    return not layer.weights and not type(layer).__module__.startswith("keras.")
+
+
+def _take(tensor, indices, axis):
+    return ops.convert_to_tensor(
+        np.take(ops.convert_to_numpy(tensor), indices, axis),
+        dtype=tensor.dtype,
+    )
+
+
+def _commutes(call, tensor, axis, weights=None):
+    """Whether `call`'s layer keeps the features on `axis` apart, in place.
+
+    Decided by what the layer computes on the traced values: run on the
+    first half of `tensor` along `axis` (with its weights read as
+    `weights`, their matching halves, if given), it must give the same
+    half of its traced output (an activation, dropout, pooling over other
+    axes, a norm over another axis, BatchNormalization with its weights
+    halved do; a norm over `axis`, a reshape do not).
+    """
+    if len(call.inputs) != 1 or len(call.outputs) != 1:
+        return False
+    output = call.outputs[0]
+    if tuple(output.shape) != tuple(tensor.shape) or tensor.shape[axis] < 2:
+        return False
+    part = np.arange(tensor.shape[axis] // 2)
+    try:
+        sliced = _take(tensor, part, axis)
+        if weights:
+            handler = leaf_handler(call.layer)
+            actual = handler.run_local(call.layer, weights, (sliced,), {})
+        else:
+            actual = call.layer.call(sliced)
+        actual = ops.convert_to_numpy(actual)
+    except Exception:  # noqa: BLE001 - the layer cannot run on a slice
+        return False
+    expected = np.take(ops.convert_to_numpy(output), part, axis)
+    return actual.shape == expected.shape and bool(
+        np.allclose(actual, expected, rtol=1e-4, atol=1e-5)
+    )

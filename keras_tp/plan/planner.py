@@ -1,0 +1,350 @@
+"""The automatic planner's decisions: which style each layer gets.
+
+`Planner.decide()` reads the trace: attention units split by heads,
+Megatron pairs (found by `MegatronPairing`), the model's own layout map,
+expert banks, and fallbacks for the rest; `demote()` falls a group back
+when the local-execution check finds a problem.
+"""
+
+import collections
+import logging
+
+import keras
+
+from keras_tp.plan.attention import ATTENTION
+from keras_tp.plan.handler import ShardingError
+from keras_tp.plan.layers import leaf_handler
+from keras_tp.plan.pairing import MegatronPairing
+from keras_tp.plan.sharding_plan import check_shardable
+from keras_tp.plan.sharding_plan import supported_layers
+from keras_tp.plan.styles import Channelwise
+from keras_tp.plan.styles import Column
+from keras_tp.plan.styles import ExpertParallel
+from keras_tp.plan.styles import Replicate
+from keras_tp.plan.styles import Row
+from keras_tp.plan.styles import Vocab
+from keras_tp.plan.verify import Problem
+from keras_tp.plan.verify import expert_output_axis
+
+logger = logging.getLogger(__name__)
+
+_PAIRED = "auto: Column -> Row"
+_FALLBACKS = (Vocab(), Column(gather_output=True), Row(input_is_parallel=False))
+
+
+Decision = collections.namedtuple(
+    "Decision",
+    ["layer", "style", "group", "source", "paired"],
+    defaults=[False],
+)
+Decision.__doc__ = """How one supported layer (or attention unit) is split:
+its style, the id of its Megatron group (layers paired together fall back
+together), what decided it, and whether it is in a Column -> Row pair."""
+
+
+def model_layout_map(model, tensor_parallel):
+    """The `keras.distribution.LayoutMap` the model ships, or `None`.
+
+    keras-hub backbones of some families have a static `get_layout_map`;
+    a task model reaches it through its `backbone`.
+    """
+    owner = model if hasattr(model, "get_layout_map") else None
+    if owner is None:
+        owner = getattr(model, "backbone", None)
+    get_layout_map = getattr(owner, "get_layout_map", None)
+    if get_layout_map is None:
+        return None
+    # The map is only read, never applied: the devices are names.
+    mesh = keras.distribution.DeviceMesh(
+        shape=(1, tensor_parallel),
+        axis_names=("batch", "model"),
+        devices=[f"cpu:{i}" for i in range(tensor_parallel)],
+    )
+    try:
+        return get_layout_map(mesh)
+    except (TypeError, ValueError) as error:
+        logger.info("The layout map of %s is not usable: %s", owner, error)
+        return None
+
+
+def _model_axis(axes):
+    for axis, name in enumerate(axes):
+        if name == "model" or (isinstance(name, tuple) and "model" in name):
+            return axis
+    return None
+
+
+class Planner(MegatronPairing):
+    """Decides the style of every splittable layer of a traced model.
+
+    Args:
+        model: the model.
+        tensor_parallel: the number of ranks.
+        trace: the model's `Trace` on the probe batch.
+    """
+
+    def __init__(self, model, tensor_parallel, trace):
+        self.model = model
+        self.tensor_parallel = tensor_parallel
+        self.trace = trace
+        self.reasons = {}
+        # Groups fed by a whole layer (key/value heads fewer than ranks).
+        self.whole_inputs = {}
+        # Per-channel layers with weights a Column's output passes through
+        # on its way to its Row, by the Column call's index.
+        self.through = {}
+
+    # Deciding ---------------------------------------------------------
+
+    def decide(self):
+        """`{id(layer): Decision}` for every layer that is split."""
+        decisions = {}
+        leaves = []
+        for layer in supported_layers(self.model):
+            if ATTENTION.matches(layer):
+                reason = self._attention_reason(layer)
+                if reason is None:
+                    decisions[id(layer)] = Decision(
+                        layer, Column(), id(layer), "auto: attention heads"
+                    )
+                else:
+                    self.reasons[layer.path] = reason
+            else:
+                leaves.append(layer)
+        candidates = {id(layer) for layer in leaves}
+        for parent in self.trace.children:
+            groups, whole = self._groups(
+                self.trace.children[parent], candidates
+            )
+            for columns, row in groups:
+                key = id(row.layer)
+                for call in columns:
+                    decisions[id(call.layer)] = Decision(
+                        call.layer, Column(), key, _PAIRED, True
+                    )
+                    for layer in self.through.get(call.index, ()):
+                        decisions[id(layer)] = Decision(
+                            layer, Channelwise(), key, _PAIRED, True
+                        )
+                decisions[key] = Decision(row.layer, Row(), key, _PAIRED, True)
+            for call, key in whole:
+                decisions[id(call.layer)] = Decision(
+                    call.layer, Replicate(), id(call.layer), "auto: whole"
+                )
+                self.whole_inputs[key] = call.layer.path
+        self._apply_layout_map(decisions, leaves)
+        for layer in leaves:
+            if id(layer) in decisions:
+                continue
+            if not self.trace.calls_of[id(layer)]:
+                # A quantized layer runs `quantized_call`, not `call`.
+                handler = leaf_handler(layer)
+                self.reasons[layer.path] = (
+                    handler.unsupported_reason(layer)
+                    or "not called when the model ran"
+                )
+                continue
+            style = self._fallback_style(layer, ()) or self._expert_style(layer)
+            if style is not None:
+                decisions[id(layer)] = Decision(
+                    layer, style, id(layer), "auto: alone"
+                )
+            elif ExpertParallel in leaf_handler(layer).styles:
+                self.reasons.setdefault(
+                    layer.path,
+                    f"{type(layer).__name__}: kept whole, as no split of "
+                    "its own weights gives its output (by channels between "
+                    "a Column and its Row, or by experts)",
+                )
+        return decisions
+
+    def _expert_style(self, layer):
+        """`ExpertParallel` if splitting the layer's experts is exact.
+
+        Checked on the traced call: the ranks' outputs, each from its share
+        of the experts, must gather (or sum) to the one-device output.
+        """
+        handler = leaf_handler(layer)
+        calls = self.trace.calls_of[id(layer)]
+        if ExpertParallel not in handler.styles or len(calls) != 1:
+            return None
+        if not self._can_split(layer, ExpertParallel()):
+            return None
+        found, axis = expert_output_axis(
+            calls[0], handler, self.tensor_parallel
+        )
+        if not found:
+            return None
+        self.reasons.pop(layer.path, None)
+        return ExpertParallel(output_axis=axis)
+
+    def _apply_layout_map(self, decisions, leaves):
+        """The model's own layout map decides the layers it lists.
+
+        keras-hub ships one for some families (`get_layout_map()` on Gemma,
+        Llama, Qwen): the model authors' choice of which weights to split
+        on the `model` axis. A listed layer is split where the map splits
+        it and kept whole where the map does; its style is the Megatron
+        pairing's when the planner found one (a GSPMD layout may name
+        another axis of the same pair, which GSPMD reconciles with extra
+        collectives), else the style of the axis the map names.
+        """
+        layout_map = model_layout_map(self.model, self.tensor_parallel)
+        if layout_map is None:
+            return
+        for layer in leaves:
+            handler = leaf_handler(layer)
+            path = handler.primary_variable(layer).path
+            layout = layout_map[path]
+            if layout is None:
+                continue
+            axis = _model_axis(layout.axes)
+            decision = decisions.get(id(layer))
+            source = "model layout map"
+            if axis is None:
+                self.reasons[layer.path] = "kept whole by the model layout map"
+                decisions[id(layer)] = Decision(
+                    layer, Replicate(), id(layer), source
+                )
+            elif decision is not None and not isinstance(
+                decision.style, Replicate
+            ):
+                split = handler.split_axes(layer, decision.style)
+                if split[handler.primary_role(layer)] != axis:
+                    source += " (Megatron axis)"
+                decisions[id(layer)] = decision._replace(source=source)
+            else:
+                style = self._style_of_axis(layer, axis)
+                if style is not None:
+                    decisions[id(layer)] = Decision(
+                        layer, style, id(layer), source
+                    )
+
+    def _style_of_axis(self, layer, axis):
+        """The unpaired style splitting `layer`'s main variable on `axis`."""
+        handler = leaf_handler(layer)
+        for style in _FALLBACKS:
+            if not isinstance(style, handler.styles):
+                continue
+            role = handler.primary_role(layer)
+            if handler.split_axes(layer, style)[role] != axis:
+                continue
+            if self._can_split(layer, style):
+                self.reasons.pop(layer.path, None)
+                return style
+        return None
+
+    def _can_split(self, layer, style):
+        handler = leaf_handler(layer)
+        if not isinstance(style, handler.styles):
+            return False
+        try:
+            check_shardable(layer, handler, style, self.tensor_parallel)
+        except ShardingError as error:
+            self.reasons.setdefault(layer.path, str(error))
+            return False
+        return True
+
+    def _fallback_style(self, layer, exclude):
+        for style in _FALLBACKS:
+            if style in exclude:
+                continue
+            if isinstance(
+                style, leaf_handler(layer).styles
+            ) and self._can_split(layer, style):
+                self.reasons.pop(layer.path, None)
+                return style
+        return None
+
+    def _attention_reason(self, layer):
+        query_heads, kv_heads = ATTENTION.heads(layer)
+        if (
+            query_heads % self.tensor_parallel
+            or kv_heads % self.tensor_parallel
+        ):
+            return (
+                f"{query_heads} query and {kv_heads} key/value heads do not "
+                f"divide by tensor_parallel={self.tensor_parallel}"
+            )
+        for name, sub in ATTENTION.projections(layer).items():
+            handler = leaf_handler(sub)
+            try:
+                check_shardable(
+                    sub,
+                    handler,
+                    ATTENTION.projection_style(name),
+                    self.tensor_parallel,
+                )
+            except ShardingError as error:
+                return str(error)
+        return None
+
+    # Falling back -----------------------------------------------------
+
+    def demote_whole_key_values(self, decisions, fallbacks):
+        """Falls back the groups fed by whole key/value projections.
+
+        Where ranks hold their own slices, a rank holding some query heads
+        would compute only part of the gradient of a whole key/value
+        projection; the local check sees forward values, not that.
+        """
+        for key in self.whole_inputs:
+            if not any(d.group == key and d.paired for d in decisions.values()):
+                continue  # fell back with a group of the same shape
+            self.demote(
+                decisions,
+                key,
+                Problem(
+                    "its key/value projections stay whole (fewer heads than "
+                    "ranks) and meet its split query heads through raw ops: "
+                    "a rank holding some query heads would compute a partial "
+                    "gradient for them",
+                    False,
+                ),
+                fallbacks,
+            )
+
+    def demote(self, decisions, key, problem, fallbacks):
+        """Falls back the group `key` (or the layer path `key`) names.
+
+        A group whose pairing failed becomes gathering Columns and slicing
+        Rows, and so does every group of the same shape (the other blocks
+        of a stack); a layer that already fell back, or whose weights are
+        read outside its call, stays whole.
+        """
+        members = [
+            d
+            for d in decisions.values()
+            if d.group == key or d.layer.path == key
+        ]
+        if not problem.whole and members:
+            signature = _signature(members, decisions)
+            groups = {d.group for d in decisions.values()}
+            for group in groups:
+                same = [d for d in decisions.values() if d.group == group]
+                if group != key and _signature(same, decisions) == signature:
+                    members += same
+        for decision in members:
+            layer = decision.layer
+            fallbacks[layer.path] = problem.reason
+            paired = decision.paired
+            style = None
+            if paired and not problem.whole and not ATTENTION.matches(layer):
+                style = self._fallback_style(layer, (Vocab(),))
+            if style is None:
+                style = Replicate()
+            decisions[id(layer)] = Decision(
+                layer, style, id(layer), "auto: fallback"
+            )
+
+
+def _signature(members, decisions):
+    """What a group looks like: layer types, weight shapes and styles."""
+    return sorted(
+        (
+            type(d.layer).__name__,
+            tuple(tuple(v.shape) for v in d.layer.weights),
+            repr(d.style),
+        )
+        for d in members
+    )

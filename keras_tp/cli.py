@@ -538,30 +538,15 @@ class PlanReport:
 
     def layer_table(self):
         """Per split layer: variable, style, local shape, bytes/device."""
+        from keras_tp.plan.report import split_variable_table
         from keras_tp.plan.sharding_plan import walk_layers
 
-        header = (
-            f"{'Layer (variable)':48} {'Style':28} {'Source':24} "
-            f"{'Local shape':18} {'Bytes/device':>12}"
-        )
-        lines = [
-            "Tensor-parallel plan, tensor_parallel="
-            f"{self.plan.tensor_parallel}",
-            header,
-            "-" * len(header),
-        ]
-        listed = set()
-        for entry in self.plan.leaf_layers():
-            primary = entry.handler.primary_role(entry.layer)
-            for role, variable in entry.handler.variables(entry.layer).items():
-                listed.add(id(variable))
-                style = repr(entry.style) if role == primary else ""
-                source = self.plan.source_of(entry) if role == primary else ""
-                lines.append(
-                    f"{variable.path:48} {style:28} {source:24} "
-                    f"{str(self.local_shape(variable)):18} "
-                    f"{self.local_bytes([variable]):>12,}"
-                )
+        lines = split_variable_table(self.plan, self.local_shape)
+        listed = {
+            id(variable)
+            for entry in self.plan.leaf_layers()
+            for variable in entry.handler.variables(entry.layer).values()
+        }
         if self.plan.replicated:
             lines.append("Replicated (whole on every device):")
             layers = {layer.path: layer for layer in walk_layers(self.model)}

@@ -10,6 +10,7 @@ from keras_tp.keras_internals import print_msg
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.parallel import zero3
 from keras_tp.plan.auto import auto_plan
+from keras_tp.plan.report import format_plan
 from keras_tp.plan.sharding_plan import ShardingPlan
 from keras_tp.plan.verify import check_locally
 from keras_tp.runtime import runtime_class
@@ -376,7 +377,7 @@ class TensorParallelKeras(keras.Model):
                 `print_msg`.
         """
         print_fn = print_fn or print_msg
-        print_fn(format_plan(self._plan, self._runtime))
+        print_fn(format_plan(self._plan, self._runtime.placement.local_shape))
         per_device = self.parameter_bytes_per_device()
         total = self._full_parameter_bytes()
         print_fn(
@@ -426,41 +427,6 @@ class TensorParallelKeras(keras.Model):
             "TensorParallelKeras is not serialised itself: `save()` writes "
             "the original model, which you wrap again after loading."
         )
-
-
-def format_plan(plan, runtime):
-    """The plan as a table: layer, style, local shape, bytes per device."""
-    tensor_parallel = runtime.tensor_parallel
-    header = (
-        f"{'Layer (variable)':48} {'Style':28} {'Source':24} "
-        f"{'Local shape':18} {'Bytes/device':>12}"
-    )
-    lines = [
-        f"Tensor-parallel plan, tensor_parallel={tensor_parallel}",
-        header,
-        "-" * len(header),
-    ]
-    for entry in plan.leaf_layers():
-        variables = entry.handler.variables(entry.layer)
-        for role, variable in variables.items():
-            shape = runtime.placement.local_shape(variable)
-            local_bytes = nbytes(variable, shape)
-            primary = role == entry.handler.primary_role(entry.layer)
-            style = repr(entry.style) if primary else ""
-            source = plan.source_of(entry) if primary else ""
-            lines.append(
-                f"{variable.path:48} {style:28} {source:24} "
-                f"{str(tuple(shape)):18} {local_bytes:>12,}"
-            )
-    if plan.replicated:
-        lines.append("Replicated (whole on every device):")
-        for path, reason in plan.replicated.items():
-            lines.append(f"  {path}: {reason}")
-    if plan.fallbacks:
-        lines.append("Fell back from a Column -> Row pairing:")
-        for path, reason in plan.fallbacks.items():
-            lines.append(f"  {path}: {reason}")
-    return "\n".join(lines)
 
 
 def _mb(nbytes):

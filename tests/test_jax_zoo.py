@@ -60,8 +60,9 @@ def test_resnet_pairs_convolutions_through_batchnorm():
 def test_four_ranks(name):
     results = measure(name, 4)
     zoo_cases.check_exact(results)
-    # Mixtral's 4 experts: one per rank.
-    assert results["bytes_ratio"] <= 1.05, results["bytes_ratio"]
+    if name == "mixtral":
+        # Its 4 experts: one per rank.
+        assert results["bytes_ratio"] <= 1.05, results["bytes_ratio"]
     if name in zoo_cases.DECODER_LMS:
         zoo_cases.check_megatron(results)
 

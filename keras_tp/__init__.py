@@ -11,9 +11,11 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Channelwise": "keras_tp.plan",
+    "CheckpointError": "keras_tp.checkpoint",
     "Column": "keras_tp.plan",
     "CoordinatedOptimizer": "keras_tp.parallel",
     "ExpertParallel": "keras_tp.plan",
+    "RankLostError": "keras_tp.launcher",
     "Replicate": "keras_tp.plan",
     "Row": "keras_tp.plan",
     "ShardingError": "keras_tp.plan",
@@ -24,7 +26,11 @@ _EXPORTS = {
     "auto_plan": "keras_tp.plan",
     "collectives": "keras_tp.collectives",
     "configure_virtual_devices": "keras_tp.runtime",
+    "elastic_world_size": "keras_tp.elastic",
     "launch": "keras_tp.launcher",
+    "load_checkpoint": "keras_tp.checkpoint",
+    "restart_count": "keras_tp.elastic",
+    "save_checkpoint": "keras_tp.checkpoint",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -16,37 +16,16 @@ only by the command that needs it, so that `--help` answers at once.
 """
 
 import argparse
-import atexit
 import importlib
-import math
 import os
-import re
 import subprocess
 import sys
-import threading
 
 from keras_tp import __version__
+from keras_tp.native_logs import quiet_native_logs
 
 BACKENDS = ("jax", "torch", "tensorflow")
 DEFAULT_BACKEND = "jax"
-ZERO_STAGES = (0, 1, 2, 3)
-ADAM_SLOTS = 2
-
-# A line of the C++ logs of TensorFlow, XLA or absl, e.g. "I0000
-# 00:00:1795424013.569436   26970 port.cc:153] oneDNN custom operations
-# are on. ..."; the first letter is the severity.
-_NATIVE_LOG_LINE = re.compile(rb"([IWEF])\d{4} [\d:.]+ +\d+ \S+:\d+\] ")
-_NATIVE_SEVERITIES = b"IWEF"
-# Lines that come with those INFO lines: absl's notice that it logs before
-# it is initialised, and the second line of TensorFlow's CPU feature notice.
-_NATIVE_INFO_COMPANIONS = (
-    b"WARNING: All log messages before absl::InitializeLog() is called",
-    b"To enable the following instructions:",
-)
-# The C++ libraries write to this file descriptor, whatever sys.stderr is.
-_STDERR_FD = 2
-# Seconds to wait at exit for the last lines of stderr to be copied.
-_STDERR_DRAIN_SECONDS = 2.0
 
 
 class CommandError(Exception):
@@ -125,67 +104,6 @@ def describe_backend(backend, reason):
     )
 
 
-def quiet_native_logs():
-    """Keeps the C++ log lines of TensorFlow, XLA and absl off stderr.
-
-    Only the `keras-tp` and demo programs call this, never an import:
-    a library must not change its user's environment. TensorFlow writes
-    several lines when it loads (oneDNN, CUDA stubs, CPU features), some
-    before it reads `TF_CPP_MIN_LOG_LEVEL`, and it loads on every backend
-    where it is installed, through `keras.utils.set_random_seed`. So this
-    sets `TF_CPP_MIN_LOG_LEVEL` to 3 unless it is set, and routes the
-    stderr of this process, which child processes inherit, through a
-    thread that drops the log lines below that level. Fatal lines,
-    Python's warnings and tracebacks pass unchanged;
-    `TF_CPP_MIN_LOG_LEVEL=0` shows every line.
-    """
-    level = os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    # TensorFlow's levels: 1 hides INFO, 2 also WARNING, 3 also ERROR.
-    if level not in ("1", "2", "3"):
-        return
-    hidden = _NATIVE_SEVERITIES[: int(level)]
-    try:
-        terminal = os.dup(_STDERR_FD)
-    except OSError:
-        return  # No stderr to filter.
-    read_end, write_end = os.pipe()
-    os.dup2(write_end, _STDERR_FD)
-    os.close(write_end)
-    copier = threading.Thread(
-        target=_copy_without_native_logs,
-        args=(read_end, terminal, hidden),
-        name="keras-tp-stderr",
-        daemon=True,
-    )
-    copier.start()
-    atexit.register(_restore_stderr, terminal, copier)
-
-
-def _copy_without_native_logs(read_end, terminal, hidden):
-    with open(read_end, "rb") as pipe:
-        for line in pipe:
-            log = _NATIVE_LOG_LINE.match(line)
-            if log:
-                if log.group(1) in hidden:
-                    continue
-            elif line.startswith(_NATIVE_INFO_COMPANIONS) and b"I" in hidden:
-                continue
-            try:
-                os.write(terminal, line)
-            except OSError:
-                # Whoever read stderr went away (`... 2>&1 | head`): keep
-                # draining the pipe, so that no writer blocks on it.
-                pass
-
-
-def _restore_stderr(terminal, copier):
-    sys.stderr.flush()
-    # Closes this process's end of the pipe: the copier reads to its end
-    # once the child processes that inherited the pipe have exited too.
-    os.dup2(terminal, _STDERR_FD)
-    copier.join(_STDERR_DRAIN_SECONDS)
-
-
 def build_parser():
     """The `argparse` parser of `keras-tp` and its subcommands."""
     parser = argparse.ArgumentParser(
@@ -243,7 +161,7 @@ def build_parser():
     plan.add_argument(
         "--zero-stage",
         type=int,
-        choices=ZERO_STAGES,
+        choices=range(4),
         default=0,
         help="ZeRO stage to highlight in the memory table (default 0)",
     )
@@ -357,6 +275,7 @@ def run_plan(args, argv):
     # Registers the demo's custom layers, so that saved demo models load.
     import keras_tp.demo.models  # noqa: F401
     from keras_tp.plan.auto import auto_plan
+    from keras_tp.plan.memory import PlanReport
 
     for module in args.modules:
         try:
@@ -458,156 +377,6 @@ def _check_divisible(model, plan, world_size):
             "tensor-parallel part divides them, or pass --allow-replicated "
             "to see the plan and the reasons."
         )
-
-
-def zero_memory(trainable, frozen, data_parallel, zero_stage):
-    """Bytes per device of parameters, gradients and Adam state under ZeRO.
-
-    The ZeRO paper's formulas with `P = trainable` and `D = data_parallel`:
-    stage 0 keeps `P + P + 2P` (parameters, gradients, Adam's two slots),
-    stage 1 partitions the Adam state (`P + P + 2P/D`), stage 2 also the
-    gradients (`P + P/D + 2P/D`), stage 3 also the parameters
-    (`(P + P + 2P)/D`). Frozen variables have no gradient or Adam state and
-    are never partitioned.
-
-    Args:
-        trainable: bytes of trainable parameters one model rank holds.
-        frozen: bytes of non-trainable variables one model rank holds.
-        data_parallel: number of data-parallel replicas, `D`.
-        zero_stage: 0 (no ZeRO) to 3.
-
-    Returns:
-        `{"parameters", "gradients", "adam", "total"}` in bytes.
-
-    Example:
-
-    >>> zero_memory(1000, 0, data_parallel=4, zero_stage=1)["total"]
-    2500
-    """
-
-    def partitioned(nbytes, from_stage):
-        if zero_stage >= from_stage:
-            return math.ceil(nbytes / data_parallel)
-        return nbytes
-
-    memory = {
-        "parameters": partitioned(trainable, 3) + frozen,
-        "gradients": partitioned(trainable, 2),
-        "adam": partitioned(ADAM_SLOTS * trainable, 1),
-    }
-    memory["total"] = sum(memory.values())
-    return memory
-
-
-class PlanReport:
-    """Local shapes and bytes per device of a model under a bound plan.
-
-    Everything is derived from the plan and the variables' full shapes, so
-    no device is needed.
-
-    Args:
-        model: the Keras model the plan is bound to.
-        plan: a bound `keras_tp.ShardingPlan`.
-        data_parallel: number of data-parallel replicas (ZeRO's `D`).
-    """
-
-    def __init__(self, model, plan, data_parallel):
-        self.model = model
-        self.plan = plan
-        self.data_parallel = data_parallel
-        self.split_axes = {
-            id(variable): axis
-            for variable, axis in plan.variable_axes().values()
-        }
-
-    def local_shape(self, variable):
-        """The shape of one tensor-parallel rank's shard of `variable`."""
-        shape = list(variable.shape)
-        axis = self.split_axes.get(id(variable))
-        if axis is not None:
-            shape[axis] //= self.plan.tensor_parallel
-        return tuple(shape)
-
-    def local_bytes(self, variables, split=True):
-        """Bytes of `variables` on one model rank (`split=False`: unsplit)."""
-        from keras_tp.collectives.base import nbytes
-
-        return sum(
-            nbytes(v, self.local_shape(v) if split else None) for v in variables
-        )
-
-    def layer_table(self):
-        """Per split layer: variable, style, local shape, bytes/device."""
-        from keras_tp.plan.report import split_variable_table
-        from keras_tp.plan.sharding_plan import walk_layers
-
-        lines = split_variable_table(self.plan, self.local_shape)
-        listed = {
-            id(variable)
-            for entry in self.plan.leaf_layers()
-            for variable in entry.handler.variables(entry.layer).values()
-        }
-        if self.plan.replicated:
-            lines.append("Replicated (whole on every device):")
-            layers = {layer.path: layer for layer in walk_layers(self.model)}
-            paths = self.plan.replicated
-            for path, reason in paths.items():
-                # A whole attention layer is listed with its projections'
-                # bytes and its own reason, not projection by projection.
-                if any(path.startswith(parent + "/") for parent in paths):
-                    continue
-                variables = [
-                    v for v in layers[path].weights if id(v) not in listed
-                ]
-                size = self.local_bytes(variables)
-                lines.append(f"  {path} ({size:,} B): {reason}")
-        return "\n".join(lines)
-
-    def memory(self, zero_stage):
-        """`zero_memory()` of one device of this plan at `zero_stage`."""
-        return zero_memory(
-            self.local_bytes(self.model.trainable_variables),
-            self.local_bytes(self.model.non_trainable_variables),
-            self.data_parallel,
-            zero_stage,
-        )
-
-    def memory_table(self, zero_stage):
-        """The memory per device of ZeRO stages 0 to 3, as text."""
-        one_device = zero_memory(
-            self.local_bytes(self.model.trainable_variables, split=False),
-            self.local_bytes(self.model.non_trainable_variables, split=False),
-            data_parallel=1,
-            zero_stage=0,
-        )
-        trainable = self.local_bytes(self.model.trainable_variables)
-        header = (
-            f"{'ZeRO stage':12} {'Parameters':>14} {'Gradients':>14} "
-            f"{'Adam state':>14} {'Total':>14}"
-        )
-        lines = [
-            "Bytes per device with Adam (2 slots), from the ZeRO formulas:",
-            f"  P = {trainable:,} B of trainable parameters per "
-            f"tensor-parallel rank, D = {self.data_parallel} data-parallel "
-            "replicas",
-            "  stage 0: P + P + 2P   stage 1: P + P + 2P/D   "
-            "stage 2: P + P/D + 2P/D   stage 3: (P + P + 2P)/D",
-            header,
-            "-" * len(header),
-        ]
-        for stage in (*ZERO_STAGES, None):
-            if stage is None:
-                memory, label = one_device, "one device"
-            else:
-                memory = self.memory(stage)
-                label = f"{stage} (off)" if stage == 0 else str(stage)
-            marker = "  <- --zero-stage" if stage == zero_stage else ""
-            lines.append(
-                f"{label:12} {memory['parameters']:>14,} "
-                f"{memory['gradients']:>14,} {memory['adam']:>14,} "
-                f"{memory['total']:>14,}{marker}"
-            )
-        return "\n".join(lines)
 
 
 if __name__ == "__main__":

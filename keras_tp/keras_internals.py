@@ -21,6 +21,7 @@ from keras.src.backend import get_keras_mask
 from keras.src.backend import set_keras_mask
 from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.common.stateless_scope import get_stateless_scope
+from keras.src.optimizers.base_optimizer import BaseOptimizer
 from keras.src.utils.io_utils import print_msg
 
 __all__ = [
@@ -203,3 +204,58 @@ def moving_average(optimizer, variable):
     """The EMA of `variable` kept by `optimizer` (`use_ema=True`)."""
     averages = optimizer._model_variables_moving_average
     return averages[optimizer._get_variable_index(variable)]
+
+
+def model_variables_of(optimizer):
+    """The model variables `optimizer` was built for, in order."""
+    return optimizer._trainable_variables
+
+
+def own_optimizer_variables(optimizer):
+    """The variables an optimizer tracks itself, not through an inner one."""
+    return optimizer._variables
+
+
+def backend_free_add_variable_from_reference(optimizer, reference, **kwargs):
+    """Keras' backend-independent `add_variable_from_reference`.
+
+    The TensorFlow optimizer colocates each slot with its reference
+    variable; this creates the slot wherever the caller's device scope
+    says.
+    """
+    return BaseOptimizer.add_variable_from_reference(
+        optimizer, reference, **kwargs
+    )
+
+
+def place_slots_on_creation(optimizer, placed):
+    """Calls `placed(slot, reference)` on every slot `optimizer` creates.
+
+    Keras optimizers make their slots (momenta, velocities) through
+    `add_variable_from_reference`; each is handed to `placed` as soon as
+    it exists, to be split like its reference. The slot is created by the
+    optimizer's class at the time (the TensorFlow runtime mixes a class
+    in before building).
+    """
+
+    def add_placed_variable(reference_variable, *args, **kwargs):
+        variable = type(optimizer).add_variable_from_reference(
+            optimizer, reference_variable, *args, **kwargs
+        )
+        placed(variable, reference_variable)
+        return variable
+
+    optimizer.add_variable_from_reference = add_placed_variable
+
+
+# Models ----------------------------------------------------------------
+
+
+def compute_loss(model, **kwargs):
+    """`model.compute_loss`, also when a user's override lacks `training`."""
+    return model._compute_loss(**kwargs)
+
+
+def update_loss_tracker(model, loss, sample_weight):
+    """Adds a step's loss to the mean loss `fit()` reports."""
+    model._loss_tracker.update_state(loss, sample_weight=sample_weight)

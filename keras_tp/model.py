@@ -4,8 +4,10 @@ import weakref
 
 import keras
 
+from keras_tp import checkpoint
 from keras_tp import regions
 from keras_tp.collectives.base import nbytes
+from keras_tp.keras_internals import place_slots_on_creation
 from keras_tp.keras_internals import print_msg
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.parallel import zero3
@@ -191,6 +193,12 @@ class TensorParallelKeras(keras.Model):
         optimizer = self._coordinated(optimizer)
         with self._runtime.scope():
             super().compile(optimizer, *args, **kwargs)
+        if not isinstance(self.optimizer, CoordinatedOptimizer):
+            # Its slots are split like their variables (a CoordinatedOptimizer
+            # places them with their ZeRO partitions itself).
+            place_slots_on_creation(
+                self.optimizer, self._runtime.placement.place_like
+            )
 
     def _coordinated(self, optimizer):
         runtime = self._runtime
@@ -421,6 +429,14 @@ class TensorParallelKeras(keras.Model):
         self._runtime.save_weights(
             self.model, filepath, overwrite=overwrite, **kwargs
         )
+
+    def save_checkpoint(self, directory, epoch=None):
+        """Saves a sharded checkpoint: see `keras_tp.save_checkpoint`."""
+        return checkpoint.save_checkpoint(self, directory, epoch=epoch)
+
+    def load_checkpoint(self, directory):
+        """Loads a checkpoint at this layout: see `keras_tp.load_checkpoint`."""
+        return checkpoint.load_checkpoint(self, directory)
 
     def get_config(self):
         raise NotImplementedError(

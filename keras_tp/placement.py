@@ -7,7 +7,10 @@ over `data` (ZeRO). Storing the pieces is the backend's job: a `Placement`
 hands that to its `storage` (the backend runtime).
 """
 
+import dataclasses
 
+
+@dataclasses.dataclass(eq=False)
 class Placement:
     """The split of every placed variable over a `data x model` mesh.
 
@@ -17,17 +20,18 @@ class Placement:
         storage: the backend's variable storage, with `place_variable`,
             `place_variable_like`, `partition_variable`, `full_value` and
             `assign_full_value`.
+
+    By `id(variable)`, `axes` holds the `model`-axis split (`None`:
+    replicated), `full_shapes` the full shape, and `data_axes` the ZeRO
+    partition axis of the shard.
     """
 
-    def __init__(self, tensor_parallel, data_parallel, storage):
-        self.tensor_parallel = tensor_parallel
-        self.data_parallel = data_parallel
-        self.storage = storage
-        # By `id(variable)`: the `model`-axis split (`None`: replicated),
-        # the full shape, and the ZeRO partition axis of the shard.
-        self.axes = {}
-        self.full_shapes = {}
-        self.data_axes = {}
+    tensor_parallel: int
+    data_parallel: int
+    storage: object
+    axes: dict = dataclasses.field(default_factory=dict, repr=False)
+    full_shapes: dict = dataclasses.field(default_factory=dict, repr=False)
+    data_axes: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def place(self, variable, axis):
         """Stores `variable` split on `axis` (`None`: replicated)."""
@@ -89,6 +93,35 @@ class Placement:
             if size % self.data_parallel == 0:
                 return axis
         return None
+
+    def piece_index(self, variable, model_rank, data_rank):
+        """Where the piece of rank `(model_rank, data_rank)` sits in the
+        full value: `((start, stop), ...)`, one pair per axis.
+
+        The model rank's shard is cut first, then the data rank's ZeRO
+        partition of that shard, as every runtime stores them.
+        """
+        index = [(0, size) for size in self.full_shapes[id(variable)]]
+        for axis, rank, parts in (
+            (self.axes[id(variable)], model_rank, self.tensor_parallel),
+            (self.data_axes.get(id(variable)), data_rank, self.data_parallel),
+        ):
+            if axis is not None:
+                start, stop = index[axis]
+                size = (stop - start) // parts
+                index[axis] = (start + rank * size, start + (rank + 1) * size)
+        return tuple(index)
+
+    def holds_first_copy(self, variable, model_rank, data_rank):
+        """Whether no lower rank holds the same piece of `variable`.
+
+        A replicated variable's first copy is rank `(0, 0)`'s, an
+        unpartitioned shard's the data rank 0's: writing only first copies
+        writes every number once.
+        """
+        if self.axes[id(variable)] is None and model_rank:
+            return False
+        return id(variable) in self.data_axes or not data_rank
 
     def full_value(self, variable):
         """The unsplit value of a placed variable, as a NumPy array."""

@@ -76,6 +76,58 @@ class ShardedRegion:
             if isinstance(member.style, Row) and member.style.input_is_parallel:
                 _accept_split_input(member.layer)
 
+    def drop_input_widths(self):
+        """Drops the feature widths of the region's layers' input specs.
+
+        For a runtime whose ranks hold local tensors, where a Row layer
+        receives a Column layer's local output; `check_input_widths` then
+        checks the widths split-aware.
+
+        Returns:
+            `{axis: width}` the region layer's spec required.
+        """
+        widths = {}
+        for layer in [self.layer] + [m.layer for m in self.members]:
+            spec = layer.input_spec
+            if isinstance(spec, keras.InputSpec) and spec.axes:
+                if layer is self.layer:
+                    widths = dict(spec.axes)
+                spec.axes = {}
+        return widths
+
+    def check_input_widths(self, widths, args, tensor_parallel):
+        """Checks a rank's input against the widths `drop_input_widths` kept.
+
+        Args:
+            widths: `{axis: full width}`.
+            args: the region's positional call arguments, local to a rank.
+            tensor_parallel: the number of model ranks.
+        """
+        if not widths or not args:
+            return
+        shape = tuple(args[0].shape)
+        split_axis = self.input_axis(args)
+        path = self.layer.path
+        for axis, size in widths.items():
+            axis %= len(shape)
+            if axis == split_axis:
+                local = size // tensor_parallel
+                if shape[axis] != local:
+                    raise ValueError(
+                        f"Layer '{path}' is split "
+                        f"{self.members[0].style!r}: its input must arrive "
+                        f"split on axis {axis}, {local} of {size} features per "
+                        f"rank, but it has shape {shape}. A Row layer with "
+                        "input_is_parallel=True must consume a Column "
+                        "layer's output; use Row(input_is_parallel=False) for "
+                        "a replicated input."
+                    )
+            elif shape[axis] != size:
+                raise ValueError(
+                    f"Layer '{path}' expects {size} features on axis "
+                    f"{axis} of its input, got shape {shape}."
+                )
+
     @contextlib.contextmanager
     def local_weights(self, values):
         """Binds each member variable to its local value inside the block."""
@@ -90,22 +142,28 @@ class ShardedRegion:
             _LOCAL_WEIGHTS.reset(token)
 
 
-def copy_replicated_inputs(adapter, args, kwargs, is_float):
+def copy_replicated_inputs(region, adapter, args, kwargs, is_float):
     """Passes each distinct float input once through `copy_to_parallel`.
 
     For a region that runs on a rank's local tensors: its replicated inputs
     enter the parallel part (Megatron `f`), so their gradients are summed
-    over the ranks. Keras masks follow their tensors.
+    over the ranks. An input that arrives split is already parallel. Keras
+    masks follow their tensors.
 
     Args:
+        region: the `ShardedRegion`.
         adapter: the `model`-axis collective adapter.
         args, kwargs: the region's call arguments.
-        is_float: the backend's test for a floating-point tensor.
+        is_float: the test for a floating-point tensor.
+
+    Returns:
+        `(args, kwargs)` with the copies in place of the inputs.
     """
+    split_input = args[0] if region.input_axis(args) is not None else None
     local = {}
 
     def copy(x):
-        if not is_float(x):
+        if x is split_input or not is_float(x):
             return x
         return shared_value(x, adapter.copy_to_parallel, local)
 
@@ -146,29 +204,6 @@ def shared_value(x, make, fallback=None):
         # The input is kept with its copy so that its id stays unique.
         copies[id(x)] = (x, out)
     return copies[id(x)][1]
-
-
-def run_on_local_values(region, adapter, args, kwargs, is_float):
-    """Runs a region's per-rank math where the values are already local.
-
-    For a rank that holds its own tensors (a torch process, a JAX device
-    inside a per-rank step): replicated inputs enter the parallel part, and
-    the members read their variables' local values.
-
-    Args:
-        region: the `ShardedRegion`.
-        adapter: the `model`-axis collective adapter.
-        args, kwargs: the region's call arguments, local to the rank.
-        is_float: the backend's test for a floating-point tensor.
-
-    Returns:
-        The region's local outputs.
-    """
-    if region.parallel_input:
-        args, kwargs = copy_replicated_inputs(adapter, args, kwargs, is_float)
-    weights = [variable.value for variable, _ in region.variables()]
-    with region.local_weights(weights), adapter.activated():
-        return region.compute(*args, **kwargs)
 
 
 def _local_weights_of(member):

@@ -17,6 +17,7 @@ import keras_tp
 from keras_tp import cli
 from keras_tp.collectives.base import nbytes
 from keras_tp.demo.models import transformer_lm
+from keras_tp.plan.memory import zero_memory
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -146,17 +147,17 @@ def test_plan_bytes_match_what_tensor_parallel_keras_measures(saved_lm, capsys):
 
 def test_zero_memory_formulas():
     p, d = 1200, 4
-    assert cli.zero_memory(p, 0, d, 0) == {
+    assert zero_memory(p, 0, d, 0) == {
         "parameters": p,
         "gradients": p,
         "adam": 2 * p,
         "total": 4 * p,
     }
-    assert cli.zero_memory(p, 0, d, 1)["total"] == p + p + 2 * p // d
-    assert cli.zero_memory(p, 0, d, 2)["total"] == p + p // d + 2 * p // d
-    assert cli.zero_memory(p, 0, d, 3)["total"] == (p + p + 2 * p) // d
+    assert zero_memory(p, 0, d, 1)["total"] == p + p + 2 * p // d
+    assert zero_memory(p, 0, d, 2)["total"] == p + p // d + 2 * p // d
+    assert zero_memory(p, 0, d, 3)["total"] == (p + p + 2 * p) // d
     # Frozen variables: no gradient, no Adam state, never partitioned.
-    assert cli.zero_memory(p, 100, d, 3)["parameters"] == p // d + 100
+    assert zero_memory(p, 100, d, 3)["parameters"] == p // d + 100
 
 
 def test_allow_replicated_lists_the_layers_left_whole(saved_lm, capsys):

@@ -50,6 +50,11 @@ Example = collections.namedtuple("Example", ["where", "kind", "text"])
 
 # Examples not run here, by page and first line, with the reason.
 NOT_RUN = {
+    (
+        "docs/guides/elastic.md",
+        "# one node: after a failure every rank restarts, at the same size",
+    ): "torchrun on 4 ranks and across nodes; tests/test_torch_elastic.py "
+    "runs torchrun --nnodes=1:1 --max-restarts 1",
     ("README.md", 'pip install -e ".[all,dev]" && bash tests/run_all.sh'): (
         "the test suite itself"
     ),

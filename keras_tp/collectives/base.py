@@ -24,8 +24,9 @@ class CollectiveAdapter:
     torch and TensorFlow inside a launched process or replica context.
 
     Subclasses implement the raw collectives (`_all_reduce`, `_all_gather`,
-    `_reduce_scatter`, `_broadcast`, `barrier`, `rank`, `size`) and the four
-    Megatron conjugate operators with the backend's custom-gradient tool.
+    `_reduce_scatter`, `_broadcast`, `barrier`, `rank`, `size`), the four
+    Megatron conjugate operators and ZeRO-3's `_gather_partitions` with the
+    backend's custom-gradient tool.
     This class validates arguments and counts calls and bytes in `stats`.
 
     Args:
@@ -93,6 +94,19 @@ class CollectiveAdapter:
 
     def scatter_to_parallel(self, x, axis=-1):
         """Keep the local slice forward; all-gather the gradient backward."""
+        raise NotImplementedError
+
+    def gather_partitions(self, x, axis):
+        """ZeRO-3's gather of a parameter from its partitions along `axis`.
+
+        Forward, an all-gather; backward, the gradient reduce-scattered and
+        averaged over the ranks, so each rank receives the mean gradient of
+        its own partition.
+        """
+        self._record("all_gather", x, "forward", self.size())
+        return self._gather_partitions(x, axis % len(x.shape))
+
+    def _gather_partitions(self, x, axis):
         raise NotImplementedError
 
     def _record(self, kind, x, direction=None, scale=1):

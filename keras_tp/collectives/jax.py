@@ -4,6 +4,8 @@ import functools
 
 import jax
 from jax._src.lax.parallel import all_gather_invariant
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 
 from keras_tp.collectives.base import CollectiveAdapter
 
@@ -34,6 +36,7 @@ class JaxCollectiveAdapter(CollectiveAdapter):
         self._axis_size = axis_size
         self.check_vma = check_vma
         self._build_conjugate_ops()
+        self._build_partition_gather()
 
     def rank(self):
         return jax.lax.axis_index(self.axis_name)
@@ -151,3 +154,58 @@ class JaxCollectiveAdapter(CollectiveAdapter):
         )
         self.gather_from_parallel = gather_from_parallel
         self.scatter_to_parallel = scatter_to_parallel
+
+    def _build_partition_gather(self):
+        axis_name = self.axis_name
+        size = self._axis_size
+        record = self._record
+
+        @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+        def gather(partition, axis):
+            return jax.lax.all_gather(
+                partition, axis_name, axis=axis, tiled=True
+            )
+
+        def gather_fwd(partition, axis):
+            return gather(partition, axis), None
+
+        def gather_bwd(axis, _, grad):
+            record("reduce_scatter", grad, "backward")
+            summed = jax.lax.psum_scatter(
+                grad, axis_name, scatter_dimension=axis, tiled=True
+            )
+            return (summed / size,)
+
+        gather.defvjp(gather_fwd, gather_bwd)
+        self._gather_partitions = gather
+
+    def copies_per_device(self, mesh):
+        """Megatron `f` on global arrays: one copy of `x` per rank of `mesh`.
+
+        For a region called on global arrays (outside a `shard_map`): the
+        copies are laid out one per device along this adapter's axis (no
+        communication), and their gradient, each device's partial sum, is
+        summed over the devices: one all-reduce, however many regions read
+        them.
+
+        Returns:
+            A function of `x` with a leading axis of `size()` copies.
+        """
+        size = self._axis_size
+        layout = NamedSharding(mesh, PartitionSpec(self.axis_name))
+        record = self._record
+
+        @jax.custom_vjp
+        def copies(x):
+            stacked = jax.numpy.broadcast_to(x[None], (size,) + x.shape)
+            return jax.lax.with_sharding_constraint(stacked, layout)
+
+        def copies_fwd(x):
+            return copies(x), None
+
+        def copies_bwd(_, grad):
+            record("all_reduce", grad[0], "backward")
+            return (jax.numpy.sum(grad, axis=0),)
+
+        copies.defvjp(copies_fwd, copies_bwd)
+        return copies

@@ -205,82 +205,52 @@ class TensorFlowCollectiveAdapter(CollectiveAdapter):
 
     def _all_reduce(self, x, op):
         if op in ("max", "min"):
-            return self._extremum(x, op)
+            reduce = tf.reduce_max if op == "max" else tf.reduce_min
+            return _conjugate(
+                x,
+                lambda x: reduce(self._gather(tf.expand_dims(x, 0), 0), 0),
+                _no_gradient(f"all_reduce(op={op!r})"),
+            )
         total = self._sum_reduced_on_every_rank(x)
         return total / self._axis_size if op == "mean" else total
 
     def _sum_reduced_on_every_rank(self, x):
-        @tf.custom_gradient
-        def all_reduce_sum(x):
-            # The sum is consumed identically by every rank, so the cotangent
-            # each rank holds is already the full one: pass it through.
-            return self._sum(x), lambda grad: grad
-
-        return all_reduce_sum(x)
-
-    def _extremum(self, x, op):
-        @tf.custom_gradient
-        def extremum(x):
-            stacked = self._gather(tf.expand_dims(x, 0), 0)
-            reduce = tf.reduce_max if op == "max" else tf.reduce_min
-            return reduce(stacked, axis=0), _no_gradient(
-                f"all_reduce(op={op!r})"
-            )
-
-        return extremum(x)
+        # The sum is consumed identically by every rank, so the cotangent
+        # each rank holds is already the full one: pass it through.
+        return _conjugate(x, self._sum, lambda grad: grad)
 
     def _all_gather(self, x, axis):
         axis = axis % len(x.shape)
 
-        @tf.custom_gradient
-        def all_gather(x):
-            def grad(upstream):
-                # Each rank's cotangent covers every slice: sum them and
-                # keep this rank's slice (a reduce-scatter).
-                self._record("all_reduce", upstream, "backward")
-                return self._local_slice(self._sum(upstream), axis)
+        def grad(upstream):
+            # Each rank's cotangent covers every slice: sum them and keep
+            # this rank's slice (a reduce-scatter).
+            self._record("all_reduce", upstream, "backward")
+            return self._local_slice(self._sum(upstream), axis)
 
-            return self._gather(x, axis), grad
-
-        return all_gather(x)
+        return _conjugate(x, lambda x: self._gather(x, axis), grad)
 
     def _reduce_scatter(self, x, axis, op):
         axis = axis % len(x.shape)
 
-        @tf.custom_gradient
-        def reduce_scatter(x):
-            def grad(upstream):
-                self._record(
-                    "all_gather", upstream, "backward", self._axis_size
-                )
-                full = self._gather(upstream, axis)
-                return full / self._axis_size if op == "mean" else full
+        def averaged(t):
+            return t / self._axis_size if op == "mean" else t
 
-            local = self._local_slice(self._sum(x), axis)
-            return (local / self._axis_size if op == "mean" else local), grad
+        def grad(upstream):
+            self._record("all_gather", upstream, "backward", self._axis_size)
+            return averaged(self._gather(upstream, axis))
 
-        return reduce_scatter(x)
+        return _conjugate(
+            x, lambda x: averaged(self._local_slice(self._sum(x), axis)), grad
+        )
 
-    def gather_partitions(self, x, axis):
-        """ZeRO-3's gather of a parameter from its partitions.
+    def _gather_partitions(self, x, axis):
+        def grad(upstream):
+            self._record("reduce_scatter", upstream, "backward")
+            local = self._local_slice(self._sum(upstream), axis)
+            return local / self._axis_size
 
-        Forward, an all-gather along `axis`; backward, the gradient averaged
-        over the ranks and reduce-scattered, so each rank receives the mean
-        gradient of its own partition.
-        """
-        axis = axis % len(x.shape)
-        self._record("all_gather", x, "forward", self._axis_size)
-
-        @tf.custom_gradient
-        def gather_partitions(x):
-            def grad(upstream):
-                self._record("reduce_scatter", upstream, "backward")
-                local = self._local_slice(self._sum(upstream), axis)
-                return local / self._axis_size
-
-            return self._gather(x, axis), grad
-
-        return gather_partitions(x)
+        return _conjugate(x, lambda x: self._gather(x, axis), grad)
 
     def _broadcast(self, x, root):
         # Zero every rank's value but the root's: the sum is the root's value.
@@ -293,15 +263,11 @@ class TensorFlowCollectiveAdapter(CollectiveAdapter):
         return self._broadcast(x, root)
 
     def copy_to_parallel(self, x):
-        @tf.custom_gradient
-        def copy_to_parallel(x):
-            def grad(upstream):
-                self._record("all_reduce", upstream, "backward")
-                return self._sum(upstream)
+        def grad(upstream):
+            self._record("all_reduce", upstream, "backward")
+            return self._sum(upstream)
 
-            return tf.identity(x), grad
-
-        return copy_to_parallel(x)
+        return _conjugate(x, tf.identity, grad)
 
     def reduce_from_parallel(self, x):
         self._record("all_reduce", x, "forward")
@@ -310,31 +276,37 @@ class TensorFlowCollectiveAdapter(CollectiveAdapter):
     def gather_from_parallel(self, x, axis=-1):
         axis = axis % len(x.shape)
         self._record("all_gather", x, "forward", self._axis_size)
-
-        @tf.custom_gradient
-        def gather_from_parallel(x):
-            # The gathered output is replicated, so its cotangent is the same
-            # on every rank: keeping the local slice needs no collective.
-            return self._gather(x, axis), lambda grad: self._local_slice(
-                grad, axis
-            )
-
-        return gather_from_parallel(x)
+        # The gathered output is replicated, so its cotangent is the same on
+        # every rank: keeping the local slice needs no collective.
+        return _conjugate(
+            x,
+            lambda x: self._gather(x, axis),
+            lambda grad: self._local_slice(grad, axis),
+        )
 
     def scatter_to_parallel(self, x, axis=-1):
         axis = axis % len(x.shape)
 
-        @tf.custom_gradient
-        def scatter_to_parallel(x):
-            def grad(upstream):
-                self._record(
-                    "all_gather", upstream, "backward", self._axis_size
-                )
-                return self._gather(upstream, axis)
+        def grad(upstream):
+            self._record("all_gather", upstream, "backward", self._axis_size)
+            return self._gather(upstream, axis)
 
-            return self._local_slice(x, axis), grad
+        return _conjugate(x, lambda x: self._local_slice(x, axis), grad)
 
-        return scatter_to_parallel(x)
+
+def _conjugate(x, forward, backward):
+    """`forward(x)`, whose gradient is `backward(upstream)`.
+
+    Each operator states its pair of collectives in one place, so the
+    backward pass issues (and counts) exactly the collective the math
+    needs, or none.
+    """
+
+    @tf.custom_gradient
+    def conjugate(x):
+        return forward(x), backward
+
+    return conjugate(x)
 
 
 def _no_gradient(name):

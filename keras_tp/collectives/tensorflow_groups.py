@@ -4,6 +4,7 @@ The rows and columns of a `data x model` mesh, for the axes of
 `TensorFlowCollectiveAdapter` that span part of the replicas.
 """
 
+import dataclasses
 import itertools
 
 import tensorflow as tf
@@ -70,6 +71,7 @@ class ReplicaGroups:
         return self._tokens[device]
 
 
+@dataclasses.dataclass(eq=False)
 class _GroupMember:
     """One replica's end of a collective group (see `ReplicaGroups`).
 
@@ -79,13 +81,14 @@ class _GroupMember:
     the same instance.
     """
 
-    def __init__(self, group_key, size, rank, device, token):
-        self.group_key = group_key
-        self.size = size
-        self.rank = rank
-        self.device = device
-        self._token = token
-        self._instance_keys = itertools.count(1)
+    group_key: int
+    size: int
+    rank: int
+    device: str
+    token: object
+    _instance_keys: object = dataclasses.field(
+        init=False, default_factory=lambda: itertools.count(1)
+    )
 
     def _instance_key(self):
         graph = tf.compat.v1.get_default_graph()
@@ -103,7 +106,17 @@ class _GroupMember:
         with tf.device("/device:CPU:0"):
             return tf.constant(next(self._instance_keys), tf.int32)
 
-    def _check_traced(self):
+    def all_reduce(self, x):
+        """The sum of `x` over the group."""
+        return self._collective(
+            tf.raw_ops.CollectiveReduceV2, x, merge_op="Add", final_op="Id"
+        )
+
+    def all_gather(self, x):
+        """Every member's `x` concatenated along the first axis, by rank."""
+        return self._collective(tf.raw_ops.CollectiveGatherV2, x)
+
+    def _collective(self, op, x, **attributes):
         if tf.executing_eagerly():
             # Replicas of a MirroredStrategy run one after the other when
             # eager, so the first member would wait forever for the others.
@@ -112,29 +125,12 @@ class _GroupMember:
                 "(a mesh axis with data_parallel > 1) only run in a traced "
                 "function: call `strategy.run` inside a `tf.function`."
             )
-
-    def all_reduce(self, x):
-        """The sum of `x` over the group."""
-        self._check_traced()
         with tf.device(self.device):
-            return tf.raw_ops.CollectiveReduceV2(
+            return op(
                 input=x,
                 group_size=self.size,
                 group_key=self.group_key,
                 instance_key=self._instance_key(),
-                ordering_token=[self._token.handle],
-                merge_op="Add",
-                final_op="Id",
-            )
-
-    def all_gather(self, x):
-        """Every member's `x` concatenated along the first axis, by rank."""
-        self._check_traced()
-        with tf.device(self.device):
-            return tf.raw_ops.CollectiveGatherV2(
-                input=x,
-                group_size=self.size,
-                group_key=self.group_key,
-                instance_key=self._instance_key(),
-                ordering_token=[self._token.handle],
+                ordering_token=[self.token.handle],
+                **attributes,
             )

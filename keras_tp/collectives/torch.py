@@ -130,83 +130,72 @@ class TorchCollectiveAdapter(CollectiveAdapter):
         return x
 
     def copy_to_parallel(self, x):
-        return _CopyToParallel.apply(x, self)
+        # Megatron `f`: a replicated input consumed by split weights gets
+        # one partial gradient per rank; their sum is the input's gradient.
+        def summed_gradient(grad):
+            self._record("all_reduce", grad, "backward")
+            return self.sum_in_place(_contiguous_copy(grad))
+
+        return _Conjugate.apply(x, lambda x: x.view_as(x), summed_gradient)
 
     def reduce_from_parallel(self, x):
+        # Megatron `g`: the output is replicated, so the gradient arriving
+        # on each rank is already that of every rank's partial sum.
         self._record("all_reduce", x, "forward")
-        return _ReduceFromParallel.apply(x, self)
+        return _Conjugate.apply(
+            x, lambda x: self.sum_in_place(_contiguous_copy(x)), _identity
+        )
 
     def gather_from_parallel(self, x, axis=-1):
         self._record("all_gather", x, "forward", self.size())
-        return _GatherFromParallel.apply(x, self, axis % x.ndim)
+        axis %= x.ndim
+        return _Conjugate.apply(
+            x,
+            lambda x: self.gather(x, axis),
+            lambda grad: self.local_slice(grad, axis),
+        )
 
     def scatter_to_parallel(self, x, axis=-1):
-        return _ScatterToParallel.apply(x, self, axis % x.ndim)
+        axis %= x.ndim
+
+        def gathered_gradient(grad):
+            self._record("all_gather", grad, "backward", self.size())
+            return self.gather(grad, axis)
+
+        return _Conjugate.apply(
+            x, lambda x: self.local_slice(x, axis), gathered_gradient
+        )
+
+    def _gather_partitions(self, x, axis):
+        def scattered_gradient(grad):
+            with self.stats.labelled("backward"):
+                return self.reduce_scatter(grad, axis, "mean")
+
+        return _Conjugate.apply(
+            x, lambda x: self.gather(x.detach(), axis), scattered_gradient
+        )
 
 
-class _CopyToParallel(torch.autograd.Function):
-    """Megatron `f`: identity forward; all-reduce of the gradient backward.
+class _Conjugate(torch.autograd.Function):
+    """A collective whose backward pass is another chosen collective.
 
-    A replicated input consumed by split weights gets one partial gradient
-    per rank; their sum is the input's gradient.
+    `forward(x)` and `backward(grad)` are the adapter's own calls, so each
+    operator states its pair in one place, and the backward pass issues
+    (and counts) exactly the collective the math needs, or none.
     """
 
     @staticmethod
-    def forward(ctx, x, adapter):
-        ctx.adapter = adapter
-        return x.view_as(x)
+    def forward(ctx, x, forward, backward):
+        ctx.backward_op = backward
+        return forward(x)
 
     @staticmethod
     def backward(ctx, grad):
-        adapter = ctx.adapter
-        adapter._record("all_reduce", grad, "backward")
-        return adapter.sum_in_place(_contiguous_copy(grad)), None
+        return ctx.backward_op(grad), None, None
 
 
-class _ReduceFromParallel(torch.autograd.Function):
-    """Megatron `g`: all-reduce forward; identity gradient backward.
-
-    The output is replicated, so the gradient arriving on each rank is
-    already the full gradient of every rank's partial sum.
-    """
-
-    @staticmethod
-    def forward(ctx, x, adapter):
-        return adapter.sum_in_place(_contiguous_copy(x))
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _GatherFromParallel(torch.autograd.Function):
-    """All-gather along `axis` forward; the local gradient slice back."""
-
-    @staticmethod
-    def forward(ctx, x, adapter, axis):
-        ctx.adapter = adapter
-        ctx.axis = axis
-        return adapter.gather(x, axis)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.adapter.local_slice(grad, ctx.axis), None, None
-
-
-class _ScatterToParallel(torch.autograd.Function):
-    """The local slice along `axis` forward; gradient all-gathered back."""
-
-    @staticmethod
-    def forward(ctx, x, adapter, axis):
-        ctx.adapter = adapter
-        ctx.axis = axis
-        return adapter.local_slice(x, axis)
-
-    @staticmethod
-    def backward(ctx, grad):
-        adapter = ctx.adapter
-        adapter._record("all_gather", grad, "backward", adapter.size())
-        return adapter.gather(grad, ctx.axis), None, None
+def _identity(x):
+    return x
 
 
 def _check_not_differentiated(x, name):

@@ -16,7 +16,7 @@ from keras_tp.cli import BACKENDS
 from keras_tp.cli import DEFAULT_BACKEND
 from keras_tp.cli import choose_backend
 from keras_tp.cli import describe_backend
-from keras_tp.cli import quiet_native_logs
+from keras_tp.native_logs import quiet_native_logs
 
 # The model the demo trains: `transformer_lm()`'s defaults, named here so
 # that the demo can say what it trains.
@@ -70,11 +70,11 @@ def train_and_compare(devices, epochs, samples, save):
     return `None`.
     """
     import keras
-    from keras.src.utils.io_utils import print_msg
 
     import keras_tp
     from keras_tp.demo.models import counting_sequences
     from keras_tp.demo.models import transformer_lm
+    from keras_tp.keras_internals import print_msg
 
     # RANK is set in torch's rank processes (by `launch` or torchrun); JAX
     # and TensorFlow drive every device from this one process.
@@ -223,7 +223,7 @@ def run(argv):
 
     devices = args.devices or default_devices(backend)
     keras_tp.configure_virtual_devices(devices)
-    from keras.src.utils.io_utils import print_msg
+    from keras_tp.keras_internals import print_msg
 
     where = describe_devices(backend, devices)
     if args.devices is None and backend == "torch":

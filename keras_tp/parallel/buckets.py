@@ -108,21 +108,9 @@ class Bucket:
         """
         parts = adapter.size()
         indices = self._indices(variables)
-        rows = ops.concatenate(
-            [
-                _as_rows(grads[i], axis, parts)
-                for i, axis in zip(indices, self.partition_axes)
-            ],
-            axis=1,
-        )
+        rows = self._as_rows(grads, indices, parts)
         local = adapter.reduce_scatter(rows, axis=0, op="mean")
-        widths = [math.prod(s) // parts for s in self.shapes]
-        for i, piece, axis, shape in zip(
-            indices,
-            _split_columns(local, widths),
-            self.partition_axes,
-            self.shapes,
-        ):
+        for i, piece, axis, shape in self._partitions(local, indices, parts):
             part_shape = list(shape)
             part_shape[axis] //= parts
             out[i] = _from_rows(piece, axis, part_shape)
@@ -138,22 +126,37 @@ class Bucket:
         """
         parts = adapter.size()
         indices = self._indices(variables)
-        row = ops.concatenate(
+        rows = adapter.all_gather(self._as_rows(partitions, indices, 1), axis=0)
+        for i, piece, axis, shape in self._partitions(rows, indices, parts):
+            out[i] = _from_rows(piece, axis, shape)
+
+    def _as_rows(self, values, indices, parts):
+        """The bucket's `values` side by side, as `parts` rows.
+
+        Row `r` holds partition `r` of every value: the layout a
+        reduce-scatter or all-gather over the first axis needs.
+        """
+        return ops.concatenate(
             [
-                _as_rows(partitions[i], axis, 1)
+                _as_rows(values[i], axis, parts)
                 for i, axis in zip(indices, self.partition_axes)
             ],
             axis=1,
         )
-        rows = adapter.all_gather(row, axis=0)
+
+    def _partitions(self, matrix, indices, parts):
+        """`(index, block, axis, shape)` per variable, inverse of `_as_rows`.
+
+        `matrix` has one column block per variable, `1/parts` of its size
+        wide.
+        """
         widths = [math.prod(s) // parts for s in self.shapes]
-        for i, piece, axis, shape in zip(
+        return zip(
             indices,
-            _split_columns(rows, widths),
+            _split_columns(matrix, widths),
             self.partition_axes,
             self.shapes,
-        ):
-            out[i] = _from_rows(piece, axis, shape)
+        )
 
 
 def make_buckets(var_list, partition_axes, shard_shape, cap_bytes):

@@ -22,7 +22,10 @@ import keras
 from keras import ops
 
 from keras_tp.keras_internals import bind_values
+from keras_tp.keras_internals import model_variables_of
 from keras_tp.keras_internals import moving_average
+from keras_tp.keras_internals import own_optimizer_variables
+from keras_tp.keras_internals import place_slots_on_creation
 from keras_tp.keras_internals import stateful_cond
 from keras_tp.parallel.buckets import make_buckets
 from keras_tp.parallel.clipping import clipped
@@ -171,22 +174,16 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             placement.model_shard_shape,
             self._cap_bytes,
         )
-        original = self.inner_optimizer.add_variable_from_reference
 
-        def add_placed_variable(reference_variable, name=None, **kwargs):
-            variable = original(reference_variable, name=name, **kwargs)
+        def placed(slot, reference_variable):
             placement.place_like(
-                variable,
+                slot,
                 reference_variable,
                 self._slot_partition_axis(reference_variable),
             )
-            return variable
 
-        self.inner_optimizer.add_variable_from_reference = add_placed_variable
-        try:
-            self.inner_optimizer.build(var_list)
-        finally:
-            del self.inner_optimizer.add_variable_from_reference
+        place_slots_on_creation(self.inner_optimizer, placed)
+        self.inner_optimizer.build(var_list)
         self.gradient_buffers = []
         for variable in var_list:
             buffer = self.add_variable_from_reference(variable, "gradient")
@@ -209,7 +206,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
 
     @property
     def variables(self):
-        return self._variables + self.inner_optimizer.variables
+        return own_optimizer_variables(self) + self.inner_optimizer.variables
 
     @property
     def state_variables(self):
@@ -238,7 +235,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         tensors (for ZeRO-3, of its parameter partitions).
         """
         if trainable_variables is None:
-            trainable_variables = self._trainable_variables
+            trainable_variables = model_variables_of(self)
         trainable_variables = list(trainable_variables)
         if not self.built:
             with keras.name_scope(self.name, caller=self):
@@ -341,7 +338,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
 
     def _update(self, grads):
         """Clips, updates this rank's partitions, gathers the parameters."""
-        variables = self._trainable_variables
+        variables = model_variables_of(self)
         grads = clipped(
             grads,
             variables,
@@ -404,7 +401,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             ],
             "unpartitioned_variables": [
                 v.path
-                for v in self._trainable_variables
+                for v in model_variables_of(self)
                 if self.zero_stage and self.partition_axes[id(v)] is None
             ],
         }

@@ -7,7 +7,9 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_tp.keras_internals import bind_values
 from keras_tp.placement import Placement
+from keras_tp.regions import copy_replicated_inputs
 
 
 class Runtime:
@@ -84,16 +86,26 @@ class Runtime:
             devices=devices,
         )
         self._build()
+        # `adapter` runs over the `model` axis, `data_adapter` over `data`
+        # and `world_adapter` over both; they count into one stats object.
+        self.adapter, self.data_adapter, self.world_adapter = (
+            self._axis_adapters()
+        )
+        self.data_adapter.stats = self.adapter.stats
+        self.world_adapter.stats = self.adapter.stats
 
     def _available_devices(self):
         raise NotImplementedError
 
     def _build(self):
-        """Creates the backend mesh and the adapters.
+        """Creates the backend's mesh (devices, replicas or process ranks)."""
+        raise NotImplementedError
 
-        `self.adapter` runs over the `model` axis, `self.data_adapter` over
-        the `data` axis and `self.world_adapter` over both; they share one
-        `CommunicationStats`.
+    def _axis_adapters(self):
+        """The collective adapters of the `model`, `data` and both axes.
+
+        Returns:
+            `(model_adapter, data_adapter, world_adapter)`.
         """
         raise NotImplementedError
 
@@ -108,6 +120,11 @@ class Runtime:
     def gathered_call(self, layer, variables, call):
         """Wraps a layer's `call` to gather its ZeRO-3 partitions around it.
 
+        Inside, the layer reads each variable's full value, gathered over
+        `data` by `gather_partitions`, whose backward pass reduce-scatters
+        the gradient. How long the gathered values live is the backend's
+        (`_gathered_partitions`).
+
         Args:
             layer: the layer.
             variables: the partitioned variables the call reads.
@@ -115,6 +132,25 @@ class Runtime:
 
         Returns:
             A function with the signature of `call`.
+        """
+        axes = [self.placement.data_axes[id(v)] for v in variables]
+
+        def zero3_call(*args, **kwargs):
+            with self._gathered_partitions(layer, variables, axes) as full:
+                if full is None:
+                    return call(*args, **kwargs)
+                with bind_values(zip(variables, full)):
+                    return call(*args, **kwargs)
+
+        return zero3_call
+
+    def _gathered_partitions(self, layer, variables, axes):
+        """Context giving the full values of `variables` (`None`: as they are).
+
+        Args:
+            layer: the layer about to run.
+            variables: its partitioned variables.
+            axes: the `data` axis each is partitioned on.
         """
         raise NotImplementedError
 
@@ -132,11 +168,22 @@ class Runtime:
 
     def save_model(self, model, filepath, **kwargs):
         """Writes the unsplit `model` with its current weights."""
-        model.save(filepath, **kwargs)
+        self._write_unsplit(model, lambda: model.save(filepath, **kwargs))
 
     def save_weights(self, model, filepath, **kwargs):
         """Writes the unsplit weights of `model`."""
-        model.save_weights(filepath, **kwargs)
+        self._write_unsplit(
+            model, lambda: model.save_weights(filepath, **kwargs)
+        )
+
+    def _write_unsplit(self, model, write):
+        """Runs `write` (a Keras save) where `model`'s variables read whole.
+
+        The default runs it as it is; runtimes whose ranks hold shards
+        assemble the full values for the time of the write, on the one
+        process that writes.
+        """
+        write()
 
     def check_batch_size(self, size):
         """Raises unless a global batch of `size` splits over the data axis."""
@@ -150,6 +197,9 @@ class Runtime:
 
     def synchronised_state(self, non_trainable, values, old_metrics, metrics):
         """Global metrics and data-averaged non-trainables, in one all-reduce.
+
+        Every float piece is cast to float32, so that one all-reduce carries
+        them all.
 
         Each data rank updated the metrics with its slice of the batch:
         their updates are summed over `data`, so the metrics are those of
@@ -168,38 +218,27 @@ class Runtime:
         pieces = [("sum", new - old) for old, new in zip(old_metrics, metrics)]
         for variable, value in zip(non_trainable, values):
             partitioned = self.placement.data_axis(variable) is not None
-            averaged = _is_float(value) and not partitioned
+            averaged = is_float(value) and not partitioned
             pieces.append(("mean", value if averaged else None))
         floats = [
             (i, kind, piece)
             for i, (kind, piece) in enumerate(pieces)
-            if piece is not None and _is_float(piece)
+            if piece is not None and is_float(piece)
         ]
         summed = {}
         if floats:
-            flat = ops.concatenate(
-                [
-                    ops.reshape(
-                        ops.cast(
-                            piece / self.data_parallel
-                            if kind == "mean"
-                            else piece,
-                            "float32",
-                        ),
-                        (-1,),
-                    )
-                    for _, kind, piece in floats
-                ]
-            )
-            flat = self.data_adapter.all_reduce(flat, "sum")
-            offset = 0
-            for i, _, piece in floats:
-                size = math.prod(piece.shape)
-                summed[i] = ops.cast(
-                    ops.reshape(flat[offset : offset + size], piece.shape),
-                    piece.dtype,
+            pieces = [
+                ops.cast(
+                    piece / self.data_parallel if kind == "mean" else piece,
+                    "float32",
                 )
-                offset += size
+                for _, kind, piece in floats
+            ]
+            sums = collect_flat(
+                pieces, lambda flat: self.data_adapter.all_reduce(flat, "sum")
+            )
+            for (i, _, piece), total in zip(floats, sums):
+                summed[i] = ops.cast(total, piece.dtype)
         new_metrics = [
             old
             + (
@@ -218,6 +257,87 @@ class Runtime:
     def replica_differences(self, variables):
         """`{path: largest difference}` between copies that must be equal."""
         raise NotImplementedError
+
+    # Checkpoints: each process reads and writes only the pieces it holds.
+
+    def full_shape(self, variable):
+        """The unsplit shape of `variable` (placed or not)."""
+        shapes = self.placement.full_shapes
+        return shapes.get(id(variable), tuple(variable.shape))
+
+    def local_pieces(self, variable):
+        """The pieces of `variable` this process writes in a checkpoint.
+
+        Every number of the full value is listed once over all processes:
+        a piece that several ranks hold is written by the lowest of them.
+
+        Returns:
+            A list of `(writer, index, array)`: the device or rank holding
+            the piece (it names the file), where the piece sits in the full
+            value (`((start, stop), ...)`), and its values in NumPy.
+        """
+        pieces = []
+        for position, (writer, model_rank, data_rank) in enumerate(
+            self._ranks_here()
+        ):
+            if self._holds_first_copy(variable, model_rank, data_rank):
+                index = self._piece_index(variable, model_rank, data_rank)
+                array = self._read_piece(variable, position)
+                pieces.append((writer, index, array))
+        return pieces
+
+    def assign_local_pieces(self, variable, read):
+        """Sets each piece of `variable` held here to `read(index)`.
+
+        Args:
+            variable: the variable.
+            read: function of a piece's index in the full value
+                (`((start, stop), ...)`) returning its values in NumPy.
+        """
+        for position, (_, model_rank, data_rank) in enumerate(
+            self._ranks_here()
+        ):
+            index = self._piece_index(variable, model_rank, data_rank)
+            self._write_piece(variable, position, read(index))
+
+    def _holds_first_copy(self, variable, model_rank, data_rank):
+        if self.placement.is_placed(variable):
+            return self.placement.holds_first_copy(
+                variable, model_rank, data_rank
+            )
+        return not (model_rank or data_rank)
+
+    def _piece_index(self, variable, model_rank, data_rank):
+        if self.placement.is_placed(variable):
+            return self.placement.piece_index(variable, model_rank, data_rank)
+        return tuple((0, int(size)) for size in variable.shape)
+
+    def _ranks_here(self):
+        """`[(writer, model_rank, data_rank)]` of this process's ranks."""
+        raise NotImplementedError
+
+    def _read_piece(self, variable, position):
+        """The NumPy value of the piece the `position`-th rank here holds."""
+        raise NotImplementedError
+
+    def _write_piece(self, variable, position, value):
+        """Assigns the piece the `position`-th rank here holds."""
+        raise NotImplementedError
+
+    def process_index(self):
+        """This process's index among the job's processes."""
+        return 0
+
+    def is_first_process(self):
+        """Whether this process writes what one process writes (a manifest)."""
+        return self.process_index() == 0
+
+    def wait_for_processes(self):
+        """Returns once every process of the job has reached this call."""
+
+    def build_optimizer(self, model):
+        """Builds the compiled optimizer's state, as the first step would."""
+        model.optimizer.build(model.trainable_variables)
 
     def device_bytes(self, variables):
         """`{device: bytes}` these variables occupy, read from the arrays."""
@@ -263,11 +383,75 @@ class Runtime:
         """Runs a `ShardedRegion`'s call on every rank; returns the output."""
         raise NotImplementedError
 
+    def local_value(self, variable):
+        """This rank's value of `variable` where ranks hold their own."""
+        return variable.value
 
-def _is_float(x):
+    def run_local_region(self, region, args, kwargs):
+        """Runs a region's per-rank math where the values are already local.
+
+        For a rank that holds its own tensors (a torch process, a JAX device
+        inside a per-rank step, a TensorFlow replica): replicated inputs
+        enter the parallel part (`copy_replicated_inputs`), and the members
+        read their variables' local values.
+
+        Args:
+            region: the `ShardedRegion`.
+            args, kwargs: the region's call arguments, local to the rank.
+
+        Returns:
+            The region's local outputs.
+        """
+        if region.parallel_input:
+            args, kwargs = copy_replicated_inputs(
+                region, self.adapter, args, kwargs, is_float
+            )
+        weights = [self.local_value(v) for v, _ in region.variables()]
+        with region.local_weights(weights), self.adapter.activated():
+            return region.compute(*args, **kwargs)
+
+
+def is_float(x):
+    """Whether `x` is a tensor of a floating-point dtype, on any backend."""
+    if not (hasattr(x, "dtype") and hasattr(x, "shape")):
+        return False
     return keras.backend.is_float_dtype(
         keras.backend.standardize_dtype(x.dtype)
     )
+
+
+def collect_flat(tensors, collective):
+    """Runs `collective` once per dtype on `tensors` joined flat.
+
+    One collective of the summed size costs one latency instead of one per
+    tensor; the results are cut back into the tensors' shapes.
+
+    Args:
+        tensors: the tensors.
+        collective: function of a flat vector (an all-reduce, say)
+            returning a vector of the same size and dtype.
+
+    Returns:
+        The list of the collective's results, one per tensor, in order.
+    """
+    by_dtype = {}
+    for i, tensor in enumerate(tensors):
+        dtype = keras.backend.standardize_dtype(tensor.dtype)
+        by_dtype.setdefault(dtype, []).append(i)
+    results = [None] * len(tensors)
+    for indices in by_dtype.values():
+        pieces = [tensors[i] for i in indices]
+        flat = collective(
+            ops.concatenate([ops.reshape(p, (-1,)) for p in pieces])
+        )
+        offset = 0
+        for i, piece in zip(indices, pieces):
+            size = math.prod(int(dim) for dim in piece.shape)
+            results[i] = ops.reshape(
+                flat[offset : offset + size], tuple(piece.shape)
+            )
+            offset += size
+    return results
 
 
 def largest_difference(copies):

@@ -15,6 +15,7 @@ Variables stay global Keras variables whose values are placed with a
 """
 
 import contextlib
+import contextvars
 import functools
 import logging
 
@@ -27,7 +28,6 @@ from jax.sharding import PartitionSpec
 
 from keras_tp.collectives.jax import JaxCollectiveAdapter
 from keras_tp.keras_internals import StatelessScope
-from keras_tp.keras_internals import bind_values
 from keras_tp.keras_internals import direct_assign
 from keras_tp.keras_internals import get_keras_mask
 from keras_tp.keras_internals import jax_layout
@@ -36,12 +36,15 @@ from keras_tp.keras_internals import set_jax_layout
 from keras_tp.keras_internals import set_keras_mask
 from keras_tp.keras_internals import set_stored_value
 from keras_tp.keras_internals import stored_value
-from keras_tp.regions import run_on_local_values
 from keras_tp.regions import shared_value
 from keras_tp.runtime.base import Runtime
+from keras_tp.runtime.base import is_float
 from keras_tp.runtime.base import largest_difference
 
 logger = logging.getLogger(__name__)
+
+# The runtime whose per-rank step is being traced in this context.
+_TRACING_RANKS_OF = contextvars.ContextVar("keras_tp_ranks", default=None)
 
 
 def configure_virtual_devices(n):
@@ -89,12 +92,6 @@ def _placement_spec(ndim, axis, data_axis):
     return PartitionSpec(*spec)
 
 
-def _is_float_array(value):
-    return _is_array(value) and jax.numpy.issubdtype(
-        value.dtype, jax.numpy.floating
-    )
-
-
 def _is_array(value):
     return isinstance(value, (jax.Array, np.ndarray)) or (
         hasattr(value, "shape") and hasattr(value, "dtype")
@@ -122,20 +119,19 @@ class JaxRuntime(Runtime):
         )
         # Mesh() keeps Auto axes; jax.make_mesh would make them Explicit.
         self.mesh = jax.sharding.Mesh(grid, ("data", "model"))
+
+    def _axis_adapters(self):
         # A per-rank step runs without vma checks (see the module docstring).
         check_vma = not self.per_rank_steps
-        self.adapter = JaxCollectiveAdapter(
-            self.tensor_parallel, check_vma=check_vma
+        return (
+            JaxCollectiveAdapter(self.tensor_parallel, check_vma=check_vma),
+            JaxCollectiveAdapter(self.data_parallel, "data", check_vma),
+            JaxCollectiveAdapter(self.world_size, ("data", "model"), check_vma),
         )
-        self.data_adapter = JaxCollectiveAdapter(
-            self.data_parallel, "data", check_vma=check_vma
-        )
-        self.world_adapter = JaxCollectiveAdapter(
-            self.world_size, ("data", "model"), check_vma=check_vma
-        )
-        self.data_adapter.stats = self.world_adapter.stats = self.adapter.stats
-        self._copies_per_device = _per_device_copies(self.adapter, self.mesh)
-        self._inside_ranks = False
+
+    @functools.cached_property
+    def _copies_per_device(self):
+        return self.adapter.copies_per_device(self.mesh)
 
     def place_variable(self, variable, axis):
         self._lay_out(variable)
@@ -173,17 +169,7 @@ class JaxRuntime(Runtime):
             value = multihost_utils.process_allgather(value, tiled=True)
         return np.asarray(value)
 
-    def save_model(self, model, filepath, **kwargs):
-        self._write_on_process_zero(
-            model, lambda: model.save(filepath, **kwargs)
-        )
-
-    def save_weights(self, model, filepath, **kwargs):
-        self._write_on_process_zero(
-            model, lambda: model.save_weights(filepath, **kwargs)
-        )
-
-    def _write_on_process_zero(self, model, write):
+    def _write_unsplit(self, model, write):
         """Runs `write` with full weights; on several hosts process 0 writes.
 
         One process reads global arrays directly. On several hosts the
@@ -232,6 +218,40 @@ class JaxRuntime(Runtime):
                 copies.setdefault(key, []).append(np.asarray(shard.data))
             differences[variable.path] = largest_difference(copies)
         return differences
+
+    def local_pieces(self, variable):
+        """The first copy of each of the variable's shards held here."""
+        value = variable.value
+        return [
+            (
+                str(shard.device).replace(":", ""),
+                _index(shard.index, value.shape),
+                np.asarray(shard.data),
+            )
+            for shard in value.addressable_shards
+            if shard.replica_id == 0
+        ]
+
+    def assign_local_pieces(self, variable, read):
+        value = variable.value
+        if jax_layout(variable) is None:
+            # Not laid out on the mesh (an iteration count): JAX places
+            # such a value where each computation needs it.
+            variable.assign(read(_index((), value.shape)))
+            return
+        placed = jax.make_array_from_callback(
+            value.shape,
+            value.sharding,
+            lambda index: read(_index(index, value.shape)),
+        )
+        direct_assign(variable, placed)
+
+    def process_index(self):
+        return jax.process_index()
+
+    def wait_for_processes(self):
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("keras_tp: checkpoint")
 
     # Per-rank steps (data axis, ZeRO) ----------------------------------
 
@@ -305,39 +325,31 @@ class JaxRuntime(Runtime):
     @contextlib.contextmanager
     def _ranks(self):
         """Marks the tracing of a per-rank step (regions run locally)."""
-        previous, self._inside_ranks = self._inside_ranks, True
+        token = _TRACING_RANKS_OF.set(self)
         try:
             yield
         finally:
-            self._inside_ranks = previous
+            _TRACING_RANKS_OF.reset(token)
 
-    def _local_region(self, region, args, kwargs):
-        """A region inside a per-rank step: the values are already local."""
-        return run_on_local_values(
-            region, self.adapter, args, kwargs, _is_float_array
-        )
+    @property
+    def _inside_ranks(self):
+        return _TRACING_RANKS_OF.get() is self
 
-    def gathered_call(self, layer, variables, call):
-        """ZeRO-3: gathers the layer's partitions around its call.
+    @contextlib.contextmanager
+    def _gathered_partitions(self, layer, variables, axes):
+        """Gathers inside per-rank steps, where each device holds a partition.
 
-        The gather's backward pass reduce-scatters (and averages) the
-        gradient over `data`. The gathered parameters are not rematerialised
-        for the backward pass: JAX can emit the re-gather
-        (`jax.checkpoint`), but XLA merges it with the forward gather, so
-        one gather per parameter and step is what runs (2 x the parameters
-        communicated per step, not 3 x).
+        Elsewhere (a call on global arrays) the values are whole already.
+        The gathered parameters are not rematerialised for the backward
+        pass: JAX can emit the re-gather (`jax.checkpoint`), but XLA merges
+        it with the forward gather, so one gather per parameter and step is
+        what runs (2 x the parameters communicated per step, not 3 x).
         """
-        axes = [self.placement.data_axes[id(v)] for v in variables]
-        gather = _partition_gather(self.data_adapter)
-
-        def zero3_call(*args, **kwargs):
-            if not self._inside_ranks:
-                return call(*args, **kwargs)
-            full = [gather(v.value, axis) for v, axis in zip(variables, axes)]
-            with bind_values(zip(variables, full)):
-                return call(*args, **kwargs)
-
-        return zero3_call
+        if not self._inside_ranks:
+            yield None
+            return
+        gather = self.data_adapter.gather_partitions
+        yield [gather(v.value, axis) for v, axis in zip(variables, axes)]
 
     def prepare_region(self, region):
         """In per-rank steps Row layers receive their input split."""
@@ -346,7 +358,7 @@ class JaxRuntime(Runtime):
 
     def run_region(self, region, args, kwargs):
         if self._inside_ranks:
-            return self._local_region(region, args, kwargs)
+            return self.run_local_region(region, args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten(
             (args, kwargs), is_leaf=lambda x: x is None
         )
@@ -366,9 +378,7 @@ class JaxRuntime(Runtime):
         # one copy per device, shared by every region that reads them in
         # this call, so their gradient is all-reduced once (Megatron `f`).
         per_device = [
-            region.parallel_input
-            and spec == PartitionSpec()
-            and _is_float_array(a)
+            region.parallel_input and spec == PartitionSpec() and is_float(a)
             for a, spec in zip(arrays, array_specs)
         ]
         arrays = [
@@ -442,55 +452,13 @@ class JaxRuntime(Runtime):
         return outputs
 
 
-def _per_device_copies(adapter, mesh):
-    """Megatron `f` on global arrays: one copy of `x` per model rank.
-
-    The copies are laid out one per device (no communication); the
-    gradient of the copies, each device's partial sum, is summed over the
-    devices: one all-reduce, however many regions read them.
-    """
-    size = adapter.size()
-    layout = NamedSharding(mesh, PartitionSpec("model"))
-
-    @jax.custom_vjp
-    def copies(x):
-        stacked = jax.numpy.broadcast_to(x[None], (size,) + x.shape)
-        return jax.lax.with_sharding_constraint(stacked, layout)
-
-    def copies_fwd(x):
-        return copies(x), None
-
-    def copies_bwd(_, grad):
-        adapter._record("all_reduce", grad[0], "backward")
-        return (jax.numpy.sum(grad, axis=0),)
-
-    copies.defvjp(copies_fwd, copies_bwd)
-    return copies
-
-
-def _partition_gather(adapter):
-    """All-gather of ZeRO-3 partitions; its gradient is a reduce-scatter."""
-    record = adapter._record
-    size = adapter.size()
-    axis_name = adapter.axis_name
-
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-    def gather(partition, axis):
-        record("all_gather", partition, "forward", size)
-        return jax.lax.all_gather(partition, axis_name, axis=axis, tiled=True)
-
-    def gather_fwd(partition, axis):
-        return gather(partition, axis), None
-
-    def gather_bwd(axis, _, grad):
-        record("reduce_scatter", grad, "backward")
-        summed = jax.lax.psum_scatter(
-            grad, axis_name, scatter_dimension=axis, tiled=True
-        )
-        return (summed / size,)
-
-    gather.defvjp(gather_fwd, gather_bwd)
-    return gather
+def _index(slices, shape):
+    """A shard's `index` (slices, open-ended or missing) as `(start, stop)`s."""
+    slices = tuple(slices) + (slice(None),) * (len(shape) - len(slices))
+    return tuple(
+        (s.start or 0, size if s.stop is None else s.stop)
+        for s, size in zip(slices, shape)
+    )
 
 
 def _to_jax_device(name):

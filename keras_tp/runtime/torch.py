@@ -16,21 +16,26 @@ torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK \
 """
 
 import atexit
+import contextlib
+import datetime
 import gc
 import logging
 import os
 
 import keras
+import ml_dtypes
+import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
+from keras_tp import elastic
 from keras_tp.collectives.base import set_process_adapter
 from keras_tp.collectives.torch import TorchCollectiveAdapter
 from keras_tp.collectives.torch import is_symbolic
-from keras_tp.keras_internals import bind_values
 from keras_tp.keras_internals import set_reported_shape
 from keras_tp.keras_internals import stored_value
-from keras_tp.regions import run_on_local_values
+from keras_tp.runtime import torch_liveness
 from keras_tp.runtime.base import Runtime
 
 logger = logging.getLogger(__name__)
@@ -59,18 +64,27 @@ def join_process_group(world_size=None):
     variables; an un-launched process may only run one rank, in a group of
     its own. The group uses nccl for CUDA tensors and gloo for CPU ones.
 
+    A collective of the group waits for the other ranks at most
+    `KERAS_TP_COLLECTIVE_TIMEOUT` seconds, if set (`keras_tp.launch(...,
+    collective_timeout=...)` sets it), else torch's default. Each rank of
+    a multi-rank group records itself and a heartbeat in the rendezvous
+    store, so that a collective that fails for a dead or frozen rank raises
+    a `keras_tp.RankLostError` naming it (`keras_tp.runtime.torch_liveness`),
+    also when the group was initialised by the caller.
+
     Args:
         world_size: the number of ranks the caller asks for, to explain
             the error when this process was not launched as a rank.
     """
     if dist.is_initialized():
+        torch_liveness.watch_ranks()
         return
     cuda = torch.cuda.is_available()
     backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
     if all(name in os.environ for name in _LAUNCH_VARIABLES):
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, init_method="env://")
+        _init_from_environment(backend)
     elif world_size in (None, 1):
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1
@@ -86,20 +100,64 @@ def join_process_group(world_size=None):
             f"shell, `torchrun --nproc-per-node {world_size} script.py`."
         )
     atexit.register(_leave_process_group)
+    torch_liveness.watch_ranks()
+
+
+def _init_from_environment(backend):
+    """Joins the group that `RANK`, `WORLD_SIZE` and `MASTER_*` describe."""
+    seconds = elastic.collective_timeout()
+    timeout = datetime.timedelta(seconds=seconds) if seconds else None
+    restart = elastic.restart_count()
+    world_size = int(os.environ["WORLD_SIZE"])
+    one_agent = os.environ.get("LOCAL_WORLD_SIZE") == str(world_size)
+    if not (restart and one_agent and torch_liveness.agent_store()):
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        return
+    # torchrun keeps its store across restarts, and a restarted rank could
+    # read the gloo address a rank of the previous attempt left there, and
+    # fail to connect (pytorch#135712). One agent restarts all its ranks
+    # together, so on one node the restart count names the attempt alike
+    # on every rank: a key prefix of its own keeps attempts apart.
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=timeout or default_pg_timeout,
+    )
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"keras_tp/attempt{restart}/", store),
+        rank=int(os.environ["RANK"]),
+        world_size=world_size,
+        timeout=timeout,
+    )
 
 
 def _leave_process_group():
+    torch_liveness.stop_watching()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _is_float_tensor(x):
-    return torch.is_tensor(x) and x.is_floating_point()
 
 
 def _parameter(variable):
     """The `torch.nn.Parameter` a Keras torch variable stores its value in."""
     return stored_value(variable)
+
+
+def _to_numpy(tensor):
+    """`tensor` on the host as NumPy; bfloat16 through ml_dtypes."""
+    tensor = tensor.cpu()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def _from_numpy(array):
+    if array.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    # asarray, not ascontiguousarray, which makes scalars 1-D.
+    return torch.from_numpy(np.asarray(array, order="C"))
 
 
 def _swap_storage(variable, value):
@@ -132,25 +190,6 @@ def _swap_storage(variable, value):
     return value
 
 
-class _GatherPartition(torch.autograd.Function):
-    """All-gather of ZeRO-3 partitions over `data`; the gradient is their
-    reduce-scatter, averaged over the data ranks."""
-
-    @staticmethod
-    def forward(ctx, partition, adapter, axis):
-        ctx.adapter = adapter
-        ctx.axis = axis
-        adapter._record("all_gather", partition, "forward", adapter.size())
-        return adapter.gather(partition.detach(), axis)
-
-    @staticmethod
-    def backward(ctx, grad):
-        adapter = ctx.adapter
-        with adapter.stats.labelled("backward"):
-            partition = adapter.reduce_scatter(grad, ctx.axis, "mean")
-        return partition, None, None
-
-
 class TorchRuntime(Runtime):
     """Runs tensor parallelism with one process per rank.
 
@@ -174,6 +213,7 @@ class TorchRuntime(Runtime):
                 f"world_size={ranks}."
             )
         super().__init__(world_size, device_ids, data_parallel, zero_stage)
+        set_process_adapter(self.adapter)
         if self.world_size != ranks:
             raise ValueError(
                 f"device_ids name {self.world_size} device(s) but the process "
@@ -195,12 +235,14 @@ class TorchRuntime(Runtime):
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
+
+    def _axis_adapters(self):
         model_group, data_group = self._axis_groups()
-        self.adapter = TorchCollectiveAdapter(model_group)
-        self.data_adapter = TorchCollectiveAdapter(data_group, "data")
-        self.world_adapter = TorchCollectiveAdapter(None, ("data", "model"))
-        self.data_adapter.stats = self.world_adapter.stats = self.adapter.stats
-        set_process_adapter(self.adapter)
+        return (
+            TorchCollectiveAdapter(model_group),
+            TorchCollectiveAdapter(data_group, "data"),
+            TorchCollectiveAdapter(None, ("data", "model")),
+        )
 
     def _axis_groups(self):
         """This rank's process groups of the `model` and `data` mesh axes.
@@ -279,17 +321,7 @@ class TorchRuntime(Runtime):
             tensor = self.data_adapter.local_slice(tensor, data_axis)
         variable.assign(tensor)
 
-    def save_model(self, model, filepath, **kwargs):
-        """Gathers the full weights on rank 0, which writes the model."""
-        self._write_on_rank_zero(model, lambda: model.save(filepath, **kwargs))
-
-    def save_weights(self, model, filepath, **kwargs):
-        """Gathers the full weights on rank 0, which writes them."""
-        self._write_on_rank_zero(
-            model, lambda: model.save_weights(filepath, **kwargs)
-        )
-
-    def _write_on_rank_zero(self, model, write):
+    def _write_unsplit(self, model, write):
         """Runs `write` on rank 0 while its variables hold full values.
 
         The other ranks hold one full variable at a time while gathering.
@@ -358,61 +390,67 @@ class TorchRuntime(Runtime):
             for variable, difference in zip(variables, worst)
         }
 
-    def gathered_call(self, layer, variables, call):
-        """ZeRO-3: gathers the layer's partitions around its call.
+    def _ranks_here(self):
+        model_rank = self.adapter.rank()
+        return [(f"rank{self.rank}", model_rank, self.data_adapter.rank())]
+
+    def _read_piece(self, variable, position):
+        return _to_numpy(_parameter(variable).detach())
+
+    def _write_piece(self, variable, position, value):
+        _parameter(variable).data.copy_(_from_numpy(value))
+
+    def process_index(self):
+        return self.rank
+
+    def wait_for_processes(self):
+        dist.barrier()
+
+    @contextlib.contextmanager
+    def _gathered_partitions(self, layer, variables, axes):
+        """Gathers the partitions for the call, and again for its backward.
 
         The gathered parameters live only while the layer runs: autograd
         keeps the partition in their place and gathers them again when the
         backward pass needs them, so a step communicates each parameter
         three times (gather, re-gather, reduce-scatter of its gradient).
         """
-        axes = [self.placement.data_axes[id(v)] for v in variables]
         adapter = self.data_adapter
+        partitions = [v.value for v in variables]
+        gathered = [
+            adapter.gather_partitions(p, axis)
+            for p, axis in zip(partitions, axes)
+        ]
+        if is_symbolic(gathered[0]):
+            # Keras infers shapes on "meta" tensors: nothing to free.
+            yield gathered
+            return
+        storages = {
+            t.untyped_storage().data_ptr(): i for i, t in enumerate(gathered)
+        }
 
-        def zero3_call(*args, **kwargs):
-            partitions = [v.value for v in variables]
-            gathered = [
-                _GatherPartition.apply(p, adapter, axis)
-                for p, axis in zip(partitions, axes)
-            ]
-            if is_symbolic(gathered[0]):
-                # Keras infers shapes on "meta" tensors: nothing to free.
-                with bind_values(zip(variables, gathered)):
-                    return call(*args, **kwargs)
-            storages = {
-                t.untyped_storage().data_ptr(): i
-                for i, t in enumerate(gathered)
-            }
+        def pack(tensor):
+            index = storages.get(tensor.untyped_storage().data_ptr())
+            if index is None:
+                return tensor
+            return (
+                index,
+                tensor.size(),
+                tensor.stride(),
+                tensor.storage_offset(),
+            )
 
-            def pack(tensor):
-                index = storages.get(tensor.untyped_storage().data_ptr())
-                if index is None:
-                    return tensor
-                return (
-                    index,
-                    tensor.size(),
-                    tensor.stride(),
-                    tensor.storage_offset(),
-                )
+        def unpack(packed):
+            if isinstance(packed, torch.Tensor):
+                return packed
+            index, size, stride, offset = packed
+            partition = partitions[index].detach()
+            adapter._record("all_gather", partition, "backward", adapter.size())
+            full = adapter.gather(partition, axes[index])
+            return full.as_strided(size, stride, offset)
 
-            def unpack(packed):
-                if isinstance(packed, torch.Tensor):
-                    return packed
-                index, size, stride, offset = packed
-                partition = partitions[index].detach()
-                adapter._record(
-                    "all_gather", partition, "backward", adapter.size()
-                )
-                full = adapter.gather(partition, axes[index])
-                return full.as_strided(size, stride, offset)
-
-            with (
-                torch.autograd.graph.saved_tensors_hooks(pack, unpack),
-                bind_values(zip(variables, gathered)),
-            ):
-                return call(*args, **kwargs)
-
-        return zero3_call
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield gathered
 
     def device_bytes(self, variables):
         """`{this rank's device: bytes}`, each torch storage counted once."""
@@ -474,51 +512,19 @@ class TorchRuntime(Runtime):
         return tensor.narrow(0, self.data_adapter.rank() * size, size)
 
     def run_region(self, region, args, kwargs):
-        self._check_input(region, args)
-        return run_on_local_values(
-            region, self.adapter, args, kwargs, _is_float_tensor
+        region.check_input_widths(
+            self._input_widths[id(region)], args, self.tensor_parallel
         )
+        return self.run_local_region(region, args, kwargs)
 
     def prepare_region(self, region):
-        """Lets a split layer take local-width inputs.
+        """Lets the region's layers take local-width inputs.
 
-        Keras checks a layer's `input_spec` before its `call`, and a Row
-        layer here receives a Column layer's local output. `_check_input`
-        checks the feature widths instead, split-aware, with the layer's
-        name and the fix in its errors.
+        A Row layer here receives a Column layer's local output, and Keras
+        checks a layer's `input_spec` before its `call`; `run_region`
+        checks the widths instead, split-aware (`check_input_widths`).
         """
-        for layer in [region.layer] + [m.layer for m in region.members]:
-            spec = layer.input_spec
-            if isinstance(spec, keras.InputSpec) and spec.axes:
-                self._input_widths[id(layer)] = dict(spec.axes)
-                spec.axes = {}
-
-    def _check_input(self, region, args):
-        widths = self._input_widths.get(id(region.layer))
-        if not widths or not args:
-            return
-        shape = tuple(args[0].shape)
-        split_axis = region.input_axis(args)
-        layer = region.layer
-        for axis, size in widths.items():
-            axis %= len(shape)
-            if axis == split_axis:
-                local = size // self.tensor_parallel
-                if shape[axis] != local:
-                    raise ValueError(
-                        f"Layer '{layer.path}' is split "
-                        f"{region.members[0].style!r}: its input must arrive "
-                        f"split on axis {axis}, {local} of {size} features per "
-                        f"rank, but it has shape {shape}. A Row layer with "
-                        "input_is_parallel=True must consume a Column "
-                        "layer's output; use Row(input_is_parallel=False) for "
-                        "a replicated input."
-                    )
-            elif shape[axis] != size:
-                raise ValueError(
-                    f"Layer '{layer.path}' expects {size} features on axis "
-                    f"{axis} of its input, got shape {shape}."
-                )
+        self._input_widths[id(region)] = region.drop_input_widths()
 
 
 RUNTIME = TorchRuntime

@@ -63,7 +63,6 @@ class TensorFlowRuntime(
         self._local_layers = False
         self._local_shapes = ReplicaShapes(self.placement)
         self._build_strategy()
-        self._build_adapters()
 
 
 RUNTIME = TensorFlowRuntime

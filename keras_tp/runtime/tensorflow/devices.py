@@ -13,8 +13,10 @@ import os
 import keras
 import tensorflow as tf
 
+from keras_tp import elastic
 from keras_tp.collectives.tensorflow import TensorFlowCollectiveAdapter
 from keras_tp.collectives.tensorflow_groups import ReplicaGroups
+from keras_tp.runtime.tensorflow import liveness
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +60,24 @@ def configure_virtual_devices(n):
         )
 
 
-def configure_multi_worker():
+def configure_multi_worker(collective_timeout=None):
     """Creates the `MultiWorkerMirroredStrategy` described by `TF_CONFIG`.
 
     TensorFlow only configures cross-process collectives before its first
     operation, so a multi-worker program calls this first thing, on every
     worker; `TensorParallelKeras` then uses one replica per worker device.
+
+    With a collective timeout, a collective that waits longer for another
+    worker fails instead of hanging, and a worker that stops sending
+    heartbeats for half of it (at most 10 s) is declared dead: the other
+    workers raise a `keras_tp.RankLostError` that names it (as the
+    uncaught error a worker's program ends with).
+
+    Args:
+        collective_timeout: seconds a collective waits for the other
+            workers; default: `$KERAS_TP_COLLECTIVE_TIMEOUT` if set, else
+            no limit (a dead worker is still named, after TensorFlow's 10 s
+            heartbeat timeout; a live worker elsewhere is waited for).
 
     Returns:
         The `tf.distribute.MultiWorkerMirroredStrategy`.
@@ -81,7 +95,18 @@ def configure_multi_worker():
     """
     global _MULTI_WORKER_STRATEGY
     if _MULTI_WORKER_STRATEGY is None:
-        _MULTI_WORKER_STRATEGY = tf.distribute.MultiWorkerMirroredStrategy()
+        if collective_timeout is None:
+            timeout = elastic.collective_timeout()
+        else:
+            timeout = elastic.check_collective_timeout(collective_timeout)
+        liveness.prepare(timeout)
+        _MULTI_WORKER_STRATEGY = tf.distribute.MultiWorkerMirroredStrategy(
+            communication_options=(
+                tf.distribute.experimental.CommunicationOptions(
+                    timeout_seconds=timeout
+                )
+            )
+        )
     return _MULTI_WORKER_STRATEGY
 
 
@@ -197,7 +222,7 @@ class ReplicaDevices:
             range(first, first + len(strategy.extended.worker_devices))
         )
 
-    def _build_adapters(self):
+    def _axis_adapters(self):
         """The collectives of the `model`, `data` and both axes.
 
         Without a data axis the model axis is every replica and uses the
@@ -210,31 +235,26 @@ class ReplicaDevices:
             self.tensor_parallel,
         )
         if data == 1:
-            self.adapter = TensorFlowCollectiveAdapter(model)
-            self.data_adapter = TensorFlowCollectiveAdapter(1, "data")
-            self.world_adapter = TensorFlowCollectiveAdapter(
-                size, ("data", "model")
+            return (
+                TensorFlowCollectiveAdapter(model),
+                TensorFlowCollectiveAdapter(1, "data"),
+                TensorFlowCollectiveAdapter(size, ("data", "model")),
             )
-        else:
-            groups = ReplicaGroups(
-                self.strategy.extended.worker_devices,
-                self.strategy._collective_key_base + _GROUP_KEY_OFFSET,
-            )
-            rows = [[d * model + m for m in range(model)] for d in range(data)]
-            columns = [
-                [d * model + m for d in range(data)] for m in range(model)
-            ]
-            self.adapter = TensorFlowCollectiveAdapter(
-                model, groups=groups.split(rows)
-            )
-            self.data_adapter = TensorFlowCollectiveAdapter(
+        groups = ReplicaGroups(
+            self.strategy.extended.worker_devices,
+            self.strategy._collective_key_base + _GROUP_KEY_OFFSET,
+        )
+        rows = [[d * model + m for m in range(model)] for d in range(data)]
+        columns = [[d * model + m for d in range(data)] for m in range(model)]
+        return (
+            TensorFlowCollectiveAdapter(model, groups=groups.split(rows)),
+            TensorFlowCollectiveAdapter(
                 data, "data", groups=groups.split(columns)
-            )
-            self.world_adapter = TensorFlowCollectiveAdapter(
+            ),
+            TensorFlowCollectiveAdapter(
                 size, ("data", "model"), groups=groups.split([range(size)])
-            )
-        self.data_adapter.stats = self.adapter.stats
-        self.world_adapter.stats = self.adapter.stats
+            ),
+        )
 
     def _is_chief(self):
         return _MULTI_WORKER_STRATEGY is None or self._local_replicas[0] == 0

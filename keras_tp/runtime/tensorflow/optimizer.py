@@ -9,9 +9,9 @@ import concurrent.futures
 
 import keras
 import tensorflow as tf
-from keras.src.backend.common.stateless_scope import get_stateless_scope
-from keras.src.optimizers import base_optimizer
 
+from keras_tp.keras_internals import backend_free_add_variable_from_reference
+from keras_tp.keras_internals import get_stateless_scope
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.runtime.tensorflow.devices import HOST
 
@@ -85,21 +85,13 @@ class TensorParallelOptimizer:
     def add_variable_from_reference(
         self, reference_variable, name=None, initializer="zeros"
     ):
-        runtime = self._tensor_parallel_runtime
         # Created whole on the host (not colocated with the per-replica
-        # reference as the TensorFlow optimizer would), then split like its
+        # reference as the TensorFlow optimizer would), then placed like its
         # reference, so no device holds a full slot.
         with tf.device(HOST):
-            variable = base_optimizer.BaseOptimizer.add_variable_from_reference(
+            return backend_free_add_variable_from_reference(
                 self, reference_variable, name=name, initializer=initializer
             )
-        # With a data axis or ZeRO the CoordinatedOptimizer places it, with
-        # its ZeRO partition.
-        if not runtime.per_rank_steps:
-            runtime.placement.place(
-                variable, runtime.placement.split_axis(reference_variable)
-            )
-        return variable
 
     # A variable bound to a value (the ZeRO partition a
     # CoordinatedOptimizer updates, say) is written through Keras, which

@@ -7,10 +7,10 @@ and its split outputs are gathered (these gathers are counted in the
 `"call"` phase); this path gives exact outputs but no gradients.
 """
 
+import contextlib
+
 import tensorflow as tf
 
-from keras_tp.keras_internals import bind_values
-from keras_tp.regions import shared_value
 from keras_tp.runtime.tensorflow.storage import local_read
 
 
@@ -27,55 +27,29 @@ class ReplicaRegions:
 
     def run_region(self, region, args, kwargs):
         if self._in_replica():
-            return self._local_region(region, args, kwargs)
+            return self.run_local_region(region, args, kwargs)
         return self._region_outside_replicas(region, args, kwargs)
 
-    def gathered_call(self, layer, variables, call):
-        """ZeRO-3: gathers the layer's partitions around its call.
+    @contextlib.contextmanager
+    def _gathered_partitions(self, layer, variables, axes):
+        """Gathers the partitions inside a replica, once per step.
 
-        The gather's backward pass averages the gradient over `data` and
-        reduce-scatters it. The tape keeps the gathered parameters for the
-        backward pass, so they are gathered once per step (2 x the
-        parameters communicated, not the 3 x of re-gathering), and stay
-        alive from the layer's forward to its backward.
+        The tape keeps the gathered parameters for the backward pass, so
+        they are gathered once per step (2 x the parameters communicated,
+        not the 3 x of re-gathering), and stay alive from the layer's
+        forward to its backward.
         """
-        axes = [self.placement.data_axes[id(v)] for v in variables]
+        if not self._in_replica():
+            raise RuntimeError(
+                f"Layer '{layer.path}' holds ZeRO-3 partitions, which "
+                "are gathered only inside its TensorParallelKeras model: "
+                "call the model, or use predict()."
+            )
+        gather = self.data_adapter.gather_partitions
+        yield [gather(local_read(v), axis) for v, axis in zip(variables, axes)]
 
-        def zero3_call(*args, **kwargs):
-            if not self._in_replica():
-                raise RuntimeError(
-                    f"Layer '{layer.path}' holds ZeRO-3 partitions, which "
-                    "are gathered only inside its TensorParallelKeras model: "
-                    "call the model, or use predict()."
-                )
-            full = [
-                self.data_adapter.gather_partitions(local_read(v), axis)
-                for v, axis in zip(variables, axes)
-            ]
-            with bind_values(zip(variables, full)):
-                return call(*args, **kwargs)
-
-        return zero3_call
-
-    def _local_region(self, region, args, kwargs):
-        """The region's output on this replica, from its local tensors."""
-        first_input = args[0] if args else None
-        input_axis = region.input_axis(args)
-        leaves = tf.nest.flatten((args, kwargs))
-        if region.parallel_input:
-            copies = {}
-            local = {}
-            for leaf in leaves:
-                split = leaf is first_input and input_axis is not None
-                if _is_float_tensor(leaf) and not split:
-                    copies[id(leaf)] = shared_value(
-                        leaf, self.adapter.copy_to_parallel, local
-                    )
-            leaves = [copies.get(id(leaf), leaf) for leaf in leaves]
-            args, kwargs = tf.nest.pack_sequence_as((args, kwargs), leaves)
-        weights = [local_read(variable) for variable, _ in region.variables()]
-        with region.local_weights(weights), self.adapter.activated():
-            return region.compute(*args, **kwargs)
+    def local_value(self, variable):
+        return local_read(variable)
 
     def _region_outside_replicas(self, region, args, kwargs):
         """Runs the region as its own replica step and gathers its outputs."""
@@ -98,7 +72,7 @@ class ReplicaRegions:
             local_args, local_kwargs = tf.nest.pack_sequence_as(
                 (args, kwargs), local
             )
-            outputs = self._local_region(region, local_args, local_kwargs)
+            outputs = self.run_local_region(region, local_args, local_kwargs)
             return _gather_split(self.adapter, outputs, output_axes)
 
         @tf.custom_gradient
@@ -125,7 +99,3 @@ def _gather_split(adapter, outputs, axes):
     return type(outputs)(
         _gather_split(adapter, o, a) for o, a in zip(outputs, axes)
     )
-
-
-def _is_float_tensor(x):
-    return tf.is_tensor(x) and x.dtype.is_floating

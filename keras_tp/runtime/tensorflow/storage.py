@@ -21,6 +21,8 @@ import tensorflow as tf
 
 from keras_tp.collectives.base import nbytes
 from keras_tp.keras_internals import local_shapes
+from keras_tp.keras_internals import set_stored_value
+from keras_tp.keras_internals import stored_value
 from keras_tp.runtime.base import largest_difference
 from keras_tp.runtime.tensorflow.devices import HOST
 from keras_tp.runtime.tensorflow.devices import device_name
@@ -59,8 +61,9 @@ class ReplicaStorage:
         with tf.init_scope():
             if full is None:
                 full = keras.ops.convert_to_numpy(variable.value)
-            variable._value = self._per_replica_variable(
-                variable, full, axis, data_axis
+            set_stored_value(
+                variable,
+                self._per_replica_variable(variable, full, axis, data_axis),
             )
 
     def _per_replica_variable(self, variable, full, axis, data_axis):
@@ -151,24 +154,14 @@ class ReplicaStorage:
         for component, piece in zip(self._components(variable), pieces):
             component.assign(piece)
 
-    def save_model(self, model, filepath, **kwargs):
-        """Saves the unsplit model; on several workers only the chief writes.
-
-        Every variable is assembled on the host for the time of the save.
-        """
+    def _write_unsplit(self, model, write):
+        """Writes with every variable assembled on the host; on several
+        workers only the chief writes."""
         with self._assembled(model.variables):
             if self._is_chief():
-                model.save(filepath, **kwargs)
+                write()
             else:
-                logger.info(
-                    "Worker is not the chief: %s not written.", filepath
-                )
-
-    def save_weights(self, model, filepath, **kwargs):
-        """Saves the unsplit weights; on several workers only the chief."""
-        with self._assembled(model.variables):
-            if self._is_chief():
-                model.save_weights(filepath, **kwargs)
+                logger.info("Worker is not the chief: nothing written.")
 
     @contextlib.contextmanager
     def _assembled(self, variables):
@@ -179,15 +172,44 @@ class ReplicaStorage:
                 if not self.placement.is_placed(variable):
                     continue
                 full = self.full_value(variable)
-                storages[id(variable)] = (variable, variable.value)
+                storages[id(variable)] = (variable, stored_value(variable))
                 with tf.device(HOST):
-                    variable._value = tf.Variable(
-                        full, trainable=variable.trainable, name=variable.name
+                    set_stored_value(
+                        variable,
+                        tf.Variable(
+                            full,
+                            trainable=variable.trainable,
+                            name=variable.name,
+                        ),
                     )
             yield
         finally:
             for variable, storage in storages.values():
-                variable._value = storage
+                set_stored_value(variable, storage)
+
+    def _ranks_here(self):
+        ranks = []
+        for replica in self._local_replicas:
+            data_rank, model_rank = divmod(replica, self.tensor_parallel)
+            ranks.append((f"replica{replica}", model_rank, data_rank))
+        return ranks
+
+    def _read_piece(self, variable, position):
+        return self._components(variable)[position].numpy()
+
+    def _write_piece(self, variable, position, value):
+        self._components(variable)[position].assign(value)
+
+    def is_first_process(self):
+        return self._is_chief()
+
+    def wait_for_processes(self):
+        if len(self._local_replicas) < self.world_size:
+            raise NotImplementedError(
+                "Checkpoints of a TensorFlow job over several workers are "
+                "not supported yet: save from a single-host job, or use "
+                "tp.save() on the chief."
+            )
 
     def device_bytes(self, variables):
         totals = {device: 0 for device in self.devices}

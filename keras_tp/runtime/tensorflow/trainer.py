@@ -27,9 +27,12 @@ traced, since the collective groups of the mesh axes only run in graphs.
 import warnings
 
 import keras
-import numpy as np
 import tensorflow as tf
 
+from keras_tp.keras_internals import compute_loss
+from keras_tp.keras_internals import update_loss_tracker
+from keras_tp.runtime.base import collect_flat
+from keras_tp.runtime.base import is_float
 from keras_tp.runtime.tensorflow.optimizer import prepare_optimizer
 from keras_tp.runtime.tensorflow.storage import local_read
 
@@ -134,12 +137,8 @@ class ReplicaTrainer:
         runs.
         """
         parts = self.data_parallel
-        if parts == 1:
-            return x
 
         def check(leaf):
-            if not tf.is_tensor(leaf) or leaf.shape.rank == 0:
-                return leaf
             if leaf.shape[0] is not None:
                 self.check_batch_size(leaf.shape[0])
                 return leaf
@@ -155,22 +154,30 @@ class ReplicaTrainer:
             with tf.control_dependencies([assertion]):
                 return tf.identity(leaf)
 
-        return tf.nest.map_structure(check, x)
+        return self._map_batched(check, x)
 
     def _row_slice(self, x, row):
         """Row `row`'s equal slice of every batched tensor of `x`."""
         parts = self.data_parallel
-        if parts == 1:
-            return x
 
         def piece(leaf):
-            if not tf.is_tensor(leaf) or leaf.shape.rank == 0:
-                return leaf
             size = leaf.shape[0]
             size = tf.shape(leaf)[0] // parts if size is None else size // parts
             return leaf[row * size : (row + 1) * size]
 
-        return tf.nest.map_structure(piece, x)
+        return self._map_batched(piece, x)
+
+    def _map_batched(self, fn, x):
+        """`fn` on every batched tensor of `x`, with a data axis only."""
+        if self.data_parallel == 1:
+            return x
+
+        def batched(leaf):
+            if not tf.is_tensor(leaf) or leaf.shape.rank == 0:
+                return leaf
+            return fn(leaf)
+
+        return tf.nest.map_structure(batched, x)
 
     def _rows_together(self, rows):
         """The global batch's outputs from the rows' outputs."""
@@ -179,6 +186,9 @@ class ReplicaTrainer:
         return tf.nest.map_structure(
             lambda *parts: tf.concat(parts, axis=0), *rows
         )
+
+    def build_optimizer(self, model):
+        prepare_optimizer(self, model)
 
     def _train_step(self, model, data):
         optimizer = prepare_optimizer(self, model)
@@ -193,15 +203,8 @@ class ReplicaTrainer:
         with tf.GradientTape() as loss_tape:
             loss_tape.watch(rows)
             y_pred = self._rows_together(rows)
-            loss = model._compute_loss(
-                x=x,
-                y=y,
-                y_pred=y_pred,
-                sample_weight=sample_weight,
-                training=True,
-            )
+            loss = _tracked_loss(model, x, y, y_pred, sample_weight, True)
             scaled_loss = optimizer.scale_loss(loss)
-        model._loss_tracker.update_state(loss, sample_weight=_batch_size(x))
         # Times D, the gradient with respect to a row's output is that of
         # the row's own mean loss; the CoordinatedOptimizer's average over
         # `data` then makes the gradient of the global loss, for any loss.
@@ -253,21 +256,18 @@ class ReplicaTrainer:
         these gradients together, keeps the copies identical.
         """
         gradients = list(gradients)
-        by_dtype = {}
-        for i, (gradient, variable) in enumerate(zip(gradients, variables)):
-            if (
-                gradient is not None
-                and self.placement.split_axis(variable) is None
-            ):
-                gradients[i] = tf.convert_to_tensor(gradient)
-                by_dtype.setdefault(gradients[i].dtype, []).append(i)
-        for indices in by_dtype.values():
-            pieces = [gradients[i] for i in indices]
-            flat = tf.concat([tf.reshape(p, [-1]) for p in pieces], axis=0)
-            flat = self.adapter.broadcast_gradient(flat, root=0)
-            sizes = [int(np.prod(p.shape)) for p in pieces]
-            for i, piece, part in zip(indices, pieces, tf.split(flat, sizes)):
-                gradients[i] = tf.reshape(part, piece.shape)
+        replicated = [
+            i
+            for i, (gradient, variable) in enumerate(zip(gradients, variables))
+            if gradient is not None
+            and self.placement.split_axis(variable) is None
+        ]
+        broadcast = collect_flat(
+            [tf.convert_to_tensor(gradients[i]) for i in replicated],
+            lambda flat: self.adapter.broadcast_gradient(flat, root=0),
+        )
+        for i, gradient in zip(replicated, broadcast):
+            gradients[i] = gradient
         return gradients
 
     def _average_non_trainables(self, model):
@@ -276,34 +276,25 @@ class ReplicaTrainer:
         BatchNorm statistics, say, which each row updated from its own
         slice of the batch; one all-reduce for all of them per dtype.
         """
-        by_dtype = {}
-        for variable in model.non_trainable_variables:
-            floating = tf.as_dtype(variable.dtype).is_floating
-            placed = self.placement.is_placed(variable)
-            if (
-                floating
-                and placed
-                and id(variable) not in self.placement.data_axes
-            ):
-                by_dtype.setdefault(variable.dtype, []).append(variable)
-        for variables in by_dtype.values():
-            values = [local_read(v) for v in variables]
-            flat = tf.concat([tf.reshape(v, [-1]) for v in values], axis=0)
-            flat = self.data_adapter.all_reduce(flat, "mean")
-            sizes = [int(np.prod(v.shape)) for v in values]
-            for variable, value, part in zip(
-                variables, values, tf.split(flat, sizes)
-            ):
-                variable.assign(tf.reshape(part, value.shape))
+        averaged = [
+            variable
+            for variable in model.non_trainable_variables
+            if is_float(variable)
+            and self.placement.is_placed(variable)
+            and id(variable) not in self.placement.data_axes
+        ]
+        means = collect_flat(
+            [local_read(v) for v in averaged],
+            lambda flat: self.data_adapter.all_reduce(flat, "mean"),
+        )
+        for variable, mean in zip(averaged, means):
+            variable.assign(mean)
 
     def _test_step(self, model, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y_pred = self._rows_together(self._forward(model, x, training=False))
         _check_no_extra_losses(model)
-        loss = model._compute_loss(
-            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False
-        )
-        model._loss_tracker.update_state(loss, sample_weight=_batch_size(x))
+        _tracked_loss(model, x, y, y_pred, sample_weight, False)
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _predict_step(self, model, data):
@@ -327,6 +318,20 @@ class ReplicaTrainer:
         return self._on_replicas(
             lambda inputs: model(inputs, training=training), inputs
         )
+
+
+def _tracked_loss(model, x, y, y_pred, sample_weight, training):
+    """The global batch's loss, added to the mean loss `fit()` reports."""
+    loss = compute_loss(
+        model,
+        x=x,
+        y=y,
+        y_pred=y_pred,
+        sample_weight=sample_weight,
+        training=training,
+    )
+    update_loss_tracker(model, loss, _batch_size(x))
+    return loss
 
 
 def _dense(gradients):

@@ -1,0 +1,142 @@
+"""What a checkpoint holds, under names that do not depend on the layout.
+
+Variables are keyed by their position: `model/i` is the i-th of the
+model's `variables`, `optimizer/i` the i-th of the optimizer's (the inner
+optimizer's for a `CoordinatedOptimizer`, whose own variables are
+`coordinated/i`). Two builds of one architecture list their variables in
+the same order on every backend, at every layout, even where Keras gave
+their layers other automatic names; the manifest keeps the paths for
+error messages.
+"""
+
+import keras
+import numpy as np
+
+from keras_tp.parallel import CoordinatedOptimizer
+
+
+def checkpoint_state(model, build_optimizer=False):
+    """`[(key, variable)]` of everything a checkpoint of `model` holds.
+
+    Args:
+        model: a `TensorParallelKeras` or a plain `keras.Model`.
+        build_optimizer: build a compiled optimizer that has no state yet,
+            so that state can be loaded into it.
+    """
+    inner = model.model if _is_parallel(model) else model
+    state = [(f"model/{i}", v) for i, v in enumerate(inner.variables)]
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        return state
+    if not optimizer.built:
+        if not build_optimizer:
+            return state
+        storage_of(model).build_optimizer(model)
+    if isinstance(optimizer, CoordinatedOptimizer):
+        state += [
+            (f"optimizer/{i}", v)
+            for i, v in enumerate(optimizer.inner_optimizer.variables)
+        ]
+        inner_ids = {id(v) for v in optimizer.inner_optimizer.variables}
+        own = [v for v in optimizer.variables if id(v) not in inner_ids]
+        state += [(f"coordinated/{i}", v) for i, v in enumerate(own)]
+    else:
+        state += [
+            (f"optimizer/{i}", v) for i, v in enumerate(optimizer.variables)
+        ]
+    return state
+
+
+def storage_of(model):
+    """Where `model`'s pieces live: its runtime, or the one device."""
+    if _is_parallel(model):
+        return _ParallelStorage(model)
+    return _OneDeviceStorage(model)
+
+
+def _is_parallel(model):
+    from keras_tp.model import TensorParallelKeras
+
+    return isinstance(model, TensorParallelKeras)
+
+
+class _ParallelStorage:
+    """A `TensorParallelKeras`'s runtime, as the checkpoint code needs it."""
+
+    def __init__(self, model):
+        self.model = model
+        self.runtime = model._runtime
+        self.local_pieces = self.runtime.local_pieces
+        self.assign_local_pieces = self.runtime.assign_local_pieces
+        self.full_shape = self.runtime.full_shape
+        self.is_first_process = self.runtime.is_first_process
+        self.wait_for_processes = self.runtime.wait_for_processes
+        self.process_index = self.runtime.process_index
+
+    def build_optimizer(self, model):
+        self.runtime.build_optimizer(model)
+
+    def mesh_description(self):
+        runtime = self.runtime
+        return {
+            "world_size": runtime.world_size,
+            "tensor_parallel": runtime.tensor_parallel,
+            "data_parallel": runtime.data_parallel,
+            "zero_stage": runtime.zero_stage,
+            "devices": list(runtime.devices),
+        }
+
+    def plan_description(self):
+        plan = self.model.sharding_plan
+        return {
+            path: repr(style) for path, (_, style) in _leaf_styles(plan).items()
+        }
+
+
+class _OneDeviceStorage:
+    """A plain Keras model: every variable whole, on one device."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def local_pieces(self, variable):
+        value = keras.ops.convert_to_numpy(variable.value)
+        return [("device0", _whole(variable), np.asarray(value))]
+
+    def assign_local_pieces(self, variable, read):
+        variable.assign(read(_whole(variable)))
+
+    def full_shape(self, variable):
+        return tuple(variable.shape)
+
+    def is_first_process(self):
+        return True
+
+    def wait_for_processes(self):
+        """One process: nothing to wait for."""
+
+    def process_index(self):
+        return 0
+
+    def build_optimizer(self, model):
+        model.optimizer.build(model.trainable_variables)
+
+    def mesh_description(self):
+        return {
+            "world_size": 1,
+            "tensor_parallel": 1,
+            "data_parallel": 1,
+            "zero_stage": 0,
+            "devices": ["device0"],
+        }
+
+    def plan_description(self):
+        return {}
+
+
+def _whole(variable):
+    return tuple((0, int(size)) for size in variable.shape)
+
+
+def _leaf_styles(plan):
+    return {e.layer.path: (e, e.style) for e in plan.leaf_layers()}

@@ -170,9 +170,7 @@ class TensorParallelKeras(keras.Model):
         return self._runtime.device_mesh
 
     def call(self, inputs, training=None):
-        with self._runtime.adapter.stats.recording("call"):
-            with regions.sharing_copies():
-                return self._runtime.call_model(self.model, inputs, training)
+        return self._runtime.call_model(self.model, inputs, training)
 
     def get_layer(self, name=None, index=None):
         """Looks a layer up in the wrapped model (see `keras.Model`)."""

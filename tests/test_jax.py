@@ -726,6 +726,47 @@ def test_attention_dropout_trains_and_state_stays_outside_regions():
     )
 
 
+def test_direct_calls_compile_once_and_keep_their_counts_and_state():
+    """`tp(x)` on arrays runs one compiled program, not a region at a time.
+
+    The split layers' per-rank math is traced once for the first call and
+    not again; the "call" counts stay those of the call; BatchNorm's moving
+    statistics (non-trainable state) are updated by a training call.
+    """
+    reference, tp = pair("cnn", 2)
+    x, _ = models.data_for("cnn", batch=BATCH)
+    traced = []
+    run_region = tp._runtime.run_region
+
+    def counting_run_region(region, args, kwargs):
+        traced.append(region)
+        return run_region(region, args, kwargs)
+
+    tp._runtime.run_region = counting_run_region
+    try:
+        outputs = [tp(x) for _ in range(3)]
+    finally:
+        del tp._runtime.run_region
+    regions_per_call = sum(
+        e.handler.needs_region(e.style) for e in tp.sharding_plan.leaf_layers()
+    )
+    assert len(traced) == regions_per_call == 4, traced
+    for out in outputs:
+        assert max_diff(out, reference(x)) <= ATOL
+    stats = tp.communication_stats("call")
+    assert stats["all_reduce"]["forward_calls"] >= 1, stats
+    moving = [v for v in tp.non_trainable_variables if "moving_mean" in v.path]
+    assert moving
+    before = np.asarray(moving[0].value).copy()
+    tp(x, training=True)
+    reference(x, training=True)
+    assert not np.array_equal(before, np.asarray(moving[0].value))
+    expected = [
+        v for v in reference.non_trainable_variables if "moving_mean" in v.path
+    ]
+    assert max_diff(moving[0].value, expected[0].value) <= ATOL
+
+
 def test_two_hosts_gather_weights_and_save(tmp_path):
     """TP=4 over two jax.distributed processes of two devices each."""
     import json

@@ -10,6 +10,7 @@ from keras import ops
 from keras_tp.keras_internals import bind_values
 from keras_tp.placement import Placement
 from keras_tp.regions import copy_replicated_inputs
+from keras_tp.regions import sharing_copies
 
 
 class Runtime:
@@ -354,10 +355,19 @@ class Runtime:
     def call_model(self, model, inputs, training):
         """Calls the wrapped `model` outside a step (`tp(x)`).
 
-        The default calls it; a runtime whose ranks only exist inside its
-        steps runs the call there.
+        The default calls it, recording its collectives under `"call"`; a
+        runtime whose ranks only exist inside its steps runs the call
+        there, and one that compiles its steps compiles the call too.
         """
-        return model(inputs, training=training)
+        with self.recording_call():
+            return model(inputs, training=training)
+
+    @contextlib.contextmanager
+    def recording_call(self):
+        """The context of a direct call: its collectives are the `"call"`
+        phase's, and its regions share the copies of replicated inputs."""
+        with self.adapter.stats.recording("call"), sharing_copies():
+            yield
 
     def run_step(self, phase, step, *args, **kwargs):
         """Runs one Keras step function (`train_step`, ...) of `phase`.

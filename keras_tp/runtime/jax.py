@@ -98,6 +98,13 @@ def _is_array(value):
     )
 
 
+def _is_concrete(value):
+    """An array with values now, not a tracer or a symbolic tensor."""
+    return isinstance(value, (jax.Array, np.ndarray)) and not isinstance(
+        value, jax.core.Tracer
+    )
+
+
 class JaxRuntime(Runtime):
     """Runs tensor parallelism on the devices of a `jax.sharding.Mesh`."""
 
@@ -119,6 +126,8 @@ class JaxRuntime(Runtime):
         )
         # Mesh() keeps Auto axes; jax.make_mesh would make them Explicit.
         self.mesh = jax.sharding.Mesh(grid, ("data", "model"))
+        # Direct calls `tp(x)`, compiled once per `training` value.
+        self._compiled_calls = {}
 
     def _axis_adapters(self):
         # A per-rank step runs without vma checks (see the module docstring).
@@ -315,6 +324,42 @@ class JaxRuntime(Runtime):
             check_vma=False,
         )
         return mapped(tuple(state), data)
+
+    def call_model(self, model, inputs, training):
+        """A direct call `tp(x)` on concrete arrays runs compiled.
+
+        Run eagerly, each region's `shard_map` would be traced and compiled
+        again at every call (seconds per call for a keras-hub model); the
+        whole call is compiled once instead, as Keras compiles `predict`.
+        Inside a trace (a step, a user's `jax.jit`) the call is traced as
+        part of it.
+        """
+        leaves = jax.tree_util.tree_leaves(inputs)
+        if self._inside_ranks or not all(map(_is_concrete, leaves)):
+            return super().call_model(model, inputs, training)
+        compiled = self._compiled_calls.get(training)
+        if compiled is None:
+            compiled = jax.jit(
+                functools.partial(self._stateless_call, model, training)
+            )
+            self._compiled_calls[training] = compiled
+        values = [v.value for v in model.variables]
+        outputs, non_trainable = compiled(values, inputs)
+        # A forward pass updates only non-trainable state (BatchNorm
+        # statistics, dropout seeds).
+        for variable, value in zip(model.non_trainable_variables, non_trainable):
+            variable.assign(value)
+        return outputs
+
+    def _stateless_call(self, model, training, values, inputs):
+        with StatelessScope(
+            state_mapping=list(zip(model.variables, values))
+        ) as scope:
+            outputs = super().call_model(model, inputs, training)
+        non_trainable = [
+            scope.get_current_value(v) for v in model.non_trainable_variables
+        ]
+        return outputs, non_trainable
 
     def _batch_spec(self, leaf):
         if not _is_array(leaf) or len(leaf.shape) == 0:

@@ -312,12 +312,13 @@ class ReplicaTrainer:
         if self._in_replica():
             # A custom loop's replica step: values are the replica's own.
             with self._local_shapes(model):
-                return model(inputs, training=training)
+                return super().call_model(model, inputs, training)
         if not (self.per_rank_steps or self._local_layers):
-            return model(inputs, training=training)
-        return self._on_replicas(
-            lambda inputs: model(inputs, training=training), inputs
-        )
+            return super().call_model(model, inputs, training)
+        with self.recording_call():
+            return self._on_replicas(
+                lambda inputs: model(inputs, training=training), inputs
+            )
 
 
 def _tracked_loss(model, x, y, y_pred, sample_weight, training):

@@ -10,16 +10,11 @@ calls the function: one notebook cell works on every backend.
 """
 
 import contextlib
-import faulthandler
 import logging
-import multiprocessing.connection
 import os
 import pickle
-import signal
 import socket
 import tempfile
-import time
-import traceback
 import warnings
 
 import keras
@@ -27,10 +22,6 @@ import keras
 from keras_tp import elastic
 
 logger = logging.getLogger(__name__)
-
-# Seconds a rank has to write its stack after a timeout, and to exit after
-# another rank failed.
-_GRACE_SECONDS = 3.0
 
 
 class RankError(RuntimeError):
@@ -205,7 +196,11 @@ def launch(
         environment[elastic.COLLECTIVE_TIMEOUT_VARIABLE] = str(
             elastic.check_collective_timeout(collective_timeout)
         )
+    # Imported here: it imports this module's errors.
+    from keras_tp import rank_processes
+
     payload = _pickle_by_value((train_fn, args, kwargs))
+    rendezvous = (master_addr, master_port)
     restart = 0
     while True:
         environment["TORCHELASTIC_RESTART_COUNT"] = str(restart)
@@ -215,11 +210,10 @@ def launch(
                 world_size,
                 environment,
                 timeout,
-                master_addr,
-                master_port,
+                rendezvous,
                 threads_per_rank,
             )
-        except _AttemptFailed as failure:
+        except rank_processes.AttemptFailed as failure:
             next_size = _next_world_size(sizes, world_size - len(failure.lost))
             if restart == max_restarts or next_size is None:
                 if restart < max_restarts:
@@ -274,40 +268,22 @@ def _restart_refusal(world_size, lost, sizes):
     )
 
 
-class _AttemptFailed(Exception):
-    """An attempt's ranks failed: what to raise, and which ranks were lost.
-
-    Attributes:
-        error: the exception `launch` raises if it does not restart.
-        cause: its `__cause__` (the rank's traceback, as text).
-        lost: the ranks that are gone (died, or named by a survivor).
-        summary: one line saying what happened, for the restart's log.
-    """
-
-    def __init__(self, error, cause, lost, summary):
-        super().__init__(summary)
-        self.error = error
-        self.cause = cause
-        self.lost = frozenset(lost)
-        self.summary = summary
-
-
 def _run_attempt(
-    payload,
-    world_size,
-    environment,
-    timeout,
-    master_addr,
-    master_port,
-    threads_per_rank,
+    payload, world_size, environment, timeout, rendezvous, threads_per_rank
 ):
     """Runs one attempt of the job; returns rank 0's result.
 
+    `rendezvous` is `(master_addr, master_port)`, the port `None` for a
+    free one.
+
     Raises:
-        _AttemptFailed: if a rank failed; the other ranks were stopped.
+        rank_processes.AttemptFailed: if a rank failed; the other ranks
+            were stopped.
         RankTimeoutError: if ranks were still running after `timeout`.
     """
     import torch.multiprocessing as mp
+
+    from keras_tp import rank_processes
 
     cores = usable_cores()
     threads = (
@@ -323,6 +299,7 @@ def _run_attempt(
             f"start at most {cores} ranks for speed.",
             stacklevel=3,
         )
+    master_addr, master_port = rendezvous
     port = master_port or _free_port(master_addr)
     with tempfile.TemporaryDirectory(prefix="keras_tp_launch_") as workdir:
         # Ranks import keras (through keras_tp) and torch before anything
@@ -330,14 +307,14 @@ def _run_attempt(
         # their share of the cores.
         with _environment(OMP_NUM_THREADS=str(threads), **environment):
             context = mp.start_processes(
-                _run_rank,
+                rank_processes.run_rank,
                 args=(world_size, master_addr, port, payload, workdir),
                 nprocs=world_size,
                 join=False,
                 start_method="spawn",
             )
         try:
-            _wait(context.processes, timeout, workdir)
+            rank_processes.wait(context.processes, timeout, workdir)
         finally:
             # Also on an interrupt of the caller (Ctrl-C in a notebook).
             for process in context.processes:
@@ -358,193 +335,6 @@ def _has_gpus():
     import torch
 
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
-
-
-def _run_rank(rank, world_size, master_addr, master_port, payload, workdir):
-    """The body of one rank's process (top level, so spawn can import it)."""
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR=master_addr,
-        MASTER_PORT=str(master_port),
-    )
-    import torch
-    import torch.distributed as dist
-
-    from keras_tp.collectives.torch import TorchCollectiveAdapter
-    from keras_tp.runtime import torch_liveness
-
-    if torch.cuda.is_available():
-        torch.cuda.set_device(rank)
-    with open(_stack_path(workdir, rank), "w") as stack_file:
-        # On timeout the parent sends SIGUSR1 to learn where each rank is.
-        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-        try:
-            train_fn, args, kwargs = pickle.loads(payload)
-            # `keras_tp.collectives` functions work anywhere in the rank.
-            with TorchCollectiveAdapter().activated():
-                result = train_fn(*args, **kwargs)
-            if rank == 0:
-                with open(os.path.join(workdir, "result.pkl"), "wb") as f:
-                    pickle.dump(result, f)
-        except Exception as e:
-            # A collective that failed for a lost rank says which rank.
-            lost = torch_liveness.rank_lost_error(e)
-            if lost is None:
-                _write_error(workdir, rank, e)
-                raise
-            lost.__cause__ = e
-            _write_error(workdir, rank, lost)
-            raise lost from e
-        finally:
-            torch_liveness.stop_watching()
-            if dist.is_initialized():
-                dist.destroy_process_group()
-
-
-def _wait(processes, timeout, workdir):
-    """Waits for the ranks; returns when every rank finished.
-
-    On the first failure, the other ranks get `_GRACE_SECONDS` to end by
-    themselves (they usually raise about the lost rank, which names it),
-    then are stopped.
-
-    Raises:
-        _AttemptFailed: if a rank failed.
-        RankTimeoutError: if ranks were still running after `timeout`.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        failed = [r for r, p in enumerate(processes) if p.exitcode]
-        running = [p for p in processes if p.exitcode is None]
-        if failed or not running:
-            break
-        left = deadline - time.monotonic()
-        if left <= 0:
-            _stop_on_timeout(processes, timeout, workdir)
-        multiprocessing.connection.wait(
-            [p.sentinel for p in running], timeout=min(1.0, left)
-        )
-    if not failed:
-        return
-    _join_all(processes, _GRACE_SECONDS)
-    stopped = [r for r, p in enumerate(processes) if p.is_alive()]
-    for rank in stopped:
-        processes[rank].terminate()
-    _join_all(processes, _GRACE_SECONDS)
-    for rank in stopped:
-        if processes[rank].is_alive():
-            processes[rank].kill()
-        processes[rank].join()
-    raise _failure(processes, failed, stopped, workdir)
-
-
-def _join_all(processes, seconds):
-    deadline = time.monotonic() + seconds
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-
-
-def _failure(processes, first_failed, stopped, workdir):
-    """The `_AttemptFailed` of an attempt whose ranks `first_failed` failed.
-
-    A rank that ended without an exception (killed, crashed, `os._exit`)
-    before `launch` stopped anyone is lost, and is the cause; otherwise the
-    first exception raised is.
-    """
-    errors = _read_errors(workdir, len(processes))
-    died = [
-        r
-        for r, p in enumerate(processes)
-        if r not in stopped and r not in errors and p.exitcode
-    ]
-    named = set()
-    for blob, _, _ in errors.values():
-        error = pickle.loads(blob) if blob is not None else None
-        if isinstance(error, RankLostError):
-            named.update(error.ranks)
-    lost = set(died) | named
-    silent = [r for r in first_failed if r in died]
-    if silent or not errors:
-        rank = (silent or died or first_failed)[0]
-        process = processes[rank]
-        how = _describe_exit(process.exitcode)
-        error = RankError(
-            f"Rank {rank} (pid {process.pid}) died without raising an "
-            f"exception: process {rank} terminated with {how}. The other "
-            "ranks were stopped."
-        )
-        return _AttemptFailed(error, None, lost, f"rank {rank} died ({how})")
-    rank = min(errors, key=lambda r: errors[r][2])
-    blob, text, _ = errors[rank]
-    cause = RemoteTraceback(f"\n\nRank {rank}: {text}")
-    if blob is None:
-        error = RankError(f"Rank {rank} failed:\n\nRank {rank}: {text}")
-        cause = None
-    else:
-        error = pickle.loads(blob)
-        error.add_note(f"(raised on rank {rank} of keras_tp.launch)")
-    if lost:
-        summary = f"rank(s) {sorted(lost)} lost ({type(error).__name__})"
-    else:
-        summary = f"rank {rank} raised {type(error).__name__}: {error}"
-    return _AttemptFailed(error, cause, lost, summary)
-
-
-def _describe_exit(exitcode):
-    if exitcode < 0:
-        try:
-            return f"signal {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"signal {-exitcode}"
-    return f"exit code {exitcode}"
-
-
-def _stop_on_timeout(processes, timeout, workdir):
-    running = [r for r, p in enumerate(processes) if p.is_alive()]
-    for rank in running:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(processes[rank].pid, signal.SIGUSR1)
-    time.sleep(_GRACE_SECONDS)
-    for rank in running:
-        processes[rank].kill()
-        processes[rank].join()
-    stacks = []
-    for rank in running:
-        with open(_stack_path(workdir, rank)) as f:
-            stacks.append(f"-- Rank {rank} was at:\n{f.read().strip()}")
-    finished = sorted(set(range(len(processes))) - set(running))
-    raise RankTimeoutError(
-        f"keras_tp.launch timed out after {timeout} s: rank(s) "
-        f"{', '.join(map(str, running))} still running and were stopped "
-        f"(finished: {finished or 'none'}). A rank waiting in a collective "
-        "is usually waiting for a rank that is elsewhere.\n\n"
-        + "\n\n".join(stacks)
-    )
-
-
-def _write_error(workdir, rank, error):
-    text = "".join(traceback.format_exception(error))
-    try:
-        blob = pickle.dumps(error)
-        pickle.loads(blob)
-    except Exception:
-        blob = None
-    with open(_error_path(workdir, rank), "wb") as f:
-        pickle.dump((blob, text, time.time()), f)
-
-
-def _read_errors(workdir, world_size):
-    """`{rank: (pickled exception or None, traceback text, time)}`."""
-    errors = {}
-    for rank in range(world_size):
-        path = _error_path(workdir, rank)
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                errors[rank] = pickle.load(f)
-    return errors
 
 
 def _pickle_by_value(obj):
@@ -588,11 +378,3 @@ def _environment(**variables):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-def _stack_path(workdir, rank):
-    return os.path.join(workdir, f"stack_rank{rank}.txt")
-
-
-def _error_path(workdir, rank):
-    return os.path.join(workdir, f"error_rank{rank}.pkl")

@@ -11,9 +11,10 @@ from keras_tp.keras_internals import bind_values
 from keras_tp.placement import Placement
 from keras_tp.regions import copy_replicated_inputs
 from keras_tp.regions import sharing_copies
+from keras_tp.runtime.pieces import CheckpointPieces
 
 
-class Runtime:
+class Runtime(CheckpointPieces):
     """Owns the devices, the collective adapter and the variable storage.
 
     Subclasses decide how ranks exist (mesh devices or processes), how a
@@ -258,87 +259,6 @@ class Runtime:
     def replica_differences(self, variables):
         """`{path: largest difference}` between copies that must be equal."""
         raise NotImplementedError
-
-    # Checkpoints: each process reads and writes only the pieces it holds.
-
-    def full_shape(self, variable):
-        """The unsplit shape of `variable` (placed or not)."""
-        shapes = self.placement.full_shapes
-        return shapes.get(id(variable), tuple(variable.shape))
-
-    def local_pieces(self, variable):
-        """The pieces of `variable` this process writes in a checkpoint.
-
-        Every number of the full value is listed once over all processes:
-        a piece that several ranks hold is written by the lowest of them.
-
-        Returns:
-            A list of `(writer, index, array)`: the device or rank holding
-            the piece (it names the file), where the piece sits in the full
-            value (`((start, stop), ...)`), and its values in NumPy.
-        """
-        pieces = []
-        for position, (writer, model_rank, data_rank) in enumerate(
-            self._ranks_here()
-        ):
-            if self._holds_first_copy(variable, model_rank, data_rank):
-                index = self._piece_index(variable, model_rank, data_rank)
-                array = self._read_piece(variable, position)
-                pieces.append((writer, index, array))
-        return pieces
-
-    def assign_local_pieces(self, variable, read):
-        """Sets each piece of `variable` held here to `read(index)`.
-
-        Args:
-            variable: the variable.
-            read: function of a piece's index in the full value
-                (`((start, stop), ...)`) returning its values in NumPy.
-        """
-        for position, (_, model_rank, data_rank) in enumerate(
-            self._ranks_here()
-        ):
-            index = self._piece_index(variable, model_rank, data_rank)
-            self._write_piece(variable, position, read(index))
-
-    def _holds_first_copy(self, variable, model_rank, data_rank):
-        if self.placement.is_placed(variable):
-            return self.placement.holds_first_copy(
-                variable, model_rank, data_rank
-            )
-        return not (model_rank or data_rank)
-
-    def _piece_index(self, variable, model_rank, data_rank):
-        if self.placement.is_placed(variable):
-            return self.placement.piece_index(variable, model_rank, data_rank)
-        return tuple((0, int(size)) for size in variable.shape)
-
-    def _ranks_here(self):
-        """`[(writer, model_rank, data_rank)]` of this process's ranks."""
-        raise NotImplementedError
-
-    def _read_piece(self, variable, position):
-        """The NumPy value of the piece the `position`-th rank here holds."""
-        raise NotImplementedError
-
-    def _write_piece(self, variable, position, value):
-        """Assigns the piece the `position`-th rank here holds."""
-        raise NotImplementedError
-
-    def process_index(self):
-        """This process's index among the job's processes."""
-        return 0
-
-    def is_first_process(self):
-        """Whether this process writes what one process writes (a manifest)."""
-        return self.process_index() == 0
-
-    def wait_for_processes(self):
-        """Returns once every process of the job has reached this call."""
-
-    def build_optimizer(self, model):
-        """Builds the compiled optimizer's state, as the first step would."""
-        model.optimizer.build(model.trainable_variables)
 
     def device_bytes(self, variables):
         """`{device: bytes}` these variables occupy, read from the arrays."""

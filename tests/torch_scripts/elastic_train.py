@@ -133,9 +133,9 @@ def _fail(directory, how):
         {"time": time.time(), "pid": os.getpid(), "how": how},
     )
     if how == "hang":
-        from keras_tp.runtime import torch_liveness
+        from keras_tp.runtime.torch import liveness
 
-        torch_liveness.stop_watching()
+        liveness.stop_watching()
         time.sleep(3600)
     os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
 

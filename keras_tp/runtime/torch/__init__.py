@@ -7,6 +7,10 @@ rank's slice, so the variable's shape is the local shape, Keras' optimizer
 creates local slots from it, and Keras' own torch trainer runs unchanged.
 A sharded region runs eagerly on the local tensors of the process.
 
+- `process_group`: how a process joins its rank's process group;
+- `storage`: a variable's Parameter, swapped for the rank's slice;
+- `liveness`: which rank was lost when a collective fails.
+
 Multi-node runs use the usual torchrun flags, on every node:
 
 ```
@@ -15,179 +19,29 @@ torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK \
 ```
 """
 
-import atexit
 import contextlib
-import datetime
-import gc
-import logging
-import os
 
 import keras
-import ml_dtypes
-import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.constants import default_pg_timeout
 
-from keras_tp import elastic
 from keras_tp.collectives.base import set_process_adapter
 from keras_tp.collectives.torch import TorchCollectiveAdapter
 from keras_tp.collectives.torch import is_symbolic
-from keras_tp.keras_internals import set_reported_shape
-from keras_tp.keras_internals import stored_value
-from keras_tp.runtime import torch_liveness
 from keras_tp.runtime.base import Runtime
+from keras_tp.runtime.torch.process_group import configure_virtual_devices
+from keras_tp.runtime.torch.process_group import join_process_group
+from keras_tp.runtime.torch.storage import from_numpy
+from keras_tp.runtime.torch.storage import parameter_of
+from keras_tp.runtime.torch.storage import swap_storage
+from keras_tp.runtime.torch.storage import to_numpy
 
-logger = logging.getLogger(__name__)
-
-_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def configure_virtual_devices(n):
-    """No-op on torch, where ranks are processes: logs how to start them."""
-    logger.info(
-        "On the torch backend each rank is a process, so there are no "
-        "virtual devices to configure. Start %d ranks with "
-        "`keras_tp.launch(train_fn, world_size=%d)` (notebooks, scripts) or "
-        "`torchrun --nproc-per-node %d script.py`.",
-        n,
-        n,
-        n,
-    )
-
-
-def join_process_group(world_size=None):
-    """Initialises the default process group of this process if needed.
-
-    A process started by `keras_tp.launch` or `torchrun` joins its group
-    from the `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`
-    variables; an un-launched process may only run one rank, in a group of
-    its own. The group uses nccl for CUDA tensors and gloo for CPU ones.
-
-    A collective of the group waits for the other ranks at most
-    `KERAS_TP_COLLECTIVE_TIMEOUT` seconds, if set (`keras_tp.launch(...,
-    collective_timeout=...)` sets it), else torch's default. Each rank of
-    a multi-rank group records itself and a heartbeat in the rendezvous
-    store, so that a collective that fails for a dead or frozen rank raises
-    a `keras_tp.RankLostError` naming it (`keras_tp.runtime.torch_liveness`),
-    also when the group was initialised by the caller.
-
-    Args:
-        world_size: the number of ranks the caller asks for, to explain
-            the error when this process was not launched as a rank.
-    """
-    if dist.is_initialized():
-        torch_liveness.watch_ranks()
-        return
-    cuda = torch.cuda.is_available()
-    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-    if all(name in os.environ for name in _LAUNCH_VARIABLES):
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        _init_from_environment(backend)
-    elif world_size in (None, 1):
-        dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1
-        )
-    else:
-        raise RuntimeError(
-            f"TensorParallelKeras(world_size={world_size}) on the torch "
-            "backend needs one process per rank, but this process was not "
-            "started as a rank (no torch.distributed process group and no "
-            f"{'/'.join(_LAUNCH_VARIABLES)} variables). From a notebook or a "
-            f"script, run your training function with "
-            f"`keras_tp.launch(train_fn, world_size={world_size})`; from a "
-            f"shell, `torchrun --nproc-per-node {world_size} script.py`."
-        )
-    atexit.register(_leave_process_group)
-    torch_liveness.watch_ranks()
-
-
-def _init_from_environment(backend):
-    """Joins the group that `RANK`, `WORLD_SIZE` and `MASTER_*` describe."""
-    seconds = elastic.collective_timeout()
-    timeout = datetime.timedelta(seconds=seconds) if seconds else None
-    restart = elastic.restart_count()
-    world_size = int(os.environ["WORLD_SIZE"])
-    one_agent = os.environ.get("LOCAL_WORLD_SIZE") == str(world_size)
-    if not (restart and one_agent and torch_liveness.agent_store()):
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
-        return
-    # torchrun keeps its store across restarts, and a restarted rank could
-    # read the gloo address a rank of the previous attempt left there, and
-    # fail to connect (pytorch#135712). One agent restarts all its ranks
-    # together, so on one node the restart count names the attempt alike
-    # on every rank: a key prefix of its own keeps attempts apart.
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world_size,
-        is_master=False,
-        timeout=timeout or default_pg_timeout,
-    )
-    dist.init_process_group(
-        backend,
-        store=dist.PrefixStore(f"keras_tp/attempt{restart}/", store),
-        rank=int(os.environ["RANK"]),
-        world_size=world_size,
-        timeout=timeout,
-    )
-
-
-def _leave_process_group():
-    torch_liveness.stop_watching()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _parameter(variable):
-    """The `torch.nn.Parameter` a Keras torch variable stores its value in."""
-    return stored_value(variable)
-
-
-def _to_numpy(tensor):
-    """`tensor` on the host as NumPy; bfloat16 through ml_dtypes."""
-    tensor = tensor.cpu()
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return tensor.numpy()
-
-
-def _from_numpy(array):
-    if array.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-    # asarray, not ascontiguousarray, which makes scalars 1-D.
-    return torch.from_numpy(np.asarray(array, order="C"))
-
-
-def _swap_storage(variable, value):
-    """Makes `variable` hold `value` (any shape); returns the old Parameter.
-
-    The `torch.nn.Parameter` object stays the one Keras layers and torch
-    modules track, but its tensor is swapped whole: assigning `.data` would
-    keep autograd metadata of the old shape, which breaks the next backward
-    pass if a graph built before (the planner's trace, say) is alive.
-    """
-    parameter = _parameter(variable)
-    if not isinstance(value, torch.nn.Parameter):
-        value = torch.nn.Parameter(value, requires_grad=parameter.requires_grad)
-    try:
-        torch.utils.swap_tensors(parameter, value)
-    except RuntimeError:
-        # A dead autograd graph in a reference cycle still holds the tensor.
-        gc.collect()
-        try:
-            torch.utils.swap_tensors(parameter, value)
-        except RuntimeError as e:
-            raise RuntimeError(
-                f"Cannot split variable '{variable.path}': a live autograd "
-                "graph still uses it (an output of the model computed with "
-                "gradients before wrapping it, say). Delete such outputs, or "
-                "compute them under torch.no_grad(), before creating "
-                f"TensorParallelKeras. ({e})"
-            ) from None
-    set_reported_shape(variable, parameter.shape)
-    return value
+__all__ = [
+    "RUNTIME",
+    "TorchRuntime",
+    "configure_virtual_devices",
+    "join_process_group",
+]
 
 
 class TorchRuntime(Runtime):
@@ -268,12 +122,12 @@ class TorchRuntime(Runtime):
         return model_group, data_group
 
     def place_variable(self, variable, axis):
-        value = _parameter(variable).detach()
+        value = parameter_of(variable).detach()
         if axis is not None:
             value = self.adapter.local_slice(value, axis)
         elif value.device == self.device:
             return
-        _swap_storage(variable, value.to(self.device))
+        swap_storage(variable, value.to(self.device))
 
     def place_variable_like(self, variable, reference, data_axis):
         """Keeps this rank's data partition of a slot made like `reference`.
@@ -289,8 +143,8 @@ class TorchRuntime(Runtime):
             self.partition_variable(variable, data_axis)
 
     def partition_variable(self, variable, data_axis):
-        value = _parameter(variable).detach()
-        _swap_storage(variable, self.data_adapter.local_slice(value, data_axis))
+        value = parameter_of(variable).detach()
+        swap_storage(variable, self.data_adapter.local_slice(value, data_axis))
 
     def _unsplit(self, variable, tensor):
         """Gathers `tensor`, a rank's part of `variable`, over both axes."""
@@ -303,7 +157,7 @@ class TorchRuntime(Runtime):
         return tensor
 
     def full_value(self, variable):
-        value = self._unsplit(variable, _parameter(variable).detach())
+        value = self._unsplit(variable, parameter_of(variable).detach())
         return keras.ops.convert_to_numpy(value)
 
     def assign_full_value(self, variable, value):
@@ -338,16 +192,16 @@ class TorchRuntime(Runtime):
         error = None
         try:
             for variable in split:
-                full = self._unsplit(variable, _parameter(variable).detach())
+                full = self._unsplit(variable, parameter_of(variable).detach())
                 if self.rank == 0:
-                    shards.append((variable, _swap_storage(variable, full)))
+                    shards.append((variable, swap_storage(variable, full)))
             if self.rank == 0:
                 write()
         except Exception as e:
             error = e
         finally:
             for variable, local in shards:
-                _swap_storage(variable, local)
+                swap_storage(variable, local)
         saved = torch.tensor([error is None], dtype=torch.int32)
         dist.broadcast(saved, src=0)
         if error is not None:
@@ -368,7 +222,7 @@ class TorchRuntime(Runtime):
         """
         worst = []
         for variable in variables:
-            local = _parameter(variable).detach().double()
+            local = parameter_of(variable).detach().double()
             difference = local.new_zeros(())
             peers = []
             if id(variable) not in self.placement.data_axes:
@@ -395,10 +249,10 @@ class TorchRuntime(Runtime):
         return [(f"rank{self.rank}", model_rank, self.data_adapter.rank())]
 
     def _read_piece(self, variable, position):
-        return _to_numpy(_parameter(variable).detach())
+        return to_numpy(parameter_of(variable).detach())
 
     def _write_piece(self, variable, position, value):
-        _parameter(variable).data.copy_(_from_numpy(value))
+        parameter_of(variable).data.copy_(from_numpy(value))
 
     def process_index(self):
         return self.rank
@@ -457,7 +311,7 @@ class TorchRuntime(Runtime):
         seen = set()
         total = 0
         for variable in variables:
-            storage = _parameter(variable).untyped_storage()
+            storage = parameter_of(variable).untyped_storage()
             key = (storage.device, storage.data_ptr())
             if key not in seen:
                 seen.add(key)

@@ -1,0 +1,239 @@
+"""The rank processes of `keras_tp.launch`: their body, and how they end.
+
+`launch` starts the ranks (`run_rank` in each) and `wait`s for them. A rank
+writes its result, or its exception with its traceback, to the attempt's
+working directory; `wait` turns what the ranks left there, and how their
+processes ended, into the one failure `launch` raises (`AttemptFailed`),
+and stops ranks that outlive the timeout after asking each for its stack.
+"""
+
+import contextlib
+import faulthandler
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import time
+import traceback
+
+from keras_tp.launcher import RankError
+from keras_tp.launcher import RankLostError
+from keras_tp.launcher import RankTimeoutError
+from keras_tp.launcher import RemoteTraceback
+
+# Seconds a rank has to write its stack after a timeout, and to exit after
+# another rank failed.
+_GRACE_SECONDS = 3.0
+
+
+class AttemptFailed(Exception):
+    """An attempt's ranks failed: what to raise, and which ranks were lost.
+
+    Attributes:
+        error: the exception `launch` raises if it does not restart.
+        cause: its `__cause__` (the rank's traceback, as text).
+        lost: the ranks that are gone (died, or named by a survivor).
+        summary: one line saying what happened, for the restart's log.
+    """
+
+    def __init__(self, error, cause, lost, summary):
+        super().__init__(summary)
+        self.error = error
+        self.cause = cause
+        self.lost = frozenset(lost)
+        self.summary = summary
+
+
+def run_rank(rank, world_size, master_addr, master_port, payload, workdir):
+    """The body of one rank's process (top level, so spawn can import it)."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+    )
+    import torch
+    import torch.distributed as dist
+
+    from keras_tp.collectives.torch import TorchCollectiveAdapter
+    from keras_tp.runtime.torch import liveness
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank)
+    with open(_stack_path(workdir, rank), "w") as stack_file:
+        # On timeout the parent sends SIGUSR1 to learn where each rank is.
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+        try:
+            train_fn, args, kwargs = pickle.loads(payload)
+            # `keras_tp.collectives` functions work anywhere in the rank.
+            with TorchCollectiveAdapter().activated():
+                result = train_fn(*args, **kwargs)
+            if rank == 0:
+                with open(os.path.join(workdir, "result.pkl"), "wb") as f:
+                    pickle.dump(result, f)
+        except Exception as e:
+            # A collective that failed for a lost rank says which rank.
+            lost = liveness.rank_lost_error(e)
+            if lost is None:
+                _write_error(workdir, rank, e)
+                raise
+            lost.__cause__ = e
+            _write_error(workdir, rank, lost)
+            raise lost from e
+        finally:
+            liveness.stop_watching()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def wait(processes, timeout, workdir):
+    """Waits for the ranks; returns when every rank finished.
+
+    On the first failure, the other ranks get `_GRACE_SECONDS` to end by
+    themselves (they usually raise about the lost rank, which names it),
+    then are stopped.
+
+    Raises:
+        AttemptFailed: if a rank failed.
+        RankTimeoutError: if ranks were still running after `timeout`.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        failed = [r for r, p in enumerate(processes) if p.exitcode]
+        running = [p for p in processes if p.exitcode is None]
+        if failed or not running:
+            break
+        left = deadline - time.monotonic()
+        if left <= 0:
+            _stop_on_timeout(processes, timeout, workdir)
+        multiprocessing.connection.wait(
+            [p.sentinel for p in running], timeout=min(1.0, left)
+        )
+    if not failed:
+        return
+    _join_all(processes, _GRACE_SECONDS)
+    stopped = [r for r, p in enumerate(processes) if p.is_alive()]
+    for rank in stopped:
+        processes[rank].terminate()
+    _join_all(processes, _GRACE_SECONDS)
+    for rank in stopped:
+        if processes[rank].is_alive():
+            processes[rank].kill()
+        processes[rank].join()
+    raise _failure(processes, failed, stopped, workdir)
+
+
+def _join_all(processes, seconds):
+    deadline = time.monotonic() + seconds
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+
+
+def _failure(processes, first_failed, stopped, workdir):
+    """The `AttemptFailed` of an attempt whose ranks `first_failed` failed.
+
+    A rank that ended without an exception (killed, crashed, `os._exit`)
+    before `launch` stopped anyone is lost, and is the cause; otherwise the
+    first exception raised is.
+    """
+    errors = _read_errors(workdir, len(processes))
+    died = [
+        r
+        for r, p in enumerate(processes)
+        if r not in stopped and r not in errors and p.exitcode
+    ]
+    named = set()
+    for blob, _, _ in errors.values():
+        error = pickle.loads(blob) if blob is not None else None
+        if isinstance(error, RankLostError):
+            named.update(error.ranks)
+    lost = set(died) | named
+    silent = [r for r in first_failed if r in died]
+    if silent or not errors:
+        rank = (silent or died or first_failed)[0]
+        process = processes[rank]
+        how = _describe_exit(process.exitcode)
+        error = RankError(
+            f"Rank {rank} (pid {process.pid}) died without raising an "
+            f"exception: process {rank} terminated with {how}. The other "
+            "ranks were stopped."
+        )
+        return AttemptFailed(error, None, lost, f"rank {rank} died ({how})")
+    rank = min(errors, key=lambda r: errors[r][2])
+    blob, text, _ = errors[rank]
+    cause = RemoteTraceback(f"\n\nRank {rank}: {text}")
+    if blob is None:
+        error = RankError(f"Rank {rank} failed:\n\nRank {rank}: {text}")
+        cause = None
+    else:
+        error = pickle.loads(blob)
+        error.add_note(f"(raised on rank {rank} of keras_tp.launch)")
+    if lost:
+        summary = f"rank(s) {sorted(lost)} lost ({type(error).__name__})"
+    else:
+        summary = f"rank {rank} raised {type(error).__name__}: {error}"
+    return AttemptFailed(error, cause, lost, summary)
+
+
+def _describe_exit(exitcode):
+    if exitcode < 0:
+        try:
+            return f"signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def _stop_on_timeout(processes, timeout, workdir):
+    running = [r for r, p in enumerate(processes) if p.is_alive()]
+    for rank in running:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(processes[rank].pid, signal.SIGUSR1)
+    time.sleep(_GRACE_SECONDS)
+    for rank in running:
+        processes[rank].kill()
+        processes[rank].join()
+    stacks = []
+    for rank in running:
+        with open(_stack_path(workdir, rank)) as f:
+            stacks.append(f"-- Rank {rank} was at:\n{f.read().strip()}")
+    finished = sorted(set(range(len(processes))) - set(running))
+    raise RankTimeoutError(
+        f"keras_tp.launch timed out after {timeout} s: rank(s) "
+        f"{', '.join(map(str, running))} still running and were stopped "
+        f"(finished: {finished or 'none'}). A rank waiting in a collective "
+        "is usually waiting for a rank that is elsewhere.\n\n"
+        + "\n\n".join(stacks)
+    )
+
+
+def _write_error(workdir, rank, error):
+    text = "".join(traceback.format_exception(error))
+    try:
+        blob = pickle.dumps(error)
+        pickle.loads(blob)
+    except Exception:
+        blob = None
+    with open(_error_path(workdir, rank), "wb") as f:
+        pickle.dump((blob, text, time.time()), f)
+
+
+def _read_errors(workdir, world_size):
+    """`{rank: (pickled exception or None, traceback text, time)}`."""
+    errors = {}
+    for rank in range(world_size):
+        path = _error_path(workdir, rank)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                errors[rank] = pickle.load(f)
+    return errors
+
+
+def _stack_path(workdir, rank):
+    return os.path.join(workdir, f"stack_rank{rank}.txt")
+
+
+def _error_path(workdir, rank):
+    return os.path.join(workdir, f"error_rank{rank}.pkl")

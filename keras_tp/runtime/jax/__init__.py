@@ -1,0 +1,257 @@
+"""JAX runtime: one controller, a `data x model` Mesh, `shard_map` regions.
+
+Variables stay global Keras variables whose values are placed with a
+`NamedSharding`, so each device stores only its shard.
+
+- **Tensor parallelism only**: Keras' own JAX trainer (jit, grad,
+  optimizer) runs unchanged, and a sharded region runs its per-rank math in
+  a small `jax.shard_map` over the mesh.
+- **With a data axis or ZeRO**: Keras' step function runs whole inside one
+  `shard_map` that is manual over both axes, so every device computes its
+  own loss on its slice of the batch and its own gradients, as a torch
+  process would. Regions then run directly on the local values, and the
+  `CoordinatedOptimizer` issues the data-axis collectives itself (nesting a
+  region's `shard_map` inside would bind the `data` axis twice).
+
+- `regions`: where and how a split layer's call runs;
+- `steps`: Keras' steps and direct calls on the mesh.
+"""
+
+import functools
+import logging
+
+import jax
+import keras
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+
+from keras_tp.collectives.jax import JaxCollectiveAdapter
+from keras_tp.keras_internals import direct_assign
+from keras_tp.keras_internals import jax_layout
+from keras_tp.keras_internals import set_jax_layout
+from keras_tp.keras_internals import set_stored_value
+from keras_tp.keras_internals import stored_value
+from keras_tp.runtime.base import Runtime
+from keras_tp.runtime.base import largest_difference
+from keras_tp.runtime.jax.regions import MeshRegions
+from keras_tp.runtime.jax.steps import MeshSteps
+
+logger = logging.getLogger(__name__)
+
+
+def configure_virtual_devices(n):
+    """Asks XLA for `n` CPU devices; must run before JAX initialises."""
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        have = len(jax.devices("cpu"))
+        if have == n:
+            return
+        raise RuntimeError(
+            f"JAX is already initialised with {have} CPU device(s), so "
+            f"configure_virtual_devices({n}) cannot take effect. Call it "
+            "right after `import keras_tp`, before any Keras or JAX "
+            "operation (in a notebook: restart the kernel), or set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n}."
+        )
+    jax.config.update("jax_num_cpu_devices", n)
+    if jax.default_backend() != "cpu":
+        logger.info(
+            "Accelerators found (%s): keras_tp will use them; the %d virtual "
+            "CPU devices are only used if you pass their device_ids.",
+            jax.default_backend(),
+            n,
+        )
+
+
+def _placement_spec(ndim, axis, data_axis):
+    """Split `axis` over `model` and partition `data_axis` over `data`.
+
+    On a shared axis the model shard is cut first, then partitioned.
+    """
+    spec = [None] * ndim
+    if axis is not None:
+        spec[axis] = "model"
+    if data_axis is not None:
+        spec[data_axis] = ("model", "data") if data_axis == axis else "data"
+    return PartitionSpec(*spec)
+
+
+class JaxRuntime(MeshSteps, MeshRegions, Runtime):
+    """Runs tensor parallelism on the devices of a `jax.sharding.Mesh`."""
+
+    backend = "jax"
+
+    @property
+    def local_ranks(self):
+        # Without a data axis, the code between regions runs on global
+        # arrays, which any plan computes exactly.
+        return self.per_rank_steps
+
+    def _available_devices(self):
+        return keras.distribution.list_devices()
+
+    def _build(self):
+        devices = [_to_jax_device(d) for d in self.devices]
+        grid = np.array(devices, dtype=object).reshape(
+            self.data_parallel, self.tensor_parallel
+        )
+        # Mesh() keeps Auto axes; jax.make_mesh would make them Explicit.
+        self.mesh = jax.sharding.Mesh(grid, ("data", "model"))
+        # Direct calls `tp(x)`, compiled once per `training` value.
+        self._compiled_calls = {}
+
+    def _axis_adapters(self):
+        # A per-rank step runs without vma checks (see the module docstring).
+        check_vma = not self.per_rank_steps
+        return (
+            JaxCollectiveAdapter(self.tensor_parallel, check_vma=check_vma),
+            JaxCollectiveAdapter(self.data_parallel, "data", check_vma),
+            JaxCollectiveAdapter(self.world_size, ("data", "model"), check_vma),
+        )
+
+    @functools.cached_property
+    def _copies_per_device(self):
+        return self.adapter.copies_per_device(self.mesh)
+
+    def place_variable(self, variable, axis):
+        self._lay_out(variable)
+
+    def place_variable_like(self, variable, reference, data_axis):
+        self._lay_out(variable, data_axis)
+
+    def partition_variable(self, variable, data_axis):
+        self._lay_out(variable, data_axis)
+
+    def _lay_out(self, variable, data_axis=None):
+        spec = _placement_spec(
+            len(self.placement.full_shapes[id(variable)]),
+            self.placement.axes[id(variable)],
+            data_axis,
+        )
+        # Keras' JAX variables re-apply `_layout` on every assign, and the
+        # optimizer gives each slot its reference variable's layout.
+        set_jax_layout(variable, NamedSharding(self.mesh, spec))
+        direct_assign(variable, variable.value)
+
+    def _variable_spec(self, variable):
+        if id(variable) not in self.placement.full_shapes:
+            return PartitionSpec()
+        return _placement_spec(
+            len(self.placement.full_shapes[id(variable)]),
+            self.placement.axes[id(variable)],
+            self.placement.data_axis(variable),
+        )
+
+    def full_value(self, variable):
+        value = variable.value
+        if not value.is_fully_addressable:
+            # On several hosts every process gathers the shards it lacks.
+            value = multihost_utils.process_allgather(value, tiled=True)
+        return np.asarray(value)
+
+    def _write_unsplit(self, model, write):
+        """Runs `write` with full weights; on several hosts process 0 writes.
+
+        One process reads global arrays directly. On several hosts the
+        arrays span devices this process cannot read, so every process
+        gathers them, process 0 writes while its variables hold the full
+        values on the host, and all processes wait for it.
+        """
+        if jax.process_count() == 1:
+            write()
+            return
+        variables = model.variables
+        full = [self.full_value(v) for v in variables]
+        if jax.process_index() == 0:
+            placed = [(jax_layout(v), stored_value(v)) for v in variables]
+            try:
+                for variable, value in zip(variables, full):
+                    set_jax_layout(variable, None)
+                    direct_assign(variable, jax.numpy.asarray(value))
+                write()
+            finally:
+                for variable, (layout, value) in zip(variables, placed):
+                    set_jax_layout(variable, layout)
+                    set_stored_value(variable, value)
+        multihost_utils.sync_global_devices("keras_tp: model written")
+
+    def device_bytes(self, variables):
+        totals = {str(d): 0 for d in self.mesh.devices.flat}
+        for variable in variables:
+            for shard in variable.value.addressable_shards:
+                if str(shard.device) in totals:
+                    totals[str(shard.device)] += shard.data.nbytes
+        return totals
+
+    def replica_differences(self, variables):
+        """Largest difference between the copies of each variable.
+
+        Devices holding the same slice of a global array (the data-parallel
+        replicas, and the model ranks of a replicated variable) must hold
+        the same numbers.
+        """
+        differences = {}
+        for variable in variables:
+            copies = {}
+            for shard in variable.value.addressable_shards:
+                key = tuple((s.start, s.stop) for s in shard.index)
+                copies.setdefault(key, []).append(np.asarray(shard.data))
+            differences[variable.path] = largest_difference(copies)
+        return differences
+
+    def local_pieces(self, variable):
+        """The first copy of each of the variable's shards held here."""
+        value = variable.value
+        return [
+            (
+                str(shard.device).replace(":", ""),
+                _index(shard.index, value.shape),
+                np.asarray(shard.data),
+            )
+            for shard in value.addressable_shards
+            if shard.replica_id == 0
+        ]
+
+    def assign_local_pieces(self, variable, read):
+        value = variable.value
+        if jax_layout(variable) is None:
+            # Not laid out on the mesh (an iteration count): JAX places
+            # such a value where each computation needs it.
+            variable.assign(read(_index((), value.shape)))
+            return
+        placed = jax.make_array_from_callback(
+            value.shape,
+            value.sharding,
+            lambda index: read(_index(index, value.shape)),
+        )
+        direct_assign(variable, placed)
+
+    def process_index(self):
+        return jax.process_index()
+
+    def wait_for_processes(self):
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("keras_tp: checkpoint")
+
+
+def _index(slices, shape):
+    """A shard's `index` (slices, open-ended or missing) as `(start, stop)`s."""
+    slices = tuple(slices) + (slice(None),) * (len(shape) - len(slices))
+    return tuple(
+        (s.start or 0, size if s.stop is None else s.stop)
+        for s, size in zip(slices, shape)
+    )
+
+
+def _to_jax_device(name):
+    platform, _, index = name.partition(":")
+    for device in jax.devices(platform):
+        if device.id == int(index):
+            return device
+    raise ValueError(f"No JAX device named '{name}'.")
+
+
+RUNTIME = JaxRuntime

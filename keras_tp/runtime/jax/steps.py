@@ -1,0 +1,133 @@
+"""Steps and direct calls on the mesh.
+
+Without a data axis Keras' own compiled step runs unchanged (its regions
+are `shard_map`s). With a data axis or ZeRO the whole step runs inside one
+`shard_map` over both axes, each device on its own values. A direct call
+`tp(x)` on arrays is compiled once, as Keras compiles `predict`.
+"""
+
+import functools
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from keras_tp.keras_internals import StatelessScope
+from keras_tp.keras_internals import local_shapes
+from keras_tp.runtime.jax.regions import is_array
+
+
+def is_concrete(value):
+    """An array with values now, not a tracer or a symbolic tensor."""
+    return isinstance(value, (jax.Array, np.ndarray)) and not isinstance(
+        value, jax.core.Tracer
+    )
+
+
+class MeshSteps:
+    """The `JaxRuntime`'s steps and direct calls (see the module)."""
+
+    def run_step(self, phase, step, *args, **kwargs):
+        if not self.per_rank_steps:
+            return super().run_step(phase, step, *args, **kwargs)
+        state, data = args
+        model = step.__self__
+        with self.adapter.stats.recording(phase):
+            return self._per_rank_step(phase, model, step, state, data)
+
+    def _per_rank_step(self, phase, model, step, state, data):
+        """Runs Keras' step on every device, on that device's values.
+
+        The state enters with the placement of each variable, the batch
+        split over `data`; the metrics' updates are summed over `data` and
+        the non-trainable variables (BatchNorm statistics) averaged, in one
+        all-reduce, so the logs are those of the global batch.
+        """
+        groups = [model.trainable_variables, model.non_trainable_variables]
+        if phase == "train":
+            groups.append(model.optimizer.variables)
+        if phase != "predict":
+            groups.append(model.metrics_variables)
+        state_specs = tuple(
+            [self._variable_spec(v) for v in group] for group in groups
+        )
+        data_specs = jax.tree_util.tree_map(self._batch_spec, data)
+        placed = [
+            v for group in groups for v in group if self.placement.is_placed(v)
+        ]
+
+        def per_rank(state, data):
+            with (
+                local_shapes(placed, self.placement.local_shape),
+                self._ranks(),
+            ):
+                if phase == "predict":
+                    return step(state, data)
+                logs, new_state = step(state, data)
+                new_state = list(new_state)
+                metrics, non_trainable = self.synchronised_state(
+                    groups[1], new_state[1], state[-1], new_state[-1]
+                )
+                new_state[1], new_state[-1] = non_trainable, metrics
+                mapping = list(zip(groups[-1], metrics))
+                with StatelessScope(state_mapping=mapping):
+                    logs = model.get_metrics_result()
+                return logs, tuple(new_state)
+
+        out_specs = (
+            PartitionSpec("data")
+            if phase == "predict"
+            else (PartitionSpec(), state_specs)
+        )
+        mapped = jax.shard_map(
+            per_rank,
+            mesh=self.mesh,
+            in_specs=(state_specs, data_specs),
+            out_specs=out_specs,
+            check_vma=False,
+        )
+        return mapped(tuple(state), data)
+
+    def call_model(self, model, inputs, training):
+        """A direct call `tp(x)` on concrete arrays runs compiled.
+
+        Run eagerly, each region's `shard_map` would be traced and compiled
+        again at every call (seconds per call for a keras-hub model); the
+        whole call is compiled once instead, as Keras compiles `predict`.
+        Inside a trace (a step, a user's `jax.jit`) the call is traced as
+        part of it.
+        """
+        leaves = jax.tree_util.tree_leaves(inputs)
+        if self._inside_ranks or not all(map(is_concrete, leaves)):
+            return super().call_model(model, inputs, training)
+        compiled = self._compiled_calls.get(training)
+        if compiled is None:
+            compiled = jax.jit(
+                functools.partial(self._stateless_call, model, training)
+            )
+            self._compiled_calls[training] = compiled
+        values = [v.value for v in model.variables]
+        outputs, non_trainable = compiled(values, inputs)
+        # A forward pass updates only non-trainable state (BatchNorm
+        # statistics, dropout seeds).
+        for variable, value in zip(
+            model.non_trainable_variables, non_trainable
+        ):
+            variable.assign(value)
+        return outputs
+
+    def _stateless_call(self, model, training, values, inputs):
+        with StatelessScope(
+            state_mapping=list(zip(model.variables, values))
+        ) as scope:
+            outputs = super().call_model(model, inputs, training)
+        non_trainable = [
+            scope.get_current_value(v) for v in model.non_trainable_variables
+        ]
+        return outputs, non_trainable
+
+    def _batch_spec(self, leaf):
+        if not is_array(leaf) or len(leaf.shape) == 0:
+            return PartitionSpec()
+        self.check_batch_size(leaf.shape[0])
+        return PartitionSpec("data")

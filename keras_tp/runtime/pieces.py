@@ -1,0 +1,92 @@
+"""What a runtime gives the checkpoint code: the pieces each process holds.
+
+Each process reads and writes only the pieces of each variable its own
+ranks hold; a piece that several ranks hold (a replicated weight, a
+variable without a ZeRO partition) is written by the first of them. The
+`Placement` says where each piece sits in the full value; a backend
+runtime says which ranks live in this process and how to read and write
+one rank's piece.
+"""
+
+
+class CheckpointPieces:
+    """The checkpoint side of `Runtime` (a mixin of it)."""
+
+    def full_shape(self, variable):
+        """The unsplit shape of `variable` (placed or not)."""
+        shapes = self.placement.full_shapes
+        return shapes.get(id(variable), tuple(variable.shape))
+
+    def local_pieces(self, variable):
+        """The pieces of `variable` this process writes in a checkpoint.
+
+        Every number of the full value is listed once over all processes:
+        a piece that several ranks hold is written by the lowest of them.
+
+        Returns:
+            A list of `(writer, index, array)`: the device or rank holding
+            the piece (it names the file), where the piece sits in the full
+            value (`((start, stop), ...)`), and its values in NumPy.
+        """
+        pieces = []
+        for position, (writer, model_rank, data_rank) in enumerate(
+            self._ranks_here()
+        ):
+            if self._holds_first_copy(variable, model_rank, data_rank):
+                index = self._piece_index(variable, model_rank, data_rank)
+                array = self._read_piece(variable, position)
+                pieces.append((writer, index, array))
+        return pieces
+
+    def assign_local_pieces(self, variable, read):
+        """Sets each piece of `variable` held here to `read(index)`.
+
+        Args:
+            variable: the variable.
+            read: function of a piece's index in the full value
+                (`((start, stop), ...)`) returning its values in NumPy.
+        """
+        for position, (_, model_rank, data_rank) in enumerate(
+            self._ranks_here()
+        ):
+            index = self._piece_index(variable, model_rank, data_rank)
+            self._write_piece(variable, position, read(index))
+
+    def _holds_first_copy(self, variable, model_rank, data_rank):
+        if self.placement.is_placed(variable):
+            return self.placement.holds_first_copy(
+                variable, model_rank, data_rank
+            )
+        return not (model_rank or data_rank)
+
+    def _piece_index(self, variable, model_rank, data_rank):
+        if self.placement.is_placed(variable):
+            return self.placement.piece_index(variable, model_rank, data_rank)
+        return tuple((0, int(size)) for size in variable.shape)
+
+    def _ranks_here(self):
+        """`[(writer, model_rank, data_rank)]` of this process's ranks."""
+        raise NotImplementedError
+
+    def _read_piece(self, variable, position):
+        """The NumPy value of the piece the `position`-th rank here holds."""
+        raise NotImplementedError
+
+    def _write_piece(self, variable, position, value):
+        """Assigns the piece the `position`-th rank here holds."""
+        raise NotImplementedError
+
+    def process_index(self):
+        """This process's index among the job's processes."""
+        return 0
+
+    def is_first_process(self):
+        """Whether this process writes what one process writes (a manifest)."""
+        return self.process_index() == 0
+
+    def wait_for_processes(self):
+        """Returns once every process of the job has reached this call."""
+
+    def build_optimizer(self, model):
+        """Builds the compiled optimizer's state, as the first step would."""
+        model.optimizer.build(model.trainable_variables)

@@ -1,0 +1,120 @@
+"""How a torch process becomes a rank: joining its process group.
+
+A process started by `keras_tp.launch` or `torchrun` joins the group its
+`RANK`, `WORLD_SIZE` and `MASTER_*` variables describe, with the collective
+timeout `KERAS_TP_COLLECTIVE_TIMEOUT` sets, and starts the heartbeat that
+lets a failed collective name a lost rank (`liveness`).
+"""
+
+import atexit
+import datetime
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
+
+from keras_tp import elastic
+from keras_tp.runtime.torch import liveness
+
+logger = logging.getLogger(__name__)
+
+_LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def configure_virtual_devices(n):
+    """No-op on torch, where ranks are processes: logs how to start them."""
+    logger.info(
+        "On the torch backend each rank is a process, so there are no "
+        "virtual devices to configure. Start %d ranks with "
+        "`keras_tp.launch(train_fn, world_size=%d)` (notebooks, scripts) or "
+        "`torchrun --nproc-per-node %d script.py`.",
+        n,
+        n,
+        n,
+    )
+
+
+def join_process_group(world_size=None):
+    """Initialises the default process group of this process if needed.
+
+    A process started by `keras_tp.launch` or `torchrun` joins its group
+    from the `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`
+    variables; an un-launched process may only run one rank, in a group of
+    its own. The group uses nccl for CUDA tensors and gloo for CPU ones.
+
+    A collective of the group waits for the other ranks at most
+    `KERAS_TP_COLLECTIVE_TIMEOUT` seconds, if set (`keras_tp.launch(...,
+    collective_timeout=...)` sets it), else torch's default. Each rank of
+    a multi-rank group records itself and a heartbeat in the rendezvous
+    store, so that a collective that fails for a dead or frozen rank raises
+    a `keras_tp.RankLostError` naming it (`keras_tp.runtime.torch.liveness`),
+    also when the group was initialised by the caller.
+
+    Args:
+        world_size: the number of ranks the caller asks for, to explain
+            the error when this process was not launched as a rank.
+    """
+    if dist.is_initialized():
+        liveness.watch_ranks()
+        return
+    cuda = torch.cuda.is_available()
+    backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    if all(name in os.environ for name in _LAUNCH_VARIABLES):
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        _init_from_environment(backend)
+    elif world_size in (None, 1):
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1
+        )
+    else:
+        raise RuntimeError(
+            f"TensorParallelKeras(world_size={world_size}) on the torch "
+            "backend needs one process per rank, but this process was not "
+            "started as a rank (no torch.distributed process group and no "
+            f"{'/'.join(_LAUNCH_VARIABLES)} variables). From a notebook or a "
+            f"script, run your training function with "
+            f"`keras_tp.launch(train_fn, world_size={world_size})`; from a "
+            f"shell, `torchrun --nproc-per-node {world_size} script.py`."
+        )
+    atexit.register(_leave_process_group)
+    liveness.watch_ranks()
+
+
+def _init_from_environment(backend):
+    """Joins the group that `RANK`, `WORLD_SIZE` and `MASTER_*` describe."""
+    seconds = elastic.collective_timeout()
+    timeout = datetime.timedelta(seconds=seconds) if seconds else None
+    restart = elastic.restart_count()
+    world_size = int(os.environ["WORLD_SIZE"])
+    one_agent = os.environ.get("LOCAL_WORLD_SIZE") == str(world_size)
+    if not (restart and one_agent and liveness.agent_store()):
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        return
+    # torchrun keeps its store across restarts, and a restarted rank could
+    # read the gloo address a rank of the previous attempt left there, and
+    # fail to connect (pytorch#135712). One agent restarts all its ranks
+    # together, so on one node the restart count names the attempt alike
+    # on every rank: a key prefix of its own keeps attempts apart.
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=timeout or default_pg_timeout,
+    )
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"keras_tp/attempt{restart}/", store),
+        rank=int(os.environ["RANK"]),
+        world_size=world_size,
+        timeout=timeout,
+    )
+
+
+def _leave_process_group():
+    liveness.stop_watching()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,65 @@
+"""A rank's storage of a Keras torch variable: its Parameter, swapped.
+
+A split variable keeps its `torch.nn.Parameter` object, which Keras layers
+and torch modules track, but the tensor inside is swapped for this rank's
+slice, and the variable reports the local shape.
+"""
+
+import gc
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from keras_tp.keras_internals import set_reported_shape
+from keras_tp.keras_internals import stored_value
+
+
+def parameter_of(variable):
+    """The `torch.nn.Parameter` a Keras torch variable stores its value in."""
+    return stored_value(variable)
+
+
+def to_numpy(tensor):
+    """`tensor` on the host as NumPy; bfloat16 through ml_dtypes."""
+    tensor = tensor.cpu()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return tensor.numpy()
+
+
+def from_numpy(array):
+    if array.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    # asarray, not ascontiguousarray, which makes scalars 1-D.
+    return torch.from_numpy(np.asarray(array, order="C"))
+
+
+def swap_storage(variable, value):
+    """Makes `variable` hold `value` (any shape); returns the old Parameter.
+
+    The `torch.nn.Parameter` object stays the one Keras layers and torch
+    modules track, but its tensor is swapped whole: assigning `.data` would
+    keep autograd metadata of the old shape, which breaks the next backward
+    pass if a graph built before (the planner's trace, say) is alive.
+    """
+    parameter = parameter_of(variable)
+    if not isinstance(value, torch.nn.Parameter):
+        value = torch.nn.Parameter(value, requires_grad=parameter.requires_grad)
+    try:
+        torch.utils.swap_tensors(parameter, value)
+    except RuntimeError:
+        # A dead autograd graph in a reference cycle still holds the tensor.
+        gc.collect()
+        try:
+            torch.utils.swap_tensors(parameter, value)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"Cannot split variable '{variable.path}': a live autograd "
+                "graph still uses it (an output of the model computed with "
+                "gradients before wrapping it, say). Delete such outputs, or "
+                "compute them under torch.no_grad(), before creating "
+                f"TensorParallelKeras. ({e})"
+            ) from None
+    set_reported_shape(variable, parameter.shape)
+    return value

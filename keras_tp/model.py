@@ -11,6 +11,7 @@ from keras_tp.keras_internals import place_slots_on_creation
 from keras_tp.keras_internals import print_msg
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.parallel import zero3
+from keras_tp.parallel.reports import DataParallelReports
 from keras_tp.plan.auto import auto_plan
 from keras_tp.plan.report import format_plan
 from keras_tp.plan.sharding_plan import ShardingPlan
@@ -21,7 +22,7 @@ from keras_tp.runtime import runtime_class
 _WRAPPED_MODELS = weakref.WeakSet()
 
 
-class TensorParallelKeras(keras.Model):
+class TensorParallelKeras(DataParallelReports, keras.Model):
     """Runs a built Keras model with its layers split across devices.
 
     Dense, EinsumDense, convolution, embedding and attention layers are
@@ -218,6 +219,22 @@ class TensorParallelKeras(keras.Model):
         )
         return optimizer
 
+    def make_train_function(self, force=False):
+        return self._make_step(super().make_train_function, force)
+
+    def make_test_function(self, force=False):
+        return self._make_step(super().make_test_function, force)
+
+    def make_predict_function(self, force=False):
+        return self._make_step(super().make_predict_function, force)
+
+    def _make_step(self, make, force):
+        """Keras' `make(force)`, once the runtime has placed what steps read."""
+        optimizer = self.optimizer.variables if self.optimizer else []
+        state = [*self.variables, *optimizer, *self.metrics_variables]
+        self._runtime.prepare_step_state(state)
+        return make(force)
+
     def train_step(self, *args, **kwargs):
         step = super().train_step
         return self._runtime.run_step("train", step, *args, **kwargs)
@@ -258,95 +275,6 @@ class TensorParallelKeras(keras.Model):
     def parameter_bytes_per_device(self):
         """`{device: bytes}` of the model's variables, read from the arrays."""
         return self._runtime.device_bytes(self.model.variables)
-
-    def optimizer_bytes_per_device(self):
-        """`{device: bytes}` of the optimizer state (slots included).
-
-        Gradient buffers of a `CoordinatedOptimizer` are not included;
-        `gradient_bytes_per_device()` reports them.
-        """
-        optimizer = self._built_optimizer()
-        variables = (
-            optimizer.state_variables
-            if isinstance(optimizer, CoordinatedOptimizer)
-            else optimizer.variables
-        )
-        return self._runtime.device_bytes(variables)
-
-    def gradient_bytes_per_device(self):
-        """`{device: bytes}` of the gradients each rank keeps between steps.
-
-        Only a `CoordinatedOptimizer` keeps gradients (its buffers, which
-        also accumulate micro-batches); other optimizers hold none.
-        """
-        optimizer = self._built_optimizer()
-        if not isinstance(optimizer, CoordinatedOptimizer):
-            return {device: 0 for device in self._runtime.devices}
-        return self._runtime.device_bytes(optimizer.gradient_buffers)
-
-    def _built_optimizer(self):
-        if self.optimizer is None:
-            raise ValueError("The model is not compiled: it has no optimizer.")
-        if not self.optimizer.built:
-            raise ValueError(
-                "The optimizer has no state yet: train one step first, or "
-                "call `tp.optimizer.build(tp.trainable_variables)`."
-            )
-        return self.optimizer
-
-    def get_gradient_sharding_info(self):
-        """How gradients and optimizer state are shared over the data axis.
-
-        Returns:
-            A dict with `zero_stage`, `data_parallel`, `bucket_cap_mb`,
-            `gradient_accumulation_steps`, `buckets` (per bucket: index,
-            MB, number of variables and its collective),
-            `unpartitioned_variables`, and per device, measured from the
-            arrays, `parameter_bytes`, `gradient_bytes` and
-            `optimizer_bytes`.
-        """
-        optimizer = self._built_optimizer()
-        if not isinstance(optimizer, CoordinatedOptimizer):
-            raise ValueError(
-                "The model trains with plain tensor parallelism (no data "
-                "axis, no ZeRO): its gradients are not shared. Pass "
-                "data_parallel or zero_stage to TensorParallelKeras."
-            )
-        info = optimizer.sharding_info()
-        info["parameter_bytes"] = self.parameter_bytes_per_device()
-        info["gradient_bytes"] = self.gradient_bytes_per_device()
-        info["optimizer_bytes"] = self.optimizer_bytes_per_device()
-        return info
-
-    def check_gradient_consistency(self, atol=0.0):
-        """Debug check that the replicas of every variable agree.
-
-        Compares the copies that data parallelism and tensor parallelism
-        keep of the same numbers: the parameters, and the synchronised
-        gradients a `CoordinatedOptimizer` keeps.
-
-        Args:
-            atol: largest difference tolerated.
-
-        Returns:
-            `{"consistent": bool, "max_difference": float, "variables":
-            {path: difference}}`.
-        """
-        variables = list(self.model.variables)
-        # Before compile() a Keras model may not have the attribute yet.
-        optimizer = getattr(self, "optimizer", None)
-        if isinstance(optimizer, CoordinatedOptimizer) and optimizer.built:
-            variables += optimizer.state_variables
-            # ZeRO-1 keeps each rank's own, unsynchronised gradient.
-            if optimizer.zero_stage != 1:
-                variables += optimizer.gradient_buffers
-        differences = self._runtime.replica_differences(variables)
-        worst = max(differences.values(), default=0.0)
-        return {
-            "consistent": worst <= atol,
-            "max_difference": worst,
-            "variables": differences,
-        }
 
     def get_parallelism_info(self):
         """A dict describing how the model is parallelised.

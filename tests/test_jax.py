@@ -767,6 +767,35 @@ def test_direct_calls_compile_once_and_keep_their_counts_and_state():
     assert max_diff(moving[0].value, expected[0].value) <= ATOL
 
 
+@pytest.mark.parametrize("data_parallel", [1, 2])
+def test_fit_compiles_its_step_once(data_parallel):
+    """No step input changes placement between steps or epochs.
+
+    The optimizer's step counter and the metrics' totals are laid out on
+    the mesh before the step is made; else the compiled step would come
+    back with them replicated and `fit()` would compile it again after the
+    first step and after resetting the metrics at the next epoch.
+    """
+    _, tp = pair("mlp", 2 * data_parallel, data_parallel=data_parallel)
+    tp.compile(optimizer="adam", loss=loss_fn(), metrics=["accuracy"])
+    x, y = models.data_for("mlp", batch=4 * BATCH)
+    traced = []
+    run_step = tp._runtime.run_step
+
+    def counting_run_step(phase, step, *args, **kwargs):
+        traced.append(phase)
+        return run_step(phase, step, *args, **kwargs)
+
+    tp._runtime.run_step = counting_run_step
+    try:
+        tp.fit(x, y, batch_size=BATCH, epochs=3, verbose=0)
+        tp.evaluate(x, y, batch_size=BATCH, verbose=0)
+        tp.evaluate(x, y, batch_size=BATCH, verbose=0)
+    finally:
+        del tp._runtime.run_step
+    assert traced == ["train", "test"], traced
+
+
 def test_two_hosts_gather_weights_and_save(tmp_path):
     """TP=4 over two jax.distributed processes of two devices each."""
     import json

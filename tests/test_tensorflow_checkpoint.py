@@ -60,8 +60,12 @@ def test_replicas_save_pieces_a_plain_model_loads(tmp_path):
         f"save1-replica{r}.safetensors" for r in range(4)
     ]
     plain = cases.compiled(models.BUILDERS[NAME](), NAME)
+    # The saved run goes on averaging two replicas' gradients, in an order
+    # TensorFlow's all-reduce does not fix from run to run; Adam amplifies
+    # that rounding as it does another backend's (6e-5 seen).
     cases.check_same(
         cases.load_and_record(plain, NAME, str(tmp_path)),
         reference,
         "tensorflow ZeRO-1 -> plain",
+        cases.CROSS_BACKEND_LOSS_TOLERANCE,
     )

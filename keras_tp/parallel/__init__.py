@@ -3,7 +3,9 @@
 - `optimizer`: `CoordinatedOptimizer`, which synchronises gradients over
   `data` (DDP, ZeRO-1/2/3) around any Keras optimizer;
 - `buckets`: the gradient buckets it sends, one collective each;
-- `zero3`: ZeRO-3's parameter gathers around each layer's call.
+- `zero3`: ZeRO-3's parameter gathers around each layer's call;
+- `reports`: optimizer and gradient bytes per device, gradient sharing,
+  and the consistency check of the copies (methods of the model).
 
 Tensor parallelism (the `model` axis) lives in `keras_tp.plan` and
 `keras_tp.regions`; each backend's storage and steps in `keras_tp.runtime`.

@@ -289,6 +289,15 @@ class Runtime(CheckpointPieces):
         with self.adapter.stats.recording("call"), sharing_copies():
             yield
 
+    def prepare_step_state(self, variables):
+        """Called with every variable a step reads, before Keras makes it.
+
+        The default does nothing; a runtime that compiles its steps for the
+        placement of their inputs places every variable, so that no input
+        changes placement after the first step (which would compile the
+        step again).
+        """
+
     def run_step(self, phase, step, *args, **kwargs):
         """Runs one Keras step function (`train_step`, ...) of `phase`.
 

@@ -136,6 +136,21 @@ class JaxRuntime(MeshSteps, MeshRegions, Runtime):
         set_jax_layout(variable, NamedSharding(self.mesh, spec))
         direct_assign(variable, variable.value)
 
+    def prepare_step_state(self, variables):
+        """Replicates over the mesh every variable not laid out on it.
+
+        A compiled step returns its outputs laid out on the mesh. An
+        optimizer's step counter or a metric's total that entered on one
+        device would come back replicated and enter the next step with
+        another placement, and `fit()` would compile the step again (twice:
+        after the first step, and when it resets the metrics).
+        """
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        for variable in variables:
+            if jax_layout(variable) is None:
+                set_jax_layout(variable, replicated)
+                direct_assign(variable, variable.value)
+
     def _variable_spec(self, variable):
         if id(variable) not in self.placement.full_shapes:
             return PartitionSpec()

@@ -230,8 +230,10 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
 
     def _make_step(self, make, force):
         """Keras' `make(force)`, once the runtime has placed what steps read."""
-        optimizer = self.optimizer.variables if self.optimizer else []
-        state = [*self.variables, *optimizer, *self.metrics_variables]
+        # Before compile() a Keras model may not have the attribute yet.
+        optimizer = getattr(self, "optimizer", None)
+        slots = optimizer.variables if optimizer else []
+        state = [*self.variables, *slots, *self.metrics_variables]
         self._runtime.prepare_step_state(state)
         return make(force)
 

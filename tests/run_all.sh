@@ -13,11 +13,14 @@ run() {
   KERAS_BACKEND=$backend python -m pytest -q -p no:cacheprovider $options "$@" \
     || status=1
 }
-# JAX and the backend-free tests spend most of their time in XLA's compiler,
-# one core at a time: two worker processes (pytest-xdist) take a test file
-# each. torch and TensorFlow tests start rank processes and replica threads
-# of their own and check timeouts and heartbeats, so they run alone.
-run jax "-n 2 --dist loadfile" $(ls tests/test_jax*.py tests/test_common*.py 2>/dev/null)
+# Most tests spend their time in compilers and in waiting for replicas, one
+# core at a time: two worker processes (pytest-xdist) take a test file each.
+# Tests that time collectives run alone: torch's (rank processes of their
+# own, heartbeats, timeouts) and TensorFlow's multi-worker timeouts.
+parallel="-n 2 --dist loadfile"
+timed=tests/test_tensorflow_multiworker_timeout.py
+run jax "$parallel" $(ls tests/test_jax*.py tests/test_common*.py 2>/dev/null)
 run torch "" $(ls tests/test_torch*.py 2>/dev/null)
-run tensorflow "" $(ls tests/test_tensorflow*.py 2>/dev/null)
+run tensorflow "$parallel" $(ls tests/test_tensorflow*.py 2>/dev/null | grep -vx "$timed")
+run tensorflow "" $(ls "$timed" 2>/dev/null)
 exit $status

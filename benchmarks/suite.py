@@ -52,15 +52,20 @@ def _model_parallel(quick):
     ]
 
 
+def _fit_timing(quick):
+    """Batch, steps per round and rounds of a benchmark timing `fit()`.
+
+    Eight steps per round: with two, fit()'s fixed cost and one slow step
+    decided a round (a 1.4x "overhead" on TensorFlow that was noise).
+    """
+    if quick:
+        return dict(batch=4, steps=1, repeats=1)
+    return dict(batch=8, steps=8, repeats=7)
+
+
 def _world_one(quick):
     lm = QUICK_LM if quick else LM
-    # Eight steps per round: with two, fit()'s fixed cost and one slow step
-    # decided a round (a 1.4x "overhead" on TensorFlow that was noise).
-    timing = (
-        dict(batch=4, steps=1, repeats=1)
-        if quick
-        else dict(batch=8, steps=8, repeats=7)
-    )
+    timing = _fit_timing(quick)
     return [
         _task(
             2,
@@ -99,11 +104,7 @@ def _torch_tp(quick):
 
 def _tensorflow(quick):
     lm = QUICK_LM if quick else LM
-    timing = (
-        dict(batch=4, steps=1, repeats=1)
-        if quick
-        else dict(batch=8, steps=8, repeats=7)
-    )
+    timing = _fit_timing(quick)
     return [
         _task(
             4,

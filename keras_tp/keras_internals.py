@@ -157,6 +157,55 @@ def sublayers(layer, recursive=True):
     return layer._flatten_layers(include_self=False, recursive=recursive)
 
 
+def own_seed_generators(layer):
+    """The `SeedGenerator`s tracked on `layer` itself (a Dropout's)."""
+    return list(layer._seed_generators)
+
+
+def seed_generators(layer):
+    """The `SeedGenerator`s of `layer` and of every layer inside it."""
+    return [
+        generator
+        for sub in layer._flatten_layers(include_self=True)
+        for generator in sub._seed_generators
+    ]
+
+
+@contextlib.contextmanager
+def shifted_seed_draws(generators, shift):
+    """Inside, each generator's draws are moved to another random stream.
+
+    Keras random ops draw `seed_generator.next()`, a `[seed, counter]`
+    pair, and advance the counter. Here a draw returns
+    `[seed + shift(), counter]` while the state advances exactly as
+    without it, so ranks that shift by their own amount draw independent
+    numbers yet keep the same generator state (and checkpoint it alike).
+
+    Args:
+        generators: the `SeedGenerator`s whose draws are shifted.
+        shift: function returning the shift, a scalar (it may be traced,
+            such as a mesh axis index, so it is read at each draw).
+    """
+    previous = [generator.__dict__.get("next") for generator in generators]
+    for generator in generators:
+        draw = generator.next
+
+        def shifted_next(ordered=True, draw=draw):
+            seed = draw(ordered)
+            amount = ops.cast(shift(), seed.dtype)
+            return seed + ops.stack([amount, ops.zeros_like(amount)])
+
+        generator.next = shifted_next
+    try:
+        yield
+    finally:
+        for generator, draw in zip(generators, previous):
+            if draw is None:
+                del generator.next
+            else:
+                generator.next = draw
+
+
 def stored_kernel(layer, name):
     """The variable behind a kernel property, or `None`.
 

@@ -1,5 +1,6 @@
 """`TensorParallelKeras`: a `keras.Model` split across devices."""
 
+import os
 import weakref
 
 import keras
@@ -352,11 +353,61 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             self.model, filepath, overwrite=overwrite, **kwargs
         )
 
-    def save_weights(self, filepath, overwrite=True, **kwargs):
-        """Saves the unsplit weights of the original model."""
-        self._runtime.save_weights(
-            self.model, filepath, overwrite=overwrite, **kwargs
-        )
+    def save_weights(self, filepath, overwrite=True):
+        """Saves a sharded checkpoint of the weights and optimizer state.
+
+        `filepath` becomes a checkpoint directory, whatever its name ends
+        with: Keras' `BackupAndRestore` and `ModelCheckpoint` callbacks
+        name it `*.weights.h5`. Every process writes its own pieces (see
+        `keras_tp.save_checkpoint`); `load_weights` resumes from it at any
+        layout. For one Keras file of the unsplit model, use `save()`.
+
+        Args:
+            filepath: the checkpoint directory.
+            overwrite: whether to replace a checkpoint already there.
+
+        Example:
+
+        ```python
+        backup = keras.callbacks.BackupAndRestore("backup")
+        tp.fit(x, y, epochs=4, callbacks=[backup])
+        ```
+        """
+        filepath = os.fspath(filepath)
+        if not overwrite and os.path.exists(filepath):
+            raise FileExistsError(
+                f"save_weights(): '{filepath}' exists and overwrite=False. "
+                "Pass overwrite=True, or another path."
+            )
+        checkpoint.save_checkpoint(self, filepath)
+
+    def load_weights(self, filepath, skip_mismatch=False, **kwargs):
+        """Loads a checkpoint written by `save_weights` or `save_checkpoint`.
+
+        The weights and, for a compiled model, the optimizer state and step
+        are restored at this model's layout, whatever the saving layout or
+        backend was.
+
+        Args:
+            filepath: the checkpoint directory.
+            skip_mismatch: not supported: a checkpoint of another
+                architecture is refused, naming the variable.
+        """
+        filepath = os.fspath(filepath)
+        if skip_mismatch or kwargs:
+            raise ValueError(
+                "load_weights() of a TensorParallelKeras model takes only "
+                f"the checkpoint path; got skip_mismatch={skip_mismatch} and "
+                f"{sorted(kwargs)}."
+            )
+        if not os.path.isdir(filepath):
+            raise ValueError(
+                f"load_weights(): '{filepath}' is not a keras_tp checkpoint "
+                "directory. Load a Keras weights file into the model before "
+                "wrapping it (`model.load_weights(path)`, then "
+                "`TensorParallelKeras(model, ...)`)."
+            )
+        checkpoint.load_checkpoint(self, filepath)
 
     def save_checkpoint(self, directory, epoch=None):
         """Saves a sharded checkpoint: see `keras_tp.save_checkpoint`."""

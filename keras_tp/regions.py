@@ -14,11 +14,18 @@ import contextvars
 import keras
 
 from keras_tp.keras_internals import get_keras_mask
+from keras_tp.keras_internals import own_seed_generators
+from keras_tp.keras_internals import seed_generators
 from keras_tp.keras_internals import set_keras_mask
+from keras_tp.keras_internals import shifted_seed_draws
 from keras_tp.plan.attention import ATTENTION
 from keras_tp.plan.sharding_plan import ShardedUnit
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Row
+
+# How far apart the ranks' random streams start: distinct seeds for up to
+# 2,000 ranks within the narrowest seed dtype (int32, on torch).
+_RANK_SEED_STRIDE = 1_000_003
 
 _LOCAL_WEIGHTS = contextvars.ContextVar("keras_tp_local_weights", default=None)
 _SHARED_COPIES = contextvars.ContextVar("keras_tp_shared_copies", default=None)
@@ -257,7 +264,7 @@ def install(plan, runtime):
             region = ShardedRegion(
                 unit,
                 members,
-                unit.call,
+                per_rank_draws(seed_generators(unit), unit.call, adapter),
                 lambda args, kwargs, unit=unit: ATTENTION.output_axes(
                     unit, kwargs
                 ),
@@ -279,7 +286,58 @@ def install(plan, runtime):
             _refuse_late_lora(member.layer)
         runtime.prepare_region(region)
         regions.append(region)
+    for layer in plan.per_rank_random:
+        set_call(layer, _split_random_call(layer, runtime))
     return regions
+
+
+def per_rank_draws(generators, call, adapter):
+    """`call`, with `generators` drawing a random stream of their own per rank.
+
+    Inside a sharded region the activations are split: attention heads,
+    a Column layer's features. A dropout there must draw an independent
+    mask for each rank's part, as one device draws one mask for the whole
+    tensor; every rank starting from the same seed would repeat one mask
+    on every part. The generators' states still advance alike on every
+    rank (see `shifted_seed_draws`).
+
+    Args:
+        generators: the `SeedGenerator`s the call draws from.
+        call: the per-rank function.
+        adapter: the `model`-axis collective adapter, whose `rank()` is
+            read inside the call.
+
+    Returns:
+        The wrapped function (`call` itself if there is nothing to draw).
+    """
+    if not generators:
+        return call
+
+    def call_with_rank_draws(*args, **kwargs):
+        shift = lambda: adapter.rank() * _RANK_SEED_STRIDE  # noqa: E731
+        with shifted_seed_draws(generators, shift):
+            return call(*args, **kwargs)
+
+    return call_with_rank_draws
+
+
+def _split_random_call(layer, runtime):
+    """A Dropout (say) that runs on split activations draws per rank.
+
+    Where the runtime holds global values (JAX without a data axis), the
+    layer runs on the whole tensor and draws one mask as on one device.
+    """
+    whole_call = layer.call
+    local_call = per_rank_draws(
+        own_seed_generators(layer), whole_call, runtime.adapter
+    )
+
+    def call(*args, **kwargs):
+        if runtime.holds_local_values():
+            return local_call(*args, **kwargs)
+        return whole_call(*args, **kwargs)
+
+    return call
 
 
 def _accept_split_input(layer):

@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 from keras import layers  # noqa: E402
 
 from tests import models  # noqa: E402
+from tests import random_cases  # noqa: E402
 from tests.models import loss_fn  # noqa: E402
 from tests.models import max_diff  # noqa: E402
 
@@ -242,11 +243,17 @@ def test_weights_round_trip_and_save(tmp_path):
     np.testing.assert_allclose(
         loaded.predict(x, verbose=0), tp.predict(x, verbose=0), atol=ATOL
     )
+    # save_weights writes a sharded checkpoint, whatever the name says.
     weights_path = str(tmp_path / "trained.weights.h5")
     tp.save_weights(weights_path)
     plain = models.transformer_lm(seed=3)
-    plain.load_weights(weights_path)
+    keras_tp.load_checkpoint(plain, weights_path)
     assert max_diff(plain.get_weights(), weights) == 0.0
+    other = keras_tp.TensorParallelKeras(models.transformer_lm(seed=3), 4)
+    other.load_weights(weights_path)
+    assert max_diff(other.get_weights(), weights) == 0.0
+    with pytest.raises(ValueError, match="not a keras_tp checkpoint"):
+        other.load_weights(path)
     with pytest.raises(ValueError, match="token_embedding/embeddings"):
         tp.set_weights([np.zeros((3, 3))] + weights[1:])
 
@@ -724,6 +731,26 @@ def test_attention_dropout_trains_and_state_stays_outside_regions():
     np.testing.assert_allclose(
         tp.predict(x, verbose=0), reference.predict(x, verbose=0), atol=ATOL
     )
+
+
+@pytest.mark.parametrize("data_parallel", [1, 2])
+def test_dropout_draws_a_mask_per_split_part(data_parallel):
+    """Per-rank masks in split regions, on global arrays and per rank."""
+    random_cases.check_masks(
+        random_cases.masked_outputs(random_cases.probe_model())
+    )
+    tp = keras_tp.TensorParallelKeras(
+        random_cases.probe_model(),
+        world_size=2 * data_parallel,
+        data_parallel=data_parallel,
+    )
+    # With a data axis each rank runs the Dropout between `up` and `down`
+    # on its own features; on global arrays it masks the whole tensor.
+    expected = ["split_dropout"] if data_parallel > 1 else []
+    assert [layer.name for layer in tp.sharding_plan.per_rank_random] == (
+        expected
+    )
+    random_cases.check_masks(random_cases.masked_outputs(tp))
 
 
 def test_direct_calls_compile_once_and_keep_their_counts_and_state():

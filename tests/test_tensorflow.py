@@ -36,6 +36,7 @@ from keras_tp.runtime.tensorflow import TensorFlowRuntime  # noqa: E402
 keras_tp.configure_virtual_devices(4)
 
 from tests import models  # noqa: E402
+from tests import random_cases  # noqa: E402
 
 TOLERANCE = 1e-5
 FIT_STEPS = 5
@@ -485,7 +486,7 @@ def test_get_set_weights_and_save_round_trip(tmp_path):
     weights_path = str(tmp_path / "transformer.weights.h5")
     tp.save_weights(weights_path)
     plain = models.transformer_lm(seed=3)
-    plain.load_weights(weights_path)
+    keras_tp.load_checkpoint(plain, weights_path)
     assert _max_diff(plain.get_weights(), trained) == 0
     assert tp.parameter_bytes_per_device() == bytes_before
     tp.train_on_batch(x[:BATCH], case["y"][:BATCH])
@@ -583,3 +584,16 @@ def test_multi_worker_mirrored_strategy_matches_one_device(tmp_path):
         # Each worker holds half of the split parameters.
         local = [b for b in result["parameter_bytes_per_device"].values() if b]
         assert len(local) == 1
+
+
+@pytest.mark.parametrize("data_parallel", [1, 2])
+def test_dropout_draws_a_mask_per_split_part(data_parallel):
+    tp = keras_tp.TensorParallelKeras(
+        random_cases.probe_model(),
+        world_size=2 * data_parallel,
+        data_parallel=data_parallel,
+    )
+    assert [layer.name for layer in tp.sharding_plan.per_rank_random] == [
+        "split_dropout"
+    ]
+    random_cases.check_masks(random_cases.masked_outputs(tp))

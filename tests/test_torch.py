@@ -31,6 +31,7 @@ from keras_tp.launcher import RankTimeoutError  # noqa: E402
 from keras_tp.launcher import RemoteTraceback  # noqa: E402
 from keras_tp.launcher import launch  # noqa: E402
 from tests import models  # noqa: E402
+from tests import random_cases  # noqa: E402
 from tests.torch_scripts import rank_checks  # noqa: E402
 
 WORLD_SIZE = 2
@@ -187,6 +188,12 @@ def test_save_restores_the_shards(api_run):
     for rank in ranks:
         assert rank["forward_after_save"] <= TOLERANCE
         assert set(rank["shards_after_save"]) == {f"cpu:{rank['rank']}"}
+
+
+def test_dropout_masks_per_split_part_and_alike_where_whole(api_run):
+    _, ranks = api_run
+    random_cases.check_masks(ranks[0]["masks"])
+    random_cases.check_same_on_every_rank([r["masks"] for r in ranks])
 
 
 def test_parallelism_info(api_run):

@@ -29,6 +29,7 @@ from keras_tp.plan.planner import Planner
 from keras_tp.plan.sharding_plan import ShardingPlan
 from keras_tp.plan.styles import Replicate
 from keras_tp.plan.verify import local_problems
+from keras_tp.plan.verify import random_on_split_values
 
 logger = logging.getLogger(__name__)
 
@@ -101,13 +102,19 @@ def auto_plan(model, tensor_parallel=None, check_local=True, world_size=None):
     fallbacks = {}
     if check_local and tensor_parallel > 1:
         planner.demote_whole_key_values(decisions, fallbacks)
+        random_inputs = {}
         for _ in range(len(decisions) + 1):
             plan = _emit(
                 model, tensor_parallel, decisions, fallbacks, planner.reasons
             )
-            problems = local_problems(model, plan, trace, _group_of(decisions))
+            problems = local_problems(
+                model, plan, trace, _group_of(decisions), random_inputs
+            )
             if not problems:
-                break
+                plan.per_rank_random = random_on_split_values(
+                    plan, random_inputs
+                )
+                return plan
             for key, problem in problems.items():
                 planner.demote(decisions, key, problem, fallbacks)
     return _emit(model, tensor_parallel, decisions, fallbacks, planner.reasons)

@@ -80,6 +80,10 @@ class ShardingPlan:
         # map"`, `"auto: ..."`), and why auto fell back where it did.
         self.sources = {}
         self.fallbacks = {}
+        # The layers drawing random numbers on split activations (a
+        # Dropout between a Column layer and its Row partner), found by
+        # the local-execution check: each rank draws its own there.
+        self.per_rank_random = []
 
     def __repr__(self):
         lines = [

@@ -29,9 +29,12 @@ import numpy as np
 from keras import ops
 
 from keras_tp.keras_internals import StatelessScope
+from keras_tp.keras_internals import own_seed_generators
 from keras_tp.keras_internals import own_trainable_variables
+from keras_tp.keras_internals import sublayers
 from keras_tp.plan import trace as tracing
 from keras_tp.plan.handler import ShardingError
+from keras_tp.plan.sharding_plan import ShardedUnit
 from keras_tp.plan.styles import Channelwise
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import ExpertParallel
@@ -91,7 +94,10 @@ def check_locally(model, plan):
         plan: a bound `ShardingPlan`.
     """
     group_of = {id(e.layer): e.layer.path for e in plan.leaf_layers()}
-    problems = local_problems(model, plan, tracing.trace_model(model), group_of)
+    random_inputs = {}
+    problems = local_problems(
+        model, plan, tracing.trace_model(model), group_of, random_inputs
+    )
     if problems:
         listing = "; ".join(
             f"'{path}': {problem.reason}" for path, problem in problems.items()
@@ -101,6 +107,7 @@ def check_locally(model, plan):
             f"{listing}. Map these layers to Replicate(), or let "
             'plan="auto" choose.'
         )
+    plan.per_rank_random = random_on_split_values(plan, random_inputs)
 
 
 def expert_output_axis(call, handler, tensor_parallel):
@@ -154,7 +161,7 @@ def expert_output_axis(call, handler, tensor_parallel):
     return False, None
 
 
-def local_problems(model, plan, trace, group_of):
+def local_problems(model, plan, trace, group_of, random_inputs=None):
     """Checks a bound plan for ranks that hold their own slices.
 
     Args:
@@ -164,16 +171,62 @@ def local_problems(model, plan, trace, group_of):
             values).
         group_of: `{id(layer): group key}` for each split leaf layer;
             problems are reported per group.
+        random_inputs: a dict that receives, for each layer drawing random
+            numbers of its own (a Dropout), whether its inputs are split on
+            a rank: `{layer: {True, False}}`, a set of what its calls saw.
 
     Returns:
         `{group key or layer path: Problem}`; empty when every rank's view
         gives the one-device numbers.
     """
     for rank in range(plan.tensor_parallel):
-        problems = _Emulation(model, plan, trace, group_of, rank).run()
+        emulation = _Emulation(model, plan, trace, group_of, rank)
+        problems = emulation.run()
+        if random_inputs is not None:
+            random_inputs.clear()
+            random_inputs.update(emulation.random_inputs)
         if problems:
             return problems
     return {}
+
+
+def random_on_split_values(plan, random_inputs):
+    """The layers whose random draws act on split activations.
+
+    A Dropout between a Column layer and its Row partner sees one rank's
+    features; each rank must draw its own mask there, where a Dropout on a
+    whole activation must draw the same mask on every rank. A layer called
+    on both cannot do both. The layers inside a split attention layer are
+    left out: the whole region draws per rank.
+
+    Args:
+        plan: the bound plan that was checked.
+        random_inputs: what `local_problems` recorded.
+
+    Returns:
+        The layers that draw per rank.
+    """
+    inside = {
+        id(sub)
+        for entry in plan.layers
+        if isinstance(entry, ShardedUnit)
+        for sub in sublayers(entry.layer)
+    }
+    random_inputs = {
+        layer: seen
+        for layer, seen in random_inputs.items()
+        if id(layer) not in inside
+    }
+    mixed = [layer for layer, seen in random_inputs.items() if len(seen) > 1]
+    if mixed:
+        name = mixed[0].path or mixed[0].name
+        raise ShardingError(
+            f"Layer '{name}' draws random numbers (a dropout mask) both "
+            "on split activations, where each rank must draw its own, and "
+            "on whole ones, where every rank must draw the same. Use a "
+            "separate layer for each place it is called."
+        )
+    return [layer for layer, seen in random_inputs.items() if True in seen]
 
 
 class _Emulation:
@@ -187,6 +240,7 @@ class _Emulation:
         self.problems = {}
         self.active = []  # groups whose split values are alive
         self.counters = collections.Counter()
+        self.random_inputs = {}
 
     def run(self):
         watched = {}
@@ -264,6 +318,8 @@ class _Emulation:
         local = [tuple(a.shape) for a in inputs] != [
             tuple(a.shape) for a in reference.inputs
         ]
+        if own_seed_generators(layer):
+            self.random_inputs.setdefault(layer, set()).add(local)
         own = own_trainable_variables(layer)
         if local and own and self.active:
             self._blame_active(

@@ -172,12 +172,6 @@ class Runtime(CheckpointPieces):
         """Writes the unsplit `model` with its current weights."""
         self._write_unsplit(model, lambda: model.save(filepath, **kwargs))
 
-    def save_weights(self, model, filepath, **kwargs):
-        """Writes the unsplit weights of `model`."""
-        self._write_unsplit(
-            model, lambda: model.save_weights(filepath, **kwargs)
-        )
-
     def _write_unsplit(self, model, write):
         """Runs `write` (a Keras save) where `model`'s variables read whole.
 
@@ -321,6 +315,15 @@ class Runtime(CheckpointPieces):
     def run_region(self, region, args, kwargs):
         """Runs a `ShardedRegion`'s call on every rank; returns the output."""
         raise NotImplementedError
+
+    def holds_local_values(self):
+        """Whether the code running now sees one rank's tensors.
+
+        True in a torch process; on JAX inside per-rank steps, on
+        TensorFlow inside a replica. Elsewhere the values are global and a
+        layer sees whole tensors.
+        """
+        return True
 
     def local_value(self, variable):
         """This rank's value of `variable` where ranks hold their own."""

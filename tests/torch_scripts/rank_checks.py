@@ -18,6 +18,7 @@ import keras_tp
 from keras_tp import collectives
 from keras_tp.collectives.base import nbytes
 from tests import models
+from tests import random_cases
 
 
 def _loss():
@@ -249,7 +250,7 @@ def api_checks(save_path):
     tp.save_weights(weights_path)
     if rank == 0:
         plain = models.transformer_lm(seed=3)
-        plain.load_weights(weights_path)
+        keras_tp.load_checkpoint(plain, weights_path)
         result["saved_weights"] = max(
             _max_diff(a, b)
             for a, b in zip(plain.get_weights(), reference.get_weights())
@@ -262,6 +263,9 @@ def api_checks(save_path):
         for k, v in tp.get_parallelism_info().items()
         if k in ("backend", "world_size", "tensor_parallel", "devices")
     }
+
+    masked = keras_tp.TensorParallelKeras(random_cases.probe_model(), 2)
+    result["masks"] = random_cases.masked_outputs(masked)
 
     result["collectives"] = _collective_checks(rank, world_size)
     result["conjugate"] = _conjugate_gradient_checks(rank, world_size)

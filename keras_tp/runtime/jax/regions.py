@@ -52,6 +52,9 @@ class MeshRegions:
     def _inside_ranks(self):
         return TRACING_RANKS_OF.get() is self
 
+    def holds_local_values(self):
+        return self._inside_ranks
+
     @contextlib.contextmanager
     def _gathered_partitions(self, layer, variables, axes):
         """Gathers inside per-rank steps, where each device holds a partition.

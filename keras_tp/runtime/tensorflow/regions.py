@@ -25,6 +25,9 @@ class ReplicaRegions:
         # Its split variables can only be read inside a replica.
         self._local_layers = True
 
+    def holds_local_values(self):
+        return self._in_replica()
+
     def run_region(self, region, args, kwargs):
         if self._in_replica():
             return self.run_local_region(region, args, kwargs)

@@ -13,6 +13,7 @@ _EXPORTS = {
     "Channelwise": "keras_tp.plan",
     "CheckpointError": "keras_tp.checkpoint",
     "Column": "keras_tp.plan",
+    "Compression": "keras_tp.parallel",
     "CoordinatedOptimizer": "keras_tp.parallel",
     "ExpertParallel": "keras_tp.plan",
     "RankLostError": "keras_tp.launcher",

@@ -51,8 +51,7 @@ class Bucket:
         """
         total = sum(math.prod(s) for s in self.shapes)
         if not self.partitioned:
-            step = max(1, int(self.cap_bytes // itemsize))
-            return [(a, min(a + step, total)) for a in range(0, total, step)]
+            return _chunks(total, itemsize, self.cap_bytes)
         return [(0, total)]
 
     def describe(self):
@@ -78,7 +77,7 @@ class Bucket:
         position = {id(v): i for i, v in enumerate(variables)}
         return [position[id(v)] for v in self.variables]
 
-    def all_reduce(self, grads, variables, out, adapter):
+    def all_reduce(self, grads, variables, out, adapter, codec=None):
         """Averages the bucket's gradients over `adapter`'s axis.
 
         Args:
@@ -86,30 +85,38 @@ class Bucket:
             variables: the variables the gradients belong to.
             out: a list like `grads`; the bucket's entries are replaced.
             adapter: the collective adapter of the `data` axis.
+            codec: the compression's arithmetic (see `compression.py`),
+                or `None` to send the gradients as they are.
         """
         indices = self._indices(variables)
-        flat = ops.concatenate(
-            [ops.reshape(grads[i], (-1,)) for i in indices], axis=0
-        )
-        pieces = [
-            adapter.all_reduce(flat[start:stop], "mean")
-            for start, stop in self.chunks(nbytes(flat, (1,)))
-        ]
-        flat = ops.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
-        sizes = [math.prod(s) for s in self.shapes]
-        pieces = _split_columns(ops.reshape(flat, (1, -1)), sizes)
-        for i, piece, shape in zip(indices, pieces, self.shapes):
-            out[i] = ops.reshape(piece, shape)
+        values = [grads[i] for i in indices]
+        if codec is None:
+            averaged = all_reduce_flat(values, adapter, self.cap_bytes)
+        else:
+            averaged = codec.all_reduce(self, values, adapter)
+        for i, value in zip(indices, averaged):
+            out[i] = value
 
-    def reduce_scatter(self, grads, variables, out, adapter):
+    def reduce_scatter(self, grads, variables, out, adapter, codec=None):
         """This rank's partition of the bucket's averaged gradients.
 
-        Arguments as in `all_reduce`; `out` receives the partitions.
+        Arguments as in `all_reduce`; `out` receives the partitions. A
+        codec that cannot reduce-scatter (PowerSGD, signs) all-reduces its
+        compressed form, and each rank keeps its partition.
         """
         parts = adapter.size()
         indices = self._indices(variables)
+        if codec is not None and not codec.scatters:
+            values = [grads[i] for i in indices]
+            averaged = codec.all_reduce(self, values, adapter)
+            for i, value, axis in zip(indices, averaged, self.partition_axes):
+                out[i] = partition(value, axis, adapter.rank(), parts)
+            return
         rows = self._as_rows(grads, indices, parts)
-        local = adapter.reduce_scatter(rows, axis=0, op="mean")
+        if codec is None:
+            local = adapter.reduce_scatter(rows, axis=0, op="mean")
+        else:
+            local = codec.reduce_scatter(rows, adapter)
         for i, piece, axis, shape in self._partitions(local, indices, parts):
             part_shape = list(shape)
             part_shape[axis] //= parts
@@ -208,6 +215,55 @@ def make_buckets(var_list, partition_axes, shard_shape, cap_bytes):
         )
         for index, (variables, axes, shapes, total) in enumerate(closed)
     ]
+
+
+def all_reduce_flat(tensors, adapter, cap_bytes, mean=None):
+    """Averages `tensors` over `adapter`'s axis as one flat vector.
+
+    The vector is cut into calls of at most `cap_bytes`, so the number of
+    calls is exactly its bytes over the cap, rounded up.
+
+    Args:
+        tensors: tensors of one dtype.
+        adapter: the collective adapter.
+        cap_bytes: the most bytes of one call.
+        mean: the average of one flat piece over the ranks; by default
+            `adapter.all_reduce(piece, "mean")`.
+
+    Returns:
+        The averaged tensors, in their shapes.
+    """
+    if mean is None:
+
+        def mean(piece):
+            return adapter.all_reduce(piece, "mean")
+
+    shapes = [tuple(t.shape) for t in tensors]
+    flat = ops.concatenate([ops.reshape(t, (-1,)) for t in tensors], axis=0)
+    total = int(flat.shape[0])
+    pieces = [
+        mean(flat[start:stop])
+        for start, stop in _chunks(total, nbytes(flat, (1,)), cap_bytes)
+    ]
+    flat = ops.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+    sizes = [math.prod(s) for s in shapes]
+    pieces = _split_columns(ops.reshape(flat, (1, -1)), sizes)
+    return [ops.reshape(p, s) for p, s in zip(pieces, shapes)]
+
+
+def partition(value, axis, rank, parts):
+    """Partition `rank` of `parts` equal slices of `value` along `axis`."""
+    shape = list(value.shape)
+    shape[axis] //= parts
+    start = [0] * len(shape)
+    start[axis] = rank * shape[axis]
+    return ops.slice(value, start, shape)
+
+
+def _chunks(total, itemsize, cap_bytes):
+    """`[(start, stop)]` ranges of at most `cap_bytes` over `total` items."""
+    step = max(1, int(cap_bytes // itemsize))
+    return [(a, min(a + step, total)) for a in range(0, total, step)]
 
 
 def _as_rows(x, axis, parts):

@@ -16,6 +16,8 @@ tensor-parallel shards are already exact on their rank; what is left is the
 A variable is partitioned along the first axis of its tensor-parallel shard
 that the data-parallel size divides; a variable with no such axis stays
 whole on every rank and its gradient is all-reduced.
+
+Stages 0 to 2 can compress what they send (`compression.py`).
 """
 
 import keras
@@ -28,7 +30,10 @@ from keras_tp.keras_internals import own_optimizer_variables
 from keras_tp.keras_internals import place_slots_on_creation
 from keras_tp.keras_internals import stateful_cond
 from keras_tp.parallel.buckets import make_buckets
+from keras_tp.parallel.buckets import partition
 from keras_tp.parallel.clipping import clipped
+from keras_tp.parallel.compression import Compression
+from keras_tp.parallel.compression import make_codec
 
 
 class CoordinatedOptimizer(keras.optimizers.Optimizer):
@@ -50,6 +55,9 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             ZeRO-1 accumulate the local gradient and synchronise once per
             update; ZeRO-2 and 3 reduce-scatter every micro-batch, because
             keeping only a partition of the gradient is their point.
+        compression: how gradients travel over the data axis: `None`
+            (as they are), `"bf16"`, `"fp16"`, `"powersgd"`, `"sign"` or
+            a `keras_tp.Compression`. Stages 0 to 2 only.
         name: name of the optimizer.
 
     Example:
@@ -59,7 +67,8 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
                                       zero_stage=1)
     optimizer = keras_tp.CoordinatedOptimizer(
         keras.optimizers.AdamW(1e-3, global_clipnorm=1.0),
-        zero_stage=1, bucket_cap_mb=25, gradient_accumulation_steps=2)
+        zero_stage=1, bucket_cap_mb=25, gradient_accumulation_steps=2,
+        compression="bf16")
     tp.compile(optimizer=optimizer, loss="mse")
     ```
     """
@@ -70,6 +79,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         zero_stage=0,
         bucket_cap_mb=25,
         gradient_accumulation_steps=1,
+        compression=None,
         name=None,
     ):
         if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -109,6 +119,15 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
                 f"Optimizer '{optimizer.name}' is already built on other "
                 "variables; give CoordinatedOptimizer a new optimizer."
             )
+        compression = Compression.get(compression)
+        if compression is not None and zero_stage == 3:
+            raise ValueError(
+                f"compression={compression.kind!r} does not apply to "
+                "zero_stage=3, whose gradients are reduce-scattered by the "
+                "backward pass of its parameter gathers. Use zero_stage=2 "
+                "to compress gradients, or compression=None with "
+                "zero_stage=3."
+            )
         super().__init__(
             learning_rate=0.0, name=name or f"coordinated_{optimizer.name}"
         )
@@ -118,6 +137,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         # Not `gradient_accumulation_steps`: Keras' base optimizer would
         # build its own accumulators from that attribute.
         self.accumulation_steps = gradient_accumulation_steps
+        self.compression = compression
         # Norms need every shard's gradient, so clipping by norm happens
         # here, across ranks, instead of in the inner optimizer.
         self.clip_norm = optimizer.clipnorm
@@ -197,6 +217,13 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             self.micro_step = self.add_variable(
                 (), initializer="zeros", dtype="int32", name="micro_step"
             )
+        # Errors and PowerSGD's `Q`s are optimizer variables, so that
+        # checkpoints keep them.
+        self._codec = (
+            None
+            if self.compression is None
+            else make_codec(self.compression, self, var_list)
+        )
         super().build(var_list)
 
     def _slot_partition_axis(self, reference_variable):
@@ -210,7 +237,10 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
 
     @property
     def state_variables(self):
-        """Variables of the optimizer state: all but the gradient buffers."""
+        """Variables of the optimizer state: all but the gradient buffers.
+
+        They include the compression's errors and `Q`s.
+        """
         buffers = {id(b) for b in self.gradient_buffers}
         return [v for v in self.variables if id(v) not in buffers]
 
@@ -309,7 +339,9 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         """Averages the gradients over the data axis, one call per bucket."""
         out = list(grads)
         for bucket in self.buckets:
-            bucket.all_reduce(grads, variables, out, self._data_adapter)
+            bucket.all_reduce(
+                grads, variables, out, self._data_adapter, self._codec
+            )
         return out
 
     def _reduce_scatter(self, grads, variables):
@@ -319,11 +351,14 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         Under ZeRO-3 the partitioned gradients arrive reduced already.
         """
         out = list(grads)
+        adapter = self._data_adapter
         for bucket in self.buckets:
             if not bucket.partitioned:
-                bucket.all_reduce(grads, variables, out, self._data_adapter)
+                bucket.all_reduce(grads, variables, out, adapter, self._codec)
             elif self.zero_stage != 3:
-                bucket.reduce_scatter(grads, variables, out, self._data_adapter)
+                bucket.reduce_scatter(
+                    grads, variables, out, adapter, self._codec
+                )
         return out
 
     def _all_gather(self, partitions, variables):
@@ -359,7 +394,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             if axis is None:
                 continue
             bound.append(
-                (variable, _partition(variable.value, axis, rank, parts))
+                (variable, partition(variable.value, axis, rank, parts))
             )
         with bind_values(bound) as scope:
             self.inner_optimizer.apply(grads, variables)
@@ -396,6 +431,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             "data_parallel": self.data_parallel,
             "bucket_cap_mb": self.bucket_cap_mb,
             "gradient_accumulation_steps": self.accumulation_steps,
+            "compression": self.compression,
             "buckets": [
                 entry for bucket in self.buckets for entry in bucket.describe()
             ],
@@ -415,6 +451,11 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             "zero_stage": self.zero_stage,
             "bucket_cap_mb": self.bucket_cap_mb,
             "gradient_accumulation_steps": self.accumulation_steps,
+            "compression": (
+                None
+                if self.compression is None
+                else self.compression.get_config()
+            ),
         }
 
     @classmethod
@@ -424,12 +465,3 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             config.pop("optimizer"), custom_objects=custom_objects
         )
         return cls(optimizer, **config)
-
-
-def _partition(value, axis, rank, parts):
-    """Partition `rank` of `parts` equal slices of `value` along `axis`."""
-    shape = list(value.shape)
-    shape[axis] //= parts
-    start = [0] * len(shape)
-    start[axis] = rank * shape[axis]
-    return ops.slice(value, start, shape)

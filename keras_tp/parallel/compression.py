@@ -1,0 +1,412 @@
+"""Compression of the gradients a `CoordinatedOptimizer` sends over `data`.
+
+Written once in `keras.ops` and the collective adapter interface, so every
+backend runs the same arithmetic:
+
+- `"bf16"`, `"fp16"`: each bucket travels in 16 bits and is cast back;
+- `"powersgd"`: rank-r PowerSGD with error feedback and warm-started `Q`
+  (Vogels et al. 2019, torch's `powerSGD_hook`);
+- `"sign"`: 1-bit scaled signs with error feedback (EF-SignSGD,
+  Karimireddy et al. 2019), packed 32 to an int32 word and all-gathered.
+
+Only the data axis is compressed: tensor-parallel collectives carry
+activations, and ZeRO-3's gradients are reduce-scattered by the backward
+pass of its parameter gathers, before the optimizer sees them.
+"""
+
+import math
+
+import numpy as np
+from keras import ops
+
+from keras_tp.parallel.buckets import all_reduce_flat
+
+KINDS = ("bf16", "fp16", "powersgd", "sign")
+_CAST_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+# Gram-Schmidt's guard against a zero column, as in torch's PowerSGD.
+_EPSILON = 1e-8
+_BITS = 32
+
+
+class Compression:
+    """How a `CoordinatedOptimizer` compresses gradients over `data`.
+
+    - `"bf16"` and `"fp16"` cast each bucket to 16 bits for its collective
+      (DDP's all-reduce, ZeRO-1/2's reduce-scatter) and back: half the
+      bytes. fp16 divides by the number of data ranks before the cast and
+      sums after, as torch's `fp16_compress_hook` does, so the sum cannot
+      overflow where the mean would not; gradients below 6e-8 flush to
+      zero in fp16 (bf16 keeps float32's range).
+    - `"powersgd"` approximates each gradient matrix (the gradient
+      reshaped to `(shape[0], -1)`) by `P Q^T` of rank `rank`: `P = M Q`
+      is all-reduced and orthogonalised, `Q = M^T P` all-reduced, and the
+      part of `M` the approximation misses is kept and added to the next
+      step's gradient (error feedback). `Q` is reused from the previous
+      step (warm start); its first value comes from NumPy with `seed`, the
+      same on every rank and backend. A matrix is compressed only if that
+      sends at least `min_compression_rate` times fewer bytes; vectors
+      and small matrices are all-reduced uncompressed in one call.
+    - `"sign"` sends one bit per gradient entry: each rank keeps its
+      gradient plus its error, sends the signs (32 to an int32 word) and
+      one scale per tensor (the mean absolute value), and keeps what the
+      scaled signs miss as its next error. Signs and scales are
+      all-gathered: every rank receives `data_parallel` times its own
+      bytes, which counts in `communication_stats()`.
+
+    Under ZeRO-1 and 2, `"bf16"` and `"fp16"` reduce-scatter; `"powersgd"`
+    and `"sign"` all-reduce (all-gather) their compressed form and each
+    rank keeps its partition of the result. Compression does not apply to
+    ZeRO-3, whose gradients are reduce-scattered by the backward pass.
+
+    Args:
+        kind: `"bf16"`, `"fp16"`, `"powersgd"` or `"sign"`.
+        rank: PowerSGD's rank (default 1, as torch's).
+        min_compression_rate: PowerSGD compresses a matrix only if that
+            divides its bytes by at least this (default 2, as torch's).
+        seed: seed of PowerSGD's first `Q` (default 0).
+
+    Example:
+
+    ```python
+    optimizer = keras_tp.CoordinatedOptimizer(
+        keras.optimizers.Adam(1e-3),
+        compression=keras_tp.Compression("powersgd", rank=2),
+    )
+    # Or by name, with the defaults: compression="bf16".
+    ```
+    """
+
+    def __init__(self, kind, rank=None, min_compression_rate=None, seed=None):
+        if kind not in KINDS:
+            raise ValueError(
+                f"Compression kind must be one of {KINDS}, got {kind!r}."
+            )
+        options = {
+            "rank": rank,
+            "min_compression_rate": min_compression_rate,
+            "seed": seed,
+        }
+        if kind != "powersgd":
+            given = sorted(k for k, v in options.items() if v is not None)
+            if given:
+                raise ValueError(
+                    f"Compression options {given} only apply to 'powersgd', "
+                    f"not to {kind!r}; remove them."
+                )
+        rank = 1 if rank is None else rank
+        if not isinstance(rank, int) or rank < 1:
+            raise ValueError(
+                f"PowerSGD's rank must be an integer >= 1, got {rank!r}."
+            )
+        rate = 2.0 if min_compression_rate is None else min_compression_rate
+        if not rate >= 1:
+            raise ValueError(
+                "PowerSGD's min_compression_rate must be >= 1, got "
+                f"{min_compression_rate!r}."
+            )
+        self.kind = kind
+        self.rank = rank
+        self.min_compression_rate = float(rate)
+        self.seed = 0 if seed is None else int(seed)
+
+    @classmethod
+    def get(cls, identifier):
+        """A `Compression` from a kind's name, a config dict, or `None`.
+
+        Args:
+            identifier: `None` (no compression), a `Compression`, a kind
+                (`"bf16"`, ...) or a dict from `get_config()`.
+        """
+        if identifier is None or isinstance(identifier, cls):
+            return identifier
+        if isinstance(identifier, str):
+            return cls(identifier)
+        if isinstance(identifier, dict):
+            return cls(**identifier)
+        raise TypeError(
+            "compression must be None, a kind name, a dict or a "
+            f"keras_tp.Compression, got {type(identifier)}."
+        )
+
+    def get_config(self):
+        if self.kind != "powersgd":
+            return {"kind": self.kind}
+        return {
+            "kind": self.kind,
+            "rank": self.rank,
+            "min_compression_rate": self.min_compression_rate,
+            "seed": self.seed,
+        }
+
+    def __repr__(self):
+        options = ", ".join(
+            f"{k}={v!r}" for k, v in self.get_config().items() if k != "kind"
+        )
+        return f"Compression({self.kind!r}{', ' if options else ''}{options})"
+
+    def compresses(self, shape):
+        """Whether PowerSGD compresses a gradient of `shape`.
+
+        Args:
+            shape: the gradient's shape on one rank.
+
+        Returns:
+            `(n, m, rank)` of its matrix if it is compressed, else `None`.
+        """
+        if len(shape) < 2:
+            return None
+        n = shape[0]
+        m = math.prod(shape[1:])
+        rank = min(n, m, self.rank)
+        if (n + m) * rank * self.min_compression_rate > n * m:
+            return None
+        return n, m, rank
+
+
+def make_codec(compression, optimizer, variables):
+    """The arithmetic of `compression` for `optimizer`'s buckets.
+
+    Creates the optimizer variables the kind keeps (errors, `Q`s).
+
+    Args:
+        compression: a `Compression`.
+        optimizer: the `CoordinatedOptimizer` being built; its placement
+            places the new variables.
+        variables: its trainable variables.
+    """
+    if compression.kind in _CAST_DTYPES:
+        return CastCodec(_CAST_DTYPES[compression.kind])
+    if compression.kind == "powersgd":
+        return PowerSGDCodec(compression, optimizer, variables)
+    return SignCodec(optimizer, variables)
+
+
+class CastCodec:
+    """bf16 and fp16: the collective runs in 16 bits.
+
+    Args:
+        dtype: the dtype gradients travel in.
+    """
+
+    scatters = True
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def all_reduce(self, bucket, values, adapter):
+        def mean(x):
+            return self._mean(x, adapter, adapter.all_reduce)
+
+        return all_reduce_flat(values, adapter, bucket.cap_bytes, mean)
+
+    def reduce_scatter(self, rows, adapter):
+        return self._mean(rows, adapter, adapter.reduce_scatter)
+
+    def _mean(self, x, adapter, collective):
+        # Divided before the cast and summed after: a sum of means cannot
+        # overflow fp16 where the mean itself would not.
+        low = ops.cast(ops.divide(x, adapter.size()), self.dtype)
+        return ops.cast(collective(low), x.dtype)
+
+
+class PowerSGDCodec:
+    """PowerSGD with error feedback and warm-started `Q`.
+
+    Args:
+        compression: the `Compression` (rank, rate, seed).
+        optimizer: the `CoordinatedOptimizer` that keeps the state.
+        variables: its trainable variables.
+    """
+
+    scatters = False
+
+    def __init__(self, compression, optimizer, variables):
+        placement = optimizer._placement
+        self.matrices = {}
+        self.errors = {}
+        self.qs = {}
+        for variable in variables:
+            shape = placement.model_shard_shape(variable)
+            matrix = compression.compresses(shape)
+            if matrix is None:
+                continue
+            n, m, rank = matrix
+            self.matrices[id(variable)] = (n, m)
+            self.errors[id(variable)] = per_rank_variable(
+                optimizer, variable, "powersgd_error"
+            )
+            rng = np.random.default_rng([compression.seed, len(self.qs)])
+            start = rng.standard_normal((m, rank))
+            self.qs[id(variable)] = per_model_rank_variable(
+                optimizer, variable, start, "powersgd_q"
+            )
+
+    def all_reduce(self, bucket, values, adapter):
+        cap = bucket.cap_bytes
+        keys = [id(v) for v in bucket.variables]
+        out = list(values)
+        plain = [i for i, key in enumerate(keys) if key not in self.matrices]
+        if plain:
+            averaged = all_reduce_flat([values[i] for i in plain], adapter, cap)
+            for i, value in zip(plain, averaged):
+                out[i] = value
+        packed = [i for i, key in enumerate(keys) if key in self.matrices]
+        if not packed:
+            return out
+        matrices = []
+        for i in packed:
+            error = ops.reshape(self.errors[keys[i]].value, values[i].shape)
+            local = ops.add(values[i], error)
+            matrices.append(ops.reshape(local, self.matrices[keys[i]]))
+        ps = [
+            ops.matmul(matrix, self.qs[keys[i]].value)
+            for i, matrix in zip(packed, matrices)
+        ]
+        ps = [_orthogonalised(p) for p in all_reduce_flat(ps, adapter, cap)]
+        qs = [ops.matmul(ops.transpose(m), p) for m, p in zip(matrices, ps)]
+        qs = all_reduce_flat(qs, adapter, cap)
+        for i, matrix, p, q in zip(packed, matrices, ps, qs):
+            approximation = ops.matmul(p, ops.transpose(q))
+            error = self.errors[keys[i]]
+            error.assign(
+                ops.reshape(ops.subtract(matrix, approximation), error.shape)
+            )
+            self.qs[keys[i]].assign(q)
+            out[i] = ops.reshape(approximation, values[i].shape)
+        return out
+
+
+class SignCodec:
+    """1-bit scaled signs with error feedback, all-gathered.
+
+    Args:
+        optimizer: the `CoordinatedOptimizer` that keeps the errors.
+        variables: its trainable variables.
+    """
+
+    scatters = False
+
+    def __init__(self, optimizer, variables):
+        self.errors = {
+            id(v): per_rank_variable(optimizer, v, "sign_error")
+            for v in variables
+        }
+
+    def all_reduce(self, bucket, values, adapter):
+        errors = [self.errors[id(v)] for v in bucket.variables]
+        local = [
+            ops.add(value, ops.reshape(error.value, value.shape))
+            for value, error in zip(values, errors)
+        ]
+        flat = [ops.reshape(x, (-1,)) for x in local]
+        scales = ops.stack([ops.mean(ops.abs(x)) for x in flat])
+        positive = ops.concatenate([ops.greater_equal(x, 0) for x in flat], 0)
+        sizes = [int(x.shape[0]) for x in flat]
+        words = _packed(positive)
+        every_scale = adapter.all_gather(ops.expand_dims(scales, 0), axis=0)
+        every_word = adapter.all_gather(ops.expand_dims(words, 0), axis=0)
+        every_sign = _unpacked(every_word, sum(sizes), local[0].dtype)
+        out = []
+        edges = np.cumsum([0] + sizes)
+        for j, (value, error) in enumerate(zip(local, errors)):
+            start, stop = int(edges[j]), int(edges[j + 1])
+            # Each rank's scaled signs, averaged over the ranks.
+            signs = every_sign[:, start:stop]
+            averaged = ops.mean(signs * every_scale[:, j : j + 1], axis=0)
+            mine = ops.where(ops.greater_equal(flat[j], 0), 1.0, -1.0)
+            sent = ops.multiply(ops.cast(mine, value.dtype), scales[j])
+            error.assign(ops.reshape(ops.subtract(flat[j], sent), error.shape))
+            out.append(ops.reshape(averaged, value.shape))
+        return out
+
+
+def _orthogonalised(p):
+    """`p` with orthonormal columns (modified Gram-Schmidt).
+
+    Columns are few (the rank), so a loop of vector operations is cheap
+    and gives the same result on every backend, unlike QR's sign choices.
+    """
+    columns = []
+    for i in range(p.shape[1]):
+        column = p[:, i]
+        for previous in columns:
+            column = column - ops.sum(column * previous) * previous
+        columns.append(column / (ops.norm(column) + _EPSILON))
+    return ops.stack(columns, axis=1)
+
+
+def _packed(bits):
+    """A boolean vector as int32 words of 32 bits (zero-padded)."""
+    size = int(bits.shape[0])
+    padded = -(-size // _BITS) * _BITS
+    bits = ops.pad(ops.cast(bits, "int32"), [(0, padded - size)])
+    shifts = ops.arange(_BITS, dtype="int32")
+    words = ops.left_shift(ops.reshape(bits, (-1, _BITS)), shifts)
+    # The bits are distinct powers of two: their sum is their OR, and
+    # stays in int32 (bit 31 is the negative one).
+    return ops.cast(ops.sum(words, axis=1), "int32")
+
+
+def _unpacked(words, size, dtype):
+    """`_packed` undone on `(ranks, words)`: `(ranks, size)` signs +-1."""
+    shifts = ops.arange(_BITS, dtype="int32")
+    shifted = ops.right_shift(ops.expand_dims(words, -1), shifts)
+    bits = ops.bitwise_and(shifted, 1)
+    bits = ops.reshape(bits, (words.shape[0], -1))[:, :size]
+    return ops.cast(bits, dtype) * 2 - 1
+
+
+def per_rank_variable(optimizer, reference, name):
+    """A zero variable holding each rank's own copy of a gradient.
+
+    Errors differ from rank to rank along `data` as the local gradients
+    do, so the variable has a leading axis of one row per data rank,
+    partitioned over `data` (each rank stores its row), and is split over
+    `model` like `reference`. Its full value exists once, at build time.
+
+    Args:
+        optimizer: the `CoordinatedOptimizer` the variable belongs to.
+        reference: the trainable variable whose gradient it follows.
+        name: suffix of the variable's name.
+    """
+    placement = optimizer._placement
+    full_shape = placement.full_shapes[id(reference)]
+    variable = optimizer.add_variable(
+        (placement.data_parallel,) + tuple(full_shape),
+        initializer="zeros",
+        dtype=reference.dtype,
+        name=f"{reference.path.replace('/', '_')}_{name}",
+    )
+    axis = placement.split_axis(reference)
+    placement.place(variable, None if axis is None else axis + 1)
+    placement.partition(variable, 0)
+    return variable
+
+
+def per_model_rank_variable(optimizer, reference, start, name):
+    """A variable equal on the data ranks, one value per model rank.
+
+    PowerSGD's `Q` follows the gradient of a tensor-parallel shard, which
+    differs from model rank to model rank, and is all-reduced over `data`.
+
+    Args:
+        optimizer: the `CoordinatedOptimizer` the variable belongs to.
+        reference: the trainable variable whose gradient it follows.
+        start: the first value of every rank's copy, a NumPy array.
+        name: suffix of the variable's name.
+    """
+    placement = optimizer._placement
+    split = placement.split_axis(reference) is not None
+    full = np.tile(start, (placement.tensor_parallel, 1)) if split else start
+
+    def initializer(shape, dtype=None):
+        return ops.convert_to_tensor(full, dtype=dtype)
+
+    variable = optimizer.add_variable(
+        full.shape,
+        initializer=initializer,
+        dtype=reference.dtype,
+        name=f"{reference.path.replace('/', '_')}_{name}",
+    )
+    placement.place(variable, 0 if split else None)
+    return variable

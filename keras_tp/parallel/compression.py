@@ -189,6 +189,7 @@ class CastCodec:
     """
 
     scatters = True
+    variables = ()
 
     def __init__(self, dtype):
         self.dtype = dtype
@@ -241,6 +242,10 @@ class PowerSGDCodec:
                 optimizer, variable, start, "powersgd_q"
             )
 
+    @property
+    def variables(self):
+        return list(self.errors.values()) + list(self.qs.values())
+
     def all_reduce(self, bucket, values, adapter):
         cap = bucket.cap_bytes
         keys = [id(v) for v in bucket.variables]
@@ -291,6 +296,10 @@ class SignCodec:
             id(v): per_rank_variable(optimizer, v, "sign_error")
             for v in variables
         }
+
+    @property
+    def variables(self):
+        return list(self.errors.values())
 
     def all_reduce(self, bucket, values, adapter):
         errors = [self.errors[id(v)] for v in bucket.variables]

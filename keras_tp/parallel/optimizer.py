@@ -145,6 +145,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         optimizer.clipnorm = None
         optimizer.global_clipnorm = None
         self._placement = None
+        self._codec = None
         self._data_adapter = None
         self._world_adapter = None
 
@@ -243,6 +244,16 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         """
         buffers = {id(b) for b in self.gradient_buffers}
         return [v for v in self.variables if id(v) not in buffers]
+
+    @property
+    def compression_variables(self):
+        """The state the compression keeps: errors and PowerSGD's `Q`s.
+
+        Each rank's error is its own (a row per data rank); a `Q` is the
+        same on every data rank. Empty without compression or for the
+        16-bit casts, which keep none.
+        """
+        return [] if self._codec is None else list(self._codec.variables)
 
     @property
     def learning_rate(self):

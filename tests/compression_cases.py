@@ -1,0 +1,276 @@
+"""Compressed data-parallel runs shared by every backend's tests.
+
+The runs use keras_tp's public API only, so JAX and TensorFlow call them in
+the test process and torch on every rank of one launch. The bytes each
+kind sends are written out by hand from the MLP's shapes, not read from
+keras_tp.
+"""
+
+import math
+
+import keras
+import numpy as np
+
+import keras_tp
+from tests import models
+from tests.models import loss_fn
+from tests.models import max_diff
+
+STEPS = 4
+NEXT_STEPS = 2
+BATCH = 8
+KINDS = ("bf16", "fp16", "powersgd", "sign")
+POWERSGD_RANK = 2
+# The MLP of `tests.models.mlp`: up, down and head kernels and biases.
+MLP_SHAPES = [(16, 32), (32,), (32, 32), (32,), (32, 8), (8,)]
+# bf16 keeps 8 bits of mantissa: after `STEPS` SGD steps the weights are
+# within this of the uncompressed run's (measured: 1e-5 to 4e-5; fp16 less).
+CAST_TOLERANCE = 2e-4
+
+
+def compression_of(kind):
+    """The `compression` argument a run of `kind` uses."""
+    if kind == "powersgd":
+        return keras_tp.Compression("powersgd", rank=POWERSGD_RANK)
+    return kind
+
+
+def parallel(kind, world_size, data_parallel, zero_stage):
+    """The MLP on a `data x model` mesh, compiled with SGD and `kind`."""
+    tp = keras_tp.TensorParallelKeras(
+        models.mlp(),
+        world_size=world_size,
+        data_parallel=data_parallel,
+        zero_stage=zero_stage,
+    )
+    optimizer = keras_tp.CoordinatedOptimizer(
+        keras.optimizers.SGD(0.05),
+        zero_stage=zero_stage,
+        compression=compression_of(kind),
+    )
+    tp.compile(optimizer=optimizer, loss=loss_fn())
+    return tp
+
+
+def data(samples):
+    return models.data_for("mlp", batch=samples, seed=3)
+
+
+def train(kind, layout):
+    """`STEPS` steps of the MLP at `layout` (world, data, ZeRO stage).
+
+    Returns:
+        `(weights, {collective: optimizer bytes of one step over data})`.
+    """
+    tp = parallel(kind, *layout)
+    x, y = data(STEPS * BATCH)
+    tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    report = tp.check_gradient_consistency()
+    assert report["consistent"], (kind, layout, report)
+    sent = {
+        collective: entry["optimizer_bytes"]
+        for collective, entry in tp.communication_stats(axis="data").items()
+        if entry["optimizer_bytes"]
+    }
+    return tp.get_weights(), sent
+
+
+def expected_traffic(kind, data_parallel, zero_stage):
+    """The bytes one step of the MLP hands to the data axis' collectives.
+
+    Uncompressed, DDP all-reduces psi, ZeRO-1/2 reduce-scatter psi and
+    all-gather the updated parameters (psi). bf16 and fp16 halve what is
+    reduced. PowerSGD all-reduces P (n x r) and Q (m x r) of each kernel
+    worth compressing ((n + m) r <= n m / 2) and the rest whole. Signs
+    are 32 to an int32 word plus a float32 scale per tensor, all-gathered
+    from every rank.
+    """
+    sizes = [math.prod(shape) for shape in MLP_SHAPES]
+    psi = 4 * sum(sizes)
+    gathered = {"all_gather": psi} if zero_stage else {}
+    reduced = "reduce_scatter" if zero_stage else "all_reduce"
+    if kind is None:
+        return {reduced: psi, **gathered}
+    if kind in ("bf16", "fp16"):
+        return {reduced: psi // 2, **gathered}
+    if kind == "powersgd":
+        floats = 0
+        for shape in MLP_SHAPES:
+            compressed = len(shape) == 2 and (
+                2 * (shape[0] + shape[1]) * POWERSGD_RANK <= math.prod(shape)
+            )
+            floats += (
+                (shape[0] + shape[1]) * POWERSGD_RANK
+                if compressed
+                else math.prod(shape)
+            )
+        return {"all_reduce": 4 * floats, **gathered}
+    words = math.ceil(sum(sizes) / 32)
+    signs = data_parallel * (4 * words + 4 * len(MLP_SHAPES))
+    return {"all_gather": signs + gathered.get("all_gather", 0)}
+
+
+def next_losses(tp):
+    """The losses of the `NEXT_STEPS` steps after the first `STEPS`."""
+    x, y = data((STEPS + NEXT_STEPS) * BATCH)
+    first = STEPS * BATCH
+    history = tp.fit(
+        x[first:], y[first:], batch_size=BATCH, shuffle=False, verbose=0
+    )
+    return history.history["loss"]
+
+
+def resume_run(kind, directory, layout, lose_state=False):
+    """Losses after a checkpoint: uninterrupted, resumed, and state lost.
+
+    A run trains `STEPS` steps and saves; the next steps' losses of that
+    run and of a new model that loads the checkpoint must agree. With
+    `lose_state`, a third model loads it and zeroes the compression's
+    state, which must show in its losses.
+
+    Returns:
+        `(uninterrupted, resumed, lost)`, lost `None` without `lose_state`.
+    """
+    tp = parallel(kind, *layout)
+    x, y = data(STEPS * BATCH)
+    tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    keras_tp.save_checkpoint(tp, directory, epoch=1)
+    uninterrupted = next_losses(tp)
+    resumed = parallel(kind, *layout)
+    info = keras_tp.load_checkpoint(resumed, directory)
+    assert info["step"] == STEPS, info
+    resumed_losses = next_losses(resumed)
+    lost = None
+    if lose_state:
+        tp = parallel(kind, *layout)
+        keras_tp.load_checkpoint(tp, directory)
+        for variable in tp.optimizer.compression_variables:
+            variable.assign(keras.ops.zeros(variable.shape, variable.dtype))
+        lost = next_losses(tp)
+    return uninterrupted, resumed_losses, lost
+
+
+def check_resumed(uninterrupted, resumed, lost=None):
+    """The resumed run continues exactly; a lost state shows."""
+    np.testing.assert_allclose(resumed, uninterrupted, rtol=0, atol=1e-6)
+    if lost is not None:
+        assert np.abs(np.subtract(lost, uninterrupted)).max() > 1e-4
+
+
+def zero3_refused():
+    """The message of compression under ZeRO-3, which is refused."""
+    try:
+        keras_tp.CoordinatedOptimizer(
+            keras.optimizers.SGD(0.1), zero_stage=3, compression="bf16"
+        )
+    except ValueError as e:
+        return str(e)
+    raise AssertionError("compression with zero_stage=3 was accepted")
+
+
+def check_zero3_message(message):
+    assert "compression='bf16' does not apply to zero_stage=3" in message
+    assert "Use zero_stage=2" in message
+
+
+def check_config_round_trip():
+    """`get_config`/`from_config` keep the compression."""
+    optimizer = keras_tp.CoordinatedOptimizer(
+        keras.optimizers.SGD(0.1),
+        compression=keras_tp.Compression("powersgd", rank=3, seed=7),
+    )
+    config = optimizer.get_config()
+    assert config["compression"] == {
+        "kind": "powersgd",
+        "rank": 3,
+        "min_compression_rate": 2.0,
+        "seed": 7,
+    }
+    again = keras_tp.CoordinatedOptimizer.from_config(config)
+    assert again.compression.get_config() == config["compression"]
+    plain = keras_tp.CoordinatedOptimizer(keras.optimizers.SGD(0.1))
+    assert plain.get_config()["compression"] is None
+
+
+def check_traffic_and_closeness(runs):
+    """Checks `{(kind, layout): train(kind, layout)}` runs.
+
+    Every run's bytes are `expected_traffic`'s; bf16 and fp16 weights are
+    close to the uncompressed run at the same layout, and PowerSGD and
+    signs really changed the update.
+    """
+    for (kind, layout), (weights, sent) in runs.items():
+        _, data_parallel, stage = layout
+        if layout[0] == data_parallel:
+            expected = expected_traffic(kind, data_parallel, stage)
+            assert sent == expected, (kind, layout, sent, expected)
+        if kind is None:
+            continue
+        plain_weights, plain_sent = runs[(None, layout)]
+        difference = max_diff(weights, plain_weights)
+        if kind in ("bf16", "fp16"):
+            assert difference <= CAST_TOLERANCE, (kind, layout, difference)
+            reduced = "reduce_scatter" if stage else "all_reduce"
+            assert 2 * sent[reduced] == plain_sent[reduced]
+        else:
+            assert difference > 1e-4, (kind, layout, difference)
+
+
+def rank_checks(layouts, directory):
+    """What the torch test checks, run on every rank of one launch.
+
+    Args:
+        layouts: `{kind: [layout, ...]}` of the traffic runs (the
+            uncompressed runs are added).
+        directory: where the resume runs save, one folder per kind.
+    """
+    runs = {}
+    for kind, kind_layouts in layouts.items():
+        for layout in kind_layouts:
+            for each in (None, kind):
+                if (each, layout) not in runs:
+                    runs[(each, layout)] = train(each, layout)
+    check_traffic_and_closeness(runs)
+    resumed = {
+        kind: resume_run(
+            kind,
+            f"{directory}/{kind}",
+            (2, 2, 0),
+            lose_state=kind == "sign",
+        )
+        for kind in ("powersgd", "sign")
+    }
+    for losses in resumed.values():
+        check_resumed(*losses)
+    return {
+        "runs": len(runs),
+        "resumed": {
+            k: [list(map(float, v or [])) for v in losses]
+            for k, losses in resumed.items()
+        },
+        "zero3": zero3_refused(),
+    }
+
+
+def teacher_data(samples, seed=0):
+    """A learnable task: classes of a random linear teacher."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(samples, 16)).astype("float32")
+    teacher = rng.normal(size=(16, 8))
+    return x, np.argmax(x @ teacher, axis=1)
+
+
+def convergence_run(kind, epochs, data_parallel=4):
+    """Final loss of the MLP on `teacher_data`, Adam, 32 steps an epoch."""
+    x, y = teacher_data(1024)
+    tp = keras_tp.TensorParallelKeras(
+        models.mlp(), world_size=data_parallel, data_parallel=data_parallel
+    )
+    optimizer = keras_tp.CoordinatedOptimizer(
+        keras.optimizers.Adam(3e-3), compression=compression_of(kind)
+    )
+    tp.compile(optimizer=optimizer, loss=loss_fn())
+    history = tp.fit(
+        x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0
+    )
+    return history.history["loss"]

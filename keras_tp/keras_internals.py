@@ -171,6 +171,21 @@ def seed_generators(layer):
     ]
 
 
+def draw_from_state(generators):
+    """Makes Keras' torch backend draw these generators' masks from state.
+
+    On torch, Keras draws the mask of a Dropout made without a `seed` from
+    torch's global generator, which is per process, not per rank or per
+    layer, and in no checkpoint. A generator with an initial seed draws
+    from its own state variable instead, as on JAX and TensorFlow; giving
+    each the seed its state started from changes no other behaviour.
+    """
+    for generator in generators:
+        if generator._initial_seed is None:
+            state = ops.convert_to_numpy(generator.state.value)
+            generator._initial_seed = int(state[0])
+
+
 @contextlib.contextmanager
 def shifted_seed_draws(generators, shift):
     """Inside, each generator's draws are moved to another random stream.

@@ -1,5 +1,6 @@
 """`TensorParallelKeras`: a `keras.Model` split across devices."""
 
+import inspect
 import os
 import weakref
 
@@ -7,6 +8,7 @@ import keras
 
 from keras_tp import checkpoint
 from keras_tp import regions
+from keras_tp.checkpoint.callbacks import prepare_callbacks
 from keras_tp.collectives.base import nbytes
 from keras_tp.keras_internals import place_slots_on_creation
 from keras_tp.keras_internals import print_msg
@@ -18,6 +20,8 @@ from keras_tp.plan.report import format_plan
 from keras_tp.plan.sharding_plan import ShardingPlan
 from keras_tp.plan.verify import check_locally
 from keras_tp.runtime import runtime_class
+
+_FIT_SIGNATURE = inspect.signature(keras.Model.fit)
 
 # Models whose layers were converted in place, so they are not split twice.
 _WRAPPED_MODELS = weakref.WeakSet()
@@ -152,6 +156,7 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             )
             runtime.placement.place(variable, axis)
         installed = regions.install(bound, runtime)
+        runtime.prepare_model(model)
         if zero_stage == 3:
             for variable in model.trainable_variables:
                 axis = runtime.placement.partition_axis(variable)
@@ -219,6 +224,22 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             runtime.placement, runtime.data_adapter, runtime.world_adapter
         )
         return optimizer
+
+    def fit(self, *args, **kwargs):
+        """Trains as `keras.Model.fit` does.
+
+        The optimizer's state is built first, laid out as the runtime
+        needs it, so callbacks that restore it at the start of training
+        (`keras.callbacks.BackupAndRestore`) find it in place. In a job of
+        several processes, `BackupAndRestore` and `ModelCheckpoint` work
+        in every process (see `keras_tp.checkpoint.callbacks`).
+        """
+        arguments = _FIT_SIGNATURE.bind_partial(self, *args, **kwargs)
+        prepare_callbacks(arguments.arguments.get("callbacks"), self._runtime)
+        if getattr(self, "optimizer", None) is not None:
+            if not self.optimizer.built:
+                self._runtime.build_optimizer(self)
+        return super().fit(*args, **kwargs)
 
     def make_train_function(self, force=False):
         return self._make_step(super().make_train_function, force)

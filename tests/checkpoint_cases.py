@@ -18,6 +18,7 @@ import keras
 import numpy as np
 
 import keras_tp
+from keras_tp.demo.models import transformer_lm
 from tests import models
 from tests.models import loss_fn
 
@@ -105,6 +106,149 @@ def check_same(record, reference, what, loss_tolerance=LOSS_TOLERANCE):
     assert outputs <= OUTPUT_TOLERANCE, (what, "outputs", outputs)
     assert losses <= loss_tolerance, (what, "losses", losses)
     return outputs, losses
+
+
+class _StopAtEpoch(keras.callbacks.Callback):
+    """Ends training at the start of an epoch, as a crash would."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise KeyboardInterrupt(f"stopped at epoch {epoch}")
+
+
+class _EpochLosses(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.losses.append(float(logs["loss"]))
+
+
+def with_dropout(world_size, data_parallel=1, zero_stage=0):
+    """A function of a seed making the transformer LM with dropout, split."""
+
+    def make(seed):
+        return keras_tp.TensorParallelKeras(
+            # One block: the runs compile three models each.
+            transformer_lm(seed=seed, blocks=1, dropout=DROPOUT),
+            world_size=world_size,
+            data_parallel=data_parallel,
+            zero_stage=zero_stage,
+        )
+
+    return make
+
+
+DROPOUT = 0.2
+RESUME_EPOCHS = 4
+RESUME_STOP = 2
+
+
+def backup_and_restore_run(make_model, directory):
+    """Losses of a run with dropout, uninterrupted and stopped and resumed.
+
+    `keras.callbacks.BackupAndRestore` backs the model up each epoch (a
+    sharded checkpoint, through `save_weights`); a run stopped at the start
+    of epoch `RESUME_STOP` is resumed by a new model whose weights start
+    elsewhere, which the callback restores.
+
+    Args:
+        make_model: function of a seed returning an uncompiled model.
+        directory: where the runs back up.
+
+    Returns:
+        `(uninterrupted, resumed)`: the per-epoch losses of the whole run,
+        and those of the resumed run (epochs `RESUME_STOP` on).
+    """
+    x, y = data("transformer_lm")
+
+    def run(model, backup, *callbacks):
+        losses = _EpochLosses()
+        compiled(model, "transformer_lm").fit(
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=RESUME_EPOCHS,
+            shuffle=False,
+            verbose=0,
+            callbacks=[
+                keras.callbacks.BackupAndRestore(backup),
+                losses,
+                *callbacks,
+            ],
+        )
+        return losses.losses
+
+    uninterrupted = run(make_model(0), os.path.join(directory, "whole"))
+    backup = os.path.join(directory, "stopped")
+    try:
+        run(make_model(0), backup, _StopAtEpoch(RESUME_STOP))
+    except KeyboardInterrupt:
+        pass
+    resumed = run(make_model(1), backup)
+    return uninterrupted, resumed
+
+
+def check_resumed(uninterrupted, resumed):
+    """The resumed run's losses are the uninterrupted run's, exactly."""
+    assert len(resumed) == RESUME_EPOCHS - RESUME_STOP, resumed
+    np.testing.assert_allclose(
+        resumed, uninterrupted[RESUME_STOP:], rtol=0, atol=LOSS_TOLERANCE
+    )
+
+
+def model_checkpoint_run(make_model, make_other, directory):
+    """`ModelCheckpoint` saves each epoch; another layout loads the last.
+
+    Args:
+        make_model: function of a seed returning the model to train.
+        make_other: the same, for the model that loads, at another layout.
+        directory: where the checkpoints go.
+
+    Returns:
+        `(saved, loaded)`: the predictions of the trained model and of the
+        model that loaded its last checkpoint.
+    """
+    x, y = data("transformer_lm")
+    pattern = os.path.join(directory, "epoch{epoch}.weights.h5")
+    model = compiled(make_model(0), "transformer_lm")
+    model.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[
+            keras.callbacks.ModelCheckpoint(pattern, save_weights_only=True)
+        ],
+    )
+    other = compiled(make_other(1), "transformer_lm")
+    other.load_weights(pattern.format(epoch=2))
+    return (
+        model.predict(x[:BATCH], verbose=0),
+        other.predict(x[:BATCH], verbose=0),
+    )
+
+
+def check_model_checkpoint(saved, loaded):
+    np.testing.assert_allclose(loaded, saved, rtol=0, atol=OUTPUT_TOLERANCE)
+
+
+def callbacks_on_rank(directory):
+    """Both callback runs on two ranks; returns what the checks take."""
+    resumed = backup_and_restore_run(
+        with_dropout(2), os.path.join(directory, "backup")
+    )
+    checkpoints = model_checkpoint_run(
+        with_dropout(2), with_dropout(2, 2, 1), os.path.join(directory, "each")
+    )
+    return resumed, checkpoints
 
 
 def _save_on_rank(name, directory, world_size, data_parallel, zero_stage):

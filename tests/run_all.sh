@@ -18,6 +18,15 @@ run() {
 # Tests that time collectives run alone: torch's (rank processes of their
 # own, heartbeats, timeouts) and TensorFlow's multi-worker timeouts.
 parallel="-n 2 --dist loadfile"
+# Tests build the same models again and again, and JAX compiles each one's
+# programs anew; its persistent compilation cache, fresh for this run,
+# compiles each program once. A size limit turns on its file lock, which
+# the two workers share.
+JAX_COMPILATION_CACHE_DIR=$(mktemp -d)
+export JAX_COMPILATION_CACHE_DIR
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
+export JAX_COMPILATION_CACHE_MAX_SIZE=$((2 * 1024 * 1024 * 1024))
+trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
 timed=tests/test_tensorflow_multiworker_timeout.py
 run jax "$parallel" $(ls tests/test_jax*.py tests/test_common*.py 2>/dev/null)
 run torch "" $(ls tests/test_torch*.py 2>/dev/null)

@@ -206,3 +206,21 @@ def _save_in_subprocess(backend, directory, world_size, *mesh):
         check=True,
         timeout=400,
     )
+
+
+def test_backup_and_restore_resumes_exactly_with_dropout(tmp_path):
+    """Per-rank steps (a data axis): every rank draws its own masks."""
+    make = cases.with_dropout(4, 2)
+    cases.check_resumed(*cases.backup_and_restore_run(make, str(tmp_path)))
+
+
+def test_model_checkpoint_each_epoch_loads_at_another_layout(tmp_path):
+    saved, loaded = cases.model_checkpoint_run(
+        cases.with_dropout(2), cases.with_dropout(4, 2, 1), str(tmp_path)
+    )
+    cases.check_model_checkpoint(saved, loaded)
+    assert sorted(os.listdir(tmp_path)) == [
+        "epoch1.weights.h5",
+        "epoch2.weights.h5",
+    ]
+    assert read_manifest(str(tmp_path / "epoch2.weights.h5"))["step"] == 12

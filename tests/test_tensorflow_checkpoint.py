@@ -69,3 +69,15 @@ def test_replicas_save_pieces_a_plain_model_loads(tmp_path):
         "tensorflow ZeRO-1 -> plain",
         cases.CROSS_BACKEND_LOSS_TOLERANCE,
     )
+
+
+def test_backup_and_restore_resumes_exactly_with_dropout(tmp_path):
+    make = cases.with_dropout(4, 2)
+    cases.check_resumed(*cases.backup_and_restore_run(make, str(tmp_path)))
+
+
+def test_model_checkpoint_each_epoch_loads_at_another_layout(tmp_path):
+    saved, loaded = cases.model_checkpoint_run(
+        cases.with_dropout(2), cases.with_dropout(4, 2, 1), str(tmp_path)
+    )
+    cases.check_model_checkpoint(saved, loaded)

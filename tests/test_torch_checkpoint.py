@@ -74,3 +74,16 @@ def test_zero3_ranks_save_pieces_a_plain_model_loads(tmp_path):
         reference,
         "torch ZeRO-3 -> plain",
     )
+
+
+def test_keras_checkpoint_callbacks_on_two_ranks(tmp_path):
+    """BackupAndRestore resumes exactly with dropout; ModelCheckpoint's
+    last checkpoint loads at another layout. Every rank runs the callbacks."""
+    resumed, checkpoints = keras_tp.launch(
+        cases.callbacks_on_rank,
+        world_size=2,
+        args=(str(tmp_path),),
+        timeout=400,
+    )
+    cases.check_resumed(*resumed)
+    cases.check_model_checkpoint(*checkpoints)

@@ -35,7 +35,9 @@ class PositionEmbedding(layers.Layer):
         }
 
 
-def transformer_lm(vocab=64, seq_len=8, dim=16, heads=4, blocks=2, seed=0):
+def transformer_lm(
+    vocab=64, seq_len=8, dim=16, heads=4, blocks=2, seed=0, dropout=0.0
+):
     """A functional pre-LayerNorm transformer LM with a causal mask.
 
     Args:
@@ -45,6 +47,9 @@ def transformer_lm(vocab=64, seq_len=8, dim=16, heads=4, blocks=2, seed=0):
         heads: attention heads.
         blocks: transformer blocks.
         seed: seed of the initial weights.
+        dropout: rate of the attention dropout and of Dropout layers in
+            the MLP (on its hidden features) and after each block's
+            attention; 0 adds none.
 
     Returns:
         A built `keras.Model` from int token ids to logits.
@@ -57,11 +62,15 @@ def transformer_lm(vocab=64, seq_len=8, dim=16, heads=4, blocks=2, seed=0):
     for i in range(blocks):
         h = layers.LayerNormalization(name=f"block{i}_ln1")(x)
         h = layers.MultiHeadAttention(
-            heads, dim // heads, name=f"block{i}_attention"
+            heads, dim // heads, dropout=dropout, name=f"block{i}_attention"
         )(h, h, use_causal_mask=True)
+        if dropout:
+            h = layers.Dropout(dropout, name=f"block{i}_attention_dropout")(h)
         x = layers.Add(name=f"block{i}_add1")([x, h])
         h = layers.LayerNormalization(name=f"block{i}_ln2")(x)
         h = layers.Dense(4 * dim, activation="gelu", name=f"block{i}_mlp_up")(h)
+        if dropout:
+            h = layers.Dropout(dropout, name=f"block{i}_mlp_dropout")(h)
         h = layers.Dense(dim, name=f"block{i}_mlp_down")(h)
         x = layers.Add(name=f"block{i}_add2")([x, h])
     x = layers.LayerNormalization(name="final_ln")(x)

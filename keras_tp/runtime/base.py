@@ -302,6 +302,9 @@ class Runtime(CheckpointPieces):
         with self.adapter.stats.recording(phase):
             return step(*args, **kwargs)
 
+    def prepare_model(self, model):
+        """Called once with the model when its plan is installed; no-op."""
+
     def prepare_region(self, region):
         """Called once per region when a plan is installed; default no-op."""
 

@@ -74,8 +74,10 @@ class MeshSteps:
                     logs = model.get_metrics_result()
                 return logs, tuple(new_state)
 
+        # Keras' predict step returns the outputs, split over `data`, and
+        # the non-trainable state (dropout seeds), placed as it entered.
         out_specs = (
-            PartitionSpec("data")
+            (PartitionSpec("data"), state_specs[1])
             if phase == "predict"
             else (PartitionSpec(), state_specs)
         )

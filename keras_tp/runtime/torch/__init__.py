@@ -28,6 +28,8 @@ import torch.distributed as dist
 from keras_tp.collectives.base import set_process_adapter
 from keras_tp.collectives.torch import TorchCollectiveAdapter
 from keras_tp.collectives.torch import is_symbolic
+from keras_tp.keras_internals import draw_from_state
+from keras_tp.keras_internals import seed_generators
 from keras_tp.runtime.base import Runtime
 from keras_tp.runtime.torch.process_group import configure_virtual_devices
 from keras_tp.runtime.torch.process_group import join_process_group
@@ -370,6 +372,11 @@ class TorchRuntime(Runtime):
             self._input_widths[id(region)], args, self.tensor_parallel
         )
         return self.run_local_region(region, args, kwargs)
+
+    def prepare_model(self, model):
+        # Masks then come from the layers' seed generators, which every
+        # rank holds alike and checkpoints save.
+        draw_from_state(seed_generators(model))
 
     def prepare_region(self, region):
         """Lets the region's layers take local-width inputs.

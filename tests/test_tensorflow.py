@@ -584,6 +584,12 @@ def test_multi_worker_mirrored_strategy_matches_one_device(tmp_path):
         # Each worker holds half of the split parameters.
         local = [b for b in result["parameter_bytes_per_device"].values() if b]
         assert len(local) == 1
+        assert result["checkpoint_files"] == [
+            "save1-replica0.safetensors",
+            "save1-replica1.safetensors",
+        ]
+        assert result["checkpoint_plain_diff"] == 0.0
+        assert result["checkpoint_reload_diff"] == 0.0
 
 
 @pytest.mark.parametrize("data_parallel", [1, 2])

@@ -3,7 +3,8 @@
 Trains the test MLP with `TensorParallelKeras` split over the replicas of a
 `MultiWorkerMirroredStrategy` (one per worker process) and, in the same
 process, the plain model on one device; writes the largest differences as
-JSON. `tests/test_tensorflow.py` starts two workers on loopback ports; by
+JSON. Both save a sharded checkpoint to a directory beside the output
+and read it back. `tests/test_tensorflow.py` starts two workers on loopback ports; by
 hand, in two shells (ports of your choice):
 
     export KERAS_BACKEND=tensorflow
@@ -61,7 +62,26 @@ def main(out_path):
             reference.predict(x, verbose=0) - tp.predict(own_x, verbose=0)
         ).max()
     )
+    # Each worker writes its replica's pieces to the shared directory; the
+    # chief writes the manifest once both have. A plain model and the
+    # split one then read it back.
+    directory = os.path.join(os.path.dirname(out_path), "checkpoint")
+    manifest = keras_tp.save_checkpoint(tp, directory, epoch=1)
+    plain = models.mlp(seed=5)
+    keras_tp.load_checkpoint(plain, directory)
+    trained = tp.get_weights()
+    tp.set_weights([np.zeros_like(w) for w in trained])
+    keras_tp.load_checkpoint(tp, directory)
     result = {
+        "checkpoint_files": sorted(manifest["files"]),
+        "checkpoint_plain_diff": max(
+            float(np.abs(a - b).max())
+            for a, b in zip(plain.get_weights(), trained)
+        ),
+        "checkpoint_reload_diff": max(
+            float(np.abs(a - b).max())
+            for a, b in zip(tp.get_weights(), trained)
+        ),
         "task": task,
         "world_size": tp.get_parallelism_info()["world_size"],
         "weight_diff": weight_diff,

@@ -203,13 +203,20 @@ class ReplicaStorage:
     def is_first_process(self):
         return self._is_chief()
 
+    def process_index(self):
+        return self._local_replicas[0] // len(self._local_replicas)
+
     def wait_for_processes(self):
-        if len(self._local_replicas) < self.world_size:
-            raise NotImplementedError(
-                "Checkpoints of a TensorFlow job over several workers are "
-                "not supported yet: save from a single-host job, or use "
-                "tp.save() on the chief."
-            )
+        """A one-number all-reduce over every replica: on several workers
+        it returns once every worker has called it."""
+        if len(self._local_replicas) == self.world_size:
+            return
+
+        def one():
+            context = tf.distribute.get_replica_context()
+            return context.all_reduce("sum", tf.ones(()))
+
+        tf.function(lambda: self.strategy.run(one))()
 
     def device_bytes(self, variables):
         totals = {device: 0 for device in self.devices}

@@ -4,8 +4,8 @@ Trains the test MLP with `TensorParallelKeras` split over the replicas of a
 `MultiWorkerMirroredStrategy` (one per worker process) and, in the same
 process, the plain model on one device; writes the largest differences as
 JSON. Both save a sharded checkpoint to a directory beside the output
-and read it back. `tests/test_tensorflow.py` starts two workers on loopback ports; by
-hand, in two shells (ports of your choice):
+and read it back. `tests/test_tensorflow.py` starts two workers on
+loopback ports; by hand, in two shells (ports of your choice):
 
     export KERAS_BACKEND=tensorflow
     CLUSTER='"cluster": {"worker": ["localhost:12345", "localhost:12346"]}'

@@ -29,6 +29,7 @@ _RANK_SEED_STRIDE = 1_000_003
 
 _LOCAL_WEIGHTS = contextvars.ContextVar("keras_tp_local_weights", default=None)
 _SHARED_COPIES = contextvars.ContextVar("keras_tp_shared_copies", default=None)
+_FORWARD_CALLS = contextvars.ContextVar("keras_tp_forward_calls", default=None)
 
 
 class ShardedRegion:
@@ -177,25 +178,8 @@ def copy_replicated_inputs(region, adapter, args, kwargs, is_float):
     return keras.tree.map_structure(copy, (args, kwargs))
 
 
-@contextlib.contextmanager
-def sharing_copies():
-    """Inside, a replicated tensor enters the parallel part once.
-
-    The query, key and value projections of an attention layer (or the
-    gate and up projections of an MLP) read the same tensor; sharing its
-    `copy_to_parallel` sums their input gradients on each rank first, so
-    the backward pass all-reduces once per block, as Megatron's fused
-    projection does, not once per projection.
-    """
-    token = _SHARED_COPIES.set({})
-    try:
-        yield
-    finally:
-        _SHARED_COPIES.reset(token)
-
-
 def shared_value(x, make, fallback=None):
-    """`make(x)`, made once per tensor inside `sharing_copies()`.
+    """`make(x)`, made once per tensor inside `forward_pass()`.
 
     Outside it, `fallback` (a dict) is the cache, or nothing is cached.
     Keras masks follow their tensors.
@@ -286,8 +270,8 @@ def install(plan, runtime):
             _refuse_late_lora(member.layer)
         runtime.prepare_region(region)
         regions.append(region)
-    for layer in plan.per_rank_random:
-        set_call(layer, _split_random_call(layer, runtime))
+    for layer, split_calls in plan.per_rank_random.items():
+        set_call(layer, _split_random_call(layer, split_calls, runtime))
     return regions
 
 
@@ -321,11 +305,16 @@ def per_rank_draws(generators, call, adapter):
     return call_with_rank_draws
 
 
-def _split_random_call(layer, runtime):
+def _split_random_call(layer, split_calls, runtime):
     """A Dropout (say) that runs on split activations draws per rank.
 
-    Where the runtime holds global values (JAX without a data axis), the
-    layer runs on the whole tensor and draws one mask as on one device.
+    Args:
+        layer: the layer.
+        split_calls: for each of its calls in a forward pass, whether its
+            input is split (see `verify.random_on_split_values`).
+        runtime: the runtime. Where it holds global values (JAX without a
+            data axis) the layer runs on the whole tensor and draws one
+            mask, as on one device.
     """
     whole_call = layer.call
     local_call = per_rank_draws(
@@ -333,11 +322,44 @@ def _split_random_call(layer, runtime):
     )
 
     def call(*args, **kwargs):
-        if runtime.holds_local_values():
+        calls = _FORWARD_CALLS.get()
+        if calls is None:
+            split = all(split_calls)
+        else:
+            index = calls.get(id(layer), 0)
+            calls[id(layer)] = index + 1
+            split = split_calls[index % len(split_calls)]
+        if split and runtime.holds_local_values():
             return local_call(*args, **kwargs)
         return whole_call(*args, **kwargs)
 
     return call
+
+
+@contextlib.contextmanager
+def forward_pass():
+    """Inside, one forward pass of the model on one rank.
+
+    - A replicated tensor enters the parallel part once: the query, key
+      and value projections of an attention layer (or the gate and up
+      projections of an MLP) read the same tensor; sharing its
+      `copy_to_parallel` sums their input gradients on each rank first, so
+      the backward pass all-reduces once per block, as Megatron's fused
+      projection does, not once per projection.
+    - The layers' calls are counted: a layer called on split and on whole
+      activations in one pass (see `_split_random_call`) tells its calls
+      apart by their order.
+
+    A runtime enters it on every rank (a thread of its own on TensorFlow,
+    where context variables do not follow into replicas).
+    """
+    copies = _SHARED_COPIES.set({})
+    calls = _FORWARD_CALLS.set({})
+    try:
+        yield
+    finally:
+        _FORWARD_CALLS.reset(calls)
+        _SHARED_COPIES.reset(copies)
 
 
 def _accept_split_input(layer):

@@ -7,8 +7,9 @@ The probe model has three dropouts, each made visible in an output:
   halves are equal exactly when both heads drew the same mask;
 - a Dropout between a Column layer and its Row partner (identity kernels):
   each half of the output is one rank's half of the mask;
-- a Dropout on a whole (replicated) activation, which every rank must
-  mask alike.
+- the same Dropout layer called again on a whole (replicated) activation,
+  which every rank must mask alike (keras-hub's ViT MLP reuses one
+  Dropout so).
 
 On one device all masks are drawn independently, so the halves differ;
 they must differ in the parallel model too, and every rank must return
@@ -34,9 +35,9 @@ def probe_model():
     )
     attended = attention(inputs, inputs)
     up = layers.Dense(DIM, name="up")(inputs)
-    dropped = layers.Dropout(RATE, name="split_dropout")(up)
-    down = layers.Dense(DIM, name="down")(dropped)
-    whole = layers.Dropout(RATE, name="whole_dropout")(inputs)
+    dropout = layers.Dropout(RATE, name="dropout")
+    down = layers.Dense(DIM, name="down")(dropout(up))
+    whole = dropout(inputs)
     model = keras.Model(inputs, [attended, down, whole], name="dropouts")
     half = DIM // 2
     for name in ("up", "down"):
@@ -72,6 +73,12 @@ def masked_outputs(model):
         np.asarray(keras.ops.convert_to_numpy(output))
         for output in model(inputs(), training=True)
     ]
+
+
+def per_rank_calls(model):
+    """`{layer name: (split, ...)}` of the plan's per-rank random layers."""
+    plan = model.sharding_plan
+    return {layer.name: calls for layer, calls in plan.per_rank_random.items()}
 
 
 def check_masks(outputs):

@@ -746,10 +746,8 @@ def test_dropout_draws_a_mask_per_split_part(data_parallel):
     )
     # With a data axis each rank runs the Dropout between `up` and `down`
     # on its own features; on global arrays it masks the whole tensor.
-    expected = ["split_dropout"] if data_parallel > 1 else []
-    assert [layer.name for layer in tp.sharding_plan.per_rank_random] == (
-        expected
-    )
+    expected = {"dropout": (True, False)} if data_parallel > 1 else {}
+    assert random_cases.per_rank_calls(tp) == expected
     random_cases.check_masks(random_cases.masked_outputs(tp))
 
 

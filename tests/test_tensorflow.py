@@ -599,7 +599,5 @@ def test_dropout_draws_a_mask_per_split_part(data_parallel):
         world_size=2 * data_parallel,
         data_parallel=data_parallel,
     )
-    assert [layer.name for layer in tp.sharding_plan.per_rank_random] == [
-        "split_dropout"
-    ]
+    assert random_cases.per_rank_calls(tp) == {"dropout": (True, False)}
     random_cases.check_masks(random_cases.masked_outputs(tp))

@@ -83,7 +83,8 @@ class ShardingPlan:
         # The layers drawing random numbers on split activations (a
         # Dropout between a Column layer and its Row partner), found by
         # the local-execution check: each rank draws its own there.
-        self.per_rank_random = []
+        # `{layer: (split, ...)}`, per call in a forward pass.
+        self.per_rank_random = {}
 
     def __repr__(self):
         lines = [

@@ -172,8 +172,9 @@ def local_problems(model, plan, trace, group_of, random_inputs=None):
         group_of: `{id(layer): group key}` for each split leaf layer;
             problems are reported per group.
         random_inputs: a dict that receives, for each layer drawing random
-            numbers of its own (a Dropout), whether its inputs are split on
-            a rank: `{layer: {True, False}}`, a set of what its calls saw.
+            numbers of its own (a Dropout), whether the input of each of
+            its calls in one forward pass is split on a rank:
+            `{layer: [bool, ...]}`, in the order of the calls.
 
     Returns:
         `{group key or layer path: Problem}`; empty when every rank's view
@@ -195,16 +196,19 @@ def random_on_split_values(plan, random_inputs):
 
     A Dropout between a Column layer and its Row partner sees one rank's
     features; each rank must draw its own mask there, where a Dropout on a
-    whole activation must draw the same mask on every rank. A layer called
-    on both cannot do both. The layers inside a split attention layer are
-    left out: the whole region draws per rank.
+    whole activation must draw the same mask on every rank. One layer may
+    be called on both (keras-hub's ViT MLP applies one Dropout after each
+    of its two Dense layers), so what is recorded is, per call in a
+    forward pass, whether its input is split. The layers inside a split
+    attention layer are left out: the whole region draws per rank.
 
     Args:
         plan: the bound plan that was checked.
         random_inputs: what `local_problems` recorded.
 
     Returns:
-        The layers that draw per rank.
+        `{layer: (split, ...)}`: for each layer that draws on split
+        activations, whether each of its calls in a forward pass does.
     """
     inside = {
         id(sub)
@@ -212,21 +216,11 @@ def random_on_split_values(plan, random_inputs):
         if isinstance(entry, ShardedUnit)
         for sub in sublayers(entry.layer)
     }
-    random_inputs = {
-        layer: seen
-        for layer, seen in random_inputs.items()
-        if id(layer) not in inside
+    return {
+        layer: tuple(calls)
+        for layer, calls in random_inputs.items()
+        if id(layer) not in inside and any(calls)
     }
-    mixed = [layer for layer, seen in random_inputs.items() if len(seen) > 1]
-    if mixed:
-        name = mixed[0].path or mixed[0].name
-        raise ShardingError(
-            f"Layer '{name}' draws random numbers (a dropout mask) both "
-            "on split activations, where each rank must draw its own, and "
-            "on whole ones, where every rank must draw the same. Use a "
-            "separate layer for each place it is called."
-        )
-    return [layer for layer, seen in random_inputs.items() if True in seen]
 
 
 class _Emulation:
@@ -319,7 +313,7 @@ class _Emulation:
             tuple(a.shape) for a in reference.inputs
         ]
         if own_seed_generators(layer):
-            self.random_inputs.setdefault(layer, set()).add(local)
+            self.random_inputs.setdefault(layer, []).append(local)
         own = own_trainable_variables(layer)
         if local and own and self.active:
             self._blame_active(

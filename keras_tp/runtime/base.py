@@ -10,7 +10,7 @@ from keras import ops
 from keras_tp.keras_internals import bind_values
 from keras_tp.placement import Placement
 from keras_tp.regions import copy_replicated_inputs
-from keras_tp.regions import sharing_copies
+from keras_tp.regions import forward_pass
 from keras_tp.runtime.pieces import CheckpointPieces
 
 
@@ -280,7 +280,7 @@ class Runtime(CheckpointPieces):
     def recording_call(self):
         """The context of a direct call: its collectives are the `"call"`
         phase's, and its regions share the copies of replicated inputs."""
-        with self.adapter.stats.recording("call"), sharing_copies():
+        with self.adapter.stats.recording("call"), forward_pass():
             yield
 
     def prepare_step_state(self, variables):

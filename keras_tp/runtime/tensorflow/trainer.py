@@ -31,6 +31,7 @@ import tensorflow as tf
 
 from keras_tp.keras_internals import compute_loss
 from keras_tp.keras_internals import update_loss_tracker
+from keras_tp.regions import forward_pass
 from keras_tp.runtime.base import collect_flat
 from keras_tp.runtime.base import is_float
 from keras_tp.runtime.tensorflow.optimizer import prepare_optimizer
@@ -315,10 +316,13 @@ class ReplicaTrainer:
                 return super().call_model(model, inputs, training)
         if not (self.per_rank_steps or self._local_layers):
             return super().call_model(model, inputs, training)
+
+        def call_on_replica(inputs):
+            with forward_pass():
+                return model(inputs, training=training)
+
         with self.recording_call():
-            return self._on_replicas(
-                lambda inputs: model(inputs, training=training), inputs
-            )
+            return self._on_replicas(call_on_replica, inputs)
 
 
 def _tracked_loss(model, x, y, y_pred, sample_weight, training):

@@ -160,6 +160,28 @@ def test_ddp_buckets_are_cut_by_bucket_cap(two_ranks):
         assert stats["optimizer_bytes"] == run["psi"]
 
 
+def test_ddp_sends_buckets_during_the_backward_pass(two_ranks):
+    """DDP's pieces start as their gradients are made (the runs match one
+    device and count the ZeRO minimum, as the tests above check)."""
+    _, ranks = two_ranks
+    for rank in ranks:
+        for run in rank["cases"]:
+            name, _, _, stage, _, options = run["case"]
+            overlaps = stage == 0 and "gradient_accumulation_steps" not in (
+                options
+            )
+            assert run["overlap"] == overlaps, run["case"]
+            if not overlaps:
+                assert run["timeline"] == [], run["case"]
+                continue
+            (bucket,) = run["timeline"]
+            assert 0 < bucket["first_ready"] <= bucket["ready"], bucket
+            assert bucket["ready"] <= bucket["finished"], bucket
+            if options.get("bucket_cap_mb") == BUCKET_MB:
+                # Several pieces: the first left before the last was made.
+                assert bucket["first_ready"] < bucket["ready"], bucket
+
+
 def test_zero3_save_loads_in_plain_keras(two_ranks):
     path, ranks = two_ranks
     # The partitions were gathered for the file and are partitions again.

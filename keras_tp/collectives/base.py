@@ -54,6 +54,23 @@ class CollectiveAdapter:
         self._record("all_reduce", x)
         return self._all_reduce(x, op)
 
+    def all_reduce_async(self, x, op="sum"):
+        """Starts `all_reduce(x, op)` and returns without waiting for it.
+
+        Returns:
+            A function of no arguments that waits for the collective and
+            returns its result. Backends whose collectives run inside a
+            compiled step complete it at once; their compiler schedules it.
+        """
+        if op not in REDUCE_OPS:
+            raise ValueError(f"`op` must be one of {REDUCE_OPS}, got {op!r}.")
+        self._record("all_reduce", x)
+        return self._all_reduce_async(x, op)
+
+    def _all_reduce_async(self, x, op):
+        result = self._all_reduce(x, op)
+        return lambda: result
+
     def all_gather(self, x, axis=0):
         """Concatenates every rank's `x` along `axis`."""
         self._record("all_gather", x, scale=self.size())

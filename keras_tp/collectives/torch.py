@@ -81,6 +81,20 @@ class TorchCollectiveAdapter(CollectiveAdapter):
             dist.all_reduce(out, op=_TORCH_REDUCE_OPS[op], group=self.group)
         return out / self.size() if op == "mean" else out
 
+    def _all_reduce_async(self, x, op):
+        out = _detached_copy(x, "all_reduce")
+        if is_symbolic(out):
+            return lambda: out
+        work = dist.all_reduce(
+            out, op=_TORCH_REDUCE_OPS[op], group=self.group, async_op=True
+        )
+
+        def wait():
+            work.wait()
+            return out / self.size() if op == "mean" else out
+
+        return wait
+
     def _all_gather(self, x, axis):
         _check_not_differentiated(x, "all_gather")
         return self.gather(x, axis)

@@ -73,7 +73,8 @@ class Bucket:
             )
         return entries
 
-    def _indices(self, variables):
+    def indices(self, variables):
+        """Positions of the bucket's variables in `variables`."""
         position = {id(v): i for i, v in enumerate(variables)}
         return [position[id(v)] for v in self.variables]
 
@@ -88,13 +89,24 @@ class Bucket:
             codec: the compression's arithmetic (see `compression.py`),
                 or `None` to send the gradients as they are.
         """
-        indices = self._indices(variables)
+        indices = self.indices(variables)
         values = [grads[i] for i in indices]
         if codec is None:
             averaged = all_reduce_flat(values, adapter, self.cap_bytes)
         else:
             averaged = codec.all_reduce(self, values, adapter)
         for i, value in zip(indices, averaged):
+            out[i] = value
+
+    def place(self, values, variables, out):
+        """Puts the bucket's `values` into `out` at its variables' places.
+
+        Args:
+            values: per variable of the bucket, in its order.
+            variables: the variables `out` is indexed like.
+            out: a list like `variables`.
+        """
+        for i, value in zip(self.indices(variables), values):
             out[i] = value
 
     def reduce_scatter(self, grads, variables, out, adapter, codec=None):
@@ -105,7 +117,7 @@ class Bucket:
         compressed form, and each rank keeps its partition.
         """
         parts = adapter.size()
-        indices = self._indices(variables)
+        indices = self.indices(variables)
         if codec is not None and not codec.scatters:
             values = [grads[i] for i in indices]
             averaged = codec.all_reduce(self, values, adapter)
@@ -132,7 +144,7 @@ class Bucket:
             adapter: the collective adapter of the `data` axis.
         """
         parts = adapter.size()
-        indices = self._indices(variables)
+        indices = self.indices(variables)
         rows = adapter.all_gather(self._as_rows(partitions, indices, 1), axis=0)
         for i, piece, axis, shape in self._partitions(rows, indices, parts):
             out[i] = _from_rows(piece, axis, shape)
@@ -238,17 +250,83 @@ def all_reduce_flat(tensors, adapter, cap_bytes, mean=None):
         def mean(piece):
             return adapter.all_reduce(piece, "mean")
 
-    shapes = [tuple(t.shape) for t in tensors]
-    flat = ops.concatenate([ops.reshape(t, (-1,)) for t in tensors], axis=0)
-    total = int(flat.shape[0])
-    pieces = [
-        mean(flat[start:stop])
-        for start, stop in _chunks(total, nbytes(flat, (1,)), cap_bytes)
-    ]
-    flat = ops.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
-    sizes = [math.prod(s) for s in shapes]
-    pieces = _split_columns(ops.reshape(flat, (1, -1)), sizes)
-    return [ops.reshape(p, s) for p, s in zip(pieces, shapes)]
+    def start(piece):
+        result = mean(piece)
+        return lambda: result
+
+    return start_all_reduce_flat(tensors, cap_bytes, start)()
+
+
+def start_all_reduce_flat(tensors, cap_bytes, start):
+    """Starts `all_reduce_flat`'s calls; returns a function finishing them.
+
+    Args:
+        tensors: tensors of one dtype.
+        cap_bytes: the most bytes of one call.
+        start: starts the average of one flat piece over the ranks and
+            returns a function of no arguments that returns it (see
+            `CollectiveAdapter.all_reduce_async`).
+
+    Returns:
+        A function of no arguments returning the averaged tensors, in
+        their shapes.
+    """
+    flat = FlatPieces(
+        [tuple(t.shape) for t in tensors], nbytes(tensors[0], (1,)), cap_bytes
+    )
+    flats = dict(enumerate(ops.reshape(t, (-1,)) for t in tensors))
+    waits = [start(flat.piece(k, flats)) for k in range(len(flat.ranges))]
+    return lambda: flat.assemble([wait() for wait in waits])
+
+
+class FlatPieces:
+    """Tensors as one flat vector, cut into pieces of at most `cap_bytes`.
+
+    Piece `k` covers `ranges[k]` of the vector, so it can be made (and
+    sent) as soon as the tensors it covers exist: the backward pass makes
+    a bucket's gradients piece by piece (see `overlap.py`).
+
+    Args:
+        shapes: the tensors' shapes, in order.
+        itemsize: bytes of one element.
+        cap_bytes: the most bytes of one piece.
+    """
+
+    def __init__(self, shapes, itemsize, cap_bytes):
+        self.shapes = list(shapes)
+        sizes = [math.prod(s) for s in self.shapes]
+        self.sizes = sizes
+        self.edges = np.cumsum([0] + sizes).tolist()
+        self.ranges = _chunks(sum(sizes), itemsize, cap_bytes)
+
+    def covered(self, k):
+        """Indices of the tensors piece `k` covers."""
+        start, stop = self.ranges[k]
+        return [
+            i
+            for i in range(len(self.sizes))
+            if self.edges[i] < stop and self.edges[i + 1] > start
+        ]
+
+    def piece(self, k, flats):
+        """Piece `k`, from `{index: flattened tensor}` of those it covers."""
+        start, stop = self.ranges[k]
+        parts = [
+            flats[i][
+                max(start, self.edges[i]) - self.edges[i] : min(
+                    stop, self.edges[i + 1]
+                )
+                - self.edges[i]
+            ]
+            for i in self.covered(k)
+        ]
+        return ops.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+
+    def assemble(self, pieces):
+        """The tensors, in their shapes, from all of their pieces."""
+        flat = ops.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+        columns = _split_columns(ops.reshape(flat, (1, -1)), self.sizes)
+        return [ops.reshape(p, s) for p, s in zip(columns, self.shapes)]
 
 
 def partition(value, axis, rank, parts):

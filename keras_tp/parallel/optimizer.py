@@ -58,6 +58,11 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         compression: how gradients travel over the data axis: `None`
             (as they are), `"bf16"`, `"fp16"`, `"powersgd"`, `"sign"` or
             a `keras_tp.Compression`. Stages 0 to 2 only.
+        overlap: whether DDP (stage 0, uncompressed, one micro-batch per
+            update) starts each bucket's all-reduce during the backward
+            pass, as soon as the bucket's gradients are ready, where the
+            runtime can (torch). On JAX and TensorFlow the compiler
+            schedules the step's collectives itself.
         name: name of the optimizer.
 
     Example:
@@ -80,6 +85,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         bucket_cap_mb=25,
         gradient_accumulation_steps=1,
         compression=None,
+        overlap=True,
         name=None,
     ):
         if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -138,6 +144,9 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         # build its own accumulators from that attribute.
         self.accumulation_steps = gradient_accumulation_steps
         self.compression = compression
+        self.overlap = overlap
+        # The runtime's `BackwardOverlap`, once it has attached one.
+        self.backward_overlap = None
         # Norms need every shard's gradient, so clipping by norm happens
         # here, across ranks, instead of in the inner optimizer.
         self.clip_norm = optimizer.clipnorm
@@ -349,10 +358,21 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
     def _all_reduce(self, grads, variables):
         """Averages the gradients over the data axis, one call per bucket."""
         out = list(grads)
+        overlap = self.backward_overlap
         for bucket in self.buckets:
-            bucket.all_reduce(
-                grads, variables, out, self._data_adapter, self._codec
-            )
+            averaged = None
+            if overlap is not None:
+                averaged = overlap.take(
+                    bucket, [grads[i] for i in bucket.indices(variables)]
+                )
+            if averaged is None:
+                bucket.all_reduce(
+                    grads, variables, out, self._data_adapter, self._codec
+                )
+            else:
+                bucket.place(averaged, variables, out)
+        if overlap is not None:
+            overlap.end_step()
         return out
 
     def _reduce_scatter(self, grads, variables):
@@ -428,7 +448,31 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             average = moving_average(inner, variable)
             placement.assign_full_value(variable, placement.full_value(average))
 
+    @property
+    def overlaps(self):
+        """Whether buckets may be sent during the backward pass (`overlap`
+        and DDP: stage 0, no compression, one micro-batch per update)."""
+        return (
+            self.overlap
+            and self.zero_stage == 0
+            and self.compression is None
+            and self.accumulation_steps == 1
+        )
+
     # Monitoring ---------------------------------------------------------
+
+    def bucket_timeline(self):
+        """When each bucket of the last step was ready and finished.
+
+        Returns:
+            A list of `{"bucket", "first_ready", "ready", "finished"}` in
+            seconds since the step started (see `BackwardOverlap.timeline`)
+            for the buckets sent during the backward pass; empty where
+            none were.
+        """
+        if self.backward_overlap is None:
+            return []
+        return self.backward_overlap.timeline()
 
     def sharding_info(self):
         """Stage and bucket layout (see `get_gradient_sharding_info`)."""
@@ -443,6 +487,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             "bucket_cap_mb": self.bucket_cap_mb,
             "gradient_accumulation_steps": self.accumulation_steps,
             "compression": self.compression,
+            "overlap": self.backward_overlap is not None,
             "buckets": [
                 entry for bucket in self.buckets for entry in bucket.describe()
             ],
@@ -467,6 +512,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
                 if self.compression is None
                 else self.compression.get_config()
             ),
+            "overlap": self.overlap,
         }
 
     @classmethod

@@ -38,6 +38,8 @@ def run_case(name, world_size, data_parallel, zero_stage, kind, **options):
         "gradient_bytes": _own(info["gradient_bytes"]),
         "optimizer_bytes": _own(info["optimizer_bytes"]),
         "buckets": len(info["buckets"]),
+        "overlap": info["overlap"],
+        "timeline": tp.optimizer.bucket_timeline(),
         "data_stats": tp.communication_stats(axis="data"),
         # Bytes of the kernels a backward pass reads: every Dense kernel
         # but the first layer's, whose input needs no gradient.

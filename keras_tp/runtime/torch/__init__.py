@@ -30,6 +30,8 @@ from keras_tp.collectives.torch import TorchCollectiveAdapter
 from keras_tp.collectives.torch import is_symbolic
 from keras_tp.keras_internals import draw_from_state
 from keras_tp.keras_internals import seed_generators
+from keras_tp.parallel import CoordinatedOptimizer
+from keras_tp.parallel.overlap import BackwardOverlap
 from keras_tp.runtime.base import Runtime
 from keras_tp.runtime.torch.process_group import configure_virtual_devices
 from keras_tp.runtime.torch.process_group import join_process_group
@@ -345,6 +347,8 @@ class TorchRuntime(Runtime):
                 )
             metrics = model.metrics_variables
             before = [v.value.detach().clone() for v in metrics]
+            if phase == "train":
+                self._start_backward_overlap(model)
             step(data)
             non_trainable = model.non_trainable_variables
             new_metrics, values = self.synchronised_state(
@@ -358,6 +362,35 @@ class TorchRuntime(Runtime):
             ):
                 variable.assign(value)
             return model.get_metrics_result()
+
+    def _start_backward_overlap(self, model):
+        """Sends each gradient bucket as soon as the backward pass made it.
+
+        Each trainable parameter gets a post-accumulate-grad hook (once,
+        when the optimizer is built) that hands its gradient to the
+        optimizer's `BackwardOverlap`; a bucket complete starts its
+        all-reduce asynchronously, while the backward pass goes on.
+        """
+        optimizer = getattr(model, "optimizer", None)
+        if not (
+            isinstance(optimizer, CoordinatedOptimizer)
+            and optimizer.built
+            and optimizer.overlaps
+        ):
+            return
+        if optimizer.backward_overlap is None:
+            variables = list(model.trainable_variables)
+            overlap = BackwardOverlap(
+                optimizer.buckets, variables, self.data_adapter
+            )
+            for index, variable in enumerate(variables):
+                parameter_of(variable).register_post_accumulate_grad_hook(
+                    lambda parameter, index=index: overlap.gradient_ready(
+                        index, parameter.grad
+                    )
+                )
+            optimizer.backward_overlap = overlap
+        optimizer.backward_overlap.start_step()
 
     def _batch_slice(self, tensor):
         """This data rank's slice of a global batch tensor."""

@@ -236,9 +236,9 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
         """
         arguments = _FIT_SIGNATURE.bind_partial(self, *args, **kwargs)
         prepare_callbacks(arguments.arguments.get("callbacks"), self._runtime)
-        if getattr(self, "optimizer", None) is not None:
-            if not self.optimizer.built:
-                self._runtime.build_optimizer(self)
+        optimizer = getattr(self, "optimizer", None)
+        if optimizer is not None and not optimizer.built:
+            self._runtime.build_optimizer(self)
         return super().fit(*args, **kwargs)
 
     def make_train_function(self, force=False):

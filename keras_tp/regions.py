@@ -297,8 +297,10 @@ def per_rank_draws(generators, call, adapter):
     if not generators:
         return call
 
+    def shift():
+        return adapter.rank() * _RANK_SEED_STRIDE
+
     def call_with_rank_draws(*args, **kwargs):
-        shift = lambda: adapter.rank() * _RANK_SEED_STRIDE  # noqa: E731
         with shifted_seed_draws(generators, shift):
             return call(*args, **kwargs)
 

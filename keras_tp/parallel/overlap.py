@@ -26,14 +26,10 @@ class BackwardOverlap:
         buckets: the optimizer's `Bucket`s; the all-reduce ones overlap.
         variables: the trainable variables, in the optimizer's order.
         adapter: the collective adapter of the `data` axis.
-        stats_label: the label the collectives are counted under (the
-            optimizer's, so a step counts the same with or without
-            overlap).
     """
 
-    def __init__(self, buckets, variables, adapter, stats_label="optimizer"):
+    def __init__(self, buckets, variables, adapter):
         self.adapter = adapter
-        self.stats_label = stats_label
         self.buckets = [b for b in buckets if not b.partitioned]
         position = {id(v): i for i, v in enumerate(variables)}
         # variable index -> (bucket, its position in the bucket)
@@ -120,7 +116,8 @@ class BackwardOverlap:
         while len(waits) < len(pieces.ranges) and all(
             i in flats for i in pieces.covered(len(waits))
         ):
-            with self.adapter.stats.labelled(self.stats_label):
+            # Counted as the optimizer's, as without overlap.
+            with self.adapter.stats.labelled("optimizer"):
                 waits.append(
                     self.adapter.all_reduce_async(
                         pieces.piece(len(waits), flats), "mean"

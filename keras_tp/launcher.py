@@ -81,6 +81,7 @@ def launch(
     min_world_size=1,
     allowed_world_sizes=None,
     collective_timeout=None,
+    nproc_per_node=None,
 ):
     """Runs `train_fn(*args, **kwargs)` on `world_size` ranks.
 
@@ -147,6 +148,12 @@ def launch(
         collective_timeout: seconds a collective waits for the other ranks
             before it fails; default: `$KERAS_TP_COLLECTIVE_TIMEOUT` if set,
             else torch's default (30 minutes for gloo).
+        nproc_per_node: ranks per node, numbered as torchrun numbers the
+            ranks of `--nnodes` nodes (`GROUP_RANK`, `LOCAL_RANK`,
+            `LOCAL_WORLD_SIZE`); default: all on one node. Several nodes
+            on this machine are for testing what depends on the node
+            layout, such as `CoordinatedOptimizer(hierarchical=True)`;
+            CPU ranks only.
 
     Returns:
         What `train_fn` returned on rank 0 (of the last attempt).
@@ -187,6 +194,19 @@ def launch(
             f"but {gpus} are visible. Start at most {gpus} ranks, or hide "
             "the GPUs (CUDA_VISIBLE_DEVICES='') to run CPU ranks over gloo."
         )
+    if nproc_per_node is not None and (
+        not isinstance(nproc_per_node, int) or nproc_per_node < 1
+    ):
+        raise ValueError(
+            f"nproc_per_node must be an integer >= 1, got {nproc_per_node!r}."
+        )
+    if gpus and nproc_per_node is not None:
+        raise ValueError(
+            f"launch(nproc_per_node={nproc_per_node}) lays out several nodes "
+            "on this machine, whose ranks would share cuda:LOCAL_RANK. Run "
+            "torchrun on each node instead, or hide the GPUs "
+            "(CUDA_VISIBLE_DEVICES='') to run CPU ranks."
+        )
     environment = {
         "KERAS_BACKEND": "torch",
         # As torchrun's agent sets them, so `train_fn` reads them alike.
@@ -212,6 +232,7 @@ def launch(
                 timeout,
                 rendezvous,
                 threads_per_rank,
+                nproc_per_node or world_size,
             )
         except rank_processes.AttemptFailed as failure:
             next_size = _next_world_size(sizes, world_size - len(failure.lost))
@@ -269,7 +290,13 @@ def _restart_refusal(world_size, lost, sizes):
 
 
 def _run_attempt(
-    payload, world_size, environment, timeout, rendezvous, threads_per_rank
+    payload,
+    world_size,
+    environment,
+    timeout,
+    rendezvous,
+    threads_per_rank,
+    nproc_per_node,
 ):
     """Runs one attempt of the job; returns rank 0's result.
 
@@ -308,7 +335,14 @@ def _run_attempt(
         with _environment(OMP_NUM_THREADS=str(threads), **environment):
             context = mp.start_processes(
                 rank_processes.run_rank,
-                args=(world_size, master_addr, port, payload, workdir),
+                args=(
+                    world_size,
+                    nproc_per_node,
+                    master_addr,
+                    port,
+                    payload,
+                    workdir,
+                ),
                 nprocs=world_size,
                 join=False,
                 start_method="spawn",

@@ -220,9 +220,12 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             )
         else:
             return optimizer
-        optimizer.bind(
-            runtime.placement, runtime.data_adapter, runtime.world_adapter
+        data_adapter = (
+            runtime.hierarchical_data_adapter
+            if optimizer.hierarchical
+            else runtime.data_adapter
         )
+        optimizer.bind(runtime.placement, data_adapter, runtime.world_adapter)
         return optimizer
 
     def fit(self, *args, **kwargs):

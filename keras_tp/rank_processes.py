@@ -44,13 +44,22 @@ class AttemptFailed(Exception):
         self.summary = summary
 
 
-def run_rank(rank, world_size, master_addr, master_port, payload, workdir):
-    """The body of one rank's process (top level, so spawn can import it)."""
+def run_rank(
+    rank, world_size, nproc_per_node, master_addr, master_port, payload, workdir
+):
+    """The body of one rank's process (top level, so spawn can import it).
+
+    The ranks are numbered as torchrun numbers them on nodes of
+    `nproc_per_node` ranks each.
+    """
+    node, local_rank = divmod(rank, nproc_per_node)
+    ranks_on_node = min(nproc_per_node, world_size - node * nproc_per_node)
     os.environ.update(
         RANK=str(rank),
-        LOCAL_RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        GROUP_RANK=str(node),
         WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(ranks_on_node),
         MASTER_ADDR=master_addr,
         MASTER_PORT=str(master_port),
     )

@@ -76,6 +76,9 @@ class CommunicationStats:
             axis: only the collectives over this mesh axis: `"model"`,
                 `"data"`, or `("data", "model")` for those over the whole
                 mesh (the norms of gradient clipping); `None` counts all.
+                An axis includes its levels: `"data"` counts
+                `"data/within_host"` and `"data/across_hosts"` (a
+                hierarchical reduction), which can also be asked for alone.
         """
         totals = collections.defaultdict(
             lambda: {
@@ -90,7 +93,7 @@ class CommunicationStats:
             }
         )
         for kind, nbytes, direction, on_axis in self._records.get(phase, []):
-            if axis is not None and on_axis != axis:
+            if axis is not None and not _on_axis(on_axis, axis):
                 continue
             entry = totals[kind]
             entry["calls"] += 1
@@ -101,3 +104,11 @@ class CommunicationStats:
 
     def reset(self):
         self._records.clear()
+
+
+def _on_axis(record_axis, axis):
+    """Whether a collective over `record_axis` ran over `axis` or a level
+    of it."""
+    if record_axis == axis:
+        return True
+    return isinstance(record_axis, str) and record_axis.startswith(f"{axis}/")

@@ -821,8 +821,8 @@ def test_fit_compiles_its_step_once(data_parallel):
     assert traced == ["train", "test"], traced
 
 
-def test_two_hosts_gather_weights_and_save(tmp_path):
-    """TP=4 over two jax.distributed processes of two devices each."""
+def _two_hosts(directory, *mode):
+    """Runs tests/jax_scripts/multihost.py in 2 processes; their JSON."""
     import json
     import socket
     import subprocess
@@ -836,7 +836,7 @@ def test_two_hosts_gather_weights_and_save(tmp_path):
     )
     processes = [
         subprocess.Popen(
-            [sys.executable, script, str(port), str(i), str(tmp_path)],
+            [sys.executable, script, str(port), str(i), str(directory), *mode],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -846,11 +846,25 @@ def test_two_hosts_gather_weights_and_save(tmp_path):
     for process in processes:
         output, _ = process.communicate(timeout=240)
         assert process.returncode == 0, output[-3000:]
-    results = [
-        json.loads((tmp_path / f"process{i}.json").read_text())
+    return [
+        json.loads((directory / f"process{i}.json").read_text())
         for i in range(2)
     ]
+
+
+def test_two_hosts_gather_weights_and_save(tmp_path):
+    """TP=4 over two jax.distributed processes of two devices each."""
+    results = _two_hosts(tmp_path)
     for result in results:
         assert len(result["devices"]) == 4  # 2 local + 2 remote devices
         assert result["weights"] <= ATOL
     assert results[0]["saved"] == 0.0
+
+
+def test_two_hosts_reduce_hierarchically(tmp_path):
+    """A data axis of 4 over two processes of two devices each: within
+    each host first (tests/hierarchy_cases.py)."""
+    from tests import hierarchy_cases
+
+    for results in _two_hosts(tmp_path, "hierarchical"):
+        hierarchy_cases.check_runs(results)

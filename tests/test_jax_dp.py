@@ -175,3 +175,67 @@ def test_batchnorm_statistics_are_averaged_over_data(world_size, data_parallel):
     )
     assert difference <= 1e-6
     assert consistency["consistent"], consistency
+
+
+def test_hierarchical_collectives_equal_flat_ones():
+    """The data axis as 2 hosts of 2 devices: hierarchical collectives
+    give what flat ones give, and each level counts its calls."""
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec
+
+    from keras_tp.collectives.hierarchy import HierarchicalAdapter
+    from keras_tp.collectives.jax import JaxCollectiveAdapter
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+    within = JaxCollectiveAdapter(2, "data", False, [[0, 1], [2, 3]])
+    across = JaxCollectiveAdapter(2, "data", False, [[0, 2], [1, 3]])
+    hierarchical = HierarchicalAdapter(within, across)
+    flat = JaxCollectiveAdapter(4, "data", False)
+
+    def collectives(adapter, x, odd):
+        return [
+            adapter.all_reduce(x, "sum"),
+            adapter.all_reduce(odd, "mean"),  # 7 values: padded to 8
+            adapter.all_reduce(x, "max"),
+            adapter.reduce_scatter(x, axis=1, op="sum"),
+            adapter.all_gather(x, axis=0),
+            adapter.broadcast(x, root=3),
+            jax.numpy.reshape(adapter.rank(), (1,)),
+        ]
+
+    def body(x, odd):
+        return collectives(hierarchical, x, odd) + collectives(flat, x, odd)
+
+    spec = PartitionSpec("data")
+    run = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(spec, spec),
+            out_specs=spec,
+            check_vma=False,
+        )
+    )
+    x = np.random.default_rng(0).normal(size=(4 * 3, 8)).astype("float32")
+    odd = np.random.default_rng(1).normal(size=(4 * 7,)).astype("float32")
+    with hierarchical.stats.recording("train"):
+        outputs = run(x, odd)
+    levels, flats = outputs[:7], outputs[7:]
+    for level, plain in zip(levels, flats):
+        np.testing.assert_allclose(level, plain, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(levels[-1], [0, 1, 2, 3])
+    across_calls = hierarchical.stats.summary(axis="data/across_hosts")
+    # Half of each rank's values cross hosts: x's 24 floats for the sum
+    # and for the reduce-scatter, odd's 7 padded to 8 for the mean.
+    assert across_calls["reduce_scatter"]["bytes"] == 4 * (24 + 8 + 24) // 2
+
+
+def test_hierarchical_on_one_host_reduces_in_one_level(caplog):
+    caplog.set_level("INFO", logger="keras_tp")
+    reference, tp, ref_history, tp_history = train_pair(
+        "mlp", 4, 4, 0, "sgd", hierarchical=True
+    )
+    check_matches_one_device(reference, tp, ref_history, tp_history)
+    assert tp.get_gradient_sharding_info()["hosts"] == 1
+    assert "sit on 1 host(s)" in caplog.text
+    assert set(tp.communication_stats(axis="data")) == {"all_reduce"}

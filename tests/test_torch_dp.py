@@ -20,6 +20,7 @@ if keras.backend.backend() != "torch":
     )
 
 from keras_tp.launcher import launch  # noqa: E402
+from tests import hierarchy_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests.dp_cases import STEPS  # noqa: E402
 from tests.dp_cases import check_zero_memory  # noqa: E402
@@ -228,3 +229,16 @@ def test_batchnorm_statistics_are_averaged_over_data(two_ranks):
         difference, consistency = rank["batchnorm"]
         assert difference <= 1e-6
         assert consistency["consistent"], consistency
+
+
+def test_hierarchical_reduction_on_two_nodes():
+    """4 ranks launched as 2 nodes of 2 (as torchrun numbers them): each
+    rank matches one device and sends half its gradient bytes across
+    nodes, the rest within its node."""
+    results = launch(
+        hierarchy_cases.runs,
+        world_size=4,
+        nproc_per_node=2,
+        timeout=LAUNCH_TIMEOUT,
+    )
+    hierarchy_cases.check_runs(results)

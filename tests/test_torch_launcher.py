@@ -40,3 +40,8 @@ def test_threads_per_rank_decides_over_the_cores(monkeypatch):
         torch.get_num_threads, world_size=2, threads_per_rank=1
     )
     assert threads == 1
+
+
+def test_nproc_per_node_must_be_a_positive_integer():
+    with pytest.raises(ValueError, match="nproc_per_node must be an integer"):
+        launcher.launch(torch.get_num_threads, world_size=2, nproc_per_node=0)

@@ -37,6 +37,11 @@ class CollectiveAdapter:
 
     def __init__(self, axis_name="model"):
         self.axis_name = axis_name
+        # The axis the stats file calls under; a level of a hierarchical
+        # axis (`HierarchicalAdapter`) names itself there, e.g.
+        # "data/across_hosts", while its collectives still run over
+        # `axis_name`.
+        self.stats_axis = axis_name
         self.stats = CommunicationStats()
         # A debug switch for timing only: False makes `all_reduce` (and
         # its async form) return its input, still counted, so that a
@@ -138,7 +143,7 @@ class CollectiveAdapter:
     def _record(self, kind, x, direction=None, scale=1):
         """Counts one call; `scale` turns the input's bytes into the call's
         (an all-gather moves `size()` times its input)."""
-        self.stats.record(kind, nbytes(x) * scale, direction, self.axis_name)
+        self.stats.record(kind, nbytes(x) * scale, direction, self.stats_axis)
 
     @contextlib.contextmanager
     def activated(self):

@@ -21,31 +21,58 @@ class JaxCollectiveAdapter(CollectiveAdapter):
     differentiated collective must carry its own gradient rule, so
     `reduce_from_parallel` becomes a `custom_vjp` too.
 
+    With `axis_index_groups` the collectives run within groups of the
+    axis' devices (the levels of a `HierarchicalAdapter`): raw collectives
+    only, since they carry no gradients.
+
     Args:
         axis_size: number of devices along `axis_name` (a name or a tuple
-            of names, for collectives over several axes).
+            of names, for collectives over several axes), or in each group.
         axis_name: mesh axis the collectives run over.
         check_vma: whether the enclosing `shard_map` checks varying
             manual axes.
+        axis_index_groups: lists of indices along `axis_name`, each a
+            group of `axis_size` devices; `None` for the whole axis.
     """
 
     backend = "jax"
 
-    def __init__(self, axis_size, axis_name="model", check_vma=True):
+    def __init__(
+        self,
+        axis_size,
+        axis_name="model",
+        check_vma=True,
+        axis_index_groups=None,
+    ):
         super().__init__(axis_name)
         self._axis_size = axis_size
         self.check_vma = check_vma
-        self._build_conjugate_ops()
-        self._build_partition_gather()
+        self._groups = axis_index_groups
+        if axis_index_groups is None:
+            self._build_conjugate_ops()
+            self._build_partition_gather()
 
     def rank(self):
-        return jax.lax.axis_index(self.axis_name)
+        index = jax.lax.axis_index(self.axis_name)
+        if self._groups is None:
+            return index
+        places = {i: place for g in self._groups for place, i in enumerate(g)}
+        table = jax.numpy.array([places[i] for i in sorted(places)])
+        return table[index]
 
     def size(self):
         return self._axis_size
 
     def _all_reduce(self, x, op):
         axis = self.axis_name
+        if self._groups is not None:
+            # shard_map has no psum over groups of an axis: gather the
+            # group's values and reduce them here.
+            values = self._all_gather(x[None], 0)
+            reduce = {"sum": jax.numpy.sum, "mean": jax.numpy.mean}.get(
+                op, jax.numpy.max if op == "max" else jax.numpy.min
+            )
+            return reduce(values, axis=0)
         if op == "sum":
             return jax.lax.psum(x, axis)
         if op == "mean":
@@ -55,6 +82,14 @@ class JaxCollectiveAdapter(CollectiveAdapter):
         return jax.lax.pmin(x, axis)
 
     def _all_gather(self, x, axis):
+        if self._groups is not None:
+            return jax.lax.all_gather(
+                x,
+                self.axis_name,
+                axis=axis,
+                tiled=True,
+                axis_index_groups=self._groups,
+            )
         if self.check_vma:
             return jax.lax.all_gather(x, self.axis_name, axis=axis, tiled=True)
         # Every rank receives the same result; without vma tracking the
@@ -63,11 +98,17 @@ class JaxCollectiveAdapter(CollectiveAdapter):
 
     def _reduce_scatter(self, x, axis, op):
         out = jax.lax.psum_scatter(
-            x, self.axis_name, scatter_dimension=axis, tiled=True
+            x,
+            self.axis_name,
+            scatter_dimension=axis,
+            tiled=True,
+            axis_index_groups=self._groups,
         )
         return out / self._axis_size if op == "mean" else out
 
     def _broadcast(self, x, root):
+        if self._groups is not None:
+            return self._all_gather(x[None], 0)[root]
         # Zero every rank's value but the root's: the sum is the root's value.
         keep = (jax.lax.axis_index(self.axis_name) == root).astype(x.dtype)
         return jax.lax.psum(x * keep, self.axis_name)

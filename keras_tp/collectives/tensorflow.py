@@ -158,9 +158,9 @@ class TensorFlowCollectiveAdapter(CollectiveAdapter):
             logger.debug(
                 "%s of a tensor of shape %s: bytes not counted.", kind, shape
             )
-            self.stats.record(kind, 0, direction, self.axis_name)
+            self.stats.record(kind, 0, direction, self.stats_axis)
             return
-        self.stats.record(kind, nbytes(x) * scale, direction, self.axis_name)
+        self.stats.record(kind, nbytes(x) * scale, direction, self.stats_axis)
 
     def _member(self):
         replica_id = self._context().replica_id_in_sync_group

@@ -23,6 +23,7 @@ Stages 0 to 2 can compress what they send (`compression.py`).
 import keras
 from keras import ops
 
+from keras_tp.collectives.hierarchy import HierarchicalAdapter
 from keras_tp.keras_internals import bind_values
 from keras_tp.keras_internals import model_variables_of
 from keras_tp.keras_internals import moving_average
@@ -63,6 +64,14 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             pass, as soon as the bucket's gradients are ready, where the
             runtime can (torch). On JAX and TensorFlow the compiler
             schedules the step's collectives itself.
+        hierarchical: whether gradients are reduced within each host
+            first, then across hosts, then shared within the host again,
+            so only `1 / ranks_per_host` of them crosses between hosts
+            (`keras_tp.collectives.hierarchy`). It applies where the data
+            axis spans several hosts, each with the same number of
+            consecutive ranks (torch under torchrun, JAX under
+            `jax.distributed`); elsewhere it is a plain reduction. ZeRO-3's
+            parameter gathers stay flat.
         name: name of the optimizer.
 
     Example:
@@ -86,6 +95,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         gradient_accumulation_steps=1,
         compression=None,
         overlap=True,
+        hierarchical=False,
         name=None,
     ):
         if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -145,6 +155,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         self.accumulation_steps = gradient_accumulation_steps
         self.compression = compression
         self.overlap = overlap
+        self.hierarchical = hierarchical
         # The runtime's `BackwardOverlap`, once it has attached one.
         self.backward_overlap = None
         # Norms need every shard's gradient, so clipping by norm happens
@@ -164,7 +175,8 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         Args:
             placement: the `Placement` of the model's variables; slots and
                 gradient buffers are placed like their variables.
-            data_adapter: the collective adapter of the `data` axis.
+            data_adapter: the collective adapter of the `data` axis (a
+                `HierarchicalAdapter` for `hierarchical=True`).
             world_adapter: the adapter over the whole mesh.
         """
         if self._placement is not None and self._placement is not placement:
@@ -451,12 +463,14 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
     @property
     def overlaps(self):
         """Whether buckets may be sent during the backward pass (`overlap`
-        and DDP: stage 0, no compression, one micro-batch per update)."""
+        and DDP: stage 0, no compression, one micro-batch per update, one
+        level of reduction)."""
         return (
             self.overlap
             and self.zero_stage == 0
             and self.compression is None
             and self.accumulation_steps == 1
+            and not isinstance(self._data_adapter, HierarchicalAdapter)
         )
 
     # Monitoring ---------------------------------------------------------
@@ -488,6 +502,11 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             "gradient_accumulation_steps": self.accumulation_steps,
             "compression": self.compression,
             "overlap": self.backward_overlap is not None,
+            "hosts": (
+                self._data_adapter.hosts
+                if isinstance(self._data_adapter, HierarchicalAdapter)
+                else 1
+            ),
             "buckets": [
                 entry for bucket in self.buckets for entry in bucket.describe()
             ],
@@ -513,6 +532,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
                 else self.compression.get_config()
             ),
             "overlap": self.overlap,
+            "hierarchical": self.hierarchical,
         }
 
     @classmethod

@@ -1,17 +1,23 @@
 """What every backend runtime provides to `TensorParallelKeras`."""
 
 import contextlib
+import functools
+import logging
 import math
 
 import keras
 import numpy as np
 from keras import ops
 
+from keras_tp.collectives.hierarchy import HierarchicalAdapter
+from keras_tp.collectives.hierarchy import host_groups
 from keras_tp.keras_internals import bind_values
 from keras_tp.placement import Placement
 from keras_tp.regions import copy_replicated_inputs
 from keras_tp.regions import forward_pass
 from keras_tp.runtime.pieces import CheckpointPieces
+
+logger = logging.getLogger(__name__)
 
 
 class Runtime(CheckpointPieces):
@@ -108,6 +114,60 @@ class Runtime(CheckpointPieces):
 
         Returns:
             `(model_adapter, data_adapter, world_adapter)`.
+        """
+        raise NotImplementedError
+
+    @functools.cached_property
+    def hierarchical_data_adapter(self):
+        """The `data` axis' collectives, within each host first.
+
+        For `CoordinatedOptimizer(hierarchical=True)`. Where every data
+        rank is on one host, or each on its own, there is no hierarchy and
+        this is `data_adapter`.
+
+        Raises:
+            ValueError: if the hosts hold different numbers of data ranks,
+                not consecutive ones, or group them differently for
+                different tensor-parallel shards.
+        """
+        hosts = self._rank_hosts()
+        model = self.tensor_parallel
+        groupings = {
+            str(host_groups(hosts[column::model])) for column in range(model)
+        }
+        within, across = host_groups(hosts[::model])
+        if len(groupings) > 1:
+            raise ValueError(
+                "hierarchical=True needs the data ranks of every "
+                "tensor-parallel shard grouped alike into hosts, but the "
+                f"hosts of the ranks are {hosts} (data x model mesh, "
+                "row-major). Put whole tensor-parallel groups on each host."
+            )
+        if len(within) == 1 or len(across) == 1:
+            logger.info(
+                "hierarchical=True: the %d data ranks sit on %d host(s), so "
+                "the data axis is reduced in one level.",
+                self.data_parallel,
+                len(within),
+            )
+            return self.data_adapter
+        adapter = HierarchicalAdapter(*self._level_adapters(within, across))
+        adapter.stats = self.adapter.stats
+        return adapter
+
+    def _rank_hosts(self):
+        """The host of every rank, in mesh order (data-major)."""
+        return [0] * self.world_size
+
+    def _level_adapters(self, within, across):
+        """Adapters of the data axis' groups within and across hosts.
+
+        Args:
+            within: lists of data ranks, one per host.
+            across: lists of data ranks, one per place on a host.
+
+        Returns:
+            `(within_adapter, across_adapter)` for this rank's groups.
         """
         raise NotImplementedError
 

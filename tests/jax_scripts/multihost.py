@@ -1,11 +1,13 @@
-"""One process of the JAX multi-host test (tests/test_jax.py).
+"""One process of the JAX multi-host tests (tests/test_jax.py).
 
-Two processes with two virtual CPU devices each run TP=4 over
-`jax.distributed` (gloo), train the demo LM next to the same model on one
-local device, gather the weights, save on process 0, and write the largest
-differences as JSON:
+Two processes with two virtual CPU devices each, over `jax.distributed`
+(gloo). By default they run TP=4: train the demo LM next to the same model
+on one local device, gather the weights, save on process 0, and write the
+largest differences as JSON. With `hierarchical` they run
+`tests/hierarchy_cases.py` on a data axis of 4 over the 2 hosts and write
+its results:
 
-    python tests/jax_scripts/multihost.py PORT PROCESS_ID OUT_DIR
+    python tests/jax_scripts/multihost.py PORT PROCESS_ID OUT_DIR [hierarchical]
 """
 
 import json
@@ -62,5 +64,13 @@ def main():
         json.dump(result, f)
 
 
+def hierarchical():
+    from tests import hierarchy_cases
+
+    results = hierarchy_cases.runs()
+    with open(os.path.join(out_dir, f"process{process_id}.json"), "w") as f:
+        json.dump(results, f)
+
+
 if __name__ == "__main__":
-    main()
+    hierarchical() if sys.argv[4:] == ["hierarchical"] else main()

@@ -112,6 +112,16 @@ class JaxRuntime(MeshSteps, MeshRegions, Runtime):
             JaxCollectiveAdapter(self.world_size, ("data", "model"), check_vma),
         )
 
+    def _rank_hosts(self):
+        return [device.process_index for device in self.mesh.devices.flat]
+
+    def _level_adapters(self, within, across):
+        check_vma = not self.per_rank_steps
+        return tuple(
+            JaxCollectiveAdapter(len(groups[0]), "data", check_vma, groups)
+            for groups in (within, across)
+        )
+
     @functools.cached_property
     def _copies_per_device(self):
         return self.adapter.copies_per_device(self.mesh)

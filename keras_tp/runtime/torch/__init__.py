@@ -20,6 +20,8 @@ torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK \
 """
 
 import contextlib
+import os
+import socket
 
 import keras
 import torch
@@ -124,6 +126,30 @@ class TorchRuntime(Runtime):
                 [list(column) for column in zip(*rows)]
             )
         return model_group, data_group
+
+    def _rank_hosts(self):
+        # torchrun numbers the nodes GROUP_RANK; a job set up by hand is
+        # told apart by host name.
+        host = os.environ.get("GROUP_RANK") or socket.gethostname()
+        hosts = [None] * self.world_size
+        dist.all_gather_object(hosts, host)
+        return hosts
+
+    def _level_adapters(self, within, across):
+        model = self.tensor_parallel
+
+        def adapter(groups):
+            # Data rank d of shard m is global rank d * model + m; every
+            # rank creates every group, as torch.distributed requires.
+            enumeration = [
+                [d * model + m for d in ranks]
+                for m in range(model)
+                for ranks in groups
+            ]
+            group, _ = dist.new_subgroups_by_enumeration(enumeration)
+            return TorchCollectiveAdapter(group, "data")
+
+        return adapter(within), adapter(across)
 
     def place_variable(self, variable, axis):
         value = parameter_of(variable).detach()

@@ -225,7 +225,12 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             if optimizer.hierarchical
             else runtime.data_adapter
         )
-        optimizer.bind(runtime.placement, data_adapter, runtime.world_adapter)
+        optimizer.bind(
+            runtime.placement,
+            data_adapter,
+            runtime.world_adapter,
+            runtime.time_data_all_reduce,
+        )
         return optimizer
 
     def fit(self, *args, **kwargs):

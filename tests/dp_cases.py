@@ -9,8 +9,10 @@ import math
 
 import keras
 import numpy as np
+import pytest
 
 import keras_tp
+from keras_tp.parallel import bucket_probe
 from tests import models
 from tests.models import loss_fn
 from tests.models import max_diff
@@ -211,3 +213,18 @@ def check_matches_one_device(reference, tp, reference_history, tp_history):
     )
     report = tp.check_gradient_consistency()
     assert report["consistent"], report
+
+
+def check_link_probe(info):
+    """Asserts `bucket_cap_mb="auto"` measured the data axis and used it.
+
+    Args:
+        info: the model's `get_gradient_sharding_info()`.
+    """
+    probe = info["link_probe"]
+    assert len(probe["times_us"]) == len(bucket_probe.PROBE_BYTES)
+    assert all(t > 0 for t in probe["times_us"].values())
+    assert probe["latency_us"] > 0 and probe["bandwidth_gb_per_s"] > 0
+    assert info["bucket_cap_mb"] == pytest.approx(probe["bucket_cap_mb"], 1e-3)
+    lowest, highest = bucket_probe.SMALLEST_MB, bucket_probe.LARGEST_MB
+    assert lowest <= info["bucket_cap_mb"] <= highest

@@ -27,6 +27,7 @@ from tests import models  # noqa: E402
 from tests.dp_cases import BATCH  # noqa: E402
 from tests.dp_cases import batchnorm_after_one_step  # noqa: E402
 from tests.dp_cases import check_data_traffic  # noqa: E402
+from tests.dp_cases import check_link_probe  # noqa: E402
 from tests.dp_cases import check_matches_one_device  # noqa: E402
 from tests.dp_cases import check_zero_memory  # noqa: E402
 from tests.dp_cases import communication_run  # noqa: E402
@@ -239,3 +240,11 @@ def test_hierarchical_on_one_host_reduces_in_one_level(caplog):
     assert tp.get_gradient_sharding_info()["hosts"] == 1
     assert "sit on 1 host(s)" in caplog.text
     assert set(tp.communication_stats(axis="data")) == {"all_reduce"}
+
+
+def test_auto_bucket_size_is_measured_on_the_data_axis():
+    reference, tp, ref_history, tp_history = train_pair(
+        "mlp", 4, 4, 1, "adam", bucket_cap_mb="auto"
+    )
+    check_matches_one_device(reference, tp, ref_history, tp_history)
+    check_link_probe(tp.get_gradient_sharding_info())

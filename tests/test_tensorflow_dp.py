@@ -36,6 +36,7 @@ from tests.dp_cases import BATCH  # noqa: E402
 from tests.dp_cases import STEPS  # noqa: E402
 from tests.dp_cases import batchnorm_after_one_step  # noqa: E402
 from tests.dp_cases import check_data_traffic  # noqa: E402
+from tests.dp_cases import check_link_probe  # noqa: E402
 from tests.dp_cases import check_matches_one_device  # noqa: E402
 from tests.dp_cases import check_zero_memory  # noqa: E402
 from tests.dp_cases import communication_run  # noqa: E402
@@ -295,3 +296,11 @@ def test_partitioned_variables_cannot_be_read_whole_by_mistake():
         kernel.numpy()
     with pytest.raises(RuntimeError, match="holds ZeRO-3 partitions"):
         tp.get_layer("head")(np.zeros((2, 32), "float32"))
+
+
+def test_auto_bucket_size_is_measured_on_the_data_axis():
+    reference, tp, ref_history, tp_history = train_pair(
+        "mlp", 4, 4, 0, "adam", bucket_cap_mb="auto"
+    )
+    check_matches_one_device(reference, tp, ref_history, tp_history)
+    check_link_probe(tp.get_gradient_sharding_info())

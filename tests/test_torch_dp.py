@@ -23,6 +23,7 @@ from keras_tp.launcher import launch  # noqa: E402
 from tests import hierarchy_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests.dp_cases import STEPS  # noqa: E402
+from tests.dp_cases import check_link_probe  # noqa: E402
 from tests.dp_cases import check_zero_memory  # noqa: E402
 from tests.models import max_diff  # noqa: E402
 from tests.torch_scripts import dp_checks  # noqa: E402
@@ -39,6 +40,7 @@ TWO_RANKS = (
         ("mlp", 2, 2, 0, "sgd", {"gradient_accumulation_steps": 2}),
         ("mlp", 2, 2, 2, "sgd", {"gradient_accumulation_steps": 2}),
         ("mlp", 2, 2, 0, "adam", {"bucket_cap_mb": BUCKET_MB}),
+        ("mlp", 2, 2, 1, "adam", {"bucket_cap_mb": "auto"}),
     ]
 )
 FOUR_RANKS = (
@@ -153,7 +155,11 @@ def test_communication_is_the_zero_minimum(two_ranks, four_ranks):
 def test_ddp_buckets_are_cut_by_bucket_cap(two_ranks):
     _, ranks = two_ranks
     for rank in ranks:
-        (run,) = [r for r in rank["cases"] if "bucket_cap_mb" in r["case"][5]]
+        (run,) = [
+            r
+            for r in rank["cases"]
+            if r["case"][5].get("bucket_cap_mb") == BUCKET_MB
+        ]
         calls = math.ceil(run["psi"] / (BUCKET_MB * 2**20))
         assert calls > 1
         stats = run["data_stats"]["all_reduce"]
@@ -181,6 +187,21 @@ def test_ddp_sends_buckets_during_the_backward_pass(two_ranks):
             if options.get("bucket_cap_mb") == BUCKET_MB:
                 # Several pieces: the first left before the last was made.
                 assert bucket["first_ready"] < bucket["ready"], bucket
+
+
+def test_auto_bucket_size_is_the_same_on_every_rank(two_ranks):
+    _, ranks = two_ranks
+    chosen = set()
+    for rank in ranks:
+        (run,) = [
+            run
+            for run in rank["cases"]
+            if run["case"][-1].get("bucket_cap_mb") == "auto"
+        ]
+        check_link_probe(run["sharding_info"])
+        chosen.add(run["bucket_cap_mb"])
+    # Every rank fitted the slowest rank's times.
+    assert len(chosen) == 1
 
 
 def test_zero3_save_loads_in_plain_keras(two_ranks):

@@ -20,6 +20,8 @@ whole on every rank and its gradient is all-reduced.
 Stages 0 to 2 can compress what they send (`compression.py`).
 """
 
+import logging
+
 import keras
 from keras import ops
 
@@ -30,11 +32,15 @@ from keras_tp.keras_internals import moving_average
 from keras_tp.keras_internals import own_optimizer_variables
 from keras_tp.keras_internals import place_slots_on_creation
 from keras_tp.keras_internals import stateful_cond
+from keras_tp.parallel import bucket_probe
+from keras_tp.parallel.bucket_probe import probe_link
 from keras_tp.parallel.buckets import make_buckets
 from keras_tp.parallel.buckets import partition
 from keras_tp.parallel.clipping import clipped
 from keras_tp.parallel.compression import Compression
 from keras_tp.parallel.compression import make_codec
+
+logger = logging.getLogger(__name__)
 
 
 class CoordinatedOptimizer(keras.optimizers.Optimizer):
@@ -51,7 +57,11 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
     Args:
         optimizer: the Keras optimizer that updates the parameters.
         zero_stage: 0 (DDP), 1, 2 or 3; must match the model's.
-        bucket_cap_mb: most megabytes of gradient per collective call.
+        bucket_cap_mb: most megabytes of gradient per collective call, or
+            `"auto"`: the size whose call latency is a tenth of its time,
+            from all-reduces timed over the data axis when the model
+            compiles (`keras_tp.parallel.bucket_probe`; the measurement
+            is `link_probe`).
         gradient_accumulation_steps: micro-batches per update. DDP and
             ZeRO-1 accumulate the local gradient and synchronise once per
             update; ZeRO-2 and 3 reduce-scatter every micro-batch, because
@@ -114,8 +124,13 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             raise ValueError(
                 f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}."
             )
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}.")
+        if bucket_cap_mb != "auto" and not (
+            isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0
+        ):
+            raise ValueError(
+                f"bucket_cap_mb must be a number > 0 or 'auto', got "
+                f"{bucket_cap_mb!r}."
+            )
         if (
             not isinstance(gradient_accumulation_steps, int)
             or gradient_accumulation_steps < 1
@@ -164,12 +179,16 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         self.global_clip_norm = optimizer.global_clipnorm
         optimizer.clipnorm = None
         optimizer.global_clipnorm = None
+        # What `bucket_cap_mb="auto"` measured, once bound to a mesh.
+        self.link_probe = None
         self._placement = None
         self._codec = None
         self._data_adapter = None
         self._world_adapter = None
 
-    def bind(self, placement, data_adapter, world_adapter):
+    def bind(
+        self, placement, data_adapter, world_adapter, time_all_reduce=None
+    ):
         """Attaches the mesh whose ranks this optimizer coordinates.
 
         Args:
@@ -178,6 +197,9 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             data_adapter: the collective adapter of the `data` axis (a
                 `HierarchicalAdapter` for `hierarchical=True`).
             world_adapter: the adapter over the whole mesh.
+            time_all_reduce: the runtime's timer of an all-reduce over
+                `data` (see `bucket_probe.probe_link`), for
+                `bucket_cap_mb="auto"`.
         """
         if self._placement is not None and self._placement is not placement:
             raise ValueError(
@@ -187,12 +209,28 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         self._placement = placement
         self._data_adapter = data_adapter
         self._world_adapter = world_adapter
+        if (
+            self.bucket_cap_mb == "auto"
+            and self.link_probe is None
+            and placement.data_parallel > 1
+        ):
+            self.link_probe = probe_link(time_all_reduce)
+            logger.info("bucket_cap_mb='auto': %s", self.link_probe.describe())
 
     # Building -----------------------------------------------------------
 
     @property
     def _cap_bytes(self):
-        return self.bucket_cap_mb * 2**20
+        return self._cap_mb * 2**20
+
+    @property
+    def _cap_mb(self):
+        if self.bucket_cap_mb != "auto":
+            return self.bucket_cap_mb
+        # Without a data axis nothing is sent: any size does.
+        if self.link_probe is None:
+            return bucket_probe.LARGEST_MB
+        return self.link_probe.bucket_cap_mb
 
     @property
     def data_parallel(self):
@@ -498,7 +536,10 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         return {
             "zero_stage": self.zero_stage,
             "data_parallel": self.data_parallel,
-            "bucket_cap_mb": self.bucket_cap_mb,
+            "bucket_cap_mb": self._cap_mb,
+            "link_probe": (
+                None if self.link_probe is None else self.link_probe.describe()
+            ),
             "gradient_accumulation_steps": self.accumulation_steps,
             "compression": self.compression,
             "overlap": self.backward_overlap is not None,

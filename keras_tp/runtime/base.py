@@ -4,6 +4,7 @@ import contextlib
 import functools
 import logging
 import math
+import time
 
 import keras
 import numpy as np
@@ -154,6 +155,18 @@ class Runtime(CheckpointPieces):
         adapter = HierarchicalAdapter(*self._level_adapters(within, across))
         adapter.stats = self.adapter.stats
         return adapter
+
+    def time_data_all_reduce(self, nbytes, repeats):
+        """Median seconds of an all-reduce of `nbytes` over `data`.
+
+        For `bucket_cap_mb="auto"` (`keras_tp.parallel.bucket_probe`).
+        Every rank returns the same number, so all choose alike.
+
+        Args:
+            nbytes: the size of each rank's float32 buffer, in bytes.
+            repeats: timed calls, after one untimed warm-up call.
+        """
+        raise NotImplementedError
 
     def _rank_hosts(self):
         """The host of every rank, in mesh order (data-major)."""
@@ -474,3 +487,17 @@ def largest_difference(copies):
             difference = np.abs(np.asarray(other, "float64") - group[0])
             worst = max(worst, float(difference.max(initial=0.0)))
     return worst
+
+
+def median_seconds(call, repeats):
+    """Median wall time of `call()` over `repeats` calls after a warm-up.
+
+    `call` must return only once its work is done (block on the result).
+    """
+    call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))

@@ -38,6 +38,8 @@ def run_case(name, world_size, data_parallel, zero_stage, kind, **options):
         "gradient_bytes": _own(info["gradient_bytes"]),
         "optimizer_bytes": _own(info["optimizer_bytes"]),
         "buckets": len(info["buckets"]),
+        "bucket_cap_mb": info["bucket_cap_mb"],
+        "sharding_info": info,
         "overlap": info["overlap"],
         "timeline": tp.optimizer.bucket_timeline(),
         "data_stats": tp.communication_stats(axis="data"),

@@ -35,6 +35,7 @@ from keras_tp.keras_internals import set_stored_value
 from keras_tp.keras_internals import stored_value
 from keras_tp.runtime.base import Runtime
 from keras_tp.runtime.base import largest_difference
+from keras_tp.runtime.base import median_seconds
 from keras_tp.runtime.jax.regions import MeshRegions
 from keras_tp.runtime.jax.steps import MeshSteps
 
@@ -120,6 +121,25 @@ class JaxRuntime(MeshSteps, MeshRegions, Runtime):
         return tuple(
             JaxCollectiveAdapter(len(groups[0]), "data", check_vma, groups)
             for groups in (within, across)
+        )
+
+    def time_data_all_reduce(self, nbytes, repeats):
+        # One row per device; psum over `data` reduces within each column.
+        axes = PartitionSpec(("data", "model"))
+        sum_over_data = jax.jit(
+            jax.shard_map(
+                lambda row: jax.lax.psum(row, "data"),
+                mesh=self.mesh,
+                in_specs=axes,
+                out_specs=axes,
+            )
+        )
+        rows = jax.device_put(
+            np.zeros((self.world_size, nbytes // 4), "float32"),
+            NamedSharding(self.mesh, axes),
+        )
+        return median_seconds(
+            lambda: sum_over_data(rows).block_until_ready(), repeats
         )
 
     @functools.cached_property

@@ -16,6 +16,7 @@ import tensorflow as tf
 from keras_tp import elastic
 from keras_tp.collectives.tensorflow import TensorFlowCollectiveAdapter
 from keras_tp.collectives.tensorflow_groups import ReplicaGroups
+from keras_tp.runtime.base import median_seconds
 from keras_tp.runtime.tensorflow import liveness
 
 logger = logging.getLogger(__name__)
@@ -255,6 +256,25 @@ class ReplicaDevices:
                 size, ("data", "model"), groups=groups.split([range(size)])
             ),
         )
+
+    def time_data_all_reduce(self, nbytes, repeats):
+        adapter = self.data_adapter
+
+        @tf.function
+        def all_reduce():
+            def replica_sum():
+                return adapter.all_reduce(tf.zeros([nbytes // 4]), "sum")
+
+            return self.strategy.run(replica_sum)
+
+        def all_reduce_and_wait():
+            # Reading a result waits for every replica's collective.
+            for result in self.strategy.experimental_local_results(
+                all_reduce()
+            ):
+                result.numpy()
+
+        return median_seconds(all_reduce_and_wait, repeats)
 
     def _is_chief(self):
         return _MULTI_WORKER_STRATEGY is None or self._local_replicas[0] == 0

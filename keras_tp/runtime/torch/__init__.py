@@ -35,6 +35,7 @@ from keras_tp.keras_internals import seed_generators
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.parallel.overlap import BackwardOverlap
 from keras_tp.runtime.base import Runtime
+from keras_tp.runtime.base import median_seconds
 from keras_tp.runtime.torch.process_group import configure_virtual_devices
 from keras_tp.runtime.torch.process_group import join_process_group
 from keras_tp.runtime.torch.storage import from_numpy
@@ -126,6 +127,21 @@ class TorchRuntime(Runtime):
                 [list(column) for column in zip(*rows)]
             )
         return model_group, data_group
+
+    def time_data_all_reduce(self, nbytes, repeats):
+        buffer = torch.zeros(nbytes // 4, device=self.device)
+        group = self.data_adapter.group
+
+        def all_reduce():
+            dist.all_reduce(buffer, group=group)
+            if buffer.is_cuda:
+                torch.cuda.synchronize(buffer.device)
+
+        seconds = median_seconds(all_reduce, repeats)
+        # Every rank takes the slowest rank's time, so all choose alike.
+        slowest = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        return float(slowest)
 
     def _rank_hosts(self):
         # torchrun numbers the nodes GROUP_RANK; a job set up by hand is

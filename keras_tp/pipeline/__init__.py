@@ -1,0 +1,37 @@
+"""Pipeline parallelism: stages cut from a model, and their schedules.
+
+`split_stages` cuts a Functional model into consecutive stages made of the
+user's own layers; `schedules` says in which order each stage runs the
+forward and backward passes of the microbatches (GPipe, 1F1B), and
+simulates them to measure the pipeline bubble.
+"""
+
+from keras_tp.pipeline.schedules import Action
+from keras_tp.pipeline.schedules import Timeline
+from keras_tp.pipeline.schedules import bubble_fraction
+from keras_tp.pipeline.schedules import gpipe
+from keras_tp.pipeline.schedules import ideal_bubble
+from keras_tp.pipeline.schedules import one_f_one_b
+from keras_tp.pipeline.schedules import peak_activations
+from keras_tp.pipeline.schedules import simulate
+from keras_tp.pipeline.stages import Boundary
+from keras_tp.pipeline.stages import BoundaryTensor
+from keras_tp.pipeline.stages import Stage
+from keras_tp.pipeline.stages import StageSplit
+from keras_tp.pipeline.stages import split_stages
+
+__all__ = [
+    "Action",
+    "Boundary",
+    "BoundaryTensor",
+    "Stage",
+    "StageSplit",
+    "Timeline",
+    "bubble_fraction",
+    "gpipe",
+    "ideal_bubble",
+    "one_f_one_b",
+    "peak_activations",
+    "simulate",
+    "split_stages",
+]

@@ -1,0 +1,399 @@
+"""The dataflow graph of a Functional model, nested models flattened.
+
+A Keras Functional model is a graph of *nodes*, one per call of an
+operation: a layer, or a raw op such as the `x + y` of a residual add. The
+pipeline cuts this graph, so it needs every node, in an order that runs,
+with the tensors each one reads and writes. Nested graph models (the
+backbone inside a keras-hub `CausalLM`, a `Sequential` inside a Functional
+model) are opened up, so that a cut can fall between their layers.
+
+Keras keeps the graph in private structures: each `KerasTensor` records the
+call that produced it (`_keras_history`) and each operation the calls made
+of it (`_inbound_nodes`). The accessors in the first section of this
+module are the only code here that reads them, and are meant to move into
+`keras_tp.keras_internals`.
+"""
+
+import collections
+
+import keras
+
+# Keras internals -------------------------------------------------------
+
+
+def _producer(tensor):
+    """`(node, tensor_index)` of the call that produced `tensor`, or `None`.
+
+    `None` for a tensor with no recorded history (a constant).
+    """
+    history = getattr(tensor, "_keras_history", None)
+    if history is None or history.operation is None:
+        return None
+    node = history.operation._inbound_nodes[history.node_index]
+    return node, history.tensor_index
+
+
+def _operation(node):
+    """The operation (layer or raw op) a node calls."""
+    return node.operation
+
+
+def _node_inputs(node):
+    """The `KerasTensor`s among a node's call arguments, flattened."""
+    return list(node.arguments.keras_tensors)
+
+
+def _node_outputs(node):
+    """The `KerasTensor`s a node returned, flattened."""
+    return list(node.outputs)
+
+
+def _is_input_node(node):
+    """Whether a node is the call of an `InputLayer` (a graph input)."""
+    return node.is_input
+
+
+def _call_arguments(node):
+    """`(args, kwargs)` a node was called with, tensors included."""
+    return node.arguments.args, node.arguments.kwargs
+
+
+def _fill_in(node, values):
+    """`(args, kwargs)` of a node with its tensors replaced.
+
+    Args:
+        node: the node.
+        values: `{id(keras_tensor): value}` for each of the node's input
+            tensors.
+    """
+    return node.arguments.fill_in(values)
+
+
+# The graph -------------------------------------------------------------
+
+
+class TensorInfo:
+    """One tensor of the flattened graph.
+
+    Attributes:
+        key: its identity in the graph, `(scope, id(keras_tensor))`.
+        tensor: the `KerasTensor` (for its shape and dtype).
+        name: a stable name: the graph input's name, or the producing
+            node's name (with `:i` for the i-th output of a node with
+            several).
+        producer: index of the node that produces it; `None` for a graph
+            input.
+        consumers: indices of the nodes that read it, in order.
+    """
+
+    def __init__(self, key, tensor, name, producer):
+        self.key = key
+        self.tensor = tensor
+        self.name = name
+        self.producer = producer
+        self.consumers = []
+
+    def __repr__(self):
+        return (
+            f"<TensorInfo {self.name} shape={self.tensor.shape} "
+            f"dtype={self.tensor.dtype}>"
+        )
+
+
+class NodeInfo:
+    """One call of an operation in the flattened graph.
+
+    Attributes:
+        index: position in `Dataflow.nodes` (a topological order).
+        operation: the layer or raw op called.
+        name: a stable name: the operation's name, prefixed by the names
+            of the nested models it sits in (`backbone.layer_norm`), with
+            `:i` for its i-th call (i >= 2) when the operation is called
+            more than once.
+        inputs: keys of the tensors it reads, in its arguments' order.
+        outputs: keys of the tensors it writes.
+    """
+
+    def __init__(self, index, node, scope, name, inputs, outputs):
+        self.index = index
+        self.node = node
+        self.scope = scope
+        self.operation = _operation(node)
+        self.name = name
+        self.inputs = inputs
+        self.outputs = outputs
+
+    @property
+    def is_layer(self):
+        return isinstance(self.operation, keras.layers.Layer)
+
+    def replay(self, values):
+        """Calls the operation again, on the given values of its inputs.
+
+        Args:
+            values: function `key -> value` giving each input tensor.
+
+        Returns:
+            The flat list of outputs, in the order of `self.outputs`.
+        """
+        tensors = _node_inputs(self.node)
+        filled = {id(t): values(key) for t, key in zip(tensors, self.inputs)}
+        args, kwargs = _fill_in(self.node, filled)
+        return keras.tree.flatten(self.operation(*args, **kwargs))
+
+    def __repr__(self):
+        return f"<NodeInfo {self.index} {self.name}>"
+
+
+class Dataflow:
+    """The nodes of a Functional or Sequential model in a topological order.
+
+    The order is a depth-first walk from the outputs that visits a node's
+    arguments in their order: for the `x + f(x)` of a residual block it
+    places the chain that made `x` (the earlier blocks) before the branch
+    `f`, so blocks follow each other as in the code that built the model.
+
+    Nested graph models called once on one structure of tensors are opened
+    up (their nodes appear in place of the call); any other nested model
+    stays one node, as do subclassed layers.
+
+    Args:
+        model: a built Functional or Sequential model.
+
+    Attributes:
+        model: the model.
+        nodes: the `NodeInfo`s in topological order.
+        tensors: `{key: TensorInfo}`.
+        inputs: keys of the graph inputs, in `model.inputs` order.
+        outputs: keys of the graph outputs, in `model.outputs` order.
+        input_structure: the model's input structure (`model.input`).
+        output_structure: the model's output structure (`model.output`).
+        opaque: names of the nested models kept as one node.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.nodes = []
+        self.tensors = {}
+        self.opaque = []
+        self._aliases = {}
+        self._scopes = [""]
+        self._calls = collections.Counter()
+        inputs, outputs, self.input_structure, self.output_structure = (
+            graph_endpoints(model)
+        )
+        self.inputs = []
+        for tensor in inputs:
+            key = (0, id(tensor))
+            if key not in self.tensors:
+                self.tensors[key] = TensorInfo(key, tensor, tensor.name, None)
+                self.inputs.append(key)
+        self._walk(outputs)
+        self.outputs = [self._resolve(0, tensor) for tensor in outputs]
+        # A stage model's inputs are InputLayers named after the tensors
+        # they receive; one may not share its name with a layer of the
+        # stage, which only a layer called more than once can.
+        repeated = {
+            node.operation.name
+            for node in self.nodes
+            if self._calls[id(node.operation)] > 1
+        }
+        for info in self.tensors.values():
+            if info.producer is not None and info.name in repeated:
+                info.name += "_output"
+        for node in self.nodes:
+            for key in node.inputs:
+                consumers = self.tensors[key].consumers
+                if not consumers or consumers[-1] != node.index:
+                    consumers.append(node.index)
+
+    def _resolve(self, scope, tensor):
+        key = (scope, id(tensor))
+        while key in self._aliases:
+            key = self._aliases[key]
+        return key
+
+    def _walk(self, outputs):
+        # An explicit stack: deep models (hundreds of blocks) would pass
+        # Python's recursion limit.
+        state = {}
+        tasks = [("tensor", 0, t) for t in reversed(outputs)]
+        while tasks:
+            task = tasks.pop()
+            kind, scope = task[0], task[1]
+            if kind == "tensor":
+                self._visit_tensor(scope, task[2], state, tasks)
+            elif kind == "emit":
+                self._emit(scope, task[2])
+                state[(scope, id(task[2]))] = "done"
+            elif kind == "open":
+                self._open(scope, task[2], task[3], task[4], tasks)
+            else:  # "close": the nested model's outputs are now known.
+                node, inner, inner_model = task[2], task[3], task[4]
+                for outer_t, inner_t in zip(
+                    _node_outputs(node), inner_model.outputs
+                ):
+                    self._aliases[(scope, id(outer_t))] = self._resolve(
+                        inner, inner_t
+                    )
+                state[(scope, id(node))] = "done"
+
+    def _visit_tensor(self, scope, tensor, state, tasks):
+        key = self._resolve(scope, tensor)
+        if key in self.tensors:
+            return
+        found = _producer(tensor)
+        if found is None or _is_input_node(found[0]):
+            raise ValueError(
+                f"Tensor {tensor.name!r} of model '{self.model.name}' is "
+                "not computed from the model's inputs (a constant, or an "
+                "input of a nested model that is not connected); the model "
+                "cannot be cut into stages."
+            )
+        node = found[0]
+        node_key = (scope, id(node))
+        status = state.get(node_key)
+        if status == "done":
+            return
+        if status == "open":
+            raise ValueError(
+                f"The graph of model '{self.model.name}' has a cycle at "
+                f"'{_operation(node).name}'."
+            )
+        state[node_key] = "open"
+        inner_model = _nested_graph(_operation(node), node)
+        if inner_model is None:
+            if isinstance(_operation(node), keras.Model):
+                self.opaque.append(_operation(node).name)
+            tasks.append(("emit", scope, node))
+        else:
+            inner = len(self._scopes)
+            self._scopes.append(
+                self._scopes[scope] + _operation(node).name + "."
+            )
+            tasks.append(("close", scope, node, inner, inner_model))
+            tasks.append(("open", scope, node, inner, inner_model))
+        for t in reversed(_node_inputs(node)):
+            tasks.append(("tensor", scope, t))
+
+    def _open(self, scope, node, inner, inner_model, tasks):
+        del inner_model  # the nested model's own inputs are aliased below
+        args, _ = _call_arguments(node)
+        outer = keras.tree.flatten(args[0])
+        model = _operation(node)
+        for inner_t, outer_t in zip(_flat_inputs(model, args[0]), outer):
+            self._aliases[(inner, id(inner_t))] = self._resolve(scope, outer_t)
+        for t in reversed(model.outputs):
+            tasks.append(("tensor", inner, t))
+
+    def _emit(self, scope, node):
+        operation = _operation(node)
+        qualified = self._scopes[scope] + operation.name
+        self._calls[id(operation)] += 1
+        calls = self._calls[id(operation)]
+        name = qualified if calls == 1 else f"{qualified}:{calls}"
+        index = len(self.nodes)
+        inputs = [self._resolve(scope, t) for t in _node_inputs(node)]
+        outputs = []
+        produced = _node_outputs(node)
+        for i, tensor in enumerate(produced):
+            key = (scope, id(tensor))
+            outputs.append(key)
+            if key in self.tensors:
+                continue  # an op that returned a tensor it was given
+            tensor_name = name if len(produced) == 1 else f"{name}:{i}"
+            self.tensors[key] = TensorInfo(key, tensor, tensor_name, index)
+        self.nodes.append(NodeInfo(index, node, scope, name, inputs, outputs))
+
+
+def graph_endpoints(model):
+    """`(flat inputs, flat outputs, input structure, output structure)`.
+
+    Raises:
+        NotImplementedError: for a subclassed model.
+        ValueError: for a Sequential model that was never built on an
+            input shape.
+    """
+    if isinstance(model, keras.Function):
+        return (
+            list(model.inputs),
+            list(model.outputs),
+            model.input,
+            model.output,
+        )
+    if isinstance(model, keras.Sequential):
+        try:
+            inputs, outputs = list(model.inputs), list(model.outputs)
+        except (AttributeError, ValueError):
+            inputs = outputs = None
+        if not inputs:
+            raise ValueError(
+                f"Sequential model '{model.name}' has no input shape, so "
+                "its graph does not exist yet. Start it with "
+                "`keras.Input(shape)` or call `model.build(input_shape)` "
+                "before splitting it into stages."
+            )
+        return inputs, outputs, inputs[0], outputs[0]
+    raise NotImplementedError(
+        f"Model '{model.name}' is a subclassed model "
+        f"({type(model).__name__}): its `call` is Python code whose "
+        "dataflow Keras does not record, so it cannot be cut into pipeline "
+        "stages. Build it with the Functional API "
+        "(`keras.Model(inputs, outputs)`) or as a `keras.Sequential`, or "
+        "split a Functional part of it (such as its backbone)."
+    )
+
+
+def _nested_graph(operation, node):
+    """The nested graph model a node calls, if it can be opened up.
+
+    A nested model is opened when it is Functional or Sequential and was
+    called with one positional argument whose structure matches its inputs
+    and no tensor in keyword arguments; otherwise `None`, and it stays one
+    node.
+    """
+    if not isinstance(operation, (keras.Function, keras.Sequential)):
+        return None
+    try:
+        inner_inputs, inner_outputs, _, _ = graph_endpoints(operation)
+    except (ValueError, NotImplementedError):
+        return None
+    args, kwargs = _call_arguments(node)
+    if len(args) != 1 or any(
+        isinstance(t, keras.KerasTensor) for t in keras.tree.flatten(kwargs)
+    ):
+        return None
+    if len(inner_outputs) != len(_node_outputs(node)):
+        return None
+    flat = _flat_inputs(operation, args[0])
+    if flat is None or len(flat) != len(inner_inputs):
+        return None
+    if not all(
+        isinstance(t, keras.KerasTensor) for t in keras.tree.flatten(args[0])
+    ):
+        return None
+    return operation
+
+
+def _flat_inputs(model, argument):
+    """The nested model's input tensors, aligned with `flatten(argument)`.
+
+    `None` where the argument's structure does not match the model's
+    inputs.
+    """
+    inputs = list(model.inputs)
+    flat = keras.tree.flatten(argument)
+    if len(flat) != len(inputs):
+        return None
+    if isinstance(model, keras.Function):
+        try:
+            keras.tree.assert_same_structure(
+                keras.tree.lists_to_tuples(argument),
+                keras.tree.lists_to_tuples(model.input),
+            )
+        except (ValueError, TypeError):
+            if not (
+                len(inputs) == 1 and isinstance(argument, keras.KerasTensor)
+            ):
+                return None
+    return inputs

@@ -1,0 +1,375 @@
+"""Pipeline schedules: the order each stage runs its microbatches in.
+
+A pipeline splits a batch into `M` microbatches and passes each through
+`P` stages, forward then backward. A *schedule* gives each stage its
+ordered list of actions; a stage runs one action at a time, and an action
+waits for the ones it needs: the forward of microbatch `m` on stage `s`
+needs it on stage `s - 1`, the backward needs it on stage `s + 1` and its
+own forward.
+
+- GPipe (Huang et al., 2019): every forward, then every backward. Each
+  stage holds the activations of all `M` microbatches at its peak.
+- 1F1B (PipeDream-Flush, Narayanan et al., 2021; Megatron-LM,
+  `torch.distributed.pipelining.Schedule1F1B`): stage `s` runs
+  `P - s - 1` warm-up forwards, then alternates one forward and one
+  backward, then runs the remaining backwards. It takes as long as GPipe
+  but holds at most `P - s` microbatches' activations.
+
+Both idle for a fraction `(P - 1) / (M + P - 1)` of the step, the pipeline
+*bubble*, when every stage takes the same time. `simulate` runs a schedule
+on given action times and `bubble_fraction` measures the idle time from
+that timeline.
+"""
+
+import collections
+import math
+
+FORWARD = "forward"
+BACKWARD = "backward"
+
+Action = collections.namedtuple("Action", ["stage", "kind", "microbatch"])
+Action.__doc__ = """One step of a schedule: stage `stage` runs the `kind`
+(`"forward"` or `"backward"`) pass of microbatch `microbatch`."""
+
+
+def gpipe(num_stages, num_microbatches):
+    """The GPipe schedule: all forwards, then all backwards.
+
+    Args:
+        num_stages: number of pipeline stages `P`, at least 1.
+        num_microbatches: number of microbatches `M`, at least 1.
+
+    Returns:
+        A list of `P` lists of `Action`s: stage `s`'s actions in order.
+
+    Example:
+
+    >>> gpipe(2, 2)[1]
+    [Action(stage=1, kind='forward', microbatch=0),
+     Action(stage=1, kind='forward', microbatch=1),
+     Action(stage=1, kind='backward', microbatch=0),
+     Action(stage=1, kind='backward', microbatch=1)]
+    """
+    _check_sizes(num_stages, num_microbatches)
+    return [
+        [Action(s, FORWARD, m) for m in range(num_microbatches)]
+        + [Action(s, BACKWARD, m) for m in range(num_microbatches)]
+        for s in range(num_stages)
+    ]
+
+
+def one_f_one_b(num_stages, num_microbatches):
+    """The 1F1B schedule (PipeDream-Flush), as in Megatron-LM.
+
+    Stage `s` runs `min(P - s - 1, M)` warm-up forwards, then alternates
+    one forward and one backward while forwards remain, then runs the
+    remaining backwards. It reaches that steady state only with
+    `M >= P`; with fewer microbatches it is still correct (every stage
+    warms up with all its forwards, which is GPipe's order), and the
+    bubble is the larger share of the step that `ideal_bubble` says.
+
+    Args:
+        num_stages: number of pipeline stages `P`, at least 1.
+        num_microbatches: number of microbatches `M`, at least 1.
+
+    Returns:
+        A list of `P` lists of `Action`s: stage `s`'s actions in order.
+
+    Example:
+
+    >>> [a.kind[0] + str(a.microbatch) for a in one_f_one_b(3, 4)[0]]
+    ['f0', 'f1', 'f2', 'b0', 'f3', 'b1', 'b2', 'b3']
+    """
+    _check_sizes(num_stages, num_microbatches)
+    schedule = []
+    for s in range(num_stages):
+        warmup = min(num_stages - s - 1, num_microbatches)
+        actions = [Action(s, FORWARD, m) for m in range(warmup)]
+        steady = num_microbatches - warmup
+        for i in range(steady):
+            actions.append(Action(s, FORWARD, warmup + i))
+            actions.append(Action(s, BACKWARD, i))
+        actions.extend(
+            Action(s, BACKWARD, m) for m in range(steady, num_microbatches)
+        )
+        schedule.append(actions)
+    return schedule
+
+
+Span = collections.namedtuple("Span", ["action", "start", "end"])
+Span.__doc__ = """When one action ran in a simulated timeline."""
+
+
+class Timeline:
+    """When each action of a schedule runs: what `simulate` returns.
+
+    Attributes:
+        num_stages: number of stages.
+        spans: for each stage, its `Span`s `(action, start, end)` in the
+            order it runs them; a stage-by-time plot draws one bar per
+            span.
+        makespan: when the last action ends (the step's duration; every
+            stage starts at 0).
+    """
+
+    def __init__(self, spans):
+        self.spans = spans
+        self.num_stages = len(spans)
+        self.makespan = max(
+            (span.end for stage in spans for span in stage), default=0.0
+        )
+
+    def busy(self, stage):
+        """Total time stage `stage` spends running actions."""
+        return sum(span.end - span.start for span in self.spans[stage])
+
+    def span_of(self, action):
+        """The `Span` of `action`."""
+        for span in self.spans[action.stage]:
+            if span.action == action:
+                return span
+        raise KeyError(f"{action} is not in this timeline.")
+
+    def chart(self, unit=None):
+        """A text chart: one row per stage, one character per `unit`.
+
+        A forward shows its microbatch's digit (`0`-`9`, modulo 10), a
+        backward its letter (`a` for microbatch 0), idle time `.`.
+
+        Args:
+            unit: time per character; by default the shortest action.
+
+        Returns:
+            A string.
+        """
+        durations = [
+            s.end - s.start
+            for stage in self.spans
+            for s in stage
+            if s.end > s.start
+        ]
+        if unit is None:
+            unit = min(durations, default=1.0)
+        width = int(math.ceil(self.makespan / unit - 1e-9))
+        rows = []
+        for stage, spans in enumerate(self.spans):
+            cells = ["."] * width
+            for span in spans:
+                m = span.action.microbatch
+                mark = (
+                    str(m % 10)
+                    if span.action.kind == FORWARD
+                    else chr(ord("a") + m % 26)
+                )
+                first = int(round(span.start / unit))
+                last = int(round(span.end / unit))
+                for i in range(first, min(last, width)):
+                    cells[i] = mark
+            rows.append(f"stage {stage}: " + "".join(cells))
+        return "\n".join(rows)
+
+    def __repr__(self):
+        return (
+            f"<Timeline: {self.num_stages} stages, makespan {self.makespan:g}>"
+        )
+
+
+def simulate(schedule, forward_time=1.0, backward_time=2.0):
+    """Runs a schedule on given action times, each action as early as it can.
+
+    An action starts when its stage has finished the action before it in
+    the stage's list, and when the actions it needs have ended: the
+    forward of microbatch `m` on stage `s` needs that forward on stage
+    `s - 1`; the backward needs the backward on stage `s + 1` and its own
+    forward. Sending between stages takes no time here.
+
+    Args:
+        schedule: a list of per-stage action lists (`gpipe`,
+            `one_f_one_b`, or one written by hand).
+        forward_time: time of one forward: a number, or one per stage.
+        backward_time: time of one backward: a number, or one per stage.
+            Twice the forward is the usual rule (gradients with respect to
+            both the inputs and the weights).
+
+    Returns:
+        A `Timeline`.
+
+    Raises:
+        ValueError: for a malformed schedule, or one that deadlocks (a
+            stage's next action waits for an action that waits for it).
+    """
+    schedule = _normalized(schedule)
+    num_stages = len(schedule)
+    forward = _per_stage(forward_time, num_stages, "forward_time")
+    backward = _per_stage(backward_time, num_stages, "backward_time")
+    ends = {}
+    free = [0.0] * num_stages
+    position = [0] * num_stages
+    spans = [[] for _ in range(num_stages)]
+    remaining = sum(len(actions) for actions in schedule)
+    while remaining:
+        progressed = False
+        for s, actions in enumerate(schedule):
+            while position[s] < len(actions):
+                action = actions[position[s]]
+                needs = _dependencies(action, num_stages)
+                if any(need not in ends for need in needs):
+                    break
+                start = max([free[s]] + [ends[need] for need in needs])
+                duration = forward[s] if action.kind == FORWARD else backward[s]
+                end = start + duration
+                ends[action] = end
+                free[s] = end
+                spans[s].append(Span(action, start, end))
+                position[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            waiting = [
+                f"stage {s} at {schedule[s][position[s]]}"
+                for s in range(num_stages)
+                if position[s] < len(schedule[s])
+            ]
+            raise ValueError(
+                "The schedule deadlocks: each stage's next action waits for "
+                "an action that cannot run first: " + "; ".join(waiting)
+            )
+    return Timeline(spans)
+
+
+def bubble_fraction(timeline):
+    """The fraction of the step each stage is idle, measured.
+
+    Args:
+        timeline: a `Timeline` from `simulate`.
+
+    Returns:
+        A list of floats, one per stage: `1 - busy / makespan`.
+    """
+    if timeline.makespan <= 0:
+        return [0.0] * timeline.num_stages
+    return [
+        1.0 - timeline.busy(s) / timeline.makespan
+        for s in range(timeline.num_stages)
+    ]
+
+
+def ideal_bubble(num_stages, num_microbatches):
+    """`(P - 1) / (M + P - 1)`: the idle share of GPipe and 1F1B.
+
+    With equal stages, every stage of either schedule idles for `P - 1`
+    forward-and-backward times out of `M + P - 1`, whatever the ratio of
+    backward to forward time.
+    """
+    _check_sizes(num_stages, num_microbatches)
+    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+def peak_activations(schedule):
+    """Per stage, the most microbatches held between forward and backward.
+
+    A stage keeps a microbatch's activations from its forward until its
+    backward: this peak is the activation memory a schedule needs, in
+    microbatches (GPipe: `M`; 1F1B: `min(P - s, M)` on stage `s`).
+
+    Args:
+        schedule: a list of per-stage action lists.
+
+    Returns:
+        A list of ints, one per stage.
+    """
+    peaks = []
+    for actions in _normalized(schedule):
+        held = peak = 0
+        for action in actions:
+            held += 1 if action.kind == FORWARD else -1
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks
+
+
+def _dependencies(action, num_stages):
+    s, kind, m = action
+    if kind == FORWARD:
+        return [Action(s - 1, FORWARD, m)] if s > 0 else []
+    needs = [Action(s, FORWARD, m)]
+    if s < num_stages - 1:
+        needs.append(Action(s + 1, BACKWARD, m))
+    return needs
+
+
+def _check_sizes(num_stages, num_microbatches):
+    for name, value in (
+        ("num_stages", num_stages),
+        ("num_microbatches", num_microbatches),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r}.")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}.")
+
+
+def _per_stage(value, num_stages, name):
+    if isinstance(value, (int, float)):
+        values = [float(value)] * num_stages
+    else:
+        values = [float(v) for v in value]
+        if len(values) != num_stages:
+            raise ValueError(
+                f"{name} has {len(values)} values for {num_stages} stages; "
+                "give one number, or one per stage."
+            )
+    if any(v < 0 or math.isnan(v) for v in values):
+        raise ValueError(f"{name} must be >= 0, got {value!r}.")
+    return values
+
+
+def _normalized(schedule):
+    """The schedule as lists of `Action`s, checked.
+
+    Each stage's list holds only its own actions, each once; every stage
+    runs the forwards of the same microbatches and the backwards of the
+    same microbatches, and a backward only where its forward runs.
+    """
+    if not isinstance(schedule, (list, tuple)) or not schedule:
+        raise ValueError(
+            "A schedule is a non-empty list of per-stage action lists, "
+            f"got {schedule!r}."
+        )
+    forwards = backwards = None
+    normalized = []
+    for s, actions in enumerate(schedule):
+        seen = set()
+        normalized.append([])
+        for action in actions:
+            action = Action(*action)
+            normalized[-1].append(action)
+            if action.stage != s:
+                raise ValueError(
+                    f"Stage {s}'s list holds {action}, an action of stage "
+                    f"{action.stage}."
+                )
+            if action.kind not in (FORWARD, BACKWARD):
+                raise ValueError(
+                    f"{action}: kind must be '{FORWARD}' or '{BACKWARD}'."
+                )
+            if action in seen:
+                raise ValueError(f"{action} appears twice in stage {s}.")
+            seen.add(action)
+        f = {a.microbatch for a in seen if a.kind == FORWARD}
+        b = {a.microbatch for a in seen if a.kind == BACKWARD}
+        if not b <= f:
+            raise ValueError(
+                f"Stage {s} runs the backward of microbatches "
+                f"{sorted(b - f)} but not their forward."
+            )
+        if forwards is None:
+            forwards, backwards = f, b
+        elif (f, b) != (forwards, backwards):
+            raise ValueError(
+                f"Stage {s} runs forwards {sorted(f)} and backwards "
+                f"{sorted(b)}; stage 0 runs forwards {sorted(forwards)} "
+                f"and backwards {sorted(backwards)}: every stage must run "
+                "the same microbatches."
+            )
+    return normalized

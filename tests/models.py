@@ -111,6 +111,33 @@ def subclassed(seed=0):
     return model
 
 
+def gpt2_backbone(seed=0, length=8):
+    """A tiny keras-hub `GPT2Backbone`, whose blocks all read the mask."""
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    return keras_hub.models.GPT2Backbone(
+        vocabulary_size=64,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=length,
+        dropout=0.0,
+    )
+
+
+def backbone_data(batch, length=8, seed=0):
+    """Token ids, a full padding mask and hidden-state targets."""
+    rng = np.random.default_rng(seed)
+    x = {
+        "token_ids": rng.integers(0, 64, (batch, length)).astype("int32"),
+        "padding_mask": np.ones((batch, length), "int32"),
+    }
+    y = rng.normal(size=(batch, length, 16)).astype("float32")
+    return x, y
+
+
 def data_for(name, batch=16, seed=1):
     """`(x, y)` for the model builder `name`, made in code."""
     rng = np.random.default_rng(seed)

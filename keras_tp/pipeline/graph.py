@@ -9,65 +9,21 @@ model) are opened up, so that a cut can fall between their layers.
 
 Keras keeps the graph in private structures: each `KerasTensor` records the
 call that produced it (`_keras_history`) and each operation the calls made
-of it (`_inbound_nodes`). The accessors in the first section of this
-module are the only code here that reads them, and are meant to move into
-`keras_tp.keras_internals`.
+of it (`_inbound_nodes`). The accessors of `keras_tp.keras_internals`
+(`producer_node`, `node_inputs`, ...) read them.
 """
 
 import collections
 
 import keras
 
-# Keras internals -------------------------------------------------------
-
-
-def _producer(tensor):
-    """`(node, tensor_index)` of the call that produced `tensor`, or `None`.
-
-    `None` for a tensor with no recorded history (a constant).
-    """
-    history = getattr(tensor, "_keras_history", None)
-    if history is None or history.operation is None:
-        return None
-    node = history.operation._inbound_nodes[history.node_index]
-    return node, history.tensor_index
-
-
-def _operation(node):
-    """The operation (layer or raw op) a node calls."""
-    return node.operation
-
-
-def _node_inputs(node):
-    """The `KerasTensor`s among a node's call arguments, flattened."""
-    return list(node.arguments.keras_tensors)
-
-
-def _node_outputs(node):
-    """The `KerasTensor`s a node returned, flattened."""
-    return list(node.outputs)
-
-
-def _is_input_node(node):
-    """Whether a node is the call of an `InputLayer` (a graph input)."""
-    return node.is_input
-
-
-def _call_arguments(node):
-    """`(args, kwargs)` a node was called with, tensors included."""
-    return node.arguments.args, node.arguments.kwargs
-
-
-def _fill_in(node, values):
-    """`(args, kwargs)` of a node with its tensors replaced.
-
-    Args:
-        node: the node.
-        values: `{id(keras_tensor): value}` for each of the node's input
-            tensors.
-    """
-    return node.arguments.fill_in(values)
-
+from keras_tp.keras_internals import is_input_node
+from keras_tp.keras_internals import node_call_arguments
+from keras_tp.keras_internals import node_filled_arguments
+from keras_tp.keras_internals import node_inputs
+from keras_tp.keras_internals import node_operation
+from keras_tp.keras_internals import node_outputs
+from keras_tp.keras_internals import producer_node
 
 # The graph -------------------------------------------------------------
 
@@ -118,7 +74,7 @@ class NodeInfo:
         self.index = index
         self.node = node
         self.scope = scope
-        self.operation = _operation(node)
+        self.operation = node_operation(node)
         self.name = name
         self.inputs = inputs
         self.outputs = outputs
@@ -136,9 +92,9 @@ class NodeInfo:
         Returns:
             The flat list of outputs, in the order of `self.outputs`.
         """
-        tensors = _node_inputs(self.node)
+        tensors = node_inputs(self.node)
         filled = {id(t): values(key) for t, key in zip(tensors, self.inputs)}
-        args, kwargs = _fill_in(self.node, filled)
+        args, kwargs = node_filled_arguments(self.node, filled)
         return keras.tree.flatten(self.operation(*args, **kwargs))
 
     def __repr__(self):
@@ -194,9 +150,9 @@ class Dataflow:
         # they receive; one may not share its name with a layer of the
         # stage, which only a layer called more than once can.
         repeated = {
-            node.operation.name
+            node_operation(node).name
             for node in self.nodes
-            if self._calls[id(node.operation)] > 1
+            if self._calls[id(node_operation(node))] > 1
         }
         for info in self.tensors.values():
             if info.producer is not None and info.name in repeated:
@@ -231,7 +187,7 @@ class Dataflow:
             else:  # "close": the nested model's outputs are now known.
                 node, inner, inner_model = task[2], task[3], task[4]
                 for outer_t, inner_t in zip(
-                    _node_outputs(node), inner_model.outputs
+                    node_outputs(node), inner_model.outputs
                 ):
                     self._aliases[(scope, id(outer_t))] = self._resolve(
                         inner, inner_t
@@ -242,8 +198,8 @@ class Dataflow:
         key = self._resolve(scope, tensor)
         if key in self.tensors:
             return
-        found = _producer(tensor)
-        if found is None or _is_input_node(found[0]):
+        found = producer_node(tensor)
+        if found is None or is_input_node(found[0]):
             raise ValueError(
                 f"Tensor {tensor.name!r} of model '{self.model.name}' is "
                 "not computed from the model's inputs (a constant, or an "
@@ -258,44 +214,44 @@ class Dataflow:
         if status == "open":
             raise ValueError(
                 f"The graph of model '{self.model.name}' has a cycle at "
-                f"'{_operation(node).name}'."
+                f"'{node_operation(node).name}'."
             )
         state[node_key] = "open"
-        inner_model = _nested_graph(_operation(node), node)
+        inner_model = _nested_graph(node_operation(node), node)
         if inner_model is None:
-            if isinstance(_operation(node), keras.Model):
-                self.opaque.append(_operation(node).name)
+            if isinstance(node_operation(node), keras.Model):
+                self.opaque.append(node_operation(node).name)
             tasks.append(("emit", scope, node))
         else:
             inner = len(self._scopes)
             self._scopes.append(
-                self._scopes[scope] + _operation(node).name + "."
+                self._scopes[scope] + node_operation(node).name + "."
             )
             tasks.append(("close", scope, node, inner, inner_model))
             tasks.append(("open", scope, node, inner, inner_model))
-        for t in reversed(_node_inputs(node)):
+        for t in reversed(node_inputs(node)):
             tasks.append(("tensor", scope, t))
 
     def _open(self, scope, node, inner, inner_model, tasks):
         del inner_model  # the nested model's own inputs are aliased below
-        args, _ = _call_arguments(node)
+        args, _ = node_call_arguments(node)
         outer = keras.tree.flatten(args[0])
-        model = _operation(node)
+        model = node_operation(node)
         for inner_t, outer_t in zip(_flat_inputs(model, args[0]), outer):
             self._aliases[(inner, id(inner_t))] = self._resolve(scope, outer_t)
         for t in reversed(model.outputs):
             tasks.append(("tensor", inner, t))
 
     def _emit(self, scope, node):
-        operation = _operation(node)
+        operation = node_operation(node)
         qualified = self._scopes[scope] + operation.name
         self._calls[id(operation)] += 1
         calls = self._calls[id(operation)]
         name = qualified if calls == 1 else f"{qualified}:{calls}"
         index = len(self.nodes)
-        inputs = [self._resolve(scope, t) for t in _node_inputs(node)]
+        inputs = [self._resolve(scope, t) for t in node_inputs(node)]
         outputs = []
-        produced = _node_outputs(node)
+        produced = node_outputs(node)
         for i, tensor in enumerate(produced):
             key = (scope, id(tensor))
             outputs.append(key)
@@ -358,12 +314,12 @@ def _nested_graph(operation, node):
         inner_inputs, inner_outputs, _, _ = graph_endpoints(operation)
     except (ValueError, NotImplementedError):
         return None
-    args, kwargs = _call_arguments(node)
+    args, kwargs = node_call_arguments(node)
     if len(args) != 1 or any(
         isinstance(t, keras.KerasTensor) for t in keras.tree.flatten(kwargs)
     ):
         return None
-    if len(inner_outputs) != len(_node_outputs(node)):
+    if len(inner_outputs) != len(node_outputs(node)):
         return None
     flat = _flat_inputs(operation, args[0])
     if flat is None or len(flat) != len(inner_inputs):

@@ -1,54 +1,31 @@
-"""Run on every rank by `keras_tp.launch` in tests/test_torch_pipeline.py."""
+"""Run on every rank by `keras_tp.launch` in tests/test_torch_pipeline.py.
 
-import keras
-import numpy as np
+Each rank runs its stage of `tests/pipeline_cases.py`'s models through
+`TorchPipeline` and checks its weights against one device itself.
+"""
+
 import torch
 import torch.distributed as dist
 
 from keras_tp.runtime.torch.pipeline import TorchPipeline
 from keras_tp.runtime.torch.process_group import join_process_group
 from keras_tp.stats import CommunicationStats
-from tests import models
-
-BATCH = 8
-STEPS = 3
-MICROBATCHES = 4
+from tests import pipeline_cases
+from tests.pipeline_cases import MICROBATCHES
+from tests.pipeline_cases import STEPS
 
 
-def _stages(model):
-    """The test MLP as 2 stages of its own layers: `up`, then the rest."""
-    first = keras.Input((16,))
-    second = keras.Input((32,))
-    head = model.get_layer("head")(model.get_layer("down")(second))
-    return [
-        keras.Model(first, model.get_layer("up")(first)),
-        keras.Model(second, head),
-    ]
+def _train(stage_model, loss, x, y, schedule, steps):
+    """Trains this rank's stage with Adam; returns losses, timelines and
+    what it sent."""
+    import keras
 
-
-def pipeline_run(schedule):
-    """Trains the MLP as a 2-stage pipeline and on one device.
-
-    Returns:
-        This rank's largest weight difference to one device, the losses
-        (last stage), its timeline, its parameter bytes and what it sent.
-    """
-    join_process_group(2)
     rank = dist.get_rank()
-    reference = models.mlp()
-    model = models.mlp()
-    stage_model = _stages(model)[rank]
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    x, y = models.data_for("mlp", batch=BATCH * STEPS)
-    reference.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
-    history = reference.fit(
-        x, y, batch_size=BATCH, shuffle=False, verbose=0
-    ).history
     stats = CommunicationStats()
     pipeline = TorchPipeline(
         stage_model,
         rank,
-        2,
+        dist.get_world_size(),
         MICROBATCHES,
         schedule,
         loss,
@@ -57,40 +34,53 @@ def pipeline_run(schedule):
     )
     optimizer = keras.optimizers.Adam(1e-2)
     variables = stage_model.trainable_variables
-    losses = []
-    timelines = []
-    for step in range(STEPS):
-        batch = slice(step * BATCH, (step + 1) * BATCH)
+    losses, timelines = [], []
+    for x_batch, y_batch in pipeline_cases.batches(x, y, steps):
         for variable in variables:
             variable.value.grad = None
         with stats.recording("train"):
             mean_loss, _ = pipeline.step(
-                torch.as_tensor(x[batch]), torch.as_tensor(y[batch])
+                keras.tree.map_structure(torch.as_tensor, x_batch),
+                torch.as_tensor(y_batch),
             )
         if mean_loss is not None:
             losses.append(float(mean_loss))
         optimizer.apply([v.value.grad for v in variables], variables)
         timelines.append(pipeline.stage.timeline)
-    expected = {
-        v.path: np.asarray(w)
-        for v, w in zip(reference.weights, reference.get_weights())
-    }
-    difference = max(
-        float(np.max(np.abs(v.numpy() - expected[v.path]))) for v in variables
-    )
-    return {
-        "rank": rank,
-        "weights": difference,
-        "losses": losses,
-        "reference_losses": history["loss"],
-        "timelines": timelines,
-        "parameter_bytes": sum(v.numpy().nbytes for v in variables),
-        "sent": stats.summary(axis="pipe"),
-    }
+    return losses, timelines, stats.summary(axis="pipe")
 
 
-def all_ranks(schedule):
-    result = pipeline_run(schedule)
+def _gathered(result):
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     return gathered
+
+
+def mlp_run(schedule):
+    """Trains the MLP as a 2-stage pipeline; every rank's results."""
+    join_process_group(2)
+    loss, reference, logged, x, y = pipeline_cases.mlp_reference()
+    stage_model = pipeline_cases.mlp_stages()[dist.get_rank()]
+    losses, timelines, sent = _train(stage_model, loss, x, y, schedule, STEPS)
+    pipeline_cases.check_weights(reference, [stage_model])
+    return _gathered(
+        {
+            "losses": losses,
+            "logged": logged,
+            "timelines": timelines,
+            "parameter_bytes": sum(
+                v.numpy().nbytes for v in stage_model.trainable_variables
+            ),
+            "sent": sent,
+        }
+    )
+
+
+def backbone_run():
+    """Trains GPT2's backbone as 2 stages (1F1B); every rank's results."""
+    join_process_group(2)
+    loss, reference, split, x, y = pipeline_cases.backbone_reference()
+    stage_model = split.stages[dist.get_rank()].model
+    _, _, sent = _train(stage_model, loss, x, y, "1f1b", 2)
+    pipeline_cases.check_weights(reference, [stage_model])
+    return _gathered({"sent": sent})

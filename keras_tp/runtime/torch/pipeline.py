@@ -27,9 +27,11 @@ class KerasStageModule(torch.nn.Module):
     """A Keras stage model as the `nn.Module` of a `PipelineStage`.
 
     A `PipelineStage` passes each tensor it receives as a positional
-    argument; a Functional model with several inputs takes them as one
-    list. Keras layers on torch are `nn.Module`s, so the stage's
-    parameters are this module's.
+    argument and sends each tensor the module returns. A stage model of
+    `keras_tp.pipeline.split_stages` takes and returns dicts of named
+    tensors, which travel in the order of their names
+    (`flatten_named`). Keras layers on torch are `nn.Module`s, so the
+    stage's parameters are this module's.
 
     Args:
         model: the stage's Keras model.
@@ -38,6 +40,8 @@ class KerasStageModule(torch.nn.Module):
     def __init__(self, model):
         super().__init__()
         self.model = model
+        inputs = model.input
+        self.input_names = sorted(inputs) if isinstance(inputs, dict) else None
         # The bytes of the gradients a backward pass of this stage sends
         # back: one per floating-point input (integer inputs, such as a
         # carried padding mask, have none).
@@ -47,9 +51,18 @@ class KerasStageModule(torch.nn.Module):
         self.input_gradient_bytes = sum(
             nbytes(t) for t in tensors if t.is_floating_point()
         )
-        inputs = tensors[0] if len(tensors) == 1 else list(tensors)
-        outputs = self.model(inputs, training=True)
-        return tuple(outputs) if isinstance(outputs, list) else outputs
+        if self.input_names is not None:
+            inputs = dict(zip(self.input_names, tensors))
+        else:
+            (inputs,) = tensors
+        return flatten_named(self.model(inputs, training=True))
+
+
+def flatten_named(value):
+    """A dict's values in the order of their keys; anything else as is."""
+    if isinstance(value, dict):
+        return tuple(value[name] for name in sorted(value))
+    return value
 
 
 class RecordedPipelineStage(PipelineStage):
@@ -160,16 +173,20 @@ class TorchPipeline:
             On the last stage, `(mean loss of the micro-batches, the
             batch's outputs)`; elsewhere `(None, None)`.
         """
-        if len(x) % self.num_microbatches:
+        batch = len(keras.tree.flatten(x)[0])
+        if batch % self.num_microbatches:
             raise ValueError(
-                f"A batch of {len(x)} samples cannot be split into "
+                f"A batch of {batch} samples cannot be split into "
                 f"num_microbatches={self.num_microbatches} equal "
                 "micro-batches; use a batch size divisible by it."
             )
         self.stage.timeline = []
         losses = []
         if self.stage.is_first:
-            self.schedule.step(*keras.tree.flatten(x))
+            inputs = flatten_named(x)
+            self.schedule.step(
+                *(inputs if isinstance(inputs, tuple) else [inputs])
+            )
             return None, None
         if not self.is_last:
             self.schedule.step()

@@ -1,0 +1,138 @@
+"""The pipeline bubble, measured: idle time per stage on 2 torch ranks.
+
+Trains an MLP of `--layers` Dense layers of width `--width`, cut into 2
+stages of equal parameters (`keras_tp.pipeline.split_stages`), through
+`torch.distributed.pipelining`'s GPipe and 1F1B schedules, for each number
+of micro-batches in `--microbatches`. Each stage records when each of its
+micro-batches' forward and backward passes ran; the last step's records
+give each stage's idle share of the step (`1 - busy / step`), printed next
+to the ideal `(P - 1) / (M + P - 1)`, with the most micro-batches whose
+activations a stage held at once and the bytes it sent.
+
+    KERAS_BACKEND=torch python benchmarks/pipeline_bubble.py
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import keras_tp  # noqa: E402
+
+STAGES = 2
+BATCH = 64
+
+
+def stage_records(width, layers, schedule, microbatches, steps):
+    """Trains this rank's stage; its last step's spans and bytes sent."""
+    import keras
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from keras_tp.pipeline.stages import split_stages
+    from keras_tp.runtime.torch.pipeline import TorchPipeline
+    from keras_tp.runtime.torch.process_group import join_process_group
+    from keras_tp.stats import CommunicationStats
+
+    join_process_group(STAGES)
+    rank = dist.get_rank()
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((width,))
+    hidden = inputs
+    for i in range(layers):
+        hidden = keras.layers.Dense(width, activation="relu", name=f"d{i}")(
+            hidden
+        )
+    model = keras.Model(inputs, keras.layers.Dense(10, name="head")(hidden))
+    stage_model = split_stages(model, STAGES).stages[rank].model
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    stats = CommunicationStats()
+    pipeline = TorchPipeline(
+        stage_model,
+        rank,
+        STAGES,
+        microbatches,
+        schedule,
+        loss,
+        stats,
+        torch.device("cpu"),
+    )
+    rng = np.random.default_rng(0)
+    x = torch.as_tensor(rng.normal(size=(BATCH, width)).astype("float32"))
+    y = torch.as_tensor(rng.integers(0, 10, BATCH))
+    for _ in range(steps):
+        dist.barrier()
+        with stats.recording("train"):
+            pipeline.step(x, y)
+    sent = stats.summary(axis="pipe").get("send", {}).get("bytes", 0)
+    records = [None] * STAGES
+    dist.all_gather_object(records, (pipeline.stage.timeline, sent))
+    return records
+
+
+def measured(records):
+    """`(bubble per stage, peak activations per stage, bytes per stage)`."""
+    from keras_tp.pipeline import schedules
+
+    start = min(span[2] for timeline, _ in records for span in timeline)
+    spans = [
+        [
+            schedules.Span(
+                schedules.Action(stage, kind, microbatch),
+                begin - start,
+                end - start,
+            )
+            for kind, microbatch, begin, end in timeline
+        ]
+        for stage, (timeline, _) in enumerate(records)
+    ]
+    timeline = schedules.Timeline(spans)
+    order = [[span.action for span in stage] for stage in spans]
+    return (
+        schedules.bubble_fraction(timeline),
+        schedules.peak_activations(order),
+        [sent for _, sent in records],
+    )
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--microbatches", type=int, nargs="+", default=[2, 4, 8]
+    )
+    args = parser.parse_args(argv)
+    from keras_tp.pipeline import schedules
+
+    print(
+        f"MLP of {args.layers} x Dense({args.width}), batch {BATCH}, "
+        f"{STAGES} torch ranks (gloo), last of {args.steps} steps\n"
+    )
+    print(
+        "| schedule | M | bubble, stage 0 / 1 | ideal | peak activations "
+        "| bytes sent, stage 0 / 1 |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for schedule in ("gpipe", "1f1b"):
+        for microbatches in args.microbatches:
+            records = keras_tp.launch(
+                stage_records,
+                world_size=STAGES,
+                args=(args.width, args.layers, schedule, microbatches),
+                kwargs={"steps": args.steps},
+            )
+            bubble, peak, sent = measured(records)
+            ideal = schedules.ideal_bubble(STAGES, microbatches)
+            print(
+                f"| {schedule} | {microbatches} | "
+                f"{bubble[0]:.2f} / {bubble[1]:.2f} | {ideal:.2f} | "
+                f"{peak[0]} / {peak[1]} | {sent[0]:,} / {sent[1]:,} |"
+            )
+
+
+if __name__ == "__main__":
+    main()

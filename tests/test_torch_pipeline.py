@@ -26,16 +26,15 @@ from tests.torch_scripts import pipeline_checks  # noqa: E402
 STAGES = 2
 
 
-@pytest.fixture(scope="module", params=["gpipe", "1f1b"])
-def ranks(request):
+@pytest.fixture(scope="module")
+def runs():
     """Each rank checked its weights against one device (within 1e-5)."""
-    results = launch(
-        pipeline_checks.mlp_run,
-        world_size=STAGES,
-        args=(request.param,),
-        timeout=300,
-    )
-    return request.param, results
+    return launch(pipeline_checks.all_runs, world_size=STAGES, timeout=300)
+
+
+@pytest.fixture(params=["gpipe", "1f1b"])
+def ranks(request, runs):
+    return request.param, runs[request.param]
 
 
 def test_logs_the_one_device_loss(ranks):
@@ -94,12 +93,10 @@ def test_schedules_order_the_micro_batches(ranks):
         assert peak == expected, (stage, kinds)
 
 
-def test_a_keras_hub_backbone_carries_its_padding_mask():
+def test_a_keras_hub_backbone_carries_its_padding_mask(runs):
     """Each rank checked its weights; the mask went forward only."""
     split = split_stages(models.gpt2_backbone(length=pipeline_cases.LENGTH), 2)
-    first, last = launch(
-        pipeline_checks.backbone_run, world_size=STAGES, timeout=300
-    )
+    first, last = runs["backbone"]
     pipeline_cases.check_backbone_traffic(
         {
             "forward_bytes": first["sent"]["send"]["forward_bytes"],

@@ -56,9 +56,19 @@ def _gathered(result):
     return gathered
 
 
+def all_runs():
+    """`mlp_run` of each schedule and `backbone_run`, in one launch
+    (starting the ranks is the slow part); every rank's results."""
+    join_process_group(2)
+    return {
+        "gpipe": mlp_run("gpipe"),
+        "1f1b": mlp_run("1f1b"),
+        "backbone": backbone_run(),
+    }
+
+
 def mlp_run(schedule):
     """Trains the MLP as a 2-stage pipeline; every rank's results."""
-    join_process_group(2)
     loss, reference, logged, x, y = pipeline_cases.mlp_reference()
     stage_model = pipeline_cases.mlp_stages()[dist.get_rank()]
     losses, timelines, sent = _train(stage_model, loss, x, y, schedule, STEPS)
@@ -78,7 +88,6 @@ def mlp_run(schedule):
 
 def backbone_run():
     """Trains GPT2's backbone as 2 stages (1F1B); every rank's results."""
-    join_process_group(2)
     loss, reference, split, x, y = pipeline_cases.backbone_reference()
     stage_model = split.stages[dist.get_rank()].model
     _, _, sent = _train(stage_model, loss, x, y, "1f1b", 2)

@@ -29,6 +29,7 @@ _EXPORTS = {
     "configure_virtual_devices": "keras_tp.runtime",
     "elastic_world_size": "keras_tp.elastic",
     "launch": "keras_tp.launcher",
+    "pipeline": "keras_tp.pipeline",
     "load_checkpoint": "keras_tp.checkpoint",
     "restart_count": "keras_tp.elastic",
     "save_checkpoint": "keras_tp.checkpoint",
@@ -41,7 +42,10 @@ def __getattr__(name):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'keras_tp' has no attribute {name!r}")
     module = importlib.import_module(_EXPORTS[name])
-    value = module if name == "collectives" else getattr(module, name)
+    # Subpackages are exported whole.
+    value = (
+        module if name in ("collectives", "pipeline") else getattr(module, name)
+    )
     globals()[name] = value
     return value
 

@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 
+from keras_tp.pipeline import schedules
 from keras_tp.pipeline.schedules import BACKWARD
 from keras_tp.pipeline.schedules import FORWARD
 from keras_tp.pipeline.schedules import Action
@@ -237,3 +238,25 @@ def test_bad_arguments_are_refused():
         simulate([[Action(0, FORWARD, 0)], [Action(1, FORWARD, 1)]])
     with pytest.raises(ValueError, match="non-empty list"):
         simulate([])
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_issue_order_puts_each_action_after_what_it_waits_for(name):
+    order = schedules.issue_order(name, 3, 5)
+    position = {action: i for i, action in enumerate(order)}
+    assert len(order) == 2 * 3 * 5
+    for (stage, kind, m), i in position.items():
+        if kind == schedules.FORWARD and stage:
+            assert position[(stage - 1, schedules.FORWARD, m)] < i
+        if kind == schedules.BACKWARD:
+            assert position[(stage, schedules.FORWARD, m)] < i
+            if stage < 2:
+                assert position[(stage + 1, schedules.BACKWARD, m)] < i
+
+
+def test_runner_arguments_are_checked():
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        schedules.issue_order("interleaved", 2, 4)
+    with pytest.raises(ValueError, match="cannot be split into"):
+        schedules.check_microbatches(10, 4)
+    schedules.check_microbatches(12, 4)

@@ -44,11 +44,13 @@ def gpipe(num_stages, num_microbatches):
 
     Example:
 
-    >>> gpipe(2, 2)[1]
-    [Action(stage=1, kind='forward', microbatch=0),
-     Action(stage=1, kind='forward', microbatch=1),
-     Action(stage=1, kind='backward', microbatch=0),
-     Action(stage=1, kind='backward', microbatch=1)]
+    ```python
+    gpipe(2, 2)[1]
+    # [Action(stage=1, kind="forward", microbatch=0),
+    #  Action(stage=1, kind="forward", microbatch=1),
+    #  Action(stage=1, kind="backward", microbatch=0),
+    #  Action(stage=1, kind="backward", microbatch=1)]
+    ```
     """
     _check_sizes(num_stages, num_microbatches)
     return [
@@ -77,8 +79,10 @@ def one_f_one_b(num_stages, num_microbatches):
 
     Example:
 
-    >>> [a.kind[0] + str(a.microbatch) for a in one_f_one_b(3, 4)[0]]
-    ['f0', 'f1', 'f2', 'b0', 'f3', 'b1', 'b2', 'b3']
+    ```python
+    [a.kind[0] + str(a.microbatch) for a in one_f_one_b(3, 4)[0]]
+    # ["f0", "f1", "f2", "b0", "f3", "b1", "b2", "b3"]
+    ```
     """
     _check_sizes(num_stages, num_microbatches)
     schedule = []
@@ -373,3 +377,49 @@ def _normalized(schedule):
                 "the same microbatches."
             )
     return normalized
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def check_schedule_name(name):
+    """Raises a `ValueError` unless `name` is a schedule of `SCHEDULES`."""
+    if name not in SCHEDULES:
+        raise ValueError(
+            f"schedule must be one of {sorted(SCHEDULES)}, got {name!r}."
+        )
+
+
+def issue_order(name, num_stages, num_microbatches):
+    """Every stage's actions of schedule `name`, in one order that works.
+
+    One thread that issues the actions of all stages (JAX's and
+    TensorFlow's runners) needs each action after the ones it waits for:
+    in the order of their starts in a simulation of the schedule, each
+    comes after the ones it needs, which end before it starts.
+
+    Args:
+        name: `"gpipe"` or `"1f1b"`.
+        num_stages: the number of stages.
+        num_microbatches: the number of micro-batches.
+
+    Returns:
+        A list of `Action`s.
+    """
+    check_schedule_name(name)
+    plan = SCHEDULES[name](num_stages, num_microbatches)
+    timeline = simulate(plan)
+    return sorted(
+        (action for actions in plan for action in actions),
+        key=lambda action: timeline.span_of(action).start,
+    )
+
+
+def check_microbatches(batch_size, num_microbatches):
+    """Raises a `ValueError` unless the batch splits into equal parts."""
+    if batch_size % num_microbatches:
+        raise ValueError(
+            f"A batch of {batch_size} samples cannot be split into "
+            f"num_microbatches={num_microbatches} equal micro-batches; use "
+            "a batch size divisible by it."
+        )

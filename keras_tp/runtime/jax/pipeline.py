@@ -19,8 +19,6 @@ import numpy as np
 from keras_tp.collectives.base import nbytes
 from keras_tp.pipeline import schedules
 
-SCHEDULES = {"gpipe": schedules.gpipe, "1f1b": schedules.one_f_one_b}
-
 
 class JaxPipeline:
     """The stages of a pipeline, each compiled for its own device.
@@ -39,11 +37,7 @@ class JaxPipeline:
     def __init__(
         self, stage_models, devices, loss, schedule, num_microbatches, stats
     ):
-        if schedule not in SCHEDULES:
-            raise ValueError(
-                f"schedule must be one of {sorted(SCHEDULES)}, got "
-                f"{schedule!r}."
-            )
+        schedules.check_schedule_name(schedule)
         if len(devices) != len(stage_models):
             raise ValueError(
                 f"{len(stage_models)} stages need as many devices, got "
@@ -54,14 +48,8 @@ class JaxPipeline:
         self.loss = loss
         self.num_microbatches = num_microbatches
         self.stats = stats
-        plan = SCHEDULES[schedule](len(stage_models), num_microbatches)
-        # One thread issues every stage's actions: in the order of their
-        # start in a simulation of the schedule, each action comes after
-        # the ones it waits for.
-        timeline = schedules.simulate(plan)
-        self.order = sorted(
-            (action for actions in plan for action in actions),
-            key=lambda action: timeline.span_of(action).start,
+        self.order = schedules.issue_order(
+            schedule, len(stage_models), num_microbatches
         )
         self._forwards = [
             jax.jit(self._forward_of(index))
@@ -110,12 +98,7 @@ class JaxPipeline:
         """
         count = self.num_microbatches
         batch = len(jax.tree_util.tree_leaves(x)[0])
-        if batch % count:
-            raise ValueError(
-                f"A batch of {batch} samples cannot be split into "
-                f"num_microbatches={count} equal micro-batches; use a "
-                "batch size divisible by it."
-            )
+        schedules.check_microbatches(batch, count)
         size = batch // count
 
         def microbatch(tree, m):

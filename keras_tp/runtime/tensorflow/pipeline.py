@@ -16,8 +16,6 @@ import tensorflow as tf
 from keras_tp.collectives.base import nbytes
 from keras_tp.pipeline import schedules
 
-SCHEDULES = {"gpipe": schedules.gpipe, "1f1b": schedules.one_f_one_b}
-
 
 class TensorFlowPipeline:
     """The stages of a pipeline, each run on its own device.
@@ -37,11 +35,7 @@ class TensorFlowPipeline:
     def __init__(
         self, stage_models, devices, loss, schedule, num_microbatches, stats
     ):
-        if schedule not in SCHEDULES:
-            raise ValueError(
-                f"schedule must be one of {sorted(SCHEDULES)}, got "
-                f"{schedule!r}."
-            )
+        schedules.check_schedule_name(schedule)
         if len(devices) != len(stage_models):
             raise ValueError(
                 f"{len(stage_models)} stages need as many devices, got "
@@ -52,11 +46,8 @@ class TensorFlowPipeline:
         self.loss = loss
         self.num_microbatches = num_microbatches
         self.stats = stats
-        plan = SCHEDULES[schedule](len(stage_models), num_microbatches)
-        timeline = schedules.simulate(plan)
-        self.order = sorted(
-            (action for actions in plan for action in actions),
-            key=lambda action: timeline.span_of(action).start,
+        self.order = schedules.issue_order(
+            schedule, len(stage_models), num_microbatches
         )
         # The loop over the schedule unrolls when traced: one action after
         # the other, as written, not a graph loop.
@@ -77,7 +68,10 @@ class TensorFlowPipeline:
         """
         count = self.num_microbatches
         last = len(self.stage_models) - 1
-        size = tf.shape(tf.nest.flatten(x)[0])[0] // count
+        # Traced per input signature: the batch size is known here.
+        batch = tf.nest.flatten(x)[0].shape[0]
+        schedules.check_microbatches(batch, count)
+        size = batch // count
 
         def microbatch(structure, m):
             return tf.nest.map_structure(

@@ -19,8 +19,10 @@ from torch.distributed.pipelining import Schedule1F1B
 from torch.distributed.pipelining import ScheduleGPipe
 
 from keras_tp.collectives.base import nbytes
+from keras_tp.pipeline import schedules
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+# torch.distributed.pipelining's own schedule of each name.
+TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 class KerasStageModule(torch.nn.Module):
@@ -138,11 +140,7 @@ class TorchPipeline:
         device,
         group=None,
     ):
-        if schedule not in SCHEDULES:
-            raise ValueError(
-                f"schedule must be one of {sorted(SCHEDULES)}, got "
-                f"{schedule!r}."
-            )
+        schedules.check_schedule_name(schedule)
         self.stage = RecordedPipelineStage(
             KerasStageModule(stage_model),
             stats,
@@ -151,7 +149,7 @@ class TorchPipeline:
             device,
             group=group,
         )
-        self.schedule = SCHEDULES[schedule](
+        self.schedule = TORCH_SCHEDULES[schedule](
             self.stage,
             num_microbatches,
             loss_fn=lambda y_pred, y_true: loss(y_true, y_pred),
@@ -173,13 +171,9 @@ class TorchPipeline:
             On the last stage, `(mean loss of the micro-batches, the
             batch's outputs)`; elsewhere `(None, None)`.
         """
-        batch = len(keras.tree.flatten(x)[0])
-        if batch % self.num_microbatches:
-            raise ValueError(
-                f"A batch of {batch} samples cannot be split into "
-                f"num_microbatches={self.num_microbatches} equal "
-                "micro-batches; use a batch size divisible by it."
-            )
+        schedules.check_microbatches(
+            len(keras.tree.flatten(x)[0]), self.num_microbatches
+        )
         self.stage.timeline = []
         losses = []
         if self.stage.is_first:

@@ -18,38 +18,20 @@ import numpy as np
 
 from keras_tp.collectives.base import nbytes
 from keras_tp.pipeline import schedules
+from keras_tp.pipeline.runner import ScheduledStages
 
 
-class JaxPipeline:
+class JaxPipeline(ScheduledStages):
     """The stages of a pipeline, each compiled for its own device.
 
-    Args:
-        stage_models: the Keras model of each stage, in order.
-        devices: the `jax.Device` of each stage.
-        loss: a function of `(y_true, y_pred)` that averages over the
-            micro-batch, for the last stage.
-        schedule: `"gpipe"` or `"1f1b"`.
-        num_microbatches: micro-batches per batch.
-        stats: the `CommunicationStats` that count what the stages send
-            each other (axis `"pipe"`).
+    Args: those of `ScheduledStages`; `devices` are `jax.Device`s.
     """
 
     def __init__(
         self, stage_models, devices, loss, schedule, num_microbatches, stats
     ):
-        schedules.check_schedule_name(schedule)
-        if len(devices) != len(stage_models):
-            raise ValueError(
-                f"{len(stage_models)} stages need as many devices, got "
-                f"{len(devices)}."
-            )
-        self.stage_models = list(stage_models)
-        self.devices = list(devices)
-        self.loss = loss
-        self.num_microbatches = num_microbatches
-        self.stats = stats
-        self.order = schedules.issue_order(
-            schedule, len(stage_models), num_microbatches
+        super().__init__(
+            stage_models, devices, loss, schedule, num_microbatches, stats
         )
         self._forwards = [
             jax.jit(self._forward_of(index))

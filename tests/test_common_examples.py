@@ -51,6 +51,17 @@ Example = collections.namedtuple("Example", ["where", "kind", "text"])
 # Examples not run here, by page and first line, with the reason.
 NOT_RUN = {
     (
+        "docs/guides/communication.md",
+        "# the bucket size from a probe of the data axis",
+    ): "tests/test_jax_dp.py::test_auto_bucket_size_is_measured_on_the_data_"
+    "axis makes these calls (and the torch and TensorFlow DP tests)",
+    (
+        "docs/guides/communication.md",
+        "# within each host first, then across hosts",
+    ): "tests/test_jax_dp.py::test_hierarchical_on_one_host_reduces_in_one_"
+    "level makes these calls on one host; tests/test_jax.py and "
+    "tests/test_torch_dp.py on two",
+    (
         "docs/guides/elastic.md",
         "# one node: after a failure every rank restarts, at the same size",
     ): "torchrun on 4 ranks and across nodes; tests/test_torch_elastic.py "

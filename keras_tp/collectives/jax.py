@@ -9,6 +9,14 @@ from jax.sharding import PartitionSpec
 
 from keras_tp.collectives.base import CollectiveAdapter
 
+# The reduction of each `op`, for groups reduced on each device.
+_REDUCTIONS = {
+    "sum": jax.numpy.sum,
+    "mean": jax.numpy.mean,
+    "max": jax.numpy.max,
+    "min": jax.numpy.min,
+}
+
 
 class JaxCollectiveAdapter(CollectiveAdapter):
     """Collectives over the `axis_name` axis of a `jax.sharding.Mesh`.
@@ -48,6 +56,19 @@ class JaxCollectiveAdapter(CollectiveAdapter):
         self._axis_size = axis_size
         self.check_vma = check_vma
         self._groups = axis_index_groups
+        # Each device's place in its group, by its index along the axis.
+        self._places = (
+            None
+            if axis_index_groups is None
+            else [
+                place
+                for _, place in sorted(
+                    (index, place)
+                    for group in axis_index_groups
+                    for place, index in enumerate(group)
+                )
+            ]
+        )
         if axis_index_groups is None:
             self._build_conjugate_ops()
             self._build_partition_gather()
@@ -56,9 +77,7 @@ class JaxCollectiveAdapter(CollectiveAdapter):
         index = jax.lax.axis_index(self.axis_name)
         if self._groups is None:
             return index
-        places = {i: place for g in self._groups for place, i in enumerate(g)}
-        table = jax.numpy.array([places[i] for i in sorted(places)])
-        return table[index]
+        return jax.numpy.array(self._places)[index]
 
     def size(self):
         return self._axis_size
@@ -69,10 +88,7 @@ class JaxCollectiveAdapter(CollectiveAdapter):
             # shard_map has no psum over groups of an axis: gather the
             # group's values and reduce them here.
             values = self._all_gather(x[None], 0)
-            reduce = {"sum": jax.numpy.sum, "mean": jax.numpy.mean}.get(
-                op, jax.numpy.max if op == "max" else jax.numpy.min
-            )
-            return reduce(values, axis=0)
+            return _REDUCTIONS[op](values, axis=0)
         if op == "sum":
             return jax.lax.psum(x, axis)
         if op == "mean":

@@ -320,6 +320,12 @@ def compute_loss(model, **kwargs):
     return model._compute_loss(**kwargs)
 
 
+def compiled_loss(model):
+    """The loss `compile(loss=...)` made, a function of `(y_true, y_pred)`
+    (with an optional sample weight); `None` before compiling."""
+    return model._compile_loss
+
+
 def update_loss_tracker(model, loss, sample_weight):
     """Adds a step's loss to the mean loss `fit()` reports."""
     model._loss_tracker.update_state(loss, sample_weight=sample_weight)

@@ -19,6 +19,7 @@ from keras_tp.plan.auto import auto_plan
 from keras_tp.plan.report import format_plan
 from keras_tp.plan.sharding_plan import ShardingPlan
 from keras_tp.plan.verify import check_locally
+from keras_tp.runtime import pipeline_runtime_class
 from keras_tp.runtime import runtime_class
 
 _FIT_SIGNATURE = inspect.signature(keras.Model.fit)
@@ -58,6 +59,21 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             it, and the tensor-parallel size is the quotient.
         zero_stage: 0 (DDP), 1 (optimizer state partitioned over the data
             axis), 2 (and gradients) or 3 (and parameters).
+        pipeline_parallel: the number of pipeline stages. Above 1, the
+            model (Functional) is cut into that many consecutive stages
+            (`keras_tp.pipeline.split_stages`), one per device, and each
+            batch runs through them as micro-batches. It does not combine
+            with tensor or data parallelism yet: `world_size` must equal
+            it.
+        num_microbatches: micro-batches per batch of a pipeline; `None`
+            takes the largest divisor of each batch's size up to
+            `4 * pipeline_parallel`.
+        schedule: the pipeline's order of forward and backward passes,
+            `"1f1b"` (default; holds at most `pipeline_parallel`
+            micro-batches' activations) or `"gpipe"`.
+        pipeline_cuts: names of the layers at which stages 1, 2, ...
+            start; `None` cuts where the fewest activations cross,
+            balancing parameters.
 
     Example:
 
@@ -74,6 +90,11 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
                                       zero_stage=2)
     tp.compile(optimizer=keras.optimizers.AdamW(1e-3), loss="mse")
     tp.fit(x, y, batch_size=64)   # 64 is the global batch
+
+    # 4 pipeline stages, 8 micro-batches of each batch, 1F1B
+    tp = keras_tp.TensorParallelKeras(model, world_size=4,
+                                      pipeline_parallel=4,
+                                      num_microbatches=8)
     ```
     """
 
@@ -85,6 +106,10 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
         plan="auto",
         data_parallel=1,
         zero_stage=0,
+        pipeline_parallel=1,
+        num_microbatches=None,
+        schedule="1f1b",
+        pipeline_cuts=None,
         **kwargs,
     ):
         if zero_stage not in (0, 1, 2, 3):
@@ -110,9 +135,37 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
                 f"Model '{model.name}' is not built. Call "
                 "`model.build(input_shape)` or run it once on a batch first."
             )
-        runtime = runtime_class()(
-            world_size, device_ids, data_parallel, zero_stage
-        )
+        if not isinstance(pipeline_parallel, int) or pipeline_parallel < 1:
+            raise ValueError(
+                "pipeline_parallel must be an integer >= 1, got "
+                f"{pipeline_parallel!r}."
+            )
+        if pipeline_parallel > 1:
+            if not (isinstance(plan, str) and plan == "auto"):
+                raise ValueError(
+                    "A plan cannot be given with pipeline_parallel > 1: the "
+                    "stages are not split by tensor parallelism yet."
+                )
+            runtime = pipeline_runtime_class()(
+                model,
+                pipeline_parallel,
+                world_size,
+                device_ids,
+                data_parallel,
+                zero_stage,
+                num_microbatches,
+                schedule,
+                pipeline_cuts,
+            )
+        else:
+            if num_microbatches is not None or pipeline_cuts is not None:
+                raise ValueError(
+                    "num_microbatches and pipeline_cuts are arguments of a "
+                    "pipeline: pass pipeline_parallel > 1 with them."
+                )
+            runtime = runtime_class()(
+                world_size, device_ids, data_parallel, zero_stage
+            )
         name = kwargs.pop("name", f"tensor_parallel_{model.name}")
         with runtime.scope():
             super().__init__(name=name, **kwargs)
@@ -142,10 +195,12 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             # Splitting over one rank changes nothing but would still issue
             # collectives over the model axis: every layer stays whole.
             bound = ShardingPlan().bind(model, 1)
-            bound.replicated = {
-                path: "one tensor-parallel rank: nothing to split"
-                for path in bound.replicated
-            }
+            reason = (
+                "one tensor-parallel rank: nothing to split"
+                if pipeline_parallel == 1
+                else "whole on its pipeline stage"
+            )
+            bound.replicated = {path: reason for path in bound.replicated}
         self._runtime = runtime
         self._plan = bound
         axes = bound.variable_axes()
@@ -155,8 +210,10 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
                 entry[1] if entry is not None and entry[0] is variable else None
             )
             runtime.placement.place(variable, axis)
-        installed = regions.install(bound, runtime)
+        # A pipeline's plan splits nothing: no region to install.
+        installed = regions.install(bound, runtime) if bound.layers else []
         runtime.prepare_model(model)
+        runtime.prepare_trainer(self)
         if zero_stage == 3:
             for variable in model.trainable_variables:
                 axis = runtime.placement.partition_axis(variable)
@@ -198,6 +255,7 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
         optimizer = self._coordinated(optimizer)
         with self._runtime.scope():
             super().compile(optimizer, *args, **kwargs)
+        self._runtime.check_compiled(self)
         if not isinstance(self.optimizer, CoordinatedOptimizer):
             # Its slots are split like their variables (a CoordinatedOptimizer
             # places them with their ZeRO partitions itself).
@@ -298,11 +356,11 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             are the gradient synchronisation and parameter gathering of a
             `CoordinatedOptimizer`.
         """
-        return self._runtime.adapter.stats.summary(phase, axis)
+        return self._runtime.stats.summary(phase, axis)
 
     def reset_communication_stats(self):
         """Forgets the recorded collectives of every phase."""
-        self._runtime.adapter.stats.reset()
+        self._runtime.stats.reset()
 
     def parameter_bytes_per_device(self):
         """`{device: bytes}` of the model's variables, read from the arrays."""
@@ -313,7 +371,7 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
 
         Returns:
             A dict with `backend`, `world_size`, `tensor_parallel`,
-            `data_parallel`, `zero_stage`, `devices`,
+            `data_parallel`, `pipeline_parallel`, `zero_stage`, `devices`,
             `parameter_bytes_per_device` (measured from the arrays),
             `parameter_bytes_total` (unsplit), `sharded_layers` and
             `replicated_layers` (path: reason).
@@ -323,6 +381,7 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             "world_size": self._runtime.world_size,
             "tensor_parallel": self._runtime.tensor_parallel,
             "data_parallel": self._runtime.data_parallel,
+            "pipeline_parallel": self._runtime.pipeline_parallel,
             "zero_stage": self._runtime.zero_stage,
             "devices": list(self._runtime.devices),
             "parameter_bytes_per_device": self.parameter_bytes_per_device(),

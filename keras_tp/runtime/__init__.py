@@ -1,7 +1,9 @@
 """Backend runtimes; with `collectives`, the only code that knows backends.
 
 Each backend module defines a `Runtime` subclass named `RUNTIME` and a
-`configure_virtual_devices(n)` function.
+`configure_virtual_devices(n)` function; its `pipeline` module defines a
+`keras_tp.pipeline.runtime.PipelineRuntime` subclass named
+`PIPELINE_RUNTIME`.
 """
 
 import importlib
@@ -29,6 +31,15 @@ def backend_module():
 def runtime_class():
     """The `Runtime` subclass of the current Keras backend."""
     return backend_module().RUNTIME
+
+
+def pipeline_runtime_class():
+    """The `PipelineRuntime` subclass of the current Keras backend."""
+    backend_module()
+    module = importlib.import_module(
+        f"{_MODULES[keras.backend.backend()]}.pipeline"
+    )
+    return module.PIPELINE_RUNTIME
 
 
 def configure_virtual_devices(n):

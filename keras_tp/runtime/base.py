@@ -35,6 +35,7 @@ class Runtime(CheckpointPieces):
     """
 
     backend = None
+    pipeline_parallel = 1
     # Whether each rank runs the code between split layers on its own
     # slices (so `auto_plan` must check the plan for that).
     local_ranks = True
@@ -46,36 +47,9 @@ class Runtime(CheckpointPieces):
         self, world_size=None, device_ids=None, data_parallel=1, zero_stage=0
     ):
         self.zero_stage = zero_stage
-        available = self._available_devices()
-        if device_ids is not None:
-            device_ids = [str(d).lower() for d in device_ids]
-            missing = [d for d in device_ids if d not in available]
-            if missing:
-                raise ValueError(
-                    f"device_ids {missing} are not available on the "
-                    f"{self.backend} backend; available: {available}."
-                )
-            if world_size is not None and world_size != len(device_ids):
-                raise ValueError(
-                    f"world_size={world_size} but {len(device_ids)} "
-                    "device_ids were given; pass one or make them agree."
-                )
-            devices = device_ids
-        else:
-            if world_size is None:
-                world_size = len(available)
-            if world_size < 1:
-                raise ValueError(f"world_size must be >= 1, got {world_size}.")
-            if world_size > len(available):
-                raise ValueError(
-                    f"world_size={world_size} is larger than the "
-                    f"{len(available)} {self.backend} device(s) available "
-                    f"({available}). keras_tp never runs several ranks on one "
-                    "device. On a CPU machine call "
-                    f"`keras_tp.configure_virtual_devices({world_size})` "
-                    "before any Keras operation, or lower world_size."
-                )
-            devices = available[:world_size]
+        devices = select_devices(
+            self.backend, self._available_devices(), world_size, device_ids
+        )
         if len(devices) % data_parallel:
             raise ValueError(
                 f"world_size={len(devices)} is not divisible by "
@@ -102,6 +76,17 @@ class Runtime(CheckpointPieces):
         )
         self.data_adapter.stats = self.adapter.stats
         self.world_adapter.stats = self.adapter.stats
+
+    @property
+    def stats(self):
+        """The `CommunicationStats` every adapter of this runtime counts in."""
+        return self.adapter.stats
+
+    def prepare_trainer(self, trainer):
+        """Called once with the `TensorParallelKeras` that runs the steps."""
+
+    def check_compiled(self, trainer):
+        """Called when `trainer` is compiled; refuses what cannot run."""
 
     def _available_devices(self):
         raise NotImplementedError
@@ -427,6 +412,50 @@ class Runtime(CheckpointPieces):
         weights = [self.local_value(v) for v, _ in region.variables()]
         with region.local_weights(weights), self.adapter.activated():
             return region.compute(*args, **kwargs)
+
+
+def select_devices(backend, available, world_size, device_ids):
+    """The devices a runtime of `world_size` uses, by name.
+
+    Args:
+        backend: the Keras backend's name, for messages.
+        available: the names of the devices (or ranks) there are.
+        world_size: how many to use; `None` means all.
+        device_ids: explicit names, or `None`.
+
+    Returns:
+        The list of device names.
+    """
+    if device_ids is not None:
+        device_ids = [str(d).lower() for d in device_ids]
+        missing = [d for d in device_ids if d not in available]
+        if missing:
+            raise ValueError(
+                f"device_ids {missing} are not available on the "
+                f"{backend} backend; available: {available}."
+            )
+        if world_size is not None and world_size != len(device_ids):
+            raise ValueError(
+                f"world_size={world_size} but {len(device_ids)} "
+                "device_ids were given; pass one or make them agree."
+            )
+        devices = device_ids
+    else:
+        if world_size is None:
+            world_size = len(available)
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}.")
+        if world_size > len(available):
+            raise ValueError(
+                f"world_size={world_size} is larger than the "
+                f"{len(available)} {backend} device(s) available "
+                f"({available}). keras_tp never runs several ranks on one "
+                "device. On a CPU machine call "
+                f"`keras_tp.configure_virtual_devices({world_size})` "
+                "before any Keras operation, or lower world_size."
+            )
+        devices = available[:world_size]
+    return devices
 
 
 def is_float(x):

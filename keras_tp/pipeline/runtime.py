@@ -1,0 +1,307 @@
+"""`PipelineRuntime`: what `TensorParallelKeras(pipeline_parallel=P)` runs.
+
+A pipeline runtime stands where a tensor-parallel `Runtime` stands: the
+model class compiles, fits and reports through the same methods. It cuts
+the model into `P` stages (`split_stages`), keeps each stage's variables
+and optimizer slots on the stage's own device (or process), and runs
+Keras' steps as a schedule of micro-batches. This module is the part
+every backend shares: the checks, the stages of each variable, the
+micro-batch count and the loss. Each backend's subclass (in
+`keras_tp.runtime.<backend>.pipeline`) stores the variables and runs the
+steps with its trainer's signatures.
+"""
+
+import contextlib
+
+import keras
+
+from keras_tp.collectives.base import nbytes
+from keras_tp.keras_internals import compiled_loss
+from keras_tp.keras_internals import sublayers
+from keras_tp.pipeline import schedules
+from keras_tp.pipeline.stages import split_stages
+from keras_tp.placement import Placement
+from keras_tp.runtime.base import select_devices
+from keras_tp.stats import CommunicationStats
+
+# Loss reductions whose per-micro-batch values, each weighted by 1/M,
+# add up to the value over the whole batch.
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+
+class PipelineRuntime:
+    """The stages of a pipeline and how Keras' steps run them.
+
+    Args:
+        model: the built Functional model to cut.
+        pipeline_parallel: the number of stages, one device each.
+        world_size: total number of devices; must equal
+            `pipeline_parallel` (tensor and data parallelism do not
+            combine with a pipeline yet).
+        device_ids: device names of the stages, in order.
+        data_parallel: must be 1.
+        zero_stage: must be 0.
+        num_microbatches: micro-batches per batch; `None` takes, for each
+            batch, the largest divisor of its size up to
+            `4 * pipeline_parallel`.
+        schedule: `"gpipe"` or `"1f1b"`.
+        cut_points: names of the layers at which stages 1.. start; `None`
+            cuts automatically (see `split_stages`).
+    """
+
+    backend = None
+    local_ranks = False
+    per_rank_steps = False
+    tensor_parallel = 1
+    data_parallel = 1
+    zero_stage = 0
+    # Python issues each stage's work in the schedule's order: the step as
+    # a whole is not one compiled program.
+    jit_compile_default = False
+
+    def __init__(
+        self,
+        model,
+        pipeline_parallel,
+        world_size=None,
+        device_ids=None,
+        data_parallel=1,
+        zero_stage=0,
+        num_microbatches=None,
+        schedule="1f1b",
+        cut_points=None,
+    ):
+        if world_size is None and device_ids is None:
+            world_size = pipeline_parallel
+        devices = select_devices(
+            self.backend, self._available_devices(), world_size, device_ids
+        )
+        world_size = len(devices)
+        if (
+            world_size != pipeline_parallel
+            or data_parallel != 1
+            or zero_stage != 0
+        ):
+            raise ValueError(
+                f"pipeline_parallel={pipeline_parallel} with "
+                f"world_size={world_size}, data_parallel={data_parallel} "
+                f"and zero_stage={zero_stage}: a pipeline runs one stage "
+                "per device, without tensor or data parallelism inside it "
+                "yet. Pass world_size=pipeline_parallel, data_parallel=1 "
+                "and zero_stage=0."
+            )
+        schedules.check_schedule_name(schedule)
+        if num_microbatches is not None and (
+            not isinstance(num_microbatches, int) or num_microbatches < 1
+        ):
+            raise ValueError(
+                "num_microbatches must be a positive integer or None, got "
+                f"{num_microbatches!r}."
+            )
+        _check_layers(model)
+        self.pipeline_parallel = pipeline_parallel
+        self.world_size = world_size
+        self.num_microbatches = num_microbatches
+        self.schedule = schedule
+        self.devices = devices
+        self.split = split_stages(model, pipeline_parallel, cut_points)
+        self.stage_models = [stage.model for stage in self.split.stages]
+        # The stage of every variable the stages own, by id; optimizer
+        # slots join their reference's stage when they are created.
+        self.stage_of = {
+            id(variable): index
+            for index, stage in enumerate(self.stage_models)
+            for variable in stage.variables
+        }
+        self.placement = Placement(1, 1, self)
+        self.stats = CommunicationStats()
+        self.device_mesh = keras.distribution.DeviceMesh(
+            shape=(1, pipeline_parallel, 1),
+            axis_names=("data", "pipe", "model"),
+            devices=list(self.devices),
+        )
+        self.trainer = None
+
+    def _available_devices(self):
+        """The names of the backend's devices (on torch, its ranks)."""
+        raise NotImplementedError
+
+    # What the model class calls --------------------------------------
+
+    def scope(self):
+        return contextlib.nullcontext()
+
+    def prepare_trainer(self, trainer):
+        """Keeps the `TensorParallelKeras` whose steps this runtime runs."""
+        self.trainer = trainer
+
+    def prepare_model(self, model):
+        """Checks that every variable of `model` belongs to a stage."""
+        strays = [v.path for v in model.variables if id(v) not in self.stage_of]
+        if strays:
+            raise ValueError(
+                f"Variables {strays} of model '{model.name}' are used by no "
+                "layer of its graph, so no pipeline stage holds them. Remove "
+                "the layers that own them from the model."
+            )
+
+    def prepare_step_state(self, variables):
+        """Nothing to place: each stage's state is on its device."""
+
+    def run_step(self, phase, step, *args, **kwargs):
+        """Runs Keras' `phase` step as a pipeline (`step` is not called).
+
+        Args:
+            phase: `"train"`, `"test"` or `"predict"`.
+            step: Keras' own step; a pipeline runs its own instead.
+            *args: the step's arguments in the backend trainer's
+                signature (`(state, data)` on JAX, `(data,)` elsewhere).
+        """
+        with self.stats.recording(phase):
+            return getattr(self, f"{phase}_step")(*args, **kwargs)
+
+    def build_optimizer(self, trainer):
+        """Builds the optimizer's slots, each on its variable's stage."""
+        trainer.optimizer.build(trainer.trainable_variables)
+
+    def check_compiled(self, trainer):
+        """Refuses what a pipeline would compute differently from Keras.
+
+        Called when the model is compiled.
+        """
+        optimizer = trainer.optimizer
+        for name in ("global_clipnorm", "gradient_accumulation_steps"):
+            if getattr(optimizer, name, None):
+                raise ValueError(
+                    f"The optimizer's {name}={getattr(optimizer, name)} is "
+                    "not supported with pipeline_parallel: each stage "
+                    "updates its own variables without the others' "
+                    f"gradients. Remove {name} (clipnorm and clipvalue, "
+                    "which act per variable, work)."
+                )
+        if getattr(optimizer, "use_ema", False):
+            raise ValueError(
+                "The optimizer's use_ema=True is not supported with "
+                "pipeline_parallel yet; compile without it."
+            )
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            raise ValueError(
+                "LossScaleOptimizer is not supported with pipeline_parallel "
+                "yet; train in float32 or bfloat16 without loss scaling."
+            )
+        for loss in keras.tree.flatten(trainer.loss):
+            reduction = getattr(loss, "reduction", "sum_over_batch_size")
+            if reduction not in _MEAN_REDUCTIONS:
+                raise ValueError(
+                    f"Loss '{getattr(loss, 'name', loss)}' has reduction="
+                    f"{reduction!r}. A pipeline adds up each micro-batch's "
+                    "mean loss, weighted by 1/num_microbatches, which is the "
+                    "batch's loss only for a mean: use "
+                    "reduction='sum_over_batch_size'."
+                )
+
+    def microbatches(self, batch_size):
+        """The number of micro-batches for a batch of `batch_size`."""
+        if self.num_microbatches is not None:
+            schedules.check_microbatches(batch_size, self.num_microbatches)
+            return self.num_microbatches
+        limit = min(batch_size, 4 * self.pipeline_parallel)
+        return max(m for m in range(1, limit + 1) if batch_size % m == 0)
+
+    def loss_function(self):
+        """The compiled loss of `(y_true, y_pred)`, averaged over samples."""
+        loss = compiled_loss(self.trainer)
+        if loss is None:
+            raise ValueError(
+                "A pipelined model trains and evaluates with the loss given "
+                "to compile(loss=...); it has none."
+            )
+        return lambda y_true, y_pred: loss(y_true, y_pred)
+
+    @staticmethod
+    def check_no_sample_weight(sample_weight):
+        if sample_weight is not None:
+            raise ValueError(
+                "sample_weight (or class_weight) is not supported with "
+                "pipeline_parallel yet: pass (x, y) only."
+            )
+
+    def stage_lists(self, variables, values):
+        """`values` (one per variable) grouped by stage, in stage order.
+
+        Each stage's list follows its stage model's order of the same kind
+        of variables, as `stateless_call` expects.
+        """
+        by_id = {id(v): value for v, value in zip(variables, values)}
+        grouped = []
+        for stage in self.stage_models:
+            members = [v for v in stage.variables if id(v) in by_id]
+            grouped.append([by_id[id(v)] for v in members])
+        return grouped
+
+    # Placement: the storage of `self.placement` ----------------------
+
+    def place_variable(self, variable, axis):
+        self._move(variable, self.stage_of[id(variable)])
+
+    def place_variable_like(self, variable, reference, data_axis):
+        self.stage_of[id(variable)] = self.stage_of[id(reference)]
+        self._move(variable, self.stage_of[id(variable)])
+
+    def _move(self, variable, stage):
+        """Stores `variable` on the device of `stage`."""
+        raise NotImplementedError
+
+    def full_value(self, variable):
+        return keras.ops.convert_to_numpy(variable.value)
+
+    def assign_full_value(self, variable, value):
+        variable.assign(value)
+
+    def save_model(self, model, filepath, **kwargs):
+        model.save(filepath, **kwargs)
+
+    def device_bytes(self, variables):
+        """`{device: bytes}` of these variables, by their stage's device."""
+        totals = {device: 0 for device in self.devices}
+        for variable in variables:
+            stage = self.stage_of.get(id(variable))
+            if stage is not None:
+                totals[self.devices[stage]] += nbytes(variable)
+        return totals
+
+    def call_model(self, model, inputs, training):
+        with self.stats.recording("call"):
+            return self.split.run(inputs, training=training)
+
+    def local_pieces(self, variable):
+        raise ValueError(
+            "Sharded checkpoints (save_weights, save_checkpoint, "
+            "BackupAndRestore) of a pipelined model are not supported yet. "
+            "Use save() to write the unsplit model."
+        )
+
+    assign_local_pieces = local_pieces
+
+
+def _check_layers(model):
+    """Refuses layers whose training a pipeline would change."""
+    for layer in sublayers(model):
+        if (
+            isinstance(layer, keras.layers.BatchNormalization)
+            and layer.trainable
+        ):
+            raise ValueError(
+                f"Layer '{layer.name}' is a trainable BatchNormalization: "
+                "with pipeline_parallel each micro-batch would be "
+                "normalised by its own statistics, not the batch's. Freeze "
+                "it (`layer.trainable = False` uses the moving statistics) "
+                "or use LayerNormalization or GroupNormalization."
+            )
+    if model.losses:
+        raise ValueError(
+            f"Model '{model.name}' has {len(model.losses)} regularization "
+            "or add_loss() losses, which pipeline_parallel does not add "
+            "yet. Remove the layers' kernel/bias regularizers (use AdamW's "
+            "weight_decay instead)."
+        )

@@ -326,6 +326,17 @@ def compiled_loss(model):
     return model._compile_loss
 
 
+def jax_update_metrics(model, metrics, loss, x, y, y_pred, sample_weight):
+    """Keras' JAX trainer's metric update of a step, as values.
+
+    Returns:
+        `(logs, new values of model.metrics_variables)`.
+    """
+    return model._update_metrics_variables(
+        metrics, loss, x, y, y_pred, sample_weight
+    )
+
+
 def update_loss_tracker(model, loss, sample_weight):
     """Adds a step's loss to the mean loss `fit()` reports."""
     model._loss_tracker.update_state(loss, sample_weight=sample_weight)

@@ -32,11 +32,12 @@ def mlp_reference():
     return loss, reference, history.history["loss"][0], x, y
 
 
-def backbone_reference(optimizer=None):
+def backbone_reference(optimizer=None, stages=2):
     """`(loss, reference, split, x, y)` of GPT2's backbone, 2 batches.
 
     Args:
         optimizer: the reference's optimizer; default `Adam(1e-2)`.
+        stages: the number of stages of `split`.
     """
     x, y = models.backbone_data(BATCH * 2, LENGTH)
     loss = keras.losses.MeanSquaredError()
@@ -45,7 +46,7 @@ def backbone_reference(optimizer=None):
         optimizer=optimizer or keras.optimizers.Adam(1e-2), loss=loss
     )
     reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-    split = split_stages(models.gpt2_backbone(length=LENGTH), 2)
+    split = split_stages(models.gpt2_backbone(length=LENGTH), stages)
     return loss, reference, split, x, y
 
 
@@ -73,6 +74,22 @@ def check_weights(reference, stage_models):
             )
 
 
+def check_unsplit_weights(reference, weights):
+    """Asserts `get_weights()` of a pipelined model equal the reference's
+    within 1e-5."""
+    for expected, actual in zip(reference.get_weights(), weights, strict=True):
+        np.testing.assert_allclose(actual, expected, atol=1e-5)
+
+
+def mlp_stage_bytes():
+    """The bytes of the test MLP's stages cut at `down`: `up`, the rest."""
+    layers = {layer.name: layer for layer in models.mlp().layers}
+    return [
+        sum(w.nbytes for name in names for w in layers[name].get_weights())
+        for names in (["up"], ["down", "head"])
+    ]
+
+
 def check_mlp_traffic(sent):
     """One (BATCH / MICROBATCHES, 32) float32 activation per micro-batch
     forward, and its gradient back."""
@@ -81,9 +98,11 @@ def check_mlp_traffic(sent):
 
 
 def check_backbone_traffic(sent, split):
-    """The hidden states and the carried mask forward; the hidden states'
-    gradients back (the integer mask has none)."""
+    """At each cut, the hidden states and the carried mask forward; the
+    hidden states' gradients back (the integer mask has none)."""
     micro = BATCH // MICROBATCHES
-    (forward_bytes,) = split.bytes_per_cut(micro, LENGTH)
-    assert sent["forward_bytes"] == MICROBATCHES * forward_bytes
-    assert sent["backward_bytes"] == MICROBATCHES * micro * LENGTH * 16 * 4
+    cuts = split.bytes_per_cut(micro, LENGTH)
+    assert sent["forward_bytes"] == MICROBATCHES * sum(cuts)
+    assert sent["backward_bytes"] == (
+        MICROBATCHES * len(cuts) * micro * LENGTH * 16 * 4
+    )

@@ -1,9 +1,9 @@
-"""Pipeline stages on JAX (`keras_tp.runtime.jax.pipeline`), 2 devices.
+"""`TensorParallelKeras(pipeline_parallel=P)` on JAX, virtual CPU devices.
 
 Run alone: `KERAS_BACKEND=jax python -m pytest tests/test_jax_pipeline.py`.
-Each stage of the test MLP is compiled for its own virtual CPU device and
-runs the GPipe or 1F1B order, with Adam, next to the same model trained
-on one device.
+Each stage is compiled for its own device and holds its variables and
+Adam slots there; `fit`, `evaluate` and `predict` run the micro-batches
+through the stages, next to the same model on one device.
 """
 
 import os
@@ -18,76 +18,105 @@ import keras_tp  # noqa: E402
 
 keras_tp.configure_virtual_devices(4)
 
-import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from keras_tp.runtime.jax.pipeline import JaxPipeline  # noqa: E402
-from keras_tp.stats import CommunicationStats  # noqa: E402
+from tests import models  # noqa: E402
 from tests import pipeline_cases  # noqa: E402
+from tests.pipeline_cases import BATCH  # noqa: E402
 from tests.pipeline_cases import MICROBATCHES  # noqa: E402
-from tests.pipeline_cases import STEPS  # noqa: E402
 
 
-def _train(stage_models, loss, x, y, schedule, steps=STEPS):
-    """Trains the stages with Adam, each on its own device, `steps` batches.
-
-    Returns:
-        `(losses, pipeline, what the stages sent)`.
-    """
-    devices = jax.devices()[: len(stage_models)]
-    for stage, device in zip(stage_models, devices):
-        for variable in stage.variables:
-            variable.assign(jax.device_put(variable.value, device))
-    stats = CommunicationStats()
-    pipeline = JaxPipeline(
-        stage_models, devices, loss, schedule, MICROBATCHES, stats
+def _pipelined(model, stages, **kwargs):
+    return keras_tp.TensorParallelKeras(
+        model, world_size=stages, pipeline_parallel=stages, **kwargs
     )
-    optimizers = [keras.optimizers.Adam(1e-2) for _ in stage_models]
-    losses = []
-    for x_batch, y_batch in pipeline_cases.batches(x, y, steps):
-        with stats.recording("train"):
-            value, gradients, _ = pipeline.step(
-                [
-                    [v.value for v in s.trainable_variables]
-                    for s in stage_models
-                ],
-                [
-                    [v.value for v in s.non_trainable_variables]
-                    for s in stage_models
-                ],
-                x_batch,
-                y_batch,
-            )
-        losses.append(float(value))
-        for stage, optimizer, grads, device in zip(
-            stage_models, optimizers, gradients, devices
-        ):
-            # Each stage computed on its own device only.
-            assert {d for g in grads for d in g.devices()} == {device}
-            optimizer.apply(grads, stage.trainable_variables)
-    return losses, pipeline, stats.summary(axis="pipe")["send"]
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_matches_one_device_and_sends_the_boundary(schedule):
+def test_fit_evaluate_predict_match_one_device(schedule):
     loss, reference, logged, x, y = pipeline_cases.mlp_reference()
-    stage_models = pipeline_cases.mlp_stages()
-    losses, pipeline, sent = _train(stage_models, loss, x, y, schedule)
-    pipeline_cases.check_weights(reference, stage_models)
-    assert np.mean(losses) == pytest.approx(logged, rel=1e-5)
-    pipeline_cases.check_mlp_traffic(sent)
+    tp = _pipelined(
+        models.mlp(),
+        2,
+        num_microbatches=MICROBATCHES,
+        schedule=schedule,
+        pipeline_cuts=["down"],
+    )
+    tp.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    history = tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    assert history.history["loss"][0] == pytest.approx(logged, rel=1e-5)
+    pipeline_cases.check_unsplit_weights(reference, tp.get_weights())
+    pipeline_cases.check_mlp_traffic(
+        tp.communication_stats(axis="pipe")["send"]
+    )
     # GPipe holds every micro-batch's activations; 1F1B at most as many as
     # the stages from this one to the last.
     expected = [MICROBATCHES] * 2 if schedule == "gpipe" else [2, 1]
-    assert pipeline.peak_activations == expected
+    assert tp._runtime.peak_activations == expected
+
+    # Each device holds its stage's weights and their Adam slots, measured
+    # from the arrays.
+    stage_bytes = pipeline_cases.mlp_stage_bytes()
+    assert list(tp.parameter_bytes_per_device().values()) == stage_bytes
+    slots = tp.optimizer.variables[2:]
+    assert [
+        sum(v.value.nbytes for v in slots if v.value.devices() == {device})
+        for device in tp._runtime.jax_devices
+    ] == [2 * b for b in stage_bytes]
+
+    np.testing.assert_allclose(
+        tp.predict(x, batch_size=BATCH, verbose=0),
+        reference.predict(x, batch_size=BATCH, verbose=0),
+        atol=1e-5,
+    )
+    assert tp.evaluate(x, y, batch_size=BATCH, verbose=0) == pytest.approx(
+        reference.evaluate(x, y, batch_size=BATCH, verbose=0), rel=1e-5
+    )
+    np.testing.assert_allclose(tp(x[:BATCH]), reference(x[:BATCH]), atol=1e-5)
 
 
-def test_a_keras_hub_backbone_carries_its_padding_mask():
-    """GPT2's blocks all read the padding mask: stage 0 passes it on, as
-    an integer tensor without a gradient."""
-    loss, reference, split, x, y = pipeline_cases.backbone_reference()
-    stage_models = [stage.model for stage in split.stages]
-    _, _, sent = _train(stage_models, loss, x, y, "1f1b", steps=2)
-    pipeline_cases.check_weights(reference, stage_models)
-    pipeline_cases.check_backbone_traffic(sent, split)
+def test_a_keras_hub_backbone_in_four_stages():
+    """GPT2's blocks all read the padding mask: each stage passes it on,
+    as an integer tensor without a gradient."""
+    loss, reference, split, x, y = pipeline_cases.backbone_reference(stages=4)
+    tp = _pipelined(
+        models.gpt2_backbone(length=pipeline_cases.LENGTH),
+        4,
+        num_microbatches=MICROBATCHES,
+    )
+    assert tp._runtime.split.cut_points == split.cut_points
+    tp.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    pipeline_cases.check_unsplit_weights(reference, tp.get_weights())
+    pipeline_cases.check_backbone_traffic(
+        tp.communication_stats(axis="pipe")["send"], split
+    )
+
+
+def test_refusals_name_the_fix():
+    with pytest.raises(ValueError, match="world_size=pipeline_parallel"):
+        keras_tp.TensorParallelKeras(
+            models.mlp(), world_size=4, pipeline_parallel=2
+        )
+    with pytest.raises(ValueError, match="trainable BatchNormalization"):
+        _pipelined(models.cnn(), 2)
+    tp = _pipelined(models.mlp(), 2)
+    with pytest.raises(ValueError, match="reduction='sum_over_batch_size'"):
+        tp.compile(
+            optimizer="adam",
+            loss=keras.losses.SparseCategoricalCrossentropy(reduction="sum"),
+        )
+    with pytest.raises(ValueError, match="global_clipnorm"):
+        tp.compile(
+            optimizer=keras.optimizers.Adam(global_clipnorm=1.0),
+            loss=models.loss_fn(),
+        )
+    x, y = models.data_for("mlp", batch=8)
+    tp.compile(optimizer="adam", loss=models.loss_fn())
+    with pytest.raises(ValueError, match="sample_weight"):
+        tp.fit(x, y, sample_weight=np.ones(8), verbose=0)
+    with pytest.raises(ValueError, match="num_microbatches=3 equal"):
+        _pipelined(models.mlp(), 2, num_microbatches=3).predict(
+            x, batch_size=8, verbose=0
+        )

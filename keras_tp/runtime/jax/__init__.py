@@ -95,7 +95,7 @@ class JaxRuntime(MeshSteps, MeshRegions, Runtime):
         return keras.distribution.list_devices()
 
     def _build(self):
-        devices = [_to_jax_device(d) for d in self.devices]
+        devices = [to_jax_device(d) for d in self.devices]
         grid = np.array(devices, dtype=object).reshape(
             self.data_parallel, self.tensor_parallel
         )
@@ -291,7 +291,7 @@ def _index(slices, shape):
     )
 
 
-def _to_jax_device(name):
+def to_jax_device(name):
     platform, _, index = name.partition(":")
     for device in jax.devices(platform):
         if device.id == int(index):

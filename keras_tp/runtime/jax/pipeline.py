@@ -14,11 +14,21 @@ than GPipe's.
 """
 
 import jax
+import keras
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 
 from keras_tp.collectives.base import nbytes
+from keras_tp.keras_internals import StatelessScope
+from keras_tp.keras_internals import direct_assign
+from keras_tp.keras_internals import jax_update_metrics
+from keras_tp.keras_internals import set_jax_layout
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.runner import ScheduledStages
+from keras_tp.pipeline.runtime import PipelineRuntime
+from keras_tp.runtime.jax import to_jax_device
+from keras_tp.runtime.jax.steps import is_concrete
 
 
 class JaxPipeline(ScheduledStages):
@@ -50,15 +60,17 @@ class JaxPipeline(ScheduledStages):
                 outputs, new_non_trainable = model.stateless_call(
                     trainable, non_trainable, inputs, training=True
                 )
-                if last:
-                    # Each micro-batch's share of the batch's mean loss.
-                    outputs = self.loss(targets, outputs) / microbatches
-                return outputs, new_non_trainable
+                if not last:
+                    return outputs, (new_non_trainable, None)
+                # Each micro-batch's share of the batch's mean loss; the
+                # predictions ride along for the metrics.
+                loss = self.loss(targets, outputs) / microbatches
+                return loss, (new_non_trainable, outputs)
 
-            outputs, vjp, new_non_trainable = jax.vjp(
+            outputs, vjp, (new_non_trainable, predictions) = jax.vjp(
                 stage, trainable, inputs, has_aux=True
             )
-            return outputs, vjp, new_non_trainable
+            return outputs, vjp, new_non_trainable, predictions
 
         return forward
 
@@ -72,9 +84,10 @@ class JaxPipeline(ScheduledStages):
             y: the batch's targets.
 
         Returns:
-            `(loss, gradients, non_trainable)`: the batch's mean loss,
-            each stage's gradients summed over the micro-batches (of the
-            mean loss), and each stage's new non-trainable values.
+            `(loss, gradients, non_trainable, predictions)`: the batch's
+            mean loss, each stage's gradients summed over the micro-batches
+            (of the mean loss), each stage's new non-trainable values, and
+            the last stage's outputs of the whole batch.
             `peak_activations` then holds, per stage, the most
             micro-batches whose activations it held at once.
         """
@@ -83,14 +96,10 @@ class JaxPipeline(ScheduledStages):
         schedules.check_microbatches(batch, count)
         size = batch // count
 
-        def microbatch(tree, m):
-            return jax.tree_util.tree_map(
-                lambda a: np.asarray(a)[m * size : (m + 1) * size], tree
-            )
-
         last = len(self.stage_models) - 1
-        targets = [microbatch(y, m) for m in range(count)]
-        received = {(0, m): microbatch(x, m) for m in range(count)}
+        targets = [_microbatch(y, m, size) for m in range(count)]
+        received = {(0, m): _microbatch(x, m, size) for m in range(count)}
+        predictions = [None] * count
         cotangents = {}
         vjps = {}
         non_trainable = list(non_trainable)
@@ -105,16 +114,17 @@ class JaxPipeline(ScheduledStages):
                 self.peak_activations[stage] = max(
                     self.peak_activations[stage], in_flight[stage]
                 )
-                outputs, vjps[stage, m], non_trainable[stage] = self._forwards[
-                    stage
-                ](
-                    trainable[stage],
-                    non_trainable[stage],
-                    jax.device_put(received.pop((stage, m)), device),
-                    targets[m] if stage == last else None,
+                outputs, vjps[stage, m], non_trainable[stage], predicted = (
+                    self._forwards[stage](
+                        trainable[stage],
+                        non_trainable[stage],
+                        jax.device_put(received.pop((stage, m)), device),
+                        targets[m] if stage == last else None,
+                    )
                 )
                 if stage == last:
                     loss = loss + outputs
+                    predictions[m] = predicted
                     continue
                 for tensor in jax.tree_util.tree_leaves(outputs):
                     self.stats.record("send", nbytes(tensor), "forward", "pipe")
@@ -143,4 +153,290 @@ class JaxPipeline(ScheduledStages):
                             "send", nbytes(tensor), "backward", "pipe"
                         )
                 cotangents[stage - 1, m] = input_grads
-        return loss, gradients, non_trainable
+        return loss, gradients, non_trainable, _concatenated(predictions)
+
+
+def _microbatch(tree, m, size):
+    """The `m`-th slice of `size` samples of every array of `tree`."""
+    return jax.tree_util.tree_map(lambda a: a[m * size : (m + 1) * size], tree)
+
+
+def _concatenated(parts):
+    """The micro-batches' outputs joined back into the batch's."""
+    return jax.tree_util.tree_map(
+        lambda *leaves: jax.numpy.concatenate(leaves), *parts
+    )
+
+
+class JaxPipelineRuntime(PipelineRuntime):
+    """Runs Keras' JAX steps as a pipeline of stages, one per device.
+
+    Each stage's variables and optimizer slots are committed to its
+    device. A training step runs the schedule (`JaxPipeline`), then one
+    compiled optimizer update per stage on its device; evaluation and
+    prediction send each micro-batch through the stages' compiled forward
+    passes, which JAX's asynchronous dispatch overlaps across devices.
+    Keras' JAX trainer passes the state as values (`train_step(state,
+    data)`); the steps take and return them in its order.
+    """
+
+    backend = "jax"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.jax_devices = [to_jax_device(name) for name in self.devices]
+        self._runners = {}
+        self._updates = {}
+        self._inference = [
+            jax.jit(self._inference_of(stage)) for stage in self.stage_models
+        ]
+
+    def _available_devices(self):
+        return keras.distribution.list_devices()
+
+    def _move(self, variable, stage):
+        # Keras re-applies a JAX variable's layout on every assignment
+        # (`set_weights`, the state written back after `fit`), and gives
+        # an optimizer slot its reference's layout (which must have a
+        # mesh: a one-device one).
+        mesh = jax.sharding.Mesh(np.array([self.jax_devices[stage]]), ("pipe",))
+        set_jax_layout(variable, NamedSharding(mesh, PartitionSpec()))
+        direct_assign(variable, variable.value)
+
+    def device_bytes(self, variables):
+        """`{device: bytes}` of these variables, read from their arrays."""
+        names = dict(zip(self.jax_devices, self.devices))
+        totals = dict.fromkeys(self.devices, 0)
+        for variable in variables:
+            for shard in variable.value.addressable_shards:
+                totals[names[shard.device]] += shard.data.nbytes
+        return totals
+
+    @property
+    def peak_activations(self):
+        """Per stage, the most micro-batches whose activations it held at
+        once in the last training step."""
+        runner = self._runners.get(self._last_count)
+        return runner.peak_activations if runner else []
+
+    def _runner(self, count):
+        self._last_count = count
+        if count not in self._runners:
+            self._runners[count] = JaxPipeline(
+                self.stage_models,
+                self.jax_devices,
+                self.loss_function(),
+                self.schedule,
+                count,
+                self.stats,
+            )
+        return self._runners[count]
+
+    def train_step(self, state, data):
+        trainer = self.trainer
+        trainable, non_trainable, optimizer_values, metrics = state
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        self.check_no_sample_weight(sample_weight)
+        batch = len(jax.tree_util.tree_leaves(x)[0])
+        runner = self._runner(self.microbatches(batch))
+        loss, gradients, stage_non_trainable, y_pred = runner.step(
+            self.stage_lists(trainer.trainable_variables, trainable),
+            self.stage_lists(trainer.non_trainable_variables, non_trainable),
+            x,
+            y,
+        )
+        trainable, optimizer_values = self._apply(
+            trainable, optimizer_values, gradients
+        )
+        non_trainable = self._merged(
+            trainer.non_trainable_variables, non_trainable, stage_non_trainable
+        )
+        logs, metrics = jax_update_metrics(
+            trainer, metrics, loss, x, y, y_pred, sample_weight
+        )
+        return logs, (trainable, non_trainable, optimizer_values, metrics)
+
+    def _apply(self, trainable, optimizer_values, gradients):
+        """Each stage's optimizer update, compiled for its device.
+
+        The optimizer's own variables (its step count, learning rate) are
+        copied to every stage; each stage's update advances the step count
+        alike, and the last stage's copy is kept.
+        """
+        trainer = self.trainer
+        optimizer = trainer.optimizer
+        variables = trainer.trainable_variables
+        by_stage = self.stage_lists(variables, trainable)
+        new_trainable = dict(zip(map(id, variables), trainable))
+        new_optimizer = dict(
+            zip(map(id, optimizer.variables), optimizer_values)
+        )
+        shared = [v for v in optimizer.variables if id(v) not in self.stage_of]
+        for stage, (values, grads) in enumerate(zip(by_stage, gradients)):
+            own = [v for v in self.stage_models[stage].trainable_variables]
+            slots = [
+                v
+                for v in optimizer.variables
+                if self.stage_of.get(id(v)) == stage
+            ]
+            update = self._updates.get(stage)
+            if update is None:
+                update = jax.jit(_update_of(optimizer, own, slots, shared))
+                self._updates[stage] = update
+            device = self.jax_devices[stage]
+            values, slot_values, shared_values = update(
+                values,
+                [new_optimizer[id(v)] for v in slots],
+                jax.device_put([new_optimizer[id(v)] for v in shared], device),
+                grads,
+            )
+            new_trainable.update(zip(map(id, own), values))
+            new_optimizer.update(zip(map(id, slots), slot_values))
+            stage_shared = dict(zip(map(id, shared), shared_values))
+        new_optimizer.update(stage_shared)
+        return (
+            [new_trainable[id(v)] for v in variables],
+            [new_optimizer[id(v)] for v in optimizer.variables],
+        )
+
+    def _merged(self, variables, values, stage_values):
+        """`values` with each stage's new ones written over them."""
+        merged = dict(zip(map(id, variables), values))
+        for stage, new in zip(self.stage_models, stage_values):
+            own = [v for v in stage.non_trainable_variables]
+            merged.update(zip(map(id, own), new))
+        return [merged[id(v)] for v in variables]
+
+    def _inference_of(self, stage_model):
+        def forward(trainable, non_trainable, inputs):
+            return stage_model.stateless_call(
+                trainable, non_trainable, inputs, training=False
+            )
+
+        return forward
+
+    def _forward(self, trainable, non_trainable, x):
+        """The stages' forward passes of `x`, micro-batch by micro-batch.
+
+        Returns:
+            `(outputs, each stage's new non-trainable values)`.
+        """
+        batch = len(jax.tree_util.tree_leaves(x)[0])
+        count = self.microbatches(batch)
+        size = batch // count
+        non_trainable = list(non_trainable)
+        outputs = []
+        for m in range(count):
+            tensors = _microbatch(x, m, size)
+            for stage, device in enumerate(self.jax_devices):
+                if stage:
+                    for tensor in jax.tree_util.tree_leaves(tensors):
+                        self.stats.record(
+                            "send", nbytes(tensor), "forward", "pipe"
+                        )
+                tensors, non_trainable[stage] = self._inference[stage](
+                    trainable[stage],
+                    non_trainable[stage],
+                    jax.device_put(tensors, device),
+                )
+            outputs.append(tensors)
+        return _concatenated(outputs), non_trainable
+
+    def test_step(self, state, data):
+        trainer = self.trainer
+        trainable, non_trainable, metrics = state
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        self.check_no_sample_weight(sample_weight)
+        y_pred, stage_non_trainable = self._forward(
+            self.stage_lists(trainer.trainable_variables, trainable),
+            self.stage_lists(trainer.non_trainable_variables, non_trainable),
+            x,
+        )
+        loss = self.loss_function()(y, y_pred)
+        non_trainable = self._merged(
+            trainer.non_trainable_variables, non_trainable, stage_non_trainable
+        )
+        logs, metrics = jax_update_metrics(
+            trainer, metrics, loss, x, y, y_pred, sample_weight
+        )
+        return logs, (trainable, non_trainable, metrics)
+
+    def predict_step(self, state, data):
+        trainer = self.trainer
+        trainable, non_trainable = state
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        y_pred, stage_non_trainable = self._forward(
+            self.stage_lists(trainer.trainable_variables, trainable),
+            self.stage_lists(trainer.non_trainable_variables, non_trainable),
+            x,
+        )
+        return y_pred, self._merged(
+            trainer.non_trainable_variables, non_trainable, stage_non_trainable
+        )
+
+    def call_model(self, model, inputs, training):
+        """A direct call `tp(x)` on arrays runs the stages on their devices.
+
+        A symbolic call (Keras building its metrics) runs the stages as a
+        graph, as on one device.
+        """
+        if not all(map(is_concrete, jax.tree_util.tree_leaves(inputs))):
+            return super().call_model(model, inputs, training)
+        with self.stats.recording("call"):
+            outputs, _ = self._forward(
+                [
+                    [v.value for v in s.trainable_variables]
+                    for s in self.stage_models
+                ],
+                [
+                    [v.value for v in s.non_trainable_variables]
+                    for s in self.stage_models
+                ],
+                inputs,
+            )
+        return outputs
+
+
+def _update_of(optimizer, variables, slots, shared):
+    """One stage's optimizer update, as a function of values.
+
+    Args:
+        optimizer: the compiled Keras optimizer.
+        variables: the stage's trainable variables.
+        slots: the optimizer's slots of those variables.
+        shared: the optimizer's own variables (step count, learning rate).
+
+    Returns:
+        A function of `(values, slot_values, shared_values, gradients)`
+        returning the new `(values, slot_values, shared_values)`.
+    """
+
+    def update(values, slot_values, shared_values, gradients):
+        mapping = [
+            *zip(variables, values),
+            *zip(slots, slot_values),
+            *zip(shared, shared_values),
+        ]
+        with StatelessScope(state_mapping=mapping) as scope:
+            optimizer.apply(gradients, variables)
+
+        def new(group, old):
+            return [
+                _or(scope.get_current_value(v), value)
+                for v, value in zip(group, old)
+            ]
+
+        return (
+            new(variables, values),
+            new(slots, slot_values),
+            new(shared, shared_values),
+        )
+
+    return update
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+PIPELINE_RUNTIME = JaxPipelineRuntime

@@ -169,6 +169,12 @@ class PipelineRuntime:
 
         Called when the model is compiled.
         """
+        if trainer.jit_compile is True:
+            raise ValueError(
+                "pipeline_parallel issues each stage's work from Python, so "
+                "the step is not one compiled program: call "
+                "`compile(..., jit_compile=False)` (the default)."
+            )
         optimizer = trainer.optimizer
         for name in ("global_clipnorm", "gradient_accumulation_steps"):
             if getattr(optimizer, name, None):

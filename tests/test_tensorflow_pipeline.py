@@ -1,14 +1,13 @@
-"""Pipeline stages on TensorFlow (`keras_tp.runtime.tensorflow.pipeline`).
+"""`TensorParallelKeras(pipeline_parallel=P)` on TensorFlow, logical CPUs.
 
 Run alone:
 `KERAS_BACKEND=tensorflow python -m pytest tests/test_tensorflow_pipeline.py`.
-Each stage of the model runs on its own logical CPU device inside one
-traced step, in the GPipe or 1F1B order, with Adam, next to the same
-model trained on one device.
+Each stage's variables and Adam slots are `tf.Variable`s on the stage's
+device; Keras' traced steps run the micro-batches through the stages,
+each under its device, next to the same model on one device.
 """
 
 import os
-import re
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
@@ -28,64 +27,78 @@ import keras_tp  # noqa: E402
 
 keras_tp.configure_virtual_devices(4)
 
-from keras_tp.runtime.tensorflow.pipeline import TensorFlowPipeline  # noqa: E402
-from keras_tp.stats import CommunicationStats  # noqa: E402
+from keras_tp.runtime.tensorflow.devices import device_name  # noqa: E402
+from tests import models  # noqa: E402
 from tests import pipeline_cases  # noqa: E402
+from tests.pipeline_cases import BATCH  # noqa: E402
 from tests.pipeline_cases import MICROBATCHES  # noqa: E402
-from tests.pipeline_cases import STEPS  # noqa: E402
 
-DEVICES = ["/device:CPU:0", "/device:CPU:1"]
+DEVICES = ["cpu:0", "cpu:1"]
 
 
-def _train(stage_models, loss, x, y, schedule, steps=STEPS):
-    """Trains the stages with Adam, `steps` batches.
-
-    Returns:
-        `(losses, what the stages sent, the traced step's graph)`.
-    """
-    stats = CommunicationStats()
-    pipeline = TensorFlowPipeline(
-        stage_models, DEVICES, loss, schedule, MICROBATCHES, stats
+def _pipelined(model, **kwargs):
+    return keras_tp.TensorParallelKeras(
+        model, world_size=2, pipeline_parallel=2, **kwargs
     )
-    optimizers = [keras.optimizers.Adam(1e-2) for _ in stage_models]
-    losses = []
-    for x_batch, y_batch in pipeline_cases.batches(x, y, steps):
-        value, gradients = pipeline.step(x_batch, y_batch)
-        losses.append(float(value))
-        for stage, optimizer, grads in zip(stage_models, optimizers, gradients):
-            optimizer.apply(grads, stage.trainable_variables)
-    graph = pipeline.step.get_concrete_function(x_batch, y_batch).graph
-    return losses, stats.summary(axis="pipe")["send"], graph
 
 
-def _stage_devices(graph, stage_models):
-    """The devices of the matmuls of each stage's layers in `graph`."""
-    devices = []
-    for stage in stage_models:
-        names = {layer.name for layer in stage.layers if layer.weights}
-        devices.append(
-            {
-                tf.DeviceSpec.from_string(op.device).device_index
-                for op in graph.get_operations()
-                if op.type == "MatMul"
-                and any(
-                    re.search(rf"/{name}(_\d+)?/", op.name) for name in names
-                )
-            }
-        )
-    return devices
+def _device(variable):
+    """The device TensorFlow stores a Keras variable on, as `cpu:1`."""
+    return device_name(variable.value.device)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_matches_one_device_on_each_stages_device(schedule):
+def test_fit_evaluate_predict_match_one_device(schedule):
     loss, reference, logged, x, y = pipeline_cases.mlp_reference()
-    stage_models = pipeline_cases.mlp_stages()
-    losses, sent, graph = _train(stage_models, loss, x, y, schedule)
-    pipeline_cases.check_weights(reference, stage_models)
-    assert np.mean(losses) == pytest.approx(logged, rel=1e-5)
-    pipeline_cases.check_mlp_traffic(sent)
-    # Forward and backward matmuls of stage s run on device s only.
-    assert _stage_devices(graph, stage_models) == [{0}, {1}]
+    tp = _pipelined(
+        models.mlp(),
+        num_microbatches=MICROBATCHES,
+        schedule=schedule,
+        pipeline_cuts=["down"],
+    )
+    tp.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    history = tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    assert history.history["loss"][0] == pytest.approx(logged, rel=1e-5)
+    pipeline_cases.check_unsplit_weights(reference, tp.get_weights())
+    pipeline_cases.check_mlp_traffic(
+        tp.communication_stats(axis="pipe")["send"]
+    )
+    # GPipe holds every micro-batch's activations; 1F1B at most as many as
+    # the stages from this one to the last.
+    expected = [MICROBATCHES] * 2 if schedule == "gpipe" else [2, 1]
+    assert tp._runtime.peak_activations == expected
+    assert tp._runtime.last_num_microbatches == MICROBATCHES
+
+    # Each device stores its stage's weights, as TensorFlow placed them,
+    # and each Adam slot lives with its variable.
+    stage_bytes = pipeline_cases.mlp_stage_bytes()
+    assert tp.parameter_bytes_per_device() == dict(zip(DEVICES, stage_bytes))
+    stage_of = {"up": 0, "down": 1, "head": 1}
+    for variable in tp.model.variables:
+        stage = stage_of[variable.path.split("/")[0]]
+        assert _device(variable) == DEVICES[stage], variable.path
+        prefix = variable.path.replace("/", "_")
+        slots = [
+            v
+            for v in tp.optimizer.variables
+            if v.name in (f"{prefix}_momentum", f"{prefix}_velocity")
+        ]
+        assert [_device(v) for v in slots] == [DEVICES[stage]] * 2
+
+    np.testing.assert_allclose(
+        tp.predict(x, batch_size=BATCH, verbose=0),
+        reference.predict(x, batch_size=BATCH, verbose=0),
+        atol=1e-5,
+    )
+    assert tp.evaluate(x, y, batch_size=BATCH, verbose=0) == pytest.approx(
+        reference.evaluate(x, y, batch_size=BATCH, verbose=0), rel=1e-5
+    )
+    # Evaluating and predicting send each micro-batch's activation forward.
+    for phase in ("test", "predict"):
+        sent = tp.communication_stats(phase, axis="pipe")["send"]
+        assert sent["forward_bytes"] == sent["bytes"] == BATCH * 32 * 4
+        assert sent["calls"] == MICROBATCHES
+    np.testing.assert_allclose(tp(x[:BATCH]), reference(x[:BATCH]), atol=1e-5)
 
 
 def test_a_keras_hub_backbone_carries_its_padding_mask():
@@ -100,7 +113,27 @@ def test_a_keras_hub_backbone_carries_its_padding_mask():
         [tf.convert_to_tensor(g) for g in grads], variables
     )
     loss, reference, split, x, y = pipeline_cases.backbone_reference(optimizer)
-    stage_models = [stage.model for stage in split.stages]
-    _, sent, _ = _train(stage_models, loss, x, y, "1f1b", steps=2)
-    pipeline_cases.check_weights(reference, stage_models)
-    pipeline_cases.check_backbone_traffic(sent, split)
+    tp = _pipelined(
+        models.gpt2_backbone(length=pipeline_cases.LENGTH),
+        num_microbatches=MICROBATCHES,
+    )
+    assert tp._runtime.split.cut_points == split.cut_points
+    tp.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    pipeline_cases.check_unsplit_weights(reference, tp.get_weights())
+    pipeline_cases.check_backbone_traffic(
+        tp.communication_stats(axis="pipe")["send"], split
+    )
+
+
+def test_refusals_name_the_fix():
+    tp = _pipelined(models.mlp())
+    with pytest.raises(ValueError, match="jit_compile=False"):
+        tp.compile(optimizer="adam", loss=models.loss_fn(), jit_compile=True)
+    tp.compile(optimizer="adam", loss=models.loss_fn())
+    x, y = models.data_for("mlp", batch=12)
+    with pytest.raises(ValueError, match="sample_weight"):
+        tp.fit(x, y, sample_weight=np.ones(12), batch_size=12, verbose=0)
+    # 12 samples in batches of 8: Keras traces the step for any size.
+    with pytest.raises(ValueError, match="drop_remainder=True"):
+        tp.fit(x, y, batch_size=8, verbose=0)

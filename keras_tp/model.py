@@ -397,12 +397,20 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
     def summary(self, print_fn=None, **kwargs):
         """Prints the plan: per layer, style, local shape and bytes/device.
 
+        A pipelined model prints its stages instead: their layers,
+        parameters and the tensors that cross each cut.
+
         Args:
             print_fn: function taking a line of text; defaults to Keras'
                 `print_msg`.
         """
         print_fn = print_fn or print_msg
-        print_fn(format_plan(self._plan, self._runtime.placement.local_shape))
+        if self._runtime.pipeline_parallel > 1:
+            print_fn(self._runtime.split.summary())
+        else:
+            print_fn(
+                format_plan(self._plan, self._runtime.placement.local_shape)
+            )
         per_device = self.parameter_bytes_per_device()
         total = self._full_parameter_bytes()
         print_fn(

@@ -74,6 +74,9 @@ def test_fit_evaluate_predict_match_one_device(schedule):
         reference.evaluate(x, y, batch_size=BATCH, verbose=0), rel=1e-5
     )
     np.testing.assert_allclose(tp(x[:BATCH]), reference(x[:BATCH]), atol=1e-5)
+    lines = []
+    tp.summary(print_fn=lines.append)
+    assert lines[0].startswith("Pipeline stages of 'mlp': 2 stages")
 
 
 def test_a_keras_hub_backbone_in_four_stages():

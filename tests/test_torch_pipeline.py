@@ -1,9 +1,10 @@
-"""Pipeline stages on torch (`keras_tp.runtime.torch.pipeline`), 2 ranks.
+"""`TensorParallelKeras(pipeline_parallel=2)` on torch: 2 ranks, 1 stage each.
 
 Run alone: `KERAS_BACKEND=torch python -m pytest tests/test_torch_pipeline.py`.
-Each rank runs one stage of the test MLP through torch's own GPipe and
-1F1B schedules (`torch.distributed.pipelining`), with Adam, next to the
-same model trained on one device.
+Each rank wraps the test MLP (and GPT2's backbone) with
+`pipeline_parallel=2` and trains it with Keras' `fit()` through torch's
+own GPipe and 1F1B schedules (`torch.distributed.pipelining`), with
+Adam, next to the same model trained on one device.
 """
 
 import keras
@@ -20,16 +21,20 @@ from keras_tp.pipeline.stages import split_stages  # noqa: E402
 from tests import models  # noqa: E402
 from tests import pipeline_cases  # noqa: E402
 from tests.pipeline_cases import MICROBATCHES  # noqa: E402
-from tests.pipeline_cases import STEPS  # noqa: E402
 from tests.torch_scripts import pipeline_checks  # noqa: E402
 
-STAGES = 2
+STAGES = pipeline_checks.STAGES
 
 
 @pytest.fixture(scope="module")
-def runs():
-    """Each rank checked its weights against one device (within 1e-5)."""
-    return launch(pipeline_checks.all_runs, world_size=STAGES, timeout=300)
+def runs(tmp_path_factory):
+    """Every rank's results of `pipeline_checks.all_runs`."""
+    return launch(
+        pipeline_checks.all_runs,
+        world_size=STAGES,
+        args=(str(tmp_path_factory.mktemp("pipeline")),),
+        timeout=300,
+    )
 
 
 @pytest.fixture(params=["gpipe", "1f1b"])
@@ -37,28 +42,53 @@ def ranks(request, runs):
     return request.param, runs[request.param]
 
 
-def test_logs_the_one_device_loss(ranks):
-    _, (_, last) = ranks
-    assert len(last["losses"]) == STEPS
-    # Keras logs the mean of the steps' losses.
-    assert sum(last["losses"]) / STEPS == pytest.approx(
-        last["logged"], rel=1e-5
-    )
+@pytest.fixture
+def reference(runs):
+    """The one-device model's logged loss and evaluation."""
+    return runs["reference"]
 
 
-def test_each_rank_trains_only_its_stage(ranks):
+def test_trains_like_one_device(ranks, reference):
     _, results = ranks
-    layers = {layer.name: layer for layer in models.mlp().layers}
+    for result in results:
+        assert result["weights_error"] < 1e-5
+        # Keras logs the mean of the steps' losses; every rank logs the
+        # last rank's.
+        assert result["logged"] == pytest.approx(reference["logged"], rel=1e-5)
+    assert results[0]["logged"] == results[1]["logged"]
 
-    def nbytes(*names):
-        return sum(
-            w.nbytes for name in names for w in layers[name].get_weights()
-        )
 
-    assert [r["parameter_bytes"] for r in results] == [
-        nbytes("up"),
-        nbytes("down", "head"),
+def test_evaluates_and_predicts_like_one_device(ranks, reference):
+    _, results = ranks
+    for result in results:
+        for name in ("evaluated_before", "evaluated"):
+            assert result[name] == pytest.approx(reference[name], rel=1e-5)
+        assert result["predict_error"] < 1e-5
+
+
+def test_saves_the_unsplit_model(runs):
+    """Rank 0 wrote the file from both stages; every rank read it."""
+    for result in runs["gpipe"]:
+        assert result["saved_error"] < 1e-5
+
+
+def test_each_rank_holds_only_its_stage(ranks):
+    _, results = ranks
+    for result in results:
+        assert result["held"] == result["stage"]
+    assert [r["stage"] for r in results] == [
+        ["up/bias", "up/kernel"],
+        ["down/bias", "down/kernel", "head/bias", "head/kernel"],
     ]
+    stage_bytes = pipeline_cases.mlp_stage_bytes()
+    assert [r["parameter_bytes"] for r in results] == [
+        {f"cpu:{rank}": size} for rank, size in enumerate(stage_bytes)
+    ]
+    for rank, (result, size) in enumerate(zip(results, stage_bytes)):
+        # Adam's two slots of this stage's variables, its step count and
+        # learning rate: no slot of the other stage.
+        optimizer_bytes = result["optimizer_bytes"][f"cpu:{rank}"]
+        assert 2 * size < optimizer_bytes <= 2 * size + 16
 
 
 def test_sends_the_boundary_activations_and_their_gradients(ranks):
@@ -73,12 +103,15 @@ def test_sends_the_boundary_activations_and_their_gradients(ranks):
             + last["sent"]["send"]["calls"],
         }
     )
+    # The logs' metric state, from the last rank, in one broadcast.
+    for result in (first, last):
+        assert result["sent"]["broadcast"]["calls"] == 1
 
 
 def test_schedules_order_the_micro_batches(ranks):
     schedule, results = ranks
     for stage, result in enumerate(results):
-        kinds = [kind for kind, *_ in result["timelines"][-1]]
+        kinds = result["kinds"]
         assert (
             sorted(kinds)
             == ["backward"] * MICROBATCHES + ["forward"] * MICROBATCHES
@@ -91,12 +124,17 @@ def test_schedules_order_the_micro_batches(ranks):
         # many as the stages from this one to the last.
         expected = MICROBATCHES if schedule == "gpipe" else STAGES - stage
         assert peak == expected, (stage, kinds)
+        assert result["peak"] == expected
 
 
 def test_a_keras_hub_backbone_carries_its_padding_mask(runs):
-    """Each rank checked its weights; the mask went forward only."""
-    split = split_stages(models.gpt2_backbone(length=pipeline_cases.LENGTH), 2)
+    """GPT2's backbone trains like one device; the mask went forward
+    only."""
     first, last = runs["backbone"]
+    for result in (first, last):
+        assert result["weights_error"] < 1e-5
+    assert first["logged"] == last["logged"]
+    split = split_stages(models.gpt2_backbone(length=pipeline_cases.LENGTH), 2)
     pipeline_cases.check_backbone_traffic(
         {
             "forward_bytes": first["sent"]["send"]["forward_bytes"],
@@ -104,3 +142,13 @@ def test_a_keras_hub_backbone_carries_its_padding_mask(runs):
         },
         split,
     )
+
+
+def test_refuses_what_it_cannot_run(runs):
+    for messages in runs["refusals"]:
+        assert (
+            "pipeline_parallel=3 but this process group has 2"
+            in (messages["ranks"])
+        )
+        # The refusal every backend shares.
+        assert "jit_compile=False" in messages["jit_compile"]

@@ -1,53 +1,88 @@
 """Run on every rank by `keras_tp.launch` in tests/test_torch_pipeline.py.
 
-Each rank runs its stage of `tests/pipeline_cases.py`'s models through
-`TorchPipeline` and checks its weights against one device itself.
+Each rank wraps the test models in `TensorParallelKeras(...,
+pipeline_parallel=2)`, trains them with Keras' own `fit()`, and compares
+them with the same model trained on one device (same seed), which it
+trains itself. Starting the ranks is the slow part, so every run happens
+in one launch and returns plain numbers.
 """
 
-import torch
+import os
+
+import keras
+import numpy as np
 import torch.distributed as dist
 
-from keras_tp.runtime.torch.pipeline import TorchPipeline
-from keras_tp.runtime.torch.process_group import join_process_group
-from keras_tp.stats import CommunicationStats
+import keras_tp
+from keras_tp.runtime.torch.storage import parameter_of
+from tests import models
 from tests import pipeline_cases
+from tests.pipeline_cases import BATCH
 from tests.pipeline_cases import MICROBATCHES
-from tests.pipeline_cases import STEPS
+
+STAGES = 2
 
 
-def _train(stage_model, loss, x, y, schedule, steps):
-    """Trains this rank's stage with Adam; returns losses, timelines and
-    what it sent."""
-    import keras
+def all_runs(directory):
+    """`mlp_run` of each schedule, next to one device's `reference`,
+    `backbone_run` and `refusals`; every rank's results.
 
-    rank = dist.get_rank()
-    stats = CommunicationStats()
-    pipeline = TorchPipeline(
-        stage_model,
-        rank,
-        dist.get_world_size(),
-        MICROBATCHES,
-        schedule,
-        loss,
-        stats,
-        torch.device("cpu"),
+    Args:
+        directory: where the gpipe run saves its model.
+    """
+    loss, reference, logged, x, y = pipeline_cases.mlp_reference()
+    untrained = models.mlp()
+    untrained.compile(loss=loss)
+    # The one-device oracle of both schedules, trained once.
+    expected = {
+        "logged": logged,
+        "evaluated_before": untrained.evaluate(x[:BATCH], y[:BATCH], verbose=0),
+        "evaluated": reference.evaluate(x, y, verbose=0),
+        "predicted": reference.predict(x, verbose=0),
+        "weights": reference.get_weights(),
+    }
+    path = os.path.join(directory, "mlp.keras")
+    return {
+        "reference": {
+            k: expected[k] for k in ("logged", "evaluated_before", "evaluated")
+        },
+        "gpipe": mlp_run("gpipe", loss, expected, x, y, path),
+        "1f1b": mlp_run("1f1b", loss, expected, x, y),
+        "backbone": backbone_run(),
+        "refusals": refusals(loss),
+    }
+
+
+def _pipelined(model, schedule, loss):
+    tp = keras_tp.TensorParallelKeras(
+        model,
+        world_size=STAGES,
+        pipeline_parallel=STAGES,
+        num_microbatches=MICROBATCHES,
+        schedule=schedule,
     )
-    optimizer = keras.optimizers.Adam(1e-2)
-    variables = stage_model.trainable_variables
-    losses, timelines = [], []
-    for x_batch, y_batch in pipeline_cases.batches(x, y, steps):
-        for variable in variables:
-            variable.value.grad = None
-        with stats.recording("train"):
-            mean_loss, _ = pipeline.step(
-                keras.tree.map_structure(torch.as_tensor, x_batch),
-                torch.as_tensor(y_batch),
-            )
-        if mean_loss is not None:
-            losses.append(float(mean_loss))
-        optimizer.apply([v.value.grad for v in variables], variables)
-        timelines.append(pipeline.stage.timeline)
-    return losses, timelines, stats.summary(axis="pipe")
+    tp.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    return tp
+
+
+def _weights_error(model, weights):
+    """Largest difference of the model's unsplit weights from `weights`."""
+    return max(
+        float(np.max(np.abs(ours - theirs)))
+        for ours, theirs in zip(model.get_weights(), weights, strict=True)
+    )
+
+
+def _stage_paths(tp):
+    """Paths of the variables this rank holds in memory, and of its
+    stage's variables."""
+    runtime = tp._runtime
+    held = {
+        v.path
+        for v in tp.model.variables
+        if parameter_of(v).device.type != "meta"
+    }
+    return held, {v.path for v in runtime.stage_model.variables}
 
 
 def _gathered(result):
@@ -56,40 +91,78 @@ def _gathered(result):
     return gathered
 
 
-def all_runs():
-    """`mlp_run` of each schedule and `backbone_run`, in one launch
-    (starting the ranks is the slow part); every rank's results."""
-    join_process_group(2)
-    return {
-        "gpipe": mlp_run("gpipe"),
-        "1f1b": mlp_run("1f1b"),
-        "backbone": backbone_run(),
+def mlp_run(schedule, loss, expected, x, y, path=None):
+    """Trains, evaluates, predicts with and saves the MLP on 2 stages.
+
+    Args:
+        schedule: `"gpipe"` or `"1f1b"`.
+        loss: the loss to compile with.
+        expected: the one-device model's `weights` after `fit`, and its
+            `predicted` outputs.
+        x, y: the data.
+        path: where to save the model, if given.
+    """
+    tp = _pipelined(models.mlp(), schedule, loss)
+    # Evaluating first, at fit's batch size, makes fit's first step switch
+    # the same torch stages from forward-only to training.
+    result = {
+        "evaluated_before": tp.evaluate(
+            x[:BATCH], y[:BATCH], batch_size=BATCH, verbose=0
+        )
     }
+    history = tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    result["logged"] = history.history["loss"][0]
+    result["weights_error"] = _weights_error(tp, expected["weights"])
+    result["sent"] = tp.communication_stats(axis="pipe")
+    result["kinds"] = [kind for kind, *_ in tp._runtime.timeline]
+    result["peak"] = tp._runtime.peak_activations
+    if path is not None:
+        tp.save(path)
+        saved = keras.saving.load_model(path, compile=False)
+        result["saved_error"] = _weights_error(saved, expected["weights"])
+    held, stage = _stage_paths(tp)
+    result["held"] = sorted(held)
+    result["stage"] = sorted(stage)
+    result["parameter_bytes"] = tp.parameter_bytes_per_device()
+    result["optimizer_bytes"] = tp.optimizer_bytes_per_device()
+    # A batch of another size than fit's, so another micro-batch size.
+    result["evaluated"] = tp.evaluate(x, y, verbose=0)
+    predicted = tp.predict(x, verbose=0)
+    result["predict_error"] = float(
+        np.max(np.abs(predicted - expected["predicted"]))
+    )
+    return _gathered(result)
 
 
-def mlp_run(schedule):
-    """Trains the MLP as a 2-stage pipeline; every rank's results."""
-    loss, reference, logged, x, y = pipeline_cases.mlp_reference()
-    stage_model = pipeline_cases.mlp_stages()[dist.get_rank()]
-    losses, timelines, sent = _train(stage_model, loss, x, y, schedule, STEPS)
-    pipeline_cases.check_weights(reference, [stage_model])
+def backbone_run():
+    """Trains GPT2's backbone on 2 stages (1F1B), its padding mask carried
+    to the second."""
+    loss, reference, _, x, y = pipeline_cases.backbone_reference()
+    tp = _pipelined(
+        models.gpt2_backbone(length=pipeline_cases.LENGTH), "1f1b", loss
+    )
+    history = tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
     return _gathered(
         {
-            "losses": losses,
-            "logged": logged,
-            "timelines": timelines,
-            "parameter_bytes": sum(
-                v.numpy().nbytes for v in stage_model.trainable_variables
-            ),
-            "sent": sent,
+            "weights_error": _weights_error(tp, reference.get_weights()),
+            "logged": history.history["loss"][0],
+            "sent": tp.communication_stats(axis="pipe"),
         }
     )
 
 
-def backbone_run():
-    """Trains GPT2's backbone as 2 stages (1F1B); every rank's results."""
-    loss, reference, split, x, y = pipeline_cases.backbone_reference()
-    stage_model = split.stages[dist.get_rank()].model
-    _, _, sent = _train(stage_model, loss, x, y, "1f1b", 2)
-    pipeline_cases.check_weights(reference, [stage_model])
-    return _gathered({"sent": sent})
+def refusals(loss):
+    """The messages of the torch pipeline's own refusals; every rank's."""
+    messages = {}
+    try:
+        keras_tp.TensorParallelKeras(
+            models.mlp(), world_size=3, pipeline_parallel=3
+        )
+    except ValueError as e:
+        messages["ranks"] = str(e)
+    tp = _pipelined(models.mlp(), "1f1b", loss)
+    try:
+        tp.compile(optimizer="adam", loss=loss, jit_compile=True)
+    except ValueError as e:
+        messages["jit_compile"] = str(e)
+    return _gathered(messages)

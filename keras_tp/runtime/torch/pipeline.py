@@ -8,18 +8,33 @@ and their gradients between neighbouring ranks, and leave each stage's
 gradients, averaged over the micro-batches, in its parameters' `.grad`.
 The stage also times each micro-batch's forward and backward pass, and
 counts the bytes it sends to its neighbours.
+
+`TorchPipelineRuntime` runs `TensorParallelKeras(model,
+pipeline_parallel=P)` on P ranks: rank `r` stores and computes stage `r`
+only, and the steps of Keras' torch trainer run as this rank's part of
+the schedule.
 """
 
+import gc
 import time
 
 import keras
 import torch
+import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import Schedule1F1B
 from torch.distributed.pipelining import ScheduleGPipe
 
 from keras_tp.collectives.base import nbytes
+from keras_tp.collectives.torch import is_symbolic
+from keras_tp.keras_internals import update_loss_tracker
 from keras_tp.pipeline import schedules
+from keras_tp.pipeline.runtime import PipelineRuntime
+from keras_tp.runtime.torch import TorchRuntime
+from keras_tp.runtime.torch.process_group import join_process_group
+from keras_tp.runtime.torch.storage import parameter_of
+from keras_tp.runtime.torch.storage import swap_storage
+from keras_tp.runtime.torch.storage import to_numpy
 
 # torch.distributed.pipelining's own schedule of each name.
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -44,6 +59,9 @@ class KerasStageModule(torch.nn.Module):
         self.model = model
         inputs = model.input
         self.input_names = sorted(inputs) if isinstance(inputs, dict) else None
+        # The `training` argument of the stage's calls: forward-only
+        # passes (evaluation, prediction) run with `False`.
+        self.training_call = True
         # The bytes of the gradients a backward pass of this stage sends
         # back: one per floating-point input (integer inputs, such as a
         # carried padding mask, have none).
@@ -57,13 +75,28 @@ class KerasStageModule(torch.nn.Module):
             inputs = dict(zip(self.input_names, tensors))
         else:
             (inputs,) = tensors
-        return flatten_named(self.model(inputs, training=True))
+        return flatten_named(self.model(inputs, training=self.training_call))
+
+    def structured(self, outputs):
+        """The stage model's outputs in its own structure again.
+
+        Args:
+            outputs: what `forward` returned (or the schedule merged).
+        """
+        return unflatten_named(outputs, self.model.output)
 
 
 def flatten_named(value):
     """A dict's values in the order of their keys; anything else as is."""
     if isinstance(value, dict):
         return tuple(value[name] for name in sorted(value))
+    return value
+
+
+def unflatten_named(value, structure):
+    """The inverse of `flatten_named` for a value shaped like `structure`."""
+    if isinstance(structure, dict):
+        return dict(zip(sorted(structure), value))
     return value
 
 
@@ -99,6 +132,9 @@ class RecordedPipelineStage(PipelineStage):
         return output
 
     def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        if not self.has_backward:
+            # A forward-only run (`schedule.eval`) skips the backward pass.
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
         start = time.perf_counter()
         output = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
         self.timeline.append(
@@ -121,7 +157,9 @@ class TorchPipeline:
         num_microbatches: micro-batches per batch.
         schedule: `"gpipe"` or `"1f1b"`.
         loss: the last stage's loss, a function of `(y_true, y_pred)`
-            that averages over the micro-batch.
+            that averages over the micro-batch; `None` for a pipeline
+            that only runs `forward` without targets (torch's schedules
+            compute the loss whenever they have one).
         stats: the `CommunicationStats` that count the point-to-point
             traffic (axis `"pipe"`).
         device: this rank's torch device.
@@ -141,18 +179,16 @@ class TorchPipeline:
         group=None,
     ):
         schedules.check_schedule_name(schedule)
+        module = KerasStageModule(stage_model)
         self.stage = RecordedPipelineStage(
-            KerasStageModule(stage_model),
-            stats,
-            stage_index,
-            num_stages,
-            device,
-            group=group,
+            module, stats, stage_index, num_stages, device, group=group
         )
         self.schedule = TORCH_SCHEDULES[schedule](
             self.stage,
             num_microbatches,
-            loss_fn=lambda y_pred, y_true: loss(y_true, y_pred),
+            loss_fn=None
+            if loss is None
+            else lambda y_pred, y_true: loss(y_true, module.structured(y_pred)),
         )
         self.num_microbatches = num_microbatches
 
@@ -171,19 +207,306 @@ class TorchPipeline:
             On the last stage, `(mean loss of the micro-batches, the
             batch's outputs)`; elsewhere `(None, None)`.
         """
+        return self._run(self.schedule.step, x, y, training=True)
+
+    def forward(self, x, y=None, training=False):
+        """Runs the forward passes of one batch only, without gradients.
+
+        Args:
+            x: the batch's inputs; read by the first stage only.
+            y: the batch's targets, or `None` for no loss; read by the
+                last stage only.
+            training: the `training` argument of the stages' calls.
+
+        Returns:
+            On the last stage, `(mean loss of the micro-batches or None,
+            the batch's outputs)`; elsewhere `(None, None)`.
+        """
+        with torch.no_grad():
+            return self._run(self.schedule.eval, x, y, training)
+
+    def _run(self, run, x, y, training):
+        """Runs the schedule's `run` (`step` or `eval`) on this stage."""
         schedules.check_microbatches(
             len(keras.tree.flatten(x)[0]), self.num_microbatches
         )
         self.stage.timeline = []
-        losses = []
+        self.stage.submod.training_call = training
+        inputs = ()
         if self.stage.is_first:
             inputs = flatten_named(x)
-            self.schedule.step(
-                *(inputs if isinstance(inputs, tuple) else [inputs])
-            )
-            return None, None
+            inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         if not self.is_last:
-            self.schedule.step()
+            run(*inputs)
             return None, None
-        outputs = self.schedule.step(target=y, losses=losses)
-        return torch.stack(losses).mean().detach(), outputs
+        losses = None if y is None else []
+        outputs = run(*inputs, target=y, losses=losses)
+        loss = None if y is None else torch.stack(losses).mean().detach()
+        return loss, self.stage.submod.structured(outputs)
+
+
+class TorchPipelineRuntime(PipelineRuntime):
+    """Runs Keras' torch steps as a pipeline, one stage per rank.
+
+    Every rank builds the whole model (same seed), then keeps its own
+    stage only: rank `r` stores and computes stage `r`. The other stages'
+    variables become "meta" tensors, which keep their shapes (Keras'
+    symbolic builds read them) and hold no memory. A training step runs
+    this rank's part of torch's schedule (`TorchPipeline`) and updates its
+    own stage's variables. The last rank, which has the loss and the
+    outputs, updates the metrics; their variables, and the outputs of a
+    prediction, are then broadcast from it, so every rank logs and
+    returns the same numbers.
+
+    Attributes:
+        timeline: this rank's `(kind, micro_batch, start, end)` spans of
+            the last training step (see `RecordedPipelineStage`).
+    """
+
+    backend = "torch"
+
+    def __init__(
+        self, model, pipeline_parallel, world_size=None, *args, **kwargs
+    ):
+        join_process_group(
+            pipeline_parallel if world_size is None else world_size
+        )
+        ranks = dist.get_world_size()
+        if pipeline_parallel != ranks:
+            raise ValueError(
+                f"pipeline_parallel={pipeline_parallel} but this process "
+                f"group has {ranks} rank(s): on torch each pipeline stage is "
+                f"one rank (process). Start {pipeline_parallel} processes "
+                f"(keras_tp.launch(fn, world_size={pipeline_parallel}) or "
+                f"torchrun --nproc-per-node {pipeline_parallel}) or pass "
+                f"pipeline_parallel={ranks}."
+            )
+        # This rank's number and torch device, as tensor parallelism
+        # names them.
+        TorchRuntime._build(self)
+        super().__init__(model, pipeline_parallel, world_size, *args, **kwargs)
+        self.stage_model = self.stage_models[self.rank]
+        self.timeline = []
+        # One `TorchPipeline` per micro-batch count and input shapes: a
+        # torch stage fixes the shapes it sends and receives on its first
+        # run.
+        self._pipelines = {}
+
+    def _available_devices(self):
+        return TorchRuntime._available_devices(self)
+
+    def _move(self, variable, stage):
+        parameter = parameter_of(variable)
+        if stage != self.rank:
+            # No rank computes another's stage: its variables keep their
+            # shape on the meta device, without memory.
+            value = torch.empty(
+                parameter.shape, dtype=parameter.dtype, device="meta"
+            )
+        elif parameter.device != self.device:
+            value = parameter.detach().to(self.device)
+        else:
+            return
+        # The planner's trace of the model, just made, leaves dead autograd
+        # graphs that still hold the variables; they are young, and
+        # collecting the young generations frees them in a fraction of the
+        # full collection `swap_storage` falls back to.
+        gc.collect(1)
+        swap_storage(variable, value)
+
+    @property
+    def peak_activations(self):
+        """The most micro-batches whose activations this rank's stage held
+        at once in the last training step (each rank measures its own)."""
+        in_flight = peak = 0
+        for kind, *_ in self.timeline:
+            in_flight += 1 if kind == "forward" else -1
+            peak = max(peak, in_flight)
+        return peak
+
+    def build_optimizer(self, trainer):
+        """Builds the optimizer's slots for this rank's stage only."""
+        trainer.optimizer.build(self.stage_model.trainable_variables)
+
+    def _pipeline(self, x, with_loss=True):
+        """This rank's `TorchPipeline` for a batch of inputs `x`.
+
+        Args:
+            x: the batch's inputs.
+            with_loss: whether it computes the loss (training and
+                evaluation) or only the outputs (prediction).
+        """
+        leaves = keras.tree.flatten(x)
+        count = self.microbatches(len(leaves[0]))
+        shapes = tuple((tuple(t.shape), t.dtype) for t in leaves)
+        key = (count, shapes, with_loss)
+        if key not in self._pipelines:
+            self._pipelines[key] = TorchPipeline(
+                self.stage_model,
+                self.rank,
+                self.pipeline_parallel,
+                count,
+                self.schedule,
+                self.loss_function() if with_loss else None,
+                self.stats,
+                self.device,
+            )
+        return self._pipelines[key]
+
+    def train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        self.check_no_sample_weight(sample_weight)
+        pipeline = self._pipeline(x)
+        variables = self.stage_model.trainable_variables
+        for variable in variables:
+            variable.value.grad = None
+        loss, y_pred = pipeline.step(x, y)
+        self.timeline = pipeline.stage.timeline
+        with torch.no_grad():
+            self.trainer.optimizer.apply(
+                [variable.value.grad for variable in variables], variables
+            )
+        return self._logs(pipeline, x, y, loss, y_pred)
+
+    def test_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        self.check_no_sample_weight(sample_weight)
+        pipeline = self._pipeline(x)
+        loss, y_pred = pipeline.forward(x, y)
+        return self._logs(pipeline, x, y, loss, y_pred)
+
+    def predict_step(self, data):
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        _, y_pred = self._pipeline(x, with_loss=False).forward(x)
+        return self._from_last_stage(y_pred)
+
+    def _logs(self, pipeline, x, y, loss, y_pred):
+        """The step's logs, alike on every rank.
+
+        The last stage adds the loss and the outputs to the metrics; every
+        rank then takes its metric variables from the last rank.
+        """
+        trainer = self.trainer
+        if pipeline.is_last:
+            update_loss_tracker(trainer, loss, len(keras.tree.flatten(x)[0]))
+            with torch.no_grad():
+                trainer.compute_metrics(x, y, y_pred, None)
+        variables = trainer.metrics_variables
+        values = [v.value.detach().reshape(-1).double() for v in variables]
+        # One broadcast for all of them: float64 holds float32 and int32
+        # metric state exactly.
+        buffer = torch.cat(values)
+        dist.broadcast(buffer, src=self.pipeline_parallel - 1)
+        self.stats.record("broadcast", nbytes(buffer), "forward", "pipe")
+        parts = torch.split(buffer, [value.numel() for value in values])
+        for variable, value in zip(variables, parts):
+            variable.assign(value.reshape(variable.shape))
+        return trainer.get_metrics_result()
+
+    def _from_last_stage(self, outputs):
+        """The last stage's `outputs`, broadcast to every rank."""
+        last = self.pipeline_parallel - 1
+        specs = [None]
+        if self.rank == last:
+            leaves = keras.tree.flatten(outputs)
+            specs = [[(tuple(t.shape), t.dtype) for t in leaves]]
+        dist.broadcast_object_list(specs, src=last)
+        if self.rank != last:
+            leaves = [
+                torch.empty(shape, dtype=dtype, device=self.device)
+                for shape, dtype in specs[0]
+            ]
+        for tensor in leaves:
+            dist.broadcast(tensor, src=last)
+            self.stats.record("broadcast", nbytes(tensor), "forward", "pipe")
+        return keras.tree.pack_sequence_as(self.stage_models[-1].output, leaves)
+
+    def call_model(self, model, inputs, training):
+        """A direct call `tp(x)` runs the stages' forward passes on their
+        ranks, without gradients (train with `fit()`); every rank returns
+        the outputs.
+
+        A symbolic call (Keras building its metrics on "meta" tensors) runs
+        the stages as a graph, as on one device.
+        """
+        if is_symbolic(keras.tree.flatten(inputs)[0]):
+            return super().call_model(model, inputs, training)
+        inputs = keras.tree.map_structure(keras.ops.convert_to_tensor, inputs)
+        with self.stats.recording("call"):
+            _, outputs = self._pipeline(inputs, with_loss=False).forward(
+                inputs, training=bool(training)
+            )
+            return self._from_last_stage(outputs)
+
+    def full_value(self, variable):
+        """The variable's value, broadcast from its stage's rank."""
+        owner = self.stage_of[id(variable)]
+        parameter = parameter_of(variable)
+        if self.rank == owner:
+            # A copy: the array returned must not change with training.
+            tensor = parameter.detach().clone()
+        else:
+            tensor = torch.empty(
+                parameter.shape, dtype=parameter.dtype, device=self.device
+            )
+        dist.broadcast(tensor, src=owner)
+        return to_numpy(tensor)
+
+    def assign_full_value(self, variable, value):
+        """Assigns `value` on the variable's stage's rank.
+
+        Every rank passes the same `value`, as in any SPMD program.
+        """
+        if self.stage_of[id(variable)] == self.rank:
+            variable.assign(value)
+
+    def save_model(self, model, filepath, **kwargs):
+        """Rank 0 writes the unsplit model; the other ranks send it their
+        stages' variables, which it holds only while writing.
+
+        Every rank returns once the file is written, and raises if rank 0
+        failed to write it.
+        """
+        received = []
+        error = None
+        try:
+            for variable in model.variables:
+                owner = self.stage_of[id(variable)]
+                parameter = parameter_of(variable)
+                if owner == 0 or self.rank not in (0, owner):
+                    continue
+                if self.rank == owner:
+                    dist.send(parameter.detach().contiguous(), dst=0)
+                    continue
+                full = torch.empty(
+                    parameter.shape, dtype=parameter.dtype, device=self.device
+                )
+                dist.recv(full, src=owner)
+                received.append((variable, swap_storage(variable, full)))
+            if self.rank == 0:
+                model.save(filepath, **kwargs)
+        except Exception as e:
+            error = e
+        finally:
+            for variable, placeholder in received:
+                swap_storage(variable, placeholder)
+        saved = torch.tensor([error is None], dtype=torch.int32)
+        dist.broadcast(saved, src=0)
+        if error is not None:
+            raise error
+        if not saved.item():
+            raise RuntimeError(
+                "Rank 0 failed to write the pipelined model; its exception "
+                "says why."
+            )
+
+    def device_bytes(self, variables):
+        """`{this rank's device: bytes}` of its tensors, each storage once.
+
+        The other stages' variables, meta tensors here, hold no memory.
+        """
+        own = [v for v in variables if parameter_of(v).device.type != "meta"]
+        return TorchRuntime.device_bytes(self, own)
+
+
+PIPELINE_RUNTIME = TorchPipelineRuntime

@@ -58,12 +58,14 @@ def test_trains_like_one_device(ranks, reference):
     assert results[0]["logged"] == results[1]["logged"]
 
 
-def test_evaluates_and_predicts_like_one_device(ranks, reference):
+def test_evaluates_predicts_and_calls_like_one_device(ranks, reference):
     _, results = ranks
     for result in results:
         for name in ("evaluated_before", "evaluated"):
             assert result[name] == pytest.approx(reference[name], rel=1e-5)
         assert result["predict_error"] < 1e-5
+        # A direct call `tp(x)` runs the stages on their ranks too.
+        assert result["call_error"] < 1e-5
 
 
 def test_saves_the_unsplit_model(runs):

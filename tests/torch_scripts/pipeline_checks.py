@@ -92,7 +92,8 @@ def _gathered(result):
 
 
 def mlp_run(schedule, loss, expected, x, y, path=None):
-    """Trains, evaluates, predicts with and saves the MLP on 2 stages.
+    """Trains, evaluates, predicts with, calls and saves the MLP on 2
+    stages.
 
     Args:
         schedule: `"gpipe"` or `"1f1b"`.
@@ -128,9 +129,11 @@ def mlp_run(schedule, loss, expected, x, y, path=None):
     # A batch of another size than fit's, so another micro-batch size.
     result["evaluated"] = tp.evaluate(x, y, verbose=0)
     predicted = tp.predict(x, verbose=0)
-    result["predict_error"] = float(
-        np.max(np.abs(predicted - expected["predicted"]))
-    )
+    called = keras.ops.convert_to_numpy(tp(x))
+    for name, outputs in (("predict", predicted), ("call", called)):
+        result[f"{name}_error"] = float(
+            np.max(np.abs(outputs - expected["predicted"]))
+        )
     return _gathered(result)
 
 

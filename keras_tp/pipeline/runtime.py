@@ -113,6 +113,13 @@ class PipelineRuntime:
             for index, stage in enumerate(self.stage_models)
             for variable in stage.variables
         }
+        strays = [v.path for v in model.variables if id(v) not in self.stage_of]
+        if strays:
+            raise ValueError(
+                f"Variables {strays} of model '{model.name}' are used by no "
+                "layer of its graph, so no pipeline stage holds them. Remove "
+                "the layers that own them from the model."
+            )
         self.placement = Placement(1, 1, self)
         self.stats = CommunicationStats()
         self.device_mesh = keras.distribution.DeviceMesh(
@@ -131,19 +138,12 @@ class PipelineRuntime:
     def scope(self):
         return contextlib.nullcontext()
 
+    def prepare_model(self, model):
+        """Nothing to prepare: the stages were cut at construction."""
+
     def prepare_trainer(self, trainer):
         """Keeps the `TensorParallelKeras` whose steps this runtime runs."""
         self.trainer = trainer
-
-    def prepare_model(self, model):
-        """Checks that every variable of `model` belongs to a stage."""
-        strays = [v.path for v in model.variables if id(v) not in self.stage_of]
-        if strays:
-            raise ValueError(
-                f"Variables {strays} of model '{model.name}' are used by no "
-                "layer of its graph, so no pipeline stage holds them. Remove "
-                "the layers that own them from the model."
-            )
 
     def prepare_step_state(self, variables):
         """Nothing to place: each stage's state is on its device."""

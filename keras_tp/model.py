@@ -62,9 +62,10 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
         pipeline_parallel: the number of pipeline stages. Above 1, the
             model (Functional) is cut into that many consecutive stages
             (`keras_tp.pipeline.split_stages`), one per device, and each
-            batch runs through them as micro-batches. It does not combine
-            with tensor or data parallelism yet: `world_size` must equal
-            it.
+            batch runs through them as micro-batches. On JAX each stage
+            runs on `world_size / pipeline_parallel` devices, split by
+            tensor parallelism (elsewhere `world_size` must equal it); it
+            does not combine with data parallelism or ZeRO yet.
         num_microbatches: micro-batches per batch of a pipeline; `None`
             takes the largest divisor of each batch's size up to
             `4 * pipeline_parallel`.
@@ -141,11 +142,6 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
                 f"{pipeline_parallel!r}."
             )
         if pipeline_parallel > 1:
-            if not (isinstance(plan, str) and plan == "auto"):
-                raise ValueError(
-                    "A plan cannot be given with pipeline_parallel > 1: the "
-                    "stages are not split by tensor parallelism yet."
-                )
             runtime = pipeline_runtime_class()(
                 model,
                 pipeline_parallel,
@@ -210,8 +206,11 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
                 entry[1] if entry is not None and entry[0] is variable else None
             )
             runtime.placement.place(variable, axis)
-        # A pipeline's plan splits nothing: no region to install.
-        installed = regions.install(bound, runtime) if bound.layers else []
+        installed = [
+            region
+            for part, part_runtime in runtime.stage_plans(bound)
+            for region in regions.install(part, part_runtime)
+        ]
         runtime.prepare_model(model)
         runtime.prepare_trainer(self)
         if zero_stage == 3:

@@ -56,6 +56,27 @@ class CommunicationStats:
         finally:
             self.active_phase = None
 
+    @contextlib.contextmanager
+    def capturing(self):
+        """Yields the list of the records the block adds to the open phase.
+
+        For a function compiled once and called at every step: what it
+        recorded while it was traced is `replay`ed at each later call.
+        """
+        phase = self.active_phase
+        records = self._records.get(phase, []) if phase else []
+        start = len(records)
+        added = []
+        try:
+            yield added
+        finally:
+            added.extend(records[start:])
+
+    def replay(self, records):
+        """Adds `records` (from `capturing`) to the open phase again."""
+        if self.active_phase is not None:
+            self._records[self.active_phase].extend(records)
+
     def record(self, kind, nbytes, direction=None, axis="model"):
         """Adds one collective call of `kind` moving `nbytes` over `axis`."""
         direction = direction or self._label or "forward"

@@ -60,10 +60,8 @@ def test_fit_evaluate_predict_match_one_device(schedule):
     stage_bytes = pipeline_cases.mlp_stage_bytes()
     assert list(tp.parameter_bytes_per_device().values()) == stage_bytes
     slots = tp.optimizer.variables[2:]
-    assert [
-        sum(v.value.nbytes for v in slots if v.value.devices() == {device})
-        for device in tp._runtime.jax_devices
-    ] == [2 * b for b in stage_bytes]
+    slot_bytes = tp._runtime.device_bytes(slots)
+    assert list(slot_bytes.values()) == [2 * b for b in stage_bytes]
 
     np.testing.assert_allclose(
         tp.predict(x, batch_size=BATCH, verbose=0),
@@ -97,10 +95,50 @@ def test_a_keras_hub_backbone_in_four_stages():
     )
 
 
+def test_stages_split_by_tensor_parallelism():
+    """2 stages x 2 tensor-parallel devices: each stage's layers are split
+    as on a tensor-parallel model of 2 devices, whose collectives each
+    micro-batch repeats on its stage's devices."""
+    loss, reference, split, x, y = pipeline_cases.backbone_reference()
+    tp = keras_tp.TensorParallelKeras(
+        models.gpt2_backbone(length=pipeline_cases.LENGTH),
+        world_size=4,
+        pipeline_parallel=2,
+        num_microbatches=MICROBATCHES,
+    )
+    tp.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    pipeline_cases.check_unsplit_weights(reference, tp.get_weights())
+    pipeline_cases.check_backbone_traffic(
+        tp.communication_stats(axis="pipe")["send"], split
+    )
+
+    tensor_parallel = keras_tp.TensorParallelKeras(
+        models.gpt2_backbone(length=pipeline_cases.LENGTH), world_size=2
+    )
+    tensor_parallel.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    first_batch = next(pipeline_cases.batches(x, y, 1))
+    tensor_parallel.fit(*first_batch, batch_size=BATCH, verbose=0)
+    expected = tensor_parallel.communication_stats(axis="model")["all_reduce"]
+    counted = tp.communication_stats(axis="model")["all_reduce"]
+    for direction in ("forward", "backward"):
+        assert counted[f"{direction}_bytes"] == expected[f"{direction}_bytes"]
+        assert counted[f"{direction}_calls"] == (
+            MICROBATCHES * expected[f"{direction}_calls"]
+        )
+    # The two devices of a stage hold its weights split as tensor
+    # parallelism splits them, and no device holds another stage's.
+    per_device = list(tp.parameter_bytes_per_device().values())
+    assert per_device[0] == per_device[1] and per_device[2] == per_device[3]
+    assert sum(per_device) == sum(
+        tensor_parallel.parameter_bytes_per_device().values()
+    )
+
+
 def test_refusals_name_the_fix():
-    with pytest.raises(ValueError, match="world_size=pipeline_parallel"):
+    with pytest.raises(ValueError, match="data_parallel=1 and zero_stage=0"):
         keras_tp.TensorParallelKeras(
-            models.mlp(), world_size=4, pipeline_parallel=2
+            models.mlp(), world_size=4, pipeline_parallel=2, data_parallel=2
         )
     with pytest.raises(ValueError, match="trainable BatchNormalization"):
         _pipelined(models.cnn(), 2)

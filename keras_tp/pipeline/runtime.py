@@ -12,6 +12,7 @@ steps with its trainer's signatures.
 """
 
 import contextlib
+import copy
 
 import keras
 
@@ -35,9 +36,8 @@ class PipelineRuntime:
     Args:
         model: the built Functional model to cut.
         pipeline_parallel: the number of stages, one device each.
-        world_size: total number of devices; must equal
-            `pipeline_parallel` (tensor and data parallelism do not
-            combine with a pipeline yet).
+        world_size: total number of devices: `pipeline_parallel` times
+            the tensor-parallel size of each stage (1 except on JAX).
         device_ids: device names of the stages, in order.
         data_parallel: must be 1.
         zero_stage: must be 0.
@@ -52,12 +52,14 @@ class PipelineRuntime:
     backend = None
     local_ranks = False
     per_rank_steps = False
-    tensor_parallel = 1
     data_parallel = 1
     zero_stage = 0
     # Python issues each stage's work in the schedule's order: the step as
     # a whole is not one compiled program.
     jit_compile_default = False
+    # Whether the backend splits each stage over several devices by
+    # tensor parallelism (`world_size = pipeline_parallel x tensor size`).
+    splits_stages = False
 
     def __init__(
         self,
@@ -77,18 +79,24 @@ class PipelineRuntime:
             self.backend, self._available_devices(), world_size, device_ids
         )
         world_size = len(devices)
-        if (
-            world_size != pipeline_parallel
-            or data_parallel != 1
-            or zero_stage != 0
-        ):
+        if world_size % pipeline_parallel or data_parallel != 1 or zero_stage:
             raise ValueError(
                 f"pipeline_parallel={pipeline_parallel} with "
                 f"world_size={world_size}, data_parallel={data_parallel} "
-                f"and zero_stage={zero_stage}: a pipeline runs one stage "
-                "per device, without tensor or data parallelism inside it "
-                "yet. Pass world_size=pipeline_parallel, data_parallel=1 "
-                "and zero_stage=0."
+                f"and zero_stage={zero_stage}: a pipeline runs its stages "
+                "on world_size / pipeline_parallel devices each, split by "
+                "tensor parallelism, without data parallelism or ZeRO yet. "
+                "Pass a world_size divisible by pipeline_parallel, "
+                "data_parallel=1 and zero_stage=0."
+            )
+        self.tensor_parallel = world_size // pipeline_parallel
+        if self.tensor_parallel > 1 and not self.splits_stages:
+            raise ValueError(
+                f"pipeline_parallel={pipeline_parallel} with "
+                f"world_size={world_size}: on {self.backend}, a pipeline "
+                "runs each stage whole on one device (or process); "
+                "tensor parallelism inside the stages runs on JAX only. "
+                "Pass world_size=pipeline_parallel."
             )
         schedules.check_schedule_name(schedule)
         if num_microbatches is not None and (
@@ -104,6 +112,11 @@ class PipelineRuntime:
         self.num_microbatches = num_microbatches
         self.schedule = schedule
         self.devices = devices
+        size = self.tensor_parallel
+        # Stage `s` runs on devices `s * size` to `(s + 1) * size - 1`.
+        self.stage_devices = [
+            devices[s * size : (s + 1) * size] for s in range(pipeline_parallel)
+        ]
         self.split = split_stages(model, pipeline_parallel, cut_points)
         self.stage_models = [stage.model for stage in self.split.stages]
         # The stage of every variable the stages own, by id; optimizer
@@ -120,10 +133,10 @@ class PipelineRuntime:
                 "layer of its graph, so no pipeline stage holds them. Remove "
                 "the layers that own them from the model."
             )
-        self.placement = Placement(1, 1, self)
+        self.placement = Placement(self.tensor_parallel, 1, self)
         self.stats = CommunicationStats()
         self.device_mesh = keras.distribution.DeviceMesh(
-            shape=(1, pipeline_parallel, 1),
+            shape=(1, pipeline_parallel, self.tensor_parallel),
             axis_names=("data", "pipe", "model"),
             devices=list(self.devices),
         )
@@ -147,6 +160,33 @@ class PipelineRuntime:
 
     def prepare_step_state(self, variables):
         """Nothing to place: each stage's state is on its device."""
+
+    def stage_plans(self, plan):
+        """`(part of plan, runtime)` pairs: each stage's split layers, with
+        the runtime of the stage's devices (`stage_runtimes`), which runs
+        them."""
+        if not plan.layers and not plan.per_rank_random:
+            return []
+        stage_of_layer = {
+            id(layer): index
+            for index, stage in enumerate(self.stage_models)
+            for layer in sublayers(stage)
+        }
+        parts = []
+        for index, runtime in enumerate(self.stage_runtimes):
+            part = copy.copy(plan)
+            part.layers = [
+                entry
+                for entry in plan.layers
+                if stage_of_layer[id(entry.layer)] == index
+            ]
+            part.per_rank_random = {
+                layer: calls
+                for layer, calls in plan.per_rank_random.items()
+                if stage_of_layer[id(layer)] == index
+            }
+            parts.append((part, runtime))
+        return parts
 
     def run_step(self, phase, step, *args, **kwargs):
         """Runs Keras' `phase` step as a pipeline (`step` is not called).

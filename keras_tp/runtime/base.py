@@ -82,6 +82,12 @@ class Runtime(CheckpointPieces):
         """The `CommunicationStats` every adapter of this runtime counts in."""
         return self.adapter.stats
 
+    def stage_plans(self, plan):
+        """`(part of plan, runtime)` pairs that install the plan's regions:
+        here the whole plan, run by this runtime (a pipeline gives each
+        stage's part to the runtime of its devices)."""
+        return [(plan, self)]
+
     def prepare_trainer(self, trainer):
         """Called once with the `TensorParallelKeras` that runs the steps."""
 

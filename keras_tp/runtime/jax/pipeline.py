@@ -21,20 +21,20 @@ from jax.sharding import PartitionSpec
 
 from keras_tp.collectives.base import nbytes
 from keras_tp.keras_internals import StatelessScope
-from keras_tp.keras_internals import direct_assign
 from keras_tp.keras_internals import jax_update_metrics
-from keras_tp.keras_internals import set_jax_layout
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.runner import ScheduledStages
 from keras_tp.pipeline.runtime import PipelineRuntime
+from keras_tp.runtime.jax import JaxRuntime
 from keras_tp.runtime.jax import to_jax_device
 from keras_tp.runtime.jax.steps import is_concrete
 
 
 class JaxPipeline(ScheduledStages):
-    """The stages of a pipeline, each compiled for its own device.
+    """The stages of a pipeline, each compiled for its own devices.
 
-    Args: those of `ScheduledStages`; `devices` are `jax.Device`s.
+    Args: those of `ScheduledStages`; `devices` are the `jax.sharding.Mesh`
+    of each stage (one device, or the stage's tensor-parallel devices).
     """
 
     def __init__(
@@ -44,10 +44,12 @@ class JaxPipeline(ScheduledStages):
             stage_models, devices, loss, schedule, num_microbatches, stats
         )
         self._forwards = [
-            jax.jit(self._forward_of(index))
+            counted_jit(self._forward_of(index), stats)
             for index in range(len(stage_models))
         ]
-        self._backward = jax.jit(lambda vjp, cotangent: vjp(cotangent))
+        self._backward = counted_jit(
+            lambda vjp, cotangent: vjp(cotangent), stats
+        )
         self.peak_activations = []
 
     def _forward_of(self, index):
@@ -108,7 +110,7 @@ class JaxPipeline(ScheduledStages):
         in_flight = [0] * len(self.stage_models)
         self.peak_activations = [0] * len(self.stage_models)
         for stage, kind, m in self.order:
-            device = self.devices[stage]
+            mesh = self.devices[stage]
             if kind == schedules.FORWARD:
                 in_flight[stage] += 1
                 self.peak_activations[stage] = max(
@@ -118,7 +120,7 @@ class JaxPipeline(ScheduledStages):
                     self._forwards[stage](
                         trainable[stage],
                         non_trainable[stage],
-                        jax.device_put(received.pop((stage, m)), device),
+                        onto(received.pop((stage, m)), mesh),
                         targets[m] if stage == last else None,
                     )
                 )
@@ -134,7 +136,7 @@ class JaxPipeline(ScheduledStages):
             cotangent = (
                 np.float32(1.0)
                 if stage == last
-                else jax.device_put(cotangents.pop((stage, m)), device)
+                else onto(cotangents.pop((stage, m)), mesh)
             )
             grads, input_grads = self._backward(vjps.pop((stage, m)), cotangent)
             gradients[stage] = (
@@ -154,6 +156,61 @@ class JaxPipeline(ScheduledStages):
                         )
                 cotangents[stage - 1, m] = input_grads
         return loss, gradients, non_trainable, _concatenated(predictions)
+
+
+def onto(tree, mesh):
+    """The arrays of `tree` placed on `mesh`, each keeping its split.
+
+    An activation split over the sending stage's `model` axis (a Column
+    layer's output) goes to the same split on the receiving stage: each
+    device sends its shard to its counterpart. Other arrays arrive whole
+    on every device of the stage.
+    """
+
+    def put(array):
+        sharding = getattr(array, "sharding", None)
+        spec = (
+            sharding.spec
+            if isinstance(sharding, NamedSharding)
+            else PartitionSpec()
+        )
+        return jax.device_put(array, NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map(put, tree)
+
+
+def counted_jit(function, stats):
+    """`jax.jit(function)` whose collectives count at every call.
+
+    A region's collectives are recorded while the function is traced,
+    once per input signature; each later call records them again.
+    """
+    records = {}
+
+    def traced(*args):
+        with stats.capturing() as added:
+            outputs = function(*args)
+        records[_signature(args)] = added
+        return outputs
+
+    compiled = jax.jit(traced)
+
+    def call(*args):
+        key = _signature(args)
+        seen = key in records
+        outputs = compiled(*args)
+        if seen:
+            stats.replay(records[key])
+        return outputs
+
+    return call
+
+
+def _signature(tree):
+    return tuple(
+        (getattr(leaf, "shape", None), str(getattr(leaf, "dtype", type(leaf))))
+        for leaf in jax.tree_util.tree_leaves(tree)
+    )
 
 
 def _microbatch(tree, m, size):
@@ -181,31 +238,46 @@ class JaxPipelineRuntime(PipelineRuntime):
     """
 
     backend = "jax"
+    splits_stages = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.jax_devices = [to_jax_device(name) for name in self.devices]
+        # Each stage's devices are a tensor-parallel runtime of their own,
+        # which places the stage's variables and runs its split layers;
+        # all count into this runtime's stats.
+        self.stage_runtimes = []
+        for devices in self.stage_devices:
+            runtime = JaxRuntime(len(devices), devices, 1, 0)
+            for adapter in (
+                runtime.adapter,
+                runtime.data_adapter,
+                runtime.world_adapter,
+            ):
+                adapter.stats = self.stats
+            self.stage_runtimes.append(runtime)
+        self.meshes = [runtime.mesh for runtime in self.stage_runtimes]
         self._runners = {}
         self._updates = {}
         self._inference = [
-            jax.jit(self._inference_of(stage)) for stage in self.stage_models
+            counted_jit(self._inference_of(stage), self.stats)
+            for stage in self.stage_models
         ]
 
     def _available_devices(self):
         return keras.distribution.list_devices()
 
-    def _move(self, variable, stage):
-        # Keras re-applies a JAX variable's layout on every assignment
-        # (`set_weights`, the state written back after `fit`), and gives
-        # an optimizer slot its reference's layout (which must have a
-        # mesh: a one-device one).
-        mesh = jax.sharding.Mesh(np.array([self.jax_devices[stage]]), ("pipe",))
-        set_jax_layout(variable, NamedSharding(mesh, PartitionSpec()))
-        direct_assign(variable, variable.value)
+    def place_variable(self, variable, axis):
+        stage = self.stage_of[id(variable)]
+        self.stage_runtimes[stage].placement.place(variable, axis)
+
+    def place_variable_like(self, variable, reference, data_axis):
+        stage = self.stage_of[id(reference)]
+        self.stage_of[id(variable)] = stage
+        self.stage_runtimes[stage].placement.place_like(variable, reference)
 
     def device_bytes(self, variables):
         """`{device: bytes}` of these variables, read from their arrays."""
-        names = dict(zip(self.jax_devices, self.devices))
+        names = {to_jax_device(name): name for name in self.devices}
         totals = dict.fromkeys(self.devices, 0)
         for variable in variables:
             for shard in variable.value.addressable_shards:
@@ -224,7 +296,7 @@ class JaxPipelineRuntime(PipelineRuntime):
         if count not in self._runners:
             self._runners[count] = JaxPipeline(
                 self.stage_models,
-                self.jax_devices,
+                self.meshes,
                 self.loss_function(),
                 self.schedule,
                 count,
@@ -281,13 +353,15 @@ class JaxPipelineRuntime(PipelineRuntime):
             ]
             update = self._updates.get(stage)
             if update is None:
-                update = jax.jit(_update_of(optimizer, own, slots, shared))
+                update = counted_jit(
+                    _update_of(optimizer, own, slots, shared), self.stats
+                )
                 self._updates[stage] = update
-            device = self.jax_devices[stage]
+            mesh = self.meshes[stage]
             values, slot_values, shared_values = update(
                 values,
                 [new_optimizer[id(v)] for v in slots],
-                jax.device_put([new_optimizer[id(v)] for v in shared], device),
+                onto([new_optimizer[id(v)] for v in shared], mesh),
                 grads,
             )
             new_trainable.update(zip(map(id, own), values))
@@ -328,7 +402,7 @@ class JaxPipelineRuntime(PipelineRuntime):
         outputs = []
         for m in range(count):
             tensors = _microbatch(x, m, size)
-            for stage, device in enumerate(self.jax_devices):
+            for stage, mesh in enumerate(self.meshes):
                 if stage:
                     for tensor in jax.tree_util.tree_leaves(tensors):
                         self.stats.record(
@@ -337,7 +411,7 @@ class JaxPipelineRuntime(PipelineRuntime):
                 tensors, non_trainable[stage] = self._inference[stage](
                     trainable[stage],
                     non_trainable[stage],
-                    jax.device_put(tensors, device),
+                    onto(tensors, mesh),
                 )
             outputs.append(tensors)
         return _concatenated(outputs), non_trainable

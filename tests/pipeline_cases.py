@@ -106,3 +106,74 @@ def check_backbone_traffic(sent, split):
     assert sent["backward_bytes"] == (
         MICROBATCHES * len(cuts) * micro * LENGTH * 16 * 4
     )
+
+
+def check_mlp_pipeline(schedule):
+    """Trains the test MLP as 2 stages (`up`, then the rest) with
+    `TensorParallelKeras(pipeline_parallel=2)`, next to one device.
+
+    Checks the logged loss, the weights, the traffic, the activations
+    held, `predict`, `evaluate` and a direct call.
+
+    Returns:
+        The trained model, for the backend's checks of its memory.
+    """
+    import keras_tp
+
+    loss, reference, logged, x, y = mlp_reference()
+    tp = keras_tp.TensorParallelKeras(
+        models.mlp(),
+        world_size=2,
+        pipeline_parallel=2,
+        num_microbatches=MICROBATCHES,
+        schedule=schedule,
+        pipeline_cuts=["down"],
+    )
+    tp.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    history = tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    np.testing.assert_allclose(history.history["loss"][0], logged, rtol=1e-5)
+    check_unsplit_weights(reference, tp.get_weights())
+    check_mlp_traffic(tp.communication_stats(axis="pipe")["send"])
+    # GPipe holds every micro-batch's activations; 1F1B at most as many as
+    # the stages from this one to the last.
+    expected = [MICROBATCHES] * 2 if schedule == "gpipe" else [2, 1]
+    assert tp._runtime.peak_activations == expected
+    np.testing.assert_allclose(
+        tp.predict(x, batch_size=BATCH, verbose=0),
+        reference.predict(x, batch_size=BATCH, verbose=0),
+        atol=1e-5,
+    )
+    np.testing.assert_allclose(
+        tp.evaluate(x, y, batch_size=BATCH, verbose=0),
+        reference.evaluate(x, y, batch_size=BATCH, verbose=0),
+        rtol=1e-5,
+    )
+    # Evaluating and predicting send each micro-batch's activation forward.
+    for phase in ("test", "predict"):
+        sent = tp.communication_stats(phase, axis="pipe")["send"]
+        assert sent["forward_bytes"] == sent["bytes"] == BATCH * 32 * 4
+        assert sent["calls"] == MICROBATCHES
+    np.testing.assert_allclose(tp(x[:BATCH]), reference(x[:BATCH]), atol=1e-5)
+    return tp
+
+
+def check_backbone_pipeline(tp, reference_optimizer=None):
+    """Trains GPT2's backbone pipelined by `tp` (uncompiled), next to one
+    device: the weights, and the hidden states and carried padding mask
+    sent at each cut.
+
+    Args:
+        tp: a `TensorParallelKeras` of `models.gpt2_backbone(LENGTH)`.
+        reference_optimizer: the one-device model's optimizer, as in
+            `backbone_reference`.
+    """
+    stages = tp._runtime.pipeline_parallel
+    loss, reference, split, x, y = backbone_reference(
+        reference_optimizer, stages
+    )
+    assert tp._runtime.split.cut_points == split.cut_points
+    tp.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    check_unsplit_weights(reference, tp.get_weights())
+    check_backbone_traffic(tp.communication_stats(axis="pipe")["send"], split)
+    return tp, x, y

@@ -35,26 +35,7 @@ def _pipelined(model, stages, **kwargs):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_fit_evaluate_predict_match_one_device(schedule):
-    loss, reference, logged, x, y = pipeline_cases.mlp_reference()
-    tp = _pipelined(
-        models.mlp(),
-        2,
-        num_microbatches=MICROBATCHES,
-        schedule=schedule,
-        pipeline_cuts=["down"],
-    )
-    tp.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
-    history = tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-    assert history.history["loss"][0] == pytest.approx(logged, rel=1e-5)
-    pipeline_cases.check_unsplit_weights(reference, tp.get_weights())
-    pipeline_cases.check_mlp_traffic(
-        tp.communication_stats(axis="pipe")["send"]
-    )
-    # GPipe holds every micro-batch's activations; 1F1B at most as many as
-    # the stages from this one to the last.
-    expected = [MICROBATCHES] * 2 if schedule == "gpipe" else [2, 1]
-    assert tp._runtime.peak_activations == expected
-
+    tp = pipeline_cases.check_mlp_pipeline(schedule)
     # Each device holds its stage's weights and their Adam slots, measured
     # from the arrays.
     stage_bytes = pipeline_cases.mlp_stage_bytes()
@@ -62,16 +43,6 @@ def test_fit_evaluate_predict_match_one_device(schedule):
     slots = tp.optimizer.variables[2:]
     slot_bytes = tp._runtime.device_bytes(slots)
     assert list(slot_bytes.values()) == [2 * b for b in stage_bytes]
-
-    np.testing.assert_allclose(
-        tp.predict(x, batch_size=BATCH, verbose=0),
-        reference.predict(x, batch_size=BATCH, verbose=0),
-        atol=1e-5,
-    )
-    assert tp.evaluate(x, y, batch_size=BATCH, verbose=0) == pytest.approx(
-        reference.evaluate(x, y, batch_size=BATCH, verbose=0), rel=1e-5
-    )
-    np.testing.assert_allclose(tp(x[:BATCH]), reference(x[:BATCH]), atol=1e-5)
     lines = []
     tp.summary(print_fn=lines.append)
     assert lines[0].startswith("Pipeline stages of 'mlp': 2 stages")
@@ -80,18 +51,12 @@ def test_fit_evaluate_predict_match_one_device(schedule):
 def test_a_keras_hub_backbone_in_four_stages():
     """GPT2's blocks all read the padding mask: each stage passes it on,
     as an integer tensor without a gradient."""
-    loss, reference, split, x, y = pipeline_cases.backbone_reference(stages=4)
-    tp = _pipelined(
-        models.gpt2_backbone(length=pipeline_cases.LENGTH),
-        4,
-        num_microbatches=MICROBATCHES,
-    )
-    assert tp._runtime.split.cut_points == split.cut_points
-    tp.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
-    tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-    pipeline_cases.check_unsplit_weights(reference, tp.get_weights())
-    pipeline_cases.check_backbone_traffic(
-        tp.communication_stats(axis="pipe")["send"], split
+    pipeline_cases.check_backbone_pipeline(
+        _pipelined(
+            models.gpt2_backbone(length=pipeline_cases.LENGTH),
+            4,
+            num_microbatches=MICROBATCHES,
+        )
     )
 
 
@@ -99,24 +64,18 @@ def test_stages_split_by_tensor_parallelism():
     """2 stages x 2 tensor-parallel devices: each stage's layers are split
     as on a tensor-parallel model of 2 devices, whose collectives each
     micro-batch repeats on its stage's devices."""
-    loss, reference, split, x, y = pipeline_cases.backbone_reference()
-    tp = keras_tp.TensorParallelKeras(
-        models.gpt2_backbone(length=pipeline_cases.LENGTH),
-        world_size=4,
-        pipeline_parallel=2,
-        num_microbatches=MICROBATCHES,
+    tp, x, y = pipeline_cases.check_backbone_pipeline(
+        keras_tp.TensorParallelKeras(
+            models.gpt2_backbone(length=pipeline_cases.LENGTH),
+            world_size=4,
+            pipeline_parallel=2,
+            num_microbatches=MICROBATCHES,
+        )
     )
-    tp.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
-    tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-    pipeline_cases.check_unsplit_weights(reference, tp.get_weights())
-    pipeline_cases.check_backbone_traffic(
-        tp.communication_stats(axis="pipe")["send"], split
-    )
-
     tensor_parallel = keras_tp.TensorParallelKeras(
         models.gpt2_backbone(length=pipeline_cases.LENGTH), world_size=2
     )
-    tensor_parallel.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    tensor_parallel.compile(optimizer="adam", loss="mse")
     first_batch = next(pipeline_cases.batches(x, y, 1))
     tensor_parallel.fit(*first_batch, batch_size=BATCH, verbose=0)
     expected = tensor_parallel.communication_stats(axis="model")["all_reduce"]

@@ -30,7 +30,6 @@ keras_tp.configure_virtual_devices(4)
 from keras_tp.runtime.tensorflow.devices import device_name  # noqa: E402
 from tests import models  # noqa: E402
 from tests import pipeline_cases  # noqa: E402
-from tests.pipeline_cases import BATCH  # noqa: E402
 from tests.pipeline_cases import MICROBATCHES  # noqa: E402
 
 DEVICES = ["cpu:0", "cpu:1"]
@@ -49,26 +48,8 @@ def _device(variable):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_fit_evaluate_predict_match_one_device(schedule):
-    loss, reference, logged, x, y = pipeline_cases.mlp_reference()
-    tp = _pipelined(
-        models.mlp(),
-        num_microbatches=MICROBATCHES,
-        schedule=schedule,
-        pipeline_cuts=["down"],
-    )
-    tp.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
-    history = tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-    assert history.history["loss"][0] == pytest.approx(logged, rel=1e-5)
-    pipeline_cases.check_unsplit_weights(reference, tp.get_weights())
-    pipeline_cases.check_mlp_traffic(
-        tp.communication_stats(axis="pipe")["send"]
-    )
-    # GPipe holds every micro-batch's activations; 1F1B at most as many as
-    # the stages from this one to the last.
-    expected = [MICROBATCHES] * 2 if schedule == "gpipe" else [2, 1]
-    assert tp._runtime.peak_activations == expected
+    tp = pipeline_cases.check_mlp_pipeline(schedule)
     assert tp._runtime.last_num_microbatches == MICROBATCHES
-
     # Each device stores its stage's weights, as TensorFlow placed them,
     # and each Adam slot lives with its variable.
     stage_bytes = pipeline_cases.mlp_stage_bytes()
@@ -85,21 +66,6 @@ def test_fit_evaluate_predict_match_one_device(schedule):
         ]
         assert [_device(v) for v in slots] == [DEVICES[stage]] * 2
 
-    np.testing.assert_allclose(
-        tp.predict(x, batch_size=BATCH, verbose=0),
-        reference.predict(x, batch_size=BATCH, verbose=0),
-        atol=1e-5,
-    )
-    assert tp.evaluate(x, y, batch_size=BATCH, verbose=0) == pytest.approx(
-        reference.evaluate(x, y, batch_size=BATCH, verbose=0), rel=1e-5
-    )
-    # Evaluating and predicting send each micro-batch's activation forward.
-    for phase in ("test", "predict"):
-        sent = tp.communication_stats(phase, axis="pipe")["send"]
-        assert sent["forward_bytes"] == sent["bytes"] == BATCH * 32 * 4
-        assert sent["calls"] == MICROBATCHES
-    np.testing.assert_allclose(tp(x[:BATCH]), reference(x[:BATCH]), atol=1e-5)
-
 
 def test_a_keras_hub_backbone_carries_its_padding_mask():
     """GPT2's blocks all read the padding mask: stage 0 passes it on, as
@@ -112,17 +78,12 @@ def test_a_keras_hub_backbone_carries_its_padding_mask():
     optimizer.apply = lambda grads, variables=None: apply(
         [tf.convert_to_tensor(g) for g in grads], variables
     )
-    loss, reference, split, x, y = pipeline_cases.backbone_reference(optimizer)
-    tp = _pipelined(
-        models.gpt2_backbone(length=pipeline_cases.LENGTH),
-        num_microbatches=MICROBATCHES,
-    )
-    assert tp._runtime.split.cut_points == split.cut_points
-    tp.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
-    tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-    pipeline_cases.check_unsplit_weights(reference, tp.get_weights())
-    pipeline_cases.check_backbone_traffic(
-        tp.communication_stats(axis="pipe")["send"], split
+    pipeline_cases.check_backbone_pipeline(
+        _pipelined(
+            models.gpt2_backbone(length=pipeline_cases.LENGTH),
+            num_microbatches=MICROBATCHES,
+        ),
+        optimizer,
     )
 
 

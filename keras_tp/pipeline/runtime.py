@@ -22,6 +22,7 @@ from keras_tp.keras_internals import sublayers
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.stages import split_stages
 from keras_tp.placement import Placement
+from keras_tp.runtime.base import Runtime
 from keras_tp.runtime.base import select_devices
 from keras_tp.stats import CommunicationStats
 
@@ -298,11 +299,10 @@ class PipelineRuntime:
         """Stores `variable` on the device of `stage`."""
         raise NotImplementedError
 
-    def full_value(self, variable):
-        return keras.ops.convert_to_numpy(variable.value)
-
-    def assign_full_value(self, variable, value):
-        variable.assign(value)
+    # Each stage's variables hold their full values (or their split over
+    # the stage's devices, which the backend's arrays assemble).
+    full_value = Runtime.full_value
+    assign_full_value = Runtime.assign_full_value
 
     def save_model(self, model, filepath, **kwargs):
         model.save(filepath, **kwargs)

@@ -42,6 +42,7 @@ from keras_tp.runtime.torch.storage import from_numpy
 from keras_tp.runtime.torch.storage import parameter_of
 from keras_tp.runtime.torch.storage import swap_storage
 from keras_tp.runtime.torch.storage import to_numpy
+from keras_tp.runtime.torch.storage import write_on_rank_zero
 
 __all__ = [
     "RUNTIME",
@@ -234,29 +235,11 @@ class TorchRuntime(Runtime):
             if self.placement.local_shape(variable)
             != self.placement.full_shapes[id(variable)]
         ]
-        shards = []
-        error = None
-        try:
-            for variable in split:
-                full = self._unsplit(variable, parameter_of(variable).detach())
-                if self.rank == 0:
-                    shards.append((variable, swap_storage(variable, full)))
-            if self.rank == 0:
-                write()
-        except Exception as e:
-            error = e
-        finally:
-            for variable, local in shards:
-                swap_storage(variable, local)
-        saved = torch.tensor([error is None], dtype=torch.int32)
-        dist.broadcast(saved, src=0)
-        if error is not None:
-            raise error
-        if not saved.item():
-            raise RuntimeError(
-                "Rank 0 failed to write the model's weights; its exception "
-                "says why."
-            )
+        write_on_rank_zero(
+            self.rank,
+            ((v, self._unsplit(v, parameter_of(v).detach())) for v in split),
+            write,
+        )
 
     def replica_differences(self, variables):
         """Largest difference between the copies of each variable.

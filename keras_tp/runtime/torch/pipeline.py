@@ -35,6 +35,7 @@ from keras_tp.runtime.torch.process_group import join_process_group
 from keras_tp.runtime.torch.storage import parameter_of
 from keras_tp.runtime.torch.storage import swap_storage
 from keras_tp.runtime.torch.storage import to_numpy
+from keras_tp.runtime.torch.storage import write_on_rank_zero
 
 # torch.distributed.pipelining's own schedule of each name.
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -467,9 +468,8 @@ class TorchPipelineRuntime(PipelineRuntime):
         Every rank returns once the file is written, and raises if rank 0
         failed to write it.
         """
-        received = []
-        error = None
-        try:
+
+        def gathered():
             for variable in model.variables:
                 owner = self.stage_of[id(variable)]
                 parameter = parameter_of(variable)
@@ -482,23 +482,11 @@ class TorchPipelineRuntime(PipelineRuntime):
                     parameter.shape, dtype=parameter.dtype, device=self.device
                 )
                 dist.recv(full, src=owner)
-                received.append((variable, swap_storage(variable, full)))
-            if self.rank == 0:
-                model.save(filepath, **kwargs)
-        except Exception as e:
-            error = e
-        finally:
-            for variable, placeholder in received:
-                swap_storage(variable, placeholder)
-        saved = torch.tensor([error is None], dtype=torch.int32)
-        dist.broadcast(saved, src=0)
-        if error is not None:
-            raise error
-        if not saved.item():
-            raise RuntimeError(
-                "Rank 0 failed to write the pipelined model; its exception "
-                "says why."
-            )
+                yield variable, full
+
+        write_on_rank_zero(
+            self.rank, gathered(), lambda: model.save(filepath, **kwargs)
+        )
 
     def device_bytes(self, variables):
         """`{this rank's device: bytes}` of its tensors, each storage once.

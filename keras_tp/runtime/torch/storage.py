@@ -63,3 +63,40 @@ def swap_storage(variable, value):
             ) from None
     set_reported_shape(variable, parameter.shape)
     return value
+
+
+def write_on_rank_zero(rank, full_values, write):
+    """Runs `write` on rank 0 while its variables hold full values.
+
+    Every rank returns once the file is written, and raises if rank 0
+    failed to write it.
+
+    Args:
+        rank: this process's rank.
+        full_values: `(variable, full tensor)` pairs, which every rank
+            iterates (making them may take collectives); rank 0 holds
+            each full tensor in its variable while it writes.
+        write: the function that writes, run on rank 0.
+    """
+    held = []
+    error = None
+    try:
+        for variable, full in full_values:
+            if rank == 0:
+                held.append((variable, swap_storage(variable, full)))
+        if rank == 0:
+            write()
+    except Exception as e:
+        error = e
+    finally:
+        for variable, own in held:
+            swap_storage(variable, own)
+    saved = torch.tensor([error is None], dtype=torch.int32)
+    torch.distributed.broadcast(saved, src=0)
+    if error is not None:
+        raise error
+    if not saved.item():
+        raise RuntimeError(
+            "Rank 0 failed to write the model's weights; its exception "
+            "says why."
+        )

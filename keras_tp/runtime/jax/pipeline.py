@@ -1,7 +1,8 @@
-"""Pipeline stages on JAX: one compiled program per stage, on its device.
+"""Pipeline stages on JAX: one compiled program per stage, on its devices.
 
 Each stage's forward pass is a jitted `jax.vjp` of the stage's Keras
-model on that stage's device; it returns the stage's outputs and the
+model on that stage's devices (one, or several splitting its layers by
+tensor parallelism); it returns the stage's outputs and the
 `VJP` that holds its residuals (the activations the backward pass
 needs). Each backward pass is a jitted call of one such `VJP`. Python
 issues the actions in the order of a schedule (`keras_tp.pipeline.
@@ -258,6 +259,7 @@ class JaxPipelineRuntime(PipelineRuntime):
         self.meshes = [runtime.mesh for runtime in self.stage_runtimes]
         self._runners = {}
         self._updates = {}
+        self._last_count = None
         self._inference = [
             counted_jit(self._inference_of(stage), self.stats)
             for stage in self.stage_models
@@ -265,6 +267,13 @@ class JaxPipelineRuntime(PipelineRuntime):
 
     def _available_devices(self):
         return keras.distribution.list_devices()
+
+    def check_compiled(self, trainer):
+        super().check_compiled(trainer)
+        # The compiled stage functions hold the loss and the optimizer of
+        # the last compile().
+        self._runners.clear()
+        self._updates.clear()
 
     def place_variable(self, variable, axis):
         stage = self.stage_of[id(variable)]

@@ -95,7 +95,7 @@ def test_stages_split_by_tensor_parallelism():
 
 
 def test_refusals_name_the_fix():
-    with pytest.raises(ValueError, match="data_parallel=1 and zero_stage=0"):
+    with pytest.raises(ValueError, match="Pass data_parallel=1"):
         keras_tp.TensorParallelKeras(
             models.mlp(), world_size=4, pipeline_parallel=2, data_parallel=2
         )

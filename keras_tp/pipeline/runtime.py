@@ -40,7 +40,8 @@ class PipelineRuntime:
         world_size: total number of devices: `pipeline_parallel` times
             the tensor-parallel size of each stage (1 except on JAX).
         device_ids: device names of the stages, in order.
-        data_parallel: must be 1.
+        data_parallel: the number of replicas of the pipeline, each
+            training on its slice of every batch (torch only).
         zero_stage: must be 0.
         num_microbatches: micro-batches per batch; `None` takes, for each
             batch, the largest divisor of its size up to
@@ -53,7 +54,6 @@ class PipelineRuntime:
     backend = None
     local_ranks = False
     per_rank_steps = False
-    data_parallel = 1
     zero_stage = 0
     # Python issues each stage's work in the schedule's order: the step as
     # a whole is not one compiled program.
@@ -61,6 +61,9 @@ class PipelineRuntime:
     # Whether the backend splits each stage over several devices by
     # tensor parallelism (`world_size = pipeline_parallel x tensor size`).
     splits_stages = False
+    # Whether it runs `data_parallel` replicas of the pipeline, averaging
+    # each stage's gradients over its replicas.
+    replicates_stages = False
 
     def __init__(
         self,
@@ -80,25 +83,26 @@ class PipelineRuntime:
             self.backend, self._available_devices(), world_size, device_ids
         )
         world_size = len(devices)
-        if world_size % pipeline_parallel or data_parallel != 1 or zero_stage:
+        if world_size % (pipeline_parallel * data_parallel) or zero_stage:
             raise ValueError(
                 f"pipeline_parallel={pipeline_parallel} with "
                 f"world_size={world_size}, data_parallel={data_parallel} "
-                f"and zero_stage={zero_stage}: a pipeline runs its stages "
-                "on world_size / pipeline_parallel devices each, split by "
-                "tensor parallelism, without data parallelism or ZeRO yet. "
-                "Pass a world_size divisible by pipeline_parallel, "
-                "data_parallel=1 and zero_stage=0."
+                f"and zero_stage={zero_stage}: a pipeline runs "
+                "data_parallel replicas of its stages, each stage on "
+                "world_size / (pipeline_parallel x data_parallel) devices "
+                "split by tensor parallelism, without ZeRO yet. Pass a "
+                "world_size divisible by pipeline_parallel x data_parallel "
+                "and zero_stage=0."
             )
-        self.tensor_parallel = world_size // pipeline_parallel
-        if self.tensor_parallel > 1 and not self.splits_stages:
+        if data_parallel > 1 and not self.replicates_stages:
             raise ValueError(
-                f"pipeline_parallel={pipeline_parallel} with "
-                f"world_size={world_size}: on {self.backend}, a pipeline "
-                "runs each stage whole on one device (or process); "
-                "tensor parallelism inside the stages runs on JAX only. "
-                "Pass world_size=pipeline_parallel."
+                f"data_parallel={data_parallel} with pipeline_parallel="
+                f"{pipeline_parallel}: on {self.backend}, a pipeline does "
+                "not combine with data parallelism yet (it does on torch). "
+                "Pass data_parallel=1."
             )
+        self.data_parallel = data_parallel
+        self.tensor_parallel = world_size // (pipeline_parallel * data_parallel)
         schedules.check_schedule_name(schedule)
         if num_microbatches is not None and (
             not isinstance(num_microbatches, int) or num_microbatches < 1
@@ -137,7 +141,7 @@ class PipelineRuntime:
         self.placement = Placement(self.tensor_parallel, 1, self)
         self.stats = CommunicationStats()
         self.device_mesh = keras.distribution.DeviceMesh(
-            shape=(1, pipeline_parallel, self.tensor_parallel),
+            shape=(data_parallel, pipeline_parallel, self.tensor_parallel),
             axis_names=("data", "pipe", "model"),
             devices=list(self.devices),
         )

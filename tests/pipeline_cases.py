@@ -77,8 +77,13 @@ def check_weights(reference, stage_models):
 def check_unsplit_weights(reference, weights):
     """Asserts `get_weights()` of a pipelined model equal the reference's
     within 1e-5."""
-    for expected, actual in zip(reference.get_weights(), weights, strict=True):
-        np.testing.assert_allclose(actual, expected, atol=1e-5)
+    check_unsplit_weights_equal(reference.get_weights(), weights)
+
+
+def check_unsplit_weights_equal(expected, weights):
+    """Asserts two lists of weights are equal within 1e-5."""
+    for want, actual in zip(expected, weights, strict=True):
+        np.testing.assert_allclose(actual, want, atol=1e-5)
 
 
 def mlp_stage_bytes():

@@ -46,6 +46,13 @@ def test_fit_evaluate_predict_match_one_device(schedule):
     lines = []
     tp.summary(print_fn=lines.append)
     assert lines[0].startswith("Pipeline stages of 'mlp': 2 stages")
+    # Compiled again, the stages update with the new optimizer: SGD with
+    # a learning rate of 0 leaves every weight as it is.
+    trained = tp.get_weights()
+    tp.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse")
+    x, y = models.data_for("mlp", batch=BATCH)
+    tp.fit(x, keras.ops.one_hot(y, 8), batch_size=BATCH, verbose=0)
+    pipeline_cases.check_unsplit_weights_equal(trained, tp.get_weights())
 
 
 def test_a_keras_hub_backbone_in_four_stages():

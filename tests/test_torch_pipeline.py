@@ -4,7 +4,8 @@ Run alone: `KERAS_BACKEND=torch python -m pytest tests/test_torch_pipeline.py`.
 Each rank wraps the test MLP (and GPT2's backbone) with
 `pipeline_parallel=2` and trains it with Keras' `fit()` through torch's
 own GPipe and 1F1B schedules (`torch.distributed.pipelining`), with
-Adam, next to the same model trained on one device.
+Adam, next to the same model trained on one device. Then 4 ranks train
+the MLP as 2 replicas of the 2-stage pipeline (`data_parallel=2`).
 """
 
 import keras
@@ -20,10 +21,12 @@ from keras_tp.launcher import launch  # noqa: E402
 from keras_tp.pipeline.stages import split_stages  # noqa: E402
 from tests import models  # noqa: E402
 from tests import pipeline_cases  # noqa: E402
+from tests.pipeline_cases import BATCH  # noqa: E402
 from tests.pipeline_cases import MICROBATCHES  # noqa: E402
 from tests.torch_scripts import pipeline_checks  # noqa: E402
 
 STAGES = pipeline_checks.STAGES
+REPLICAS = pipeline_checks.REPLICAS
 
 
 @pytest.fixture(scope="module")
@@ -149,8 +152,67 @@ def test_a_keras_hub_backbone_carries_its_padding_mask(runs):
 def test_refuses_what_it_cannot_run(runs):
     for messages in runs["refusals"]:
         assert (
-            "pipeline_parallel=3 but this process group has 2"
-            in (messages["ranks"])
+            "pipeline_parallel=3 x data_parallel=1 needs 3 rank(s) but this "
+            "process group has 2" in messages["ranks"]
         )
         # The refusal every backend shares.
         assert "jit_compile=False" in messages["jit_compile"]
+
+
+@pytest.fixture(scope="module")
+def replicas():
+    """Every rank's results of `pipeline_checks.replicated_run`: rank
+    `r` runs stage `r % 2` of replica `r // 2`."""
+    return launch(
+        pipeline_checks.replicated_run,
+        world_size=STAGES * REPLICAS,
+        timeout=300,
+    )
+
+
+def test_replicas_train_evaluate_and_predict_like_one_device(replicas):
+    # Each rank asserted its unsplit weights equal one device's.
+    for result in replicas:
+        assert result["logged"] == replicas[0]["logged"]
+        assert result["logged"] == pytest.approx(
+            result["reference_logged"], rel=1e-5
+        )
+        assert result["evaluated"] == pytest.approx(
+            result["reference_evaluated"], rel=1e-5
+        )
+        assert result["predict_error"] < 1e-5
+
+
+def test_replicas_average_their_stage_gradients(replicas):
+    stage_bytes = pipeline_cases.mlp_stage_bytes()
+    for rank, result in enumerate(replicas):
+        reduced = result["data"]["all_reduce"]
+        # One all-reduce of the rank's own stage's gradients per step.
+        assert reduced["optimizer_calls"] == 1
+        assert reduced["optimizer_bytes"] == stage_bytes[rank % STAGES]
+        # The last stages also sum their metrics' updates (the loss
+        # tracker's total and count); the first stages have none.
+        last = rank % STAGES == STAGES - 1
+        assert reduced["forward_calls"] == (1 if last else 0)
+        assert reduced["forward_bytes"] == (2 * 4 if last else 0)
+        # A prediction gathers the replicas' outputs.
+        gathered = result["predict_gathered"]["all_gather"]
+        assert gathered["calls"] == 1
+        assert gathered["bytes"] == BATCH * 8 * 4
+
+
+def test_replicas_send_their_half_of_the_batch(replicas):
+    half = BATCH // REPLICAS
+    for rank, result in enumerate(replicas):
+        sent = result["pipe"]["send"]
+        if rank % STAGES == 0:
+            assert sent["forward_bytes"] == sent["bytes"] == half * 32 * 4
+        else:
+            assert sent["backward_bytes"] == sent["bytes"] == half * 32 * 4
+        assert sent["calls"] == pipeline_checks.REPLICA_MICROBATCHES
+
+
+def test_replicas_refuse_what_they_cannot_run(replicas):
+    for result in replicas:
+        assert "zero_stage=0" in result["zero_refused"]
+        assert "data_parallel=2" in result["odd_batch_refused"]

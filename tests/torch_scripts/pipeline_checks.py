@@ -1,10 +1,11 @@
 """Run on every rank by `keras_tp.launch` in tests/test_torch_pipeline.py.
 
 Each rank wraps the test models in `TensorParallelKeras(...,
-pipeline_parallel=2)`, trains them with Keras' own `fit()`, and compares
-them with the same model trained on one device (same seed), which it
-trains itself. Starting the ranks is the slow part, so every run happens
-in one launch and returns plain numbers.
+pipeline_parallel=2)` (and, on 4 ranks, `data_parallel=2` replicas of
+it), trains them with Keras' own `fit()`, and compares them with the same
+model trained on one device (same seed), which it trains itself. Starting
+the ranks is the slow part, so every run of a world size happens in one
+launch and returns plain numbers.
 """
 
 import os
@@ -21,6 +22,9 @@ from tests.pipeline_cases import BATCH
 from tests.pipeline_cases import MICROBATCHES
 
 STAGES = 2
+REPLICAS = 2
+# Micro-batches of each replica's half of a batch.
+REPLICA_MICROBATCHES = 2
 
 
 def all_runs(directory):
@@ -169,3 +173,53 @@ def refusals(loss):
     except ValueError as e:
         messages["jit_compile"] = str(e)
     return _gathered(messages)
+
+
+def replicated_run():
+    """Trains, evaluates and predicts with the MLP on 2 replicas of 2
+    stages (1F1B), next to one device; every rank's results.
+
+    Each rank asserts that the unsplit weights equal one device's.
+    """
+    loss, reference, logged, x, y = pipeline_cases.mlp_reference()
+    tp = keras_tp.TensorParallelKeras(
+        models.mlp(),
+        world_size=STAGES * REPLICAS,
+        pipeline_parallel=STAGES,
+        data_parallel=REPLICAS,
+        num_microbatches=REPLICA_MICROBATCHES,
+        schedule="1f1b",
+    )
+    tp.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    history = tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    pipeline_cases.check_unsplit_weights(reference, tp.get_weights())
+    result = {
+        "reference_logged": logged,
+        "logged": history.history["loss"][0],
+        "data": tp.communication_stats(axis="data"),
+        "pipe": tp.communication_stats(axis="pipe"),
+        "evaluated": tp.evaluate(x, y, batch_size=BATCH, verbose=0),
+        "reference_evaluated": reference.evaluate(
+            x, y, batch_size=BATCH, verbose=0
+        ),
+    }
+    predicted = tp.predict(x, batch_size=BATCH, verbose=0)
+    result["predict_error"] = float(
+        np.max(np.abs(predicted - reference.predict(x, verbose=0)))
+    )
+    result["predict_gathered"] = tp.communication_stats("predict", axis="data")
+    try:
+        keras_tp.TensorParallelKeras(
+            models.mlp(),
+            world_size=STAGES * REPLICAS,
+            pipeline_parallel=STAGES,
+            data_parallel=REPLICAS,
+            zero_stage=1,
+        )
+    except ValueError as e:
+        result["zero_refused"] = str(e)
+    try:
+        tp.evaluate(x[:3], y[:3], verbose=0)
+    except ValueError as e:
+        result["odd_batch_refused"] = str(e)
+    return _gathered(result)

@@ -10,13 +10,15 @@ The stage also times each micro-batch's forward and backward pass, and
 counts the bytes it sends to its neighbours.
 
 `TorchPipelineRuntime` runs `TensorParallelKeras(model,
-pipeline_parallel=P)` on P ranks: rank `r` stores and computes stage `r`
-only, and the steps of Keras' torch trainer run as this rank's part of
-the schedule.
+pipeline_parallel=P, data_parallel=D)` on P x D ranks: D replicas of the
+pipeline, each training on its slice of every batch. Rank `r` stores and
+computes stage `r % P` of replica `r // P` only, and the steps of Keras'
+torch trainer run as this rank's part of its replica's schedule.
 """
 
 import gc
 import time
+import types
 
 import keras
 import torch
@@ -26,10 +28,13 @@ from torch.distributed.pipelining import Schedule1F1B
 from torch.distributed.pipelining import ScheduleGPipe
 
 from keras_tp.collectives.base import nbytes
+from keras_tp.collectives.torch import TorchCollectiveAdapter
 from keras_tp.collectives.torch import is_symbolic
 from keras_tp.keras_internals import update_loss_tracker
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.runtime import PipelineRuntime
+from keras_tp.runtime.base import Runtime
+from keras_tp.runtime.base import collect_flat
 from keras_tp.runtime.torch import TorchRuntime
 from keras_tp.runtime.torch.process_group import join_process_group
 from keras_tp.runtime.torch.storage import parameter_of
@@ -247,17 +252,20 @@ class TorchPipeline:
 
 
 class TorchPipelineRuntime(PipelineRuntime):
-    """Runs Keras' torch steps as a pipeline, one stage per rank.
+    """Runs Keras' torch steps as pipelines, one stage per rank.
 
-    Every rank builds the whole model (same seed), then keeps its own
-    stage only: rank `r` stores and computes stage `r`. The other stages'
-    variables become "meta" tensors, which keep their shapes (Keras'
-    symbolic builds read them) and hold no memory. A training step runs
-    this rank's part of torch's schedule (`TorchPipeline`) and updates its
-    own stage's variables. The last rank, which has the loss and the
-    outputs, updates the metrics; their variables, and the outputs of a
-    prediction, are then broadcast from it, so every rank logs and
-    returns the same numbers.
+    The ranks form a `data x pipe` mesh, row-major: rank `r` runs stage
+    `r % P` of replica `r // P`. Every rank builds the whole model (same
+    seed), then keeps its own stage only. The other stages' variables
+    become "meta" tensors, which keep their shapes (Keras' symbolic builds
+    read them) and hold no memory. A training step runs this rank's part
+    of its replica's schedule (`TorchPipeline`) on the replica's slice of
+    the batch, averages the stage's gradients over the replicas (one
+    all-reduce over `data`) and updates its own stage's variables. The
+    last stage of each replica, which has the loss and the outputs,
+    updates the metrics; their updates are summed over the replicas, and
+    the metric variables, and the outputs of a prediction, are then
+    broadcast from it, so every rank logs and returns the same numbers.
 
     Attributes:
         timeline: this rank's `(kind, micro_batch, start, end)` spans of
@@ -265,40 +273,78 @@ class TorchPipelineRuntime(PipelineRuntime):
     """
 
     backend = "torch"
+    replicates_stages = True
 
     def __init__(
-        self, model, pipeline_parallel, world_size=None, *args, **kwargs
+        self,
+        model,
+        pipeline_parallel,
+        world_size=None,
+        device_ids=None,
+        data_parallel=1,
+        *args,
+        **kwargs,
     ):
-        join_process_group(
-            pipeline_parallel if world_size is None else world_size
-        )
+        needed = pipeline_parallel * data_parallel
+        join_process_group(needed if world_size is None else world_size)
         ranks = dist.get_world_size()
-        if pipeline_parallel != ranks:
+        if needed != ranks:
             raise ValueError(
-                f"pipeline_parallel={pipeline_parallel} but this process "
-                f"group has {ranks} rank(s): on torch each pipeline stage is "
-                f"one rank (process). Start {pipeline_parallel} processes "
-                f"(keras_tp.launch(fn, world_size={pipeline_parallel}) or "
-                f"torchrun --nproc-per-node {pipeline_parallel}) or pass "
-                f"pipeline_parallel={ranks}."
+                f"pipeline_parallel={pipeline_parallel} x data_parallel="
+                f"{data_parallel} needs {needed} rank(s) but this process "
+                f"group has {ranks} rank(s): on torch each pipeline stage of "
+                f"each replica is one rank (process). Start {needed} "
+                f"processes (keras_tp.launch(fn, world_size={needed}) or "
+                f"torchrun --nproc-per-node {needed}) or pass "
+                "pipeline_parallel and data_parallel whose product is "
+                f"{ranks}."
             )
         # This rank's number and torch device, as tensor parallelism
         # names them.
         TorchRuntime._build(self)
-        super().__init__(model, pipeline_parallel, world_size, *args, **kwargs)
-        self.stage_model = self.stage_models[self.rank]
+        super().__init__(
+            model,
+            pipeline_parallel,
+            world_size,
+            device_ids,
+            data_parallel,
+            *args,
+            **kwargs,
+        )
+        self.stage_index = self.rank % pipeline_parallel
+        self.data_index = self.rank // pipeline_parallel
+        self.stage_model = self.stage_models[self.stage_index]
+        # The global rank of this replica's last stage, which has the
+        # loss, the metrics and the outputs.
+        self.last_rank = (self.data_index + 1) * pipeline_parallel - 1
+        self.pipe_group = None
+        self.data_adapter = None
+        if data_parallel > 1:
+            # The data x pipe mesh is the tensor-parallel runtime's data x
+            # model mesh with the stages as its columns: its rows are the
+            # replicas, its columns the copies of each stage.
+            mesh = types.SimpleNamespace(
+                data_parallel=data_parallel, tensor_parallel=pipeline_parallel
+            )
+            self.pipe_group, data_group = TorchRuntime._axis_groups(mesh)
+            self.data_adapter = TorchCollectiveAdapter(data_group, "data")
+            self.data_adapter.stats = self.stats
         self.timeline = []
         # One `TorchPipeline` per micro-batch count and input shapes: a
         # torch stage fixes the shapes it sends and receives on its first
         # run.
         self._pipelines = {}
 
+    check_batch_size = Runtime.check_batch_size
+    synchronised_state = Runtime.synchronised_state
+    _batch_slice = TorchRuntime._batch_slice
+
     def _available_devices(self):
         return TorchRuntime._available_devices(self)
 
     def _move(self, variable, stage):
         parameter = parameter_of(variable)
-        if stage != self.rank:
+        if stage != self.stage_index:
             # No rank computes another's stage: its variables keep their
             # shape on the meta device, without memory.
             value = torch.empty(
@@ -333,7 +379,7 @@ class TorchPipelineRuntime(PipelineRuntime):
         """This rank's `TorchPipeline` for a batch of inputs `x`.
 
         Args:
-            x: the batch's inputs.
+            x: this replica's part of the batch's inputs.
             with_loss: whether it computes the loss (training and
                 evaluation) or only the outputs (prediction).
         """
@@ -344,17 +390,30 @@ class TorchPipelineRuntime(PipelineRuntime):
         if key not in self._pipelines:
             self._pipelines[key] = TorchPipeline(
                 self.stage_model,
-                self.rank,
+                self.stage_index,
                 self.pipeline_parallel,
                 count,
                 self.schedule,
                 self.loss_function() if with_loss else None,
                 self.stats,
                 self.device,
+                group=self.pipe_group,
             )
         return self._pipelines[key]
 
+    def _replica_part(self, data):
+        """This replica's slice of every tensor of a global batch.
+
+        Raises:
+            ValueError: if the batch does not split evenly over the
+                replicas.
+        """
+        if self.data_adapter is None:
+            return data
+        return keras.tree.map_structure(self._batch_slice, data)
+
     def train_step(self, data):
+        data = self._replica_part(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self.check_no_sample_weight(sample_weight)
         pipeline = self._pipeline(x)
@@ -365,11 +424,32 @@ class TorchPipelineRuntime(PipelineRuntime):
         self.timeline = pipeline.stage.timeline
         with torch.no_grad():
             self.trainer.optimizer.apply(
-                [variable.value.grad for variable in variables], variables
+                self._averaged_gradients(variables), variables
             )
         return self._logs(pipeline, x, y, loss, y_pred)
 
+    def _averaged_gradients(self, variables):
+        """The gradients of this stage's `variables`, averaged over the
+        replicas in one all-reduce (`None` where a variable has none).
+
+        Each replica's gradients are the mean over its slice of the batch,
+        and the slices are equal, so their mean is the whole batch's.
+        """
+        gradients = [variable.value.grad for variable in variables]
+        present = [g for g in gradients if g is not None]
+        if self.data_adapter is None or not present:
+            return gradients
+        with self.stats.labelled("optimizer"):
+            averaged = iter(
+                collect_flat(
+                    present,
+                    lambda flat: self.data_adapter.all_reduce(flat, "mean"),
+                )
+            )
+        return [None if g is None else next(averaged) for g in gradients]
+
     def test_step(self, data):
+        data = self._replica_part(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self.check_no_sample_weight(sample_weight)
         pipeline = self._pipeline(x)
@@ -377,27 +457,44 @@ class TorchPipelineRuntime(PipelineRuntime):
         return self._logs(pipeline, x, y, loss, y_pred)
 
     def predict_step(self, data):
+        data = self._replica_part(data)
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         _, y_pred = self._pipeline(x, with_loss=False).forward(x)
-        return self._from_last_stage(y_pred)
+        y_pred = self._from_last_stage(y_pred)
+        if self.data_adapter is None:
+            return y_pred
+        # Every rank returns the whole batch's outputs: the replicas'
+        # slices, in their order.
+        return keras.tree.map_structure(
+            lambda y: self.data_adapter.all_gather(y, 0), y_pred
+        )
 
     def _logs(self, pipeline, x, y, loss, y_pred):
         """The step's logs, alike on every rank.
 
-        The last stage adds the loss and the outputs to the metrics; every
-        rank then takes its metric variables from the last rank.
+        The last stage of each replica adds its slice's loss and outputs to
+        the metrics, and the replicas' updates are summed over `data`;
+        every rank then takes its metric variables from its replica's last
+        stage.
         """
         trainer = self.trainer
+        variables = trainer.metrics_variables
         if pipeline.is_last:
+            before = [v.value.detach().clone() for v in variables]
             update_loss_tracker(trainer, loss, len(keras.tree.flatten(x)[0]))
             with torch.no_grad():
                 trainer.compute_metrics(x, y, y_pred, None)
-        variables = trainer.metrics_variables
+            if self.data_adapter is not None:
+                totals, _ = self.synchronised_state(
+                    [], [], before, [v.value.detach() for v in variables]
+                )
+                for variable, total in zip(variables, totals):
+                    variable.assign(total)
         values = [v.value.detach().reshape(-1).double() for v in variables]
         # One broadcast for all of them: float64 holds float32 and int32
         # metric state exactly.
         buffer = torch.cat(values)
-        dist.broadcast(buffer, src=self.pipeline_parallel - 1)
+        dist.broadcast(buffer, src=self.last_rank, group=self.pipe_group)
         self.stats.record("broadcast", nbytes(buffer), "forward", "pipe")
         parts = torch.split(buffer, [value.numel() for value in values])
         for variable, value in zip(variables, parts):
@@ -405,20 +502,21 @@ class TorchPipelineRuntime(PipelineRuntime):
         return trainer.get_metrics_result()
 
     def _from_last_stage(self, outputs):
-        """The last stage's `outputs`, broadcast to every rank."""
-        last = self.pipeline_parallel - 1
+        """The last stage's `outputs`, broadcast to every rank of its
+        replica."""
+        last = self.last_rank
         specs = [None]
         if self.rank == last:
             leaves = keras.tree.flatten(outputs)
             specs = [[(tuple(t.shape), t.dtype) for t in leaves]]
-        dist.broadcast_object_list(specs, src=last)
+        dist.broadcast_object_list(specs, src=last, group=self.pipe_group)
         if self.rank != last:
             leaves = [
                 torch.empty(shape, dtype=dtype, device=self.device)
                 for shape, dtype in specs[0]
             ]
         for tensor in leaves:
-            dist.broadcast(tensor, src=last)
+            dist.broadcast(tensor, src=last, group=self.pipe_group)
             self.stats.record("broadcast", nbytes(tensor), "forward", "pipe")
         return keras.tree.pack_sequence_as(self.stage_models[-1].output, leaves)
 
@@ -427,6 +525,7 @@ class TorchPipelineRuntime(PipelineRuntime):
         ranks, without gradients (train with `fit()`); every rank returns
         the outputs.
 
+        Each replica runs the whole call, so that inputs of any size work.
         A symbolic call (Keras building its metrics on "meta" tensors) runs
         the stages as a graph, as on one device.
         """
@@ -440,7 +539,8 @@ class TorchPipelineRuntime(PipelineRuntime):
             return self._from_last_stage(outputs)
 
     def full_value(self, variable):
-        """The variable's value, broadcast from its stage's rank."""
+        """The variable's value, broadcast from its stage's rank in the
+        first replica (global rank `stage`)."""
         owner = self.stage_of[id(variable)]
         parameter = parameter_of(variable)
         if self.rank == owner:
@@ -454,16 +554,18 @@ class TorchPipelineRuntime(PipelineRuntime):
         return to_numpy(tensor)
 
     def assign_full_value(self, variable, value):
-        """Assigns `value` on the variable's stage's rank.
+        """Assigns `value` on the ranks of the variable's stage, one per
+        replica.
 
         Every rank passes the same `value`, as in any SPMD program.
         """
-        if self.stage_of[id(variable)] == self.rank:
+        if self.stage_of[id(variable)] == self.stage_index:
             variable.assign(value)
 
     def save_model(self, model, filepath, **kwargs):
-        """Rank 0 writes the unsplit model; the other ranks send it their
-        stages' variables, which it holds only while writing.
+        """Rank 0 writes the unsplit model; the other stages' ranks of the
+        first replica send it their variables, which it holds only while
+        writing.
 
         Every rank returns once the file is written, and raises if rank 0
         failed to write it.
@@ -471,6 +573,7 @@ class TorchPipelineRuntime(PipelineRuntime):
 
         def gathered():
             for variable in model.variables:
+                # Stage `s` of the first replica is global rank `s`.
                 owner = self.stage_of[id(variable)]
                 parameter = parameter_of(variable)
                 if owner == 0 or self.rank not in (0, owner):

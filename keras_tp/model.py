@@ -64,8 +64,10 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             (`keras_tp.pipeline.split_stages`), one per device, and each
             batch runs through them as micro-batches. On JAX each stage
             runs on `world_size / pipeline_parallel` devices, split by
-            tensor parallelism (elsewhere `world_size` must equal it); it
-            does not combine with data parallelism or ZeRO yet.
+            tensor parallelism; on torch `data_parallel` replicas of the
+            pipeline each train on a slice of the batch
+            (`world_size = pipeline_parallel x data_parallel`). ZeRO does
+            not combine with it yet.
         num_microbatches: micro-batches per batch of a pipeline; `None`
             takes the largest divisor of each batch's size up to
             `4 * pipeline_parallel`.

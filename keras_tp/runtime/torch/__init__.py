@@ -38,6 +38,7 @@ from keras_tp.runtime.base import Runtime
 from keras_tp.runtime.base import median_seconds
 from keras_tp.runtime.torch.process_group import configure_virtual_devices
 from keras_tp.runtime.torch.process_group import join_process_group
+from keras_tp.runtime.torch.process_group import mesh_groups
 from keras_tp.runtime.torch.storage import from_numpy
 from keras_tp.runtime.torch.storage import parameter_of
 from keras_tp.runtime.torch.storage import swap_storage
@@ -113,21 +114,7 @@ class TorchRuntime(Runtime):
         `r % tensor_parallel` of the `data x model` mesh; an axis spanning
         every rank uses the default group (`None`).
         """
-        columns = self.tensor_parallel
-        rows = [
-            list(range(row * columns, (row + 1) * columns))
-            for row in range(self.data_parallel)
-        ]
-        # Every rank creates every group, in the same order, as
-        # torch.distributed requires.
-        model_group = data_group = None
-        if self.data_parallel > 1:
-            model_group, _ = dist.new_subgroups_by_enumeration(rows)
-        if self.tensor_parallel > 1:
-            data_group, _ = dist.new_subgroups_by_enumeration(
-                [list(column) for column in zip(*rows)]
-            )
-        return model_group, data_group
+        return mesh_groups(self.data_parallel, self.tensor_parallel)
 
     def time_data_all_reduce(self, nbytes, repeats):
         buffer = torch.zeros(nbytes // 4, device=self.device)

@@ -18,7 +18,6 @@ torch trainer run as this rank's part of its replica's schedule.
 
 import gc
 import time
-import types
 
 import keras
 import torch
@@ -37,6 +36,7 @@ from keras_tp.runtime.base import Runtime
 from keras_tp.runtime.base import collect_flat
 from keras_tp.runtime.torch import TorchRuntime
 from keras_tp.runtime.torch.process_group import join_process_group
+from keras_tp.runtime.torch.process_group import mesh_groups
 from keras_tp.runtime.torch.storage import parameter_of
 from keras_tp.runtime.torch.storage import swap_storage
 from keras_tp.runtime.torch.storage import to_numpy
@@ -320,13 +320,11 @@ class TorchPipelineRuntime(PipelineRuntime):
         self.pipe_group = None
         self.data_adapter = None
         if data_parallel > 1:
-            # The data x pipe mesh is the tensor-parallel runtime's data x
-            # model mesh with the stages as its columns: its rows are the
-            # replicas, its columns the copies of each stage.
-            mesh = types.SimpleNamespace(
-                data_parallel=data_parallel, tensor_parallel=pipeline_parallel
+            # The rows of the data x pipe mesh are the replicas, its
+            # columns the copies of each stage.
+            self.pipe_group, data_group = mesh_groups(
+                data_parallel, pipeline_parallel
             )
-            self.pipe_group, data_group = TorchRuntime._axis_groups(mesh)
             self.data_adapter = TorchCollectiveAdapter(data_group, "data")
             self.data_adapter.stats = self.stats
         self.timeline = []

@@ -118,3 +118,28 @@ def _leave_process_group():
     liveness.stop_watching()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def mesh_groups(rows, columns):
+    """This rank's process groups of a `rows x columns` mesh of all ranks.
+
+    Rank `r` sits at row `r // columns` and column `r % columns`.
+
+    Returns:
+        `(row group, column group)`: the ranks of this rank's row, and of
+        its column; `None` (the default group) for one that holds every
+        rank.
+    """
+    grid = [
+        list(range(row * columns, (row + 1) * columns)) for row in range(rows)
+    ]
+    # Every rank creates every group, in the same order, as
+    # torch.distributed requires.
+    row_group = column_group = None
+    if rows > 1:
+        row_group, _ = dist.new_subgroups_by_enumeration(grid)
+    if columns > 1:
+        column_group, _ = dist.new_subgroups_by_enumeration(
+            [list(column) for column in zip(*grid)]
+        )
+    return row_group, column_group

@@ -78,7 +78,7 @@ class PipelineRuntime:
         cut_points=None,
     ):
         if world_size is None and device_ids is None:
-            world_size = pipeline_parallel
+            world_size = pipeline_parallel * data_parallel
         devices = select_devices(
             self.backend, self._available_devices(), world_size, device_ids
         )

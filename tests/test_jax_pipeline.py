@@ -101,7 +101,7 @@ def test_stages_split_by_tensor_parallelism():
     )
 
 
-def test_refusals_name_the_fix():
+def test_refusals_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="Pass data_parallel=1"):
         keras_tp.TensorParallelKeras(
             models.mlp(), world_size=4, pipeline_parallel=2, data_parallel=2
@@ -127,3 +127,5 @@ def test_refusals_name_the_fix():
         _pipelined(models.mlp(), 2, num_microbatches=3).predict(
             x, batch_size=8, verbose=0
         )
+    with pytest.raises(ValueError, match="Sharded checkpoints"):
+        tp.save_weights(tmp_path / "weights")

@@ -13,6 +13,7 @@ import keras
 import numpy as np
 
 from keras_tp.parallel import CoordinatedOptimizer
+from keras_tp.runtime.pieces import CheckpointPieces
 
 
 def checkpoint_state(model, build_optimizer=False):
@@ -66,6 +67,14 @@ class _ParallelStorage:
     def __init__(self, model):
         self.model = model
         self.runtime = model._runtime
+        if not isinstance(self.runtime, CheckpointPieces):
+            # A pipeline's runtime: its stages' pieces have no layout in
+            # the checkpoint manifest yet.
+            raise ValueError(
+                "Sharded checkpoints (save_weights, save_checkpoint, "
+                "BackupAndRestore) of a pipelined model are not supported "
+                "yet. Use save() to write the unsplit model."
+            )
         self.local_pieces = self.runtime.local_pieces
         self.assign_local_pieces = self.runtime.assign_local_pieces
         self.full_shape = self.runtime.full_shape

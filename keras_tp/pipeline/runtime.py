@@ -324,15 +324,6 @@ class PipelineRuntime:
         with self.stats.recording("call"):
             return self.split.run(inputs, training=training)
 
-    def local_pieces(self, variable):
-        raise ValueError(
-            "Sharded checkpoints (save_weights, save_checkpoint, "
-            "BackupAndRestore) of a pipelined model are not supported yet. "
-            "Use save() to write the unsplit model."
-        )
-
-    assign_local_pieces = local_pieces
-
 
 def _check_layers(model):
     """Refuses layers whose training a pipeline would change."""

@@ -16,7 +16,6 @@ import copy
 
 import keras
 
-from keras_tp.collectives.base import nbytes
 from keras_tp.keras_internals import compiled_loss
 from keras_tp.keras_internals import sublayers
 from keras_tp.pipeline import schedules
@@ -303,6 +302,10 @@ class PipelineRuntime:
         """Stores `variable` on the device of `stage`."""
         raise NotImplementedError
 
+    def device_bytes(self, variables):
+        """`{device: bytes}` these variables occupy, read from the arrays."""
+        raise NotImplementedError
+
     # Each stage's variables hold their full values (or their split over
     # the stage's devices, which the backend's arrays assemble).
     full_value = Runtime.full_value
@@ -310,15 +313,6 @@ class PipelineRuntime:
 
     def save_model(self, model, filepath, **kwargs):
         model.save(filepath, **kwargs)
-
-    def device_bytes(self, variables):
-        """`{device: bytes}` of these variables, by their stage's device."""
-        totals = {device: 0 for device in self.devices}
-        for variable in variables:
-            stage = self.stage_of.get(id(variable))
-            if stage is not None:
-                totals[self.devices[stage]] += nbytes(variable)
-        return totals
 
     def call_model(self, model, inputs, training):
         with self.stats.recording("call"):

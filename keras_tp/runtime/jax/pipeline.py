@@ -352,20 +352,10 @@ class JaxPipelineRuntime(PipelineRuntime):
         new_optimizer = dict(
             zip(map(id, optimizer.variables), optimizer_values)
         )
-        shared = [v for v in optimizer.variables if id(v) not in self.stage_of]
         for stage, (values, grads) in enumerate(zip(by_stage, gradients)):
-            own = [v for v in self.stage_models[stage].trainable_variables]
-            slots = [
-                v
-                for v in optimizer.variables
-                if self.stage_of.get(id(v)) == stage
-            ]
-            update = self._updates.get(stage)
-            if update is None:
-                update = counted_jit(
-                    _update_of(optimizer, own, slots, shared), self.stats
-                )
-                self._updates[stage] = update
+            if stage not in self._updates:
+                self._updates[stage] = self._update_of(stage)
+            update, own, slots, shared = self._updates[stage]
             mesh = self.meshes[stage]
             values, slot_values, shared_values = update(
                 values,
@@ -382,12 +372,25 @@ class JaxPipelineRuntime(PipelineRuntime):
             [new_optimizer[id(v)] for v in optimizer.variables],
         )
 
+    def _update_of(self, stage):
+        """`(update, variables, slots, shared)` of a stage: its compiled
+        optimizer update (`_update_of`) and the variables it reads."""
+        optimizer = self.trainer.optimizer
+        own = self.stage_models[stage].trainable_variables
+        slots = [
+            v for v in optimizer.variables if self.stage_of.get(id(v)) == stage
+        ]
+        shared = [v for v in optimizer.variables if id(v) not in self.stage_of]
+        update = counted_jit(
+            _update_of(optimizer, own, slots, shared), self.stats
+        )
+        return update, own, slots, shared
+
     def _merged(self, variables, values, stage_values):
         """`values` with each stage's new ones written over them."""
         merged = dict(zip(map(id, variables), values))
         for stage, new in zip(self.stage_models, stage_values):
-            own = [v for v in stage.non_trainable_variables]
-            merged.update(zip(map(id, own), new))
+            merged.update(zip(map(id, stage.non_trainable_variables), new))
         return [merged[id(v)] for v in variables]
 
     def _inference_of(self, stage_model):

@@ -62,15 +62,16 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
         pipeline_parallel: the number of pipeline stages. Above 1, the
             model (Functional) is cut into that many consecutive stages
             (`keras_tp.pipeline.split_stages`), one per device, and each
-            batch runs through them as micro-batches. On JAX each stage
-            runs on `world_size / pipeline_parallel` devices, split by
-            tensor parallelism; on torch `data_parallel` replicas of the
-            pipeline each train on a slice of the batch
-            (`world_size = pipeline_parallel x data_parallel`). ZeRO does
-            not combine with it yet.
-        num_microbatches: micro-batches per batch of a pipeline; `None`
-            takes the largest divisor of each batch's size up to
-            `4 * pipeline_parallel`.
+            batch runs through them as micro-batches. `data_parallel`
+            replicas of the pipeline (JAX and torch) each train on a
+            slice of the batch. On JAX each stage of a replica runs on
+            `world_size / (pipeline_parallel x data_parallel)` devices,
+            split by tensor parallelism (a `data x pipe x model` mesh);
+            elsewhere `world_size = pipeline_parallel x data_parallel`.
+            ZeRO does not combine with it yet.
+        num_microbatches: micro-batches per batch (per replica's slice of
+            it) of a pipeline; `None` takes the largest divisor of the
+            slice's size up to `4 * pipeline_parallel`.
         schedule: the pipeline's order of forward and backward passes,
             `"1f1b"` (default; holds at most `pipeline_parallel`
             micro-batches' activations) or `"gpipe"`.

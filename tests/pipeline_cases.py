@@ -102,14 +102,24 @@ def check_mlp_traffic(sent):
     assert sent["calls"] == 2 * MICROBATCHES
 
 
-def check_backbone_traffic(sent, split):
+def check_backbone_traffic(sent, split, replicas=1, copies=1):
     """At each cut, the hidden states and the carried mask forward; the
-    hidden states' gradients back (the integer mask has none)."""
-    micro = BATCH // MICROBATCHES
+    hidden states' gradients back (the integer mask has none).
+
+    Args:
+        sent: the `"send"` entry of `communication_stats(axis="pipe")`.
+        split: the model's `StageSplit`.
+        replicas: the pipeline's replicas, each on its slice of a batch
+            in `MICROBATCHES` micro-batches.
+        copies: devices of a stage that each receive a whole copy (the
+            tensor-parallel devices on JAX).
+    """
+    micro = BATCH // (replicas * MICROBATCHES)
     cuts = split.bytes_per_cut(micro, LENGTH)
-    assert sent["forward_bytes"] == MICROBATCHES * sum(cuts)
+    times = replicas * copies * MICROBATCHES
+    assert sent["forward_bytes"] == times * sum(cuts)
     assert sent["backward_bytes"] == (
-        MICROBATCHES * len(cuts) * micro * LENGTH * 16 * 4
+        times * len(cuts) * micro * LENGTH * 16 * 4
     )
 
 
@@ -180,5 +190,10 @@ def check_backbone_pipeline(tp, reference_optimizer=None):
     tp.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
     tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
     check_unsplit_weights(reference, tp.get_weights())
-    check_backbone_traffic(tp.communication_stats(axis="pipe")["send"], split)
+    check_backbone_traffic(
+        tp.communication_stats(axis="pipe")["send"],
+        split,
+        tp._runtime.data_parallel,
+        tp._runtime.tensor_parallel,
+    )
     return tp, x, y

@@ -16,7 +16,7 @@ os.environ["KERAS_BACKEND"] = "jax"
 
 import keras_tp  # noqa: E402
 
-keras_tp.configure_virtual_devices(4)
+keras_tp.configure_virtual_devices(8)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -101,11 +101,44 @@ def test_stages_split_by_tensor_parallelism():
     )
 
 
-def test_refusals_name_the_fix(tmp_path):
-    with pytest.raises(ValueError, match="Pass data_parallel=1"):
+def test_replicas_of_stages_split_by_tensor_parallelism():
+    """data x pipe x model, 2 x 2 x 2 on 8 devices: 2 replicas of the
+    pipeline of the test above, each training on its half of every batch.
+    Each stage's gradients are averaged over its replicas once per step:
+    one all-reduce of what each device holds of the stage."""
+    tp, x, _ = pipeline_cases.check_backbone_pipeline(
         keras_tp.TensorParallelKeras(
-            models.mlp(), world_size=4, pipeline_parallel=2, data_parallel=2
+            models.gpt2_backbone(length=pipeline_cases.LENGTH),
+            world_size=8,
+            data_parallel=2,
+            pipeline_parallel=2,
+            num_microbatches=MICROBATCHES,
         )
+    )
+    # Devices 0-3 are replica 0 (stage 0 on 0-1, stage 1 on 2-3); 4-7
+    # hold the same shards for replica 1.
+    per_device = list(tp.parameter_bytes_per_device().values())
+    assert per_device[:4] == per_device[4:]
+    assert per_device[0] != per_device[2]
+    averaged = tp.communication_stats(axis="data")["all_reduce"]
+    assert averaged["calls"] == averaged["optimizer_calls"] == 2
+    assert averaged["bytes"] == per_device[0] + per_device[2]
+    one_device = models.gpt2_backbone(length=pipeline_cases.LENGTH)
+    one_device.set_weights(tp.get_weights())
+    np.testing.assert_allclose(
+        tp.predict(x, batch_size=BATCH, verbose=0),
+        one_device.predict(x, batch_size=BATCH, verbose=0),
+        atol=1e-5,
+    )
+
+
+def test_refusals_name_the_fix(tmp_path):
+    replicated = keras_tp.TensorParallelKeras(
+        models.mlp(), world_size=4, pipeline_parallel=2, data_parallel=2
+    )
+    replicated.compile(optimizer="adam", loss=models.loss_fn())
+    with pytest.raises(ValueError, match="divides by 2"):
+        replicated.fit(*models.data_for("mlp", batch=3), verbose=0)
     with pytest.raises(ValueError, match="trainable BatchNormalization"):
         _pipelined(models.cnn(), 2)
     tp = _pipelined(models.mlp(), 2)

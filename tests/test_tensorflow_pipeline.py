@@ -98,3 +98,7 @@ def test_refusals_name_the_fix():
     # 12 samples in batches of 8: Keras traces the step for any size.
     with pytest.raises(ValueError, match="drop_remainder=True"):
         tp.fit(x, y, batch_size=8, verbose=0)
+    with pytest.raises(ValueError, match="Pass data_parallel=1"):
+        keras_tp.TensorParallelKeras(
+            models.mlp(), world_size=4, pipeline_parallel=2, data_parallel=2
+        )

@@ -15,6 +15,7 @@ import contextlib
 import copy
 
 import keras
+import numpy as np
 
 from keras_tp.keras_internals import compiled_loss
 from keras_tp.keras_internals import sublayers
@@ -36,11 +37,12 @@ class PipelineRuntime:
     Args:
         model: the built Functional model to cut.
         pipeline_parallel: the number of stages, one device each.
-        world_size: total number of devices: `pipeline_parallel` times
-            the tensor-parallel size of each stage (1 except on JAX).
+        world_size: total number of devices: `data_parallel x
+            pipeline_parallel` times the tensor-parallel size of each
+            stage (1 except on JAX).
         device_ids: device names of the stages, in order.
         data_parallel: the number of replicas of the pipeline, each
-            training on its slice of every batch (torch only).
+            training on its slice of every batch (JAX and torch).
         zero_stage: must be 0.
         num_microbatches: micro-batches per batch; `None` takes, for each
             batch, the largest divisor of its size up to
@@ -97,7 +99,8 @@ class PipelineRuntime:
             raise ValueError(
                 f"data_parallel={data_parallel} with pipeline_parallel="
                 f"{pipeline_parallel}: on {self.backend}, a pipeline does "
-                "not combine with data parallelism yet (it does on torch). "
+                "not combine with data parallelism yet (it does on JAX and "
+                "torch). "
                 "Pass data_parallel=1."
             )
         self.data_parallel = data_parallel
@@ -116,10 +119,13 @@ class PipelineRuntime:
         self.num_microbatches = num_microbatches
         self.schedule = schedule
         self.devices = devices
-        size = self.tensor_parallel
-        # Stage `s` runs on devices `s * size` to `(s + 1) * size - 1`.
+        # The devices form a `data x pipe x model` grid; stage `s` runs on
+        # its `pipe` index `s`: `data` rows of `model` devices each.
+        grid = np.array(devices, dtype=object).reshape(
+            data_parallel, pipeline_parallel, self.tensor_parallel
+        )
         self.stage_devices = [
-            devices[s * size : (s + 1) * size] for s in range(pipeline_parallel)
+            list(grid[:, s, :].flat) for s in range(pipeline_parallel)
         ]
         self.split = split_stages(model, pipeline_parallel, cut_points)
         self.stage_models = [stage.model for stage in self.split.stages]
@@ -288,6 +294,8 @@ class PipelineRuntime:
             members = [v for v in stage.variables if id(v) in by_id]
             grouped.append([by_id[id(v)] for v in members])
         return grouped
+
+    check_batch_size = Runtime.check_batch_size
 
     # Placement: the storage of `self.placement` ----------------------
 

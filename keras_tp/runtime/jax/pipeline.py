@@ -16,11 +16,7 @@ than GPipe's.
 
 import jax
 import keras
-import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec
 
-from keras_tp.collectives.base import nbytes
 from keras_tp.keras_internals import StatelessScope
 from keras_tp.keras_internals import jax_update_metrics
 from keras_tp.pipeline import schedules
@@ -28,60 +24,42 @@ from keras_tp.pipeline.runner import ScheduledStages
 from keras_tp.pipeline.runtime import PipelineRuntime
 from keras_tp.runtime.jax import JaxRuntime
 from keras_tp.runtime.jax import to_jax_device
+from keras_tp.runtime.jax.stage_programs import ReplicatedStagePrograms
+from keras_tp.runtime.jax.stage_programs import StagePrograms
+from keras_tp.runtime.jax.stage_programs import concatenated
+from keras_tp.runtime.jax.stage_programs import count_received
+from keras_tp.runtime.jax.stage_programs import counted_jit
+from keras_tp.runtime.jax.stage_programs import microbatch
+from keras_tp.runtime.jax.stage_programs import onto
+from keras_tp.runtime.jax.stage_programs import replica_mean
 from keras_tp.runtime.jax.steps import is_concrete
 
 
 class JaxPipeline(ScheduledStages):
     """The stages of a pipeline, each compiled for its own devices.
 
-    Args: those of `ScheduledStages`; `devices` are the `jax.sharding.Mesh`
-    of each stage (one device, or the stage's tensor-parallel devices).
+    Args:
+        programs: the stages' compiled passes (`StagePrograms`).
+        schedule: `"gpipe"` or `"1f1b"`.
     """
 
-    def __init__(
-        self, stage_models, devices, loss, schedule, num_microbatches, stats
-    ):
+    def __init__(self, programs, schedule):
         super().__init__(
-            stage_models, devices, loss, schedule, num_microbatches, stats
+            programs.stage_models,
+            [runtime.mesh for runtime in programs.runtimes],
+            programs.loss,
+            schedule,
+            programs.num_microbatches,
+            programs.stats,
         )
-        self._forwards = [
-            counted_jit(self._forward_of(index), stats)
-            for index in range(len(stage_models))
-        ]
-        self._backward = counted_jit(
-            lambda vjp, cotangent: vjp(cotangent), stats
-        )
+        self.programs = programs
         self.peak_activations = []
-
-    def _forward_of(self, index):
-        model = self.stage_models[index]
-        last = index == len(self.stage_models) - 1
-        microbatches = self.num_microbatches
-
-        def forward(trainable, non_trainable, inputs, targets):
-            def stage(trainable, inputs):
-                outputs, new_non_trainable = model.stateless_call(
-                    trainable, non_trainable, inputs, training=True
-                )
-                if not last:
-                    return outputs, (new_non_trainable, None)
-                # Each micro-batch's share of the batch's mean loss; the
-                # predictions ride along for the metrics.
-                loss = self.loss(targets, outputs) / microbatches
-                return loss, (new_non_trainable, outputs)
-
-            outputs, vjp, (new_non_trainable, predictions) = jax.vjp(
-                stage, trainable, inputs, has_aux=True
-            )
-            return outputs, vjp, new_non_trainable, predictions
-
-        return forward
 
     def step(self, trainable, non_trainable, x, y):
         """Runs the forward and backward passes of one batch.
 
         Args:
-            trainable: each stage's trainable values, on its device.
+            trainable: each stage's trainable values, on its devices.
             non_trainable: each stage's non-trainable values.
             x: the batch's inputs (NumPy or JAX arrays).
             y: the batch's targets.
@@ -89,57 +67,63 @@ class JaxPipeline(ScheduledStages):
         Returns:
             `(loss, gradients, non_trainable, predictions)`: the batch's
             mean loss, each stage's gradients summed over the micro-batches
-            (of the mean loss), each stage's new non-trainable values, and
-            the last stage's outputs of the whole batch.
+            (of the mean loss; one row per replica with replicas), each
+            stage's new non-trainable values, and the last stage's outputs
+            of the whole batch.
             `peak_activations` then holds, per stage, the most
             micro-batches whose activations it held at once.
         """
-        count = self.num_microbatches
-        batch = len(jax.tree_util.tree_leaves(x)[0])
-        schedules.check_microbatches(batch, count)
-        size = batch // count
-
+        programs = self.programs
         last = len(self.stage_models) - 1
-        targets = [_microbatch(y, m, size) for m in range(count)]
-        received = {(0, m): _microbatch(x, m, size) for m in range(count)}
-        predictions = [None] * count
+        targets = programs.split_batch(y)
+        received = {
+            (0, m): part for m, part in enumerate(programs.split_batch(x))
+        }
+        predictions = [None] * self.num_microbatches
         cotangents = {}
-        vjps = {}
+        residuals = {}
         non_trainable = list(non_trainable)
         gradients = [None] * len(self.stage_models)
         loss = 0.0
         in_flight = [0] * len(self.stage_models)
         self.peak_activations = [0] * len(self.stage_models)
         for stage, kind, m in self.order:
-            mesh = self.devices[stage]
             if kind == schedules.FORWARD:
                 in_flight[stage] += 1
                 self.peak_activations[stage] = max(
                     self.peak_activations[stage], in_flight[stage]
                 )
-                outputs, vjps[stage, m], non_trainable[stage], predicted = (
-                    self._forwards[stage](
-                        trainable[stage],
-                        non_trainable[stage],
-                        onto(received.pop((stage, m)), mesh),
-                        targets[m] if stage == last else None,
-                    )
+                inputs = programs.place(stage, received.pop((stage, m)))
+                if stage:
+                    count_received(self.stats, inputs, "forward")
+                (
+                    outputs,
+                    residuals[stage, m],
+                    non_trainable[stage],
+                    predicted,
+                ) = programs.forward(
+                    stage,
+                    trainable[stage],
+                    non_trainable[stage],
+                    inputs,
+                    targets[m] if stage == last else None,
                 )
                 if stage == last:
                     loss = loss + outputs
                     predictions[m] = predicted
-                    continue
-                for tensor in jax.tree_util.tree_leaves(outputs):
-                    self.stats.record("send", nbytes(tensor), "forward", "pipe")
-                received[stage + 1, m] = outputs
+                else:
+                    received[stage + 1, m] = outputs
                 continue
             in_flight[stage] -= 1
-            cotangent = (
-                np.float32(1.0)
-                if stage == last
-                else onto(cotangents.pop((stage, m)), mesh)
+            cotangent = None
+            if stage < last:
+                cotangent = onto(
+                    cotangents.pop((stage, m)), self.devices[stage]
+                )
+                count_received(self.stats, cotangent, "backward")
+            grads, input_grads = programs.backward(
+                stage, residuals.pop((stage, m)), cotangent
             )
-            grads, input_grads = self._backward(vjps.pop((stage, m)), cotangent)
             gradients[stage] = (
                 grads
                 if gradients[stage] is None
@@ -148,82 +132,13 @@ class JaxPipeline(ScheduledStages):
                 )
             )
             if stage > 0:
-                for tensor in jax.tree_util.tree_leaves(input_grads):
-                    # Integer inputs (a carried padding mask) have empty
-                    # `float0` gradients, which carry no data.
-                    if tensor.dtype != jax.dtypes.float0:
-                        self.stats.record(
-                            "send", nbytes(tensor), "backward", "pipe"
-                        )
                 cotangents[stage - 1, m] = input_grads
-        return loss, gradients, non_trainable, _concatenated(predictions)
-
-
-def onto(tree, mesh):
-    """The arrays of `tree` placed on `mesh`, each keeping its split.
-
-    An activation split over the sending stage's `model` axis (a Column
-    layer's output) goes to the same split on the receiving stage: each
-    device sends its shard to its counterpart. Other arrays arrive whole
-    on every device of the stage.
-    """
-
-    def put(array):
-        sharding = getattr(array, "sharding", None)
-        spec = (
-            sharding.spec
-            if isinstance(sharding, NamedSharding)
-            else PartitionSpec()
+        return (
+            programs.batch_loss(loss),
+            gradients,
+            non_trainable,
+            programs.join_batch(predictions),
         )
-        return jax.device_put(array, NamedSharding(mesh, spec))
-
-    return jax.tree_util.tree_map(put, tree)
-
-
-def counted_jit(function, stats):
-    """`jax.jit(function)` whose collectives count at every call.
-
-    A region's collectives are recorded while the function is traced,
-    once per input signature; each later call records them again.
-    """
-    records = {}
-
-    def traced(*args):
-        with stats.capturing() as added:
-            outputs = function(*args)
-        records[_signature(args)] = added
-        return outputs
-
-    compiled = jax.jit(traced)
-
-    def call(*args):
-        key = _signature(args)
-        seen = key in records
-        outputs = compiled(*args)
-        if seen:
-            stats.replay(records[key])
-        return outputs
-
-    return call
-
-
-def _signature(tree):
-    return tuple(
-        (getattr(leaf, "shape", None), str(getattr(leaf, "dtype", type(leaf))))
-        for leaf in jax.tree_util.tree_leaves(tree)
-    )
-
-
-def _microbatch(tree, m, size):
-    """The `m`-th slice of `size` samples of every array of `tree`."""
-    return jax.tree_util.tree_map(lambda a: a[m * size : (m + 1) * size], tree)
-
-
-def _concatenated(parts):
-    """The micro-batches' outputs joined back into the batch's."""
-    return jax.tree_util.tree_map(
-        lambda *leaves: jax.numpy.concatenate(leaves), *parts
-    )
 
 
 class JaxPipelineRuntime(PipelineRuntime):
@@ -240,15 +155,16 @@ class JaxPipelineRuntime(PipelineRuntime):
 
     backend = "jax"
     splits_stages = True
+    replicates_stages = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # Each stage's devices are a tensor-parallel runtime of their own,
-        # which places the stage's variables and runs its split layers;
-        # all count into this runtime's stats.
+        # Each stage's devices are a runtime of their own (a `data x model`
+        # mesh), which places the stage's variables and runs its split
+        # layers; all count into this runtime's stats.
         self.stage_runtimes = []
         for devices in self.stage_devices:
-            runtime = JaxRuntime(len(devices), devices, 1, 0)
+            runtime = JaxRuntime(len(devices), devices, self.data_parallel, 0)
             for adapter in (
                 runtime.adapter,
                 runtime.data_adapter,
@@ -303,13 +219,20 @@ class JaxPipelineRuntime(PipelineRuntime):
     def _runner(self, count):
         self._last_count = count
         if count not in self._runners:
+            programs = (
+                ReplicatedStagePrograms
+                if self.data_parallel > 1
+                else StagePrograms
+            )
             self._runners[count] = JaxPipeline(
-                self.stage_models,
-                self.meshes,
-                self.loss_function(),
+                programs(
+                    self.stage_models,
+                    self.stage_runtimes,
+                    self.loss_function(),
+                    count,
+                    self.stats,
+                ),
                 self.schedule,
-                count,
-                self.stats,
             )
         return self._runners[count]
 
@@ -319,7 +242,10 @@ class JaxPipelineRuntime(PipelineRuntime):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self.check_no_sample_weight(sample_weight)
         batch = len(jax.tree_util.tree_leaves(x)[0])
-        runner = self._runner(self.microbatches(batch))
+        self.check_batch_size(batch)
+        replica_batch = batch // self.data_parallel
+        runner = self._runner(self.microbatches(replica_batch))
+        schedules.check_microbatches(replica_batch, runner.num_microbatches)
         loss, gradients, stage_non_trainable, y_pred = runner.step(
             self.stage_lists(trainer.trainable_variables, trainable),
             self.stage_lists(trainer.non_trainable_variables, non_trainable),
@@ -381,8 +307,13 @@ class JaxPipelineRuntime(PipelineRuntime):
             v for v in optimizer.variables if self.stage_of.get(id(v)) == stage
         ]
         shared = [v for v in optimizer.variables if id(v) not in self.stage_of]
+        mean = (
+            replica_mean(self.stage_runtimes[stage], own, self.stats)
+            if self.data_parallel > 1
+            else None
+        )
         update = counted_jit(
-            _update_of(optimizer, own, slots, shared), self.stats
+            _update_of(optimizer, own, slots, shared, mean), self.stats
         )
         return update, own, slots, shared
 
@@ -413,20 +344,16 @@ class JaxPipelineRuntime(PipelineRuntime):
         non_trainable = list(non_trainable)
         outputs = []
         for m in range(count):
-            tensors = _microbatch(x, m, size)
+            tensors = microbatch(x, m, size)
             for stage, mesh in enumerate(self.meshes):
+                tensors = onto(tensors, mesh)
                 if stage:
-                    for tensor in jax.tree_util.tree_leaves(tensors):
-                        self.stats.record(
-                            "send", nbytes(tensor), "forward", "pipe"
-                        )
+                    count_received(self.stats, tensors, "forward")
                 tensors, non_trainable[stage] = self._inference[stage](
-                    trainable[stage],
-                    non_trainable[stage],
-                    onto(tensors, mesh),
+                    trainable[stage], non_trainable[stage], tensors
                 )
             outputs.append(tensors)
-        return _concatenated(outputs), non_trainable
+        return concatenated(outputs), non_trainable
 
     def test_step(self, state, data):
         trainer = self.trainer
@@ -483,7 +410,7 @@ class JaxPipelineRuntime(PipelineRuntime):
         return outputs
 
 
-def _update_of(optimizer, variables, slots, shared):
+def _update_of(optimizer, variables, slots, shared, mean=None):
     """One stage's optimizer update, as a function of values.
 
     Args:
@@ -491,6 +418,8 @@ def _update_of(optimizer, variables, slots, shared):
         variables: the stage's trainable variables.
         slots: the optimizer's slots of those variables.
         shared: the optimizer's own variables (step count, learning rate).
+        mean: with replicas, the function that averages the gradients'
+            rows over them (`replica_mean`); `None` without.
 
     Returns:
         A function of `(values, slot_values, shared_values, gradients)`
@@ -498,6 +427,8 @@ def _update_of(optimizer, variables, slots, shared):
     """
 
     def update(values, slot_values, shared_values, gradients):
+        if mean is not None:
+            gradients = mean(gradients)
         mapping = [
             *zip(variables, values),
             *zip(slots, slot_values),

@@ -333,7 +333,6 @@ class TorchPipelineRuntime(PipelineRuntime):
         # run.
         self._pipelines = {}
 
-    check_batch_size = Runtime.check_batch_size
     synchronised_state = Runtime.synchronised_state
     _batch_slice = TorchRuntime._batch_slice
 

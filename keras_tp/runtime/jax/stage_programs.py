@@ -1,0 +1,474 @@
+"""The compiled programs of a JAX pipeline's stages.
+
+A stage's forward pass returns its outputs and what its backward pass
+needs (its residuals); its backward pass takes those and the gradient of
+its outputs. Two kinds of stage run them:
+
+- `StagePrograms`: a stage of one device, or of several that split its
+  layers by tensor parallelism. Each pass is a jitted `jax.vjp` on whole
+  arrays, whose split layers are `shard_map` regions.
+- `ReplicatedStagePrograms`: a stage on a `data x model` mesh, whose
+  `data` rows are replicas of the pipeline, each on its slice of the batch.
+  Each pass runs per device inside one `shard_map`, as a data-parallel
+  step does (`keras_tp.runtime.jax.steps`): every device computes its own
+  gradients, summed over the micro-batches without communication, and the
+  replicas average them once per step, in the stage's optimizer update
+  (`replica_mean`): the DDP minimum.
+"""
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
+
+from keras_tp.keras_internals import local_shapes
+from keras_tp.runtime.base import collect_flat
+from keras_tp.runtime.base import is_float
+
+# Per-device values that cross between programs, one row per device of a
+# `data x model` mesh: device (d, t) of one stage sends its row to device
+# (d, t) of the next.
+ROWS = PartitionSpec(("data", "model"))
+
+
+def onto(tree, mesh):
+    """The arrays of `tree` placed on `mesh`, each keeping its split.
+
+    An activation split over the sending stage's `model` axis (a Column
+    layer's output) goes to the same split on the receiving stage: each
+    device sends its shard to its counterpart. Other arrays arrive whole
+    on every device of the stage.
+    """
+
+    def put(array):
+        sharding = getattr(array, "sharding", None)
+        spec = (
+            sharding.spec
+            if isinstance(sharding, NamedSharding)
+            else PartitionSpec()
+        )
+        return jax.device_put(array, NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map(put, tree)
+
+
+def counted_jit(function, stats):
+    """`jax.jit(function)` whose collectives count at every call.
+
+    A region's collectives are recorded while the function is traced,
+    once per input signature; each later call records them again.
+    """
+    records = {}
+
+    def traced(*args):
+        with stats.capturing() as added:
+            outputs = function(*args)
+        records[signature(args)] = added
+        return outputs
+
+    compiled = jax.jit(traced)
+
+    def call(*args):
+        key = signature(args)
+        seen = key in records
+        outputs = compiled(*args)
+        if seen:
+            stats.replay(records[key])
+        return outputs
+
+    return call
+
+
+def signature(tree):
+    """The shapes and dtypes of a tree's leaves: what a trace depends on."""
+    return tuple(
+        (getattr(leaf, "shape", None), str(getattr(leaf, "dtype", type(leaf))))
+        for leaf in jax.tree_util.tree_leaves(tree)
+    )
+
+
+def microbatch(tree, m, size):
+    """The `m`-th slice of `size` samples of every array of `tree`."""
+    return jax.tree_util.tree_map(lambda a: a[m * size : (m + 1) * size], tree)
+
+
+def concatenated(parts):
+    """The micro-batches' outputs joined back into the batch's."""
+    return jax.tree_util.tree_map(
+        lambda *leaves: jax.numpy.concatenate(leaves), *parts
+    )
+
+
+def count_received(stats, tree, direction):
+    """Counts, one call per array, what a stage's devices received from
+    their neighbour, placed on them: each device its own shard or copy.
+    Integer inputs' `float0` gradients carry no data."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if leaf.dtype != jax.dtypes.float0:
+            received = sum(s.data.nbytes for s in leaf.addressable_shards)
+            stats.record("send", received, direction, "pipe")
+
+
+class StagePrograms:
+    """Each stage's forward and backward pass, jitted on whole arrays.
+
+    Args:
+        stage_models: the Keras model of each stage, in order.
+        runtimes: the `JaxRuntime` of each stage's devices.
+        loss: the loss of `(y_true, y_pred)`, averaged over a micro-batch.
+        num_microbatches: micro-batches per batch.
+        stats: the pipeline's `CommunicationStats`.
+    """
+
+    def __init__(self, stage_models, runtimes, loss, num_microbatches, stats):
+        self.stage_models = list(stage_models)
+        self.runtimes = list(runtimes)
+        self.loss = loss
+        self.num_microbatches = num_microbatches
+        self.stats = stats
+        self._forwards = [
+            counted_jit(self._forward_of(index), stats)
+            for index in range(len(stage_models))
+        ]
+        self._backward = counted_jit(
+            lambda vjp, cotangent: vjp(cotangent), stats
+        )
+
+    @property
+    def last(self):
+        return len(self.stage_models) - 1
+
+    def split_batch(self, tree):
+        """The batch's micro-batches, in order."""
+        size = _batch_size(tree) // self.num_microbatches
+        return [microbatch(tree, m, size) for m in range(self.num_microbatches)]
+
+    def join_batch(self, parts):
+        """The micro-batches' outputs as the batch's (see `split_batch`)."""
+        return concatenated(parts)
+
+    def place(self, stage, tree):
+        """A stage's input arrays, placed on its devices."""
+        return onto(tree, self.runtimes[stage].mesh)
+
+    def _forward_of(self, index):
+        model = self.stage_models[index]
+        last = index == self.last
+        microbatches = self.num_microbatches
+
+        def forward(trainable, non_trainable, inputs, targets):
+            def stage(trainable, inputs):
+                outputs, new_non_trainable = model.stateless_call(
+                    trainable, non_trainable, inputs, training=True
+                )
+                if not last:
+                    return outputs, (new_non_trainable, None)
+                # Each micro-batch's share of the batch's mean loss; the
+                # predictions ride along for the metrics.
+                loss = self.loss(targets, outputs) / microbatches
+                return loss, (new_non_trainable, outputs)
+
+            outputs, vjp, (new_non_trainable, predictions) = jax.vjp(
+                stage, trainable, inputs, has_aux=True
+            )
+            return outputs, vjp, new_non_trainable, predictions
+
+        return forward
+
+    def forward(self, stage, trainable, non_trainable, inputs, targets):
+        """Runs a stage's forward pass of one micro-batch.
+
+        Returns:
+            `(outputs, residuals, non_trainable, predictions)`: the stage's
+            outputs (on the last stage, its share of the batch's loss),
+            what its backward pass takes, its new non-trainable values and,
+            on the last stage, its outputs.
+        """
+        return self._forwards[stage](trainable, non_trainable, inputs, targets)
+
+    def backward(self, stage, residuals, cotangent):
+        """`(gradients, input gradients)` of a stage's micro-batch;
+        `cotangent` is the gradient of its outputs (`None` on the last)."""
+        if cotangent is None:
+            cotangent = np.float32(1.0)
+        return self._backward(residuals, cotangent)
+
+    def batch_loss(self, total):
+        """The batch's loss from the sum of the last stage's shares."""
+        return total
+
+
+class ReplicatedStagePrograms(StagePrograms):
+    """Each stage's passes per device, on its `data x model` mesh.
+
+    Replica `d` (the `data` row `d` of every stage) trains on the `d`-th
+    slice of each batch, in `num_microbatches` micro-batches, as a torch
+    replica does. A micro-batch's arrays hold every replica's slice, split
+    over `data`. Values that cross between programs (activations, their
+    gradients, residuals) travel as one row per device (`ROWS`), so no
+    program needs to know how each is split; the gradients leave with one
+    row per replica (`"data"` on a new first axis), summed over the
+    micro-batches on their devices.
+
+    Residuals that are the pass's own inputs (the weights, the incoming
+    activations) are not copied out: the backward pass takes those inputs
+    again and puts them back in place.
+    """
+
+    def __init__(self, stage_models, runtimes, loss, num_microbatches, stats):
+        self._layouts = {}
+        self._backwards = {}
+        self._tracing = None
+        super().__init__(stage_models, runtimes, loss, num_microbatches, stats)
+        self.data_parallel = runtimes[0].data_parallel
+
+    def split_batch(self, tree):
+        """Micro-batch `m` holds the `m`-th slice of each replica's part
+        of the batch, replica by replica."""
+        replicas = self.data_parallel
+        count = self.num_microbatches
+        size = _batch_size(tree) // (replicas * count)
+
+        def part(array, m):
+            array = array.reshape((replicas, count, size) + array.shape[1:])
+            return array[:, m].reshape((replicas * size,) + array.shape[3:])
+
+        return [
+            jax.tree_util.tree_map(lambda a, m=m: part(a, m), tree)
+            for m in range(count)
+        ]
+
+    def join_batch(self, parts):
+        replicas = self.data_parallel
+
+        def whole(*leaves):
+            stacked = jax.numpy.stack(leaves)
+            count, rows = stacked.shape[:2]
+            size = rows // replicas
+            stacked = stacked.reshape(
+                (count, replicas, size) + stacked.shape[2:]
+            ).swapaxes(0, 1)
+            return stacked.reshape((count * rows,) + stacked.shape[3:])
+
+        return jax.tree_util.tree_map(whole, *parts)
+
+    def place(self, stage, tree):
+        if stage:
+            return onto(tree, self.runtimes[stage].mesh)
+        sharding = NamedSharding(
+            self.runtimes[stage].mesh, PartitionSpec("data")
+        )
+        return jax.tree_util.tree_map(
+            lambda a: jax.device_put(a, sharding), tree
+        )
+
+    def _specs(self, stage):
+        """`(trainable, non_trainable, inputs, targets)` in-specs."""
+        runtime = self.runtimes[stage]
+        model = self.stage_models[stage]
+        return (
+            [runtime._variable_spec(v) for v in model.trainable_variables],
+            [runtime._variable_spec(v) for v in model.non_trainable_variables],
+            ROWS if stage else PartitionSpec("data"),
+            PartitionSpec("data"),
+        )
+
+    def _local(self, stage):
+        """A context where the stage's variables report their local shapes
+        and its regions run on local values."""
+        runtime = self.runtimes[stage]
+        placed = [
+            v
+            for v in self.stage_models[stage].variables
+            if runtime.placement.is_placed(v)
+        ]
+        return local_shapes(placed, runtime.placement.local_shape), (
+            runtime._ranks()
+        )
+
+    def _forward_of(self, index):
+        model = self.stage_models[index]
+        last = index == self.last
+        microbatches = self.num_microbatches
+
+        def local(trainable, non_trainable, inputs, targets):
+            if index:
+                inputs = _from_rows(inputs)
+            candidates = jax.tree_util.tree_leaves(
+                (trainable, non_trainable, inputs, targets)
+            )
+            floats, rebuild = _floats(inputs)
+
+            def stage(trainable, floats):
+                outputs, new_non_trainable = model.stateless_call(
+                    trainable, non_trainable, rebuild(floats), training=True
+                )
+                if last:
+                    loss = self.loss(targets, outputs) / microbatches
+                    return loss, (new_non_trainable, outputs)
+                return _floats(outputs)[0], (new_non_trainable, outputs)
+
+            shapes, roles = self._local(index)
+            with shapes, roles:
+                primal, vjp, (new_non_trainable, outputs) = jax.vjp(
+                    stage, trainable, floats, has_aux=True
+                )
+            residuals, treedef = jax.tree_util.tree_flatten(vjp)
+            index_of = {id(leaf): i for i, leaf in enumerate(candidates)}
+            sources = tuple(index_of.get(id(leaf)) for leaf in residuals)
+            self._layouts[self._tracing] = (treedef, sources)
+            kept = [r for r, s in zip(residuals, sources) if s is None]
+            if last:
+                return (
+                    None,
+                    _to_rows(kept),
+                    new_non_trainable,
+                    (
+                        outputs,
+                        primal[None],
+                    ),
+                )
+            return _to_rows(outputs), _to_rows(kept), new_non_trainable, None
+
+        specs = self._specs(index)
+        # The last stage's outputs (its predictions) and its share of the
+        # loss are whole on each replica's devices: one row per replica.
+        last_specs = (
+            (PartitionSpec("data"), PartitionSpec("data")) if last else None
+        )
+        return jax.shard_map(
+            local,
+            mesh=self.runtimes[index].mesh,
+            in_specs=specs,
+            out_specs=(None if last else ROWS, ROWS, specs[1], last_specs),
+            check_vma=False,
+        )
+
+    def forward(self, stage, trainable, non_trainable, inputs, targets):
+        args = (trainable, non_trainable, inputs, targets)
+        key = (stage, signature(args))
+        self._tracing = key
+        outputs, kept, new_non_trainable, last = self._forwards[stage](*args)
+        residuals = (key, args, kept)
+        if stage == self.last:
+            predictions, loss = last
+            return loss, residuals, new_non_trainable, predictions
+        return outputs, residuals, new_non_trainable, None
+
+    def backward(self, stage, residuals, cotangent):
+        key, args, kept = residuals
+        if key not in self._backwards:
+            self._backwards[key] = counted_jit(
+                self._backward_of(stage, *self._layouts[key]), self.stats
+            )
+        return self._backwards[key](*args, kept, cotangent)
+
+    def _backward_of(self, index, treedef, sources):
+        last = index == self.last
+
+        def local(trainable, non_trainable, inputs, targets, kept, cotangent):
+            if index:
+                inputs = _from_rows(inputs)
+            candidates = jax.tree_util.tree_leaves(
+                (trainable, non_trainable, inputs, targets)
+            )
+            kept = iter(_from_rows(kept))
+            vjp = jax.tree_util.tree_unflatten(
+                treedef,
+                [next(kept) if s is None else candidates[s] for s in sources],
+            )
+            gradients, input_gradients = vjp(
+                np.float32(1.0) if last else _from_rows(cotangent)
+            )
+            return (
+                [g[None] for g in gradients],
+                _to_rows(input_gradients) if index else None,
+            )
+
+        specs = self._specs(index)
+        return jax.shard_map(
+            local,
+            mesh=self.runtimes[index].mesh,
+            in_specs=(*specs, ROWS, ROWS),
+            out_specs=(
+                _replica_rows(
+                    self.runtimes[index],
+                    self.stage_models[index].trainable_variables,
+                ),
+                ROWS,
+            ),
+            check_vma=False,
+        )
+
+    def batch_loss(self, total):
+        """Each replica's loss is its slice's; the batch's is their mean."""
+        return jax.numpy.mean(total)
+
+
+def replica_mean(runtime, variables, stats):
+    """The mean over the replicas of a stage's gradients.
+
+    Args:
+        runtime: the stage's `JaxRuntime` (a `data x model` mesh).
+        variables: the stage's trainable variables.
+        stats: the pipeline's `CommunicationStats`.
+
+    Returns:
+        A function of the gradients, one row per replica
+        (`ReplicatedStagePrograms.backward`), that returns their mean,
+        placed as their variables: one all-reduce per dtype over `data`,
+        counted as the optimizer's communication. It is traced inside the
+        stage's optimizer update.
+    """
+    adapter = runtime.data_adapter
+
+    def local(gradients):
+        with stats.labelled("optimizer"):
+            return collect_flat(
+                [g[0] for g in gradients],
+                lambda flat: adapter.all_reduce(flat, op="mean"),
+            )
+
+    return jax.shard_map(
+        local,
+        mesh=runtime.mesh,
+        in_specs=(_replica_rows(runtime, variables),),
+        out_specs=[runtime._variable_spec(v) for v in variables],
+        check_vma=False,
+    )
+
+
+def _replica_rows(runtime, variables):
+    """Per variable, its placement with one row per replica first."""
+    return [
+        PartitionSpec("data", *runtime._variable_spec(v)) for v in variables
+    ]
+
+
+def _batch_size(tree):
+    return len(jax.tree_util.tree_leaves(tree)[0])
+
+
+def _to_rows(tree):
+    return jax.tree_util.tree_map(lambda a: a[None], tree)
+
+
+def _from_rows(tree):
+    return jax.tree_util.tree_map(lambda a: a[0], tree)
+
+
+def _floats(tree):
+    """`(float leaves, rebuild)`: a tree's differentiable leaves, and the
+    function that puts new ones back among its other leaves (an integer
+    padding mask passes through a stage without a gradient)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    floats = [is_float(leaf) for leaf in leaves]
+
+    def rebuild(new_floats):
+        new = iter(new_floats)
+        return jax.tree_util.tree_unflatten(
+            treedef,
+            [next(new) if f else leaf for leaf, f in zip(leaves, floats)],
+        )
+
+    return [leaf for leaf, f in zip(leaves, floats) if f], rebuild

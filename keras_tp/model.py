@@ -68,7 +68,8 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             `world_size / (pipeline_parallel x data_parallel)` devices,
             split by tensor parallelism (a `data x pipe x model` mesh);
             elsewhere `world_size = pipeline_parallel x data_parallel`.
-            ZeRO does not combine with it yet.
+            On JAX `zero_stage=1` partitions the optimizer state over
+            the replicas.
         num_microbatches: micro-batches per batch (per replica's slice of
             it) of a pipeline; `None` takes the largest divisor of the
             slice's size up to `4 * pipeline_parallel`.
@@ -268,6 +269,14 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
     def _coordinated(self, optimizer):
         runtime = self._runtime
         if isinstance(optimizer, CoordinatedOptimizer):
+            if runtime.pipeline_parallel > 1:
+                raise ValueError(
+                    "A pipelined model takes a plain Keras optimizer, not a "
+                    "CoordinatedOptimizer: each stage updates its own "
+                    "variables, and its replicas combine their gradients "
+                    "themselves. Pass the inner optimizer, and zero_stage to "
+                    "TensorParallelKeras."
+                )
             if optimizer.zero_stage != runtime.zero_stage:
                 raise ValueError(
                     f"The CoordinatedOptimizer has zero_stage="

@@ -101,11 +101,14 @@ def test_stages_split_by_tensor_parallelism():
     )
 
 
-def test_replicas_of_stages_split_by_tensor_parallelism():
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_replicas_of_stages_split_by_tensor_parallelism(zero_stage):
     """data x pipe x model, 2 x 2 x 2 on 8 devices: 2 replicas of the
     pipeline of the test above, each training on its half of every batch.
-    Each stage's gradients are averaged over its replicas once per step:
-    one all-reduce of what each device holds of the stage."""
+    Each stage's replicas combine their gradients once per step, over what
+    each device holds of the stage: one all-reduce (DDP), or with ZeRO-1 a
+    reduce-scatter and an all-gather of the updated weights, the Adam
+    slots partitioned over the replicas."""
     tp, x, _ = pipeline_cases.check_backbone_pipeline(
         keras_tp.TensorParallelKeras(
             models.gpt2_backbone(length=pipeline_cases.LENGTH),
@@ -113,6 +116,7 @@ def test_replicas_of_stages_split_by_tensor_parallelism():
             data_parallel=2,
             pipeline_parallel=2,
             num_microbatches=MICROBATCHES,
+            zero_stage=zero_stage,
         )
     )
     # Devices 0-3 are replica 0 (stage 0 on 0-1, stage 1 on 2-3); 4-7
@@ -120,9 +124,16 @@ def test_replicas_of_stages_split_by_tensor_parallelism():
     per_device = list(tp.parameter_bytes_per_device().values())
     assert per_device[:4] == per_device[4:]
     assert per_device[0] != per_device[2]
-    averaged = tp.communication_stats(axis="data")["all_reduce"]
-    assert averaged["calls"] == averaged["optimizer_calls"] == 2
-    assert averaged["bytes"] == per_device[0] + per_device[2]
+    stage_shards = per_device[0] + per_device[2]
+    combined = tp.communication_stats(axis="data")
+    kinds = ["reduce_scatter", "all_gather"] if zero_stage else ["all_reduce"]
+    assert sorted(combined) == sorted(kinds)
+    for kind in kinds:
+        assert combined[kind]["calls"] == combined[kind]["optimizer_calls"]
+        assert combined[kind]["calls"] == 2
+        assert combined[kind]["bytes"] == stage_shards
+    slots = list(tp._runtime.device_bytes(tp.optimizer.variables[2:]).values())
+    assert slots == [2 * b // (1 + zero_stage) for b in per_device]
     one_device = models.gpt2_backbone(length=pipeline_cases.LENGTH)
     one_device.set_weights(tp.get_weights())
     np.testing.assert_allclose(
@@ -139,6 +150,21 @@ def test_refusals_name_the_fix(tmp_path):
     replicated.compile(optimizer="adam", loss=models.loss_fn())
     with pytest.raises(ValueError, match="divides by 2"):
         replicated.fit(*models.data_for("mlp", batch=3), verbose=0)
+    with pytest.raises(ValueError, match="not a CoordinatedOptimizer"):
+        replicated.compile(
+            optimizer=keras_tp.CoordinatedOptimizer(keras.optimizers.Adam()),
+            loss=models.loss_fn(),
+        )
+    with pytest.raises(ValueError, match="there is one"):
+        _pipelined(models.mlp(), 2, zero_stage=1)
+    with pytest.raises(ValueError, match="Pass zero_stage=1 on JAX"):
+        keras_tp.TensorParallelKeras(
+            models.mlp(),
+            world_size=4,
+            pipeline_parallel=2,
+            data_parallel=2,
+            zero_stage=2,
+        )
     with pytest.raises(ValueError, match="trainable BatchNormalization"):
         _pipelined(models.cnn(), 2)
     tp = _pipelined(models.mlp(), 2)

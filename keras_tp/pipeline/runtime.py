@@ -43,7 +43,8 @@ class PipelineRuntime:
         device_ids: device names of the stages, in order.
         data_parallel: the number of replicas of the pipeline, each
             training on its slice of every batch (JAX and torch).
-        zero_stage: must be 0.
+        zero_stage: 0, or 1 where the backend partitions the optimizer
+            state over the replicas (`zero_stages`).
         num_microbatches: micro-batches per batch; `None` takes, for each
             batch, the largest divisor of its size up to
             `4 * pipeline_parallel`.
@@ -55,7 +56,8 @@ class PipelineRuntime:
     backend = None
     local_ranks = False
     per_rank_steps = False
-    zero_stage = 0
+    # The ZeRO stages the backend's pipeline takes over its replicas.
+    zero_stages = (0,)
     # Python issues each stage's work in the schedule's order: the step as
     # a whole is not one compiled program.
     jit_compile_default = False
@@ -84,16 +86,33 @@ class PipelineRuntime:
             self.backend, self._available_devices(), world_size, device_ids
         )
         world_size = len(devices)
-        if world_size % (pipeline_parallel * data_parallel) or zero_stage:
+        if world_size % (pipeline_parallel * data_parallel):
             raise ValueError(
                 f"pipeline_parallel={pipeline_parallel} with "
-                f"world_size={world_size}, data_parallel={data_parallel} "
-                f"and zero_stage={zero_stage}: a pipeline runs "
-                "data_parallel replicas of its stages, each stage on "
-                "world_size / (pipeline_parallel x data_parallel) devices "
-                "split by tensor parallelism, without ZeRO yet. Pass a "
-                "world_size divisible by pipeline_parallel x data_parallel "
-                "and zero_stage=0."
+                f"world_size={world_size} and data_parallel={data_parallel}"
+                ": a pipeline runs data_parallel replicas of its stages, "
+                "each stage on world_size / (pipeline_parallel x "
+                "data_parallel) devices split by tensor parallelism. Pass a "
+                "world_size divisible by pipeline_parallel x data_parallel."
+            )
+        if zero_stage not in self.zero_stages:
+            raise ValueError(
+                f"zero_stage={zero_stage} with pipeline_parallel="
+                f"{pipeline_parallel}: on {self.backend} a pipeline takes "
+                f"zero_stage in {self.zero_stages}. ZeRO-2 and 3 keep only "
+                "a partition of each gradient, so a pipeline would "
+                "reduce-scatter every micro-batch's gradients, "
+                "num_microbatches times ZeRO-1's traffic (DeepSpeed's "
+                "pipelines refuse them too). Pass zero_stage=1 on JAX, "
+                "which partitions the optimizer state over the replicas, "
+                "or zero_stage=0."
+            )
+        if zero_stage and data_parallel == 1:
+            raise ValueError(
+                f"zero_stage={zero_stage} with pipeline_parallel="
+                f"{pipeline_parallel} and data_parallel=1: ZeRO partitions "
+                "the optimizer state over the pipeline's replicas, and "
+                "there is one. Pass data_parallel > 1, or zero_stage=0."
             )
         if data_parallel > 1 and not self.replicates_stages:
             raise ValueError(
@@ -104,6 +123,7 @@ class PipelineRuntime:
                 "Pass data_parallel=1."
             )
         self.data_parallel = data_parallel
+        self.zero_stage = zero_stage
         self.tensor_parallel = world_size // (pipeline_parallel * data_parallel)
         schedules.check_schedule_name(schedule)
         if num_microbatches is not None and (

@@ -67,7 +67,7 @@ def configure_virtual_devices(n):
         )
 
 
-def _placement_spec(ndim, axis, data_axis):
+def placement_spec(ndim, axis, data_axis):
     """Split `axis` over `model` and partition `data_axis` over `data`.
 
     On a shared axis the model shard is cut first, then partitioned.
@@ -156,7 +156,7 @@ class JaxRuntime(MeshSteps, MeshRegions, Runtime):
         self._lay_out(variable, data_axis)
 
     def _lay_out(self, variable, data_axis=None):
-        spec = _placement_spec(
+        spec = placement_spec(
             len(self.placement.full_shapes[id(variable)]),
             self.placement.axes[id(variable)],
             data_axis,
@@ -184,7 +184,7 @@ class JaxRuntime(MeshSteps, MeshRegions, Runtime):
     def _variable_spec(self, variable):
         if id(variable) not in self.placement.full_shapes:
             return PartitionSpec()
-        return _placement_spec(
+        return placement_spec(
             len(self.placement.full_shapes[id(variable)]),
             self.placement.axes[id(variable)],
             self.placement.data_axis(variable),

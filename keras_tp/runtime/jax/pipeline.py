@@ -24,6 +24,7 @@ from keras_tp.pipeline.runner import ScheduledStages
 from keras_tp.pipeline.runtime import PipelineRuntime
 from keras_tp.runtime.jax import JaxRuntime
 from keras_tp.runtime.jax import to_jax_device
+from keras_tp.runtime.jax.stage_programs import ReplicaGradients
 from keras_tp.runtime.jax.stage_programs import ReplicatedStagePrograms
 from keras_tp.runtime.jax.stage_programs import StagePrograms
 from keras_tp.runtime.jax.stage_programs import concatenated
@@ -31,7 +32,6 @@ from keras_tp.runtime.jax.stage_programs import count_received
 from keras_tp.runtime.jax.stage_programs import counted_jit
 from keras_tp.runtime.jax.stage_programs import microbatch
 from keras_tp.runtime.jax.stage_programs import onto
-from keras_tp.runtime.jax.stage_programs import replica_mean
 from keras_tp.runtime.jax.steps import is_concrete
 
 
@@ -156,6 +156,7 @@ class JaxPipelineRuntime(PipelineRuntime):
     backend = "jax"
     splits_stages = True
     replicates_stages = True
+    zero_stages = (0, 1)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -164,7 +165,9 @@ class JaxPipelineRuntime(PipelineRuntime):
         # layers; all count into this runtime's stats.
         self.stage_runtimes = []
         for devices in self.stage_devices:
-            runtime = JaxRuntime(len(devices), devices, self.data_parallel, 0)
+            runtime = JaxRuntime(
+                len(devices), devices, self.data_parallel, self.zero_stage
+            )
             for adapter in (
                 runtime.adapter,
                 runtime.data_adapter,
@@ -196,9 +199,15 @@ class JaxPipelineRuntime(PipelineRuntime):
         self.stage_runtimes[stage].placement.place(variable, axis)
 
     def place_variable_like(self, variable, reference, data_axis):
+        """Places an optimizer slot on its reference's stage; with ZeRO-1
+        partitioned over the stage's replicas (`ReplicaGradients`)."""
         stage = self.stage_of[id(reference)]
         self.stage_of[id(variable)] = stage
-        self.stage_runtimes[stage].placement.place_like(variable, reference)
+        placement = self.stage_runtimes[stage].placement
+        partition_axis = (
+            placement.partition_axis(reference) if self.zero_stage else None
+        )
+        placement.place_like(variable, reference, partition_axis)
 
     def device_bytes(self, variables):
         """`{device: bytes}` of these variables, read from their arrays."""
@@ -307,13 +316,15 @@ class JaxPipelineRuntime(PipelineRuntime):
             v for v in optimizer.variables if self.stage_of.get(id(v)) == stage
         ]
         shared = [v for v in optimizer.variables if id(v) not in self.stage_of]
-        mean = (
-            replica_mean(self.stage_runtimes[stage], own, self.stats)
+        replicas = (
+            ReplicaGradients(
+                self.stage_runtimes[stage], own, self.zero_stage, self.stats
+            )
             if self.data_parallel > 1
             else None
         )
         update = counted_jit(
-            _update_of(optimizer, own, slots, shared, mean), self.stats
+            _update_of(optimizer, own, slots, shared, replicas), self.stats
         )
         return update, own, slots, shared
 
@@ -410,7 +421,7 @@ class JaxPipelineRuntime(PipelineRuntime):
         return outputs
 
 
-def _update_of(optimizer, variables, slots, shared, mean=None):
+def _update_of(optimizer, variables, slots, shared, replicas=None):
     """One stage's optimizer update, as a function of values.
 
     Args:
@@ -418,8 +429,8 @@ def _update_of(optimizer, variables, slots, shared, mean=None):
         variables: the stage's trainable variables.
         slots: the optimizer's slots of those variables.
         shared: the optimizer's own variables (step count, learning rate).
-        mean: with replicas, the function that averages the gradients'
-            rows over them (`replica_mean`); `None` without.
+        replicas: with replicas, their `ReplicaGradients`, which combine
+            their gradients and updates; `None` without.
 
     Returns:
         A function of `(values, slot_values, shared_values, gradients)`
@@ -427,8 +438,9 @@ def _update_of(optimizer, variables, slots, shared, mean=None):
     """
 
     def update(values, slot_values, shared_values, gradients):
-        if mean is not None:
-            gradients = mean(gradients)
+        if replicas is not None:
+            gradients = replicas.reduce(gradients)
+            values = replicas.partitioned(values)
         mapping = [
             *zip(variables, values),
             *zip(slots, slot_values),
@@ -443,8 +455,11 @@ def _update_of(optimizer, variables, slots, shared, mean=None):
                 for v, value in zip(group, old)
             ]
 
+        new_values = new(variables, values)
+        if replicas is not None:
+            new_values = replicas.gathered(new_values)
         return (
-            new(variables, values),
+            new_values,
             new(slots, slot_values),
             new(shared, shared_values),
         )

@@ -13,7 +13,8 @@ its outputs. Two kinds of stage run them:
   step does (`keras_tp.runtime.jax.steps`): every device computes its own
   gradients, summed over the micro-batches without communication, and the
   replicas average them once per step, in the stage's optimizer update
-  (`replica_mean`): the DDP minimum.
+  (`ReplicaGradients`): the DDP minimum, or ZeRO-1's reduce-scatter and
+  all-gather.
 """
 
 import jax
@@ -22,13 +23,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 from keras_tp.keras_internals import local_shapes
-from keras_tp.runtime.base import collect_flat
+from keras_tp.parallel.buckets import make_buckets
 from keras_tp.runtime.base import is_float
+from keras_tp.runtime.jax import placement_spec
 
 # Per-device values that cross between programs, one row per device of a
 # `data x model` mesh: device (d, t) of one stage sends its row to device
 # (d, t) of the next.
 ROWS = PartitionSpec(("data", "model"))
+# The most megabytes of gradient per collective call of the replicas'
+# update, as `CoordinatedOptimizer`'s default.
+BUCKET_CAP_MB = 25
 
 
 def onto(tree, mesh):
@@ -405,37 +410,113 @@ class ReplicatedStagePrograms(StagePrograms):
         return jax.numpy.mean(total)
 
 
-def replica_mean(runtime, variables, stats):
-    """The mean over the replicas of a stage's gradients.
+class ReplicaGradients:
+    """How the replicas of a stage combine their gradients and updates.
+
+    Without ZeRO each replica's gradients are averaged over `data` (DDP);
+    with ZeRO-1 they are reduce-scattered, each device updates its
+    partition of the weights with its partition of the optimizer state,
+    and the updated partitions are all-gathered. The collectives travel
+    in the `CoordinatedOptimizer`'s buckets and count as the optimizer's
+    communication. Every method is traced inside the stage's jitted
+    optimizer update, on whole arrays.
 
     Args:
         runtime: the stage's `JaxRuntime` (a `data x model` mesh).
         variables: the stage's trainable variables.
+        zero_stage: 0 or 1.
         stats: the pipeline's `CommunicationStats`.
-
-    Returns:
-        A function of the gradients, one row per replica
-        (`ReplicatedStagePrograms.backward`), that returns their mean,
-        placed as their variables: one all-reduce per dtype over `data`,
-        counted as the optimizer's communication. It is traced inside the
-        stage's optimizer update.
     """
-    adapter = runtime.data_adapter
 
-    def local(gradients):
-        with stats.labelled("optimizer"):
-            return collect_flat(
-                [g[0] for g in gradients],
-                lambda flat: adapter.all_reduce(flat, op="mean"),
+    def __init__(self, runtime, variables, zero_stage, stats):
+        placement = runtime.placement
+        self.runtime = runtime
+        self.variables = list(variables)
+        self.stats = stats
+        self.partition_axes = {
+            id(v): placement.partition_axis(v) if zero_stage else None
+            for v in self.variables
+        }
+        self.buckets = make_buckets(
+            self.variables,
+            self.partition_axes,
+            placement.model_shard_shape,
+            BUCKET_CAP_MB * 2**20,
+        )
+        self._placed = [runtime._variable_spec(v) for v in self.variables]
+        self._partitioned = [
+            placement_spec(
+                len(placement.full_shapes[id(v)]),
+                placement.split_axis(v),
+                self.partition_axes[id(v)],
             )
+            for v in self.variables
+        ]
 
-    return jax.shard_map(
-        local,
-        mesh=runtime.mesh,
-        in_specs=(_replica_rows(runtime, variables),),
-        out_specs=[runtime._variable_spec(v) for v in variables],
-        check_vma=False,
-    )
+    def _on_devices(self, local, in_specs, out_specs):
+        """`local` run per device on the stage's mesh, as the optimizer's
+        communication."""
+
+        def labelled(values):
+            with self.stats.labelled("optimizer"):
+                return local(values)
+
+        return jax.shard_map(
+            labelled,
+            mesh=self.runtime.mesh,
+            in_specs=(in_specs,),
+            out_specs=out_specs,
+            check_vma=False,
+        )
+
+    def reduce(self, gradient_rows):
+        """The gradients averaged over the replicas: whole, or each
+        device's ZeRO partition of them.
+
+        Args:
+            gradient_rows: per variable, one row per replica
+                (`ReplicatedStagePrograms.backward`).
+        """
+        adapter = self.runtime.data_adapter
+        variables = self.variables
+
+        def local(rows):
+            gradients = [row[0] for row in rows]
+            out = list(gradients)
+            for bucket in self.buckets:
+                if bucket.partitioned:
+                    bucket.reduce_scatter(gradients, variables, out, adapter)
+                else:
+                    bucket.all_reduce(gradients, variables, out, adapter)
+            return out
+
+        rows = _replica_rows(self.runtime, variables)
+        return self._on_devices(local, rows, self._partitioned)(gradient_rows)
+
+    def partitioned(self, values):
+        """The weights laid out as their ZeRO partitions, so that the
+        update computes each device's partition only (a local slice of
+        a replicated weight, without communication)."""
+        return [
+            jax.lax.with_sharding_constraint(
+                value, NamedSharding(self.runtime.mesh, spec)
+            )
+            for value, spec in zip(values, self._partitioned)
+        ]
+
+    def gathered(self, values):
+        """The updated weights, whole again: each partition all-gathered."""
+        adapter = self.runtime.data_adapter
+        variables = self.variables
+
+        def local(partitions):
+            whole = {}
+            for bucket in self.buckets:
+                if bucket.partitioned:
+                    bucket.all_gather(partitions, variables, whole, adapter)
+            return [whole.get(i, p) for i, p in enumerate(partitions)]
+
+        return self._on_devices(local, self._partitioned, self._placed)(values)
 
 
 def _replica_rows(runtime, variables):

@@ -109,7 +109,7 @@ def test_replicas_of_stages_split_by_tensor_parallelism(zero_stage):
     each device holds of the stage: one all-reduce (DDP), or with ZeRO-1 a
     reduce-scatter and an all-gather of the updated weights, the Adam
     slots partitioned over the replicas."""
-    tp, x, _ = pipeline_cases.check_backbone_pipeline(
+    tp, x, y = pipeline_cases.check_backbone_pipeline(
         keras_tp.TensorParallelKeras(
             models.gpt2_backbone(length=pipeline_cases.LENGTH),
             world_size=8,
@@ -134,13 +134,23 @@ def test_replicas_of_stages_split_by_tensor_parallelism(zero_stage):
         assert combined[kind]["bytes"] == stage_shards
     slots = list(tp._runtime.device_bytes(tp.optimizer.variables[2:]).values())
     assert slots == [2 * b // (1 + zero_stage) for b in per_device]
+    # Evaluation and prediction run each replica on its slice too.
     one_device = models.gpt2_backbone(length=pipeline_cases.LENGTH)
     one_device.set_weights(tp.get_weights())
+    one_device.compile(loss="mse")
+    np.testing.assert_allclose(
+        tp.evaluate(x, y, batch_size=BATCH, verbose=0),
+        one_device.evaluate(x, y, batch_size=BATCH, verbose=0),
+        rtol=1e-5,
+    )
     np.testing.assert_allclose(
         tp.predict(x, batch_size=BATCH, verbose=0),
         one_device.predict(x, batch_size=BATCH, verbose=0),
         atol=1e-5,
     )
+    sent = tp.communication_stats("predict", axis="pipe")["send"]
+    rows = BATCH * pipeline_cases.LENGTH * (16 * 4 + 4)
+    assert sent["forward_bytes"] == 2 * rows  # a copy on each model device
 
 
 def test_refusals_name_the_fix(tmp_path):

@@ -14,6 +14,8 @@ forward pass to its backward pass, so a 1F1B order holds fewer of them
 than GPipe's.
 """
 
+import functools
+
 import jax
 import keras
 
@@ -27,10 +29,8 @@ from keras_tp.runtime.jax import to_jax_device
 from keras_tp.runtime.jax.stage_programs import ReplicaGradients
 from keras_tp.runtime.jax.stage_programs import ReplicatedStagePrograms
 from keras_tp.runtime.jax.stage_programs import StagePrograms
-from keras_tp.runtime.jax.stage_programs import concatenated
 from keras_tp.runtime.jax.stage_programs import count_received
 from keras_tp.runtime.jax.stage_programs import counted_jit
-from keras_tp.runtime.jax.stage_programs import microbatch
 from keras_tp.runtime.jax.stage_programs import onto
 from keras_tp.runtime.jax.steps import is_concrete
 
@@ -75,9 +75,11 @@ class JaxPipeline(ScheduledStages):
         """
         programs = self.programs
         last = len(self.stage_models) - 1
-        targets = programs.split_batch(y)
+        count = self.num_microbatches
+        targets = programs.split_batch(y, count)
         received = {
-            (0, m): part for m, part in enumerate(programs.split_batch(x))
+            (0, m): part
+            for m, part in enumerate(programs.split_batch(x, count))
         }
         predictions = [None] * self.num_microbatches
         cotangents = {}
@@ -179,13 +181,27 @@ class JaxPipelineRuntime(PipelineRuntime):
         self._runners = {}
         self._updates = {}
         self._last_count = None
-        self._inference = [
-            counted_jit(self._inference_of(stage), self.stats)
-            for stage in self.stage_models
-        ]
 
     def _available_devices(self):
         return keras.distribution.list_devices()
+
+    # Inference programs, built once the variables are placed: on whole
+    # arrays (any batch, for `tp(x)`), and the replicas' own, each on its
+    # slice of a batch, for `evaluate` and `predict`.
+
+    @functools.cached_property
+    def _whole_programs(self):
+        return StagePrograms(
+            self.stage_models, self.stage_runtimes, None, None, self.stats
+        )
+
+    @functools.cached_property
+    def _step_programs(self):
+        if self.data_parallel == 1:
+            return self._whole_programs
+        return ReplicatedStagePrograms(
+            self.stage_models, self.stage_runtimes, None, None, self.stats
+        )
 
     def check_compiled(self, trainer):
         super().check_compiled(trainer)
@@ -335,36 +351,34 @@ class JaxPipelineRuntime(PipelineRuntime):
             merged.update(zip(map(id, stage.non_trainable_variables), new))
         return [merged[id(v)] for v in variables]
 
-    def _inference_of(self, stage_model):
-        def forward(trainable, non_trainable, inputs):
-            return stage_model.stateless_call(
-                trainable, non_trainable, inputs, training=False
-            )
-
-        return forward
-
-    def _forward(self, trainable, non_trainable, x):
+    def _forward(self, trainable, non_trainable, x, programs):
         """The stages' forward passes of `x`, micro-batch by micro-batch.
+
+        Args:
+            trainable, non_trainable: each stage's values.
+            x: the inputs.
+            programs: the `StagePrograms` that run them.
 
         Returns:
             `(outputs, each stage's new non-trainable values)`.
         """
         batch = len(jax.tree_util.tree_leaves(x)[0])
-        count = self.microbatches(batch)
-        size = batch // count
+        replicas = programs.data_parallel
+        if replicas > 1:
+            self.check_batch_size(batch)
+        parts = programs.split_batch(x, self.microbatches(batch // replicas))
         non_trainable = list(non_trainable)
         outputs = []
-        for m in range(count):
-            tensors = microbatch(x, m, size)
-            for stage, mesh in enumerate(self.meshes):
-                tensors = onto(tensors, mesh)
+        for tensors in parts:
+            for stage in range(self.pipeline_parallel):
+                tensors = programs.place(stage, tensors)
                 if stage:
                     count_received(self.stats, tensors, "forward")
-                tensors, non_trainable[stage] = self._inference[stage](
-                    trainable[stage], non_trainable[stage], tensors
+                tensors, non_trainable[stage] = programs.infer(
+                    stage, trainable[stage], non_trainable[stage], tensors
                 )
             outputs.append(tensors)
-        return concatenated(outputs), non_trainable
+        return programs.join_batch(outputs), non_trainable
 
     def test_step(self, state, data):
         trainer = self.trainer
@@ -375,6 +389,7 @@ class JaxPipelineRuntime(PipelineRuntime):
             self.stage_lists(trainer.trainable_variables, trainable),
             self.stage_lists(trainer.non_trainable_variables, non_trainable),
             x,
+            self._step_programs,
         )
         loss = self.loss_function()(y, y_pred)
         non_trainable = self._merged(
@@ -393,6 +408,7 @@ class JaxPipelineRuntime(PipelineRuntime):
             self.stage_lists(trainer.trainable_variables, trainable),
             self.stage_lists(trainer.non_trainable_variables, non_trainable),
             x,
+            self._step_programs,
         )
         return y_pred, self._merged(
             trainer.non_trainable_variables, non_trainable, stage_non_trainable
@@ -417,6 +433,7 @@ class JaxPipelineRuntime(PipelineRuntime):
                     for s in self.stage_models
                 ],
                 inputs,
+                self._whole_programs,
             )
         return outputs
 

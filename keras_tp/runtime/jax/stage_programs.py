@@ -121,7 +121,8 @@ class StagePrograms:
         stage_models: the Keras model of each stage, in order.
         runtimes: the `JaxRuntime` of each stage's devices.
         loss: the loss of `(y_true, y_pred)`, averaged over a micro-batch.
-        num_microbatches: micro-batches per batch.
+        num_microbatches: micro-batches per batch of a training step;
+            `None` for programs that only run inference (`infer`).
         stats: the pipeline's `CommunicationStats`.
     """
 
@@ -138,15 +139,21 @@ class StagePrograms:
         self._backward = counted_jit(
             lambda vjp, cotangent: vjp(cotangent), stats
         )
+        self._inferences = [
+            counted_jit(self._inference_of(index), stats)
+            for index in range(len(stage_models))
+        ]
+
+    data_parallel = 1
 
     @property
     def last(self):
         return len(self.stage_models) - 1
 
-    def split_batch(self, tree):
-        """The batch's micro-batches, in order."""
-        size = _batch_size(tree) // self.num_microbatches
-        return [microbatch(tree, m, size) for m in range(self.num_microbatches)]
+    def split_batch(self, tree, count):
+        """The batch's `count` micro-batches, in order."""
+        size = _batch_size(tree) // count
+        return [microbatch(tree, m, size) for m in range(count)]
 
     def join_batch(self, parts):
         """The micro-batches' outputs as the batch's (see `split_batch`)."""
@@ -179,6 +186,24 @@ class StagePrograms:
             return outputs, vjp, new_non_trainable, predictions
 
         return forward
+
+    def _inference_of(self, index):
+        model = self.stage_models[index]
+
+        def forward(trainable, non_trainable, inputs):
+            return model.stateless_call(
+                trainable, non_trainable, inputs, training=False
+            )
+
+        return forward
+
+    def infer(self, stage, trainable, non_trainable, inputs):
+        """A stage's forward pass of one micro-batch, for inference.
+
+        Returns:
+            `(outputs, its new non-trainable values)`.
+        """
+        return self._inferences[stage](trainable, non_trainable, inputs)
 
     def forward(self, stage, trainable, non_trainable, inputs, targets):
         """Runs a stage's forward pass of one micro-batch.
@@ -224,14 +249,13 @@ class ReplicatedStagePrograms(StagePrograms):
         self._layouts = {}
         self._backwards = {}
         self._tracing = None
-        super().__init__(stage_models, runtimes, loss, num_microbatches, stats)
         self.data_parallel = runtimes[0].data_parallel
+        super().__init__(stage_models, runtimes, loss, num_microbatches, stats)
 
-    def split_batch(self, tree):
+    def split_batch(self, tree, count):
         """Micro-batch `m` holds the `m`-th slice of each replica's part
         of the batch, replica by replica."""
         replicas = self.data_parallel
-        count = self.num_microbatches
         size = _batch_size(tree) // (replicas * count)
 
         def part(array, m):
@@ -289,6 +313,29 @@ class ReplicatedStagePrograms(StagePrograms):
         ]
         return local_shapes(placed, runtime.placement.local_shape), (
             runtime._ranks()
+        )
+
+    def _inference_of(self, index):
+        model = self.stage_models[index]
+        last = index == self.last
+
+        def local(trainable, non_trainable, inputs):
+            if index:
+                inputs = _from_rows(inputs)
+            shapes, roles = self._local(index)
+            with shapes, roles:
+                outputs, new_non_trainable = model.stateless_call(
+                    trainable, non_trainable, inputs, training=False
+                )
+            return (outputs if last else _to_rows(outputs)), new_non_trainable
+
+        specs = self._specs(index)
+        return jax.shard_map(
+            local,
+            mesh=self.runtimes[index].mesh,
+            in_specs=specs[:3],
+            out_specs=(PartitionSpec("data") if last else ROWS, specs[1]),
+            check_vma=False,
         )
 
     def _forward_of(self, index):

@@ -79,6 +79,15 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
         pipeline_cuts: names of the layers at which stages 1, 2, ...
             start; `None` cuts where the fewest activations cross,
             balancing parameters.
+        sequence_parallel: whether the activations between the split
+            layers (norms, dropouts, residual adds) are split on the
+            sequence axis too, as Megatron's sequence parallelism splits
+            them: a split layer's all-reduce becomes a reduce-scatter and
+            its replicated input an all-gather, with the same bytes, and
+            those activations take `1 / tensor_parallel` of the memory.
+            For inputs of shape `(batch, sequence, features)` whose
+            sequence length divides by the tensor-parallel size; JAX
+            tensor parallelism only, for now.
 
     Example:
 
@@ -115,6 +124,7 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
         num_microbatches=None,
         schedule="1f1b",
         pipeline_cuts=None,
+        sequence_parallel=False,
         **kwargs,
     ):
         if zero_stage not in (0, 1, 2, 3):
@@ -145,6 +155,11 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
                 "pipeline_parallel must be an integer >= 1, got "
                 f"{pipeline_parallel!r}."
             )
+        if sequence_parallel and pipeline_parallel > 1:
+            raise ValueError(
+                "sequence_parallel=True does not combine with "
+                "pipeline_parallel yet; pass one of them."
+            )
         if pipeline_parallel > 1:
             runtime = pipeline_runtime_class()(
                 model,
@@ -164,7 +179,11 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
                     "pipeline: pass pipeline_parallel > 1 with them."
                 )
             runtime = runtime_class()(
-                world_size, device_ids, data_parallel, zero_stage
+                world_size,
+                device_ids,
+                data_parallel,
+                zero_stage,
+                sequence_parallel=sequence_parallel,
             )
         name = kwargs.pop("name", f"tensor_parallel_{model.name}")
         with runtime.scope():

@@ -72,6 +72,18 @@ class CommunicationStats:
         finally:
             added.extend(records[start:])
 
+    @contextlib.contextmanager
+    def discarding(self):
+        """Drops the records the block adds: for a function traced only to
+        learn the shapes of its results, whose collectives never run."""
+        phase = self.active_phase
+        records = self._records.get(phase, []) if phase else []
+        start = len(records)
+        try:
+            yield
+        finally:
+            del records[start:]
+
     def replay(self, records):
         """Adds `records` (from `capturing`) to the open phase again."""
         if self.active_phase is not None:

@@ -127,6 +127,19 @@ class CollectiveAdapter:
         """Keep the local slice forward; all-gather the gradient backward."""
         raise NotImplementedError
 
+    def gather_sequence(self, x, axis=1):
+        """Sequence parallelism's entry (Megatron-SP's `g-bar`): all-gather
+        the sequence shards along `axis` forward; reduce-scatter the
+        gradient backward, each rank keeping its shard's sum."""
+        raise NotImplementedError
+
+    def reduce_scatter_sequence(self, x, axis=1):
+        """Sequence parallelism's exit: reduce the partial sums and keep
+        this rank's shard of `axis` forward; all-gather the gradient
+        backward. It replaces `reduce_from_parallel`'s all-reduce, with
+        the same bytes, and leaves the activation split by `size()`."""
+        raise NotImplementedError
+
     def gather_partitions(self, x, axis):
         """ZeRO-3's gather of a parameter from its partitions along `axis`.
 

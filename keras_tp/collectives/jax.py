@@ -205,6 +205,58 @@ class JaxCollectiveAdapter(CollectiveAdapter):
         def scatter_to_parallel(x, scatter_axis=-1):
             return scatter(x, scatter_axis % x.ndim)
 
+        @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+        def gather_sequence(x, sequence_axis):
+            whole = all_gather_invariant(
+                x, axis, axis=sequence_axis, tiled=True
+            )
+            # Each rank's gradient of the whole sequence is its partial
+            # sum: the backward pass reduce-scatters it.
+            return varying(whole)
+
+        def gather_sequence_fwd(x, sequence_axis):
+            return gather_sequence(x, sequence_axis), None
+
+        def gather_sequence_bwd(sequence_axis, _, grad):
+            record("reduce_scatter", grad, "backward")
+            return (
+                jax.lax.psum_scatter(
+                    grad, axis, scatter_dimension=sequence_axis, tiled=True
+                ),
+            )
+
+        gather_sequence.defvjp(gather_sequence_fwd, gather_sequence_bwd)
+
+        @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+        def reduce_scatter_sequence(x, sequence_axis):
+            return jax.lax.psum_scatter(
+                x, axis, scatter_dimension=sequence_axis, tiled=True
+            )
+
+        def reduce_scatter_sequence_fwd(x, sequence_axis):
+            return reduce_scatter_sequence(x, sequence_axis), None
+
+        def reduce_scatter_sequence_bwd(sequence_axis, _, grad):
+            record("all_gather", grad, "backward", self._axis_size)
+            whole = all_gather_invariant(
+                grad, axis, axis=sequence_axis, tiled=True
+            )
+            return (varying(whole),)
+
+        reduce_scatter_sequence.defvjp(
+            reduce_scatter_sequence_fwd, reduce_scatter_sequence_bwd
+        )
+
+        def gather_sequence_counted(x, sequence_axis=1):
+            record("all_gather", x, "forward", self._axis_size)
+            return gather_sequence(x, sequence_axis % x.ndim)
+
+        def reduce_scatter_sequence_counted(x, sequence_axis=1):
+            record("reduce_scatter", x, "forward")
+            return reduce_scatter_sequence(x, sequence_axis % x.ndim)
+
+        self.gather_sequence = gather_sequence_counted
+        self.reduce_scatter_sequence = reduce_scatter_sequence_counted
         self.copy_to_parallel = copy_to_parallel
         self.reduce_from_parallel = (
             reduce_from_parallel if check_vma else reduce_untracked
@@ -235,6 +287,28 @@ class JaxCollectiveAdapter(CollectiveAdapter):
 
         gather.defvjp(gather_fwd, gather_bwd)
         self._gather_partitions = gather
+
+    def sequence_copies_per_device(self, mesh, sequence_axis=1):
+        """Sequence parallelism's entry on global arrays.
+
+        Like `copies_per_device`, one copy of `x` per rank of `mesh`, each
+        the whole of `x` all-gathered from the ranks' sequence shards
+        (`gather_sequence`); the copies' gradients, summed, are
+        reduce-scattered back to the shards. Every region that reads `x`
+        shares one all-gather.
+
+        Returns:
+            A function of `x`, split on `sequence_axis` over this adapter's
+            axis, with a leading axis of `size()` copies.
+        """
+        shards = PartitionSpec(*([None] * sequence_axis), self.axis_name)
+        return jax.shard_map(
+            lambda x: self.gather_sequence(x, sequence_axis)[None],
+            mesh=mesh,
+            in_specs=shards,
+            out_specs=PartitionSpec(self.axis_name),
+            check_vma=True,
+        )
 
     def copies_per_device(self, mesh):
         """Megatron `f` on global arrays: one copy of `x` per rank of `mesh`.

@@ -231,7 +231,12 @@ class EmbeddingHandler(LayerHandler):
         return {"embeddings": 0, "reverse_embeddings": 1}
 
     def parallel_input(self, style):
-        return False
+        # The LM head's hidden states (`reverse=True`) are whole on every
+        # rank and each rank's logits read them: they enter through
+        # `copy_to_parallel` (or, under sequence parallelism, are gathered
+        # from their sequence shards). The token ids of a lookup carry no
+        # gradient.
+        return True
 
     def local_call(self, layer, style, adapter, weights, inputs, **kwargs):
         if kwargs.get("reverse"):
@@ -251,9 +256,6 @@ class EmbeddingHandler(LayerHandler):
 
     @staticmethod
     def _local_logits(layer, adapter, weights, hidden):
-        # The hidden states are whole on every rank and each rank's logits
-        # read them: their gradient is summed over the ranks.
-        hidden = adapter.copy_to_parallel(hidden)
         if layer.tie_weights:
             kernel = ops.transpose(weights["embeddings"])
         else:

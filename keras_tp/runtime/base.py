@@ -12,6 +12,7 @@ from keras import ops
 
 from keras_tp.collectives.hierarchy import HierarchicalAdapter
 from keras_tp.collectives.hierarchy import host_groups
+from keras_tp.collectives.sequence import SequenceParallelAdapter
 from keras_tp.keras_internals import bind_values
 from keras_tp.placement import Placement
 from keras_tp.regions import copy_replicated_inputs
@@ -42,9 +43,17 @@ class Runtime(CheckpointPieces):
     # What `compile(jit_compile=...)` defaults to; Keras' "auto" enables XLA
     # where the backend can compile the whole step.
     jit_compile_default = "auto"
+    # Whether the runtime's regions can leave their activations split on
+    # the sequence axis (`keras_tp.collectives.sequence`).
+    runs_sequence_parallel = False
 
     def __init__(
-        self, world_size=None, device_ids=None, data_parallel=1, zero_stage=0
+        self,
+        world_size=None,
+        device_ids=None,
+        data_parallel=1,
+        zero_stage=0,
+        sequence_parallel=False,
     ):
         self.zero_stage = zero_stage
         devices = select_devices(
@@ -76,6 +85,18 @@ class Runtime(CheckpointPieces):
         )
         self.data_adapter.stats = self.adapter.stats
         self.world_adapter.stats = self.adapter.stats
+        self.sequence_parallel = sequence_parallel
+        if sequence_parallel:
+            if not self.runs_sequence_parallel:
+                raise ValueError(
+                    "sequence_parallel=True runs on JAX with tensor "
+                    "parallelism only, for now (this runtime: "
+                    f"{self.backend}, data_parallel={data_parallel}, "
+                    f"zero_stage={zero_stage}). Pass sequence_parallel="
+                    "False, or use the JAX backend with data_parallel=1 "
+                    "and zero_stage=0."
+                )
+            self.adapter = SequenceParallelAdapter(self.adapter)
 
     @property
     def stats(self):

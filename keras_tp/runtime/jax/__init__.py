@@ -86,6 +86,13 @@ class JaxRuntime(MeshSteps, MeshRegions, Runtime):
     backend = "jax"
 
     @property
+    def runs_sequence_parallel(self):
+        # The regions' shard_maps take and leave sequence shards of global
+        # arrays; in a per-rank step every value is local, and the code
+        # between regions would need to know which are shards.
+        return not self.per_rank_steps
+
+    @property
     def local_ranks(self):
         # Without a data axis, the code between regions runs on global
         # arrays, which any plan computes exactly.
@@ -141,6 +148,10 @@ class JaxRuntime(MeshSteps, MeshRegions, Runtime):
         return median_seconds(
             lambda: sum_over_data(rows).block_until_ready(), repeats
         )
+
+    @functools.cached_property
+    def _sequence_copies_per_device(self):
+        return self.adapter.sequence_copies_per_device(self.mesh)
 
     @functools.cached_property
     def _copies_per_device(self):

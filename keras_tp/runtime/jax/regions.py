@@ -13,6 +13,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from keras_tp.collectives.sequence import SEQUENCE_AXIS
+from keras_tp.collectives.sequence import is_sequence
 from keras_tp.keras_internals import StatelessScope
 from keras_tp.keras_internals import get_keras_mask
 from keras_tp.keras_internals import set_keras_mask
@@ -102,7 +104,7 @@ class MeshRegions:
             for a, spec in zip(arrays, array_specs)
         ]
         arrays = [
-            shared_value(a, self._copies_per_device) if copy else a
+            shared_value(a, self._copies_of(region, a)) if copy else a
             for a, copy in zip(arrays, per_device)
         ]
         array_specs = [
@@ -152,21 +154,120 @@ class MeshRegions:
                 outputs = region.compute(*local_args, **local_kwargs)
             return outputs, [scope.get_current_value(v) for v in state]
 
+        in_specs = (
+            array_specs,
+            [PartitionSpec()] * len(mask_arrays),
+            weight_specs,
+            [PartitionSpec()] * len(state),
+        )
+        inputs = (arrays, mask_arrays, weights, [v.value for v in state])
+        if self.sequence_parallel:
+            out_specs = self._sequence_out_specs(
+                local_fn, in_specs, inputs, out_specs
+            )
         mapped = jax.shard_map(
             local_fn,
             mesh=self.mesh,
-            in_specs=(
-                array_specs,
-                [PartitionSpec()] * len(mask_arrays),
-                weight_specs,
-                [PartitionSpec()] * len(state),
-            ),
+            in_specs=in_specs,
             out_specs=(out_specs, [PartitionSpec()] * len(state)),
             check_vma=True,
         )
-        outputs, new_state = mapped(
-            arrays, mask_arrays, weights, [v.value for v in state]
-        )
+        outputs, new_state = mapped(*inputs)
         for variable, value in zip(state, new_state):
             variable.assign(value)
         return outputs
+
+    def _copies_of(self, region, array):
+        """How a replicated input enters a region: as one copy per device
+        (Megatron `f`), or under sequence parallelism a sequence
+        activation as the all-gather of its sequence shards."""
+        if not (self.sequence_parallel and is_sequence(array)):
+            return self._copies_per_device
+        length = array.shape[SEQUENCE_AXIS]
+        if length % self.tensor_parallel:
+            raise ValueError(
+                f"sequence_parallel=True splits the input of layer "
+                f"'{region.layer.path}', of shape {tuple(array.shape)}, on "
+                f"its sequence axis ({SEQUENCE_AXIS}) over "
+                f"{self.tensor_parallel} devices, so the sequence length "
+                f"must divide by {self.tensor_parallel}. Pad the sequences "
+                "to a multiple of it, or pass sequence_parallel=False."
+            )
+        return self._sequence_copies_per_device
+
+    def _sequence_out_specs(self, local_fn, in_specs, inputs, out_specs):
+        """A region's output specs, its reduce-scattered outputs split on
+        the sequence.
+
+        Which outputs the region's `reduce_from_parallel` reduce-scattered
+        is known once its per-rank function is traced: an output meant to
+        be replicated that varies over `model` is a sequence shard, the
+        only one a region makes. The function is traced once more,
+        abstractly and uncounted, to find out.
+
+        Args:
+            local_fn: the region's per-rank function.
+            in_specs: its in-specs.
+            inputs: its global inputs.
+            out_specs: the specs of its outputs (a prefix of them).
+
+        Returns:
+            The specs of every output.
+        """
+        flags = []
+
+        def probe(*args):
+            outputs, _ = local_fn(*args)
+            flags.extend(
+                _varies_over_model(leaf)
+                for leaf in jax.tree_util.tree_leaves(outputs)
+            )
+            # One row per device: valid whatever each output's split.
+            return jax.tree_util.tree_map(lambda x: x[None], outputs)
+
+        with self.adapter.stats.discarding():
+            shapes = jax.eval_shape(
+                jax.shard_map(
+                    probe,
+                    mesh=self.mesh,
+                    in_specs=in_specs,
+                    out_specs=PartitionSpec("model"),
+                    check_vma=True,
+                ),
+                *inputs,
+            )
+        treedef = jax.tree_util.tree_structure(shapes)
+        specs = _leaf_specs(out_specs, shapes)
+        return jax.tree_util.tree_unflatten(
+            treedef,
+            [
+                _SEQUENCE_SHARDS
+                if varying and spec == PartitionSpec()
+                else spec
+                for spec, varying in zip(specs, flags)
+            ],
+        )
+
+
+# A sequence activation split on its sequence axis over `model`.
+_SEQUENCE_SHARDS = PartitionSpec(None, "model")
+
+
+def _varies_over_model(value):
+    """Whether a traced value inside a `shard_map` that checks varying
+    manual axes may differ between the `model` devices (its type's
+    manual axis type, which `jax.typeof` reports)."""
+    return "model" in jax.typeof(value).mat.varying
+
+
+def _leaf_specs(prefix, tree):
+    """The spec of each leaf of `tree`, from a prefix tree of specs."""
+    specs = []
+
+    def expand(spec, subtree):
+        specs.extend([spec] * len(jax.tree_util.tree_leaves(subtree)))
+
+    jax.tree_util.tree_map(
+        expand, prefix, tree, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+    return specs

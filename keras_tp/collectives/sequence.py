@@ -1,0 +1,75 @@
+"""Sequence parallelism: activations between regions split on the sequence.
+
+Tensor parallelism leaves the activations between its regions (the norms,
+dropouts and residual adds of a transformer) whole on every rank. Megatron's
+sequence parallelism (Korthikanti et al., 2022) splits them on the sequence
+axis instead: a region that ends in an all-reduce reduce-scatters over the
+sequence, and a region's replicated input is all-gathered over the sequence
+where it enters. The bytes on the wire stay the same; the activations
+between regions take `1 / size()` of the memory.
+
+`SequenceParallelAdapter` wraps a `model`-axis adapter so that the layer
+handlers' per-rank math stays as it is: their `reduce_from_parallel` of a
+sequence activation becomes `reduce_scatter_sequence`. The runtime gathers
+the sequence shards where a region's inputs enter (`gather_sequence`).
+"""
+
+import contextlib
+
+from keras_tp.collectives.base import CollectiveAdapter
+
+# Activations of shape (batch, sequence, features) are split on axis 1.
+SEQUENCE_AXIS = 1
+SEQUENCE_RANK = 3
+
+
+def is_sequence(x):
+    """Whether `x` is a sequence activation: `(batch, sequence, features)`."""
+    return len(x.shape) == SEQUENCE_RANK
+
+
+class SequenceParallelAdapter:
+    """A `model`-axis adapter whose regions leave the sequence split.
+
+    Every attribute but `reduce_from_parallel` and `activated` is the
+    wrapped adapter's.
+
+    Args:
+        adapter: the `CollectiveAdapter` of the `model` axis.
+    """
+
+    def __init__(self, adapter):
+        self.inner = adapter
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    @property
+    def stats(self):
+        return self.inner.stats
+
+    @stats.setter
+    def stats(self, stats):
+        self.inner.stats = stats
+
+    def reduce_from_parallel(self, x):
+        """Reduce-scatters a sequence activation's partial sums over the
+        sequence; reduces any other tensor whole."""
+        if not is_sequence(x):
+            return self.inner.reduce_from_parallel(x)
+        size = self.inner.size()
+        if x.shape[SEQUENCE_AXIS] % size:
+            raise ValueError(
+                "sequence_parallel=True reduce-scatters a split layer's "
+                f"output, of shape {tuple(x.shape)}, over its sequence axis "
+                f"({SEQUENCE_AXIS}) across {size} devices, so the sequence "
+                f"length must divide by {size}. Pad the sequences to a "
+                "multiple of it, or pass sequence_parallel=False."
+            )
+        return self.inner.reduce_scatter_sequence(x, SEQUENCE_AXIS)
+
+    @contextlib.contextmanager
+    def activated(self):
+        """Makes this adapter the one `keras_tp.collectives` functions use."""
+        with CollectiveAdapter.activated(self):
+            yield self

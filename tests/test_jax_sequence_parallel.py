@@ -1,0 +1,148 @@
+"""`TensorParallelKeras(sequence_parallel=True)` on JAX, virtual CPU devices.
+
+Run alone:
+`KERAS_BACKEND=jax python -m pytest tests/test_jax_sequence_parallel.py`.
+keras-hub's decoder LMs train exactly as on one device with their norms,
+dropouts and residual adds on sequence shards; every all-reduce of tensor
+parallelism becomes a reduce-scatter and an all-gather of the same bytes,
+in the counters and in the compiled HLO; the compiled step's activations
+take less memory.
+"""
+
+import os
+
+import pytest
+
+if os.environ.get("KERAS_BACKEND", "jax") != "jax":
+    pytest.skip("JAX tests run with KERAS_BACKEND=jax", allow_module_level=True)
+os.environ["KERAS_BACKEND"] = "jax"
+
+import keras_tp  # noqa: E402
+
+keras_tp.configure_virtual_devices(4)
+
+import keras  # noqa: E402
+import keras_hub  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.jax_steps import compiled_train_step  # noqa: E402
+from benchmarks.jax_steps import hlo_collectives  # noqa: E402
+from benchmarks.jax_steps import step_memory  # noqa: E402
+from tests import models  # noqa: E402
+from tests import zoo  # noqa: E402
+from tests import zoo_cases  # noqa: E402
+
+BLOCKS = zoo_cases.BLOCKS
+
+
+def _trained(name, sequence_parallel):
+    """`(one-device model, split copy)` of zoo LM `name` after 2 SGD steps
+    (the split copy's collectives are those of its last step)."""
+    reference, tp, x, y = zoo_cases.pair(
+        name, 2, sequence_parallel=sequence_parallel
+    )
+    for model in (reference, tp):
+        model.compile(
+            optimizer=keras.optimizers.SGD(1e-2), loss=zoo.loss_for(name)
+        )
+        for _ in range(2):
+            model.train_on_batch(x, y)
+    return reference, tp
+
+
+def _bytes(tp, kind, direction):
+    entry = tp.communication_stats(axis="model").get(kind, {})
+    return entry.get(f"{direction}_bytes", 0)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma", "qwen3"])
+def test_decoder_lms_train_exactly_with_megatron_sp_collectives(name):
+    reference, tp = _trained(name, sequence_parallel=True)
+    assert models.max_diff(tp.get_weights(), reference.get_weights()) < 1e-5
+    calls = {
+        kind: (entry["forward_calls"], entry["backward_calls"])
+        for kind, entry in tp.communication_stats(axis="model").items()
+    }
+    # Per block, the attention's and the MLP's input are all-gathered from
+    # their sequence shards and their Row outputs reduce-scattered; the
+    # embedding's lookup is reduce-scattered, the LM head's input
+    # gathered, and its logits gathered over the vocabulary. Each
+    # backward pass is the other collective.
+    assert calls == {
+        "reduce_scatter": (2 * BLOCKS + 1, 2 * BLOCKS + 1),
+        "all_gather": (2 * BLOCKS + 2, 2 * BLOCKS + 1),
+    }
+    # The same bytes as tensor parallelism's all-reduces: an all-reduce
+    # is a reduce-scatter and an all-gather of its buffer.
+    _, plain = _trained(name, sequence_parallel=False)
+    for direction, other in (("forward", "backward"), ("backward", "forward")):
+        reduced = _bytes(plain, "all_reduce", direction)
+        assert _bytes(tp, "reduce_scatter", direction) == reduced
+        gathered = _bytes(tp, "all_gather", other)
+        assert gathered - _bytes(plain, "all_gather", other) == reduced
+
+
+def _gpt2_step(sequence_parallel, hidden=128, length=128, batch=2):
+    """The compiled training step of a GPT2 backbone split 4 ways."""
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=256,
+        num_layers=BLOCKS,
+        num_heads=4,
+        hidden_dim=hidden,
+        intermediate_dim=4 * hidden,
+        max_sequence_length=length,
+    )
+    rng = np.random.default_rng(0)
+    x = {
+        "token_ids": rng.integers(0, 256, (batch, length), dtype="int32"),
+        "padding_mask": np.ones((batch, length), "int32"),
+    }
+    y = rng.normal(size=(batch, length, hidden)).astype("float32")
+    tp = keras_tp.TensorParallelKeras(
+        backbone, world_size=4, sequence_parallel=sequence_parallel
+    )
+    tp.compile(optimizer="sgd", loss="mse")
+    tp.train_on_batch(x, y)
+    return tp, compiled_train_step(tp, x, y)
+
+
+def test_compiled_step_runs_the_counted_collectives_in_less_memory():
+    tp, compiled = _gpt2_step(sequence_parallel=True)
+    _, plain = _gpt2_step(sequence_parallel=False)
+    counted = tp.communication_stats(axis="model")
+    hlo = hlo_collectives(compiled)
+    for kind in ("all_gather", "reduce_scatter"):
+        assert hlo[kind.replace("_", "-")]["ops"] == counted[kind]["calls"]
+    # XLA sums the gradients of the weights that stay whole (norms, biases
+    # after a reduce-scatter, the position table), each computed on a
+    # sequence shard, in one all-reduce: Megatron's all-reduce of its
+    # sequence-parallel parameters.
+    whole = [
+        v
+        for v in tp.trainable_variables
+        if tp._runtime.placement.split_axis(v) is None
+    ]
+    assert hlo["all-reduce"] == {"ops": 1, "tensors": len(whole)}
+    assert "all_reduce" not in counted
+    activations = step_memory(compiled)["temporaries"]
+    assert step_memory(plain)["temporaries"] > 1.3 * activations
+
+
+def test_refusals_name_the_fix():
+    with pytest.raises(ValueError, match="use the JAX backend with"):
+        keras_tp.TensorParallelKeras(
+            models.mlp(), world_size=4, data_parallel=2, sequence_parallel=True
+        )
+    with pytest.raises(ValueError, match="does not combine with"):
+        keras_tp.TensorParallelKeras(
+            models.mlp(),
+            world_size=2,
+            pipeline_parallel=2,
+            sequence_parallel=True,
+        )
+    tp = keras_tp.TensorParallelKeras(
+        models.gpt2_backbone(), world_size=4, sequence_parallel=True
+    )
+    x, _ = models.backbone_data(2, length=6)
+    with pytest.raises(ValueError, match="must divide by 4"):
+        tp(x)

@@ -23,7 +23,8 @@ import keras_tp  # noqa: E402
 
 
 def step_of(length, hidden, heads, layers, batch, tensor_parallel, sequence):
-    """The compiled training step of the backbone, and its split model."""
+    """`(split model, its compiled training step)` of the GPT2 backbone,
+    after one training step."""
     import keras_hub
     import numpy as np
 
@@ -48,7 +49,7 @@ def step_of(length, hidden, heads, layers, batch, tensor_parallel, sequence):
     )
     tp.compile(optimizer="sgd", loss="mse")
     tp.train_on_batch(x, y)
-    return compiled_train_step(tp, x, y)
+    return tp, compiled_train_step(tp, x, y)
 
 
 def measure(lengths, hidden, heads, layers, batch, tensor_parallel):
@@ -59,7 +60,7 @@ def measure(lengths, hidden, heads, layers, batch, tensor_parallel):
     rows = []
     for length in lengths:
         for sequence in (False, True):
-            compiled = step_of(
+            _, compiled = step_of(
                 length, hidden, heads, layers, batch, tensor_parallel, sequence
             )
             memory = step_memory(compiled)

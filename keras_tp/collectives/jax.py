@@ -205,27 +205,9 @@ class JaxCollectiveAdapter(CollectiveAdapter):
         def scatter_to_parallel(x, scatter_axis=-1):
             return scatter(x, scatter_axis % x.ndim)
 
-        @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-        def gather_sequence(x, sequence_axis):
-            whole = all_gather_invariant(
-                x, axis, axis=sequence_axis, tiled=True
-            )
-            # Each rank's gradient of the whole sequence is its partial
-            # sum: the backward pass reduce-scatters it.
-            return varying(whole)
-
-        def gather_sequence_fwd(x, sequence_axis):
-            return gather_sequence(x, sequence_axis), None
-
-        def gather_sequence_bwd(sequence_axis, _, grad):
-            record("reduce_scatter", grad, "backward")
-            return (
-                jax.lax.psum_scatter(
-                    grad, axis, scatter_dimension=sequence_axis, tiled=True
-                ),
-            )
-
-        gather_sequence.defvjp(gather_sequence_fwd, gather_sequence_bwd)
+        # Each rank's gradient of the whole sequence is its partial sum:
+        # the backward pass reduce-scatters it.
+        gather_sequence = _gather_scattering_gradient(axis, record)
 
         @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
         def reduce_scatter_sequence(x, sequence_axis):
@@ -265,28 +247,10 @@ class JaxCollectiveAdapter(CollectiveAdapter):
         self.scatter_to_parallel = scatter_to_parallel
 
     def _build_partition_gather(self):
-        axis_name = self.axis_name
-        size = self._axis_size
-        record = self._record
-
-        @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-        def gather(partition, axis):
-            return jax.lax.all_gather(
-                partition, axis_name, axis=axis, tiled=True
-            )
-
-        def gather_fwd(partition, axis):
-            return gather(partition, axis), None
-
-        def gather_bwd(axis, _, grad):
-            record("reduce_scatter", grad, "backward")
-            summed = jax.lax.psum_scatter(
-                grad, axis_name, scatter_dimension=axis, tiled=True
-            )
-            return (summed / size,)
-
-        gather.defvjp(gather_fwd, gather_bwd)
-        self._gather_partitions = gather
+        # Each rank receives the mean gradient of its own partition.
+        self._gather_partitions = _gather_scattering_gradient(
+            self.axis_name, self._record, self._axis_size
+        )
 
     def sequence_copies_per_device(self, mesh, sequence_axis=1):
         """Sequence parallelism's entry on global arrays.
@@ -340,3 +304,34 @@ class JaxCollectiveAdapter(CollectiveAdapter):
 
         copies.defvjp(copies_fwd, copies_bwd)
         return copies
+
+
+def _gather_scattering_gradient(axis_name, record, divisor=1):
+    """An all-gather over `axis_name` whose gradient is reduce-scattered.
+
+    Args:
+        axis_name: the mesh axis.
+        record: the adapter's `_record`, which counts the backward call.
+        divisor: what the reduced gradient is divided by (the axis size
+            for a mean).
+
+    Returns:
+        A function of `(x, axis)`, `axis` the one gathered along.
+    """
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+    def gather(x, axis):
+        return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
+
+    def gather_fwd(x, axis):
+        return gather(x, axis), None
+
+    def gather_bwd(axis, _, grad):
+        record("reduce_scatter", grad, "backward")
+        summed = jax.lax.psum_scatter(
+            grad, axis_name, scatter_dimension=axis, tiled=True
+        )
+        return (summed / divisor,)
+
+    gather.defvjp(gather_fwd, gather_bwd)
+    return gather

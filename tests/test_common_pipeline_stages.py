@@ -459,6 +459,28 @@ class Subclassed(keras.Model):
         return self.dense(x)
 
 
+def test_balance_by_measured_time():
+    """Four equal convolutions hold few parameters and all the compute; a
+    wide Dense after them holds most parameters and little compute.
+    Balanced by parameters, the cut falls before the Dense; balanced by
+    the blocks' measured times, between the convolutions."""
+    inputs = keras.Input((48, 48, 24))
+    x = inputs
+    for i in range(4):
+        x = layers.Conv2D(24, 3, padding="same", name=f"conv_{i}")(x)
+    x = layers.GlobalAveragePooling2D(name="pool")(x)
+    model = keras.Model(inputs, layers.Dense(8192, name="wide")(x))
+    sample = np.random.default_rng(0).normal(size=(8, 48, 48, 24))
+    by_parameters = split_stages(model, 2)
+    assert by_parameters.cut_points == ["wide"]
+    by_time = split_stages(model, 2, balance="time", sample=sample)
+    assert by_time.cut_points == ["conv_2"]
+    assert by_time.balance == "time"
+    np.testing.assert_allclose(
+        by_time.run(sample), model(sample), rtol=1e-5, atol=1e-5
+    )
+
+
 def test_subclassed_model_is_refused():
     model = Subclassed()
     model(np.ones((1, 3), "float32"))
@@ -474,6 +496,8 @@ def test_bad_arguments_are_refused(demo_lm):
         split_stages(model, "2")
     with pytest.raises(ValueError, match="Unknown balance 'flops'"):
         split_stages(model, 2, balance="flops")
+    with pytest.raises(ValueError, match="pass sample=x with it"):
+        split_stages(model, 2, balance="time")
     candidates = split_stages(model, 2).candidate_cut_points
     # After the token embedding, the embedding add, each residual add and
     # the final LayerNormalization.

@@ -19,6 +19,7 @@ the next ones.
 import difflib
 import logging
 import re
+import time
 
 import keras
 import numpy as np
@@ -28,7 +29,9 @@ from keras_tp.pipeline.graph import Dataflow
 
 logger = logging.getLogger(__name__)
 
-BALANCES = ("parameters",)
+BALANCES = ("parameters", "time")
+# Timed runs of each block for `balance="time"`, after one warm-up run.
+TIMED_RUNS = 5
 
 
 class BoundaryTensor:
@@ -279,7 +282,9 @@ class StageSplit:
         )
 
 
-def split_stages(model, num_stages, cut_points=None, balance="parameters"):
+def split_stages(
+    model, num_stages, cut_points=None, balance="parameters", sample=None
+):
     """Cuts a Functional model into consecutive pipeline stages.
 
     Each stage is a Functional model made of the user's own layer objects
@@ -330,7 +335,10 @@ def split_stages(model, num_stages, cut_points=None, balance="parameters"):
             `num_stages - 1` layers at which a new stage starts.
         balance: what automatic cuts balance: `"parameters"` (the number
             of weight scalars per stage, a proxy for both compute and
-            memory).
+            memory), or `"time"`: the forward time of each stage, measured
+            on `sample` here, block by block between the candidate cuts
+            (the median of a few runs after a warm-up run).
+        sample: with `balance="time"`, a batch of the model's inputs.
 
     Returns:
         A `StageSplit`.
@@ -367,12 +375,21 @@ def split_stages(model, num_stages, cut_points=None, balance="parameters"):
             f"Unknown balance {balance!r}; supported: "
             f"{', '.join(repr(b) for b in BALANCES)}."
         )
+    if (balance == "time") != (sample is not None):
+        raise ValueError(
+            "balance='time' times the model's blocks on a batch of its "
+            "inputs and needs one: pass sample=x with it (and only with "
+            f"it); got balance={balance!r} and "
+            f"sample={'None' if sample is None else 'a batch'}."
+        )
     graph = Dataflow(model)
     _check_losses(model)
     sizes = _node_parameters(graph)
     owners = _weight_owners(graph)
     found = _candidates(graph, owners)
     if cut_points is None:
+        if balance == "time" and num_stages > 1:
+            sizes = _block_seconds(graph, found[0], sample)
         positions = _automatic_cuts(graph, num_stages, sizes, owners, found)
         chosen_balance = balance
     else:
@@ -485,6 +502,37 @@ def _weight_owners(graph):
         label = (tuple(layers), weight.path)
         spans.setdefault(label, span)
     return [(label, a, b) for label, (a, b) in spans.items()]
+
+
+def _block_seconds(graph, candidates, sample):
+    """Forward seconds per node: each block's between the candidate cuts,
+    measured on `sample`, counted at the block's first node.
+
+    The blocks run one after the other as the stages of a split at every
+    candidate, each on the previous one's outputs, as a pipeline would
+    run them.
+    """
+    blocks = _build(graph, list(candidates), None)
+    seconds = [0.0] * len(graph.nodes)
+    starts = [0] + list(candidates)
+    inputs = sample
+    for start, stage in zip(starts, blocks.stages):
+        outputs = _wait(stage.model(inputs))
+        runs = []
+        for _ in range(TIMED_RUNS):
+            began = time.perf_counter()
+            _wait(stage.model(inputs))
+            runs.append(time.perf_counter() - began)
+        seconds[start] = float(np.median(runs))
+        inputs = outputs
+    return seconds
+
+
+def _wait(outputs):
+    """`outputs` once computed: backends may return before they are."""
+    for tensor in keras.tree.flatten(outputs):
+        keras.ops.convert_to_numpy(tensor)
+    return outputs
 
 
 # Choosing cuts ---------------------------------------------------------

@@ -86,8 +86,9 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             its replicated input an all-gather, with the same bytes, and
             those activations take `1 / tensor_parallel` of the memory.
             For inputs of shape `(batch, sequence, features)` whose
-            sequence length divides by the tensor-parallel size; JAX
-            tensor parallelism only, for now.
+            sequence length divides by the tensor-parallel size; on JAX,
+            with tensor parallelism alone or inside pipeline stages,
+            without data parallelism, for now.
 
     Example:
 
@@ -155,11 +156,6 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
                 "pipeline_parallel must be an integer >= 1, got "
                 f"{pipeline_parallel!r}."
             )
-        if sequence_parallel and pipeline_parallel > 1:
-            raise ValueError(
-                "sequence_parallel=True does not combine with "
-                "pipeline_parallel yet; pass one of them."
-            )
         if pipeline_parallel > 1:
             runtime = pipeline_runtime_class()(
                 model,
@@ -171,6 +167,7 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
                 num_microbatches,
                 schedule,
                 pipeline_cuts,
+                sequence_parallel,
             )
         else:
             if num_microbatches is not None or pipeline_cuts is not None:

@@ -101,6 +101,34 @@ def test_stages_split_by_tensor_parallelism():
     )
 
 
+def test_sequence_parallel_inside_the_stages():
+    """2 stages x 2 devices with sequence parallelism: the same weights,
+    the stages' all-reduces become reduce-scatters and all-gathers, and
+    the hidden states cross each cut as sequence shards, each device
+    sending its own half (the integer mask goes whole to each)."""
+    loss, reference, split, x, y = pipeline_cases.backbone_reference()
+    tp = keras_tp.TensorParallelKeras(
+        models.gpt2_backbone(length=pipeline_cases.LENGTH),
+        world_size=4,
+        pipeline_parallel=2,
+        num_microbatches=MICROBATCHES,
+        sequence_parallel=True,
+    )
+    tp.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    pipeline_cases.check_unsplit_weights(reference, tp.get_weights())
+    assert sorted(tp.communication_stats(axis="model")) == [
+        "all_gather",
+        "reduce_scatter",
+    ]
+    sent = tp.communication_stats(axis="pipe")["send"]
+    micro = BATCH // MICROBATCHES
+    hidden = micro * pipeline_cases.LENGTH * 16 * 4
+    mask = micro * pipeline_cases.LENGTH * 4
+    assert sent["forward_bytes"] == MICROBATCHES * (hidden + 2 * mask)
+    assert sent["backward_bytes"] == MICROBATCHES * hidden
+
+
 @pytest.mark.parametrize("zero_stage", [0, 1])
 def test_replicas_of_stages_split_by_tensor_parallelism(zero_stage):
     """data x pipe x model, 2 x 2 x 2 on 8 devices: 2 replicas of the

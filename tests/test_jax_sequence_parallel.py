@@ -121,11 +121,12 @@ def test_refusals_name_the_fix():
         keras_tp.TensorParallelKeras(
             models.mlp(), world_size=4, data_parallel=2, sequence_parallel=True
         )
-    with pytest.raises(ValueError, match="does not combine with"):
+    with pytest.raises(ValueError, match="or data_parallel=1 on JAX"):
         keras_tp.TensorParallelKeras(
             models.mlp(),
-            world_size=2,
+            world_size=4,
             pipeline_parallel=2,
+            data_parallel=2,
             sequence_parallel=True,
         )
     tp = keras_tp.TensorParallelKeras(

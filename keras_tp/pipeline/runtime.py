@@ -51,6 +51,9 @@ class PipelineRuntime:
         schedule: `"gpipe"` or `"1f1b"`.
         cut_points: names of the layers at which stages 1.. start; `None`
             cuts automatically (see `split_stages`).
+        sequence_parallel: whether each stage's tensor-parallel layers
+            leave their activations split on the sequence axis (see
+            `keras_tp.collectives.sequence`).
     """
 
     backend = None
@@ -64,6 +67,9 @@ class PipelineRuntime:
     # Whether the backend splits each stage over several devices by
     # tensor parallelism (`world_size = pipeline_parallel x tensor size`).
     splits_stages = False
+    # Whether its stages' tensor-parallel layers can run sequence
+    # parallelism (`keras_tp.collectives.sequence`).
+    sequence_parallel_stages = False
     # Whether it runs `data_parallel` replicas of the pipeline, averaging
     # each stage's gradients over its replicas.
     replicates_stages = False
@@ -79,6 +85,7 @@ class PipelineRuntime:
         num_microbatches=None,
         schedule="1f1b",
         cut_points=None,
+        sequence_parallel=False,
     ):
         if world_size is None and device_ids is None:
             world_size = pipeline_parallel * data_parallel
@@ -114,6 +121,18 @@ class PipelineRuntime:
                 "the optimizer state over the pipeline's replicas, and "
                 "there is one. Pass data_parallel > 1, or zero_stage=0."
             )
+        if sequence_parallel and not (
+            self.sequence_parallel_stages and data_parallel == 1
+        ):
+            raise ValueError(
+                f"sequence_parallel=True with pipeline_parallel="
+                f"{pipeline_parallel} and data_parallel={data_parallel}: "
+                "sequence parallelism runs inside pipeline stages split by "
+                "tensor parallelism on JAX, without data parallelism, for "
+                "now. Pass sequence_parallel=False, or data_parallel=1 on "
+                "JAX."
+            )
+        self.sequence_parallel = sequence_parallel
         if data_parallel > 1 and not self.replicates_stages:
             raise ValueError(
                 f"data_parallel={data_parallel} with pipeline_parallel="

@@ -158,6 +158,7 @@ class JaxPipelineRuntime(PipelineRuntime):
     backend = "jax"
     splits_stages = True
     replicates_stages = True
+    sequence_parallel_stages = True
     zero_stages = (0, 1)
 
     def __init__(self, *args, **kwargs):
@@ -168,7 +169,11 @@ class JaxPipelineRuntime(PipelineRuntime):
         self.stage_runtimes = []
         for devices in self.stage_devices:
             runtime = JaxRuntime(
-                len(devices), devices, self.data_parallel, self.zero_stage
+                len(devices),
+                devices,
+                self.data_parallel,
+                self.zero_stage,
+                sequence_parallel=self.sequence_parallel,
             )
             for adapter in (
                 runtime.adapter,

@@ -371,15 +371,8 @@ class ReplicatedStagePrograms(StagePrograms):
             self._layouts[self._tracing] = (treedef, sources)
             kept = [r for r, s in zip(residuals, sources) if s is None]
             if last:
-                return (
-                    None,
-                    _to_rows(kept),
-                    new_non_trainable,
-                    (
-                        outputs,
-                        primal[None],
-                    ),
-                )
+                last_outputs = (outputs, primal[None])
+                return None, _to_rows(kept), new_non_trainable, last_outputs
             return _to_rows(outputs), _to_rows(kept), new_non_trainable, None
 
         specs = self._specs(index)

@@ -4,7 +4,9 @@ Run alone:
 `KERAS_BACKEND=tensorflow python -m pytest tests/test_tensorflow_pipeline.py`.
 Each stage's variables and Adam slots are `tf.Variable`s on the stage's
 device; Keras' traced steps run the micro-batches through the stages,
-each under its device, next to the same model on one device.
+each under its device, next to the same model on one device. With
+replicas of the pipeline, each replica's stages run on its own devices
+with mirrors of the stage's variables.
 """
 
 import os
@@ -20,6 +22,8 @@ if keras.backend.backend() != "tensorflow":
         allow_module_level=True,
     )
 
+import collections  # noqa: E402
+
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
@@ -30,14 +34,15 @@ keras_tp.configure_virtual_devices(4)
 from keras_tp.runtime.tensorflow.devices import device_name  # noqa: E402
 from tests import models  # noqa: E402
 from tests import pipeline_cases  # noqa: E402
+from tests.pipeline_cases import BATCH  # noqa: E402
 from tests.pipeline_cases import MICROBATCHES  # noqa: E402
 
 DEVICES = ["cpu:0", "cpu:1"]
 
 
-def _pipelined(model, **kwargs):
+def _pipelined(model, world_size=2, **kwargs):
     return keras_tp.TensorParallelKeras(
-        model, world_size=2, pipeline_parallel=2, **kwargs
+        model, world_size=world_size, pipeline_parallel=2, **kwargs
     )
 
 
@@ -67,9 +72,11 @@ def test_fit_evaluate_predict_match_one_device(schedule):
         assert [_device(v) for v in slots] == [DEVICES[stage]] * 2
 
 
-def test_a_keras_hub_backbone_carries_its_padding_mask():
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_keras_hub_backbone_carries_its_padding_mask(replicas):
     """GPT2's blocks all read the padding mask: stage 0 passes it on, as
-    an integer tensor without a gradient."""
+    an integer tensor without a gradient; with 2 replicas, the second
+    runs keras-hub's layers on its mirrors of the stages' variables."""
     # The pipeline sums each stage's gradients over the micro-batches,
     # densely; Keras would give the one-device oracle's embedding
     # gradient as `IndexedSlices`, which Adam treats row by row.
@@ -78,13 +85,104 @@ def test_a_keras_hub_backbone_carries_its_padding_mask():
     optimizer.apply = lambda grads, variables=None: apply(
         [tf.convert_to_tensor(g) for g in grads], variables
     )
-    pipeline_cases.check_backbone_pipeline(
+    tp, _, _ = pipeline_cases.check_backbone_pipeline(
         _pipelined(
             models.gpt2_backbone(length=pipeline_cases.LENGTH),
+            world_size=2 * replicas,
+            data_parallel=replicas,
             num_microbatches=MICROBATCHES,
         ),
         optimizer,
     )
+    # The second replica's devices hold copies of the first's stages.
+    held = list(tp.parameter_bytes_per_device().values())
+    assert held == held[:2] * replicas
+    if replicas > 1:
+        data = tp.communication_stats(axis="data")
+        assert (
+            data["reduce"]["bytes"]
+            == data["broadcast"]["bytes"]
+            == sum(held[:2])
+        )
+
+
+def test_replicas_of_the_pipeline_match_one_device():
+    """2 replicas x 2 stages: each replica trains on its half of every
+    batch, its stages on its own devices with its own copies of their
+    variables, and the replicas average each stage's gradients."""
+    loss, reference, logged, x, y = pipeline_cases.mlp_reference()
+    tp = keras_tp.TensorParallelKeras(
+        models.mlp(),
+        world_size=4,
+        pipeline_parallel=2,
+        data_parallel=2,
+        num_microbatches=2,
+        pipeline_cuts=["down"],
+    )
+    tp.compile(
+        optimizer=keras.optimizers.Adam(1e-2),
+        loss=loss,
+        metrics=["sparse_categorical_accuracy"],
+    )
+    history = tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    np.testing.assert_allclose(history.history["loss"][0], logged, rtol=1e-5)
+    pipeline_cases.check_unsplit_weights(reference, tp.get_weights())
+    # The `data x pipe` grid, row-major: stage s of replica d on cpu:2d+s.
+    assert tp._runtime.stage_devices == [["cpu:0", "cpu:2"], ["cpu:1", "cpu:3"]]
+    # Every device holds its stage's weights: the first replica's Keras
+    # variables (with their Adam slots, not counted here), the second's
+    # mirrors.
+    up, rest = pipeline_cases.mlp_stage_bytes()
+    assert tp.parameter_bytes_per_device() == {
+        "cpu:0": up,
+        "cpu:1": rest,
+        "cpu:2": up,
+        "cpu:3": rest,
+    }
+    # Per step, each stage's gradients cross once from the second
+    # replica's device to the first's, and its updated weights once back:
+    # one copy per variable each way.
+    data = tp.communication_stats(axis="data")
+    assert set(data) == {"reduce", "broadcast"}
+    for kind in ("reduce", "broadcast"):
+        assert data[kind]["optimizer_bytes"] == data[kind]["bytes"] == up + rest
+        assert data[kind]["calls"] == len(tp.model.trainable_variables)
+    # Each replica sends its half of the batch across the cut, and back.
+    sent = tp.communication_stats(axis="pipe")["send"]
+    assert sent["forward_bytes"] == sent["backward_bytes"] == BATCH * 32 * 4
+    assert sent["calls"] == 2 * 2 * 2
+    expected = reference.predict(x, batch_size=BATCH, verbose=0)
+    np.testing.assert_allclose(
+        tp.predict(x, batch_size=BATCH, verbose=0), expected, atol=1e-5
+    )
+    evaluated_loss, accuracy = tp.evaluate(x, y, batch_size=BATCH, verbose=0)
+    np.testing.assert_allclose(
+        evaluated_loss,
+        reference.evaluate(x, y, batch_size=BATCH, verbose=0),
+        rtol=1e-5,
+    )
+    np.testing.assert_allclose(
+        accuracy, np.mean(expected.argmax(-1) == y), rtol=1e-6
+    )
+    # set_weights reaches the mirrors: the second replica predicts the
+    # second half of each batch with them.
+    other = models.mlp(seed=1)
+    tp.set_weights(other.get_weights())
+    np.testing.assert_allclose(
+        tp.predict(x, batch_size=BATCH, verbose=0),
+        other.predict(x, batch_size=BATCH, verbose=0),
+        atol=1e-5,
+    )
+    # Each device computes its own stage, in both replicas alike.
+    step = tf.function(lambda x, y: tp.train_step((x, y)))
+    graph = step.get_concrete_function(x[:BATCH], y[:BATCH]).graph
+    matmuls = collections.Counter(
+        device_name(op.device)
+        for op in graph.get_operations()
+        if op.type == "MatMul"
+    )
+    assert matmuls["cpu:2"] == matmuls["cpu:0"] > 0
+    assert matmuls["cpu:3"] == matmuls["cpu:1"] > 0
 
 
 def test_refusals_name_the_fix():
@@ -98,7 +196,13 @@ def test_refusals_name_the_fix():
     # 12 samples in batches of 8: Keras traces the step for any size.
     with pytest.raises(ValueError, match="drop_remainder=True"):
         tp.fit(x, y, batch_size=8, verbose=0)
-    with pytest.raises(ValueError, match="Pass data_parallel=1"):
+    with pytest.raises(ValueError, match="without tensor parallelism"):
         keras_tp.TensorParallelKeras(
-            models.mlp(), world_size=4, pipeline_parallel=2, data_parallel=2
+            models.mlp(), world_size=4, pipeline_parallel=2, data_parallel=1
         )
+    replicated = keras_tp.TensorParallelKeras(
+        models.mlp(), world_size=4, pipeline_parallel=2, data_parallel=2
+    )
+    replicated.compile(optimizer="adam", loss=models.loss_fn())
+    with pytest.raises(ValueError, match="divides by 2"):
+        replicated.fit(x[:3], y[:3], batch_size=3, verbose=0)

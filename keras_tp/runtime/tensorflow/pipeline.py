@@ -1,9 +1,12 @@
 """Pipeline stages on TensorFlow: one traced step, each stage on its device.
 
-`TensorFlowPipelineRuntime` runs `TensorParallelKeras(pipeline_parallel=P)`:
-each stage's variables and optimizer slots live on the stage's device, and
-Keras' steps, which Keras traces into a `tf.function`, run the stages with
-a `TensorFlowPipeline`.
+`TensorFlowPipelineRuntime` runs `TensorParallelKeras(pipeline_parallel=P,
+data_parallel=D)`: `D` replicas of a `P`-stage pipeline, each training on
+its slice of every batch. Each stage's variables and optimizer slots live
+on the stage's device in the first replica; every other replica holds a
+mirror of the stage's variables on its own device (`MirroredStage`).
+Keras' steps, which Keras traces into a `tf.function`, run each replica's
+stages with a `TensorFlowPipeline`.
 
 The runner issues each action of the schedule
 (`keras_tp.pipeline.schedules`) under `tf.device` of its stage: a forward
@@ -12,8 +15,11 @@ tape for the stage's gradients and for the gradients of the tensors it
 received, which go to the previous stage's device. Control dependencies
 chain each stage's actions in the schedule's order, so a stage runs one
 micro-batch at a time and a 1F1B order bounds the activations it holds;
-TensorFlow's executor runs the actions of different stages at the same
-time where the data allows.
+TensorFlow's executor runs the actions of different stages, and of
+different replicas, at the same time where the data allows. With
+replicas, each stage's gradients are then averaged on the first replica's
+device of the stage, the optimizer updates the first replica's variables,
+and their new values are copied to the mirrors.
 """
 
 import contextlib
@@ -31,6 +37,74 @@ from keras_tp.pipeline.runtime import PipelineRuntime
 from keras_tp.runtime.tensorflow import devices as tf_devices
 
 
+class MirroredStage:
+    """A stage of a replica other than the first: the stage's layers on
+    mirrors of its variables, on the replica's own device.
+
+    The first replica runs the stage's Keras model, whose variables the
+    optimizer updates. A mirror holds a copy of each of the model's
+    variables, a `tf.Variable` on `device`, and runs the model's own
+    layers on them with `stateless_call`. It is called as the model is,
+    so a `TensorFlowPipeline` runs either.
+
+    Args:
+        model: the stage's Keras model, whose variables it mirrors.
+        device: the TensorFlow device of this replica's stage.
+
+    Attributes:
+        trainable_variables: the mirrors of `model.trainable_variables`,
+            in that order.
+        non_trainable_variables: the mirrors of
+            `model.non_trainable_variables` (frozen statistics, the state
+            of seed generators), in that order.
+    """
+
+    def __init__(self, model, device):
+        self.model = model
+        self.device = device
+        # Made outside any trace: the mirrors live as long as the runtime.
+        with tf.init_scope(), tf.device(device):
+            self.trainable_variables = [
+                _mirror(v) for v in model.trainable_variables
+            ]
+            self.non_trainable_variables = [
+                _mirror(v) for v in model.non_trainable_variables
+            ]
+
+    def mirrors(self):
+        """`(Keras variable, its mirror)` pairs of every variable."""
+        return [
+            *zip(self.model.trainable_variables, self.trainable_variables),
+            *zip(
+                self.model.non_trainable_variables,
+                self.non_trainable_variables,
+            ),
+        ]
+
+    def __call__(self, inputs, training=False):
+        """The stage's outputs of `inputs`, computed with the mirrors.
+
+        Args:
+            inputs: the stage model's inputs.
+            training: the `training` argument of the layers' calls.
+
+        Returns:
+            The stage model's outputs.
+        """
+        outputs, values = self.model.stateless_call(
+            self.trainable_variables,
+            self.non_trainable_variables,
+            inputs,
+            training=training,
+        )
+        # State a layer updates as it runs (a seed generator drawing a
+        # dropout mask) is this replica's own: it stays in its mirror.
+        for mirror, value in zip(self.non_trainable_variables, values):
+            if value is not mirror:
+                mirror.assign(value)
+        return outputs
+
+
 class TensorFlowPipeline(ScheduledStages):
     """The stages of a pipeline, each run on its own device.
 
@@ -38,7 +112,9 @@ class TensorFlowPipeline(ScheduledStages):
     them inside a `tf.function` (Keras' traced step), where they are
     traced once, or eagerly.
 
-    Args: those of `ScheduledStages`; `devices` are TensorFlow device names.
+    Args: those of `ScheduledStages`; `devices` are TensorFlow device
+        names, and each of `stage_models` is the stage's Keras model or,
+        in a replica other than the first, its `MirroredStage`.
 
     Attributes:
         peak_activations: after a training step was traced, per stage, the
@@ -62,14 +138,15 @@ class TensorFlowPipeline(ScheduledStages):
 
         Returns:
             `(loss, gradients, y_pred)`: the batch's mean loss, each
-            stage's gradients of it (summed over the micro-batches, dense)
-            and the last stage's outputs of the whole batch.
+            stage's gradients of it (summed over the micro-batches, dense,
+            one per trainable variable of the stage) and the last stage's
+            outputs of the whole batch.
         """
         count = self.num_microbatches
         last = len(self.stage_models) - 1
         size = self._microbatch_size(x)
-        targets = [_microbatch(y, m, size) for m in range(count)]
-        received = {(0, m): _microbatch(x, m, size) for m in range(count)}
+        targets = [_part(y, m, size) for m in range(count)]
+        received = {(0, m): _part(x, m, size) for m in range(count)}
         predictions = [None] * count
         tapes, results, cotangents = {}, {}, {}
         gradients = [None] * len(self.stage_models)
@@ -147,7 +224,7 @@ class TensorFlowPipeline(ScheduledStages):
         size = self._microbatch_size(x)
         predictions = []
         for m in range(self.num_microbatches):
-            outputs = _microbatch(x, m, size)
+            outputs = _part(x, m, size)
             for stage, model in enumerate(self.stage_models):
                 if stage:
                     self._send(outputs, "forward")
@@ -171,29 +248,52 @@ class TensorFlowPipeline(ScheduledStages):
 class TensorFlowPipelineRuntime(PipelineRuntime):
     """`PipelineRuntime` on TensorFlow devices (GPUs or logical CPUs).
 
-    Every variable of a stage, and every optimizer slot of such a variable,
-    is a `tf.Variable` placed on the stage's device. Keras traces its
-    train, test and predict steps into a `tf.function` once; the runtime's
-    steps issue each stage's work there under its device (see
-    `TensorFlowPipeline`), so the sends counted under axis `"pipe"` are
-    those of one step.
+    The devices form a `data x pipe` grid: stage `s` of replica `d` runs on
+    `stage_devices[s][d]`. Every variable of a stage, and every optimizer
+    slot of such a variable, is a `tf.Variable` placed on the stage's
+    device in the first replica; every other replica holds a mirror of
+    the stage's variables on its own device (`MirroredStage`), and no
+    optimizer slots. Keras traces its train, test and predict steps into
+    a `tf.function` once; the runtime's steps issue each replica's stages
+    there under their devices (see `TensorFlowPipeline`), each replica on
+    its slice of the batch, so the sends counted under axis `"pipe"` and
+    the copies counted under axis `"data"` are those of one step.
 
-    Args: those of `PipelineRuntime`.
+    Args: those of `PipelineRuntime`; `world_size` is `pipeline_parallel x
+        data_parallel` (the stages are not split by tensor parallelism).
 
     Attributes:
         peak_activations: after a training step was traced, per stage, the
-            most micro-batches whose activations it held at once.
+            most micro-batches whose activations it held at once (in each
+            replica).
         last_num_microbatches: the micro-batch count of the last traced
             step, or `None` before any.
     """
 
     backend = "tensorflow"
+    replicates_stages = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # One runner per micro-batch count: a batch of another size may
-        # take another count.
+        if self.tensor_parallel > 1:
+            raise ValueError(
+                f"pipeline_parallel={self.pipeline_parallel} with "
+                f"world_size={self.world_size} and data_parallel="
+                f"{self.data_parallel}: on TensorFlow, a pipeline runs "
+                "each stage whole on one device of each replica, without "
+                "tensor parallelism inside the stages (JAX and torch split "
+                "them). Pass world_size=pipeline_parallel x data_parallel "
+                f"({self.pipeline_parallel * self.data_parallel})."
+            )
+        # One list of runners (one per replica) per micro-batch count: a
+        # batch of another size may take another count.
         self._runners = {}
+        # Per replica, each stage as it runs there: the Keras models in
+        # the first, their `MirroredStage`s (made by `prepare_model`) in
+        # the others.
+        self._replica_stages = [self.stage_models]
+        # The mirrors of each stage variable, by id, in replica order.
+        self._mirrors = {}
         self.peak_activations = []
         self.last_num_microbatches = None
 
@@ -206,10 +306,25 @@ class TensorFlowPipelineRuntime(PipelineRuntime):
             )
         return tf_devices.ReplicaDevices._available_devices(self)
 
+    def prepare_model(self, model):
+        """Mirrors each stage's variables, once placed, on the stage's
+        device in every replica but the first."""
+        self._replica_stages = [self.stage_models] + [
+            [
+                MirroredStage(stage_model, self.stage_devices[stage][replica])
+                for stage, stage_model in enumerate(self.stage_models)
+            ]
+            for replica in range(1, self.data_parallel)
+        ]
+        for replica in self._replica_stages[1:]:
+            for stage in replica:
+                for variable, mirror in stage.mirrors():
+                    self._mirrors.setdefault(id(variable), []).append(mirror)
+
     def _move(self, variable, stage):
         # A slot may be created while Keras traces a step: its storage
         # must outlive that trace.
-        with tf.init_scope(), tf.device(self.devices[stage]):
+        with tf.init_scope(), tf.device(self.stage_devices[stage][0]):
             set_stored_value(
                 variable,
                 tf.Variable(
@@ -220,18 +335,32 @@ class TensorFlowPipelineRuntime(PipelineRuntime):
                 ),
             )
 
+    def assign_full_value(self, variable, value):
+        """Assigns `value` to a variable and to its mirrors.
+
+        Args:
+            variable: a variable of the model (or an optimizer slot).
+            value: its new, unsplit value.
+        """
+        variable.assign(value)
+        for mirror in self._mirrors.get(id(variable), []):
+            mirror.assign(value)
+
     def device_bytes(self, variables):
-        """`{device: bytes}` of these variables, read from where TensorFlow
-        stores each."""
+        """`{device: bytes}` of these variables and of their mirrors, read
+        from where TensorFlow stores each."""
         totals = {device: 0 for device in self.devices}
         for variable in variables:
-            device = tf_devices.device_name(stored_value(variable).device)
-            totals[device] = totals.get(device, 0) + nbytes(variable)
+            mirrors = self._mirrors.get(id(variable), [])
+            for stored in [stored_value(variable), *mirrors]:
+                device = tf_devices.device_name(stored.device)
+                totals[device] = totals.get(device, 0) + nbytes(stored)
         return totals
 
-    def _runner(self, x):
-        """The runner for the batch `x`, whose size picks the count."""
-        batch = tf.nest.flatten(x)[0].shape[0]
+    def _runners_of(self, x):
+        """The replicas' runners for the batch `x`, each running its
+        replica's slice; the slice's size picks the micro-batch count."""
+        batch = _batch_size(x)
         if batch is None:
             raise ValueError(
                 "The batch size is unknown when Keras traces the step (a "
@@ -242,16 +371,20 @@ class TensorFlowPipelineRuntime(PipelineRuntime):
                 "the batch size, or `dataset.batch(..., "
                 "drop_remainder=True)`."
             )
-        count = self.microbatches(batch)
+        self.check_batch_size(batch)
+        count = self.microbatches(batch // self.data_parallel)
         if count not in self._runners:
-            self._runners[count] = TensorFlowPipeline(
-                self.stage_models,
-                self.devices,
-                self._loss,
-                self.schedule,
-                count,
-                self.stats,
-            )
+            self._runners[count] = [
+                TensorFlowPipeline(
+                    stages,
+                    [devices[replica] for devices in self.stage_devices],
+                    self._loss,
+                    self.schedule,
+                    count,
+                    self.stats,
+                )
+                for replica, stages in enumerate(self._replica_stages)
+            ]
         self.last_num_microbatches = count
         return self._runners[count]
 
@@ -261,7 +394,7 @@ class TensorFlowPipelineRuntime(PipelineRuntime):
         return self.loss_function()(y_true, y_pred)
 
     def train_step(self, data):
-        """Keras' train step, run as a pipeline.
+        """Keras' train step, run as a pipeline in each replica.
 
         Args:
             data: the batch, `(x, y)`.
@@ -271,9 +404,18 @@ class TensorFlowPipelineRuntime(PipelineRuntime):
         """
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self.check_no_sample_weight(sample_weight)
-        runner = self._runner(x)
-        loss, gradients, y_pred = runner.step(x, y)
-        self.peak_activations = list(runner.peak_activations)
+        runners = self._runners_of(x)
+        size = _batch_size(x) // self.data_parallel
+        losses, replica_gradients, predictions = [], [], []
+        for replica, runner in enumerate(runners):
+            loss, gradients, y_pred = runner.step(
+                _part(x, replica, size), _part(y, replica, size)
+            )
+            losses.append(loss)
+            replica_gradients.append(gradients)
+            predictions.append(y_pred)
+        self.peak_activations = list(runners[0].peak_activations)
+        gradients = self._averaged_gradients(replica_gradients)
         # One update of every stage's variables, so that the optimizer's
         # step counter advances once per batch.
         optimizer = self.trainer.optimizer
@@ -286,12 +428,86 @@ class TensorFlowPipelineRuntime(PipelineRuntime):
                     for v in model.trainable_variables
                 ],
             )
+        self._copy_to_mirrors()
+        # Each replica's loss is the mean over its equal slice.
+        loss = tf.add_n(losses) / self.data_parallel
         update_loss_tracker(self.trainer, loss, _batch_size(x))
-        return self.trainer.compute_metrics(x, y, y_pred, None)
+        return self.trainer.compute_metrics(
+            x, y, _concatenated(predictions), None
+        )
+
+    def _averaged_gradients(self, replica_gradients):
+        """Each stage's gradients averaged over the replicas.
+
+        Each replica's gradients are the mean over its slice of the batch,
+        and the slices are equal, so their mean is the whole batch's. The
+        other replicas' gradients are copied to the first replica's device
+        of the stage, which adds them up: `data_parallel - 1` copies of the
+        stage's gradients, counted on axis `"data"`.
+
+        Args:
+            replica_gradients: per replica, per stage, the gradients of
+                the stage's trainable variables.
+
+        Returns:
+            Per stage, the averaged gradients, on the first replica's
+            device of the stage.
+        """
+        if self.data_parallel == 1:
+            return replica_gradients[0]
+        averaged = []
+        for stage, devices in enumerate(self.stage_devices):
+            with tf.device(devices[0]):
+                per_variable = zip(
+                    *(gradients[stage] for gradients in replica_gradients)
+                )
+                averaged.append(
+                    [self._mean_on_first(copies) for copies in per_variable]
+                )
+        return averaged
+
+    def _mean_on_first(self, copies):
+        """The mean of one gradient's copies, one per replica; traced under
+        the first replica's device, to which the others cross."""
+        for crossing in copies[1:]:
+            self.stats.record("reduce", nbytes(crossing), "optimizer", "data")
+        return tf.add_n(copies) / len(copies)
+
+    def _copy_to_mirrors(self):
+        """Copies each stage's updated variables to their mirrors, on the
+        other replicas' devices: `data_parallel - 1` copies of the stage's
+        trainable variables, counted on axis `"data"`.
+
+        Traced after the optimizer's update, which TensorFlow's automatic
+        control dependencies order before the reads of the same variables.
+        """
+        for replica in self._replica_stages[1:]:
+            for stage in replica:
+                with tf.device(stage.device):
+                    for variable, mirror in zip(
+                        stage.model.trainable_variables,
+                        stage.trainable_variables,
+                    ):
+                        mirror.assign(variable.value)
+                        self.stats.record(
+                            "broadcast", nbytes(mirror), "optimizer", "data"
+                        )
+
+    def _forward(self, x):
+        """Each replica's stages' outputs of its slice of `x`, put back
+        together in batch order."""
+        runners = self._runners_of(x)
+        size = _batch_size(x) // self.data_parallel
+        return _concatenated(
+            [
+                runner.forward(_part(x, replica, size))
+                for replica, runner in enumerate(runners)
+            ]
+        )
 
     def test_step(self, data):
-        """Keras' test step: the stages' forward passes, the loss and the
-        metrics.
+        """Keras' test step: each replica's stages' forward passes of its
+        slice, then the loss and the metrics of the whole batch.
 
         Args:
             data: the batch, `(x, y)`.
@@ -301,22 +517,23 @@ class TensorFlowPipelineRuntime(PipelineRuntime):
         """
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self.check_no_sample_weight(sample_weight)
-        y_pred = self._runner(x).forward(x)
+        y_pred = self._forward(x)
         loss = self._loss(y, y_pred)
         update_loss_tracker(self.trainer, loss, _batch_size(x))
         return self.trainer.compute_metrics(x, y, y_pred, None)
 
     def predict_step(self, data):
-        """Keras' predict step: the stages' forward passes.
+        """Keras' predict step: each replica's stages' forward passes of
+        its slice.
 
         Args:
             data: the batch, `x` or a tuple starting with it.
 
         Returns:
-            The model's outputs of the batch.
+            The model's outputs of the batch, in its order.
         """
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        return self._runner(x).forward(x)
+        return self._forward(x)
 
 
 @contextlib.contextmanager
@@ -340,22 +557,35 @@ def _updates_on_variable_devices(optimizer):
         del optimizer.update_step
 
 
-def _microbatch(structure, m, size):
-    """Micro-batch `m` (of `size` samples) of every tensor in `structure`."""
+def _part(structure, index, size):
+    """Part `index` (of `size` samples) of every tensor in `structure`: a
+    replica's slice of a batch, or a micro-batch of that slice."""
     return tf.nest.map_structure(
-        lambda a: a[m * size : (m + 1) * size], structure
+        lambda a: a[index * size : (index + 1) * size], structure
     )
 
 
-def _concatenated(microbatches):
-    """The micro-batches' structures put back together along the batch."""
-    return tf.nest.map_structure(
-        lambda *parts: tf.concat(parts, axis=0), *microbatches
-    )
+def _concatenated(parts):
+    """The parts' structures put back together along the batch."""
+    if len(parts) == 1:
+        return parts[0]
+    return tf.nest.map_structure(lambda *p: tf.concat(p, axis=0), *parts)
 
 
 def _batch_size(x):
-    return tf.shape(tf.nest.flatten(x)[0])[0]
+    """The batch size of `x` as traced: `None` where it is unknown."""
+    return tf.nest.flatten(x)[0].shape[0]
+
+
+def _mirror(variable):
+    """A `tf.Variable` holding a copy of a Keras variable's value, on the
+    current device."""
+    return tf.Variable(
+        variable.value,
+        dtype=variable.dtype,
+        trainable=variable.trainable,
+        name=f"{variable.name}_mirror",
+    )
 
 
 def _floating(structure):

@@ -5,7 +5,9 @@ Each rank wraps the test MLP (and GPT2's backbone) with
 `pipeline_parallel=2` and trains it with Keras' `fit()` through torch's
 own GPipe and 1F1B schedules (`torch.distributed.pipelining`), with
 Adam, next to the same model trained on one device. Then 4 ranks train
-the MLP as 2 replicas of the 2-stage pipeline (`data_parallel=2`).
+the MLP as 2 replicas of the 2-stage pipeline (`data_parallel=2`), and
+GPT2's backbone as 2 stages split over 2 tensor-parallel ranks each
+(`world_size=4`).
 """
 
 import keras
@@ -27,6 +29,7 @@ from tests.torch_scripts import pipeline_checks  # noqa: E402
 
 STAGES = pipeline_checks.STAGES
 REPLICAS = pipeline_checks.REPLICAS
+TENSOR_PARALLEL = pipeline_checks.TENSOR_PARALLEL
 
 
 @pytest.fixture(scope="module")
@@ -152,22 +155,29 @@ def test_a_keras_hub_backbone_carries_its_padding_mask(runs):
 def test_refuses_what_it_cannot_run(runs):
     for messages in runs["refusals"]:
         assert (
-            "pipeline_parallel=3 x data_parallel=1 needs 3 rank(s) but this "
-            "process group has 2" in messages["ranks"]
+            "world_size=3 with pipeline_parallel=3 and data_parallel=1, but "
+            "this process group has 2 rank(s)" in messages["ranks"]
         )
         # The refusal every backend shares.
         assert "jit_compile=False" in messages["jit_compile"]
 
 
 @pytest.fixture(scope="module")
-def replicas():
-    """Every rank's results of `pipeline_checks.replicated_run`: rank
-    `r` runs stage `r % 2` of replica `r // 2`."""
+def four_ranks(tmp_path_factory):
+    """Every rank's results of `pipeline_checks.four_rank_runs`."""
     return launch(
-        pipeline_checks.replicated_run,
-        world_size=STAGES * REPLICAS,
+        pipeline_checks.four_rank_runs,
+        world_size=4,
+        args=(str(tmp_path_factory.mktemp("pipeline_4")),),
         timeout=300,
     )
+
+
+@pytest.fixture
+def replicas(four_ranks):
+    """Every rank's results of `pipeline_checks.replicated_run`: rank
+    `r` runs stage `r % 2` of replica `r // 2`."""
+    return four_ranks["replicas"]
 
 
 def test_replicas_train_evaluate_and_predict_like_one_device(replicas):
@@ -216,3 +226,118 @@ def test_replicas_refuse_what_they_cannot_run(replicas):
     for result in replicas:
         assert "zero_stage=0" in result["zero_refused"]
         assert "data_parallel=2" in result["odd_batch_refused"]
+
+
+@pytest.fixture
+def tensor_parallel(four_ranks):
+    """Every rank's results of `pipeline_checks.tensor_parallel_run`: rank
+    `r` runs tensor-parallel shard `r % 2` of stage `r // 2`."""
+    return four_ranks["tensor_parallel"]
+
+
+def test_tensor_parallel_stages_train_like_one_device(tensor_parallel):
+    # Each rank asserted its unsplit weights equal one device's.
+    for result in tensor_parallel:
+        assert result["weights_error"] < 1e-5
+        assert result["logged"] == tensor_parallel[0]["logged"]
+        assert result["evaluated"] == pytest.approx(
+            result["reference_evaluated"], rel=1e-5
+        )
+        assert result["predict_error"] < 1e-5
+        assert result["call_error"] < 1e-5
+        # Rank 0 wrote the file from every rank's shards.
+        assert result["saved_error"] < 1e-5
+        assert result["set_error"] == 0.0
+
+
+def test_each_rank_holds_its_shard_of_its_stage(tensor_parallel, runs):
+    per_rank = []
+    for rank, result in enumerate(tensor_parallel):
+        assert result["held"] == result["stage"]
+        (size,) = result["parameter_bytes"].values()
+        assert list(result["parameter_bytes"]) == [f"cpu:{rank}"]
+        per_rank.append(size)
+        # Adam's two slots of this rank's shard, its step count and
+        # learning rate.
+        optimizer_bytes = result["optimizer_bytes"][f"cpu:{rank}"]
+        assert 2 * size < optimizer_bytes <= 2 * size + 16
+    first, last = per_rank[:TENSOR_PARALLEL], per_rank[TENSOR_PARALLEL:]
+    assert first == [first[0]] * TENSOR_PARALLEL
+    assert last == [last[0]] * TENSOR_PARALLEL
+    assert first[0] != last[0]
+    assert tensor_parallel[0]["stage"] != tensor_parallel[-1]["stage"]
+    # A tensor-parallel rank's shards of the two stages are what that rank
+    # of the model split by tensor parallelism alone holds.
+    plain = [
+        result["parameter_bytes"][f"cpu:{rank}"]
+        for rank, result in enumerate(runs["tensor_parallel_backbone"])
+    ]
+    assert [a + b for a, b in zip(first, last)] == plain
+
+
+def test_tensor_parallel_stages_all_reduce_as_tensor_parallelism(
+    tensor_parallel, runs
+):
+    """Each micro-batch repeats on its stage's ranks the all-reduces that
+    tensor parallelism alone issues for that stage's layers."""
+    expected = runs["tensor_parallel_backbone"][0]["all_reduce"]
+    for model_rank in range(TENSOR_PARALLEL):
+        counted = [
+            tensor_parallel[stage * TENSOR_PARALLEL + model_rank]["model"]
+            for stage in range(STAGES)
+        ]
+        for direction in ("forward", "backward"):
+            assert (
+                sum(c["all_reduce"][f"{direction}_bytes"] for c in counted)
+                == (expected[f"{direction}_bytes"])
+            )
+            assert sum(
+                c["all_reduce"][f"{direction}_calls"] for c in counted
+            ) == (MICROBATCHES * expected[f"{direction}_calls"])
+        assert all(sorted(c) == ["all_reduce"] for c in counted)
+    for result in tensor_parallel:
+        assert result["data"] == {}
+
+
+def test_tensor_parallel_ranks_send_their_own_copy(tensor_parallel):
+    """Each rank of the first stage sends its copy of the hidden states
+    and the mask to its counterpart of the second stage, which sends the
+    hidden states' gradients back."""
+    split = split_stages(models.gpt2_backbone(length=pipeline_cases.LENGTH), 2)
+    for model_rank in range(TENSOR_PARALLEL):
+        first = tensor_parallel[model_rank]["pipe"]["send"]
+        last = tensor_parallel[TENSOR_PARALLEL + model_rank]["pipe"]["send"]
+        assert first["backward_calls"] == last["forward_calls"] == 0
+        pipeline_cases.check_backbone_traffic(
+            {
+                "forward_bytes": first["forward_bytes"],
+                "backward_bytes": last["backward_bytes"],
+            },
+            split,
+        )
+
+
+def test_a_split_activation_crosses_the_cut_as_shards(four_ranks):
+    results = four_ranks["split_cut"]
+    for result in results:
+        assert result["styles"]["up"] == "Column(gather_output=False)"
+        assert result["styles"]["down"] == "Row(input_is_parallel=True)"
+        assert result["weights_error"] < 1e-5
+        assert result["logged"] == pytest.approx(
+            result["reference_logged"], rel=1e-5
+        )
+    # Each rank sends its half of `up`'s (BATCH, 32) float32 output, and
+    # receives the gradient of that half.
+    shard = BATCH * 32 * 4 // TENSOR_PARALLEL
+    for first in results[:TENSOR_PARALLEL]:
+        assert first["sent"]["forward_bytes"] == first["sent"]["bytes"] == shard
+    for last in results[TENSOR_PARALLEL:]:
+        assert last["sent"]["backward_bytes"] == last["sent"]["bytes"] == shard
+
+
+def test_tensor_parallel_stages_refuse_an_indivisible_world(tensor_parallel):
+    for result in tensor_parallel:
+        assert (
+            "pipeline_parallel=3 with world_size=4 and data_parallel=1"
+            in result["indivisible_refused"]
+        )

@@ -2,9 +2,10 @@
 
 Each rank wraps the test models in `TensorParallelKeras(...,
 pipeline_parallel=2)` (and, on 4 ranks, `data_parallel=2` replicas of
-it), trains them with Keras' own `fit()`, and compares them with the same
-model trained on one device (same seed), which it trains itself. Starting
-the ranks is the slow part, so every run of a world size happens in one
+it, or its 2 stages split over 2 tensor-parallel ranks each), trains
+them with Keras' own `fit()`, and compares them with the same model
+trained on one device (same seed), which it trains itself. Starting the
+ranks is the slow part, so every run of a world size happens in one
 launch and returns plain numbers.
 """
 
@@ -23,6 +24,8 @@ from tests.pipeline_cases import MICROBATCHES
 
 STAGES = 2
 REPLICAS = 2
+# Tensor-parallel ranks of each stage in the 4-rank `tensor_parallel_run`.
+TENSOR_PARALLEL = 2
 # Micro-batches of each replica's half of a batch.
 REPLICA_MICROBATCHES = 2
 
@@ -53,6 +56,7 @@ def all_runs(directory):
         "gpipe": mlp_run("gpipe", loss, expected, x, y, path),
         "1f1b": mlp_run("1f1b", loss, expected, x, y),
         "backbone": backbone_run(),
+        "tensor_parallel_backbone": tensor_parallel_backbone_run(),
         "refusals": refusals(loss),
     }
 
@@ -71,9 +75,14 @@ def _pipelined(model, schedule, loss):
 
 def _weights_error(model, weights):
     """Largest difference of the model's unsplit weights from `weights`."""
+    return _largest_difference(model.get_weights(), weights)
+
+
+def _largest_difference(arrays, expected):
+    """Largest difference between two lists of arrays."""
     return max(
         float(np.max(np.abs(ours - theirs)))
-        for ours, theirs in zip(model.get_weights(), weights, strict=True)
+        for ours, theirs in zip(arrays, expected, strict=True)
     )
 
 
@@ -158,6 +167,24 @@ def backbone_run():
     )
 
 
+def tensor_parallel_backbone_run():
+    """GPT2's backbone split by tensor parallelism alone, on 2 ranks: the
+    model-axis all-reduces of one training step and the bytes each rank
+    holds, which the pipeline of tensor-parallel stages must match."""
+    x, y = models.backbone_data(BATCH, pipeline_cases.LENGTH)
+    tp = keras_tp.TensorParallelKeras(
+        models.gpt2_backbone(length=pipeline_cases.LENGTH), world_size=2
+    )
+    tp.compile(optimizer="adam", loss="mse")
+    tp.fit(x, y, batch_size=BATCH, verbose=0)
+    return _gathered(
+        {
+            "all_reduce": tp.communication_stats(axis="model")["all_reduce"],
+            "parameter_bytes": tp.parameter_bytes_per_device(),
+        }
+    )
+
+
 def refusals(loss):
     """The messages of the torch pipeline's own refusals; every rank's."""
     messages = {}
@@ -223,3 +250,117 @@ def replicated_run():
     except ValueError as e:
         result["odd_batch_refused"] = str(e)
     return _gathered(result)
+
+
+def four_rank_runs(directory):
+    """`replicated_run`, `tensor_parallel_run` and `split_cut_run` in one
+    launch of 4 ranks; every rank's results of each.
+
+    Args:
+        directory: where `tensor_parallel_run` saves its model.
+    """
+    return {
+        "replicas": replicated_run(),
+        "tensor_parallel": tensor_parallel_run(
+            os.path.join(directory, "backbone.keras")
+        ),
+        "split_cut": split_cut_run(),
+    }
+
+
+def tensor_parallel_run(path):
+    """Trains GPT2's backbone on 2 stages (1F1B), each split over 2
+    tensor-parallel ranks: rank `r` holds shard `r % 2` of stage `r // 2`.
+    Then evaluates, predicts with and saves it, next to one device; every
+    rank's results.
+
+    Each rank asserts that the unsplit weights equal one device's.
+
+    Args:
+        path: where to save the model.
+    """
+    loss, reference, _, x, y = pipeline_cases.backbone_reference()
+    tp = keras_tp.TensorParallelKeras(
+        models.gpt2_backbone(length=pipeline_cases.LENGTH),
+        world_size=STAGES * TENSOR_PARALLEL,
+        pipeline_parallel=STAGES,
+        num_microbatches=MICROBATCHES,
+    )
+    tp.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    history = tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    weights = tp.get_weights()
+    pipeline_cases.check_unsplit_weights(reference, weights)
+    expected = reference.get_weights()
+    held, stage = _stage_paths(tp)
+    result = {
+        "weights_error": _largest_difference(weights, expected),
+        "logged": history.history["loss"],
+        "model": tp.communication_stats(axis="model"),
+        "data": tp.communication_stats(axis="data"),
+        "pipe": tp.communication_stats(axis="pipe"),
+        "parameter_bytes": tp.parameter_bytes_per_device(),
+        "optimizer_bytes": tp.optimizer_bytes_per_device(),
+        "held": sorted(held),
+        "stage": sorted(stage),
+        "evaluated": tp.evaluate(x, y, batch_size=BATCH, verbose=0),
+        "reference_evaluated": reference.evaluate(
+            x, y, batch_size=BATCH, verbose=0
+        ),
+    }
+    predicted = tp.predict(x, batch_size=BATCH, verbose=0)
+    result["predict_error"] = float(
+        np.max(np.abs(predicted - reference.predict(x, verbose=0)))
+    )
+    first_batch, _ = next(pipeline_cases.batches(x, y, 1))
+    called = keras.ops.convert_to_numpy(tp(first_batch))
+    result["call_error"] = float(
+        np.max(np.abs(called - reference.predict(first_batch, verbose=0)))
+    )
+    tp.save(path)
+    saved = keras.saving.load_model(path, compile=False)
+    result["saved_error"] = _weights_error(saved, expected)
+    # The trained weights differ from one device's by float noise: set
+    # exactly, they read back exactly.
+    tp.set_weights(expected)
+    result["set_error"] = _weights_error(tp, expected)
+    try:
+        keras_tp.TensorParallelKeras(
+            models.mlp(),
+            world_size=STAGES * TENSOR_PARALLEL,
+            pipeline_parallel=3,
+        )
+    except ValueError as e:
+        result["indivisible_refused"] = str(e)
+    return _gathered(result)
+
+
+def split_cut_run():
+    """Trains the MLP on 2 stages cut at `down` (1F1B), each split over 2
+    tensor-parallel ranks, next to one device; every rank's results.
+
+    `up` is split by its output features (Column) and `down` by its input
+    features (Row): `up`'s output crosses the cut split, each rank sending
+    its own shard.
+    """
+    loss, reference, logged, x, y = pipeline_cases.mlp_reference()
+    tp = keras_tp.TensorParallelKeras(
+        models.mlp(),
+        world_size=STAGES * TENSOR_PARALLEL,
+        pipeline_parallel=STAGES,
+        num_microbatches=MICROBATCHES,
+        pipeline_cuts=["down"],
+    )
+    tp.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    history = tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    return _gathered(
+        {
+            "reference_logged": logged,
+            "logged": history.history["loss"][0],
+            "weights_error": _weights_error(tp, reference.get_weights()),
+            "styles": {
+                entry.layer.path: repr(entry.style)
+                for entry in tp.sharding_plan.layers
+            },
+            "sent": tp.communication_stats(axis="pipe")["send"],
+        }
+    )

@@ -64,7 +64,12 @@ class TorchRuntime(Runtime):
     backend = "torch"
 
     def __init__(
-        self, world_size=None, device_ids=None, data_parallel=1, zero_stage=0
+        self,
+        world_size=None,
+        device_ids=None,
+        data_parallel=1,
+        zero_stage=0,
+        sequence_parallel=False,
     ):
         join_process_group(world_size)
         ranks = dist.get_world_size()
@@ -75,7 +80,10 @@ class TorchRuntime(Runtime):
                 f"torchrun --nproc-per-node {world_size}) or pass "
                 f"world_size={ranks}."
             )
-        super().__init__(world_size, device_ids, data_parallel, zero_stage)
+        # Runtime refuses sequence_parallel=True here, with the fix.
+        super().__init__(
+            world_size, device_ids, data_parallel, zero_stage, sequence_parallel
+        )
         set_process_adapter(self.adapter)
         if self.world_size != ranks:
             raise ValueError(
@@ -100,21 +108,27 @@ class TorchRuntime(Runtime):
         )
 
     def _axis_adapters(self):
-        model_group, data_group = self._axis_groups()
+        model_group, data_group, mesh_group = self._axis_groups()
         return (
             TorchCollectiveAdapter(model_group),
             TorchCollectiveAdapter(data_group, "data"),
-            TorchCollectiveAdapter(None, ("data", "model")),
+            TorchCollectiveAdapter(mesh_group, ("data", "model")),
         )
 
     def _axis_groups(self):
-        """This rank's process groups of the `model` and `data` mesh axes.
+        """This rank's process groups of the `model` axis, the `data` axis
+        and the whole `data x model` mesh.
 
         Rank `r` sits at row `r // tensor_parallel` and column
-        `r % tensor_parallel` of the `data x model` mesh; an axis spanning
-        every rank uses the default group (`None`).
+        `r % tensor_parallel` of the mesh; a group of every rank is the
+        default group (`None`).
         """
-        return mesh_groups(self.data_parallel, self.tensor_parallel)
+        model_group, data_group = mesh_groups(
+            {"data": self.data_parallel, "model": self.tensor_parallel},
+            "model",
+            "data",
+        )
+        return model_group, data_group, None
 
     def time_data_all_reduce(self, nbytes, repeats):
         buffer = torch.zeros(nbytes // 4, device=self.device)

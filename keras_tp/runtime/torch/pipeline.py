@@ -1,25 +1,32 @@
 """Pipeline stages on torch: `torch.distributed.pipelining` on Keras models.
 
-Each rank runs one stage: a Keras model made of the user's own layers
-(`keras_tp.pipeline.split_stages`), wrapped as the `nn.Module` that a
-`PipelineStage` runs. torch's schedules (`ScheduleGPipe`,
-`Schedule1F1B`) split the batch into micro-batches, send the activations
-and their gradients between neighbouring ranks, and leave each stage's
-gradients, averaged over the micro-batches, in its parameters' `.grad`.
+Each rank runs (its shard of) one stage: a Keras model made of the
+user's own layers (`keras_tp.pipeline.split_stages`), wrapped as the
+`nn.Module` that a `PipelineStage` runs. torch's schedules
+(`ScheduleGPipe`, `Schedule1F1B`) split the batch into micro-batches,
+send the activations and their gradients between neighbouring ranks, and
+leave each stage's gradients, averaged over the micro-batches, in its
+parameters' `.grad`.
 The stage also times each micro-batch's forward and backward pass, and
 counts the bytes it sends to its neighbours.
 
 `TorchPipelineRuntime` runs `TensorParallelKeras(model,
-pipeline_parallel=P, data_parallel=D)` on P x D ranks: D replicas of the
-pipeline, each training on its slice of every batch. Rank `r` stores and
-computes stage `r % P` of replica `r // P` only, and the steps of Keras'
-torch trainer run as this rank's part of its replica's schedule.
+pipeline_parallel=P, data_parallel=D, world_size=D * P * T)`: D replicas
+of the pipeline, each training on its slice of every batch, each stage
+of a replica split over T ranks by tensor parallelism. The ranks form a
+`data x pipe x model` mesh: rank `(d, p, t)` stores and computes the
+`t`-th tensor-parallel shard of stage `p` of replica `d` only, and the
+steps of Keras' torch trainer run as this rank's part of its replica's
+schedule. As in Megatron (without its scatter-gather of the boundary
+activations), each rank exchanges its own copy of the activations, or
+its shard of a split one, with its counterparts `(d, p +/- 1, t)`.
 """
 
 import gc
 import time
 
 import keras
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
@@ -27,8 +34,9 @@ from torch.distributed.pipelining import Schedule1F1B
 from torch.distributed.pipelining import ScheduleGPipe
 
 from keras_tp.collectives.base import nbytes
-from keras_tp.collectives.torch import TorchCollectiveAdapter
 from keras_tp.collectives.torch import is_symbolic
+from keras_tp.keras_internals import draw_from_state
+from keras_tp.keras_internals import seed_generators
 from keras_tp.keras_internals import update_loss_tracker
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.runtime import PipelineRuntime
@@ -251,21 +259,55 @@ class TorchPipeline:
         return loss, self.stage.submod.structured(outputs)
 
 
-class TorchPipelineRuntime(PipelineRuntime):
-    """Runs Keras' torch steps as pipelines, one stage per rank.
+class TorchStageRuntime(TorchRuntime):
+    """The tensor-parallel runtime of this rank's pipeline stage.
 
-    The ranks form a `data x pipe` mesh, row-major: rank `r` runs stage
-    `r % P` of replica `r // P`. Every rank builds the whole model (same
-    seed), then keeps its own stage only. The other stages' variables
-    become "meta" tensors, which keep their shapes (Keras' symbolic builds
-    read them) and hold no memory. A training step runs this rank's part
-    of its replica's schedule (`TorchPipeline`) on the replica's slice of
-    the batch, averages the stage's gradients over the replicas (one
-    all-reduce over `data`) and updates its own stage's variables. The
-    last stage of each replica, which has the loss and the outputs,
-    updates the metrics; their updates are summed over the replicas, and
-    the metric variables, and the outputs of a prediction, are then
-    broadcast from it, so every rank logs and returns the same numbers.
+    A `TorchRuntime` on the ranks of one stage, a `data x model` mesh of
+    its own inside the pipeline's `data x pipe x model` one: its `model`
+    axis is this rank's tensor-parallel group `{(d, p, t')}` and its
+    `data` axis the stage's replicas `{(d', p, t)}`. It places the stage's
+    variables (this rank's shards), runs the stage's split layers over
+    its group, and gathers their full values; the pipeline runs the
+    steps.
+
+    Args:
+        devices: the device names of the stage's ranks, in mesh order.
+        data_parallel: the number of replicas of the pipeline.
+        groups: this rank's process groups of the stage's `model` axis,
+            its `data` axis and both (see `TorchRuntime._axis_groups`).
+    """
+
+    def __init__(self, devices, data_parallel, groups):
+        self._groups = groups
+        # Runtime's constructor, not TorchRuntime's: this process already
+        # joined its process group, of which the stage holds a part.
+        Runtime.__init__(self, len(devices), devices, data_parallel)
+        self._input_widths = {}
+
+    def _axis_groups(self):
+        return self._groups
+
+
+class TorchPipelineRuntime(PipelineRuntime):
+    """Runs Keras' torch steps as pipelines, one stage shard per rank.
+
+    The ranks form a `data x pipe x model` mesh, row-major: rank
+    `d * P * T + p * T + t` runs the `t`-th tensor-parallel shard of
+    stage `p` of replica `d`. Every rank builds the whole model (same
+    seed), then keeps its own stage only, split by the model's
+    tensor-parallel plan over the stage's `T` ranks (`TorchStageRuntime`).
+    The other stages' variables become "meta" tensors, which keep their
+    shapes (Keras' symbolic builds read them) and hold no memory. A
+    training step runs this rank's part of its replica's schedule
+    (`TorchPipeline`) on the replica's slice of the batch, exchanging
+    activations and their gradients with the ranks of the same replica
+    and tensor-parallel rank in the neighbouring stages, averages the
+    stage's gradients over the replicas (one all-reduce over `data`) and
+    updates its own shard. The last stage of each replica, which has the
+    loss and the outputs (whole on each of its ranks), updates the
+    metrics; their updates are summed over the replicas, and the metric
+    variables, and the outputs of a prediction, are then broadcast from
+    it, so every rank logs and returns the same numbers.
 
     Attributes:
         timeline: this rank's `(kind, micro_batch, start, end)` spans of
@@ -273,7 +315,10 @@ class TorchPipelineRuntime(PipelineRuntime):
     """
 
     backend = "torch"
+    splits_stages = True
     replicates_stages = True
+    # Each rank runs the code between split layers on its own tensors.
+    local_ranks = True
 
     def __init__(
         self,
@@ -285,19 +330,25 @@ class TorchPipelineRuntime(PipelineRuntime):
         *args,
         **kwargs,
     ):
-        needed = pipeline_parallel * data_parallel
-        join_process_group(needed if world_size is None else world_size)
+        needed = (
+            pipeline_parallel * data_parallel
+            if world_size is None
+            else world_size
+        )
+        join_process_group(needed)
         ranks = dist.get_world_size()
         if needed != ranks:
             raise ValueError(
-                f"pipeline_parallel={pipeline_parallel} x data_parallel="
-                f"{data_parallel} needs {needed} rank(s) but this process "
-                f"group has {ranks} rank(s): on torch each pipeline stage of "
-                f"each replica is one rank (process). Start {needed} "
-                f"processes (keras_tp.launch(fn, world_size={needed}) or "
-                f"torchrun --nproc-per-node {needed}) or pass "
-                "pipeline_parallel and data_parallel whose product is "
-                f"{ranks}."
+                f"world_size={needed} with pipeline_parallel="
+                f"{pipeline_parallel} and data_parallel={data_parallel}, but "
+                f"this process group has {ranks} rank(s): on torch each rank "
+                "is one process, which runs its tensor-parallel shard of one "
+                "stage of one replica (world_size = data_parallel x "
+                "pipeline_parallel x the tensor-parallel ranks of each "
+                "stage; without world_size, one rank per stage). Start "
+                f"{needed} processes (keras_tp.launch(fn, world_size="
+                f"{needed}) or torchrun --nproc-per-node {needed}) or pass "
+                f"world_size={ranks}."
             )
         # This rank's number and torch device, as tensor parallelism
         # names them.
@@ -311,22 +362,45 @@ class TorchPipelineRuntime(PipelineRuntime):
             *args,
             **kwargs,
         )
-        self.stage_index = self.rank % pipeline_parallel
-        self.data_index = self.rank // pipeline_parallel
+        shape = {
+            "data": data_parallel,
+            "pipe": pipeline_parallel,
+            "model": self.tensor_parallel,
+        }
+        self.data_index, self.stage_index, model_index = (
+            int(i) for i in np.unravel_index(self.rank, tuple(shape.values()))
+        )
+        model_group, self.pipe_group, data_group, stage_group = mesh_groups(
+            shape, "model", "pipe", "data", ("data", "model")
+        )
+        self.stage_runtime = TorchStageRuntime(
+            self.stage_devices[self.stage_index],
+            data_parallel,
+            (model_group, data_group, stage_group),
+        )
+        for adapter in (
+            self.stage_runtime.adapter,
+            self.stage_runtime.data_adapter,
+            self.stage_runtime.world_adapter,
+        ):
+            adapter.stats = self.stats
+        # Every stage's split layers run with this rank's stage runtime:
+        # the rank computes its own stage only, and runs the others in
+        # Keras' symbolic builds alone, on "meta" tensors, where no
+        # collective runs and the shapes are those of its model rank.
+        self.stage_runtimes = [self.stage_runtime] * pipeline_parallel
+        if self.tensor_parallel > 1:
+            for stage_model in self.stage_models[1:]:
+                _accept_split_inputs(stage_model)
         self.stage_model = self.stage_models[self.stage_index]
-        # The global rank of this replica's last stage, which has the
-        # loss, the metrics and the outputs.
-        self.last_rank = (self.data_index + 1) * pipeline_parallel - 1
-        self.pipe_group = None
-        self.data_adapter = None
-        if data_parallel > 1:
-            # The rows of the data x pipe mesh are the replicas, its
-            # columns the copies of each stage.
-            self.pipe_group, data_group = mesh_groups(
-                data_parallel, pipeline_parallel
-            )
-            self.data_adapter = TorchCollectiveAdapter(data_group, "data")
-            self.data_adapter.stats = self.stats
+        # The rank (d, P - 1, t) of this replica and tensor-parallel rank:
+        # the last stage, which has the loss, the metrics and the outputs.
+        self.last_rank = self._rank_of(
+            self.data_index, pipeline_parallel - 1, model_index
+        )
+        self.data_adapter = (
+            self.stage_runtime.data_adapter if data_parallel > 1 else None
+        )
         self.timeline = []
         # One `TorchPipeline` per micro-batch count and input shapes: a
         # torch stage fixes the shapes it sends and receives on its first
@@ -339,24 +413,42 @@ class TorchPipelineRuntime(PipelineRuntime):
     def _available_devices(self):
         return TorchRuntime._available_devices(self)
 
-    def _move(self, variable, stage):
-        parameter = parameter_of(variable)
-        if stage != self.stage_index:
-            # No rank computes another's stage: its variables keep their
-            # shape on the meta device, without memory.
-            value = torch.empty(
-                parameter.shape, dtype=parameter.dtype, device="meta"
-            )
-        elif parameter.device != self.device:
-            value = parameter.detach().to(self.device)
-        else:
-            return
+    def _rank_of(self, data_index, stage_index, model_index):
+        """The global rank at `(data_index, stage_index, model_index)` of
+        the `data x pipe x model` mesh."""
+        return (
+            data_index * self.pipeline_parallel + stage_index
+        ) * self.tensor_parallel + model_index
+
+    def prepare_model(self, model):
+        # As `TorchRuntime.prepare_model`: the ranks of a stage draw the
+        # same masks, from the layers' seed generators. Only this stage's
+        # generators hold their state here.
+        draw_from_state(seed_generators(self.stage_model))
+
+    def place_variable(self, variable, axis):
+        """Keeps this rank's shard of its own stage's variables; the other
+        stages' variables keep the shape of their shard on the meta
+        device, without memory."""
         # The planner's trace of the model, just made, leaves dead autograd
         # graphs that still hold the variables; they are young, and
         # collecting the young generations frees them in a fraction of the
         # full collection `swap_storage` falls back to.
         gc.collect(1)
-        swap_storage(variable, value)
+        if self.stage_of[id(variable)] == self.stage_index:
+            self.stage_runtime.placement.place(variable, axis)
+        else:
+            _to_meta(variable, self.placement.model_shard_shape(variable))
+
+    def place_variable_like(self, variable, reference, data_axis):
+        """Places an optimizer slot with its reference: Keras makes it in
+        the reference's shape on this rank's device, its shard already."""
+        stage = self.stage_of[id(reference)]
+        self.stage_of[id(variable)] = stage
+        if stage == self.stage_index:
+            self.stage_runtime.placement.place_like(variable, reference)
+        else:
+            _to_meta(variable, tuple(variable.shape))
 
     @property
     def peak_activations(self):
@@ -536,33 +628,54 @@ class TorchPipelineRuntime(PipelineRuntime):
             return self._from_last_stage(outputs)
 
     def full_value(self, variable):
-        """The variable's value, broadcast from its stage's rank in the
-        first replica (global rank `stage`)."""
-        owner = self.stage_of[id(variable)]
-        parameter = parameter_of(variable)
-        if self.rank == owner:
-            # A copy: the array returned must not change with training.
-            tensor = parameter.detach().clone()
-        else:
-            tensor = torch.empty(
-                parameter.shape, dtype=parameter.dtype, device=self.device
-            )
-        dist.broadcast(tensor, src=owner)
-        return to_numpy(tensor)
+        """The variable's unsplit value, assembled by its stage's ranks in
+        the first replica and broadcast from the first of them."""
+        full = self._assembled(variable)
+        if full is None:
+            full = self._empty_full(variable)
+        dist.broadcast(full, src=self._assembler(variable))
+        return to_numpy(full)
+
+    def _assembler(self, variable):
+        """The rank that assembles `variable`: `(0, its stage, 0)`."""
+        return self._rank_of(0, self.stage_of[id(variable)], 0)
+
+    def _assembled(self, variable):
+        """The unsplit value of `variable` on its stage's ranks in the
+        first replica, `None` on the other ranks.
+
+        Those ranks gather the shards of a split variable over their
+        model group (every rank of the group takes part).
+        """
+        if self.data_index or self.stage_of[id(variable)] != self.stage_index:
+            return None
+        full = self.stage_runtime._unsplit(
+            variable, parameter_of(variable).detach()
+        )
+        # A copy: the array returned must not change with training.
+        return full.clone()
+
+    def _empty_full(self, variable):
+        """An uninitialised tensor of `variable`'s unsplit shape."""
+        return torch.empty(
+            self.placement.full_shapes[id(variable)],
+            dtype=parameter_of(variable).dtype,
+            device=self.device,
+        )
 
     def assign_full_value(self, variable, value):
-        """Assigns `value` on the ranks of the variable's stage, one per
-        replica.
+        """Assigns this rank's part of `value` on the ranks of the
+        variable's stage, its shard on each tensor-parallel rank.
 
         Every rank passes the same `value`, as in any SPMD program.
         """
         if self.stage_of[id(variable)] == self.stage_index:
-            variable.assign(value)
+            self.stage_runtime.assign_full_value(variable, value)
 
     def save_model(self, model, filepath, **kwargs):
-        """Rank 0 writes the unsplit model; the other stages' ranks of the
-        first replica send it their variables, which it holds only while
-        writing.
+        """Rank 0 writes the unsplit model; each variable's stage in the
+        first replica assembles it and sends it to rank 0, which holds it
+        only while writing.
 
         Every rank returns once the file is written, and raises if rank 0
         failed to write it.
@@ -570,19 +683,20 @@ class TorchPipelineRuntime(PipelineRuntime):
 
         def gathered():
             for variable in model.variables:
-                # Stage `s` of the first replica is global rank `s`.
-                owner = self.stage_of[id(variable)]
-                parameter = parameter_of(variable)
-                if owner == 0 or self.rank not in (0, owner):
+                assembler = self._assembler(variable)
+                split = self.placement.split_axis(variable) is not None
+                if assembler == 0 and not split:
+                    # Rank 0 holds it whole.
                     continue
-                if self.rank == owner:
-                    dist.send(parameter.detach().contiguous(), dst=0)
-                    continue
-                full = torch.empty(
-                    parameter.shape, dtype=parameter.dtype, device=self.device
-                )
-                dist.recv(full, src=owner)
-                yield variable, full
+                full = self._assembled(variable)
+                if assembler != 0:
+                    if self.rank == assembler:
+                        dist.send(full, dst=0)
+                    elif self.rank == 0:
+                        full = self._empty_full(variable)
+                        dist.recv(full, src=assembler)
+                if self.rank == 0:
+                    yield variable, full
 
         write_on_rank_zero(
             self.rank, gathered(), lambda: model.save(filepath, **kwargs)
@@ -595,6 +709,40 @@ class TorchPipelineRuntime(PipelineRuntime):
         """
         own = [v for v in variables if parameter_of(v).device.type != "meta"]
         return TorchRuntime.device_bytes(self, own)
+
+
+def _accept_split_inputs(stage_model):
+    """Lets a stage model take the tensors that cross its cut split.
+
+    Keras checks a Functional model's inputs against the shapes of its
+    `Input`s, which are the unsplit ones; a tensor that a stage leaves
+    split by tensor parallelism (a Column layer's output) arrives as this
+    rank's shard. Only the ranks of the inputs are checked here: the
+    split layers that consume such a tensor check its width themselves
+    (`ShardedRegion.check_input_widths`).
+    """
+    specs = stage_model.input_spec
+    if specs is None:
+        return
+    stage_model.input_spec = [
+        keras.InputSpec(
+            ndim=len(spec.shape),
+            allow_last_axis_squeeze=spec.allow_last_axis_squeeze,
+            name=spec.name,
+            optional=spec.optional,
+        )
+        for spec in specs
+    ]
+
+
+def _to_meta(variable, shape):
+    """Makes `variable` a "meta" tensor of `shape`: a variable of another
+    stage, which no rank of this stage computes, keeps the shape of its
+    shard for Keras' symbolic builds and holds no memory."""
+    parameter = parameter_of(variable)
+    swap_storage(
+        variable, torch.empty(shape, dtype=parameter.dtype, device="meta")
+    )
 
 
 PIPELINE_RUNTIME = TorchPipelineRuntime

@@ -9,8 +9,10 @@ lets a failed collective name a lost rank (`liveness`).
 import atexit
 import datetime
 import logging
+import math
 import os
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
@@ -120,26 +122,53 @@ def _leave_process_group():
         dist.destroy_process_group()
 
 
-def mesh_groups(rows, columns):
-    """This rank's process groups of a `rows x columns` mesh of all ranks.
+def mesh_groups(shape, *axes):
+    """This rank's process groups along axes of a mesh of all ranks.
 
-    Rank `r` sits at row `r // columns` and column `r % columns`.
+    The ranks fill the mesh row-major, the last axis fastest: rank
+    `d * P * T + p * T + t` sits at `(d, p, t)` of a `data x pipe x
+    model` mesh of sizes `(D, P, T)`. The group along some axes holds the
+    ranks that differ from this one in those axes only, ranked in mesh
+    order (the group rank along one axis is the rank's index on it).
+
+    Args:
+        shape: `{axis name: size}` in the mesh's order; the sizes multiply
+            to the number of ranks.
+        *axes: for each group wanted, an axis name, or a tuple of names
+            for a group along several axes.
 
     Returns:
-        `(row group, column group)`: the ranks of this rank's row, and of
-        its column; `None` (the default group) for one that holds every
-        rank.
+        A list of this rank's groups, one per entry of `axes`; `None` (the
+        default group) for one that holds every rank.
+
+    Example:
+
+    ```python
+    # 8 ranks as 2 replicas x 2 stages x 2 tensor-parallel ranks.
+    model, pipe, data = mesh_groups(
+        {"data": 2, "pipe": 2, "model": 2}, "model", "pipe", "data"
+    )
+    ```
     """
-    grid = [
-        list(range(row * columns, (row + 1) * columns)) for row in range(rows)
-    ]
-    # Every rank creates every group, in the same order, as
-    # torch.distributed requires.
-    row_group = column_group = None
-    if rows > 1:
-        row_group, _ = dist.new_subgroups_by_enumeration(grid)
-    if columns > 1:
-        column_group, _ = dist.new_subgroups_by_enumeration(
-            [list(column) for column in zip(*grid)]
+    names = list(shape)
+    grid = np.arange(math.prod(shape.values())).reshape(tuple(shape.values()))
+    groups = []
+    for spanned in axes:
+        spanned = [spanned] if isinstance(spanned, str) else list(spanned)
+        size = math.prod(shape[name] for name in spanned)
+        if size == grid.size:
+            groups.append(None)
+            continue
+        # One row per group: the other axes' indices first, the spanned
+        # axes' last, in mesh order.
+        order = [name for name in names if name not in spanned] + [
+            name for name in names if name in spanned
+        ]
+        members = np.transpose(grid, [names.index(n) for n in order])
+        # Every rank creates every group, in the same order, as
+        # torch.distributed requires.
+        group, _ = dist.new_subgroups_by_enumeration(
+            members.reshape(-1, size).tolist()
         )
-    return row_group, column_group
+        groups.append(group)
+    return groups

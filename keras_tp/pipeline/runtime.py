@@ -64,15 +64,9 @@ class PipelineRuntime:
     # Python issues each stage's work in the schedule's order: the step as
     # a whole is not one compiled program.
     jit_compile_default = False
-    # Whether the backend splits each stage over several devices by
-    # tensor parallelism (`world_size = pipeline_parallel x tensor size`).
-    splits_stages = False
     # Whether its stages' tensor-parallel layers can run sequence
     # parallelism (`keras_tp.collectives.sequence`).
     sequence_parallel_stages = False
-    # Whether it runs `data_parallel` replicas of the pipeline, averaging
-    # each stage's gradients over its replicas.
-    replicates_stages = False
 
     def __init__(
         self,
@@ -133,14 +127,6 @@ class PipelineRuntime:
                 "JAX."
             )
         self.sequence_parallel = sequence_parallel
-        if data_parallel > 1 and not self.replicates_stages:
-            raise ValueError(
-                f"data_parallel={data_parallel} with pipeline_parallel="
-                f"{pipeline_parallel}: on {self.backend}, a pipeline does "
-                "not combine with data parallelism yet (it does on JAX and "
-                "torch). "
-                "Pass data_parallel=1."
-            )
         self.data_parallel = data_parallel
         self.zero_stage = zero_stage
         self.tensor_parallel = world_size // (pipeline_parallel * data_parallel)

@@ -156,8 +156,6 @@ class JaxPipelineRuntime(PipelineRuntime):
     """
 
     backend = "jax"
-    splits_stages = True
-    replicates_stages = True
     sequence_parallel_stages = True
     zero_stages = (0, 1)
 

@@ -271,7 +271,6 @@ class TensorFlowPipelineRuntime(PipelineRuntime):
     """
 
     backend = "tensorflow"
-    replicates_stages = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -315,8 +315,6 @@ class TorchPipelineRuntime(PipelineRuntime):
     """
 
     backend = "torch"
-    splits_stages = True
-    replicates_stages = True
     # Each rank runs the code between split layers on its own tensors.
     local_ranks = True
 

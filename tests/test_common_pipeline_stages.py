@@ -470,11 +470,14 @@ def test_balance_by_measured_time():
         x = layers.Conv2D(24, 3, padding="same", name=f"conv_{i}")(x)
     x = layers.GlobalAveragePooling2D(name="pool")(x)
     model = keras.Model(inputs, layers.Dense(8192, name="wide")(x))
-    sample = np.random.default_rng(0).normal(size=(8, 48, 48, 24))
+    rng = np.random.default_rng(0)
+    sample = rng.normal(size=(8, 48, 48, 24)).astype("float32")
     by_parameters = split_stages(model, 2)
     assert by_parameters.cut_points == ["wide"]
     by_time = split_stages(model, 2, balance="time", sample=sample)
-    assert by_time.cut_points == ["conv_2"]
+    # Two convolutions a stage, measured; a loaded machine may time them
+    # unevenly, but never make the Dense the heavier half.
+    assert by_time.cut_points[0] in ("conv_1", "conv_2", "conv_3")
     assert by_time.balance == "time"
     np.testing.assert_allclose(
         by_time.run(sample), model(sample), rtol=1e-5, atol=1e-5

@@ -515,7 +515,8 @@ def _block_seconds(graph, candidates, sample):
     blocks = _build(graph, list(candidates), None)
     seconds = [0.0] * len(graph.nodes)
     starts = [0] + list(candidates)
-    inputs = sample
+    # Converted once, so that the first block's times do not include it.
+    inputs = keras.tree.map_structure(keras.ops.convert_to_tensor, sample)
     for start, stage in zip(starts, blocks.stages):
         outputs = _wait(stage.model(inputs))
         runs = []

@@ -225,15 +225,8 @@ def replicated_run():
         "logged": history.history["loss"][0],
         "data": tp.communication_stats(axis="data"),
         "pipe": tp.communication_stats(axis="pipe"),
-        "evaluated": tp.evaluate(x, y, batch_size=BATCH, verbose=0),
-        "reference_evaluated": reference.evaluate(
-            x, y, batch_size=BATCH, verbose=0
-        ),
+        **_inference_against(reference, tp, x, y),
     }
-    predicted = tp.predict(x, batch_size=BATCH, verbose=0)
-    result["predict_error"] = float(
-        np.max(np.abs(predicted - reference.predict(x, verbose=0)))
-    )
     result["predict_gathered"] = tp.communication_stats("predict", axis="data")
     try:
         keras_tp.TensorParallelKeras(
@@ -302,15 +295,8 @@ def tensor_parallel_run(path):
         "optimizer_bytes": tp.optimizer_bytes_per_device(),
         "held": sorted(held),
         "stage": sorted(stage),
-        "evaluated": tp.evaluate(x, y, batch_size=BATCH, verbose=0),
-        "reference_evaluated": reference.evaluate(
-            x, y, batch_size=BATCH, verbose=0
-        ),
+        **_inference_against(reference, tp, x, y),
     }
-    predicted = tp.predict(x, batch_size=BATCH, verbose=0)
-    result["predict_error"] = float(
-        np.max(np.abs(predicted - reference.predict(x, verbose=0)))
-    )
     first_batch, _ = next(pipeline_cases.batches(x, y, 1))
     called = keras.ops.convert_to_numpy(tp(first_batch))
     result["call_error"] = float(
@@ -364,3 +350,18 @@ def split_cut_run():
             "sent": tp.communication_stats(axis="pipe")["send"],
         }
     )
+
+
+def _inference_against(reference, tp, x, y):
+    """`evaluate` of both models, and the largest `predict` difference."""
+    results = {
+        "evaluated": tp.evaluate(x, y, batch_size=BATCH, verbose=0),
+        "reference_evaluated": reference.evaluate(
+            x, y, batch_size=BATCH, verbose=0
+        ),
+    }
+    predicted = tp.predict(x, batch_size=BATCH, verbose=0)
+    results["predict_error"] = float(
+        np.max(np.abs(predicted - reference.predict(x, verbose=0)))
+    )
+    return results

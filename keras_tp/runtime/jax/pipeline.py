@@ -180,7 +180,6 @@ class JaxPipelineRuntime(PipelineRuntime):
             ):
                 adapter.stats = self.stats
             self.stage_runtimes.append(runtime)
-        self.meshes = [runtime.mesh for runtime in self.stage_runtimes]
         self._runners = {}
         self._updates = {}
         self._last_count = None
@@ -310,7 +309,7 @@ class JaxPipelineRuntime(PipelineRuntime):
             if stage not in self._updates:
                 self._updates[stage] = self._update_of(stage)
             update, own, slots, shared = self._updates[stage]
-            mesh = self.meshes[stage]
+            mesh = self.stage_runtimes[stage].mesh
             values, slot_values, shared_values = update(
                 values,
                 [new_optimizer[id(v)] for v in slots],

@@ -63,14 +63,8 @@ class TorchRuntime(Runtime):
 
     backend = "torch"
 
-    def __init__(
-        self,
-        world_size=None,
-        device_ids=None,
-        data_parallel=1,
-        zero_stage=0,
-        sequence_parallel=False,
-    ):
+    def __init__(self, world_size=None, *args, **kwargs):
+        """Arguments as `Runtime`'s; this process joins the group first."""
         join_process_group(world_size)
         ranks = dist.get_world_size()
         if world_size is not None and world_size != ranks:
@@ -81,9 +75,7 @@ class TorchRuntime(Runtime):
                 f"world_size={ranks}."
             )
         # Runtime refuses sequence_parallel=True here, with the fix.
-        super().__init__(
-            world_size, device_ids, data_parallel, zero_stage, sequence_parallel
-        )
+        super().__init__(world_size, *args, **kwargs)
         set_process_adapter(self.adapter)
         if self.world_size != ranks:
             raise ValueError(

@@ -21,6 +21,8 @@ TensorFlow's cluster tools ends with that error too.
 import os
 import sys
 
+from keras_tp import mpi
+
 COLLECTIVE_TIMEOUT_VARIABLE = "KERAS_TP_COLLECTIVE_TIMEOUT"
 
 _EXPLAINERS = []
@@ -50,9 +52,10 @@ def elastic_world_size():
     """The number of ranks this attempt of the job runs on.
 
     Under `keras_tp.launch` or `torchrun`, `WORLD_SIZE`: after a restart
-    that lost ranks, the ranks that are left. A training function passes
-    it (or a divisor of it) to `TensorParallelKeras` so that it runs at
-    whatever size it was restarted with. On JAX and TensorFlow, whose
+    that lost ranks, the ranks that are left. Under `mpirun`, the number
+    of ranks it started (`keras_tp.mpi.mpi_rank()`). A training function
+    passes it (or a divisor of it) to `TensorParallelKeras` so that it runs
+    at whatever size it was restarted with. On JAX and TensorFlow, whose
     ranks are devices, the number of devices Keras lists.
 
     Returns:
@@ -70,7 +73,12 @@ def elastic_world_size():
     import keras
 
     if keras.backend.backend() == "torch":
-        return int(os.environ.get("WORLD_SIZE", "1"))
+        if "WORLD_SIZE" in os.environ:
+            return int(os.environ["WORLD_SIZE"])
+        # Before the process group exists, a rank of mpirun knows its
+        # size from the launcher only.
+        rank = mpi.mpi_rank()
+        return 1 if rank is None else rank.world_size
     return len(keras.distribution.list_devices())
 
 

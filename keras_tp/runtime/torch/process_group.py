@@ -3,7 +3,8 @@
 A process started by `keras_tp.launch` or `torchrun` joins the group its
 `RANK`, `WORLD_SIZE` and `MASTER_*` variables describe, with the collective
 timeout `KERAS_TP_COLLECTIVE_TIMEOUT` sets, and starts the heartbeat that
-lets a failed collective name a lost rank (`liveness`).
+lets a failed collective name a lost rank (`liveness`). A process started
+by `mpirun` gets these variables from the MPI launcher's (`keras_tp.mpi`).
 """
 
 import atexit
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 from keras_tp import elastic
+from keras_tp import mpi
 from keras_tp.runtime.torch import liveness
 
 logger = logging.getLogger(__name__)
@@ -43,8 +45,13 @@ def join_process_group(world_size=None):
 
     A process started by `keras_tp.launch` or `torchrun` joins its group
     from the `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`
-    variables; an un-launched process may only run one rank, in a group of
-    its own. The group uses nccl for CUDA tensors and gloo for CPU ones.
+    variables. A process started by `mpirun` (Open MPI) or `mpiexec`
+    (MPICH, Intel MPI) without them first sets them, as torchrun would,
+    from the launcher's variables (`keras_tp.mpi.torchrun_variables`), so
+    that the code that reads them (`keras_tp.elastic_world_size()`, the
+    user's own) sees a rank like any other. An un-launched process may
+    only run one rank, in a group of its own. The group uses nccl for CUDA
+    tensors and gloo for CPU ones.
 
     A collective of the group waits for the other ranks at most
     `KERAS_TP_COLLECTIVE_TIMEOUT` seconds, if set (`keras_tp.launch(...,
@@ -56,13 +63,19 @@ def join_process_group(world_size=None):
 
     Args:
         world_size: the number of ranks the caller asks for, to explain
-            the error when this process was not launched as a rank.
+            the error when this process was not launched as a rank, or
+            when `mpirun` started another number of ranks.
+
+    Raises:
+        ValueError: if `mpirun` started other than `world_size` ranks.
     """
     if dist.is_initialized():
         liveness.watch_ranks()
         return
     cuda = torch.cuda.is_available()
     backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+    if not all(name in os.environ for name in _LAUNCH_VARIABLES):
+        _take_variables_from_mpi(world_size)
     if all(name in os.environ for name in _LAUNCH_VARIABLES):
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -79,10 +92,44 @@ def join_process_group(world_size=None):
             f"{'/'.join(_LAUNCH_VARIABLES)} variables). From a notebook or a "
             f"script, run your training function with "
             f"`keras_tp.launch(train_fn, world_size={world_size})`; from a "
-            f"shell, `torchrun --nproc-per-node {world_size} script.py`."
+            f"shell, `torchrun --nproc-per-node {world_size} script.py` or "
+            f"`mpirun -n {world_size} python script.py`."
         )
     atexit.register(_leave_process_group)
     liveness.watch_ranks()
+
+
+def _take_variables_from_mpi(world_size):
+    """Sets the torchrun variables of a rank `mpirun` started, if it is one.
+
+    They go into this process' environment, as torchrun puts them in its
+    ranks', because more than the rendezvous reads them: the liveness
+    heartbeat, `keras_tp.elastic_world_size()` and training scripts.
+    """
+    rank = mpi.mpi_rank()
+    if rank is None:
+        return
+    # Every rank checks before any waits for the others, so all fail alike
+    # instead of waiting for ranks that do not exist.
+    if world_size is not None and world_size != rank.world_size:
+        raise ValueError(
+            f"world_size={world_size}, but {rank.launcher} started "
+            f"{rank.world_size} rank(s) ({rank.size_variable}="
+            f"{rank.world_size}): on torch each rank is one process. Start "
+            f"{world_size} ranks (`mpirun -n {world_size} python "
+            f"script.py`) or pass world_size={rank.world_size} "
+            "(`keras_tp.elastic_world_size()` reads it)."
+        )
+    variables = mpi.torchrun_variables()
+    os.environ.update(variables)
+    logger.info(
+        "Rank %s of %s, started by %s: rendezvous at %s:%s.",
+        variables["RANK"],
+        variables["WORLD_SIZE"],
+        rank.launcher,
+        variables["MASTER_ADDR"],
+        variables["MASTER_PORT"],
+    )
 
 
 def _init_from_environment(backend):

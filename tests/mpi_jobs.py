@@ -1,16 +1,15 @@
-"""Runs a test script under Open MPI's `mpirun`, on loopback.
+"""What the mpirun tests share: the job, and a model its ranks build fast.
 
-CI installs Open MPI (`openmpi-bin`, from Debian) and `mpi4py`
-(`keras_tp[mpi]`) in `.ci/run`; there (`CI=true`) a missing one fails the
-test. Elsewhere the test is skipped with the command that installs it.
+`mpirun` runs a test script under Open MPI on loopback. CI installs Open
+MPI (`openmpi-bin`, from Debian) and `mpi4py` (`keras_tp[mpi]`) in
+`.ci/run`; there (`CI=true`) a missing one fails the test. Elsewhere the
+test is skipped with the command that installs it.
 """
 
 import os
 import shutil
 import subprocess
 import sys
-
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INSTALL_MPIRUN = "apt-get install -y --no-install-recommends openmpi-bin"
@@ -32,8 +31,33 @@ def in_ci():
     return os.environ.get("CI", "").lower() in ("true", "1")
 
 
+def mlp():
+    """The MLP of `tests.models.mlp`, seeded by its initializers.
+
+    `models.mlp()` seeds with `keras.utils.set_random_seed`, which imports
+    TensorFlow where it is installed: seconds of every rank's start.
+    """
+    import keras
+
+    def dense(units, name, seed, activation=None):
+        return keras.layers.Dense(
+            units,
+            activation=activation,
+            name=name,
+            kernel_initializer=keras.initializers.GlorotUniform(seed=seed),
+        )
+
+    inputs = keras.Input((16,))
+    x = dense(32, "up", 1, "relu")(inputs)
+    x = dense(32, "down", 2, "relu")(x)
+    outputs = dense(8, "head", 3)(x)
+    return keras.Model(inputs, outputs, name="mlp")
+
+
 def require(available, what, install):
     """Skips the test (fails it in CI) when `what` is not installed."""
+    import pytest
+
     if available:
         return
     message = f"needs {what}: {install}"

@@ -21,8 +21,7 @@ if keras.backend.backend() != "torch":
 import numpy as np  # noqa: E402
 
 from keras_tp import mpi  # noqa: E402
-from tests import models  # noqa: E402
-from tests.mpi_jobs import mpirun  # noqa: E402
+from tests import mpi_jobs  # noqa: E402
 from tests.torch_scripts import train_smoke  # noqa: E402
 
 OPEN_MPI_RANK_1 = {
@@ -90,11 +89,13 @@ def test_ranks_on_several_hosts_need_the_rendezvous():
 
 def test_mpirun_ranks_train_like_one_device(tmp_path):
     """2 ranks of `mpirun`, TP=2, with no torchrun variable set."""
-    mpirun(2, "tests/torch_scripts/mpi_train.py", tmp_path, backend="torch")
+    mpi_jobs.mpirun(
+        2, "tests/torch_scripts/mpi_train.py", tmp_path, backend="torch"
+    )
     ranks = [
         json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)
     ]
-    one_device = train_smoke.train(models.mlp())
+    one_device = train_smoke.train(mpi_jobs.mlp())
     for r, rank in enumerate(ranks):
         assert rank["launch_variables"] == []
         assert rank["elastic_world_size"] == 2

@@ -4,8 +4,8 @@
         python tests/torch_scripts/mpi_train.py OUT_DIR
 
 No torchrun variables are set: each rank learns its place from Open MPI's.
-It first asks for 4 ranks (refused), then trains the MLP of
-`train_smoke.py` with `world_size=keras_tp.elastic_world_size()`, and
+It first asks for 4 ranks (refused), then trains `mpi_jobs.mlp()` as
+`train_smoke.py` does, with `world_size=keras_tp.elastic_world_size()`, and
 writes what it saw to `OUT_DIR/rank<r>.json`; tests/test_torch_mpi.py
 compares the losses with the same model trained on one device.
 """
@@ -17,7 +17,7 @@ import sys
 import torch.distributed as dist
 
 import keras_tp
-from tests import models
+from tests import mpi_jobs
 from tests.torch_scripts import train_smoke
 
 if __name__ == "__main__":
@@ -30,11 +30,11 @@ if __name__ == "__main__":
         "elastic_world_size": keras_tp.elastic_world_size(),
     }
     try:
-        keras_tp.TensorParallelKeras(models.mlp(), world_size=4)
+        keras_tp.TensorParallelKeras(mpi_jobs.mlp(), world_size=4)
     except ValueError as error:
         seen["refused"] = str(error)
     tp = keras_tp.TensorParallelKeras(
-        models.mlp(), world_size=keras_tp.elastic_world_size()
+        mpi_jobs.mlp(), world_size=keras_tp.elastic_world_size()
     )
     seen["losses"] = train_smoke.train(tp)
     seen["rank"] = dist.get_rank()
@@ -45,6 +45,7 @@ if __name__ == "__main__":
     }
     seen["mpi_rank"] = int(os.environ["OMPI_COMM_WORLD_RANK"])
     seen["info"] = tp.get_parallelism_info()
+    seen["tensorflow_imported"] = "tensorflow" in sys.modules
     path = os.path.join(sys.argv[1], f"rank{seen['rank']}.json")
     with open(path, "w") as f:
         json.dump(seen, f)

@@ -47,7 +47,9 @@ def configure_virtual_devices(n):
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
-        have = len(jax.devices("cpu"))
+        # This process' devices: under jax.distributed, jax.devices() also
+        # lists the other processes'.
+        have = len(jax.local_devices(backend="cpu"))
         if have == n:
             return
         raise RuntimeError(

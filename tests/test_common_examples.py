@@ -132,6 +132,30 @@ NOT_RUN = {
     ("docs/guides/torch.md", "def train():"): (
         "DDP and ZeRO on torch: tests/test_torch_dp.py runs them"
     ),
+    ("docs/guides/mpi.md", "KERAS_BACKEND=torch mpirun -n 4 python train.py"): (
+        "runs the reader's train.py on 4 ranks; tests/test_torch_mpi.py and "
+        "tests/test_jax_mpi.py run mpirun -n 2 on their scripts"
+    ),
+    (
+        "docs/guides/mpi.md",
+        "sudo apt-get install -y --no-install-recommends openmpi-bin",
+    ): "installs; .ci/run installs Open MPI and mpi4py",
+    (
+        "docs/guides/mpi.md",
+        "mpirun -H node0:8,node1:8 -n 16 -x KERAS_BACKEND=torch \\",
+    ): "two nodes",
+    (
+        "docs/guides/mpi.md",
+        "KERAS_BACKEND=jax mpirun --oversubscribe -n 2 python train_jax.py",
+    ): "runs the reader's script; tests/test_jax_mpi.py runs the same flow "
+    "in tests/jax_scripts/mpi_train.py",
+    ("docs/guides/mpi.md", "# train_jax.py, its first lines"): (
+        "a process of its own: tests/jax_scripts/mpi_train.py starts so"
+    ),
+    (
+        "docs/guides/mpi.md",
+        "KERAS_BACKEND=torch python -m pytest -q tests/test_torch_mpi.py",
+    ): "the tests themselves, which the suite runs",
 }
 # What a Python block uses without defining it, besides
 # `build_my_keras_model`, `x` and `y`.

@@ -10,6 +10,7 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "AsyncDataParallel": "keras_tp.asynchronous",
     "Channelwise": "keras_tp.plan",
     "CheckpointError": "keras_tp.checkpoint",
     "Column": "keras_tp.plan",
@@ -28,6 +29,7 @@ _EXPORTS = {
     "collectives": "keras_tp.collectives",
     "configure_virtual_devices": "keras_tp.runtime",
     "elastic_world_size": "keras_tp.elastic",
+    "initialize_distributed": "keras_tp.runtime.distributed",
     "launch": "keras_tp.launcher",
     "pipeline": "keras_tp.pipeline",
     "load_checkpoint": "keras_tp.checkpoint",

@@ -33,6 +33,14 @@ def runtime_class():
     return backend_module().RUNTIME
 
 
+def asynchronous_module():
+    """The current backend's `asynchronous` module (`make_runner`)."""
+    backend_module()
+    return importlib.import_module(
+        f"{_MODULES[keras.backend.backend()]}.asynchronous"
+    )
+
+
 def pipeline_runtime_class():
     """The `PipelineRuntime` subclass of the current Keras backend."""
     backend_module()

@@ -315,6 +315,8 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             data_adapter,
             runtime.world_adapter,
             runtime.time_data_all_reduce,
+            runtime.adapter,
+            runtime.run_on_ranks,
         )
         return optimizer
 
@@ -368,8 +370,9 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
         """Collectives of the last step of `phase`, per kind.
 
         Args:
-            phase: `"train"` (default), `"test"`, `"predict"` or `"call"`
-                (a direct `__call__`).
+            phase: `"train"` (default), `"test"`, `"predict"`, `"call"`
+                (a direct `__call__`) or `"final_sync"` (the
+                synchronisation local SGD adds at the end of `fit()`).
             axis: only the collectives over this mesh axis: `"model"`
                 (tensor parallelism), `"data"` (data parallelism and ZeRO)
                 or `("data", "model")` (a global norm); `None` counts all.

@@ -18,12 +18,13 @@ class Placement:
         tensor_parallel: size of the `model` axis.
         data_parallel: size of the `data` axis.
         storage: the backend's variable storage, with `place_variable`,
-            `place_variable_like`, `partition_variable`, `full_value` and
-            `assign_full_value`.
+            `place_variable_like`, `partition_variable`,
+            `store_per_replica`, `full_value` and `assign_full_value`.
 
     By `id(variable)`, `axes` holds the `model`-axis split (`None`:
     replicated), `full_shapes` the full shape, and `data_axes` the ZeRO
-    partition axis of the shard.
+    partition axis of the shard. `per_replica` holds the ids of the
+    variables whose copies on the data ranks may differ (local SGD).
     """
 
     tensor_parallel: int
@@ -32,6 +33,7 @@ class Placement:
     axes: dict = dataclasses.field(default_factory=dict, repr=False)
     full_shapes: dict = dataclasses.field(default_factory=dict, repr=False)
     data_axes: dict = dataclasses.field(default_factory=dict, repr=False)
+    per_replica: set = dataclasses.field(default_factory=set, repr=False)
 
     def place(self, variable, axis):
         """Stores `variable` split on `axis` (`None`: replicated)."""
@@ -55,6 +57,20 @@ class Placement:
         """Keeps only this rank's ZeRO-3 partition of a placed variable."""
         self.storage.partition_variable(variable, data_axis)
         self.data_axes[id(variable)] = data_axis
+
+    def keep_per_replica(self, variable):
+        """Lets the data ranks' copies of a placed variable differ.
+
+        For local SGD, whose replicas update their parameters and
+        optimizer state alone between synchronisations. Full values read
+        replica 0's copy; full values written go to every replica.
+        """
+        self.per_replica.add(id(variable))
+        self.storage.store_per_replica(variable)
+
+    def is_per_replica(self, variable):
+        """Whether the data ranks' copies of `variable` may differ."""
+        return id(variable) in self.per_replica
 
     def is_placed(self, variable):
         return id(variable) in self.axes

@@ -2,6 +2,7 @@
 
 import collections
 import contextlib
+import threading
 
 _DIRECTIONS = ("forward", "backward", "optimizer")
 
@@ -29,6 +30,10 @@ class CommunicationStats:
         # worker threads, whose collectives belong to the same step.
         self.active_phase = None
         self._label = None
+        # Per thread: TensorFlow runs each replica's step in a thread, and
+        # a replica paused inside a conditional must not tag another's
+        # records.
+        self._conditions = threading.local()
 
     @contextlib.contextmanager
     def labelled(self, direction):
@@ -38,6 +43,31 @@ class CommunicationStats:
             yield
         finally:
             self._label = previous
+
+    @contextlib.contextmanager
+    def conditional(self, ran):
+        """Records the block's collectives as issued only on some steps.
+
+        A traced step (JAX, TensorFlow) holds both branches of a
+        conditional, and its trace records the collectives of both; an
+        eager step (torch) records only the branch it took. `summary()`
+        asks `ran` whether the last step of the phase ran the block, so
+        both count what the step really sent.
+
+        Args:
+            ran: function of no arguments returning whether the last step
+                ran the block (read when the records are summarised).
+        """
+        previous = self._condition
+        self._conditions.current = ran
+        try:
+            yield
+        finally:
+            self._conditions.current = previous
+
+    @property
+    def _condition(self):
+        return getattr(self._conditions, "current", None)
 
     @contextlib.contextmanager
     def recording(self, phase):
@@ -99,7 +129,9 @@ class CommunicationStats:
         phase = self.active_phase
         if phase is None:
             return
-        self._records[phase].append((kind, int(nbytes), direction, axis))
+        self._records[phase].append(
+            (kind, int(nbytes), direction, axis, self._condition)
+        )
 
     def summary(self, phase="train", axis=None):
         """Returns `{kind: {calls, bytes, forward_calls, ...}}` for `phase`.
@@ -112,6 +144,9 @@ class CommunicationStats:
                 An axis includes its levels: `"data"` counts
                 `"data/within_host"` and `"data/across_hosts"` (a
                 hierarchical reduction), which can also be asked for alone.
+
+        A collective recorded in a `conditional` block counts only if the
+        last step ran the block.
         """
         totals = collections.defaultdict(
             lambda: {
@@ -125,9 +160,17 @@ class CommunicationStats:
                 "optimizer_bytes": 0,
             }
         )
-        for kind, nbytes, direction, on_axis in self._records.get(phase, []):
+        ran = {}
+        for kind, nbytes, direction, on_axis, condition in self._records.get(
+            phase, []
+        ):
             if axis is not None and not _on_axis(on_axis, axis):
                 continue
+            if condition is not None:
+                if condition not in ran:
+                    ran[condition] = bool(condition())
+                if not ran[condition]:
+                    continue
             entry = totals[kind]
             entry["calls"] += 1
             entry["bytes"] += nbytes

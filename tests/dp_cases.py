@@ -228,3 +228,244 @@ def check_link_probe(info):
     assert info["bucket_cap_mb"] == pytest.approx(probe["bucket_cap_mb"], 1e-3)
     lowest, highest = bucket_probe.SMALLEST_MB, bucket_probe.LARGEST_MB
     assert lowest <= info["bucket_cap_mb"] <= highest
+
+
+# Local SGD ---------------------------------------------------------------
+
+LOCAL_DATA_PARALLEL = 2
+
+
+def _replica_slices(x, replicas):
+    """Each replica's slices of every global batch of `x`, in order."""
+    batches = x.reshape((-1, replicas, BATCH // replicas) + x.shape[1:])
+    return [batches[:, r].reshape((-1,) + x.shape[1:]) for r in range(replicas)]
+
+
+def local_sgd_reference(x, y, kind, rounds, outer=None):
+    """The weights local SGD must reach, from replicas trained apart.
+
+    Each replica is the MLP on one device, trained on its own slices of
+    the global batches with its own optimizer state; after each round of
+    steps the replicas take the average of their weights or, with an
+    outer optimizer, the anchor it moves by the replicas' mean move. One
+    model, compiled once, trains every replica in turn.
+
+    Args:
+        x, y: the global batches, `sum(rounds)` of `BATCH` samples.
+        kind: the inner optimizer (`make_optimizer`).
+        rounds: the number of steps between synchronisations, in order.
+        outer: the outer optimizer, or `None` to average.
+
+    Returns:
+        The weights after the last synchronisation.
+    """
+    model = models.mlp()
+    model.compile(optimizer=make_optimizer(kind), loss=loss_fn())
+    model.optimizer.build(model.trainable_variables)
+    slots = model.optimizer.variables
+    replicas = [
+        (model.get_weights(), [v.numpy() for v in slots])
+    ] * LOCAL_DATA_PARALLEL
+    anchors = [keras.Variable(w) for w in model.get_weights()]
+    xs = _replica_slices(x, LOCAL_DATA_PARALLEL)
+    ys = _replica_slices(y, LOCAL_DATA_PARALLEL)
+    size = BATCH // LOCAL_DATA_PARALLEL
+    start = 0
+    for steps in rounds:
+        stop = start + steps * size
+        for r, (weights, state) in enumerate(replicas):
+            model.set_weights(weights)
+            for variable, value in zip(slots, state):
+                variable.assign(value)
+            model.fit(
+                xs[r][start:stop],
+                ys[r][start:stop],
+                batch_size=size,
+                shuffle=False,
+                verbose=0,
+            )
+            replicas[r] = (model.get_weights(), [v.numpy() for v in slots])
+        start = stop
+        mean = [
+            np.mean(copies, axis=0)
+            for copies in zip(*[weights for weights, _ in replicas])
+        ]
+        if outer is not None:
+            moves = [a.numpy() - m for a, m in zip(anchors, mean)]
+            outer.apply(
+                [keras.ops.convert_to_tensor(m) for m in moves], anchors
+            )
+            mean = [a.numpy() for a in anchors]
+        replicas = [(mean, state) for _, state in replicas]
+    return mean
+
+
+def _local_sgd_model(kind, steps, outer=None):
+    tp = keras_tp.TensorParallelKeras(
+        models.mlp(),
+        world_size=LOCAL_DATA_PARALLEL,
+        data_parallel=LOCAL_DATA_PARALLEL,
+    )
+    optimizer = keras_tp.CoordinatedOptimizer(
+        make_optimizer(kind), local_sgd_steps=steps, outer_optimizer=outer
+    )
+    tp.compile(optimizer=optimizer, loss=loss_fn())
+    return tp
+
+
+def _data_optimizer_bytes(tp, phase="train"):
+    """`{kind: bytes}` the optimizer sent over `data` in the last step."""
+    stats = tp.communication_stats(phase, axis="data")
+    return {
+        kind: entry["optimizer_bytes"]
+        for kind, entry in stats.items()
+        if entry["optimizer_bytes"]
+    }
+
+
+def local_sgd_runs():
+    """Every local SGD check on 2 data ranks, as plain numbers.
+
+    - `local`: SGD with momentum, `local_sgd_steps=2`: two steps by
+      `train_on_batch`, then `fit()` on one more batch, which ends with
+      the synchronisation its last step lacked;
+    - `diloco`: an outer Nesterov SGD over 2 rounds of 2 steps;
+    - `ddp`: `local_sgd_steps=1` with SGD, which averages the parameters
+      after every step: DDP's update, for an optimizer linear in the
+      gradients.
+
+    Returns:
+        A dict of JSON-able results, checked by `check_local_sgd_runs`.
+    """
+    results = {
+        "psi": sum(v.numpy().nbytes for v in models.mlp().trainable_variables)
+    }
+    x, y = models.data_for("mlp", batch=3 * BATCH)
+    tp = _local_sgd_model("sgd", 2)
+    results["step_bytes"] = []
+    for step in range(2):
+        batch = slice(step * BATCH, (step + 1) * BATCH)
+        tp.train_on_batch(x[batch], y[batch])
+        results["step_bytes"].append(_data_optimizer_bytes(tp))
+        if step == 0:
+            # The replicas stepped alone: their parameters differ.
+            consistency = tp.check_gradient_consistency()
+            results["between_syncs"] = consistency["consistent"]
+    tp.fit(x[2 * BATCH :], y[2 * BATCH :], batch_size=BATCH, verbose=0)
+    results["step_bytes"].append(_data_optimizer_bytes(tp))
+    results["final_sync_bytes"] = _data_optimizer_bytes(tp, "final_sync")
+    results["synchronises"] = [
+        tp.optimizer.is_synchronisation_step(step) for step in (1, 2, 3, 4)
+    ]
+    results["local"] = max_diff(
+        local_sgd_reference(x, y, "sgd", [2, 1]), tp.get_weights()
+    )
+    results["local_consistency"] = tp.check_gradient_consistency()
+    results["info"] = {
+        key: tp.get_gradient_sharding_info()[key]
+        for key in ("local_sgd_steps", "outer_optimizer", "overlap")
+    }
+
+    def nesterov():
+        return keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
+
+    x, y = models.data_for("mlp", batch=4 * BATCH, seed=2)
+    tp = _local_sgd_model("sgd", 2, nesterov())
+    tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    results["diloco"] = max_diff(
+        local_sgd_reference(x, y, "sgd", [2, 2], nesterov()), tp.get_weights()
+    )
+    results["diloco_final_sync"] = _data_optimizer_bytes(tp, "final_sync")
+
+    x, y = models.data_for("mlp", batch=2 * BATCH, seed=3)
+    tp = _local_sgd_model("sgd", 1)
+    tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    reference = models.mlp()
+    reference.compile(
+        optimizer=make_optimizer("sgd"), loss=loss_fn(), run_eagerly=True
+    )
+    reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    results["ddp"] = max_diff(reference.get_weights(), tp.get_weights())
+    results["errors"] = local_sgd_errors()
+    return results
+
+
+def local_sgd_errors():
+    """The messages of the arguments local SGD refuses, by case."""
+    sgd = keras.optimizers.SGD
+    cases = {
+        "steps": lambda: keras_tp.CoordinatedOptimizer(
+            sgd(), local_sgd_steps=0
+        ),
+        "zero": lambda: keras_tp.CoordinatedOptimizer(
+            sgd(), zero_stage=1, local_sgd_steps=2
+        ),
+        "compression": lambda: keras_tp.CoordinatedOptimizer(
+            sgd(), local_sgd_steps=2, compression="bf16"
+        ),
+        "accumulation": lambda: keras_tp.CoordinatedOptimizer(
+            sgd(), local_sgd_steps=2, gradient_accumulation_steps=2
+        ),
+        "ema": lambda: keras_tp.CoordinatedOptimizer(
+            sgd(use_ema=True), local_sgd_steps=2
+        ),
+        "outer_alone": lambda: keras_tp.CoordinatedOptimizer(
+            sgd(), outer_optimizer=sgd()
+        ),
+        "outer_options": lambda: keras_tp.CoordinatedOptimizer(
+            sgd(), local_sgd_steps=2, outer_optimizer=sgd(clipnorm=1.0)
+        ),
+        "no_data_axis": lambda: keras_tp.TensorParallelKeras(
+            models.mlp(), world_size=2
+        ).compile(
+            optimizer=keras_tp.CoordinatedOptimizer(sgd(), local_sgd_steps=2),
+            loss=loss_fn(),
+        ),
+    }
+    errors = {}
+    for name, make in cases.items():
+        try:
+            make()
+        except (TypeError, ValueError) as e:
+            errors[name] = str(e)
+    return errors
+
+
+def check_local_sgd_runs(results):
+    """Asserts what `local_sgd_runs` measured.
+
+    The replicas match replicas trained apart and synchronised; a step
+    sends the parameters' bytes over `data` only when it synchronises,
+    `psi / local_sgd_steps` per step on average.
+    """
+    psi = results["psi"]
+    assert results["step_bytes"] == [{}, {"all_reduce": psi}, {}], results
+    assert results["final_sync_bytes"] == {"all_reduce": psi}
+    assert results["synchronises"] == [False, True, False, True]
+    assert not results["between_syncs"]
+    assert results["local"] <= 1e-5
+    consistency = results["local_consistency"]
+    assert consistency["consistent"], consistency
+    assert results["info"] == {
+        "local_sgd_steps": 2,
+        "outer_optimizer": None,
+        "overlap": False,
+    }
+    assert results["diloco"] <= 1e-5
+    # Its fit() ended on a synchronisation step: nothing more to send.
+    assert results["diloco_final_sync"] == {}
+    assert results["ddp"] <= 1e-5
+    errors = results["errors"]
+    expected = {
+        "steps": "local_sgd_steps must be an integer >= 1",
+        "zero": "local_sgd_steps needs zero_stage=0",
+        "compression": "does not apply to local SGD",
+        "accumulation": "gradient_accumulation_steps does not apply",
+        "ema": "use_ema=True",
+        "outer_alone": "pass local_sgd_steps with it",
+        "outer_options": "['clipnorm']",
+        "no_data_axis": "data_parallel > 1",
+    }
+    assert set(errors) == set(expected), errors
+    for name, piece in expected.items():
+        assert piece in errors[name], (name, errors[name])

@@ -37,9 +37,11 @@ from tests.dp_cases import STEPS  # noqa: E402
 from tests.dp_cases import batchnorm_after_one_step  # noqa: E402
 from tests.dp_cases import check_data_traffic  # noqa: E402
 from tests.dp_cases import check_link_probe  # noqa: E402
+from tests.dp_cases import check_local_sgd_runs  # noqa: E402
 from tests.dp_cases import check_matches_one_device  # noqa: E402
 from tests.dp_cases import check_zero_memory  # noqa: E402
 from tests.dp_cases import communication_run  # noqa: E402
+from tests.dp_cases import local_sgd_runs  # noqa: E402
 from tests.dp_cases import make_optimizer  # noqa: E402
 from tests.dp_cases import train_pair  # noqa: E402
 from tests.models import loss_fn  # noqa: E402
@@ -304,3 +306,9 @@ def test_auto_bucket_size_is_measured_on_the_data_axis():
     )
     check_matches_one_device(reference, tp, ref_history, tp_history)
     check_link_probe(tp.get_gradient_sharding_info())
+
+
+def test_local_sgd_matches_replicas_trained_apart():
+    """Each replica's components step alone and synchronise every
+    `local_sgd_steps`; only those steps send."""
+    check_local_sgd_runs(local_sgd_runs())

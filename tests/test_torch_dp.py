@@ -24,6 +24,7 @@ from tests import hierarchy_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests.dp_cases import STEPS  # noqa: E402
 from tests.dp_cases import check_link_probe  # noqa: E402
+from tests.dp_cases import check_local_sgd_runs  # noqa: E402
 from tests.dp_cases import check_zero_memory  # noqa: E402
 from tests.models import max_diff  # noqa: E402
 from tests.torch_scripts import dp_checks  # noqa: E402
@@ -242,6 +243,14 @@ def test_consistency_check_finds_a_drifted_replica(two_ranks):
         assert drift["max_difference"] == pytest.approx(0.5)
         assert drift["variables"]["head/kernel"] == pytest.approx(0.5)
         assert drift["variables"]["up/kernel"] == 0.0
+
+
+def test_local_sgd_matches_replicas_trained_apart(two_ranks):
+    """Each rank steps alone and synchronises every `local_sgd_steps`;
+    only those steps send."""
+    _, ranks = two_ranks
+    for rank in ranks:
+        check_local_sgd_runs(rank["local_sgd"])
 
 
 def test_batchnorm_statistics_are_averaged_over_data(two_ranks):

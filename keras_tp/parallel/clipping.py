@@ -10,17 +10,28 @@ and one all-reduce over the mesh adds them up.
 from keras import ops
 
 
-def clipped(grads, variables, placement, world, clip_norm, global_clip_norm):
+def clipped(
+    grads,
+    variables,
+    placement,
+    world,
+    clip_norm,
+    global_clip_norm,
+    within_replica=False,
+):
     """Applies `clipnorm` / `global_clipnorm` with norms across ranks.
 
     Args:
         grads: this rank's gradients of `variables`.
         variables: the trainable variables.
         placement: the `Placement` of the variables.
-        world: the collective adapter over the whole mesh.
+        world: the collective adapter over the ranks whose gradients make
+            the norm: the whole mesh, or one replica's `model` axis.
         clip_norm: the per-variable norm bound, or `None`.
         global_clip_norm: the bound on the norm of all gradients, or
             `None`.
+        within_replica: whether each data-parallel replica clips its own
+            gradients (local SGD), `world` being its `model` axis.
 
     Returns:
         The clipped gradients (`grads` itself when neither bound is set).
@@ -31,7 +42,7 @@ def clipped(grads, variables, placement, world, clip_norm, global_clip_norm):
         [
             ops.multiply(
                 ops.sum(ops.square(ops.cast(g, "float32"))),
-                _norm_weight(placement, v, g),
+                _norm_weight(placement, v, g, within_replica),
             )
             for g, v in zip(grads, variables)
         ]
@@ -54,17 +65,17 @@ def clipped(grads, variables, placement, world, clip_norm, global_clip_norm):
     return result
 
 
-def _norm_weight(placement, variable, grad):
+def _norm_weight(placement, variable, grad, within_replica):
     """Share of this rank's copy of a gradient in the global sum.
 
     A gradient held whole by several ranks (replicated over the model axis,
     or not partitioned over the data axis) is counted once in the sum over
-    all ranks.
+    all ranks; within one replica only the model axis holds copies.
     """
     weight = 1.0
     if placement.split_axis(variable) is None:
         weight /= placement.tensor_parallel
     local = tuple(placement.model_shard_shape(variable))
-    if tuple(grad.shape) == local:
+    if not within_replica and tuple(grad.shape) == local:
         weight /= placement.data_parallel
     return weight

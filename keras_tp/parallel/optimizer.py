@@ -18,6 +18,11 @@ that the data-parallel size divides; a variable with no such axis stays
 whole on every rank and its gradient is all-reduced.
 
 Stages 0 to 2 can compress what they send (`compression.py`).
+
+Local SGD (`local_sgd_steps=H`) trades the per-step synchronisation for
+one every `H` steps: each replica updates its own parameters from its own
+gradients, and every `H`-th step the replicas average their parameters,
+or (DiLoCo) hand the average of their moves to an outer optimizer.
 """
 
 import logging
@@ -82,6 +87,24 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             consecutive ranks (torch under torchrun, JAX under
             `jax.distributed`); elsewhere it is a plain reduction. ZeRO-3's
             parameter gathers stay flat.
+        local_sgd_steps: `None` (default) synchronises the gradients at
+            every step. An integer `H >= 1` runs local SGD instead: each
+            data-parallel replica updates its own parameters from its own
+            gradients, without communicating, and every `H`-th update
+            (when `iterations` divides by `H`) the replicas synchronise
+            their parameters with one all-reduce per bucket, `1 / H` of
+            DDP's traffic. The optimizer's state (momenta) stays each
+            replica's own. `fit()` ends on a synchronisation, so the
+            replicas agree afterwards. Stage 0 only, without compression
+            or gradient accumulation.
+        outer_optimizer: with `local_sgd_steps`, a new Keras optimizer
+            that makes the synchronisation a step of its own (DiLoCo,
+            Douillard et al. 2023): it applies the replicas' mean move
+            since the last synchronisation, `anchor - mean(parameters)`,
+            as a gradient to the anchor (the parameters after the last
+            synchronisation), and every replica starts from the new
+            anchor. `None` averages the parameters (plain local SGD),
+            which `keras.optimizers.SGD(1.0)` would do too.
         name: name of the optimizer.
 
     Example:
@@ -93,6 +116,15 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         keras.optimizers.AdamW(1e-3, global_clipnorm=1.0),
         zero_stage=1, bucket_cap_mb=25, gradient_accumulation_steps=2,
         compression="bf16")
+    tp.compile(optimizer=optimizer, loss="mse")
+
+    # DiLoCo: 4 replicas step alone with AdamW and synchronise every 50
+    # steps through an outer Nesterov SGD.
+    tp = keras_tp.TensorParallelKeras(model, world_size=4, data_parallel=4)
+    optimizer = keras_tp.CoordinatedOptimizer(
+        keras.optimizers.AdamW(1e-3), local_sgd_steps=50,
+        outer_optimizer=keras.optimizers.SGD(0.7, momentum=0.9,
+                                             nesterov=True))
     tp.compile(optimizer=optimizer, loss="mse")
     ```
     """
@@ -106,6 +138,8 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         compression=None,
         overlap=True,
         hierarchical=False,
+        local_sgd_steps=None,
+        outer_optimizer=None,
         name=None,
     ):
         if not isinstance(optimizer, keras.optimizers.Optimizer):
@@ -159,6 +193,14 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
                 "to compress gradients, or compression=None with "
                 "zero_stage=3."
             )
+        _check_local_sgd(
+            local_sgd_steps,
+            outer_optimizer,
+            optimizer,
+            zero_stage,
+            compression,
+            gradient_accumulation_steps,
+        )
         super().__init__(
             learning_rate=0.0, name=name or f"coordinated_{optimizer.name}"
         )
@@ -171,6 +213,8 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         self.compression = compression
         self.overlap = overlap
         self.hierarchical = hierarchical
+        self.local_sgd_steps = local_sgd_steps
+        self.outer_optimizer = outer_optimizer
         # The runtime's `BackwardOverlap`, once it has attached one.
         self.backward_overlap = None
         # Norms need every shard's gradient, so clipping by norm happens
@@ -185,9 +229,22 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         self._codec = None
         self._data_adapter = None
         self._world_adapter = None
+        self._model_adapter = None
+        self._run_on_ranks = None
+        # Local SGD: the parameters after the last synchronisation (with an
+        # outer optimizer), and the inner optimizer's slots, which every
+        # replica keeps for itself.
+        self.anchors = []
+        self.replica_state_variables = []
 
     def bind(
-        self, placement, data_adapter, world_adapter, time_all_reduce=None
+        self,
+        placement,
+        data_adapter,
+        world_adapter,
+        time_all_reduce=None,
+        model_adapter=None,
+        run_on_ranks=None,
     ):
         """Attaches the mesh whose ranks this optimizer coordinates.
 
@@ -200,15 +257,28 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             time_all_reduce: the runtime's timer of an all-reduce over
                 `data` (see `bucket_probe.probe_link`), for
                 `bucket_cap_mb="auto"`.
+            model_adapter: the adapter of the `model` axis, over which
+                local SGD takes the norms of its clipping (each replica
+                clips its own gradients).
+            run_on_ranks: the runtime's `run_on_ranks`, with which local
+                SGD synchronises the replicas at the end of `fit()`.
         """
         if self._placement is not None and self._placement is not placement:
             raise ValueError(
                 f"CoordinatedOptimizer '{self.name}' already belongs to "
                 "another TensorParallelKeras model; compile with a new one."
             )
+        if self.local_sgd_steps is not None and placement.data_parallel == 1:
+            raise ValueError(
+                "local_sgd_steps synchronises data-parallel replicas, but "
+                "the model has data_parallel=1. Build the TensorParallelKeras "
+                "model with data_parallel > 1, or pass local_sgd_steps=None."
+            )
         self._placement = placement
         self._data_adapter = data_adapter
         self._world_adapter = world_adapter
+        self._model_adapter = model_adapter
+        self._run_on_ranks = run_on_ranks
         if (
             self.bucket_cap_mb == "auto"
             and self.link_probe is None
@@ -261,10 +331,16 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
                 reference_variable,
                 self._slot_partition_axis(reference_variable),
             )
+            if self.local_sgd_steps is not None:
+                self.replica_state_variables.append(slot)
 
         place_slots_on_creation(self.inner_optimizer, placed)
         self.inner_optimizer.build(var_list)
         self.gradient_buffers = []
+        if self.local_sgd_steps is not None:
+            self._build_local_sgd(var_list)
+            super().build(var_list)
+            return
         for variable in var_list:
             buffer = self.add_variable_from_reference(variable, "gradient")
             axis = self.partition_axes[id(variable)]
@@ -286,14 +362,48 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         )
         super().build(var_list)
 
+    def _build_local_sgd(self, var_list):
+        """Anchors and the outer optimizer's state; replica-local storage.
+
+        No gradient is kept between steps: each replica applies its own at
+        once. The parameters and the inner optimizer's slots become
+        replica-local: their copies on the data ranks may differ.
+        """
+        placement = self._placement
+        outer = self.outer_optimizer
+        if outer is not None:
+            for variable in var_list:
+                anchor = self.add_variable_from_reference(variable, "anchor")
+                placement.place_like(anchor, variable)
+                placement.assign_full_value(
+                    anchor, placement.full_value(variable)
+                )
+                self.anchors.append(anchor)
+            place_slots_on_creation(outer, placement.place_like)
+            outer.build(self.anchors)
+        for variable in var_list + self.replica_state_variables:
+            placement.keep_per_replica(variable)
+
     def _slot_partition_axis(self, reference_variable):
         if self.zero_stage == 0:
             return None
         return self.partition_axes.get(id(reference_variable))
 
     @property
+    def wrapped_optimizers(self):
+        """The Keras optimizers this one runs: the inner one, and local
+        SGD's outer one if any."""
+        if self.outer_optimizer is None:
+            return [self.inner_optimizer]
+        return [self.inner_optimizer, self.outer_optimizer]
+
+    @property
     def variables(self):
-        return own_optimizer_variables(self) + self.inner_optimizer.variables
+        return own_optimizer_variables(self) + [
+            v
+            for optimizer in self.wrapped_optimizers
+            for v in optimizer.variables
+        ]
 
     @property
     def state_variables(self):
@@ -347,10 +457,90 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         ]
         steps = self.accumulation_steps
         with self._data_adapter.stats.labelled("optimizer"):
+            if self.local_sgd_steps is not None:
+                self._local_step(grads, trainable_variables)
+                return
             if steps == 1:
                 self._update(self._synchronised(grads, trainable_variables))
                 return
             self._accumulate_or_update(grads, trainable_variables)
+
+    def _local_step(self, grads, variables):
+        """Local SGD: this replica's update, and every `H`-th a sync.
+
+        The synchronisation is a pure function of the variables' values
+        (a traced `cond` on JAX and TensorFlow), so its collectives run
+        only on synchronisation steps, and the stats count them only there.
+        """
+        self._update(grads)
+        synchronising = ops.equal(
+            ops.mod(self.iterations, self.local_sgd_steps), 0
+        )
+        touched = list(variables) + self.anchors
+        if self.outer_optimizer is not None:
+            touched += self.outer_optimizer.variables
+        with self._data_adapter.stats.conditional(self._synchronised_last):
+            stateful_cond(
+                synchronising,
+                lambda: self._synchronise_replicas(variables),
+                lambda: None,
+                touched,
+            )
+
+    def _synchronise_replicas(self, variables):
+        """Gives every replica the parameters of the synchronisation.
+
+        Plain local SGD averages the parameters; DiLoCo averages the
+        replicas' moves since the anchor, applies them to the anchor with
+        the outer optimizer, and every replica takes the new anchor. Either
+        way one all-reduce per bucket sends the parameters' bytes.
+        """
+        values = [v.value for v in variables]
+        if self.outer_optimizer is None:
+            for variable, mean in zip(
+                variables, self._averaged(values, variables)
+            ):
+                variable.assign(mean)
+            return
+        moves = [
+            ops.subtract(anchor.value, value)
+            for anchor, value in zip(self.anchors, values)
+        ]
+        self.outer_optimizer.apply(
+            self._averaged(moves, variables), self.anchors
+        )
+        for variable, anchor in zip(variables, self.anchors):
+            variable.assign(anchor.value)
+
+    def _averaged(self, values, variables):
+        """`values`, one per variable, averaged over the data axis."""
+        out = list(values)
+        for bucket in self.buckets:
+            bucket.all_reduce(values, variables, out, self._data_adapter)
+        return out
+
+    def _synchronised_last(self):
+        """Whether the last update synchronised the replicas."""
+        return self.is_synchronisation_step(
+            int(ops.convert_to_numpy(self.iterations))
+        )
+
+    def is_synchronisation_step(self, step):
+        """Whether update number `step` synchronises the data axis.
+
+        Every update does under DDP and ZeRO; under local SGD, those whose
+        number divides by `local_sgd_steps`. Timing the steps of each kind
+        apart (a benchmark's callback, say) shows what waiting for slow
+        replicas costs.
+
+        Args:
+            step: the update's number, as `iterations` counts after it
+                (the first update is 1).
+
+        Returns:
+            A Python bool.
+        """
+        return self.local_sgd_steps is None or step % self.local_sgd_steps == 0
 
     def _accumulate_or_update(self, grads, variables):
         """One micro-batch: accumulate, and update at the boundary.
@@ -455,13 +645,15 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
     def _update(self, grads):
         """Clips, updates this rank's partitions, gathers the parameters."""
         variables = model_variables_of(self)
+        local = self.local_sgd_steps is not None
         grads = clipped(
             grads,
             variables,
             self._placement,
-            self._world_adapter,
+            self._model_adapter if local else self._world_adapter,
             self.clip_norm,
             self.global_clip_norm,
+            within_replica=local,
         )
         if self.zero_stage in (0, 3):
             self.inner_optimizer.apply(grads, variables)
@@ -489,7 +681,23 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             variables[i].assign(full)
 
     def finalize_variable_values(self, var_list):
-        """Writes the EMA weights at the end of `fit()` (`use_ema`)."""
+        """Ends `fit()` synchronised; writes the EMA weights (`use_ema`).
+
+        Under local SGD, if the last update did not synchronise the
+        replicas, they synchronise once more (recorded under the phase
+        `"final_sync"`), so the model `fit()` leaves is one model.
+        """
+        if self.local_sgd_steps is not None and not self._synchronised_last():
+            variables = model_variables_of(self)
+            touched = list(variables) + self.anchors
+            if self.outer_optimizer is not None:
+                touched += self.outer_optimizer.variables
+
+            def synchronise():
+                with self._data_adapter.stats.labelled("optimizer"):
+                    self._synchronise_replicas(variables)
+
+            self._run_on_ranks(synchronise, touched, "final_sync")
         inner = self.inner_optimizer
         if not inner.use_ema:
             return
@@ -508,6 +716,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             and self.zero_stage == 0
             and self.compression is None
             and self.accumulation_steps == 1
+            and self.local_sgd_steps is None
             and not isinstance(self._data_adapter, HierarchicalAdapter)
         )
 
@@ -542,6 +751,12 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             ),
             "gradient_accumulation_steps": self.accumulation_steps,
             "compression": self.compression,
+            "local_sgd_steps": self.local_sgd_steps,
+            "outer_optimizer": (
+                None
+                if self.outer_optimizer is None
+                else self.outer_optimizer.name
+            ),
             "overlap": self.backward_overlap is not None,
             "hosts": (
                 self._data_adapter.hosts
@@ -574,6 +789,12 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             ),
             "overlap": self.overlap,
             "hierarchical": self.hierarchical,
+            "local_sgd_steps": self.local_sgd_steps,
+            "outer_optimizer": (
+                None
+                if self.outer_optimizer is None
+                else keras.saving.serialize_keras_object(self.outer_optimizer)
+            ),
         }
 
     @classmethod
@@ -582,4 +803,82 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         optimizer = keras.saving.deserialize_keras_object(
             config.pop("optimizer"), custom_objects=custom_objects
         )
-        return cls(optimizer, **config)
+        outer = config.pop("outer_optimizer", None)
+        if outer is not None:
+            outer = keras.saving.deserialize_keras_object(
+                outer, custom_objects=custom_objects
+            )
+        return cls(optimizer, outer_optimizer=outer, **config)
+
+
+def _check_local_sgd(
+    steps, outer, optimizer, zero_stage, compression, accumulation_steps
+):
+    """Refuses the local SGD arguments that do not compose."""
+    if steps is None:
+        if outer is not None:
+            raise ValueError(
+                "outer_optimizer is the optimizer of local SGD's "
+                "synchronisations: pass local_sgd_steps with it."
+            )
+        return
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(
+            "local_sgd_steps must be an integer >= 1 (or None to "
+            f"synchronise every step), got {steps!r}."
+        )
+    if zero_stage != 0:
+        raise ValueError(
+            f"local_sgd_steps needs zero_stage=0, got {zero_stage}: each "
+            "replica keeps its whole parameters and optimizer state between "
+            "synchronisations, which ZeRO would partition over the data "
+            "axis. Build the model and the optimizer with zero_stage=0."
+        )
+    if compression is not None:
+        raise ValueError(
+            f"compression={compression.kind!r} does not apply to local SGD, "
+            "which sends parameters every local_sgd_steps steps rather than "
+            "gradients every step. Pass compression=None with "
+            "local_sgd_steps."
+        )
+    if accumulation_steps != 1:
+        raise ValueError(
+            "gradient_accumulation_steps does not apply to local SGD, where "
+            "each replica updates from its own gradients at every step. "
+            "Pass gradient_accumulation_steps=1 and a larger batch (or more "
+            "local_sgd_steps)."
+        )
+    if optimizer.use_ema:
+        raise ValueError(
+            f"Optimizer '{optimizer.name}' has use_ema=True, which local SGD "
+            "does not support: each replica would average its own weights. "
+            "Pass use_ema=False with local_sgd_steps."
+        )
+    if outer is None:
+        return
+    if not isinstance(outer, keras.optimizers.Optimizer) or isinstance(
+        outer, (CoordinatedOptimizer, keras.optimizers.LossScaleOptimizer)
+    ):
+        raise TypeError(
+            "outer_optimizer must be a keras.optimizers.Optimizer (such as "
+            f"keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)), got "
+            f"{type(outer)}."
+        )
+    if outer is optimizer or outer.built:
+        raise ValueError(
+            f"outer_optimizer '{outer.name}' is the inner optimizer or "
+            "already built on other variables; give local SGD a new optimizer."
+        )
+    options = {
+        "clipnorm": outer.clipnorm,
+        "global_clipnorm": outer.global_clipnorm,
+        "use_ema": outer.use_ema,
+        "gradient_accumulation_steps": outer.gradient_accumulation_steps,
+    }
+    used = sorted(name for name, value in options.items() if value)
+    if used:
+        raise ValueError(
+            f"outer_optimizer '{outer.name}' sets {used}, which the outer "
+            "step of local SGD does not support; remove them (clipvalue "
+            "and weight decay work)."
+        )

@@ -51,7 +51,8 @@ class DataParallelReports:
 
         Returns:
             A dict with `zero_stage`, `data_parallel`, `bucket_cap_mb`,
-            `gradient_accumulation_steps`, `buckets` (per bucket: index,
+            `gradient_accumulation_steps`, `local_sgd_steps`,
+            `outer_optimizer`, `buckets` (per bucket: index,
             MB, number of variables and its collective),
             `unpartitioned_variables`, and per device, measured from the
             arrays, `parameter_bytes`, `gradient_bytes` and
@@ -75,7 +76,9 @@ class DataParallelReports:
 
         Compares the copies that data parallelism and tensor parallelism
         keep of the same numbers: the parameters, and the synchronised
-        gradients a `CoordinatedOptimizer` keeps.
+        gradients a `CoordinatedOptimizer` keeps. Under local SGD the
+        parameters agree right after a synchronisation (at the end of
+        `fit()`, say), and each replica's optimizer state is its own.
 
         Args:
             atol: largest difference tolerated.
@@ -88,7 +91,10 @@ class DataParallelReports:
         # Before compile() a Keras model may not have the attribute yet.
         optimizer = getattr(self, "optimizer", None)
         if isinstance(optimizer, CoordinatedOptimizer) and optimizer.built:
-            variables += optimizer.state_variables
+            own = {id(v) for v in optimizer.replica_state_variables}
+            variables += [
+                v for v in optimizer.state_variables if id(v) not in own
+            ]
             # ZeRO-1 keeps each rank's own, unsynchronised gradient.
             if optimizer.zero_stage != 1:
                 variables += optimizer.gradient_buffers

@@ -204,6 +204,31 @@ class Runtime(CheckpointPieces):
         """Backend part of `Placement.partition`."""
         raise NotImplementedError
 
+    def store_per_replica(self, variable):
+        """Backend part of `Placement.keep_per_replica`.
+
+        The default does nothing: each rank stores its own copy of what it
+        holds already (a process's tensor, a replica's component), so the
+        copies can differ.
+        """
+
+    def run_on_ranks(self, fn, variables, phase):
+        """Runs `fn()` on every rank outside a step, as steps run.
+
+        For what a `CoordinatedOptimizer` does between steps (local SGD's
+        last synchronisation of `fit()`): `fn` reads and assigns this
+        rank's values of `variables` and may call the collectives of the
+        mesh axes. The default calls it here, as a runtime of one process
+        per rank runs its steps.
+
+        Args:
+            fn: function of no arguments.
+            variables: every variable `fn` reads or assigns.
+            phase: the phase its collectives are recorded under.
+        """
+        with self.adapter.stats.recording(phase):
+            fn()
+
     def gathered_call(self, layer, variables, call):
         """Wraps a layer's `call` to gather its ZeRO-3 partitions around it.
 

@@ -13,6 +13,11 @@ Variables stay global Keras variables whose values are placed with a
   `CoordinatedOptimizer` issues the data-axis collectives itself (nesting a
   region's `shard_map` inside would bind the `data` axis twice).
 
+Local SGD's replicas hold different parameters between synchronisations,
+which an array replicated over `data` cannot hold: such a variable stores
+one block per data rank, stacked on a leading axis split over `data`
+(`store_per_replica`), and full values read replica 0's block.
+
 - `regions`: where and how a split layer's call runs;
 - `steps`: Keras' steps and direct calls on the mesh.
 """
@@ -31,6 +36,7 @@ from keras_tp.collectives.jax import JaxCollectiveAdapter
 from keras_tp.keras_internals import direct_assign
 from keras_tp.keras_internals import jax_layout
 from keras_tp.keras_internals import set_jax_layout
+from keras_tp.keras_internals import set_reported_shape
 from keras_tp.keras_internals import set_stored_value
 from keras_tp.keras_internals import stored_value
 from keras_tp.runtime.base import Runtime
@@ -179,6 +185,32 @@ class JaxRuntime(MeshSteps, MeshRegions, Runtime):
         set_jax_layout(variable, NamedSharding(self.mesh, spec))
         direct_assign(variable, variable.value)
 
+    def store_per_replica(self, variable):
+        """Gives each data rank a block of its own, stacked on axis 0.
+
+        The blocks start as copies of the current value. The variable
+        reports the stacked shape, so that Keras' trainer writes back
+        whole stacked values; inside per-rank steps each device sees its
+        own block as the variable's local value (`_own_blocks`).
+        """
+        value = variable.value
+        stacked = jax.numpy.broadcast_to(
+            value[None], (self.data_parallel,) + tuple(value.shape)
+        )
+        set_jax_layout(
+            variable, NamedSharding(self.mesh, self._variable_spec(variable))
+        )
+        set_reported_shape(variable, stacked.shape)
+        direct_assign(variable, stacked)
+
+    def first_replica_value(self, variable):
+        """The value of `variable` on data rank 0 (whole, if not per
+        replica)."""
+        value = variable.value
+        if self.placement.is_per_replica(variable):
+            return value[0]
+        return value
+
     def prepare_step_state(self, variables):
         """Replicates over the mesh every variable not laid out on it.
 
@@ -197,44 +229,67 @@ class JaxRuntime(MeshSteps, MeshRegions, Runtime):
     def _variable_spec(self, variable):
         if id(variable) not in self.placement.full_shapes:
             return PartitionSpec()
-        return placement_spec(
+        spec = placement_spec(
             len(self.placement.full_shapes[id(variable)]),
             self.placement.axes[id(variable)],
             self.placement.data_axis(variable),
         )
+        if self.placement.is_per_replica(variable):
+            return PartitionSpec("data", *spec)
+        return spec
 
     def full_value(self, variable):
         value = variable.value
         if not value.is_fully_addressable:
             # On several hosts every process gathers the shards it lacks.
             value = multihost_utils.process_allgather(value, tiled=True)
-        return np.asarray(value)
+        value = np.asarray(value)
+        if self.placement.is_per_replica(variable):
+            return value[0]
+        return value
+
+    def assign_full_value(self, variable, value):
+        """Assigns `value`; to every block of a per-replica variable."""
+        if self.placement.is_per_replica(variable):
+            value = np.asarray(value)
+            value = np.broadcast_to(
+                value[None], (self.data_parallel,) + value.shape
+            )
+        variable.assign(value)
 
     def _write_unsplit(self, model, write):
         """Runs `write` with full weights; on several hosts process 0 writes.
 
-        One process reads global arrays directly. On several hosts the
-        arrays span devices this process cannot read, so every process
-        gathers them, process 0 writes while its variables hold the full
-        values on the host, and all processes wait for it.
+        One process reads global arrays directly, unless some variables
+        hold a block per replica (local SGD), which are written as replica
+        0's. On several hosts the arrays span devices this process cannot
+        read, so every process gathers them, process 0 writes while its
+        variables hold the full values on the host, and all processes wait
+        for it.
         """
-        if jax.process_count() == 1:
+        variables = model.variables
+        stacked = any(map(self.placement.is_per_replica, variables))
+        if jax.process_count() == 1 and not stacked:
             write()
             return
-        variables = model.variables
         full = [self.full_value(v) for v in variables]
         if jax.process_index() == 0:
-            placed = [(jax_layout(v), stored_value(v)) for v in variables]
+            placed = [
+                (jax_layout(v), stored_value(v), v.shape) for v in variables
+            ]
             try:
                 for variable, value in zip(variables, full):
                     set_jax_layout(variable, None)
+                    set_reported_shape(variable, value.shape)
                     direct_assign(variable, jax.numpy.asarray(value))
                 write()
             finally:
-                for variable, (layout, value) in zip(variables, placed):
+                for variable, (layout, value, shape) in zip(variables, placed):
                     set_jax_layout(variable, layout)
+                    set_reported_shape(variable, shape)
                     set_stored_value(variable, value)
-        multihost_utils.sync_global_devices("keras_tp: model written")
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("keras_tp: model written")
 
     def device_bytes(self, variables):
         totals = {str(d): 0 for d in self.mesh.devices.flat}
@@ -254,23 +309,35 @@ class JaxRuntime(MeshSteps, MeshRegions, Runtime):
         differences = {}
         for variable in variables:
             copies = {}
-            for shard in variable.value.addressable_shards:
-                key = tuple((s.start, s.stop) for s in shard.index)
-                copies.setdefault(key, []).append(np.asarray(shard.data))
+            for _, index, data in self._shards(variable):
+                key = tuple((s.start, s.stop) for s in index)
+                copies.setdefault(key, []).append(data)
             differences[variable.path] = largest_difference(copies)
         return differences
 
+    def _shards(self, variable):
+        """`(shard, index, values)` of each shard of `variable` held here.
+
+        A per-replica variable's shard is part of one data rank's block:
+        its index and values lose the leading (replica) axis, so that the
+        index places the piece in that replica's value.
+        """
+        stacked = self.placement.is_per_replica(variable)
+        for shard in variable.value.addressable_shards:
+            index, data = shard.index, np.asarray(shard.data)
+            if stacked:
+                index, data = index[1:], data[0]
+            yield shard, index, data
+
     def local_pieces(self, variable):
-        """The first copy of each of the variable's shards held here."""
-        value = variable.value
+        """The first copy of each of the variable's shards held here
+        (replica 0's block of a per-replica variable)."""
+        shape = self.full_shape(variable)
+        stacked = self.placement.is_per_replica(variable)
         return [
-            (
-                str(shard.device).replace(":", ""),
-                _index(shard.index, value.shape),
-                np.asarray(shard.data),
-            )
-            for shard in value.addressable_shards
-            if shard.replica_id == 0
+            (str(shard.device).replace(":", ""), _index(index, shape), data)
+            for shard, index, data in self._shards(variable)
+            if shard.replica_id == 0 and not (stacked and shard.index[0].start)
         ]
 
     def assign_local_pieces(self, variable, read):
@@ -280,12 +347,26 @@ class JaxRuntime(MeshSteps, MeshRegions, Runtime):
             # such a value where each computation needs it.
             variable.assign(read(_index((), value.shape)))
             return
-        placed = jax.make_array_from_callback(
-            value.shape,
-            value.sharding,
-            lambda index: read(_index(index, value.shape)),
+        if not self.placement.is_per_replica(variable):
+            placed = jax.make_array_from_callback(
+                value.shape,
+                value.sharding,
+                lambda index: read(_index(index, value.shape)),
+            )
+            direct_assign(variable, placed)
+            return
+        # Every replica's block takes the piece.
+        shape = value.shape[1:]
+
+        def blocks(index):
+            piece = read(_index(index[1:], shape))
+            rows = len(range(*index[0].indices(self.data_parallel)))
+            return np.broadcast_to(piece[None], (rows,) + piece.shape)
+
+        direct_assign(
+            variable,
+            jax.make_array_from_callback(value.shape, value.sharding, blocks),
         )
-        direct_assign(variable, placed)
 
     def process_index(self):
         return jax.process_index()

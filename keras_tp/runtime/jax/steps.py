@@ -4,6 +4,9 @@ Without a data axis Keras' own compiled step runs unchanged (its regions
 are `shard_map`s). With a data axis or ZeRO the whole step runs inside one
 `shard_map` over both axes, each device on its own values. A direct call
 `tp(x)` on arrays is compiled once, as Keras compiles `predict`.
+
+A per-replica variable (local SGD) enters a per-rank step as each data
+rank's own block, and a direct call as replica 0's.
 """
 
 import functools
@@ -13,6 +16,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from keras_tp.keras_internals import StatelessScope
+from keras_tp.keras_internals import bind_values
 from keras_tp.keras_internals import local_shapes
 from keras_tp.runtime.jax.regions import is_array
 
@@ -41,7 +45,8 @@ class MeshSteps:
         The state enters with the placement of each variable, the batch
         split over `data`; the metrics' updates are summed over `data` and
         the non-trainable variables (BatchNorm statistics) averaged, in one
-        all-reduce, so the logs are those of the global batch.
+        all-reduce, so the logs are those of the global batch. A
+        per-replica variable enters as each data rank's own block.
         """
         groups = [model.trainable_variables, model.non_trainable_variables]
         if phase == "train":
@@ -51,18 +56,24 @@ class MeshSteps:
         state_specs = tuple(
             [self._variable_spec(v) for v in group] for group in groups
         )
+        per_replica = [
+            [self.placement.is_per_replica(v) for v in group]
+            for group in groups
+        ]
         data_specs = jax.tree_util.tree_map(self._batch_spec, data)
         placed = [
             v for group in groups for v in group if self.placement.is_placed(v)
         ]
 
         def per_rank(state, data):
+            state = tuple(map(_own_blocks, state, per_replica))
             with (
                 local_shapes(placed, self.placement.local_shape),
                 self._ranks(),
             ):
                 if phase == "predict":
-                    return step(state, data)
+                    outputs, non_trainable = step(state, data)
+                    return outputs, _as_blocks(non_trainable, per_replica[1])
                 logs, new_state = step(state, data)
                 new_state = list(new_state)
                 metrics, non_trainable = self.synchronised_state(
@@ -72,7 +83,7 @@ class MeshSteps:
                 mapping = list(zip(groups[-1], metrics))
                 with StatelessScope(state_mapping=mapping):
                     logs = model.get_metrics_result()
-                return logs, tuple(new_state)
+                return logs, tuple(map(_as_blocks, new_state, per_replica))
 
         # Keras' predict step returns the outputs, split over `data`, and
         # the non-trainable state (dropout seeds), placed as it entered.
@@ -90,6 +101,39 @@ class MeshSteps:
         )
         return mapped(tuple(state), data)
 
+    def run_on_ranks(self, fn, variables, phase):
+        """Runs `fn()` on every device in a compiled `shard_map`, as a
+        per-rank step runs, and writes back what it assigned."""
+        specs = [self._variable_spec(v) for v in variables]
+        per_replica = [self.placement.is_per_replica(v) for v in variables]
+        placed = [v for v in variables if self.placement.is_placed(v)]
+
+        def per_rank(values):
+            mapping = list(zip(variables, _own_blocks(values, per_replica)))
+            with (
+                local_shapes(placed, self.placement.local_shape),
+                self._ranks(),
+                StatelessScope(state_mapping=mapping) as scope,
+            ):
+                fn()
+                new = [scope.get_current_value(v) for v in variables]
+            return _as_blocks(new, per_replica)
+
+        mapped = jax.jit(
+            jax.shard_map(
+                per_rank,
+                mesh=self.mesh,
+                in_specs=(specs,),
+                out_specs=specs,
+                check_vma=False,
+            )
+        )
+        # Traced at every call, so that its collectives are recorded.
+        with self.adapter.stats.recording(phase):
+            new = mapped([v.value for v in variables])
+        for variable, value in zip(variables, new):
+            variable.assign(value)
+
     def call_model(self, model, inputs, training):
         """A direct call `tp(x)` on concrete arrays runs compiled.
 
@@ -99,17 +143,27 @@ class MeshSteps:
         Inside a trace (a step, a user's `jax.jit`) the call is traced as
         part of it.
         """
-        leaves = jax.tree_util.tree_leaves(inputs)
-        if self._inside_ranks or not all(map(is_concrete, leaves)):
+        if self._inside_ranks:
             return super().call_model(model, inputs, training)
+        leaves = jax.tree_util.tree_leaves(inputs)
+        stacked = [
+            v for v in model.variables if self.placement.is_per_replica(v)
+        ]
+        if not all(map(is_concrete, leaves)):
+            # Per-replica variables read replica 0's block.
+            with bind_values(
+                [(v, self.first_replica_value(v)) for v in stacked]
+            ):
+                return super().call_model(model, inputs, training)
         compiled = self._compiled_calls.get(training)
         if compiled is None:
             compiled = jax.jit(
                 functools.partial(self._stateless_call, model, training)
             )
             self._compiled_calls[training] = compiled
-        values = [v.value for v in model.variables]
-        outputs, non_trainable = compiled(values, inputs)
+        values = [self.first_replica_value(v) for v in model.variables]
+        with local_shapes(stacked, self.full_shape):
+            outputs, non_trainable = compiled(values, inputs)
         # A forward pass updates only non-trainable state (BatchNorm
         # statistics, dropout seeds).
         for variable, value in zip(
@@ -133,3 +187,19 @@ class MeshSteps:
             return PartitionSpec()
         self.check_batch_size(leaf.shape[0])
         return PartitionSpec("data")
+
+
+def _own_blocks(values, per_replica):
+    """Each device's values, its own block for per-replica variables.
+
+    Inside a per-rank step a per-replica value enters as the device's
+    block of the stack, `(1, *local shape)`.
+    """
+    return [v[0] if stacked else v for v, stacked in zip(values, per_replica)]
+
+
+def _as_blocks(values, per_replica):
+    """Inverse of `_own_blocks`: per-replica values as blocks again."""
+    return [
+        v[None] if stacked else v for v, stacked in zip(values, per_replica)
+    ]

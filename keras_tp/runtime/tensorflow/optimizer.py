@@ -20,9 +20,10 @@ def prepare_optimizer(runtime, model):
     """Wraps and builds the compiled optimizer (once) for the replicas.
 
     With a data axis or ZeRO the compiled optimizer is a
-    `CoordinatedOptimizer`; it and the optimizer inside it both become
-    `TensorParallelOptimizer`s, the outer one placing its slots and
-    gradient buffers with their ZeRO partitions.
+    `CoordinatedOptimizer`; it and the optimizers it runs (the inner one,
+    local SGD's outer one) all become `TensorParallelOptimizer`s, the
+    `CoordinatedOptimizer` placing its slots and gradient buffers with
+    their ZeRO partitions.
 
     Args:
         runtime: the `TensorFlowRuntime` whose replicas run the optimizer.
@@ -42,7 +43,7 @@ def prepare_optimizer(runtime, model):
             )
         wrapped = [optimizer]
         if isinstance(optimizer, CoordinatedOptimizer):
-            wrapped.append(optimizer.inner_optimizer)
+            wrapped += optimizer.wrapped_optimizers
         for each in wrapped:
             object.__setattr__(
                 each, "__class__", tensor_parallel_class(type(each))

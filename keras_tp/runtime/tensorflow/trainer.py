@@ -30,6 +30,7 @@ import keras
 import tensorflow as tf
 
 from keras_tp.keras_internals import compute_loss
+from keras_tp.keras_internals import local_shapes
 from keras_tp.keras_internals import update_loss_tracker
 from keras_tp.regions import forward_pass
 from keras_tp.runtime.base import collect_flat
@@ -290,6 +291,25 @@ class ReplicaTrainer:
         )
         for variable, mean in zip(averaged, means):
             variable.assign(mean)
+
+    def run_on_ranks(self, fn, variables, phase):
+        """Runs `fn()` in every replica, traced as steps are.
+
+        The collective groups of a data axis only run in graphs, and each
+        replica reads and assigns its own components of `variables`.
+        """
+        placed = [v for v in variables if self.placement.is_placed(v)]
+
+        def on_replica():
+            fn()
+            # `strategy.run` needs a result to return.
+            return tf.zeros(())
+
+        with (
+            self.adapter.stats.recording(phase),
+            local_shapes(placed, self.placement.local_shape),
+        ):
+            self._on_replicas(on_replica)
 
     def _test_step(self, model, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)

@@ -24,6 +24,7 @@ import os
 import socket
 
 import keras
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -381,6 +382,12 @@ class TorchRuntime(Runtime):
                 variable.assign(value)
             return model.get_metrics_result()
 
+    def run_on_ranks(self, fn, variables, phase):
+        """Runs `fn()` in this rank's process, without autograd, as Keras'
+        torch trainer runs the optimizer."""
+        with torch.no_grad():
+            super().run_on_ranks(fn, variables, phase)
+
     def _start_backward_overlap(self, model):
         """Sends each gradient bucket as soon as the backward pass made it.
 
@@ -412,6 +419,10 @@ class TorchRuntime(Runtime):
 
     def _batch_slice(self, tensor):
         """This data rank's slice of a global batch tensor."""
+        if isinstance(tensor, np.ndarray):
+            # `train_on_batch` and the like hand NumPy batches over as
+            # they are; `fit()` hands tensors.
+            tensor = keras.ops.convert_to_tensor(tensor)
         if not torch.is_tensor(tensor) or tensor.ndim == 0:
             return tensor
         self.check_batch_size(tensor.shape[0])

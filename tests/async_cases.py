@@ -143,3 +143,32 @@ def check_servers_partition(servers):
         map(str, runner.worker_devices)
     )
     return runner
+
+
+def check_pull_every_accumulates():
+    """`max_staleness=0, pull_every=2`: each worker computes two slices
+    from the same parameters, and the update averages all four: one-device
+    training on batches twice as large."""
+    x, y = data()
+    trainer = keras_tp.AsyncDataParallel(
+        models.mlp(), workers=2, max_staleness=0, pull_every=2
+    )
+    trainer.compile(
+        optimizer=keras.optimizers.Adam(0.01), loss=models.loss_fn()
+    )
+    history = trainer.fit(
+        x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0
+    )
+    reference = models.mlp()
+    reference.compile(
+        optimizer=keras.optimizers.Adam(0.01), loss=models.loss_fn()
+    )
+    reference.fit(
+        x, y, batch_size=2 * BATCH, epochs=2, shuffle=False, verbose=0
+    )
+    assert (
+        models.max_diff(trainer.get_weights(), reference.get_weights()) < 1e-5
+    )
+    # Both gradients of each pull are computed from the version that the
+    # update applies to.
+    assert history.history["staleness_histogram"] == [{0: 8}] * 2

@@ -32,6 +32,10 @@ def test_synchronous_matches_one_device():
     async_cases.check_synchronous_matches_one_device(workers=2, servers=1)
 
 
+def test_pull_every_computes_from_held_parameters():
+    async_cases.check_pull_every_accumulates()
+
+
 def test_staleness_never_exceeds_the_bound(monkeypatch):
     async_cases.check_staleness_bound(monkeypatch, DeviceOps, max_staleness=1)
 

@@ -45,6 +45,10 @@ class AsyncDataParallel(keras.Model):
         servers: the number of parameter servers.
         max_staleness: the most updates a gradient may be applied after
             the parameters it was computed from; 0 is synchronous.
+        pull_every: a worker pulls the parameters after every
+            `pull_every` gradients it pushes, and computes from the
+            parameters it holds in between (never more than
+            `max_staleness` updates old: the servers wait for it).
         device_ids: devices to use (JAX, TensorFlow), e.g. `["cpu:0",
             "cpu:1", "cpu:2"]`; all by default.
 
@@ -65,6 +69,7 @@ class AsyncDataParallel(keras.Model):
         workers=2,
         servers=1,
         max_staleness=0,
+        pull_every=1,
         device_ids=None,
         **kwargs,
     ):
@@ -73,6 +78,7 @@ class AsyncDataParallel(keras.Model):
             ("workers", workers, 1),
             ("servers", servers, 1),
             ("max_staleness", max_staleness, 0),
+            ("pull_every", pull_every, 1),
         ):
             if not isinstance(value, int) or value < least:
                 raise ValueError(
@@ -93,6 +99,7 @@ class AsyncDataParallel(keras.Model):
         self.workers = workers
         self.servers = servers
         self.max_staleness = max_staleness
+        self.pull_every = pull_every
         self._device_ids = device_ids
         self._runner = None
 
@@ -116,6 +123,7 @@ class AsyncDataParallel(keras.Model):
             self.servers,
             self.max_staleness,
             self._device_ids,
+            self.pull_every,
         )
 
     def fit(

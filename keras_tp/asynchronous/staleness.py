@@ -15,6 +15,8 @@ optimizer step, the sample-weighted mean of every gradient waiting.
 - A slow worker holds the others back only when they would otherwise run
   more than `K` updates ahead of it (stale synchronous parallel, Ho et al.
   2013).
+- A worker that pushes without pulling (`pull_every > 1`) goes on from the
+  parameters it holds, and still bounds the updates by their version.
 
 The class is pure bookkeeping, without locks or communication, so that the
 threads of the in-process servers and the message loop of a torch server
@@ -71,7 +73,7 @@ class StalenessBound:
         self.version = 0
         # Workers computing, and the version of the parameters they hold.
         self._computing = {}
-        self._waiting = {}
+        self._waiting = []
         # How many gradients were applied with each staleness.
         self.histogram = collections.Counter()
 
@@ -84,15 +86,26 @@ class StalenessBound:
         """
         self._computing[worker] = self.version
 
-    def push(self, worker, payload):
-        """`worker` pushes its gradient and waits for it to be applied."""
+    def push(self, worker, payload, pulls=True):
+        """`worker` pushes a gradient.
+
+        Args:
+            worker: the worker.
+            payload: what the server applies.
+            pulls: whether the worker waits for the gradient to be applied
+                and then pulls the parameters; if not, it computes its next
+                gradient from the parameters it holds, and still counts as
+                computing from their version.
+        """
         if worker not in self._computing:
             raise RuntimeError(
                 f"Worker {worker} pushed a gradient without holding "
                 "parameters from this server; it must pull first."
             )
-        base = self._computing.pop(worker)
-        self._waiting[worker] = Pushed(worker, payload, base)
+        base = self._computing[worker]
+        if pulls:
+            del self._computing[worker]
+        self._waiting.append(Pushed(worker, payload, base))
 
     def finish(self, worker):
         """`worker` stops computing (its data is used up)."""
@@ -100,7 +113,7 @@ class StalenessBound:
 
     def waits(self, worker):
         """Whether a gradient of `worker` waits to be applied."""
-        return worker in self._waiting
+        return any(pushed.worker == worker for pushed in self._waiting)
 
     def ready(self):
         """Whether an update may apply the waiting gradients now."""
@@ -113,7 +126,8 @@ class StalenessBound:
         )
 
     def take(self):
-        """The gradients of the next update, in worker order.
+        """The gradients of the next update, in worker order (a worker's
+        own in the order it pushed them).
 
         Call only when `ready()`. The version advances by one, and the
         staleness of each gradient is recorded.
@@ -123,15 +137,17 @@ class StalenessBound:
         """
         if not self.ready():
             raise RuntimeError("No update is ready; check ready() first.")
-        group = [self._waiting.pop(w) for w in sorted(self._waiting)]
+        group = sorted(self._waiting, key=lambda pushed: pushed.worker)
+        self._waiting = []
         for pushed in group:
             self.histogram[self.version - pushed.base_version] += 1
         self.version += 1
-        # The group's workers compute next from these parameters (or
-        # newer ones, if they pull later), unless they `finish`: counting
-        # them as computing now keeps the next update from passing them.
+        # The group's workers that pull compute next from these parameters
+        # (or newer ones, if they pull later), unless they `finish`:
+        # counting them as computing now keeps the next update from passing
+        # them. Workers that did not pull keep their version.
         for pushed in group:
-            self._computing[pushed.worker] = self.version
+            self._computing.setdefault(pushed.worker, self.version)
         return group
 
     @property

@@ -9,6 +9,7 @@ computes, so the workers' steps run at the same time.
 """
 
 import collections
+import itertools
 import queue
 import threading
 
@@ -58,11 +59,12 @@ class InProcessServer:
             self.bound.start(worker)
             return self._store.params()
 
-    def push(self, worker, gradients, samples, loss):
-        """Hands over `worker`'s gradient of `samples` samples."""
+    def push(self, worker, gradients, samples, loss, pulls):
+        """Hands over `worker`'s gradient of `samples` samples; `pulls`
+        says whether the worker pulls next (see `StalenessBound.push`)."""
         gradients = self._ops.put(gradients, self._store.device)
         with self._condition:
-            self.bound.push(worker, (gradients, samples, loss))
+            self.bound.push(worker, (gradients, samples, loss), pulls)
             self._apply_ready()
 
     def finish(self, worker):
@@ -89,12 +91,24 @@ class ThreadedRunner:
         max_staleness: see `StalenessBound`.
         ops: the backend's `DeviceOps`.
         device_ids: the devices to use, or `None` for all.
+        pull_every: a worker pulls the parameters after every
+            `pull_every` pushes.
     """
 
     # The one process runs every worker, and shows the progress bar.
     reports_progress = True
 
-    def __init__(self, model, workers, servers, max_staleness, ops, device_ids):
+    def __init__(
+        self,
+        model,
+        workers,
+        servers,
+        max_staleness,
+        ops,
+        device_ids,
+        pull_every,
+    ):
+        self._pull_every = pull_every
         devices = ops.devices(device_ids)
         if workers > len(devices):
             raise ValueError(
@@ -216,7 +230,7 @@ class ThreadedRunner:
     def _work(self, worker, params, pending, errors):
         device = self.worker_devices[worker]
         try:
-            while True:
+            for pushes in itertools.count(1):
                 try:
                     piece = pending.popleft()
                 except IndexError:
@@ -229,14 +243,17 @@ class ThreadedRunner:
                     piece.y,
                     piece.sample_weight,
                 )
+                pulls = pushes % self._pull_every == 0
                 for server in self.servers:
                     server.push(
                         worker,
                         [gradients[i] for i in server.indices],
                         piece.samples,
                         loss,
+                        pulls,
                     )
-                params = self._pull(worker)
+                if pulls:
+                    params = self._pull(worker)
         except BaseException as error:  # re-raised by run_epoch
             errors.append(error)
         finally:

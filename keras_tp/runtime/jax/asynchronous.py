@@ -90,8 +90,14 @@ class ServerStore:
         )
 
 
-def make_runner(model, workers, servers, max_staleness, device_ids):
+def make_runner(model, workers, servers, max_staleness, device_ids, pull_every):
     """The runner of `AsyncDataParallel` on JAX (see `ThreadedRunner`)."""
     return ThreadedRunner(
-        model, workers, servers, max_staleness, DeviceOps(), device_ids
+        model,
+        workers,
+        servers,
+        max_staleness,
+        DeviceOps(),
+        device_ids,
+        pull_every,
     )

@@ -103,8 +103,14 @@ class ServerStore:
             self._optimizer.apply(gradients, self._variables)
 
 
-def make_runner(model, workers, servers, max_staleness, device_ids):
+def make_runner(model, workers, servers, max_staleness, device_ids, pull_every):
     """The runner of `AsyncDataParallel` on TensorFlow (`ThreadedRunner`)."""
     return ThreadedRunner(
-        model, workers, servers, max_staleness, DeviceOps(), device_ids
+        model,
+        workers,
+        servers,
+        max_staleness,
+        DeviceOps(),
+        device_ids,
+        pull_every,
     )

@@ -442,7 +442,9 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         """Synchronises `grads` over the data axis and updates the model.
 
         Called on every rank with that rank's gradients of its local
-        tensors (for ZeRO-3, of its parameter partitions).
+        tensors (for ZeRO-3, of its parameter partitions). Under local SGD
+        the rank updates its replica with its own gradients, and every
+        `local_sgd_steps`-th update synchronises the parameters.
         """
         if trainable_variables is None:
             trainable_variables = model_variables_of(self)
@@ -476,16 +478,20 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         synchronising = ops.equal(
             ops.mod(self.iterations, self.local_sgd_steps), 0
         )
-        touched = list(variables) + self.anchors
-        if self.outer_optimizer is not None:
-            touched += self.outer_optimizer.variables
         with self._data_adapter.stats.conditional(self._synchronised_last):
             stateful_cond(
                 synchronising,
                 lambda: self._synchronise_replicas(variables),
                 lambda: None,
-                touched,
+                self._synchronised_variables(variables),
             )
+
+    def _synchronised_variables(self, variables):
+        """What a synchronisation of `variables` reads and assigns."""
+        touched = list(variables) + self.anchors
+        if self.outer_optimizer is not None:
+            touched += self.outer_optimizer.variables
+        return touched
 
     def _synchronise_replicas(self, variables):
         """Gives every replica the parameters of the synchronisation.
@@ -689,15 +695,16 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         """
         if self.local_sgd_steps is not None and not self._synchronised_last():
             variables = model_variables_of(self)
-            touched = list(variables) + self.anchors
-            if self.outer_optimizer is not None:
-                touched += self.outer_optimizer.variables
 
             def synchronise():
                 with self._data_adapter.stats.labelled("optimizer"):
                     self._synchronise_replicas(variables)
 
-            self._run_on_ranks(synchronise, touched, "final_sync")
+            self._run_on_ranks(
+                synchronise,
+                self._synchronised_variables(variables),
+                "final_sync",
+            )
         inner = self.inner_optimizer
         if not inner.use_ema:
             return

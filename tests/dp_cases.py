@@ -323,6 +323,15 @@ def _data_optimizer_bytes(tp, phase="train"):
     }
 
 
+def _largest_bytes(tp):
+    """`[parameter, gradient, optimizer]` bytes of the fullest device."""
+    info = tp.get_gradient_sharding_info()
+    return [
+        max(info[key].values())
+        for key in ("parameter_bytes", "gradient_bytes", "optimizer_bytes")
+    ]
+
+
 def local_sgd_runs():
     """Every local SGD check on 2 data ranks, as plain numbers.
 
@@ -365,6 +374,7 @@ def local_sgd_runs():
         key: tp.get_gradient_sharding_info()[key]
         for key in ("local_sgd_steps", "outer_optimizer", "overlap")
     }
+    results["memory"] = _largest_bytes(tp)
 
     def nesterov():
         return keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
@@ -376,6 +386,7 @@ def local_sgd_runs():
         local_sgd_reference(x, y, "sgd", [2, 2], nesterov()), tp.get_weights()
     )
     results["diloco_final_sync"] = _data_optimizer_bytes(tp, "final_sync")
+    results["diloco_memory"] = _largest_bytes(tp)
 
     x, y = models.data_for("mlp", batch=2 * BATCH, seed=3)
     tp = _local_sgd_model("sgd", 1)
@@ -451,6 +462,15 @@ def check_local_sgd_runs(results):
         "outer_optimizer": None,
         "overlap": False,
     }
+    # Each device holds its own replica once, and no gradient; SGD's
+    # momentum, and DiLoCo's anchor and outer momentum, are psi each.
+    scalars = 64  # step counters and learning rates
+    parameters, gradients, optimizer = results["memory"]
+    assert parameters == psi and gradients == 0
+    assert psi <= optimizer <= psi + scalars
+    parameters, gradients, optimizer = results["diloco_memory"]
+    assert parameters == psi and gradients == 0
+    assert 3 * psi <= optimizer <= 3 * psi + scalars
     assert results["diloco"] <= 1e-5
     # Its fit() ended on a synchronisation step: nothing more to send.
     assert results["diloco_final_sync"] == {}

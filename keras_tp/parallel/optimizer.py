@@ -231,11 +231,9 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         self._world_adapter = None
         self._model_adapter = None
         self._run_on_ranks = None
-        # Local SGD: the parameters after the last synchronisation (with an
-        # outer optimizer), and the inner optimizer's slots, which every
-        # replica keeps for itself.
+        # Local SGD with an outer optimizer: the parameters after the last
+        # synchronisation.
         self.anchors = []
-        self.replica_state_variables = []
 
     def bind(
         self,
@@ -332,7 +330,8 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
                 self._slot_partition_axis(reference_variable),
             )
             if self.local_sgd_steps is not None:
-                self.replica_state_variables.append(slot)
+                # Each replica's optimizer state is its own (DiLoCo).
+                placement.keep_per_replica(slot)
 
         place_slots_on_creation(self.inner_optimizer, placed)
         self.inner_optimizer.build(var_list)
@@ -366,8 +365,9 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         """Anchors and the outer optimizer's state; replica-local storage.
 
         No gradient is kept between steps: each replica applies its own at
-        once. The parameters and the inner optimizer's slots become
-        replica-local: their copies on the data ranks may differ.
+        once. The parameters become replica-local, as the inner optimizer's
+        slots did when they were made: their copies on the data ranks may
+        differ.
         """
         placement = self._placement
         outer = self.outer_optimizer
@@ -381,7 +381,7 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
                 self.anchors.append(anchor)
             place_slots_on_creation(outer, placement.place_like)
             outer.build(self.anchors)
-        for variable in var_list + self.replica_state_variables:
+        for variable in var_list:
             placement.keep_per_replica(variable)
 
     def _slot_partition_axis(self, reference_variable):
@@ -413,6 +413,19 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         """
         buffers = {id(b) for b in self.gradient_buffers}
         return [v for v in self.variables if id(v) not in buffers]
+
+    @property
+    def replica_state_variables(self):
+        """The optimizer state each replica keeps for itself.
+
+        Under local SGD, the inner optimizer's slots (momenta, moments),
+        whose copies on the data ranks differ; empty otherwise.
+        """
+        return [
+            v
+            for v in self.inner_optimizer.variables
+            if self._placement.is_per_replica(v)
+        ]
 
     @property
     def compression_variables(self):

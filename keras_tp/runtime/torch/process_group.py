@@ -40,7 +40,7 @@ def configure_virtual_devices(n):
     )
 
 
-def join_process_group(world_size=None):
+def join_process_group(world_size=None, caller=None):
     """Initialises the default process group of this process if needed.
 
     A process started by `keras_tp.launch` or `torchrun` joins its group
@@ -65,6 +65,8 @@ def join_process_group(world_size=None):
         world_size: the number of ranks the caller asks for, to explain
             the error when this process was not launched as a rank, or
             when `mpirun` started another number of ranks.
+        caller: what needs the ranks, as the error names it; by default
+            `TensorParallelKeras(world_size=...)`.
 
     Raises:
         ValueError: if `mpirun` started other than `world_size` ranks.
@@ -85,10 +87,11 @@ def join_process_group(world_size=None):
             backend, store=dist.HashStore(), rank=0, world_size=1
         )
     else:
+        caller = caller or f"TensorParallelKeras(world_size={world_size})"
         raise RuntimeError(
-            f"TensorParallelKeras(world_size={world_size}) on the torch "
-            "backend needs one process per rank, but this process was not "
-            "started as a rank (no torch.distributed process group and no "
+            f"{caller} on the torch backend needs one process per rank, but "
+            "this process was not started as a rank (no torch.distributed "
+            "process group and no "
             f"{'/'.join(_LAUNCH_VARIABLES)} variables). From a notebook or a "
             f"script, run your training function with "
             f"`keras_tp.launch(train_fn, world_size={world_size})`; from a "

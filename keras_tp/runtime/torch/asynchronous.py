@@ -1,0 +1,586 @@
+"""torch side of `AsyncDataParallel`: a process per worker and per server.
+
+Every rank runs the same training code, and its rank gives its role: ranks
+`0 .. workers - 1` are the workers (rank 0, whose result `keras_tp.launch`
+returns, is worker 0 and shows the progress bar), ranks `workers ..
+workers + servers - 1` the servers. Server `s` holds partition `s` of the
+trainable variables (`partition_variables`) and a copy of the compiled
+optimizer built on it, and applies what the workers push when
+`StalenessBound` says, the rule the worker threads of JAX and TensorFlow
+follow.
+
+The messages are point-to-point, as CPU tensors over gloo (also beside
+nccl on GPUs, which cannot receive from any rank):
+
+- worker -> each server, per push: a header (float64: kind, samples, the
+  slice's loss, whether the worker pulls next; counts are exact in
+  float64, and the loss travels as the worker computed it), then the
+  server's part of the gradient as one flat tensor; at the end of the
+  epoch a header that says the worker finished.
+- server 0 -> worker, answering each push at once: a ticket (int64: the
+  worker's next slice, or -1 when every slice is taken, and how many
+  updates follow), then the `(samples, loss)` of each update server 0
+  applied since the worker's previous ticket.
+- each server -> worker, right after the update that applied the
+  worker's pulling push: the server's parameters, flat.
+
+A server receives headers from any rank (`dist.recv(src=None)`); headers
+have a tag of their own, so that such a receive never matches the
+gradient that follows another worker's header.
+
+**Work sharing.** Server 0 hands out the slices. It receives every push,
+in the order they arrive, and answers each with the next slice: a worker
+gets its next slice when it hands in a gradient, i.e. when it becomes
+free, as the worker threads pop theirs from one queue. The answer is a
+message the worker waits for anyway (with `pull_every > 1` the only one),
+so it costs no round trip of its own; it needs no counter in the
+rendezvous store, whose keys would have to be kept apart across fits and
+elastic restarts; and it brings the global progress with it, so every
+worker yields every worker's updates and rank 0's progress bar advances
+per global batch.
+
+**End of an epoch.** Once every worker was told -1 and finished and every
+server applied what it received, all ranks meet in collectives: each
+server broadcasts its partition, and an all-gather brings every worker's
+non-trainable values, every server's staleness histogram and server 0's
+list of updates to every rank. Every rank then yields the same updates,
+writes back the same values, validates locally and returns the same
+history.
+"""
+
+import functools
+import math
+
+import keras
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from keras_tp.asynchronous.servers import partition_variables
+from keras_tp.asynchronous.servers import server_optimizer
+from keras_tp.asynchronous.servers import weighted_mean
+from keras_tp.asynchronous.staleness import StalenessBound
+from keras_tp.asynchronous.workers import stateless_loss
+from keras_tp.asynchronous.workers import worker_non_trainable_values
+from keras_tp.runtime.torch.process_group import join_process_group
+from keras_tp.runtime.torch.storage import from_numpy
+from keras_tp.runtime.torch.storage import to_numpy
+
+# What a worker's header announces.
+_PUSH = 0
+_FINISH = 1
+
+# Message tags. Headers have their own: a server receives them from any
+# rank, and must never match the gradient that follows another header.
+_HEADER_TAG = 1
+_GRADIENT_TAG = 2
+_TICKET_TAG = 3
+_UPDATES_TAG = 4
+_PARAMETERS_TAG = 5
+
+# The ticket's slice when every slice of the epoch is taken.
+_NO_SLICE = -1
+
+
+class FlatLayout:
+    """How the values of some variables travel as one flat CPU tensor.
+
+    Args:
+        variables: the Keras variables, in the order they travel.
+    """
+
+    def __init__(self, variables):
+        self.shapes = [tuple(v.shape) for v in variables]
+        self.sizes = [math.prod(shape) for shape in self.shapes]
+        self.dtypes = [v.value.dtype for v in variables]
+        # One dtype that holds each variable's exactly.
+        self.dtype = functools.reduce(torch.promote_types, self.dtypes)
+
+    def empty(self):
+        """A flat tensor to receive into."""
+        return torch.empty(sum(self.sizes), dtype=self.dtype)
+
+    def flatten(self, tensors):
+        """`tensors` (one per variable) as one new flat CPU tensor."""
+        return torch.cat(
+            [t.detach().reshape(-1).to("cpu", self.dtype) for t in tensors]
+        )
+
+    def split(self, flat, device):
+        """The variables' tensors in `flat`, on `device`."""
+        return [
+            piece.reshape(shape).to(device, dtype)
+            for piece, shape, dtype in zip(
+                torch.split(flat, self.sizes), self.shapes, self.dtypes
+            )
+        ]
+
+
+class Outbox:
+    """Sends that complete in the background.
+
+    Each tensor is kept until its send completes: gloo reads it while the
+    receiver takes it.
+    """
+
+    def __init__(self):
+        self._pending = []
+
+    def send(self, tensor, rank, tag):
+        self._pending = [
+            (work, sent)
+            for work, sent in self._pending
+            if not work.is_completed()
+        ]
+        self._pending.append((dist.isend(tensor, rank, tag=tag), tensor))
+
+    def flush(self):
+        """Waits until every send completed."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []
+
+
+class ServerProcess:
+    """This rank as a server: its partition, optimizer state and bound.
+
+    Its variables are its own, not the model's: the parameters and the
+    optimizer state of its partition are all the tensors it keeps.
+
+    Args:
+        index: the server's index.
+        variables: the model variables of its partition.
+        layout: the `FlatLayout` of its partition.
+        optimizer: the compiled optimizer, copied for this server.
+        workers: the number of workers.
+        max_staleness: see `StalenessBound`.
+    """
+
+    def __init__(
+        self, index, variables, layout, optimizer, workers, max_staleness
+    ):
+        self.index = index
+        self.variables = [
+            keras.Variable(
+                np.zeros(v.shape, v.dtype), dtype=v.dtype, name=v.name
+            )
+            for v in variables
+        ]
+        self.optimizer = server_optimizer(optimizer, self.variables)
+        self.bound = StalenessBound(max_staleness)
+        self._layout = layout
+        self._workers = workers
+        self._outbox = Outbox()
+        # Server 0's `(samples, loss)` of each update of the epoch.
+        self.updates = []
+
+    def load(self, values):
+        """Sets the parameters (NumPy values of the partition)."""
+        for variable, value in zip(self.variables, values):
+            variable.assign(value)
+
+    def parameters(self):
+        """The parameters, flat."""
+        return self._layout.flatten([v.value for v in self.variables])
+
+    def run_epoch(self, slices):
+        """Serves the workers until every one finished the epoch.
+
+        Every worker starts from the parameters the ranks share.
+
+        Args:
+            slices: the epoch's slices (server 0 hands them out).
+
+        Yields:
+            Server 0: `(samples, loss)` after each update. The other
+            servers yield nothing.
+        """
+        workers = self._workers
+        for worker in range(workers):
+            self.bound.start(worker)
+        self.updates = []
+        # Server 0 answers tickets: the next slice to hand out, and how
+        # many of `updates` each worker has been told of.
+        slice_count = len(slices)
+        next_slice = min(workers, slice_count)
+        told = [0] * workers
+        finished = set()
+        pulling = set()
+        header = torch.empty(4, dtype=torch.float64)
+        while len(finished) < workers:
+            # Worker ranks are the workers' indices.
+            worker = dist.recv(header, src=None, tag=_HEADER_TAG)
+            kind, samples, loss, pulls = header.tolist()
+            if kind == _FINISH:
+                self.bound.finish(worker)
+                finished.add(worker)
+            else:
+                gradient = self._layout.empty()
+                dist.recv(gradient, src=worker, tag=_GRADIENT_TAG)
+                self.bound.push(
+                    worker, ([gradient], int(samples), loss), pulls=bool(pulls)
+                )
+                if pulls:
+                    pulling.add(worker)
+                if self.index == 0:
+                    given = (
+                        next_slice if next_slice < slice_count else _NO_SLICE
+                    )
+                    next_slice += given != _NO_SLICE
+                    self._send_ticket(
+                        worker, given, self.updates[told[worker] :]
+                    )
+                    told[worker] = len(self.updates)
+            while self.bound.ready():
+                group = self.bound.take()
+                (gradient,), samples, loss = weighted_mean(group)
+                self._apply(gradient)
+                if self.index == 0:
+                    self.updates.append((samples, loss))
+                    yield samples, loss
+                # `take` takes every waiting gradient: the group's pulling
+                # workers have nothing left to wait for.
+                applied = {pushed.worker for pushed in group}
+                replies = sorted(applied & pulling)
+                if replies:
+                    parameters = self.parameters()
+                    for worker in replies:
+                        self._outbox.send(parameters, worker, _PARAMETERS_TAG)
+                    pulling -= applied
+        self._outbox.flush()
+
+    def _send_ticket(self, worker, next_slice, updates):
+        self._outbox.send(
+            torch.tensor([next_slice, len(updates)], dtype=torch.int64),
+            worker,
+            _TICKET_TAG,
+        )
+        if updates:
+            self._outbox.send(
+                torch.tensor(updates, dtype=torch.float64), worker, _UPDATES_TAG
+            )
+
+    def _apply(self, gradient):
+        device = self.variables[0].value.device
+        with torch.no_grad():
+            self.optimizer.apply(
+                self._layout.split(gradient, device), self.variables
+            )
+
+
+class WorkerProcess:
+    """This rank as a worker: the parameters it computes from.
+
+    Args:
+        index: the worker's index (its rank).
+        model: the compiled `AsyncDataParallel`.
+        partitions: the variable indices each server holds.
+        layouts: the `FlatLayout` of each server's partition.
+        pull_every: the worker pulls after every `pull_every` pushes.
+    """
+
+    def __init__(self, index, model, partitions, layouts, pull_every):
+        self.index = index
+        self._model = model
+        self._partitions = partitions
+        self._layouts = layouts
+        self._pull_every = pull_every
+        self._server_ranks = list(
+            range(model.workers, model.workers + len(layouts))
+        )
+        self._device = model.trainable_variables[0].value.device
+        self._outbox = Outbox()
+        self._parameters = None
+        self.non_trainable = None
+
+    def load(self, trainable, non_trainable):
+        """Sets the parameters and non-trainable values (NumPy)."""
+        self._parameters = [self._tensor(value) for value in trainable]
+        self.non_trainable = [self._tensor(value) for value in non_trainable]
+
+    def _tensor(self, value):
+        return from_numpy(np.asarray(value)).to(self._device)
+
+    def set_parameters(self, flats):
+        """Takes each server's flat parameters."""
+        for indices, layout, flat in zip(
+            self._partitions, self._layouts, flats
+        ):
+            for i, value in zip(indices, layout.split(flat, self._device)):
+                self._parameters[i] = value
+
+    def run_epoch(self, slices):
+        """Computes slices until server 0 has none left for it.
+
+        The worker starts on slice `index` of the epoch, and takes each
+        next one from server 0's answer to its push.
+
+        Yields:
+            `(samples, loss)` of each update server 0 applied, as server 0
+            reports them.
+        """
+        next_slice = self.index if self.index < len(slices) else _NO_SLICE
+        pushes = 0
+        while next_slice != _NO_SLICE:
+            piece = slices[next_slice]
+            loss, gradients = self._gradient(piece)
+            pushes += 1
+            pulls = pushes % self._pull_every == 0
+            header = torch.tensor(
+                [_PUSH, piece.samples, loss, pulls], dtype=torch.float64
+            )
+            for rank, indices, layout in zip(
+                self._server_ranks, self._partitions, self._layouts
+            ):
+                self._outbox.send(header, rank, _HEADER_TAG)
+                self._outbox.send(
+                    layout.flatten([gradients[i] for i in indices]),
+                    rank,
+                    _GRADIENT_TAG,
+                )
+            next_slice, updates = self._receive_ticket()
+            yield from updates
+            if pulls:
+                self._pull()
+        finish = torch.tensor([_FINISH, 0, 0, 0], dtype=torch.float64)
+        for rank in self._server_ranks:
+            self._outbox.send(finish, rank, _HEADER_TAG)
+        self._outbox.flush()
+
+    def _gradient(self, piece):
+        """`(loss, gradients)` of a slice; updates the non-trainable values."""
+        leaves = [p.detach().requires_grad_() for p in self._parameters]
+        x, y, sample_weight = (
+            _tensors(piece.x),
+            _tensors(piece.y),
+            _tensors(piece.sample_weight),
+        )
+        loss, non_trainable = stateless_loss(
+            self._model, leaves, self.non_trainable, x, y, sample_weight
+        )
+        gradients = torch.autograd.grad(loss, leaves, allow_unused=True)
+        self.non_trainable = [value.detach() for value in non_trainable]
+        gradients = [
+            torch.zeros_like(leaf) if gradient is None else gradient
+            for leaf, gradient in zip(leaves, gradients)
+        ]
+        return float(loss.detach()), gradients
+
+    def _receive_ticket(self):
+        ticket = torch.empty(2, dtype=torch.int64)
+        dist.recv(ticket, src=self._server_ranks[0], tag=_TICKET_TAG)
+        next_slice, count = ticket.tolist()
+        if not count:
+            return next_slice, []
+        updates = torch.empty((count, 2), dtype=torch.float64)
+        dist.recv(updates, src=self._server_ranks[0], tag=_UPDATES_TAG)
+        return next_slice, [(int(s), loss) for s, loss in updates.tolist()]
+
+    def _pull(self):
+        flats = [layout.empty() for layout in self._layouts]
+        works = [
+            dist.irecv(flat, src=rank, tag=_PARAMETERS_TAG)
+            for flat, rank in zip(flats, self._server_ranks)
+        ]
+        for work in works:
+            work.wait()
+        self.set_parameters(flats)
+
+
+class ProcessRunner:
+    """Runs this rank's part of `AsyncDataParallel` on torch.
+
+    Ranks `0 .. workers - 1` are workers (`WorkerProcess`), the others
+    servers (`ServerProcess`); see the module's docstring.
+
+    Args:
+        model: the compiled `AsyncDataParallel`.
+        workers: the number of workers.
+        servers: the number of servers.
+        max_staleness: see `StalenessBound`.
+        pull_every: a worker pulls the parameters after every
+            `pull_every` pushes.
+
+    Raises:
+        ValueError: if the process group has other than `workers +
+            servers` ranks.
+    """
+
+    def __init__(self, model, workers, servers, max_staleness, pull_every):
+        world_size = workers + servers
+        join_process_group(
+            world_size,
+            caller=f"AsyncDataParallel(workers={workers}, servers={servers})",
+        )
+        ranks = dist.get_world_size()
+        if ranks != world_size:
+            raise ValueError(
+                f"AsyncDataParallel(workers={workers}, servers={servers}) "
+                f"runs one process per worker and per server on torch, "
+                f"{world_size} in all, but the process group has {ranks} "
+                f"rank(s). Start {world_size} ranks (`keras_tp.launch("
+                f"train_fn, world_size={world_size})` or `torchrun "
+                f"--nproc-per-node {world_size}`), or choose workers and "
+                f"servers that add up to {ranks}."
+            )
+        self.rank = dist.get_rank()
+        # Rank 0 is worker 0: `keras_tp.launch` returns its result.
+        self.reports_progress = self.rank == 0
+        self._model = model
+        self._workers = workers
+        variables = model.trainable_variables
+        self._partitions = partition_variables(variables, servers)
+        self._layouts = [
+            FlatLayout([variables[i] for i in indices])
+            for indices in self._partitions
+        ]
+        if self.rank < workers:
+            self.role = WorkerProcess(
+                self.rank, model, self._partitions, self._layouts, pull_every
+            )
+        else:
+            index = self.rank - workers
+            self.role = ServerProcess(
+                index,
+                [variables[i] for i in self._partitions[index]],
+                self._layouts[index],
+                model.optimizer,
+                workers,
+                max_staleness,
+            )
+        self._trainable = None
+        self._non_trainable = None
+        self._histograms = [{} for _ in range(servers)]
+
+    def load(self):
+        """Gives every rank rank 0's values, and the servers and workers
+        theirs.
+
+        Ranks may have built the model with different initial values;
+        rank 0's is the model `keras_tp.launch` returns.
+        """
+        model = self._model
+        variables = model.trainable_variables + model.non_trainable_variables
+        for variable, value in zip(variables, _broadcast_values(variables)):
+            variable.assign(value)
+        self._trainable = [
+            to_numpy(v.value.detach()) for v in model.trainable_variables
+        ]
+        self._non_trainable = [
+            worker_non_trainable_values(model, worker)
+            for worker in range(self._workers)
+        ]
+        if isinstance(self.role, WorkerProcess):
+            self.role.load(self._trainable, self._non_trainable[self.rank])
+        else:
+            indices = self._partitions[self.role.index]
+            self.role.load([self._trainable[i] for i in indices])
+
+    def epoch_order(self, samples, shuffle):
+        """The order of the samples in the next epoch: rank 0's, on every
+        rank."""
+        if not shuffle:
+            return np.arange(samples)
+        order = torch.from_numpy(np.random.permutation(samples))
+        dist.broadcast(order, src=0)
+        return order.numpy()
+
+    def run_epoch(self, slices):
+        """Runs this rank's worker or server through `slices`.
+
+        Yields:
+            `(samples, loss)` of each update, as server 0 applied them:
+            the same on every rank, some as they happen (worker ranks,
+            server 0), the rest at the end of the epoch.
+        """
+        yielded = 0
+        for update in self.role.run_epoch(slices):
+            yielded += 1
+            yield update
+        updates = self._end_epoch()
+        yield from updates[yielded:]
+
+    def _end_epoch(self):
+        """Shares the epoch's outcome with every rank; server 0's updates."""
+        flats = []
+        for index, layout in enumerate(self._layouts):
+            server_rank = self._workers + index
+            if self.rank == server_rank:
+                flat = self.role.parameters()
+            else:
+                flat = layout.empty()
+            dist.broadcast(flat, src=server_rank)
+            flats.append(flat)
+        for indices, layout, flat in zip(
+            self._partitions, self._layouts, flats
+        ):
+            for i, value in zip(indices, layout.split(flat, "cpu")):
+                self._trainable[i] = to_numpy(value)
+        if isinstance(self.role, WorkerProcess):
+            self.role.set_parameters(flats)
+            state = {
+                "non_trainable": [to_numpy(v) for v in self.role.non_trainable]
+            }
+        else:
+            state = {
+                "histogram": dict(self.role.bound.histogram),
+                "updates": self.role.updates,
+            }
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, state)
+        workers = self._workers
+        self._non_trainable = [s["non_trainable"] for s in gathered[:workers]]
+        self._histograms = [s["histogram"] for s in gathered[workers:]]
+        return gathered[workers]["updates"]
+
+    def trainable_values(self):
+        """The servers' parameters, as NumPy, in variable order."""
+        return self._trainable
+
+    def non_trainable_values(self):
+        """Each worker's non-trainable values, as NumPy."""
+        return self._non_trainable
+
+    def staleness_histograms(self):
+        """Each server's `{staleness: gradients applied}` so far."""
+        return [dict(histogram) for histogram in self._histograms]
+
+
+def _tensors(value):
+    """A slice's arrays (or structure of arrays, or `None`) as tensors."""
+    if value is None:
+        return None
+    return keras.tree.map_structure(keras.ops.convert_to_tensor, value)
+
+
+def _broadcast_values(variables):
+    """Rank 0's values of `variables`, as torch tensors on every rank.
+
+    They travel as the bytes of one flat tensor, whatever their dtypes.
+    """
+    values = [v.value.detach().cpu().contiguous() for v in variables]
+    flat = torch.cat([value.reshape(-1).view(torch.uint8) for value in values])
+    dist.broadcast(flat, src=0)
+    sizes = [value.numel() * value.element_size() for value in values]
+    # Cloned: a piece's offset in `flat` need not suit its dtype's size.
+    return [
+        piece.clone().view(value.dtype).reshape(value.shape)
+        for piece, value in zip(torch.split(flat, sizes), values)
+    ]
+
+
+def make_runner(model, workers, servers, max_staleness, device_ids, pull_every):
+    """The runner of `AsyncDataParallel` on torch (`ProcessRunner`).
+
+    Raises:
+        ValueError: if `device_ids` is given: each rank is a process with
+            its own device.
+    """
+    if device_ids is not None:
+        raise ValueError(
+            f"AsyncDataParallel(device_ids={device_ids!r}): on torch each "
+            "worker and server is a process with its own device (cuda:"
+            "LOCAL_RANK, or the CPU), so there are no devices to choose. "
+            "Leave device_ids out."
+        )
+    return ProcessRunner(model, workers, servers, max_staleness, pull_every)

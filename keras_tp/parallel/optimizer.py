@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 
 class CoordinatedOptimizer(keras.optimizers.Optimizer):
-    """Wraps a Keras optimizer for data parallelism and ZeRO stages 0 to 3.
+    """Wraps a Keras optimizer for data parallelism, ZeRO and local SGD.
 
     `TensorParallelKeras.compile()` wraps the given optimizer in one of these
     when the model has a data axis or a ZeRO stage; build one yourself to

@@ -9,8 +9,10 @@ run() {
   shift 2
   [ "$#" -gt 0 ] || return 0
   echo "=== KERAS_BACKEND=$backend: $*"
+  # The slowest tests are listed: the suite must stay under CI's limit.
   # shellcheck disable=SC2086  # options are several words
-  KERAS_BACKEND=$backend python -m pytest -q -p no:cacheprovider $options "$@" \
+  KERAS_BACKEND=$backend python -m pytest -q -p no:cacheprovider \
+    --durations=15 $options "$@" \
     || status=1
 }
 # Most tests spend their time in compilers and in waiting for replicas, one

@@ -189,6 +189,19 @@ def _buckets(quick):
     ]
 
 
+def _straggler(quick):
+    return [
+        _task(
+            9,
+            "torch: a 3x straggler, DDP vs async SGD vs local SGD",
+            "torch",
+            "benchmarks.straggler:run",
+            rounds=1 if quick else 3,
+            quick=quick,
+        )
+    ]
+
+
 ITEMS = {
     1: Item(
         "JAX training step and compile, against Keras ModelParallel",
@@ -216,6 +229,10 @@ ITEMS = {
     ),
     7: Item("Cost as the hidden width grows, JAX TP=2", _scaling),
     8: Item("DDP bucket size sweep, torch", _buckets),
+    9: Item(
+        "A 3x slower worker: synchronous DDP, async SGD and local SGD, torch",
+        _straggler,
+    ),
 }
 
 

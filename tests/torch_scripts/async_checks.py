@@ -141,8 +141,8 @@ def _pull_every():
 
 
 def _slow_worker(max_staleness):
-    """A worker sleeping in each step, shuffled batches; what every rank
-    ends with."""
+    """A worker sleeping in each step, shuffled batches, validation; what
+    every rank ends with."""
     x, y = async_cases.data()
     inputs = keras.Input((16,))
     outputs = mpi_jobs.mlp()(SleepOnRank(SLOW_RANK, SLOW_SECONDS)(inputs))
@@ -153,7 +153,9 @@ def _slow_worker(max_staleness):
         max_staleness=max_staleness,
     )
     trainer.compile(optimizer="sgd", loss=models.loss_fn())
-    history = trainer.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    history = trainer.fit(
+        x, y, batch_size=8, epochs=2, validation_data=(x, y), verbose=0
+    )
     return {
         "history": {
             name: values

@@ -127,6 +127,7 @@ class Outbox:
         self._pending = []
 
     def send(self, tensor, rank, tag):
+        """Starts sending `tensor` to `rank` with `tag`; returns at once."""
         self._pending = [
             (work, sent)
             for work, sent in self._pending
@@ -199,8 +200,8 @@ class ServerProcess:
         for worker in range(workers):
             self.bound.start(worker)
         self.updates = []
-        # Server 0 answers tickets: the next slice to hand out, and how
-        # many of `updates` each worker has been told of.
+        # What server 0's tickets need: the next slice to hand out, and
+        # how many of `updates` each worker has been told of.
         slice_count = len(slices)
         next_slice = min(workers, slice_count)
         told = [0] * workers

@@ -1,7 +1,6 @@
 """`AsyncDataParallel`: asynchronous data parallelism with parameter servers."""
 
 import keras
-import numpy as np
 
 from keras_tp.asynchronous.data import as_arrays
 from keras_tp.asynchronous.data import epoch_slices
@@ -184,11 +183,7 @@ class AsyncDataParallel(keras.Model):
         logs = {}
         for epoch in range(initial_epoch, epochs):
             callbacks.on_epoch_begin(epoch)
-            order = (
-                np.random.permutation(samples)
-                if shuffle
-                else np.arange(samples)
-            )
+            order = runner.epoch_order(samples, shuffle)
             before = runner.staleness_histograms()
             logs = self._train_epoch(
                 runner,

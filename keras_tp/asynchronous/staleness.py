@@ -35,11 +35,13 @@ class Pushed:
         worker: the worker that pushed it.
         payload: what the server applies (the gradient and its weight).
         base_version: the version of the parameters it was computed on.
+        pulls: whether the worker pulls once it is applied.
     """
 
     worker: int
     payload: object
     base_version: int
+    pulls: bool = True
 
 
 class StalenessBound:
@@ -105,7 +107,7 @@ class StalenessBound:
         base = self._computing[worker]
         if pulls:
             del self._computing[worker]
-        self._waiting.append(Pushed(worker, payload, base))
+        self._waiting.append(Pushed(worker, payload, base, pulls))
 
     def finish(self, worker):
         """`worker` stops computing (its data is used up)."""
@@ -145,9 +147,11 @@ class StalenessBound:
         # The group's workers that pull compute next from these parameters
         # (or newer ones, if they pull later), unless they `finish`:
         # counting them as computing now keeps the next update from passing
-        # them. Workers that did not pull keep their version.
+        # them. Workers that did not pull keep their version, or stay
+        # finished.
         for pushed in group:
-            self._computing.setdefault(pushed.worker, self.version)
+            if pushed.pulls:
+                self._computing.setdefault(pushed.worker, self.version)
         return group
 
     @property

@@ -13,6 +13,8 @@ import itertools
 import queue
 import threading
 
+import numpy as np
+
 from keras_tp.asynchronous.servers import partition_variables
 from keras_tp.asynchronous.servers import weighted_mean
 from keras_tp.asynchronous.staleness import StalenessBound
@@ -188,6 +190,12 @@ class ThreadedRunner:
     def staleness_histograms(self):
         """Each server's `{staleness: gradients applied}` so far."""
         return [dict(server.bound.histogram) for server in self.servers]
+
+    def epoch_order(self, samples, shuffle):
+        """The order of the samples in the next epoch."""
+        if shuffle:
+            return np.random.permutation(samples)
+        return np.arange(samples)
 
     def run_epoch(self, slices):
         """Trains on `slices`, each taken by the next free worker.

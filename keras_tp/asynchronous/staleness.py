@@ -35,13 +35,11 @@ class Pushed:
         worker: the worker that pushed it.
         payload: what the server applies (the gradient and its weight).
         base_version: the version of the parameters it was computed on.
-        pulls: whether the worker pulls once it is applied.
     """
 
     worker: int
     payload: object
     base_version: int
-    pulls: bool = True
 
 
 class StalenessBound:
@@ -75,6 +73,8 @@ class StalenessBound:
         self.version = 0
         # Workers computing, and the version of the parameters they hold.
         self._computing = {}
+        # Workers that pushed their last gradient until they start again.
+        self._finished = set()
         self._waiting = []
         # How many gradients were applied with each staleness.
         self.histogram = collections.Counter()
@@ -86,6 +86,7 @@ class StalenessBound:
         applied its gradient it counts as computing from the new version.
         Starting again (a later pull) moves it to the current version.
         """
+        self._finished.discard(worker)
         self._computing[worker] = self.version
 
     def push(self, worker, payload, pulls=True):
@@ -107,11 +108,13 @@ class StalenessBound:
         base = self._computing[worker]
         if pulls:
             del self._computing[worker]
-        self._waiting.append(Pushed(worker, payload, base, pulls))
+        self._waiting.append(Pushed(worker, payload, base))
 
     def finish(self, worker):
-        """`worker` stops computing (its data is used up)."""
+        """`worker` pushes nothing more until it starts again (its data is
+        used up), also if its last gradient still waits."""
         self._computing.pop(worker, None)
+        self._finished.add(worker)
 
     def waits(self, worker):
         """Whether a gradient of `worker` waits to be applied."""
@@ -147,10 +150,10 @@ class StalenessBound:
         # The group's workers that pull compute next from these parameters
         # (or newer ones, if they pull later), unless they `finish`:
         # counting them as computing now keeps the next update from passing
-        # them. Workers that did not pull keep their version, or stay
-        # finished.
+        # them. Workers that did not pull keep their version; finished ones
+        # stay finished.
         for pushed in group:
-            if pushed.pulls:
+            if pushed.worker not in self._finished:
                 self._computing.setdefault(pushed.worker, self.version)
         return group
 

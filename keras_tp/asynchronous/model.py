@@ -141,16 +141,23 @@ class AsyncDataParallel(keras.Model):
     ):
         """Trains as `keras.Model.fit` does, with asynchronous workers.
 
+        The arguments are those of `keras.Model.fit`, with the data as
+        arrays; callbacks see one training step per global batch whose
+        samples were applied.
+
         Args:
-            x, y, sample_weight: the data, as arrays (or lists or dicts
-                of arrays).
+            x: the inputs: an array, or a list or dict of arrays.
+            y: the targets, alike.
             batch_size: samples per global batch (32 by default); each
                 batch is cut into one slice per worker.
-            epochs, initial_epoch, verbose, callbacks, shuffle: as in
-                `keras.Model.fit`. Callbacks see one training step per
-                global batch whose samples were applied.
+            epochs: the epoch to stop before.
+            verbose: 0 (silent), 1 or "auto" (progress bar).
+            callbacks: Keras callbacks.
             validation_data: `(x_val, y_val)` or `(x_val, y_val,
                 sample_weight_val)`, evaluated after each epoch.
+            shuffle: whether each epoch takes the samples in a new order.
+            sample_weight: weights of the samples.
+            initial_epoch: the epoch to start at.
             validation_batch_size: batch size of the validation.
 
         Returns:

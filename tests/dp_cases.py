@@ -70,18 +70,26 @@ def train_pair(name, world_size, data_parallel, zero_stage, kind, **options):
     return reference, tp, ref_history, tp_history
 
 
-def zero_bytes(psi, data_parallel, zero_stage):
-    """ZeRO's `(parameter, gradient, Adam state)` bytes per rank.
+def kept_bytes(psi, data_parallel, zero_stage, accumulation_steps=1):
+    """`(parameter, gradient, Adam state)` bytes a rank keeps between steps.
+
+    ZeRO's partitions of parameters and Adam state; gradients are kept
+    only to accumulate micro-batches: whole under DDP and ZeRO-1, a
+    partition under ZeRO-2 and 3 (none with one micro-batch per update,
+    as in plain Keras).
 
     Args:
         psi: bytes of the trainable parameters (of one tensor-parallel
             shard).
         data_parallel: size of the data axis.
         zero_stage: 0 (DDP) to 3.
+        accumulation_steps: the optimizer's `gradient_accumulation_steps`.
     """
     d = data_parallel
     parameters = psi / d if zero_stage == 3 else psi
     gradients = psi / d if zero_stage >= 2 else psi
+    if accumulation_steps == 1:
+        gradients = 0
     adam = 2 * psi / d if zero_stage >= 1 else 2 * psi
     return parameters, gradients, adam
 
@@ -181,21 +189,65 @@ def check_data_traffic(tp, psi, zero_stage, bucket_mb):
         assert data["reduce_scatter"]["backward_bytes"] == psi
 
 
-def check_zero_memory(bytes_per_rank, psi, data_parallel, zero_stage):
-    """Asserts one rank's bytes follow the ZeRO formulas within 5% (Adam).
+def check_zero_memory(
+    bytes_per_rank, psi, data_parallel, zero_stage, accumulation_steps=1
+):
+    """Asserts one rank's bytes follow `kept_bytes` within 5% (Adam).
+
+    Without accumulation no gradient byte is kept between steps.
 
     Args:
         bytes_per_rank: `(parameter, gradient, optimizer)` bytes of the
             rank, measured from its arrays.
         psi: bytes of the trainable parameters.
         data_parallel, zero_stage: the mesh and the stage.
+        accumulation_steps: the optimizer's `gradient_accumulation_steps`.
     """
     parameters, gradients, optimizer = bytes_per_rank
-    expected = zero_bytes(psi, data_parallel, zero_stage)
+    expected = kept_bytes(psi, data_parallel, zero_stage, accumulation_steps)
     assert abs(parameters - expected[0]) <= 0.05 * expected[0]
     assert abs(gradients - expected[1]) <= 0.05 * expected[1]
     scalars = 64  # step counters and learning rates
     assert 0.95 * expected[2] <= optimizer <= 1.05 * expected[2] + scalars
+
+
+def accumulation_buffer_bytes(data_parallel):
+    """Gradient bytes kept by a built optimizer accumulating 2 micro-batches.
+
+    Builds the MLP's optimizer at every stage as the first step would
+    (placed on the replicas on TensorFlow), without training: the buffers
+    exist from the build on.
+
+    Returns:
+        `[(zero_stage, psi, {device: bytes})]`.
+    """
+    psi = sum(v.numpy().nbytes for v in models.mlp().trainable_variables)
+    results = []
+    for stage in (0, 1, 2, 3):
+        tp = keras_tp.TensorParallelKeras(
+            models.mlp(),
+            world_size=data_parallel,
+            data_parallel=data_parallel,
+            zero_stage=stage,
+        )
+        optimizer = keras_tp.CoordinatedOptimizer(
+            keras.optimizers.SGD(0.1),
+            zero_stage=stage,
+            gradient_accumulation_steps=2,
+        )
+        tp.compile(optimizer=optimizer, loss=loss_fn())
+        tp._runtime.build_optimizer(tp)
+        results.append((stage, psi, tp.gradient_bytes_per_device()))
+    return results
+
+
+def check_accumulation_buffers(results, data_parallel):
+    """Asserts `accumulation_buffer_bytes`: on every rank, a whole
+    gradient under DDP and ZeRO-1, a `1 / data_parallel` partition under
+    ZeRO-2 and 3 (every variable of the MLP is partitioned)."""
+    for stage, psi, per_device in results:
+        _, expected, _ = kept_bytes(psi, data_parallel, stage, 2)
+        assert set(per_device.values()) == {expected}, (stage, per_device)
 
 
 def check_matches_one_device(reference, tp, reference_history, tp_history):

@@ -25,13 +25,16 @@ import numpy as np  # noqa: E402
 
 from tests import models  # noqa: E402
 from tests.dp_cases import BATCH  # noqa: E402
+from tests.dp_cases import accumulation_buffer_bytes  # noqa: E402
 from tests.dp_cases import batchnorm_after_one_step  # noqa: E402
+from tests.dp_cases import check_accumulation_buffers  # noqa: E402
 from tests.dp_cases import check_data_traffic  # noqa: E402
 from tests.dp_cases import check_link_probe  # noqa: E402
 from tests.dp_cases import check_local_sgd_runs  # noqa: E402
 from tests.dp_cases import check_matches_one_device  # noqa: E402
 from tests.dp_cases import check_zero_memory  # noqa: E402
 from tests.dp_cases import communication_run  # noqa: E402
+from tests.dp_cases import kept_bytes  # noqa: E402
 from tests.dp_cases import local_sgd_runs  # noqa: E402
 from tests.dp_cases import train_pair  # noqa: E402
 from tests.models import loss_fn  # noqa: E402
@@ -71,6 +74,18 @@ def test_gradient_accumulation_matches_larger_batch(zero_stage):
         "mlp", 2, 2, zero_stage, "sgd", gradient_accumulation_steps=2
     )
     assert max_diff(reference.get_weights(), tp.get_weights()) <= 1e-5
+    # The buffers are zero again after each update; under ZeRO-2 their
+    # copies are compared too.
+    assert tp.check_gradient_consistency()["consistent"]
+    psi = sum(v.numpy().nbytes for v in reference.trainable_variables)
+    _, gradients, _ = kept_bytes(psi, 2, zero_stage, 2)
+    assert set(tp.gradient_bytes_per_device().values()) == {gradients}
+
+
+def test_only_accumulation_keeps_gradients():
+    # Whole buffers under DDP and ZeRO-1, partitions under ZeRO-2 and 3;
+    # test_memory_follows_zero_formulas checks there are none otherwise.
+    check_accumulation_buffers(accumulation_buffer_bytes(4), 4)
 
 
 @pytest.mark.parametrize("data_parallel", [2, 4])

@@ -23,9 +23,11 @@ from keras_tp.launcher import launch  # noqa: E402
 from tests import hierarchy_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests.dp_cases import STEPS  # noqa: E402
+from tests.dp_cases import check_accumulation_buffers  # noqa: E402
 from tests.dp_cases import check_link_probe  # noqa: E402
 from tests.dp_cases import check_local_sgd_runs  # noqa: E402
 from tests.dp_cases import check_zero_memory  # noqa: E402
+from tests.dp_cases import kept_bytes  # noqa: E402
 from tests.models import max_diff  # noqa: E402
 from tests.torch_scripts import dp_checks  # noqa: E402
 
@@ -124,6 +126,21 @@ def test_memory_follows_zero_formulas(two_ranks, four_ranks):
             for key in ("parameter_bytes", "gradient_bytes", "optimizer_bytes")
         ]
         check_zero_memory(measured, run["psi"], data_parallel, zero_stage)
+
+
+def test_only_accumulation_keeps_gradients(two_ranks, four_ranks):
+    """No gradient byte is kept between steps with one micro-batch per
+    update; with two, a whole gradient (DDP, ZeRO-1) or a partition."""
+    for run in all_runs(two_ranks, four_ranks):
+        _, _, data_parallel, zero_stage, _, options = run["case"]
+        steps = options.get("gradient_accumulation_steps", 1)
+        _, expected, _ = kept_bytes(
+            run["psi"], data_parallel, zero_stage, steps
+        )
+        assert run["gradient_bytes"] == expected, run["case"]
+    _, ranks = two_ranks
+    for rank in ranks:
+        check_accumulation_buffers(rank["accumulation_buffers"], 2)
 
 
 def test_communication_is_the_zero_minimum(two_ranks, four_ranks):

@@ -10,8 +10,8 @@ or a plain Keras model on one device.
 
 What a checkpoint holds: the model's variables (weights, BatchNorm
 statistics, dropout seed states), the optimizer's state (slots, iteration
-count, a `CoordinatedOptimizer`'s gradient buffers), the epoch, and
-Python's and NumPy's random states. See `docs/guides/checkpoints.md`.
+count, the gradients a `CoordinatedOptimizer` is accumulating), the epoch,
+and Python's and NumPy's random states. See `docs/guides/checkpoints.md`.
 """
 
 import concurrent.futures

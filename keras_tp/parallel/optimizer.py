@@ -17,6 +17,10 @@ A variable is partitioned along the first axis of its tensor-parallel shard
 that the data-parallel size divides; a variable with no such axis stays
 whole on every rank and its gradient is all-reduced.
 
+Gradients outlive the step only to accumulate micro-batches
+(`gradient_accumulation_steps > 1`); otherwise what each device keeps
+between steps is its parameters and optimizer state, as in plain Keras.
+
 Stages 0 to 2 can compress what they send (`compression.py`).
 
 Local SGD (`local_sgd_steps=H`) trades the per-step synchronisation for
@@ -70,7 +74,10 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
         gradient_accumulation_steps: micro-batches per update. DDP and
             ZeRO-1 accumulate the local gradient and synchronise once per
             update; ZeRO-2 and 3 reduce-scatter every micro-batch, because
-            keeping only a partition of the gradient is their point.
+            keeping only a partition of the gradient is their point. The
+            sums live in `gradient_buffers` between steps; with 1 (the
+            default) there are none, and each step's gradients are
+            dropped once applied, as in plain Keras.
         compression: how gradients travel over the data axis: `None`
             (as they are), `"bf16"`, `"fp16"`, `"powersgd"`, `"sign"` or
             a `keras_tp.Compression`. Stages 0 to 2 only.
@@ -340,18 +347,8 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             self._build_local_sgd(var_list)
             super().build(var_list)
             return
-        for variable in var_list:
-            buffer = self.add_variable_from_reference(variable, "gradient")
-            axis = self.partition_axes[id(variable)]
-            keep_partition = self.zero_stage >= 2 and axis is not None
-            placement.place_like(
-                buffer, variable, axis if keep_partition else None
-            )
-            self.gradient_buffers.append(buffer)
         if self.accumulation_steps > 1:
-            self.micro_step = self.add_variable(
-                (), initializer="zeros", dtype="int32", name="micro_step"
-            )
+            self._build_accumulation(var_list)
         # Errors and PowerSGD's `Q`s are optimizer variables, so that
         # checkpoints keep them.
         self._codec = (
@@ -360,6 +357,28 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
             else make_codec(self.compression, self, var_list)
         )
         super().build(var_list)
+
+    def _build_accumulation(self, var_list):
+        """The buffers in which micro-batches accumulate, and their counter.
+
+        Only gradient accumulation keeps gradients between steps: with one
+        micro-batch per update, the step's gradients are applied and
+        dropped, as plain Keras does. DDP and ZeRO-1 accumulate each
+        rank's whole local gradient; ZeRO-2 and 3 the rank's partition of
+        the reduced gradient (whole for a variable without a partition
+        axis).
+        """
+        placement = self._placement
+        for variable in var_list:
+            buffer = self.add_variable_from_reference(variable, "gradient")
+            axis = self.partition_axes[id(variable)]
+            placement.place_like(
+                buffer, variable, axis if self.zero_stage >= 2 else None
+            )
+            self.gradient_buffers.append(buffer)
+        self.micro_step = self.add_variable(
+            (), initializer="zeros", dtype="int32", name="micro_step"
+        )
 
     def _build_local_sgd(self, var_list):
         """Anchors and the outer optimizer's state; replica-local storage.
@@ -409,7 +428,9 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
     def state_variables(self):
         """Variables of the optimizer state: all but the gradient buffers.
 
-        They include the compression's errors and `Q`s.
+        They include the compression's errors and `Q`s. The gradient
+        buffers (`gradient_buffers`) exist only with
+        `gradient_accumulation_steps > 1`.
         """
         buffers = {id(b) for b in self.gradient_buffers}
         return [v for v in self.variables if id(v) not in buffers]
@@ -599,20 +620,8 @@ class CoordinatedOptimizer(keras.optimizers.Optimizer):
     def _synchronised(self, grads, variables):
         """The gradients every rank uses, each of its own partition."""
         if self.zero_stage == 0:
-            grads = self._all_reduce(grads, variables)
-            self._store_gradients(grads)
-            return grads
-        if self.zero_stage == 1:
-            self._store_gradients(grads)
-        grads = self._reduce_scatter(grads, variables)
-        if self.zero_stage >= 2:
-            self._store_gradients(grads)
-        return grads
-
-    def _store_gradients(self, grads):
-        if self.accumulation_steps == 1:
-            for buffer, grad in zip(self.gradient_buffers, grads):
-                buffer.assign(grad)
+            return self._all_reduce(grads, variables)
+        return self._reduce_scatter(grads, variables)
 
     def _all_reduce(self, grads, variables):
         """Averages the gradients over the data axis, one call per bucket."""

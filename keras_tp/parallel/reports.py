@@ -1,8 +1,9 @@
 """What the data axis keeps on each device, and whether its copies agree.
 
 A mixin of `TensorParallelKeras`: the optimizer state and gradient bytes
-per device, how a `CoordinatedOptimizer` shares the gradients, and a check
-that the copies data and tensor parallelism keep are equal.
+each device keeps between steps, how a `CoordinatedOptimizer` shares the
+gradients, and a check that the copies data and tensor parallelism keep
+are equal.
 """
 
 from keras_tp.parallel.optimizer import CoordinatedOptimizer
@@ -14,7 +15,8 @@ class DataParallelReports:
     def optimizer_bytes_per_device(self):
         """`{device: bytes}` of the optimizer state (slots included).
 
-        Gradient buffers of a `CoordinatedOptimizer` are not included;
+        The gradient buffers a `CoordinatedOptimizer` keeps while it
+        accumulates micro-batches are not included;
         `gradient_bytes_per_device()` reports them.
         """
         optimizer = self._built_optimizer()
@@ -28,8 +30,15 @@ class DataParallelReports:
     def gradient_bytes_per_device(self):
         """`{device: bytes}` of the gradients each rank keeps between steps.
 
-        Only a `CoordinatedOptimizer` keeps gradients (its buffers, which
-        also accumulate micro-batches); other optimizers hold none.
+        Only a `CoordinatedOptimizer` with `gradient_accumulation_steps > 1`
+        keeps gradients between steps: the buffers in which micro-batches
+        accumulate (whole for DDP and ZeRO-1, this rank's partition for
+        ZeRO-2 and 3). Otherwise every device reports 0: the gradients of
+        a step live only during that step, as in plain Keras, and show in
+        its peak memory, not here.
+
+        Returns:
+            `{device: bytes}`, read from the arrays.
         """
         optimizer = self._built_optimizer()
         if not isinstance(optimizer, CoordinatedOptimizer):
@@ -56,7 +65,9 @@ class DataParallelReports:
             MB, number of variables and its collective),
             `unpartitioned_variables`, and per device, measured from the
             arrays, `parameter_bytes`, `gradient_bytes` and
-            `optimizer_bytes`.
+            `optimizer_bytes`: what the device keeps between steps. The
+            gradient bytes are those of the accumulation buffers, 0
+            without gradient accumulation.
         """
         optimizer = self._built_optimizer()
         if not isinstance(optimizer, CoordinatedOptimizer):
@@ -75,10 +86,14 @@ class DataParallelReports:
         """Debug check that the replicas of every variable agree.
 
         Compares the copies that data parallelism and tensor parallelism
-        keep of the same numbers: the parameters, and the synchronised
-        gradients a `CoordinatedOptimizer` keeps. Under local SGD the
-        parameters agree right after a synchronisation (at the end of
-        `fit()`, say), and each replica's optimizer state is its own.
+        keep of the same numbers: the parameters (and other model
+        variables), the optimizer state of a `CoordinatedOptimizer`, and,
+        when it accumulates micro-batches under ZeRO-2 or 3, the reduced
+        gradient partitions it sums. DDP and ZeRO-1 accumulate each rank's
+        own local gradient, whose copies differ until the update. Under
+        local SGD the parameters agree right after a synchronisation (at
+        the end of `fit()`, say), and each replica's optimizer state is
+        its own.
 
         Args:
             atol: largest difference tolerated.
@@ -95,8 +110,9 @@ class DataParallelReports:
             variables += [
                 v for v in optimizer.state_variables if id(v) not in own
             ]
-            # ZeRO-1 keeps each rank's own, unsynchronised gradient.
-            if optimizer.zero_stage != 1:
+            # DDP and ZeRO-1 accumulate each rank's own, unsynchronised
+            # gradient; the buffers exist only with accumulation.
+            if optimizer.zero_stage >= 2:
                 variables += optimizer.gradient_buffers
         differences = self._runtime.replica_differences(variables)
         worst = max(differences.values(), default=0.0)

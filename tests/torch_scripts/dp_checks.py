@@ -60,7 +60,7 @@ def cases(configurations):
 
 def api_checks(configurations, save_path):
     """`cases`, then evaluate, predict, save and the errors of a DP model,
-    and the local SGD runs."""
+    the gradient buffers of accumulation, and the local SGD runs."""
     result = {"cases": [run_case(*c[:5], **c[5]) for c in configurations]}
     reference, tp, _, _ = dp_cases.train_pair("mlp", 2, 2, 3, "adam")
     x, y = models.data_for("mlp", batch=16, seed=3)
@@ -106,6 +106,7 @@ def api_checks(configurations, save_path):
     except ValueError as e:
         result["stage_error"] = str(e)
     result["batchnorm"] = dp_cases.batchnorm_after_one_step(2, 2, 1)
+    result["accumulation_buffers"] = dp_cases.accumulation_buffer_bytes(2)
     result["local_sgd"] = dp_cases.local_sgd_runs()
     result["rank"] = dist.get_rank()
     return _all_ranks(result)

@@ -22,8 +22,8 @@ def prepare_optimizer(runtime, model):
     With a data axis or ZeRO the compiled optimizer is a
     `CoordinatedOptimizer`; it and the optimizers it runs (the inner one,
     local SGD's outer one) all become `TensorParallelOptimizer`s, the
-    `CoordinatedOptimizer` placing its slots and gradient buffers with
-    their ZeRO partitions.
+    `CoordinatedOptimizer` placing its slots and (when it accumulates
+    micro-batches) gradient buffers with their ZeRO partitions.
 
     Args:
         runtime: the `TensorFlowRuntime` whose replicas run the optimizer.

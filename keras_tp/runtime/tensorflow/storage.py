@@ -7,8 +7,8 @@ replicated variable. Replica code reads and updates its own component
 without any synchronisation. Reading a split variable outside replica
 context raises; `get_weights()`, `set_weights()` and `save()` go through
 the runtime, which assembles or splits the value. Optimizer slots, gradient
-buffers and (ZeRO-3) parameters hold one data partition of their shard per
-replica.
+accumulation buffers and (ZeRO-3) parameters hold one data partition of
+their shard per replica.
 """
 
 import contextlib

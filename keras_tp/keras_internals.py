@@ -50,7 +50,16 @@ class _LayeredScope(StatelessScope):
 
     def __enter__(self):
         self.parent = get_stateless_scope()
+        # Losses that layers add go to the enclosing scope too (a trainer's
+        # step collects them there); Keras drops them in a scope that does
+        # not collect.
+        self.collect_losses = bool(
+            self.parent is not None and self.parent.collect_losses
+        )
         return super().__enter__()
+
+    def add_loss(self, loss):
+        self.parent.add_loss(loss)
 
     def add_update(self, update):
         variable, value = update

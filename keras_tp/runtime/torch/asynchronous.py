@@ -17,10 +17,12 @@ nccl on GPUs, which cannot receive from any rank):
   float64, and the loss travels as the worker computed it), then the
   server's part of the gradient as one flat tensor; at the end of the
   epoch a header that says the worker finished.
-- server 0 -> worker, answering each push at once: a ticket (int64: the
-  worker's next slice, or -1 when every slice is taken, and how many
-  updates follow), then the `(samples, loss)` of each update server 0
-  applied since the worker's previous ticket.
+- server 0 -> worker, answering each push: a ticket (int64: the worker's
+  next slice, or -1 when every slice is taken, and how many updates
+  follow), then the `(samples, loss)` of each update server 0 applied
+  since the worker's previous ticket. A push the worker pulls after is
+  answered with the parameters, once its update is applied: only then is
+  the worker free to take a slice.
 - each server -> worker, right after the update that applied the
   worker's pulling push: the server's parameters, flat.
 
@@ -29,15 +31,15 @@ have a tag of their own, so that such a receive never matches the
 gradient that follows another worker's header.
 
 **Work sharing.** Server 0 hands out the slices. It receives every push,
-in the order they arrive, and answers each with the next slice: a worker
-gets its next slice when it hands in a gradient, i.e. when it becomes
-free, as the worker threads pop theirs from one queue. The answer is a
-message the worker waits for anyway (with `pull_every > 1` the only one),
-so it costs no round trip of its own; it needs no counter in the
-rendezvous store, whose keys would have to be kept apart across fits and
-elastic restarts; and it brings the global progress with it, so every
-worker yields every worker's updates and rank 0's progress bar advances
-per global batch.
+in the order they arrive, and answers each with the next slice when the
+worker is free: at once after a push it does not pull after, with the
+parameters after one it pulls after, as the worker threads pop theirs
+from one queue when they are free. The answer is a message the worker
+waits for anyway, so it costs no round trip of its own; it needs no
+counter in the rendezvous store, whose keys would have to be kept apart
+across fits and elastic restarts; and it brings the global progress
+with it, so every worker yields every worker's updates and rank 0's
+progress bar advances per global batch.
 
 **End of an epoch.** Once every worker was told -1 and finished and every
 server applied what it received, all ranks meet in collectives: each
@@ -207,6 +209,14 @@ class ServerProcess:
         told = [0] * workers
         finished = set()
         pulling = set()
+
+        def hand_out(worker, next_slice):
+            """Sends `worker` its ticket; returns the next slice after."""
+            given = next_slice if next_slice < slice_count else _NO_SLICE
+            self._send_ticket(worker, given, self.updates[told[worker] :])
+            told[worker] = len(self.updates)
+            return next_slice + (given != _NO_SLICE)
+
         header = torch.empty(4, dtype=torch.float64)
         while len(finished) < workers:
             # Worker ranks are the workers' indices.
@@ -223,15 +233,8 @@ class ServerProcess:
                 )
                 if pulls:
                     pulling.add(worker)
-                if self.index == 0:
-                    given = (
-                        next_slice if next_slice < slice_count else _NO_SLICE
-                    )
-                    next_slice += given != _NO_SLICE
-                    self._send_ticket(
-                        worker, given, self.updates[told[worker] :]
-                    )
-                    told[worker] = len(self.updates)
+                elif self.index == 0:
+                    next_slice = hand_out(worker, next_slice)
             while self.bound.ready():
                 group = self.bound.take()
                 (gradient,), samples, loss = weighted_mean(group)
@@ -246,6 +249,8 @@ class ServerProcess:
                 if replies:
                     parameters = self.parameters()
                     for worker in replies:
+                        if self.index == 0:
+                            next_slice = hand_out(worker, next_slice)
                         self._outbox.send(parameters, worker, _PARAMETERS_TAG)
                     pulling -= applied
         self._outbox.flush()

@@ -37,8 +37,9 @@ KINDS = [
 ]
 
 
-def train(compression, steps, dim):
-    """Per-epoch losses and the data axis' bytes per step of one run."""
+def train(steps, dim, **options):
+    """Per-epoch losses and the data axis' bytes in the last step of one
+    run, with a `CoordinatedOptimizer` of Adam and `options`."""
     import keras
 
     from keras_tp.demo.models import counting_sequences
@@ -51,7 +52,7 @@ def train(compression, steps, dim):
         data_parallel=DATA_PARALLEL,
     )
     optimizer = keras_tp.CoordinatedOptimizer(
-        keras.optimizers.Adam(3e-3), compression=compression
+        keras.optimizers.Adam(3e-3), **options
     )
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     tp.compile(optimizer=optimizer, loss=loss)
@@ -74,7 +75,7 @@ def main(argv=None):
         keras_tp.configure_virtual_devices(DATA_PARALLEL)
     results = {}
     for name, compression in KINDS:
-        losses, sent = train(compression, args.steps, args.dim)
+        losses, sent = train(args.steps, args.dim, compression=compression)
         results[name] = {"losses": losses, "bytes_per_step": sent}
         logger.info("%s: %d bytes, loss %.4f", name, sent, losses[-1])
     epoch = SAMPLES // BATCH

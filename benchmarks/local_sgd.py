@@ -19,12 +19,13 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import keras_tp  # noqa: E402
+from benchmarks import gradient_compression  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-DATA_PARALLEL = 4
-BATCH = 32
-SAMPLES = 1024
+DATA_PARALLEL = gradient_compression.DATA_PARALLEL
+BATCH = gradient_compression.BATCH
+SAMPLES = gradient_compression.SAMPLES
 # (name, local_sgd_steps, whether an outer Nesterov SGD steps the anchor)
 CONFIGURATIONS = [
     ("DDP", None, False),
@@ -39,34 +40,14 @@ def train(local_sgd_steps, diloco, steps, dim):
     """Per-epoch losses and the bytes of a synchronisation of one run."""
     import keras
 
-    from keras_tp.demo.models import counting_sequences
-    from keras_tp.demo.models import transformer_lm
-
-    x, y = counting_sequences(SAMPLES)
-    tp = keras_tp.TensorParallelKeras(
-        transformer_lm(dim=dim, heads=4, blocks=2),
-        world_size=DATA_PARALLEL,
-        data_parallel=DATA_PARALLEL,
-    )
     outer = (
         keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)
         if diloco
         else None
     )
-    optimizer = keras_tp.CoordinatedOptimizer(
-        keras.optimizers.Adam(3e-3),
-        local_sgd_steps=local_sgd_steps,
-        outer_optimizer=outer,
+    return gradient_compression.train(
+        steps, dim, local_sgd_steps=local_sgd_steps, outer_optimizer=outer
     )
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    tp.compile(optimizer=optimizer, loss=loss)
-    epochs = steps // (SAMPLES // BATCH)
-    history = tp.fit(
-        x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0
-    )
-    stats = tp.communication_stats(axis="data")
-    sent = sum(entry["optimizer_bytes"] for entry in stats.values())
-    return history.history["loss"], sent
 
 
 def main(argv=None):

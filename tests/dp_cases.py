@@ -541,3 +541,21 @@ def check_local_sgd_runs(results):
     assert set(errors) == set(expected), errors
     for name, piece in expected.items():
         assert piece in errors[name], (name, errors[name])
+
+
+def check_gradient_accumulation(zero_stage):
+    """2 micro-batches per update on 2 data ranks: one device's step on
+    their union, and the buffers each rank keeps for them."""
+    reference, tp, _, _ = train_pair(
+        "mlp", 2, 2, zero_stage, "sgd", gradient_accumulation_steps=2
+    )
+    assert max_diff(reference.get_weights(), tp.get_weights()) <= 1e-5
+    # The buffers are zero again after each update; under ZeRO-2 their
+    # copies are compared too.
+    assert tp.check_gradient_consistency()["consistent"]
+    psi = sum(
+        keras.ops.convert_to_numpy(v.value).nbytes
+        for v in reference.trainable_variables
+    )
+    _, gradients, _ = kept_bytes(psi, 2, zero_stage, 2)
+    assert set(tp.gradient_bytes_per_device().values()) == {gradients}

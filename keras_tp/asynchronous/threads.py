@@ -276,5 +276,28 @@ class ThreadedRunner:
         return self._ops.put(values, self.worker_devices[worker])
 
 
+def runner_factory(ops_class):
+    """The `make_runner` of a backend whose workers are threads.
+
+    Args:
+        ops_class: the backend's `DeviceOps` class.
+    """
+
+    def make_runner(
+        model, workers, servers, max_staleness, device_ids, pull_every
+    ):
+        return ThreadedRunner(
+            model,
+            workers,
+            servers,
+            max_staleness,
+            ops_class(),
+            device_ids,
+            pull_every,
+        )
+
+    return make_runner
+
+
 def _ignore(samples, loss):
     del samples, loss

@@ -12,7 +12,7 @@ import keras
 import numpy as np
 
 from keras_tp.asynchronous.servers import server_optimizer
-from keras_tp.asynchronous.threads import ThreadedRunner
+from keras_tp.asynchronous.threads import runner_factory
 from keras_tp.asynchronous.workers import stateless_loss
 from keras_tp.runtime.base import select_devices
 from keras_tp.runtime.jax import to_jax_device
@@ -90,14 +90,6 @@ class ServerStore:
         )
 
 
-def make_runner(model, workers, servers, max_staleness, device_ids, pull_every):
-    """The runner of `AsyncDataParallel` on JAX (see `ThreadedRunner`)."""
-    return ThreadedRunner(
-        model,
-        workers,
-        servers,
-        max_staleness,
-        DeviceOps(),
-        device_ids,
-        pull_every,
-    )
+# `make_runner(model, workers, servers, max_staleness, device_ids,
+# pull_every)`: the runner of `AsyncDataParallel`.
+make_runner = runner_factory(DeviceOps)

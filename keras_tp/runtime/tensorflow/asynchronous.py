@@ -12,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_tp.asynchronous.servers import server_optimizer
-from keras_tp.asynchronous.threads import ThreadedRunner
+from keras_tp.asynchronous.threads import runner_factory
 from keras_tp.asynchronous.workers import stateless_loss
 from keras_tp.runtime.base import select_devices
 from keras_tp.runtime.tensorflow.devices import device_name
@@ -103,14 +103,6 @@ class ServerStore:
             self._optimizer.apply(gradients, self._variables)
 
 
-def make_runner(model, workers, servers, max_staleness, device_ids, pull_every):
-    """The runner of `AsyncDataParallel` on TensorFlow (`ThreadedRunner`)."""
-    return ThreadedRunner(
-        model,
-        workers,
-        servers,
-        max_staleness,
-        DeviceOps(),
-        device_ids,
-        pull_every,
-    )
+# `make_runner(model, workers, servers, max_staleness, device_ids,
+# pull_every)`: the runner of `AsyncDataParallel`.
+make_runner = runner_factory(DeviceOps)

@@ -1,6 +1,6 @@
 """`python -m benchmarks`: runs the suite of issue #14 and writes its record.
 
-    python -m benchmarks                      # every item, ~15 min on 2 cores
+    python -m benchmarks                      # every item, ~20 min on 2 cores
     python -m benchmarks --only 1,5           # items 1 and 5
     python -m benchmarks --quick --out /tmp/b # smoke-test sizes, seconds
 

@@ -283,9 +283,9 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             )
 
     def _coordinated(self, optimizer):
-        runtime = self._runtime
+        runtime = self._runtime.optimizer_runtime
         if isinstance(optimizer, CoordinatedOptimizer):
-            if runtime.pipeline_parallel > 1:
+            if self._runtime.pipeline_parallel > 1:
                 raise ValueError(
                     "A pipelined model takes a plain Keras optimizer, not a "
                     "CoordinatedOptimizer: each stage updates its own "
@@ -293,15 +293,17 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
                     "themselves. Pass the inner optimizer, and zero_stage to "
                     "TensorParallelKeras."
                 )
-            if optimizer.zero_stage != runtime.zero_stage:
+            if optimizer.zero_stage != self.zero_stage:
                 raise ValueError(
                     f"The CoordinatedOptimizer has zero_stage="
                     f"{optimizer.zero_stage} but the model was built with "
-                    f"zero_stage={runtime.zero_stage}; make them agree."
+                    f"zero_stage={self.zero_stage}; make them agree."
                 )
-        elif runtime.per_rank_steps:
+            # Without a data axis it still clips and accumulates.
+            runtime = runtime or self._runtime
+        elif runtime is not None:
             optimizer = CoordinatedOptimizer(
-                keras.optimizers.get(optimizer), zero_stage=runtime.zero_stage
+                keras.optimizers.get(optimizer), zero_stage=self.zero_stage
             )
         else:
             return optimizer

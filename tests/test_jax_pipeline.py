@@ -195,7 +195,7 @@ def test_refusals_name_the_fix(tmp_path):
         )
     with pytest.raises(ValueError, match="there is one"):
         _pipelined(models.mlp(), 2, zero_stage=1)
-    with pytest.raises(ValueError, match="Pass zero_stage=1 on JAX"):
+    with pytest.raises(ValueError, match="Pass zero_stage=1 on JAX or torch"):
         keras_tp.TensorParallelKeras(
             models.mlp(),
             world_size=4,

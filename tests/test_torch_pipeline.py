@@ -5,9 +5,9 @@ Each rank wraps the test MLP (and GPT2's backbone) with
 `pipeline_parallel=2` and trains it with Keras' `fit()` through torch's
 own GPipe and 1F1B schedules (`torch.distributed.pipelining`), with
 Adam, next to the same model trained on one device. Then 4 ranks train
-the MLP as 2 replicas of the 2-stage pipeline (`data_parallel=2`), and
-GPT2's backbone as 2 stages split over 2 tensor-parallel ranks each
-(`world_size=4`).
+the MLP as 2 replicas of the 2-stage pipeline (`data_parallel=2`, with
+DDP and with ZeRO-1), and GPT2's backbone as 2 stages split over 2
+tensor-parallel ranks each (`world_size=4`).
 """
 
 import keras
@@ -222,9 +222,54 @@ def test_replicas_send_their_half_of_the_batch(replicas):
         assert sent["calls"] == pipeline_checks.REPLICA_MICROBATCHES
 
 
+@pytest.fixture
+def zero_replicas(four_ranks):
+    """`replicas` with `zero_stage=1`."""
+    return four_ranks["replicas_zero"]
+
+
+def test_zero_replicas_train_evaluate_and_predict_like_one_device(
+    zero_replicas,
+):
+    # Each rank asserted its unsplit weights equal one device's.
+    for result in zero_replicas:
+        assert result["logged"] == pytest.approx(
+            result["reference_logged"], rel=1e-5
+        )
+        assert result["evaluated"] == pytest.approx(
+            result["reference_evaluated"], rel=1e-5
+        )
+        assert result["predict_error"] < 1e-5
+
+
+def test_zero_replicas_partition_their_stage_optimizer_state(
+    replicas, zero_replicas
+):
+    """ZeRO-1 over the replicas: one reduce-scatter of the stage's
+    gradients and one all-gather of its updated weights per step, in
+    place of DDP's all-reduce, and half of Adam's slots on each rank."""
+    stage_bytes = pipeline_cases.mlp_stage_bytes()
+    for rank, (ddp, zero) in enumerate(zip(replicas, zero_replicas)):
+        size = stage_bytes[rank % STAGES]
+        (parameters,) = zero["parameter_bytes"].values()
+        assert parameters == size
+        combined = zero["data"]
+        assert "all_reduce" not in combined or (
+            combined["all_reduce"]["optimizer_calls"] == 0
+        )
+        for kind in ("reduce_scatter", "all_gather"):
+            assert combined[kind]["optimizer_calls"] == 1
+            assert combined[kind]["optimizer_bytes"] == size
+        # Adam's two slots, halved; the same scalars (step count, learning
+        # rate) on both sides.
+        (ddp_bytes,) = ddp["optimizer_bytes"].values()
+        (zero_bytes,) = zero["optimizer_bytes"].values()
+        assert ddp_bytes - zero_bytes == size
+
+
 def test_replicas_refuse_what_they_cannot_run(replicas):
     for result in replicas:
-        assert "zero_stage=0" in result["zero_refused"]
+        assert "zero_stage=1" in result["zero_refused"]
         assert "data_parallel=2" in result["odd_batch_refused"]
 
 

@@ -67,6 +67,10 @@ class PipelineRuntime:
     # Whether its stages' tensor-parallel layers can run sequence
     # parallelism (`keras_tp.collectives.sequence`).
     sequence_parallel_stages = False
+    # The runtime a `CoordinatedOptimizer` binds to (see
+    # `Runtime.optimizer_runtime`); `None`: the backend's pipeline updates
+    # its stages with the plain optimizer.
+    optimizer_runtime = None
 
     def __init__(
         self,
@@ -104,9 +108,9 @@ class PipelineRuntime:
                 "a partition of each gradient, so a pipeline would "
                 "reduce-scatter every micro-batch's gradients, "
                 "num_microbatches times ZeRO-1's traffic (DeepSpeed's "
-                "pipelines refuse them too). Pass zero_stage=1 on JAX, "
-                "which partitions the optimizer state over the replicas, "
-                "or zero_stage=0."
+                "pipelines refuse them too). Pass zero_stage=1 on JAX or "
+                "torch, which partitions the optimizer state over the "
+                "replicas, or zero_stage=0."
             )
         if zero_stage and data_parallel == 1:
             raise ValueError(

@@ -103,6 +103,13 @@ class Runtime(CheckpointPieces):
         """The `CommunicationStats` every adapter of this runtime counts in."""
         return self.adapter.stats
 
+    @property
+    def optimizer_runtime(self):
+        """The runtime a `CoordinatedOptimizer` binds to: this one where
+        steps run per rank (a data axis or ZeRO), else `None` (the plain
+        optimizer updates the placed variables)."""
+        return self if self.per_rank_steps else None
+
     def stage_plans(self, plan):
         """`(part of plan, runtime)` pairs that install the plan's regions:
         here the whole plan, run by this runtime (a pipeline gives each

@@ -202,11 +202,14 @@ def refusals(loss):
     return _gathered(messages)
 
 
-def replicated_run():
+def replicated_run(zero_stage=0):
     """Trains, evaluates and predicts with the MLP on 2 replicas of 2
     stages (1F1B), next to one device; every rank's results.
 
     Each rank asserts that the unsplit weights equal one device's.
+
+    Args:
+        zero_stage: 0 (DDP over the replicas) or 1 (ZeRO-1).
     """
     loss, reference, logged, x, y = pipeline_cases.mlp_reference()
     tp = keras_tp.TensorParallelKeras(
@@ -214,6 +217,7 @@ def replicated_run():
         world_size=STAGES * REPLICAS,
         pipeline_parallel=STAGES,
         data_parallel=REPLICAS,
+        zero_stage=zero_stage,
         num_microbatches=REPLICA_MICROBATCHES,
         schedule="1f1b",
     )
@@ -225,16 +229,20 @@ def replicated_run():
         "logged": history.history["loss"][0],
         "data": tp.communication_stats(axis="data"),
         "pipe": tp.communication_stats(axis="pipe"),
+        "parameter_bytes": tp.parameter_bytes_per_device(),
+        "optimizer_bytes": tp.optimizer_bytes_per_device(),
         **_inference_against(reference, tp, x, y),
     }
     result["predict_gathered"] = tp.communication_stats("predict", axis="data")
+    if zero_stage:
+        return _gathered(result)
     try:
         keras_tp.TensorParallelKeras(
             models.mlp(),
             world_size=STAGES * REPLICAS,
             pipeline_parallel=STAGES,
             data_parallel=REPLICAS,
-            zero_stage=1,
+            zero_stage=2,
         )
     except ValueError as e:
         result["zero_refused"] = str(e)
@@ -246,14 +254,16 @@ def replicated_run():
 
 
 def four_rank_runs(directory):
-    """`replicated_run`, `tensor_parallel_run` and `split_cut_run` in one
-    launch of 4 ranks; every rank's results of each.
+    """`replicated_run` (DDP and ZeRO-1), `tensor_parallel_run` and
+    `split_cut_run` in one launch of 4 ranks; every rank's results of
+    each.
 
     Args:
         directory: where `tensor_parallel_run` saves its model.
     """
     return {
         "replicas": replicated_run(),
+        "replicas_zero": replicated_run(zero_stage=1),
         "tensor_parallel": tensor_parallel_run(
             os.path.join(directory, "backbone.keras")
         ),

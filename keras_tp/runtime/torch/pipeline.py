@@ -41,7 +41,6 @@ from keras_tp.keras_internals import update_loss_tracker
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.runtime import PipelineRuntime
 from keras_tp.runtime.base import Runtime
-from keras_tp.runtime.base import collect_flat
 from keras_tp.runtime.torch import TorchRuntime
 from keras_tp.runtime.torch.process_group import join_process_group
 from keras_tp.runtime.torch.process_group import mesh_groups
@@ -273,15 +272,17 @@ class TorchStageRuntime(TorchRuntime):
     Args:
         devices: the device names of the stage's ranks, in mesh order.
         data_parallel: the number of replicas of the pipeline.
+        zero_stage: 0, or 1 to partition the stage's optimizer state over
+            its replicas.
         groups: this rank's process groups of the stage's `model` axis,
             its `data` axis and both (see `TorchRuntime._axis_groups`).
     """
 
-    def __init__(self, devices, data_parallel, groups):
+    def __init__(self, devices, data_parallel, zero_stage, groups):
         self._groups = groups
         # Runtime's constructor, not TorchRuntime's: this process already
         # joined its process group, of which the stage holds a part.
-        Runtime.__init__(self, len(devices), devices, data_parallel)
+        Runtime.__init__(self, len(devices), devices, data_parallel, zero_stage)
         self._input_widths = {}
 
     def _axis_groups(self):
@@ -302,12 +303,15 @@ class TorchPipelineRuntime(PipelineRuntime):
     (`TorchPipeline`) on the replica's slice of the batch, exchanging
     activations and their gradients with the ranks of the same replica
     and tensor-parallel rank in the neighbouring stages, averages the
-    stage's gradients over the replicas (one all-reduce over `data`) and
-    updates its own shard. The last stage of each replica, which has the
-    loss and the outputs (whole on each of its ranks), updates the
-    metrics; their updates are summed over the replicas, and the metric
-    variables, and the outputs of a prediction, are then broadcast from
-    it, so every rank logs and returns the same numbers.
+    stage's gradients over the replicas and updates its own shard: with
+    replicas, a `CoordinatedOptimizer` bound to the stage's runtime does
+    both (DDP's all-reduce, or ZeRO-1's reduce-scatter, update of this
+    rank's partition of the optimizer state and all-gather). The last
+    stage of each replica, which has the loss and the outputs (whole on
+    each of its ranks), updates the metrics; their updates are summed
+    over the replicas, and the metric variables, and the outputs of a
+    prediction, are then broadcast from it, so every rank logs and
+    returns the same numbers.
 
     Attributes:
         timeline: this rank's `(kind, micro_batch, start, end)` spans of
@@ -317,6 +321,9 @@ class TorchPipelineRuntime(PipelineRuntime):
     backend = "torch"
     # Each rank runs the code between split layers on its own tensors.
     local_ranks = True
+    # The stage's optimizer step sees the gradients summed over every
+    # micro-batch, so ZeRO-1 reduce-scatters once per step.
+    zero_stages = (0, 1)
 
     def __init__(
         self,
@@ -374,6 +381,7 @@ class TorchPipelineRuntime(PipelineRuntime):
         self.stage_runtime = TorchStageRuntime(
             self.stage_devices[self.stage_index],
             data_parallel,
+            self.zero_stage,
             (model_group, data_group, stage_group),
         )
         for adapter in (
@@ -410,6 +418,12 @@ class TorchPipelineRuntime(PipelineRuntime):
 
     def _available_devices(self):
         return TorchRuntime._available_devices(self)
+
+    @property
+    def optimizer_runtime(self):
+        """With replicas, the stage's runtime: a `CoordinatedOptimizer`
+        over its `data` axis combines the replicas' gradients."""
+        return self.stage_runtime if self.data_parallel > 1 else None
 
     def _rank_of(self, data_index, stage_index, model_index):
         """The global rank at `(data_index, stage_index, model_index)` of
@@ -509,31 +523,14 @@ class TorchPipelineRuntime(PipelineRuntime):
             variable.value.grad = None
         loss, y_pred = pipeline.step(x, y)
         self.timeline = pipeline.stage.timeline
+        # Each replica's gradients are the mean over its slice of the
+        # batch, and the slices are equal: the CoordinatedOptimizer's mean
+        # over the replicas is the whole batch's.
         with torch.no_grad():
             self.trainer.optimizer.apply(
-                self._averaged_gradients(variables), variables
+                [variable.value.grad for variable in variables], variables
             )
         return self._logs(pipeline, x, y, loss, y_pred)
-
-    def _averaged_gradients(self, variables):
-        """The gradients of this stage's `variables`, averaged over the
-        replicas in one all-reduce (`None` where a variable has none).
-
-        Each replica's gradients are the mean over its slice of the batch,
-        and the slices are equal, so their mean is the whole batch's.
-        """
-        gradients = [variable.value.grad for variable in variables]
-        present = [g for g in gradients if g is not None]
-        if self.data_adapter is None or not present:
-            return gradients
-        with self.stats.labelled("optimizer"):
-            averaged = iter(
-                collect_flat(
-                    present,
-                    lambda flat: self.data_adapter.all_reduce(flat, "mean"),
-                )
-            )
-        return [None if g is None else next(averaged) for g in gradients]
 
     def test_step(self, data):
         data = self._replica_part(data)

@@ -25,7 +25,7 @@ from keras_tp.plan.styles import Row
 
 # How far apart the ranks' random streams start: distinct seeds for up to
 # 2,000 ranks within the narrowest seed dtype (int32, on torch).
-_RANK_SEED_STRIDE = 1_000_003
+RANK_SEED_STRIDE = 1_000_003
 
 _LOCAL_WEIGHTS = contextvars.ContextVar("keras_tp_local_weights", default=None)
 _SHARED_COPIES = contextvars.ContextVar("keras_tp_shared_copies", default=None)
@@ -298,7 +298,7 @@ def per_rank_draws(generators, call, adapter):
         return call
 
     def shift():
-        return adapter.rank() * _RANK_SEED_STRIDE
+        return adapter.rank() * RANK_SEED_STRIDE
 
     def call_with_rank_draws(*args, **kwargs):
         with shifted_seed_draws(generators, shift):

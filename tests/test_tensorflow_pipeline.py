@@ -181,6 +181,42 @@ def test_replicas_of_the_pipeline_match_one_device():
     assert matmuls["cpu:3"] == matmuls["cpu:1"] > 0
 
 
+def test_replicas_draw_dropout_masks_of_their_own():
+    """The second replica's stage runs the first's layers on mirrors of
+    its variables: its dropout draws a stream of its own, as a data
+    replica does, while its generator's state advances alike."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    hidden = keras.layers.Dense(32, name="up")(inputs)
+    hidden = keras.layers.Dropout(0.5, name="drop")(hidden)
+    hidden = keras.layers.Dense(32, name="down")(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(8, name="head")(hidden))
+    tp = keras_tp.TensorParallelKeras(
+        model,
+        world_size=4,
+        pipeline_parallel=2,
+        data_parallel=2,
+        pipeline_cuts=["down"],
+    )
+    first, mirrored = (stages[0] for stages in tp._runtime._replica_stages)
+    x = np.ones((4, 16), "float32")
+    masks = [
+        keras.ops.convert_to_numpy(
+            keras.tree.flatten(stage(x, training=True))[0]
+        )
+        != 0
+        for stage in (first, mirrored)
+    ]
+    assert masks[0].shape == (4, 32)
+    assert (masks[0] != masks[1]).any()
+    (state,) = (v for v in first.non_trainable_variables if "seed" in v.path)
+    (mirror,) = mirrored.non_trainable_variables
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(state.value),
+        mirror.numpy(),
+    )
+
+
 def test_refusals_name_the_fix():
     tp = _pipelined(models.mlp())
     with pytest.raises(ValueError, match="jit_compile=False"):

@@ -9,9 +9,7 @@ import keras
 
 from keras_tp.keras_internals import compute_loss
 from keras_tp.keras_internals import seed_generators
-
-# Added to a worker's seed so that the workers' dropout masks differ.
-_SEED_STRIDE = 1_000_003
+from keras_tp.regions import RANK_SEED_STRIDE
 
 
 def stateless_loss(
@@ -64,7 +62,9 @@ def worker_non_trainable_values(model, worker):
         value = keras.ops.convert_to_numpy(variable.value)
         if id(variable) in seeds:
             value = value.copy()
-            value[0] = value[0] + worker * _SEED_STRIDE
+            # Each worker's seed moves by its own stride: the workers'
+            # dropout masks differ.
+            value[0] = value[0] + worker * RANK_SEED_STRIDE
         values.append(value)
     return values
 

@@ -28,12 +28,15 @@ import keras
 import tensorflow as tf
 
 from keras_tp.collectives.base import nbytes
+from keras_tp.keras_internals import seed_generators
 from keras_tp.keras_internals import set_stored_value
+from keras_tp.keras_internals import shifted_seed_draws
 from keras_tp.keras_internals import stored_value
 from keras_tp.keras_internals import update_loss_tracker
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.runner import ScheduledStages
 from keras_tp.pipeline.runtime import PipelineRuntime
+from keras_tp.regions import RANK_SEED_STRIDE
 from keras_tp.runtime.tensorflow import devices as tf_devices
 
 
@@ -50,6 +53,9 @@ class MirroredStage:
     Args:
         model: the stage's Keras model, whose variables it mirrors.
         device: the TensorFlow device of this replica's stage.
+        replica: the replica's index (1 and up): its random draws (a
+            dropout's masks) move to a stream of their own, as the
+            replicas of a data-parallel step draw their own masks.
 
     Attributes:
         trainable_variables: the mirrors of `model.trainable_variables`,
@@ -59,9 +65,11 @@ class MirroredStage:
             of seed generators), in that order.
     """
 
-    def __init__(self, model, device):
+    def __init__(self, model, device, replica):
         self.model = model
         self.device = device
+        self.replica = replica
+        self.generators = seed_generators(model)
         # Made outside any trace: the mirrors live as long as the runtime.
         with tf.init_scope(), tf.device(device):
             self.trainable_variables = [
@@ -91,12 +99,15 @@ class MirroredStage:
         Returns:
             The stage model's outputs.
         """
-        outputs, values = self.model.stateless_call(
-            self.trainable_variables,
-            self.non_trainable_variables,
-            inputs,
-            training=training,
-        )
+        with shifted_seed_draws(
+            self.generators, lambda: self.replica * RANK_SEED_STRIDE
+        ):
+            outputs, values = self.model.stateless_call(
+                self.trainable_variables,
+                self.non_trainable_variables,
+                inputs,
+                training=training,
+            )
         # State a layer updates as it runs (a seed generator drawing a
         # dropout mask) is this replica's own: it stays in its mirror.
         for mirror, value in zip(self.non_trainable_variables, values):
@@ -310,7 +321,9 @@ class TensorFlowPipelineRuntime(PipelineRuntime):
         device in every replica but the first."""
         self._replica_stages = [self.stage_models] + [
             [
-                MirroredStage(stage_model, self.stage_devices[stage][replica])
+                MirroredStage(
+                    stage_model, self.stage_devices[stage][replica], replica
+                )
                 for stage, stage_model in enumerate(self.stage_models)
             ]
             for replica in range(1, self.data_parallel)

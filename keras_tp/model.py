@@ -390,6 +390,45 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
         """
         return self._runtime.stats.summary(phase, axis)
 
+    def pipeline_timeline(self):
+        """When each stage ran each micro-batch in the last training step.
+
+        Measured from the run on torch, where each stage's rank times its
+        own passes; this is a collective, which every rank calls. JAX and
+        TensorFlow issue every stage's passes from one thread, and do not
+        record when each ran.
+
+        Returns:
+            A `keras_tp.pipeline.Timeline`, in seconds from the step's
+            start: `keras_tp.pipeline.bubble_fraction(timeline)` gives
+            each stage's idle share, to compare with
+            `keras_tp.pipeline.ideal_bubble(P, M)`, and
+            `timeline.chart()` draws it.
+
+        Example:
+
+        ```python
+        # on each of 2 torch ranks
+        tp = keras_tp.TensorParallelKeras(model, pipeline_parallel=2)
+        tp.compile(optimizer="adam", loss="mse")
+        tp.fit(x, y, batch_size=16, epochs=1)
+        timeline = tp.pipeline_timeline()
+        print(keras_tp.pipeline.bubble_fraction(timeline))
+        ```
+        """
+        if self._runtime.pipeline_parallel == 1:
+            raise ValueError(
+                "pipeline_timeline() times the stages of a pipeline: pass "
+                "pipeline_parallel > 1 to TensorParallelKeras."
+            )
+        timeline = self._runtime.measured_timeline()
+        if timeline is None:
+            raise ValueError(
+                "No training step has run yet: call fit() (or "
+                "train_on_batch()) first."
+            )
+        return timeline
+
     def reset_communication_stats(self):
         """Forgets the recorded collectives of every phase."""
         self._runtime.stats.reset()

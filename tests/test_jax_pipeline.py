@@ -203,6 +203,12 @@ def test_refusals_name_the_fix(tmp_path):
             data_parallel=2,
             zero_stage=2,
         )
+    with pytest.raises(NotImplementedError, match="measured on torch"):
+        replicated.pipeline_timeline()
+    with pytest.raises(ValueError, match="pass pipeline_parallel > 1"):
+        keras_tp.TensorParallelKeras(
+            models.mlp(), world_size=2
+        ).pipeline_timeline()
     with pytest.raises(ValueError, match="trainable BatchNormalization"):
         _pipelined(models.cnn(), 2)
     tp = _pipelined(models.mlp(), 2)

@@ -135,6 +135,28 @@ def test_schedules_order_the_micro_batches(ranks):
         assert result["peak"] == expected
 
 
+def test_the_timeline_is_every_stage_s_measured_passes(ranks):
+    """`pipeline_timeline()` gathers each stage's timed passes on every
+    rank: the same timeline, in which stage 1's first forward starts
+    after stage 0's ends and each stage idles part of the step."""
+    _, results = ranks
+    timeline = results[0]["timeline"]
+    for result in results:
+        assert result["timeline"] == timeline
+        assert result["bubble"] == results[0]["bubble"]
+    for stage, spans in enumerate(timeline):
+        assert [kind for kind, _, _ in spans] == results[stage]["kinds"]
+        ends = [end for _, _, end in spans]
+        starts = [start for _, start, _ in spans]
+        assert all(start < end for start, end in zip(starts, ends))
+        # One pass at a time on each stage.
+        assert all(end <= start for end, start in zip(ends, starts[1:]))
+    first_forward_end = timeline[0][0][2]
+    assert timeline[1][0][1] >= first_forward_end
+    for bubble in results[0]["bubble"]:
+        assert 0 < bubble < 1
+
+
 def test_a_keras_hub_backbone_carries_its_padding_mask(runs):
     """GPT2's backbone trains like one device; the mask went forward
     only."""

@@ -239,6 +239,18 @@ class PipelineRuntime:
         with self.stats.recording(phase):
             return getattr(self, f"{phase}_step")(*args, **kwargs)
 
+    def measured_timeline(self):
+        """The last training step's measured `schedules.Timeline`, or
+        `None` before the first."""
+        raise NotImplementedError(
+            f"pipeline_timeline() is measured on torch, whose stages time "
+            f"their own passes; on {self.backend} one thread issues every "
+            "stage's passes asynchronously, and when each ran on its "
+            "device is not recorded. Use the torch backend to measure the "
+            "bubble, or keras_tp.pipeline.simulate for a schedule's "
+            "timeline."
+        )
+
     def build_optimizer(self, trainer):
         """Builds the optimizer's slots, each on its variable's stage."""
         trainer.optimizer.build(trainer.trainable_variables)

@@ -101,7 +101,7 @@ def one_f_one_b(num_stages, num_microbatches):
 
 
 Span = collections.namedtuple("Span", ["action", "start", "end"])
-Span.__doc__ = """When one action ran in a simulated timeline."""
+Span.__doc__ = """When one action ran in a timeline."""
 
 
 class Timeline:
@@ -241,11 +241,34 @@ def simulate(schedule, forward_time=1.0, backward_time=2.0):
     return Timeline(spans)
 
 
+def recorded_timeline(records):
+    """The `Timeline` of a run whose stages recorded their own spans.
+
+    Args:
+        records: per stage, its `(kind, microbatch, start, end)` tuples,
+            on one clock for every stage.
+
+    Returns:
+        A `Timeline`, moved so that the first start is at 0.
+    """
+    origin = min(start for spans in records for _, _, start, _ in spans)
+    return Timeline(
+        [
+            [
+                Span(Action(stage, kind, m), start - origin, end - origin)
+                for kind, m, start, end in spans
+            ]
+            for stage, spans in enumerate(records)
+        ]
+    )
+
+
 def bubble_fraction(timeline):
     """The fraction of the step each stage is idle, measured.
 
     Args:
-        timeline: a `Timeline` from `simulate`.
+        timeline: a `Timeline` from `simulate`, or one measured from a
+            training step (`TensorParallelKeras.pipeline_timeline()`).
 
     Returns:
         A list of floats, one per stage: `1 - busy / makespan`.

@@ -16,6 +16,7 @@ import numpy as np
 import torch.distributed as dist
 
 import keras_tp
+from keras_tp.pipeline import bubble_fraction
 from keras_tp.runtime.torch.storage import parameter_of
 from tests import models
 from tests import pipeline_cases
@@ -130,6 +131,12 @@ def mlp_run(schedule, loss, expected, x, y, path=None):
     result["sent"] = tp.communication_stats(axis="pipe")
     result["kinds"] = [kind for kind, *_ in tp._runtime.timeline]
     result["peak"] = tp._runtime.peak_activations
+    timeline = tp.pipeline_timeline()
+    result["timeline"] = [
+        [(span.action.kind, span.start, span.end) for span in spans]
+        for spans in timeline.spans
+    ]
+    result["bubble"] = bubble_fraction(timeline)
     if path is not None:
         tp.save(path)
         saved = keras.saving.load_model(path, compile=False)

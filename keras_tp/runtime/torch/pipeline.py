@@ -472,6 +472,16 @@ class TorchPipelineRuntime(PipelineRuntime):
             peak = max(peak, in_flight)
         return peak
 
+    def measured_timeline(self):
+        """The last training step's `schedules.Timeline`: every stage's
+        spans, gathered from the ranks of this rank's pipeline (a
+        collective: every rank calls it)."""
+        records = [None] * self.pipeline_parallel
+        dist.all_gather_object(records, self.timeline, group=self.pipe_group)
+        if not all(records):
+            return None
+        return schedules.recorded_timeline(records)
+
     def build_optimizer(self, trainer):
         """Builds the optimizer's slots for this rank's stage only."""
         trainer.optimizer.build(self.stage_model.trainable_variables)

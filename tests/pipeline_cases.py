@@ -9,6 +9,7 @@ import numpy as np
 
 from keras_tp.pipeline.stages import split_stages
 from tests import models
+from tests import zoo
 
 BATCH = 8
 STEPS = 3
@@ -197,3 +198,70 @@ def check_backbone_pipeline(tp, reference_optimizer=None):
         tp._runtime.tensor_parallel,
     )
     return tp, x, y
+
+
+def causal_lm_pipeline(tp_of):
+    """Trains keras-hub's GPT2 `CausalLM` pipelined, next to one device.
+
+    Its token embedding also computes the logits, in the last stage: each
+    stage that calls it holds it, and their gradients of it are added up
+    before the update. Two SGD steps (Adam would turn the float noise of
+    near-zero gradients into steps of the learning rate).
+
+    Args:
+        tp_of: a function of the model returning its uncompiled
+            `TensorParallelKeras` with `pipeline_parallel=2`.
+
+    Returns:
+        `(tp, shared_bytes)`: the trained model, whose unsplit weights
+        were checked against one device's, and the bytes of the weights
+        its stages share.
+    """
+    reference, x, y = zoo.gpt2()
+    tp = tp_of(zoo.gpt2()[0])
+    shared = tp._runtime.split.shared_weights
+    assert list(shared.values()) == [[0, 1]]
+    assert "token_embedding" in next(iter(shared))
+    for model in (reference, tp):
+        model.compile(
+            optimizer=keras.optimizers.SGD(1e-2), loss=zoo.loss_for("gpt2")
+        )
+        for _ in range(2):
+            model.train_on_batch(x, y)
+    check_unsplit_weights(reference, tp.get_weights())
+    np.testing.assert_allclose(
+        tp.predict(x, verbose=0), reference.predict(x, verbose=0), atol=1e-5
+    )
+    shared_bytes = sum(
+        int(np.prod(v.shape)) * 4
+        for v in tp._runtime.split.model.weights
+        if v.path in shared
+    )
+    return tp, shared_bytes
+
+
+def check_causal_lm_traffic(tp, microbatches, shared_bytes, copies):
+    """Asserts what crossed the cut of `causal_lm_pipeline`'s 2 stages in
+    its last step: each micro-batch's hidden states and padding mask
+    forward, and the hidden states' gradients back; and the shared
+    embedding, `copies` times forward, its gradient once back.
+
+    Args:
+        tp: the trained model.
+        microbatches: its number of micro-batches.
+        shared_bytes: the bytes of its shared weights.
+        copies: how many times a step sends them forward.
+    """
+    sent = tp.communication_stats(axis="pipe")["send"]
+    (boundary,) = tp._runtime.split.boundaries
+    size = zoo.BATCH // microbatches
+    hidden = sum(
+        t.nbytes(size, zoo.SEQ_LEN)
+        for t in boundary.tensors
+        if t.dtype.startswith("float")
+    )
+    assert sent["forward_bytes"] == (
+        microbatches * boundary.nbytes(size, zoo.SEQ_LEN)
+        + copies * shared_bytes
+    )
+    assert sent["backward_bytes"] == microbatches * hidden + shared_bytes

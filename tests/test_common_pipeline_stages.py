@@ -367,11 +367,30 @@ def test_tied_embedding_causal_lm_is_refused():
     with pytest.raises(ValueError, match="token_embedding") as error:
         split_stages(model, 2)
     message = str(error.value)
-    assert "two stages" in message and "model.backbone" in message
+    assert "two stages" in message and "share_weights=True" in message
     with pytest.raises(ValueError, match="token_embedding"):
         split_stages(model, 2, cut_points=["transformer_layer_1"])
     # One stage holds both calls.
     check_split(model, split_stages(model, 1), x)
+
+
+def test_a_tied_embedding_can_be_shared_by_the_stages_that_call_it():
+    model = gpt2_causal_lm()
+    x = token_batch()
+    split = split_stages(model, 2, share_weights=True)
+    (path,) = split.shared_weights
+    assert "token_embedding" in path
+    assert split.shared_weights[path] == [0, 1]
+    # Both stage models call the one layer: the same variable.
+    first, last = (
+        [v for v in stage.model.weights if v.path == path]
+        for stage in split.stages
+    )
+    assert first[0] is last[0]
+    for got, want in zip(
+        flat_numpy(split.run(x)), flat_numpy(model(x, training=False))
+    ):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
 
 
 # Other graphs ---------------------------------------------------------
@@ -536,6 +555,21 @@ def test_losses_added_in_call_are_refused():
     inputs = keras.Input((4,))
     h = AddsLoss(name="adds_loss")(layers.Dense(4)(inputs))
     model = keras.Model(inputs, layers.Dense(2)(h))
+    # Read from the layer's `call`, before any run.
+    with pytest.raises(ValueError, match="'adds_loss' .* calls `add_loss`"):
+        split_stages(model, 2)
+
+    class AddsLossElsewhere(layers.Layer):
+        def call(self, x):
+            return self.penalise(x)
+
+        def penalise(self, x):
+            self.add_loss(keras.ops.mean(x))
+            return x
+
+    inputs = keras.Input((4,))
+    h = AddsLossElsewhere(name="elsewhere")(layers.Dense(4)(inputs))
+    model = keras.Model(inputs, layers.Dense(2)(h))
     model(np.ones((1, 4), "float32"))  # the loss shows after a run
-    with pytest.raises(ValueError, match="add_loss"):
+    with pytest.raises(ValueError, match="seen after its last run"):
         split_stages(model, 2)

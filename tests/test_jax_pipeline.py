@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 
 from tests import models  # noqa: E402
 from tests import pipeline_cases  # noqa: E402
+from tests import zoo  # noqa: E402
 from tests.pipeline_cases import BATCH  # noqa: E402
 from tests.pipeline_cases import MICROBATCHES  # noqa: E402
 
@@ -232,3 +233,26 @@ def test_refusals_name_the_fix(tmp_path):
         )
     with pytest.raises(ValueError, match="Sharded checkpoints"):
         tp.save_weights(tmp_path / "weights")
+
+
+def test_a_causal_lm_shares_its_tied_embedding_between_stages():
+    """keras-hub's GPT2 CausalLM computes its logits with its token
+    embedding, which lives on the first stage's device: the last stage
+    receives a copy once a step and sends its gradient back, which the
+    first stage adds to its own before the update."""
+    microbatches = 2
+    tp, shared_bytes = pipeline_cases.causal_lm_pipeline(
+        lambda model: keras_tp.TensorParallelKeras(
+            model,
+            world_size=2,
+            pipeline_parallel=2,
+            num_microbatches=microbatches,
+        )
+    )
+    pipeline_cases.check_causal_lm_traffic(
+        tp, microbatches, shared_bytes, copies=1
+    )
+    with pytest.raises(ValueError, match="used by several pipeline stages"):
+        keras_tp.TensorParallelKeras(
+            zoo.gpt2()[0], world_size=4, pipeline_parallel=2
+        )

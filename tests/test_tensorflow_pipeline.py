@@ -238,3 +238,17 @@ def test_refusals_name_the_fix():
     replicated.compile(optimizer="adam", loss=models.loss_fn())
     with pytest.raises(ValueError, match="divides by 2"):
         replicated.fit(x[:3], y[:3], batch_size=3, verbose=0)
+
+
+def test_a_causal_lm_shares_its_tied_embedding_between_stages():
+    """keras-hub's GPT2 CausalLM computes its logits with its token
+    embedding: the last stage reads it from the first stage's device in
+    each forward pass, and its gradient crosses back once a step, to be
+    added to the first stage's before the update."""
+    microbatches = 2
+    tp, shared_bytes = pipeline_cases.causal_lm_pipeline(
+        lambda model: _pipelined(model, num_microbatches=microbatches)
+    )
+    pipeline_cases.check_causal_lm_traffic(
+        tp, microbatches, shared_bytes, copies=microbatches
+    )

@@ -174,6 +174,23 @@ def test_a_keras_hub_backbone_carries_its_padding_mask(runs):
     )
 
 
+def test_a_causal_lm_shares_its_tied_embedding_between_stages(runs):
+    """Both stages hold GPT2's token embedding, which the last one uses
+    for the logits; each step one all-reduce over the two sums their
+    gradients of it (Megatron-LM's embedding group), counted on "pipe"
+    as the optimizer's. Each rank checked its weights against one
+    device's."""
+    results = runs["causal_lm"]
+    shared = results[0]["shared_bytes"]
+    for result in results:
+        reduced = result["pipe"]["all_reduce"]
+        assert reduced["optimizer_calls"] == 1
+        assert reduced["optimizer_bytes"] == reduced["bytes"] == shared
+    # The ranks hold the model once, and the embedding twice.
+    held = sum(result["parameter_bytes"] for result in results)
+    assert held == results[0]["total_bytes"] + shared
+
+
 def test_refuses_what_it_cannot_run(runs):
     for messages in runs["refusals"]:
         assert (

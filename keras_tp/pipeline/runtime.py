@@ -67,6 +67,10 @@ class PipelineRuntime:
     # Whether its stages' tensor-parallel layers can run sequence
     # parallelism (`keras_tp.collectives.sequence`).
     sequence_parallel_stages = False
+    # Whether stages may share a weight (a tied embedding, which also
+    # computes the logits): each stage using it holds a copy, and the
+    # backend keeps the copies equal (`shared_stages`).
+    shares_weights = False
     # The runtime a `CoordinatedOptimizer` binds to (see
     # `Runtime.optimizer_runtime`); `None`: the backend's pipeline updates
     # its stages with the plain optimizer.
@@ -156,15 +160,28 @@ class PipelineRuntime:
         self.stage_devices = [
             list(grid[:, s, :].flat) for s in range(pipeline_parallel)
         ]
-        self.split = split_stages(model, pipeline_parallel, cut_points)
+        self.split = split_stages(
+            model,
+            pipeline_parallel,
+            cut_points,
+            share_weights=self.shares_weights,
+        )
         self.stage_models = [stage.model for stage in self.split.stages]
-        # The stage of every variable the stages own, by id; optimizer
-        # slots join their reference's stage when they are created.
-        self.stage_of = {
-            id(variable): index
-            for index, stage in enumerate(self.stage_models)
-            for variable in stage.variables
-        }
+        # The stage of every variable the stages own, by id: the first
+        # that uses it; optimizer slots join their reference's stage when
+        # they are created.
+        self.stage_of = {}
+        # The stages of each variable that several stages use, by id.
+        self.shared_stages = {}
+        for index, stage in enumerate(self.stage_models):
+            for variable in stage.variables:
+                if id(variable) in self.stage_of:
+                    stages = self.shared_stages.setdefault(
+                        id(variable), [self.stage_of[id(variable)]]
+                    )
+                    stages.append(index)
+                else:
+                    self.stage_of[id(variable)] = index
         strays = [v.path for v in model.variables if id(v) not in self.stage_of]
         if strays:
             raise ValueError(

@@ -17,6 +17,7 @@ the next ones.
 """
 
 import difflib
+import inspect
 import logging
 import re
 import time
@@ -179,6 +180,9 @@ class StageSplit:
             cuts may start a stage (where the fewest activations cross),
             in order; at most `len(candidate_cut_points) + 1` stages can
             be cut automatically.
+        shared_weights: `{weight path: [stage indices]}` of the weights
+            that several stages use (a tied embedding, which also
+            computes the logits), with `share_weights=True`.
     """
 
     def __init__(self, model, stages, boundaries, cut_points, balance):
@@ -188,6 +192,15 @@ class StageSplit:
         self.cut_points = cut_points
         self.balance = balance
         self.candidate_cut_points = []
+        self.shared_weights = {}
+        for variable in model.weights:
+            using = [
+                stage.index
+                for stage in stages
+                if any(v is variable for v in stage.model.weights)
+            ]
+            if len(using) > 1:
+                self.shared_weights[variable.path] = using
 
     @property
     def num_stages(self):
@@ -283,7 +296,12 @@ class StageSplit:
 
 
 def split_stages(
-    model, num_stages, cut_points=None, balance="parameters", sample=None
+    model,
+    num_stages,
+    cut_points=None,
+    balance="parameters",
+    sample=None,
+    share_weights=False,
 ):
     """Cuts a Functional model into consecutive pipeline stages.
 
@@ -307,9 +325,9 @@ def split_stages(
     already made: between the blocks of a transformer, the residual
     stream; between ResNet blocks, the block's output. Cuts that would put
     the calls of one layer (or two layers sharing a weight) in different
-    stages are not candidates. Among the candidates, the `num_stages - 1`
-    cuts are chosen that make the largest stage smallest (by parameters),
-    then the stages most even.
+    stages are not candidates, unless `share_weights`. Among the
+    candidates, the `num_stages - 1` cuts are chosen that make the largest
+    stage smallest (by parameters), then the stages most even.
 
     User cuts: `cut_points=["block_2", "block_4"]` starts a new stage *at*
     each named layer: stage 0 runs up to, not including, `block_2`.
@@ -339,6 +357,11 @@ def split_stages(
             on `sample` here, block by block between the candidate cuts
             (the median of a few runs after a warm-up run).
         sample: with `balance="time"`, a batch of the model's inputs.
+        share_weights: whether cuts may separate the calls of one layer
+            (or of layers sharing a weight): each stage that calls it
+            then holds the weight (`StageSplit.shared_weights`), and the
+            pipeline must keep those copies equal, as Megatron-LM does
+            with the word embeddings of its first and last stages.
 
     Returns:
         A `StageSplit`.
@@ -385,7 +408,7 @@ def split_stages(
     graph = Dataflow(model)
     _check_losses(model)
     sizes = _node_parameters(graph)
-    owners = _weight_owners(graph)
+    owners = [] if share_weights else _weight_owners(graph)
     found = _candidates(graph, owners)
     if cut_points is None:
         if balance == "time" and num_stages > 1:
@@ -738,18 +761,22 @@ def _tie_message(graph, label, owners):
         "and a cut between them would need its weights in two stages. The "
         "usual case is a token embedding that also computes the logits "
         "(keras-hub's `ReversibleEmbedding` in GPT2, Gemma and Llama "
-        "CausalLMs). Choose cut points so that all its calls fall in one "
+        "CausalLMs). Pass share_weights=True to give each stage that calls "
+        "it a copy (TensorParallelKeras' pipelines do, and keep the copies "
+        "equal), choose cut points so that all its calls fall in one "
         "stage, or pipeline the backbone (`split_stages(model.backbone, "
-        "...)`) and compute the head with the last stage."
+        "...)`)."
     )
 
 
 def _check_losses(model):
     """Refuses layers that add losses in `call`: a stage cannot return them.
 
-    Activity regularizers are found from the layers' attributes;
-    `add_loss` in a layer's `call` only after the model has run eagerly
-    (its losses are then listed in `model.losses`).
+    Activity regularizers are found from the layers' attributes; `add_loss`
+    in a layer's `call` from the source of the `call` that runs (a
+    mixture-of-experts router's auxiliary loss), or, where the call adds
+    it elsewhere, after the model has run eagerly (its losses are then
+    listed in `model.losses`).
     """
     for layer in [model] + list(sublayers(model)):
         if getattr(layer, "activity_regularizer", None) is not None:
@@ -758,6 +785,16 @@ def _check_losses(model):
                 "activity regularizer, which adds a loss during `call`; "
                 "pipeline stages do not pass such losses on. Remove it "
                 "(or regularize the weights instead) before splitting."
+            )
+        if _adds_loss_in_call(layer):
+            raise ValueError(
+                f"Layer '{layer.name}' of model '{model.name}' calls "
+                "`add_loss` in its `call` (a mixture-of-experts router's "
+                "auxiliary loss, say); pipeline stages do not pass such "
+                "losses on, and each micro-batch would compute its own. "
+                "Train this model without pipeline_parallel (tensor and "
+                "data parallelism handle it), or compute that loss from "
+                "the model's outputs instead."
             )
     regularized = sum(
         1
@@ -771,6 +808,20 @@ def _check_losses(model):
             "not pass such losses on. Compute that loss from the model's "
             "outputs instead, before splitting."
         )
+
+
+def _adds_loss_in_call(layer):
+    """Whether the `call` that runs for `layer` calls `add_loss`."""
+    for cls in type(layer).__mro__:
+        call = cls.__dict__.get("call")
+        if call is None:
+            continue
+        try:
+            source = inspect.getsource(call)
+        except (OSError, TypeError):
+            return False
+        return ".add_loss(" in source
+    return False
 
 
 # Building stages -------------------------------------------------------

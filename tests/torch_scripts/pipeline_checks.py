@@ -33,7 +33,8 @@ REPLICA_MICROBATCHES = 2
 
 def all_runs(directory):
     """`mlp_run` of each schedule, next to one device's `reference`,
-    `backbone_run` and `refusals`; every rank's results.
+    `backbone_run`, `causal_lm_run` and `refusals`; every rank's
+    results.
 
     Args:
         directory: where the gpipe run saves its model.
@@ -58,8 +59,32 @@ def all_runs(directory):
         "1f1b": mlp_run("1f1b", loss, expected, x, y),
         "backbone": backbone_run(),
         "tensor_parallel_backbone": tensor_parallel_backbone_run(),
+        "causal_lm": causal_lm_run(),
         "refusals": refusals(loss),
     }
+
+
+def causal_lm_run():
+    """Trains keras-hub's GPT2 CausalLM on 2 stages, which both call its
+    token embedding (`pipeline_cases.causal_lm_pipeline` checks the
+    weights against one device's); every rank's results."""
+    tp, shared_bytes = pipeline_cases.causal_lm_pipeline(
+        lambda model: keras_tp.TensorParallelKeras(
+            model,
+            world_size=STAGES,
+            pipeline_parallel=STAGES,
+            num_microbatches=MICROBATCHES // 2,
+        )
+    )
+    (parameter_bytes,) = tp.parameter_bytes_per_device().values()
+    return _gathered(
+        {
+            "pipe": tp.communication_stats(axis="pipe"),
+            "shared_bytes": shared_bytes,
+            "parameter_bytes": parameter_bytes,
+            "total_bytes": tp.get_parallelism_info()["parameter_bytes_total"],
+        }
+    )
 
 
 def _pipelined(model, schedule, loss):

@@ -158,9 +158,28 @@ class JaxPipelineRuntime(PipelineRuntime):
     backend = "jax"
     sequence_parallel_stages = True
     zero_stages = (0, 1)
+    # A weight several stages use (a tied embedding) lives on the first
+    # one's devices; the others receive a copy each step, and their
+    # gradients of it are added to the first's before its update.
+    shares_weights = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        if self.shared_stages and self.tensor_parallel > 1:
+            shared = [
+                v.path
+                for v in self.split.model.weights
+                if id(v) in self.shared_stages
+            ]
+            raise ValueError(
+                f"Weights {shared} are used by several pipeline stages (a "
+                "tied embedding, which also computes the logits), and on "
+                "JAX the stages then run whole: tensor parallelism inside "
+                "the stages would split the layer with one stage's "
+                f"devices. Pass world_size={self.pipeline_parallel} x "
+                "data_parallel (one device per stage and replica), or use "
+                "the torch backend, whose stages split shared weights too."
+            )
         # Each stage's devices are a runtime of their own (a `data x model`
         # mesh), which places the stage's variables and runs its split
         # layers; all count into this runtime's stats.
@@ -290,6 +309,53 @@ class JaxPipelineRuntime(PipelineRuntime):
         )
         return logs, (trainable, non_trainable, optimizer_values, metrics)
 
+    def stage_lists(self, variables, values):
+        """`values` grouped by stage (see `PipelineRuntime.stage_lists`),
+        each on its stage's devices: a stage that uses a weight of an
+        earlier stage receives a copy (counted on `"pipe"`)."""
+        grouped = super().stage_lists(variables, values)
+        listed = {id(v) for v in variables}
+        for stage, group in enumerate(grouped):
+            members = [
+                v for v in self.stage_models[stage].variables if id(v) in listed
+            ]
+            for i, variable in enumerate(members):
+                if self.stage_of[id(variable)] != stage:
+                    group[i] = onto(group[i], self.stage_runtimes[stage].mesh)
+                    count_received(self.stats, group[i], "forward")
+        return grouped
+
+    def _owned_gradients(self, gradients):
+        """Per stage, the gradients of the trainable variables it owns: a
+        shared weight's gradients from every stage that uses it, added on
+        its owner's devices (Megatron-LM's word-embedding all-reduce)."""
+        totals = {}
+        for stage, grads in enumerate(gradients):
+            variables = self.stage_models[stage].trainable_variables
+            for variable, grad in zip(variables, grads):
+                owner = self.stage_of[id(variable)]
+                if owner != stage:
+                    grad = onto(grad, self.stage_runtimes[owner].mesh)
+                    count_received(self.stats, grad, "backward")
+                previous = totals.get(id(variable))
+                totals[id(variable)] = (
+                    grad
+                    if previous is None
+                    else jax.tree_util.tree_map(jax.numpy.add, previous, grad)
+                )
+        return [
+            [totals[id(v)] for v in self._owned(stage)]
+            for stage in range(self.pipeline_parallel)
+        ]
+
+    def _owned(self, stage):
+        """The trainable variables stage `stage` owns and updates."""
+        return [
+            v
+            for v in self.stage_models[stage].trainable_variables
+            if self.stage_of[id(v)] == stage
+        ]
+
     def _apply(self, trainable, optimizer_values, gradients):
         """Each stage's optimizer update, compiled for its device.
 
@@ -300,18 +366,18 @@ class JaxPipelineRuntime(PipelineRuntime):
         trainer = self.trainer
         optimizer = trainer.optimizer
         variables = trainer.trainable_variables
-        by_stage = self.stage_lists(variables, trainable)
         new_trainable = dict(zip(map(id, variables), trainable))
         new_optimizer = dict(
             zip(map(id, optimizer.variables), optimizer_values)
         )
-        for stage, (values, grads) in enumerate(zip(by_stage, gradients)):
+        gradients = self._owned_gradients(gradients)
+        for stage, grads in enumerate(gradients):
             if stage not in self._updates:
                 self._updates[stage] = self._update_of(stage)
             update, own, slots, shared = self._updates[stage]
             mesh = self.stage_runtimes[stage].mesh
             values, slot_values, shared_values = update(
-                values,
+                [new_trainable[id(v)] for v in own],
                 [new_optimizer[id(v)] for v in slots],
                 onto([new_optimizer[id(v)] for v in shared], mesh),
                 grads,
@@ -329,7 +395,7 @@ class JaxPipelineRuntime(PipelineRuntime):
         """`(update, variables, slots, shared)` of a stage: its compiled
         optimizer update (`_update_of`) and the variables it reads."""
         optimizer = self.trainer.optimizer
-        own = self.stage_models[stage].trainable_variables
+        own = self._owned(stage)
         slots = [
             v for v in optimizer.variables if self.stage_of.get(id(v)) == stage
         ]
@@ -424,16 +490,17 @@ class JaxPipelineRuntime(PipelineRuntime):
         """
         if not all(map(is_concrete, jax.tree_util.tree_leaves(inputs))):
             return super().call_model(model, inputs, training)
+        trainer = self.trainer
         with self.stats.recording("call"):
             outputs, _ = self._forward(
-                [
-                    [v.value for v in s.trainable_variables]
-                    for s in self.stage_models
-                ],
-                [
-                    [v.value for v in s.non_trainable_variables]
-                    for s in self.stage_models
-                ],
+                self.stage_lists(
+                    trainer.trainable_variables,
+                    [v.value for v in trainer.trainable_variables],
+                ),
+                self.stage_lists(
+                    trainer.non_trainable_variables,
+                    [v.value for v in trainer.non_trainable_variables],
+                ),
                 inputs,
                 self._whole_programs,
             )

@@ -126,6 +126,10 @@ class TensorFlowPipeline(ScheduledStages):
     Args: those of `ScheduledStages`; `devices` are TensorFlow device
         names, and each of `stage_models` is the stage's Keras model or,
         in a replica other than the first, its `MirroredStage`.
+        borrowed_bytes: per stage, the bytes of the weights it reads
+            from an earlier stage's device (a tied embedding): each of
+            its forward passes copies them over, and they are counted as
+            sent on `"pipe"`. `None`: none.
 
     Attributes:
         peak_activations: after a training step was traced, per stage, the
@@ -133,11 +137,19 @@ class TensorFlowPipeline(ScheduledStages):
     """
 
     def __init__(
-        self, stage_models, devices, loss, schedule, num_microbatches, stats
+        self,
+        stage_models,
+        devices,
+        loss,
+        schedule,
+        num_microbatches,
+        stats,
+        borrowed_bytes=None,
     ):
         super().__init__(
             stage_models, devices, loss, schedule, num_microbatches, stats
         )
+        self.borrowed_bytes = borrowed_bytes or [0] * len(stage_models)
         self.peak_activations = []
 
     def step(self, x, y):
@@ -179,6 +191,7 @@ class TensorFlowPipeline(ScheduledStages):
                     received_inputs = tf.nest.map_structure(
                         tf.identity, received.pop((stage, m))
                     )
+                    self._borrow(stage)
                     with tf.GradientTape() as tape:
                         tape.watch(_floating(received_inputs))
                         outputs = model(received_inputs, training=True)
@@ -208,8 +221,12 @@ class TensorFlowPipeline(ScheduledStages):
                     ),
                 )
                 previous[stage] = [g for g in grads if g is not None]
+                # A stage may hold a weight it does not read: a layer
+                # called in several stages (keras-hub's ReversibleEmbedding
+                # with untied logits) has all its weights in each.
                 stage_grads = [
-                    tf.convert_to_tensor(g) for g in grads[: len(variables)]
+                    tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
+                    for v, g in zip(variables, grads)
                 ]
                 gradients[stage] = (
                     stage_grads
@@ -239,6 +256,7 @@ class TensorFlowPipeline(ScheduledStages):
             for stage, model in enumerate(self.stage_models):
                 if stage:
                     self._send(outputs, "forward")
+                self._borrow(stage)
                 with tf.device(self.devices[stage]):
                     outputs = model(outputs, training=training)
             predictions.append(outputs)
@@ -249,6 +267,14 @@ class TensorFlowPipeline(ScheduledStages):
         batch = tf.nest.flatten(x)[0].shape[0]
         schedules.check_microbatches(batch, self.num_microbatches)
         return batch // self.num_microbatches
+
+    def _borrow(self, stage):
+        """Counts the weights a forward pass of `stage` reads from an
+        earlier stage's device."""
+        if self.borrowed_bytes[stage]:
+            self.stats.record(
+                "send", self.borrowed_bytes[stage], "forward", "pipe"
+            )
 
     def _send(self, tensors, direction):
         """Counts `tensors` as sent to a neighbouring stage."""
@@ -282,6 +308,9 @@ class TensorFlowPipelineRuntime(PipelineRuntime):
     """
 
     backend = "tensorflow"
+    # A weight several stages use stays on its first stage's device, and
+    # the later stages read it there (`_owned_gradients`).
+    shares_weights = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -394,6 +423,8 @@ class TensorFlowPipelineRuntime(PipelineRuntime):
                     self.schedule,
                     count,
                     self.stats,
+                    # The other replicas' mirrors hold each stage's copy.
+                    self._borrowed_bytes() if replica == 0 else None,
                 )
                 for replica, stages in enumerate(self._replica_stages)
             ]
@@ -427,19 +458,14 @@ class TensorFlowPipelineRuntime(PipelineRuntime):
             replica_gradients.append(gradients)
             predictions.append(y_pred)
         self.peak_activations = list(runners[0].peak_activations)
-        gradients = self._averaged_gradients(replica_gradients)
+        gradients, variables = self._owned_gradients(
+            self._averaged_gradients(replica_gradients)
+        )
         # One update of every stage's variables, so that the optimizer's
         # step counter advances once per batch.
         optimizer = self.trainer.optimizer
         with _updates_on_variable_devices(optimizer):
-            optimizer.apply(
-                [g for stage in gradients for g in stage],
-                [
-                    v
-                    for model in self.stage_models
-                    for v in model.trainable_variables
-                ],
-            )
+            optimizer.apply(gradients, variables)
         self._copy_to_mirrors()
         # Each replica's loss is the mean over its equal slice.
         loss = tf.add_n(losses) / self.data_parallel
@@ -477,6 +503,44 @@ class TensorFlowPipelineRuntime(PipelineRuntime):
                     [self._mean_on_first(copies) for copies in per_variable]
                 )
         return averaged
+
+    def _borrowed_bytes(self):
+        """Per stage, the bytes of the weights it reads from the device of
+        the earlier stage that owns them."""
+        return [
+            sum(
+                nbytes(v.value)
+                for v in model.weights
+                if self.stage_of[id(v)] != stage
+            )
+            for stage, model in enumerate(self.stage_models)
+        ]
+
+    def _owned_gradients(self, gradients):
+        """`(gradients, variables)`: every stage's trainable variables,
+        each once, with its gradient. A weight several stages use (a tied
+        embedding) lives on its first stage's device, which the others
+        read it from; their gradients of it cross to that device and are
+        added there (counted on `"pipe"`), as Megatron-LM all-reduces its
+        word embeddings' gradients between its first and last stages.
+
+        Args:
+            gradients: per stage, the gradients of its trainable
+                variables, on the stage's device.
+        """
+        totals = {}
+        variables = []
+        for model, grads in zip(self.stage_models, gradients):
+            for variable, grad in zip(model.trainable_variables, grads):
+                if id(variable) not in totals:
+                    totals[id(variable)] = grad
+                    variables.append(variable)
+                    continue
+                owner = self.stage_devices[self.stage_of[id(variable)]][0]
+                with tf.device(owner):
+                    totals[id(variable)] = totals[id(variable)] + grad
+                self.stats.record("send", nbytes(grad), "backward", "pipe")
+        return [totals[id(v)] for v in variables], variables
 
     def _mean_on_first(self, copies):
         """The mean of one gradient's copies, one per replica; traced under

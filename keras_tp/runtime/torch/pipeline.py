@@ -34,6 +34,7 @@ from torch.distributed.pipelining import Schedule1F1B
 from torch.distributed.pipelining import ScheduleGPipe
 
 from keras_tp.collectives.base import nbytes
+from keras_tp.collectives.torch import TorchCollectiveAdapter
 from keras_tp.collectives.torch import is_symbolic
 from keras_tp.keras_internals import draw_from_state
 from keras_tp.keras_internals import seed_generators
@@ -132,6 +133,16 @@ class RecordedPipelineStage(PipelineStage):
         super().__init__(module, *args, **kwargs)
         self.stats = stats
         self.timeline = []
+
+    def _to_tensor(self, arg):
+        # torch infers a stage's shapes by running it once on tensors made
+        # from the metadata it receives, left uninitialised; a stage that
+        # looks up received token ids (a seq2seq decoder's embedding, in a
+        # later stage) would index with garbage. Integer ones start at 0.
+        tensor = super()._to_tensor(arg)
+        if isinstance(arg, torch.Tensor) or tensor.is_floating_point():
+            return tensor
+        return torch.zeros_like(tensor)
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         start = time.perf_counter()
@@ -324,6 +335,9 @@ class TorchPipelineRuntime(PipelineRuntime):
     # The stage's optimizer step sees the gradients summed over every
     # micro-batch, so ZeRO-1 reduce-scatters once per step.
     zero_stages = (0, 1)
+    # Each stage that uses a weight holds a copy; their gradients are
+    # summed over those stages (`_sum_shared_gradients`).
+    shares_weights = True
 
     def __init__(
         self,
@@ -399,6 +413,7 @@ class TorchPipelineRuntime(PipelineRuntime):
             for stage_model in self.stage_models[1:]:
                 _accept_split_inputs(stage_model)
         self.stage_model = self.stage_models[self.stage_index]
+        self._shared_adapters = self._shared_weight_adapters()
         # The rank (d, P - 1, t) of this replica and tensor-parallel rank:
         # the last stage, which has the loss, the metrics and the outputs.
         self.last_rank = self._rank_of(
@@ -412,6 +427,46 @@ class TorchPipelineRuntime(PipelineRuntime):
         # torch stage fixes the shapes it sends and receives on its first
         # run.
         self._pipelines = {}
+
+    def _shared_weight_adapters(self):
+        """`{id(variable): adapter}` over the ranks whose stages hold a
+        copy of a shared weight (a tied embedding), for this rank's
+        stage's shared weights.
+
+        Every rank creates every group, in the same order, as
+        `torch.distributed.new_group` requires: one per set of stages
+        sharing weights, replica and tensor-parallel rank. The copies'
+        shards match, for every stage splits them alike.
+        """
+        adapters = {}
+        for stages in sorted(set(map(tuple, self.shared_stages.values()))):
+            for data_index in range(self.data_parallel):
+                for tensor_index in range(self.tensor_parallel):
+                    ranks = [
+                        self._rank_of(data_index, stage, tensor_index)
+                        for stage in stages
+                    ]
+                    group = dist.new_group(ranks)
+                    if self.rank not in ranks:
+                        continue
+                    adapter = TorchCollectiveAdapter(group, "pipe")
+                    adapter.stats = self.stats
+                    adapters[stages] = adapter
+        # In the model's order, the same on every rank: each group's
+        # ranks must all-reduce its weights in one order.
+        return {
+            id(variable): adapters[tuple(stages)]
+            for variable in self.split.model.trainable_variables
+            if self.stage_index
+            in (stages := self.shared_stages.get(id(variable), ()))
+        }
+
+    def _holds(self, variable):
+        """Whether this rank's stage uses (and so holds) `variable`."""
+        stages = self.shared_stages.get(
+            id(variable), [self.stage_of[id(variable)]]
+        )
+        return self.stage_index in stages
 
     synchronised_state = Runtime.synchronised_state
     _batch_slice = TorchRuntime._batch_slice
@@ -447,7 +502,7 @@ class TorchPipelineRuntime(PipelineRuntime):
         # collecting the young generations frees them in a fraction of the
         # full collection `swap_storage` falls back to.
         gc.collect(1)
-        if self.stage_of[id(variable)] == self.stage_index:
+        if self._holds(variable):
             self.stage_runtime.placement.place(variable, axis)
         else:
             _to_meta(variable, self.placement.model_shard_shape(variable))
@@ -455,9 +510,10 @@ class TorchPipelineRuntime(PipelineRuntime):
     def place_variable_like(self, variable, reference, data_axis):
         """Places an optimizer slot with its reference: Keras makes it in
         the reference's shape on this rank's device, its shard already."""
-        stage = self.stage_of[id(reference)]
-        self.stage_of[id(variable)] = stage
-        if stage == self.stage_index:
+        self.stage_of[id(variable)] = self.stage_of[id(reference)]
+        if id(reference) in self.shared_stages:
+            self.shared_stages[id(variable)] = self.shared_stages[id(reference)]
+        if self._holds(reference):
             self.stage_runtime.placement.place_like(variable, reference)
         else:
             _to_meta(variable, tuple(variable.shape))
@@ -513,12 +569,16 @@ class TorchPipelineRuntime(PipelineRuntime):
         return self._pipelines[key]
 
     def _replica_part(self, data):
-        """This replica's slice of every tensor of a global batch.
+        """This replica's slice of every tensor of a global batch, as
+        torch tensors (`train_on_batch` passes NumPy arrays on).
 
         Raises:
             ValueError: if the batch does not split evenly over the
                 replicas.
         """
+        data = keras.tree.map_structure(
+            lambda t: t if t is None else keras.ops.convert_to_tensor(t), data
+        )
         if self.data_adapter is None:
             return data
         return keras.tree.map_structure(self._batch_slice, data)
@@ -533,6 +593,7 @@ class TorchPipelineRuntime(PipelineRuntime):
             variable.value.grad = None
         loss, y_pred = pipeline.step(x, y)
         self.timeline = pipeline.stage.timeline
+        self._sum_shared_gradients(variables)
         # Each replica's gradients are the mean over its slice of the
         # batch, and the slices are equal: the CoordinatedOptimizer's mean
         # over the replicas is the whole batch's.
@@ -541,6 +602,20 @@ class TorchPipelineRuntime(PipelineRuntime):
                 [variable.value.grad for variable in variables], variables
             )
         return self._logs(pipeline, x, y, loss, y_pred)
+
+    def _sum_shared_gradients(self, variables):
+        """Sums each shared weight's gradients over the stages holding a
+        copy, as Megatron-LM all-reduces the word embeddings' gradients
+        between its first and last stages: every copy then takes the same
+        update and stays equal."""
+        held = {id(variable): variable for variable in variables}
+        for key, adapter in self._shared_adapters.items():
+            parameter = held[key].value
+            gradient = parameter.grad
+            if gradient is None:
+                gradient = torch.zeros_like(parameter)
+            with self.stats.labelled("optimizer"):
+                parameter.grad = adapter.all_reduce(gradient)
 
     def test_step(self, data):
         data = self._replica_part(data)
@@ -674,7 +749,7 @@ class TorchPipelineRuntime(PipelineRuntime):
 
         Every rank passes the same `value`, as in any SPMD program.
         """
-        if self.stage_of[id(variable)] == self.stage_index:
+        if self._holds(variable):
             self.stage_runtime.assign_full_value(variable, value)
 
     def save_model(self, model, filepath, **kwargs):

@@ -333,10 +333,20 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
         """
         arguments = _FIT_SIGNATURE.bind_partial(self, *args, **kwargs)
         prepare_callbacks(arguments.arguments.get("callbacks"), self._runtime)
+        self._build_optimizer()
+        return super().fit(*args, **kwargs)
+
+    def train_on_batch(self, *args, **kwargs):
+        """Trains on one batch as `keras.Model.train_on_batch` does, with
+        the optimizer's state built as the runtime lays it out (see
+        `fit`)."""
+        self._build_optimizer()
+        return super().train_on_batch(*args, **kwargs)
+
+    def _build_optimizer(self):
         optimizer = getattr(self, "optimizer", None)
         if optimizer is not None and not optimizer.built:
             self._runtime.build_optimizer(self)
-        return super().fit(*args, **kwargs)
 
     def make_train_function(self, force=False):
         return self._make_step(super().make_train_function, force)

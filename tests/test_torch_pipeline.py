@@ -279,6 +279,7 @@ def test_zero_replicas_train_evaluate_and_predict_like_one_device(
             result["reference_evaluated"], rel=1e-5
         )
         assert result["predict_error"] < 1e-5
+        assert result["train_on_batch_error"] < 1e-5
 
 
 def test_zero_replicas_partition_their_stage_optimizer_state(

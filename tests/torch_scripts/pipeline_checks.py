@@ -267,6 +267,9 @@ def replicated_run(zero_stage=0):
     }
     result["predict_gathered"] = tp.communication_stats("predict", axis="data")
     if zero_stage:
+        result["train_on_batch_error"] = _one_batch_error(
+            loss, x[:BATCH], y[:BATCH], zero_stage
+        )
         return _gathered(result)
     try:
         keras_tp.TensorParallelKeras(
@@ -283,6 +286,27 @@ def replicated_run(zero_stage=0):
     except ValueError as e:
         result["odd_batch_refused"] = str(e)
     return _gathered(result)
+
+
+def _one_batch_error(loss, x, y, zero_stage):
+    """The largest difference from one device of the replicated MLP after
+    one `train_on_batch` (which builds the optimizer itself)."""
+    models_after = []
+    for wrap in (False, True):
+        model = models.mlp()
+        if wrap:
+            model = keras_tp.TensorParallelKeras(
+                model,
+                world_size=STAGES * REPLICAS,
+                pipeline_parallel=STAGES,
+                data_parallel=REPLICAS,
+                zero_stage=zero_stage,
+                num_microbatches=REPLICA_MICROBATCHES,
+            )
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+        model.train_on_batch(x, y)
+        models_after.append(model.get_weights())
+    return _largest_difference(*reversed(models_after))
 
 
 def four_rank_runs(directory):

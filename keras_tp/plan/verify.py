@@ -325,7 +325,7 @@ class _Emulation:
             self._compare(
                 tracing.flat_tensors(outputs),
                 reference.outputs,
-                f"the output of '{layer.path}'",
+                f"the output of '{layer.path or layer.name}'",
                 None,
             )
         return outputs

@@ -152,10 +152,13 @@ def test_zero_memory_formulas():
         "gradients": p,
         "adam": 2 * p,
         "total": 4 * p,
+        "between_steps": 3 * p,
     }
     assert zero_memory(p, 0, d, 1)["total"] == p + p + 2 * p // d
     assert zero_memory(p, 0, d, 2)["total"] == p + p // d + 2 * p // d
     assert zero_memory(p, 0, d, 3)["total"] == (p + p + 2 * p) // d
+    # What a CoordinatedOptimizer keeps between steps: no gradients.
+    assert zero_memory(p, 0, d, 2)["between_steps"] == p + 2 * p // d
     # Frozen variables: no gradient, no Adam state, never partitioned.
     assert zero_memory(p, 100, d, 3)["parameters"] == p // d + 100
 

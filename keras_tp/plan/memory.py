@@ -31,7 +31,11 @@ def zero_memory(trainable, frozen, data_parallel, zero_stage):
         zero_stage: 0 (no ZeRO) to 3.
 
     Returns:
-        `{"parameters", "gradients", "adam", "total"}` in bytes.
+        `{"parameters", "gradients", "adam", "total", "between_steps"}` in
+        bytes: `total` is the paper's, with the gradients of a step;
+        `between_steps` what a `CoordinatedOptimizer` keeps from one step
+        to the next without gradient accumulation, the parameters and the
+        Adam state (a step's gradients live only in the step).
 
     Example:
 
@@ -50,6 +54,7 @@ def zero_memory(trainable, frozen, data_parallel, zero_stage):
         "adam": partitioned(ADAM_SLOTS * trainable, 1),
     }
     memory["total"] = sum(memory.values())
+    memory["between_steps"] = memory["parameters"] + memory["adam"]
     return memory
 
 
@@ -132,7 +137,7 @@ class PlanReport:
         trainable = self.local_bytes(self.model.trainable_variables)
         header = (
             f"{'ZeRO stage':12} {'Parameters':>14} {'Gradients':>14} "
-            f"{'Adam state':>14} {'Total':>14}"
+            f"{'Adam state':>14} {'Total':>14} {'Between steps':>14}"
         )
         lines = [
             "Bytes per device with Adam (2 slots), from the ZeRO formulas:",
@@ -141,6 +146,8 @@ class PlanReport:
             "replicas",
             "  stage 0: P + P + 2P   stage 1: P + P + 2P/D   "
             "stage 2: P + P/D + 2P/D   stage 3: (P + P + 2P)/D",
+            "  Between steps: without gradient accumulation, the parameters "
+            "and the Adam state (a step's gradients live in the step)",
             header,
             "-" * len(header),
         ]
@@ -154,6 +161,7 @@ class PlanReport:
             lines.append(
                 f"{label:12} {memory['parameters']:>14,} "
                 f"{memory['gradients']:>14,} {memory['adam']:>14,} "
-                f"{memory['total']:>14,}{marker}"
+                f"{memory['total']:>14,} {memory['between_steps']:>14,}"
+                f"{marker}"
             )
         return "\n".join(lines)

@@ -369,10 +369,10 @@ def split_stages(
     Raises:
         NotImplementedError: for a subclassed model (its `call` is opaque).
         ValueError: for a bad `num_stages`, `cut_points` or `balance`; for
-            cuts that separate the calls of one layer (keras-hub's GPT2,
-            Gemma and Llama `CausalLM`s use the token embedding for the
-            logits too: split their backbone); for layers that add losses
-            in `call`.
+            cuts that separate the calls of one layer, without
+            `share_weights` (keras-hub's `CausalLM`s use the token
+            embedding for the logits too); for layers that add losses in
+            `call`.
 
     Example:
 

@@ -41,6 +41,16 @@ class Placement:
         self.full_shapes[id(variable)] = tuple(variable.shape)
         self.storage.place_variable(variable, axis)
 
+    def borrow(self, variable, axis):
+        """Records the split of a variable that another `Placement` stores.
+
+        For a weight that several pipeline stages use (a tied embedding):
+        its owner's devices store it, and the other stages' programs read
+        a copy, split as the owner's is.
+        """
+        self.axes[id(variable)] = axis
+        self.full_shapes[id(variable)] = tuple(variable.shape)
+
     def place_like(self, variable, reference, data_axis=None):
         """Places a new variable shaped like a placed `reference`.
 

@@ -240,17 +240,23 @@ def causal_lm_pipeline(tp_of):
     return tp, shared_bytes
 
 
-def check_causal_lm_traffic(tp, microbatches, shared_bytes, copies):
+def check_causal_lm_traffic(
+    tp, microbatches, shared_bytes, copies, replicas=1, tensor_parallel=1
+):
     """Asserts what crossed the cut of `causal_lm_pipeline`'s 2 stages in
     its last step: each micro-batch's hidden states and padding mask
-    forward, and the hidden states' gradients back; and the shared
-    embedding, `copies` times forward, its gradient once back.
+    forward, and the hidden states' gradients back, whole to each
+    tensor-parallel device; and the shared embedding, `copies` times
+    forward, its gradient once back, to and from each replica (each
+    device its shard).
 
     Args:
         tp: the trained model.
         microbatches: its number of micro-batches.
         shared_bytes: the bytes of its shared weights.
         copies: how many times a step sends them forward.
+        replicas: the replicas of the pipeline.
+        tensor_parallel: the devices that split each stage.
     """
     sent = tp.communication_stats(axis="pipe")["send"]
     (boundary,) = tp._runtime.split.boundaries
@@ -260,8 +266,11 @@ def check_causal_lm_traffic(tp, microbatches, shared_bytes, copies):
         for t in boundary.tensors
         if t.dtype.startswith("float")
     )
+    activations = microbatches * tensor_parallel
     assert sent["forward_bytes"] == (
-        microbatches * boundary.nbytes(size, zoo.SEQ_LEN)
-        + copies * shared_bytes
+        activations * boundary.nbytes(size, zoo.SEQ_LEN)
+        + copies * replicas * shared_bytes
     )
-    assert sent["backward_bytes"] == microbatches * hidden + shared_bytes
+    assert sent["backward_bytes"] == (
+        activations * hidden + replicas * shared_bytes
+    )

@@ -23,7 +23,6 @@ import numpy as np  # noqa: E402
 
 from tests import models  # noqa: E402
 from tests import pipeline_cases  # noqa: E402
-from tests import zoo  # noqa: E402
 from tests.pipeline_cases import BATCH  # noqa: E402
 from tests.pipeline_cases import MICROBATCHES  # noqa: E402
 
@@ -235,24 +234,43 @@ def test_refusals_name_the_fix(tmp_path):
         tp.save_weights(tmp_path / "weights")
 
 
-def test_a_causal_lm_shares_its_tied_embedding_between_stages():
+@pytest.mark.parametrize(
+    "data_parallel, tensor_parallel, zero_stage", [(1, 1, 0), (2, 2, 1)]
+)
+def test_a_causal_lm_shares_its_tied_embedding_between_stages(
+    data_parallel, tensor_parallel, zero_stage
+):
     """keras-hub's GPT2 CausalLM computes its logits with its token
-    embedding, which lives on the first stage's device: the last stage
+    embedding, which lives on the first stage's devices: the last stage
     receives a copy once a step and sends its gradient back, which the
-    first stage adds to its own before the update."""
+    first stage adds to its own before the update. Split by tensor
+    parallelism, each device exchanges its shard with its counterpart,
+    and each replica its own copy."""
     microbatches = 2
     tp, shared_bytes = pipeline_cases.causal_lm_pipeline(
         lambda model: keras_tp.TensorParallelKeras(
             model,
-            world_size=2,
+            world_size=2 * data_parallel * tensor_parallel,
             pipeline_parallel=2,
+            data_parallel=data_parallel,
+            zero_stage=zero_stage,
             num_microbatches=microbatches,
         )
     )
     pipeline_cases.check_causal_lm_traffic(
-        tp, microbatches, shared_bytes, copies=1
+        tp,
+        microbatches,
+        shared_bytes,
+        copies=1,
+        replicas=data_parallel,
+        tensor_parallel=tensor_parallel,
     )
-    with pytest.raises(ValueError, match="used by several pipeline stages"):
-        keras_tp.TensorParallelKeras(
-            zoo.gpt2()[0], world_size=4, pipeline_parallel=2
-        )
+    embedding = next(
+        v for v in tp.trainable_variables if "token_embedding" in v.path
+    )
+    # The owner's devices hold it: one shard per device of the first stage.
+    shards = embedding.value.addressable_shards
+    assert len({s.device for s in shards}) == data_parallel * tensor_parallel
+    assert {s.data.shape[0] for s in shards} == {
+        embedding.shape[0] // tensor_parallel
+    }

@@ -220,29 +220,45 @@ class PipelineRuntime:
     def stage_plans(self, plan):
         """`(part of plan, runtime)` pairs: each stage's split layers, with
         the runtime of the stage's devices (`stage_runtimes`), which runs
-        them."""
+        them. A layer several stages call (a tied embedding) is run by
+        `calling_stage_runtime` of those stages."""
         if not plan.layers and not plan.per_rank_random:
             return []
-        stage_of_layer = {
-            id(layer): index
-            for index, stage in enumerate(self.stage_models)
-            for layer in sublayers(stage)
-        }
+        stages_of_layer = {}
+        for index, stage in enumerate(self.stage_models):
+            for layer in sublayers(stage):
+                stages = stages_of_layer.setdefault(id(layer), [])
+                if index not in stages:
+                    stages.append(index)
         parts = []
-        for index, runtime in enumerate(self.stage_runtimes):
+        for stages in dict.fromkeys(map(tuple, stages_of_layer.values())):
             part = copy.copy(plan)
             part.layers = [
                 entry
                 for entry in plan.layers
-                if stage_of_layer[id(entry.layer)] == index
+                if tuple(stages_of_layer[id(entry.layer)]) == stages
             ]
             part.per_rank_random = {
                 layer: calls
                 for layer, calls in plan.per_rank_random.items()
-                if stage_of_layer[id(layer)] == index
+                if tuple(stages_of_layer[id(layer)]) == stages
             }
+            if not part.layers and not part.per_rank_random:
+                continue
+            runtime = (
+                self.stage_runtimes[stages[0]]
+                if len(stages) == 1
+                else self.calling_stage_runtime(stages)
+            )
             parts.append((part, runtime))
         return parts
+
+    def calling_stage_runtime(self, stages):
+        """The runtime that runs the split layers that `stages` all call,
+        each call on the devices of the stage that makes it. By default
+        the first stage's: a torch rank runs one stage, whose runtime is
+        every entry of its `stage_runtimes`."""
+        return self.stage_runtimes[stages[0]]
 
     def run_step(self, phase, step, *args, **kwargs):
         """Runs Keras' `phase` step as a pipeline (`step` is not called).

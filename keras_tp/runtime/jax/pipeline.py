@@ -26,6 +26,7 @@ from keras_tp.pipeline.runner import ScheduledStages
 from keras_tp.pipeline.runtime import PipelineRuntime
 from keras_tp.runtime.jax import JaxRuntime
 from keras_tp.runtime.jax import to_jax_device
+from keras_tp.runtime.jax.stage_programs import TRACING_STAGE
 from keras_tp.runtime.jax.stage_programs import ReplicaGradients
 from keras_tp.runtime.jax.stage_programs import ReplicatedStagePrograms
 from keras_tp.runtime.jax.stage_programs import StagePrograms
@@ -143,6 +144,47 @@ class JaxPipeline(ScheduledStages):
         )
 
 
+class CallingStageRegions:
+    """Runs the split layers that several stages call (a tied embedding
+    that also computes the logits) on the devices of the calling stage.
+
+    A layer has one `call`; each stage's program is traced under
+    `tracing_stage`, and the region runs on that stage's runtime, with
+    the stage's copy of the weights, split as its owner's.
+
+    Args:
+        runtimes: `{stage index: its JaxRuntime}` of the stages that
+            call the layers.
+    """
+
+    def __init__(self, runtimes):
+        self.runtimes = list(runtimes.values())
+        self._of_stage = runtimes
+        # The layers' per-rank math names the `model` axis only, which
+        # every stage's mesh has, and every adapter counts into the
+        # pipeline's stats: the first stage's serves every call.
+        self.adapter = self.runtimes[0].adapter
+
+    def _calling(self):
+        # Outside the stages' programs (Keras' symbolic build of the
+        # model, which reads shapes only) the owner's stage serves.
+        return self._of_stage.get(TRACING_STAGE.get(), self.runtimes[0])
+
+    def prepare_local_layer(self, layer):
+        for runtime in self.runtimes:
+            runtime.prepare_local_layer(layer)
+
+    def prepare_region(self, region):
+        for runtime in self.runtimes:
+            runtime.prepare_region(region)
+
+    def run_region(self, region, args, kwargs):
+        return self._calling().run_region(region, args, kwargs)
+
+    def holds_local_values(self):
+        return self._calling().holds_local_values()
+
+
 class JaxPipelineRuntime(PipelineRuntime):
     """Runs Keras' JAX steps as a pipeline of stages, one per device.
 
@@ -165,21 +207,6 @@ class JaxPipelineRuntime(PipelineRuntime):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.shared_stages and self.tensor_parallel > 1:
-            shared = [
-                v.path
-                for v in self.split.model.weights
-                if id(v) in self.shared_stages
-            ]
-            raise ValueError(
-                f"Weights {shared} are used by several pipeline stages (a "
-                "tied embedding, which also computes the logits), and on "
-                "JAX the stages then run whole: tensor parallelism inside "
-                "the stages would split the layer with one stage's "
-                f"devices. Pass world_size={self.pipeline_parallel} x "
-                "data_parallel (one device per stage and replica), or use "
-                "the torch backend, whose stages split shared weights too."
-            )
         # Each stage's devices are a runtime of their own (a `data x model`
         # mesh), which places the stage's variables and runs its split
         # layers; all count into this runtime's stats.
@@ -234,6 +261,13 @@ class JaxPipelineRuntime(PipelineRuntime):
     def place_variable(self, variable, axis):
         stage = self.stage_of[id(variable)]
         self.stage_runtimes[stage].placement.place(variable, axis)
+        # The other stages that use it read a copy split alike.
+        for other in self.shared_stages.get(id(variable), ()):
+            if other != stage:
+                self.stage_runtimes[other].placement.borrow(variable, axis)
+
+    def calling_stage_runtime(self, stages):
+        return CallingStageRegions({s: self.stage_runtimes[s] for s in stages})
 
     def place_variable_like(self, variable, reference, data_axis):
         """Places an optimizer slot on its reference's stage; with ZeRO-1

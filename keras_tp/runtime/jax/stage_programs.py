@@ -17,6 +17,9 @@ its outputs. Two kinds of stage run them:
   all-gather.
 """
 
+import contextlib
+import contextvars
+
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
@@ -31,6 +34,8 @@ from keras_tp.runtime.jax import placement_spec
 # `data x model` mesh: device (d, t) of one stage sends its row to device
 # (d, t) of the next.
 ROWS = PartitionSpec(("data", "model"))
+# The index of the stage whose program is being traced in this context.
+TRACING_STAGE = contextvars.ContextVar("keras_tp_tracing_stage", default=None)
 # The most megabytes of gradient per collective call of the replicas'
 # update, as `CoordinatedOptimizer`'s default.
 BUCKET_CAP_MB = 25
@@ -55,6 +60,17 @@ def onto(tree, mesh):
         return jax.device_put(array, NamedSharding(mesh, spec))
 
     return jax.tree_util.tree_map(put, tree)
+
+
+@contextlib.contextmanager
+def tracing_stage(index):
+    """Marks the tracing of stage `index`'s program: a layer that several
+    stages call runs its split part on that stage's devices."""
+    token = TRACING_STAGE.set(index)
+    try:
+        yield
+    finally:
+        TRACING_STAGE.reset(token)
 
 
 def counted_jit(function, stats):
@@ -170,9 +186,10 @@ class StagePrograms:
 
         def forward(trainable, non_trainable, inputs, targets):
             def stage(trainable, inputs):
-                outputs, new_non_trainable = model.stateless_call(
-                    trainable, non_trainable, inputs, training=True
-                )
+                with tracing_stage(index):
+                    outputs, new_non_trainable = model.stateless_call(
+                        trainable, non_trainable, inputs, training=True
+                    )
                 if not last:
                     return outputs, (new_non_trainable, None)
                 # Each micro-batch's share of the batch's mean loss; the
@@ -191,9 +208,10 @@ class StagePrograms:
         model = self.stage_models[index]
 
         def forward(trainable, non_trainable, inputs):
-            return model.stateless_call(
-                trainable, non_trainable, inputs, training=False
-            )
+            with tracing_stage(index):
+                return model.stateless_call(
+                    trainable, non_trainable, inputs, training=False
+                )
 
         return forward
 
@@ -323,7 +341,7 @@ class ReplicatedStagePrograms(StagePrograms):
             if index:
                 inputs = _from_rows(inputs)
             shapes, roles = self._local(index)
-            with shapes, roles:
+            with shapes, roles, tracing_stage(index):
                 outputs, new_non_trainable = model.stateless_call(
                     trainable, non_trainable, inputs, training=False
                 )
@@ -361,7 +379,7 @@ class ReplicatedStagePrograms(StagePrograms):
                 return _floats(outputs)[0], (new_non_trainable, outputs)
 
             shapes, roles = self._local(index)
-            with shapes, roles:
+            with shapes, roles, tracing_stage(index):
                 primal, vjp, (new_non_trainable, outputs) = jax.vjp(
                     stage, trainable, floats, has_aux=True
                 )

@@ -11,6 +11,7 @@ checkpoint on the backend of `KERAS_BACKEND` (on torch, in `WORLD`
 launched processes) and writes the record to `DIRECTORY/record.npz`.
 """
 
+import json
 import os
 import sys
 
@@ -249,6 +250,65 @@ def callbacks_on_rank(directory):
         with_dropout(2), with_dropout(2, 2, 1), os.path.join(directory, "each")
     )
     return resumed, checkpoints
+
+
+def pipeline_round_trip(make_pipelined, directory, rank=0):
+    """A pipelined MLP's checkpoint, loaded by a fresh pipeline and by a
+    plain model on one device, computes what the saved pipeline did; a
+    one-device checkpoint loads into the pipeline.
+
+    Each stage's devices write their own variables' pieces. Runs on every
+    rank on torch (where each rank holds one stage).
+
+    Args:
+        make_pipelined: function of a model returning it uncompiled in a
+            `TensorParallelKeras` with `pipeline_parallel` > 1.
+        directory: where the checkpoints go, the same on every rank.
+        rank: this process's rank: each saves its own one-device model.
+
+    Returns:
+        `(largest output difference, largest loss difference)` of each
+        load, and the saving manifest's files.
+    """
+    name = "mlp"
+    saved_dir = os.path.join(directory, "pipelined")
+    saved = train_and_save(
+        compiled(make_pipelined(models.mlp()), name), name, saved_dir
+    )
+    differences = [
+        check_same(
+            load_and_record(
+                compiled(make_pipelined(models.mlp(seed=1)), name),
+                name,
+                saved_dir,
+            ),
+            saved,
+            "a pipeline loads a pipeline's checkpoint",
+        ),
+        check_same(
+            load_and_record(
+                compiled(models.mlp(seed=1), name), name, saved_dir
+            ),
+            saved,
+            "one device loads a pipeline's checkpoint",
+        ),
+    ]
+    plain_dir = os.path.join(directory, f"plain{rank}")
+    plain = train_and_save(compiled(models.mlp(), name), name, plain_dir)
+    differences.append(
+        check_same(
+            load_and_record(
+                compiled(make_pipelined(models.mlp(seed=1)), name),
+                name,
+                plain_dir,
+            ),
+            plain,
+            "a pipeline loads one device's checkpoint",
+        )
+    )
+    with open(os.path.join(saved_dir, "manifest.json")) as file:
+        manifest = json.load(file)
+    return differences, manifest
 
 
 def _save_on_rank(name, directory, world_size, data_parallel, zero_stage):

@@ -21,6 +21,7 @@ if keras.backend.backend() != "torch":
 
 from keras_tp.launcher import launch  # noqa: E402
 from keras_tp.pipeline.stages import split_stages  # noqa: E402
+from tests import checkpoint_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests import pipeline_cases  # noqa: E402
 from tests.pipeline_cases import BATCH  # noqa: E402
@@ -311,6 +312,7 @@ def test_replicas_refuse_what_they_cannot_run(replicas):
     for result in replicas:
         assert "zero_stage=1" in result["zero_refused"]
         assert "data_parallel=2" in result["odd_batch_refused"]
+        assert "data_parallel=1" in result["checkpoint_refused"]
 
 
 @pytest.fixture
@@ -426,3 +428,22 @@ def test_tensor_parallel_stages_refuse_an_indivisible_world(tensor_parallel):
             "pipeline_parallel=3 with world_size=4 and data_parallel=1"
             in result["indivisible_refused"]
         )
+
+
+def test_sharded_checkpoints_of_stages_load_at_any_layout(four_ranks):
+    """Each rank writes its shard of its stage (2 stages x 2-way tensor
+    parallelism); a fresh pipeline and one device load them on every
+    rank (each asserts its loads), and a pipeline loads one device's
+    checkpoint."""
+    differences, manifest = four_ranks["checkpoint"]
+    assert len(differences) == 3
+    assert manifest["mesh"]["pipeline_parallel"] == STAGES
+    writers = sorted(f.split("-")[-1] for f in manifest["files"])
+    assert writers == [f"rank{r}.safetensors" for r in range(4)]
+
+
+def test_backup_and_restore_resumes_a_pipeline_exactly(runs):
+    """A 2-stage LM with dropout, stopped and resumed from its backup,
+    repeats the uninterrupted run's losses: torch's shape inference
+    before the first step leaves the dropouts' streams alone."""
+    checkpoint_cases.check_resumed(*runs["resumed"])

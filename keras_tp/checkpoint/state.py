@@ -13,7 +13,6 @@ import keras
 import numpy as np
 
 from keras_tp.parallel import CoordinatedOptimizer
-from keras_tp.runtime.pieces import CheckpointPieces
 
 
 def checkpoint_state(model, build_optimizer=False):
@@ -67,14 +66,6 @@ class _ParallelStorage:
     def __init__(self, model):
         self.model = model
         self.runtime = model._runtime
-        if not isinstance(self.runtime, CheckpointPieces):
-            # A pipeline's runtime: its stages' pieces have no layout in
-            # the checkpoint manifest yet.
-            raise ValueError(
-                "Sharded checkpoints (save_weights, save_checkpoint, "
-                "BackupAndRestore) of a pipelined model are not supported "
-                "yet. Use save() to write the unsplit model."
-            )
         self.local_pieces = self.runtime.local_pieces
         self.assign_local_pieces = self.runtime.assign_local_pieces
         self.full_shape = self.runtime.full_shape
@@ -92,6 +83,7 @@ class _ParallelStorage:
             "tensor_parallel": runtime.tensor_parallel,
             "data_parallel": runtime.data_parallel,
             "zero_stage": runtime.zero_stage,
+            "pipeline_parallel": getattr(runtime, "pipeline_parallel", 1),
             "devices": list(runtime.devices),
         }
 
@@ -136,6 +128,7 @@ class _OneDeviceStorage:
             "tensor_parallel": 1,
             "data_parallel": 1,
             "zero_stage": 0,
+            "pipeline_parallel": 1,
             "devices": ["device0"],
         }
 

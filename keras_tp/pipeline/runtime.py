@@ -24,6 +24,7 @@ from keras_tp.pipeline.stages import split_stages
 from keras_tp.placement import Placement
 from keras_tp.runtime.base import Runtime
 from keras_tp.runtime.base import select_devices
+from keras_tp.runtime.pieces import CheckpointPieces
 from keras_tp.stats import CommunicationStats
 
 # Loss reductions whose per-micro-batch values, each weighted by 1/M,
@@ -31,8 +32,12 @@ from keras_tp.stats import CommunicationStats
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 
-class PipelineRuntime:
+class PipelineRuntime(CheckpointPieces):
     """The stages of a pipeline and how Keras' steps run them.
+
+    Sharded checkpoints (`CheckpointPieces`): each variable's pieces are
+    written and read by the devices of the stage that owns it, and the
+    backend's `local_pieces` and `assign_local_pieces` say how.
 
     Args:
         model: the built Functional model to cut.

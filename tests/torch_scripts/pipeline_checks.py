@@ -16,8 +16,10 @@ import numpy as np
 import torch.distributed as dist
 
 import keras_tp
+from keras_tp.demo.models import transformer_lm
 from keras_tp.pipeline import bubble_fraction
 from keras_tp.runtime.torch.storage import parameter_of
+from tests import checkpoint_cases
 from tests import models
 from tests import pipeline_cases
 from tests.pipeline_cases import BATCH
@@ -33,11 +35,12 @@ REPLICA_MICROBATCHES = 2
 
 def all_runs(directory):
     """`mlp_run` of each schedule, next to one device's `reference`,
-    `backbone_run`, `causal_lm_run` and `refusals`; every rank's
-    results.
+    `backbone_run`, `causal_lm_run`, `refusals` and `resumed_run`;
+    every rank's results.
 
     Args:
-        directory: where the gpipe run saves its model.
+        directory: where the gpipe run saves its model, and
+            `resumed_run` its backups.
     """
     loss, reference, logged, x, y = pipeline_cases.mlp_reference()
     untrained = models.mlp()
@@ -61,7 +64,23 @@ def all_runs(directory):
         "tensor_parallel_backbone": tensor_parallel_backbone_run(),
         "causal_lm": causal_lm_run(),
         "refusals": refusals(loss),
+        "resumed": resumed_run(os.path.join(directory, "backup")),
     }
+
+
+def resumed_run(directory):
+    """`checkpoint_cases.backup_and_restore_run` of a 2-stage transformer
+    LM with dropout: the losses of the uninterrupted and resumed runs."""
+
+    def make(seed):
+        return keras_tp.TensorParallelKeras(
+            transformer_lm(
+                seed=seed, blocks=2, dropout=checkpoint_cases.DROPOUT
+            ),
+            pipeline_parallel=STAGES,
+        )
+
+    return checkpoint_cases.backup_and_restore_run(make, directory)
 
 
 def causal_lm_run():
@@ -234,13 +253,14 @@ def refusals(loss):
     return _gathered(messages)
 
 
-def replicated_run(zero_stage=0):
+def replicated_run(directory, zero_stage=0):
     """Trains, evaluates and predicts with the MLP on 2 replicas of 2
     stages (1F1B), next to one device; every rank's results.
 
     Each rank asserts that the unsplit weights equal one device's.
 
     Args:
+        directory: where its refused checkpoint would go.
         zero_stage: 0 (DDP over the replicas) or 1 (ZeRO-1).
     """
     loss, reference, logged, x, y = pipeline_cases.mlp_reference()
@@ -285,6 +305,10 @@ def replicated_run(zero_stage=0):
         tp.evaluate(x[:3], y[:3], verbose=0)
     except ValueError as e:
         result["odd_batch_refused"] = str(e)
+    try:
+        keras_tp.save_checkpoint(tp, os.path.join(directory, "replicas"))
+    except ValueError as e:
+        result["checkpoint_refused"] = str(e)
     return _gathered(result)
 
 
@@ -310,20 +334,28 @@ def _one_batch_error(loss, x, y, zero_stage):
 
 
 def four_rank_runs(directory):
-    """`replicated_run` (DDP and ZeRO-1), `tensor_parallel_run` and
-    `split_cut_run` in one launch of 4 ranks; every rank's results of
-    each.
+    """`replicated_run` (DDP and ZeRO-1), `tensor_parallel_run`,
+    `split_cut_run` and a checkpoint round trip of 2 tensor-parallel
+    stages in one launch of 4 ranks; every rank's results of each.
 
     Args:
-        directory: where `tensor_parallel_run` saves its model.
+        directory: where `tensor_parallel_run` saves its model and the
+            round trip its checkpoints.
     """
     return {
-        "replicas": replicated_run(),
-        "replicas_zero": replicated_run(zero_stage=1),
+        "replicas": replicated_run(directory),
+        "replicas_zero": replicated_run(directory, zero_stage=1),
         "tensor_parallel": tensor_parallel_run(
             os.path.join(directory, "backbone.keras")
         ),
         "split_cut": split_cut_run(),
+        "checkpoint": checkpoint_cases.pipeline_round_trip(
+            lambda model: keras_tp.TensorParallelKeras(
+                model, world_size=4, pipeline_parallel=STAGES
+            ),
+            os.path.join(directory, "checkpoints"),
+            dist.get_rank(),
+        ),
     }
 
 

@@ -266,6 +266,19 @@ class JaxPipelineRuntime(PipelineRuntime):
             if other != stage:
                 self.stage_runtimes[other].placement.borrow(variable, axis)
 
+    def _owner_runtime(self, variable):
+        """The runtime of the stage that stores `variable` (the first
+        stage for the optimizer's own variables, which every stage's
+        update reads a copy of)."""
+        return self.stage_runtimes[self.stage_of.get(id(variable), 0)]
+
+    def local_pieces(self, variable):
+        return self._owner_runtime(variable).local_pieces(variable)
+
+    def assign_local_pieces(self, variable, read):
+        # Other stages that use it read a copy of the owner's each step.
+        self._owner_runtime(variable).assign_local_pieces(variable, read)
+
     def calling_stage_runtime(self, stages):
         return CallingStageRegions({s: self.stage_runtimes[s] for s in stages})
 

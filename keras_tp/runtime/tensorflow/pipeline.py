@@ -387,6 +387,19 @@ class TensorFlowPipelineRuntime(PipelineRuntime):
         for mirror in self._mirrors.get(id(variable), []):
             mirror.assign(value)
 
+    def local_pieces(self, variable):
+        """The whole variable, from its stage's device in the first
+        replica (the mirrors hold copies)."""
+        stored = stored_value(variable)
+        device = tf_devices.device_name(stored.device).replace(":", "")
+        whole = tuple((0, int(size)) for size in variable.shape)
+        return [(device, whole, stored.numpy())]
+
+    def assign_local_pieces(self, variable, read):
+        self.assign_full_value(
+            variable, read(tuple((0, int(size)) for size in variable.shape))
+        )
+
     def device_bytes(self, variables):
         """`{device: bytes}` of these variables and of their mirrors, read
         from where TensorFlow stores each."""

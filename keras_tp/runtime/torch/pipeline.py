@@ -133,6 +133,19 @@ class RecordedPipelineStage(PipelineStage):
         super().__init__(module, *args, **kwargs)
         self.stats = stats
         self.timeline = []
+        self.generators = seed_generators(module.model)
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        # torch infers a stage's shapes by running it once before its
+        # first step. One device draws no dropout mask there, and a run
+        # resumed from a checkpoint makes its pipeline again: the draw
+        # must leave the dropouts' random streams where they were.
+        states = [g.state.value.clone() for g in self.generators]
+        try:
+            return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            for generator, state in zip(self.generators, states):
+                generator.state.assign(state)
 
     def _to_tensor(self, arg):
         # torch infers a stage's shapes by running it once on tensors made
@@ -470,6 +483,41 @@ class TorchPipelineRuntime(PipelineRuntime):
 
     synchronised_state = Runtime.synchronised_state
     _batch_slice = TorchRuntime._batch_slice
+    process_index = TorchRuntime.process_index
+    wait_for_processes = TorchRuntime.wait_for_processes
+
+    def local_pieces(self, variable):
+        """This rank's pieces of its stage's variables. A weight several
+        stages share is written by the first of them; the optimizer's
+        own variables (its iteration count), alike on every rank, by
+        the first rank."""
+        self._check_checkpoints()
+        stage = self.stage_of.get(id(variable))
+        if stage is None and not self.stage_runtime.placement.is_placed(
+            variable
+        ):
+            stage = 0
+        if stage is not None and stage != self.stage_index:
+            return []
+        return self.stage_runtime.local_pieces(variable)
+
+    def assign_local_pieces(self, variable, read):
+        """Assigns this rank's pieces of every variable it holds: its
+        stage's, a shared weight's copy, the optimizer's own."""
+        self._check_checkpoints()
+        if id(variable) not in self.stage_of or self._holds(variable):
+            self.stage_runtime.assign_local_pieces(variable, read)
+
+    def _check_checkpoints(self):
+        if self.optimizer_runtime is not None:
+            raise ValueError(
+                "Sharded checkpoints (save_weights, save_checkpoint, "
+                "BackupAndRestore) of a torch pipeline with data_parallel="
+                f"{self.data_parallel} are not supported yet: its "
+                "CoordinatedOptimizer holds each stage's optimizer state "
+                "in that stage's order. Use save() to write the unsplit "
+                "model, or data_parallel=1."
+            )
 
     def _available_devices(self):
         return TorchRuntime._available_devices(self)
@@ -539,8 +587,15 @@ class TorchPipelineRuntime(PipelineRuntime):
         return schedules.recorded_timeline(records)
 
     def build_optimizer(self, trainer):
-        """Builds the optimizer's slots for this rank's stage only."""
-        trainer.optimizer.build(self.stage_model.trainable_variables)
+        """Builds the optimizer's slots as one device does, in the same
+        order on every rank (a checkpoint names them by position): those
+        of other stages' variables are made on the meta device, without
+        memory (`place_variable_like`). A `CoordinatedOptimizer` over the
+        stage's replicas builds this stage's slots only."""
+        if self.optimizer_runtime is None:
+            trainer.optimizer.build(trainer.trainable_variables)
+        else:
+            trainer.optimizer.build(self.stage_model.trainable_variables)
 
     def _pipeline(self, x, with_loss=True):
         """This rank's `TorchPipeline` for a batch of inputs `x`.

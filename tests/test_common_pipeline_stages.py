@@ -540,6 +540,13 @@ def test_bad_arguments_are_refused(demo_lm):
         split_stages(model, 2, cut_points="block2_ln1")
 
 
+def _between_dense_layers(layer):
+    """A Functional model calling `layer` between two Dense layers."""
+    inputs = keras.Input((4,))
+    h = layer(layers.Dense(4)(inputs))
+    return keras.Model(inputs, layers.Dense(2)(h))
+
+
 def test_losses_added_in_call_are_refused():
     inputs = keras.Input((4,))
     h = layers.Dense(4, activity_regularizer="l2", name="regularized")(inputs)
@@ -552,9 +559,7 @@ def test_losses_added_in_call_are_refused():
             self.add_loss(keras.ops.mean(x))
             return x
 
-    inputs = keras.Input((4,))
-    h = AddsLoss(name="adds_loss")(layers.Dense(4)(inputs))
-    model = keras.Model(inputs, layers.Dense(2)(h))
+    model = _between_dense_layers(AddsLoss(name="adds_loss"))
     # Read from the layer's `call`, before any run.
     with pytest.raises(ValueError, match="'adds_loss' .* calls `add_loss`"):
         split_stages(model, 2)
@@ -567,9 +572,7 @@ def test_losses_added_in_call_are_refused():
             self.add_loss(keras.ops.mean(x))
             return x
 
-    inputs = keras.Input((4,))
-    h = AddsLossElsewhere(name="elsewhere")(layers.Dense(4)(inputs))
-    model = keras.Model(inputs, layers.Dense(2)(h))
+    model = _between_dense_layers(AddsLossElsewhere(name="elsewhere"))
     model(np.ones((1, 4), "float32"))  # the loss shows after a run
     with pytest.raises(ValueError, match="seen after its last run"):
         split_stages(model, 2)

@@ -158,24 +158,24 @@ class CallingStageRegions:
     """
 
     def __init__(self, runtimes):
-        self.runtimes = list(runtimes.values())
-        self._of_stage = runtimes
+        self.runtimes = runtimes
+        self._owner = next(iter(runtimes.values()))
         # The layers' per-rank math names the `model` axis only, which
         # every stage's mesh has, and every adapter counts into the
         # pipeline's stats: the first stage's serves every call.
-        self.adapter = self.runtimes[0].adapter
+        self.adapter = self._owner.adapter
 
     def _calling(self):
         # Outside the stages' programs (Keras' symbolic build of the
         # model, which reads shapes only) the owner's stage serves.
-        return self._of_stage.get(TRACING_STAGE.get(), self.runtimes[0])
+        return self.runtimes.get(TRACING_STAGE.get(), self._owner)
 
     def prepare_local_layer(self, layer):
-        for runtime in self.runtimes:
+        for runtime in self.runtimes.values():
             runtime.prepare_local_layer(layer)
 
     def prepare_region(self, region):
-        for runtime in self.runtimes:
+        for runtime in self.runtimes.values():
             runtime.prepare_region(region)
 
     def run_region(self, region, args, kwargs):

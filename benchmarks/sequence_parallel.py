@@ -1,15 +1,24 @@
-"""Activation memory with and without sequence parallelism, on JAX.
+"""Activation memory with and without sequence parallelism.
 
-Compiles the training step of a GPT-style keras-hub backbone (hidden 512,
-4 heads, 2 blocks by default) split `--tensor-parallel` ways, for each
-sequence length of `--lengths`, with `sequence_parallel=False` and
-`True`, and reads each compiled step's memory from XLA's
-`memory_analysis()`: its temporaries (the activations and their
-gradients) and its peak, per device. The collectives of the compiled HLO
-are counted too. Prints a table and writes a plot of temporaries against
-sequence length (`--plot`).
+Trains a GPT-style keras-hub backbone (hidden 512, 4 heads, 2 blocks by
+default) split `--tensor-parallel` ways, for each sequence length of
+`--lengths`, with `sequence_parallel=False` and `True`, and measures the
+activations each device holds:
+
+- JAX: the compiled training step's memory from XLA's
+  `memory_analysis()`, its temporaries (the activations and their
+  gradients) and its peak; the collectives of the compiled HLO are
+  counted too.
+- torch: the tensor bytes the forward pass leaves alive for the backward
+  pass (the activations), and the most the step holds at once, weights
+  and optimizer state excepted, on each of `--tensor-parallel`
+  processes: the largest of each.
+
+Prints a table and writes a plot of the activations against sequence
+length (`--plot`).
 
     KERAS_BACKEND=jax python benchmarks/sequence_parallel.py
+    KERAS_BACKEND=torch python benchmarks/sequence_parallel.py
 """
 
 import argparse
@@ -22,13 +31,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import keras_tp  # noqa: E402
 
 
-def step_of(length, hidden, heads, layers, batch, tensor_parallel, sequence):
-    """`(split model, its compiled training step)` of the GPT2 backbone,
-    after one training step."""
+def trained(length, hidden, heads, layers, batch, tensor_parallel, sequence):
+    """`(split model, x, y)`: the GPT2 backbone split `tensor_parallel`
+    ways, after one training step on the batch `(x, y)`."""
     import keras_hub
     import numpy as np
-
-    from benchmarks.jax_steps import compiled_train_step
 
     backbone = keras_hub.models.GPT2Backbone(
         vocabulary_size=1024,
@@ -49,11 +56,118 @@ def step_of(length, hidden, heads, layers, batch, tensor_parallel, sequence):
     )
     tp.compile(optimizer="sgd", loss="mse")
     tp.train_on_batch(x, y)
+    return tp, x, y
+
+
+def step_of(length, hidden, heads, layers, batch, tensor_parallel, sequence):
+    """`(split model, its compiled training step)` of the GPT2 backbone
+    (JAX), after one training step."""
+    from benchmarks.jax_steps import compiled_train_step
+
+    tp, x, y = trained(
+        length, hidden, heads, layers, batch, tensor_parallel, sequence
+    )
     return tp, compiled_train_step(tp, x, y)
 
 
+def step_temporary_bytes(model, x, y):
+    """What one training step of `model` (torch) allocates, in bytes:
+    `(held, peak)`, the tensors the forward pass leaves alive for the
+    backward pass (the activations Megatron's formula counts) and the
+    most the step holds at once (with the activations' gradients, as
+    XLA's temporaries are on JAX). The weights and the optimizer's state,
+    which live across steps, are not counted."""
+    import weakref
+
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    kept = {
+        v.value.untyped_storage().data_ptr()
+        for v in model.variables + model.optimizer.variables
+    }
+
+    class LiveBytes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live = {}
+            self.total = 0
+            self.peak = 0
+            self.held = None
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if DTensor in types:
+                # Count the local tensors DTensor computes with.
+                return NotImplemented
+            # Autograd's engine runs a graph task only in a backward pass.
+            if self.held is None and torch._C._current_graph_task_id() >= 0:
+                self.held = self.total
+            out = func(*args, **(kwargs or {}))
+            for tensor in torch.utils._pytree.tree_leaves(out):
+                if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
+                    self._allocated(tensor.untyped_storage())
+            return out
+
+        def _allocated(self, storage):
+            address = storage.data_ptr()
+            if not address or address in kept or address in self.live:
+                return
+            self.live[address] = storage.nbytes()
+            self.total += storage.nbytes()
+            weakref.finalize(storage, self._freed, address)
+            self.peak = max(self.peak, self.total)
+
+        def _freed(self, address):
+            self.total -= self.live.pop(address)
+
+    with LiveBytes() as live:
+        model.train_on_batch(x, y)
+    return live.held, live.peak
+
+
+def torch_rows(lengths, hidden, heads, layers, batch, tensor_parallel):
+    """Run on every rank: the largest activation bytes over the ranks for
+    each length, without and with sequence parallelism."""
+    import torch
+    import torch.distributed as dist
+
+    rows = []
+    for length in lengths:
+        for sequence in (False, True):
+            tp, x, y = trained(
+                length, hidden, heads, layers, batch, tensor_parallel, sequence
+            )
+            local = torch.tensor(step_temporary_bytes(tp, x, y))
+            dist.all_reduce(local, op=dist.ReduceOp.MAX)
+            held, peak = local.tolist()
+            stats = tp.communication_stats("train", axis="model")
+            rows.append(
+                {
+                    "length": length,
+                    "sequence_parallel": sequence,
+                    "temporaries": held,
+                    "peak": peak,
+                    "collectives": {
+                        kind: entry["calls"] for kind, entry in stats.items()
+                    },
+                }
+            )
+    return rows
+
+
 def measure(lengths, hidden, heads, layers, batch, tensor_parallel):
-    """`[{length, sequence_parallel, temporaries, peak, hlo}]`."""
+    """`[{length, sequence_parallel, temporaries, ...}]`: with `peak` and
+    `hlo` (its collectives) on JAX, `collectives` (counted) on torch."""
+    import keras
+
+    if keras.backend.backend() == "torch":
+        return keras_tp.launch(
+            torch_rows,
+            world_size=tensor_parallel,
+            args=(lengths, hidden, heads, layers, batch, tensor_parallel),
+            timeout=3600,
+        )
     from benchmarks.jax_steps import hlo_collectives
     from benchmarks.jax_steps import step_memory
 
@@ -121,7 +235,11 @@ def main():
     parser.add_argument("--plot", help="path of a PNG plot to write")
     parser.add_argument("--json", help="path of a JSON file to write")
     args = parser.parse_args()
-    keras_tp.configure_virtual_devices(args.tensor_parallel)
+    import keras
+
+    backend = keras.backend.backend()
+    if backend == "jax":
+        keras_tp.configure_virtual_devices(args.tensor_parallel)
     rows = measure(
         args.lengths,
         args.hidden,
@@ -134,21 +252,31 @@ def main():
         f"GPT2 backbone, hidden {args.hidden}, {args.heads} heads, "
         f"{args.layers} blocks, batch {args.batch}, TP={args.tensor_parallel}"
     )
-    print("length  temporaries MiB (TP / +SP / ratio)  peak MiB (TP / +SP)")
+    what = (
+        "XLA temporaries of the training step"
+        if backend == "jax"
+        else "activations held for the backward pass"
+    )
+    print(f"length  {what}, MiB per device (TP / +SP / ratio)")
     for plain, split in zip(rows[::2], rows[1::2]):
+        extra = f"   peak {plain['peak'] / 2**20:7.1f} / " + (
+            f"{split['peak'] / 2**20:7.1f}   HLO: {plain['hlo']} -> "
+            f"{split['hlo']}"
+            if backend == "jax"
+            else f"{split['peak'] / 2**20:7.1f}   counted: "
+            f"{plain['collectives']} -> {split['collectives']}"
+        )
         print(
             f"{plain['length']:6d}  {plain['temporaries'] / 2**20:9.1f} / "
             f"{split['temporaries'] / 2**20:7.1f} / "
-            f"{plain['temporaries'] / split['temporaries']:5.2f}x"
-            f"   {plain['peak'] / 2**20:7.1f} / {split['peak'] / 2**20:7.1f}"
-            f"   HLO: {plain['hlo']} -> {split['hlo']}"
+            f"{plain['temporaries'] / split['temporaries']:5.2f}x" + extra
         )
     if args.plot:
         plot(
             rows,
             args.plot,
-            f"GPT2 hidden {args.hidden}, TP={args.tensor_parallel}: "
-            "XLA temporaries of the training step",
+            f"GPT2 hidden {args.hidden}, TP={args.tensor_parallel} "
+            f"({backend}): {what}",
         )
     if args.json:
         with open(args.json, "w") as file:

@@ -86,9 +86,9 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             its replicated input an all-gather, with the same bytes, and
             those activations take `1 / tensor_parallel` of the memory.
             For inputs of shape `(batch, sequence, features)` whose
-            sequence length divides by the tensor-parallel size; on JAX,
-            with tensor parallelism alone or inside pipeline stages,
-            without data parallelism, for now.
+            sequence length divides by the tensor-parallel size; on JAX
+            and torch with tensor parallelism alone (on JAX also inside
+            pipeline stages), without data parallelism, for now.
 
     Example:
 

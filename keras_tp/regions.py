@@ -150,17 +150,18 @@ class ShardedRegion:
             _LOCAL_WEIGHTS.reset(token)
 
 
-def copy_replicated_inputs(region, adapter, args, kwargs, is_float):
-    """Passes each distinct float input once through `copy_to_parallel`.
+def copy_replicated_inputs(region, enter, args, kwargs, is_float):
+    """Passes each distinct float input once through `enter`.
 
     For a region that runs on a rank's local tensors: its replicated inputs
-    enter the parallel part (Megatron `f`), so their gradients are summed
-    over the ranks. An input that arrives split is already parallel. Keras
-    masks follow their tensors.
+    enter the parallel part (Megatron `f`, the adapter's
+    `copy_to_parallel`), so their gradients are summed over the ranks. An
+    input that arrives split is already parallel. Keras masks follow their
+    tensors.
 
     Args:
         region: the `ShardedRegion`.
-        adapter: the `model`-axis collective adapter.
+        enter: the function a replicated input enters through.
         args, kwargs: the region's call arguments.
         is_float: the test for a floating-point tensor.
 
@@ -173,7 +174,7 @@ def copy_replicated_inputs(region, adapter, args, kwargs, is_float):
     def copy(x):
         if x is split_input or not is_float(x):
             return x
-        return shared_value(x, adapter.copy_to_parallel, local)
+        return shared_value(x, enter, local)
 
     return keras.tree.map_structure(copy, (args, kwargs))
 

@@ -21,63 +21,23 @@ import keras_tp  # noqa: E402
 
 keras_tp.configure_virtual_devices(4)
 
-import keras  # noqa: E402
 
 from benchmarks.jax_steps import hlo_collectives  # noqa: E402
 from benchmarks.jax_steps import step_memory  # noqa: E402
 from benchmarks.sequence_parallel import step_of  # noqa: E402
 from tests import models  # noqa: E402
-from tests import zoo  # noqa: E402
 from tests import zoo_cases  # noqa: E402
 
 BLOCKS = zoo_cases.BLOCKS
 
 
-def _trained(name, sequence_parallel):
-    """`(one-device model, split copy)` of zoo LM `name` after 2 SGD steps
-    (the split copy's collectives are those of its last step)."""
-    reference, tp, x, y = zoo_cases.pair(
-        name, 2, sequence_parallel=sequence_parallel
-    )
-    for model in (reference, tp):
-        model.compile(
-            optimizer=keras.optimizers.SGD(1e-2), loss=zoo.loss_for(name)
-        )
-        for _ in range(2):
-            model.train_on_batch(x, y)
-    return reference, tp
-
-
-def _bytes(tp, kind, direction):
-    entry = tp.communication_stats(axis="model").get(kind, {})
-    return entry.get(f"{direction}_bytes", 0)
-
-
-@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma", "qwen3"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma"])
 def test_decoder_lms_train_exactly_with_megatron_sp_collectives(name):
-    reference, tp = _trained(name, sequence_parallel=True)
-    assert models.max_diff(tp.get_weights(), reference.get_weights()) < 1e-5
-    calls = {
-        kind: (entry["forward_calls"], entry["backward_calls"])
-        for kind, entry in tp.communication_stats(axis="model").items()
-    }
-    # Per block, the attention's and the MLP's input are all-gathered from
-    # their sequence shards and their Row outputs reduce-scattered; the
-    # embedding's lookup is reduce-scattered, the LM head's input
-    # gathered, and its logits gathered over the vocabulary. Each
-    # backward pass is the other collective.
-    assert calls == {
-        "reduce_scatter": (2 * BLOCKS + 1, 2 * BLOCKS + 1),
-        "all_gather": (2 * BLOCKS + 2, 2 * BLOCKS + 1),
-    }
-    # The same bytes as tensor parallelism's all-reduces: an all-reduce
-    # is a reduce-scatter and an all-gather of its buffer.
-    _, plain = _trained(name, sequence_parallel=False)
-    for direction, other in (("forward", "backward"), ("backward", "forward")):
-        reduced = _bytes(plain, "all_reduce", direction)
-        assert _bytes(tp, "reduce_scatter", direction) == reduced
-        gathered = _bytes(tp, "all_gather", other)
-        assert gathered - _bytes(plain, "all_gather", other) == reduced
+    # XLA sums the whole weights' gradients itself, uncounted (see below).
+    zoo_cases.check_sequence_parallel(
+        zoo_cases.sequence_parallel_results(name, 2),
+        whole_weight_reductions=0,
+    )
 
 
 def _gpt2_step(sequence_parallel):
@@ -117,7 +77,7 @@ def test_compiled_step_runs_the_counted_collectives_in_less_memory():
 
 
 def test_refusals_name_the_fix():
-    with pytest.raises(ValueError, match="use the JAX backend with"):
+    with pytest.raises(ValueError, match="use the JAX or torch backend"):
         keras_tp.TensorParallelKeras(
             models.mlp(), world_size=4, data_parallel=2, sequence_parallel=True
         )

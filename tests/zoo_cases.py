@@ -65,6 +65,79 @@ def check_exact(results, tolerance=1e-5):
     assert results["weights"] <= tolerance, results
 
 
+def trained(name, world_size, **wrap_kwargs):
+    """`(one-device model, split copy)` of zoo model `name` after 2 SGD
+    steps (the split copy's collectives are those of its last step)."""
+    reference, tp, x, y = pair(name, world_size, **wrap_kwargs)
+    for model in (reference, tp):
+        model.compile(
+            optimizer=keras.optimizers.SGD(1e-2), loss=zoo.loss_for(name)
+        )
+        for _ in range(2):
+            model.train_on_batch(x, y)
+    return reference, tp
+
+
+def sequence_parallel_results(name, world_size):
+    """What `check_sequence_parallel` checks of decoder LM `name`: its
+    weights after 2 SGD steps with `sequence_parallel=True` next to one
+    device's, and the `model`-axis collectives of its last step with and
+    without sequence parallelism."""
+    reference, tp = trained(name, world_size, sequence_parallel=True)
+    _, plain = trained(name, world_size)
+    return {
+        "weights": _largest(tp.get_weights(), reference.get_weights()),
+        "sequence": tp.communication_stats(axis="model"),
+        "plain": plain.communication_stats(axis="model"),
+        "whole_weights": sum(
+            tp._runtime.placement.split_axis(v) is None
+            for v in tp.trainable_variables
+        ),
+    }
+
+
+def check_sequence_parallel(results, whole_weight_reductions):
+    """Megatron's sequence parallelism: exact, and per block 2 all-gathers
+    and 2 reduce-scatters each way in place of the 2 all-reduces, with the
+    same bytes.
+
+    Per block, the attention's and the MLP's input are all-gathered from
+    their sequence shards and their Row outputs reduce-scattered; the
+    embedding's lookup is reduce-scattered, the LM head's input gathered,
+    and its logits gathered over the vocabulary. Each backward pass is the
+    other collective.
+
+    Args:
+        results: `sequence_parallel_results`.
+        whole_weight_reductions: the backward all-reduces expected of the
+            weights that stay whole (each computed on a sequence shard):
+            one per weight where the backend counts them, else 0.
+    """
+    assert results["weights"] < 1e-5, results["weights"]
+    stats, plain = results["sequence"], results["plain"]
+    calls = {
+        kind: (entry["forward_calls"], entry["backward_calls"])
+        for kind, entry in stats.items()
+    }
+    expected = {
+        "reduce_scatter": (2 * BLOCKS + 1, 2 * BLOCKS + 1),
+        "all_gather": (2 * BLOCKS + 2, 2 * BLOCKS + 1),
+    }
+    if whole_weight_reductions:
+        expected["all_reduce"] = (0, whole_weight_reductions)
+    assert calls == expected, calls
+
+    def sent(entries, kind, direction):
+        return entries.get(kind, {}).get(f"{direction}_bytes", 0)
+
+    # An all-reduce is a reduce-scatter and an all-gather of its buffer.
+    for direction, other in (("forward", "backward"), ("backward", "forward")):
+        reduced = sent(plain, "all_reduce", direction)
+        assert sent(stats, "reduce_scatter", direction) == reduced
+        gathered = sent(stats, "all_gather", other)
+        assert gathered - sent(plain, "all_gather", other) == reduced
+
+
 def pair(name, world_size, **wrap_kwargs):
     """`(one-device model, split copy, x, y)` of zoo model `name`."""
     reference, x, y = zoo.ZOO[name]()

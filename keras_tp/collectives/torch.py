@@ -9,8 +9,15 @@ operators are small `torch.autograd.Function`s whose backward pass issues
 (and counts) exactly the collective the math needs, or none.
 """
 
+import functools
+
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Shard
 
 from keras_tp.collectives.base import CollectiveAdapter
 
@@ -20,6 +27,16 @@ _TORCH_REDUCE_OPS = {
     "mean": dist.ReduceOp.SUM,
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
+}
+
+
+# What `count_functional` counts each functional collective as.
+_FUNCTIONAL_KINDS = {
+    "all_gather_into_tensor": ("all_gather", None),
+    "all_reduce": ("all_reduce", 1),
+    "reduce_scatter_tensor": ("reduce_scatter", 1),
+    "all_to_all_single": ("all_to_all", 1),
+    "broadcast": ("broadcast", 1),
 }
 
 
@@ -100,8 +117,11 @@ class TorchCollectiveAdapter(CollectiveAdapter):
         return self.gather(x, axis)
 
     def _reduce_scatter(self, x, axis, op):
-        # reduce_scatter_single splits dimension 0: bring `axis` there.
-        full = _detached_copy(x, "reduce_scatter").movedim(axis, 0).contiguous()
+        # reduce_scatter_single splits dimension 0: bring `axis` there. It
+        # reads its input without writing it, so no copy is needed beyond
+        # the one that moves the axis.
+        _check_not_differentiated(x, "reduce_scatter")
+        full = x.detach().movedim(axis, 0).contiguous()
         local = full.new_empty((full.shape[0] // self.size(), *full.shape[1:]))
         if not is_symbolic(full):
             dist.reduce_scatter_single(
@@ -150,14 +170,16 @@ class TorchCollectiveAdapter(CollectiveAdapter):
             self._record("all_reduce", grad, "backward")
             return self.sum_in_place(_contiguous_copy(grad))
 
-        return _Conjugate.apply(x, lambda x: x.view_as(x), summed_gradient)
+        return _Conjugate.apply(
+            x, self, lambda x: x.view_as(x), summed_gradient
+        )
 
     def reduce_from_parallel(self, x):
         # Megatron `g`: the output is replicated, so the gradient arriving
         # on each rank is already that of every rank's partial sum.
         self._record("all_reduce", x, "forward")
         return _Conjugate.apply(
-            x, lambda x: self.sum_in_place(_contiguous_copy(x)), _identity
+            x, self, lambda x: self.sum_in_place(_contiguous_copy(x)), _identity
         )
 
     def gather_from_parallel(self, x, axis=-1):
@@ -165,6 +187,7 @@ class TorchCollectiveAdapter(CollectiveAdapter):
         axis %= x.ndim
         return _Conjugate.apply(
             x,
+            self,
             lambda x: self.gather(x, axis),
             lambda grad: self.local_slice(grad, axis),
         )
@@ -177,8 +200,105 @@ class TorchCollectiveAdapter(CollectiveAdapter):
             return self.gather(grad, axis)
 
         return _Conjugate.apply(
-            x, lambda x: self.local_slice(x, axis), gathered_gradient
+            x, self, lambda x: self.local_slice(x, axis), gathered_gradient
         )
+
+    def gather_sequence(self, x, axis=1):
+        # Each rank's gradient of the whole sequence is its partial sum.
+        local = x.to_local() if isinstance(x, DTensor) else x
+        if is_symbolic(local):
+            # A symbolic trace keeps every activation whole.
+            return local
+        axis %= local.ndim
+        self._record("all_gather", local, "forward", self.size())
+
+        def scattered_gradient(grad):
+            self._record("reduce_scatter", grad, "backward")
+            return self._reduce_scatter(grad, axis, "sum")
+
+        return _Conjugate.apply(
+            local, self, lambda x: self.gather(x, axis), scattered_gradient
+        )
+
+    def reduce_scatter_sequence(self, x, axis=1):
+        """As the base class; the shard comes back as a `DTensor` split on
+        `axis` over this adapter's ranks, so that the code between the
+        regions sees the whole sequence's shape (see
+        `keras_tp.runtime.torch.sequence`)."""
+        if is_symbolic(x):
+            return x.view_as(x)
+        axis %= x.ndim
+        self._record("reduce_scatter", x, "forward")
+
+        def gathered_gradient(grad):
+            self._record("all_gather", grad, "backward", self.size())
+            return self.gather(grad, axis)
+
+        local = _Conjugate.apply(
+            x,
+            self,
+            lambda x: self._reduce_scatter(x, axis, "sum"),
+            gathered_gradient,
+        )
+        return DTensor.from_local(
+            local, self.device_mesh, [Shard(axis)], run_check=False
+        )
+
+    @functools.cached_property
+    def device_mesh(self):
+        """This adapter's ranks as a one-axis `DeviceMesh`."""
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        return DeviceMesh.from_group(
+            self.group or dist.group.WORLD, device_type
+        )
+
+    def replicated(self, x):
+        """`x` as a `DTensor` replicated over this adapter's ranks.
+
+        Its gradient, which code on sequence shards leaves as partial sums
+        (or shards), is made whole by one counted all-reduce (or
+        all-gather) in the backward pass: Megatron's all-reduce of the
+        gradients of its sequence-parallel weights.
+        """
+        return _Replicated.apply(x, self)
+
+    def whole_gradient(self, grad):
+        """The whole value of a `DTensor` gradient, as a local tensor."""
+        (placement,) = grad.placements
+        local = grad.to_local()
+        if isinstance(placement, Partial):
+            self._record("all_reduce", local, "backward")
+            return self.sum_in_place(_contiguous_copy(local))
+        if isinstance(placement, Shard):
+            self._record("all_gather", grad, "backward")
+            return self._gather_uneven(local, placement.dim, grad.shape)
+        return local
+
+    def count_functional(self, op, x):
+        """Counts a functional collective `op` (`"_c10d_functional::..."`)
+        that torch issued itself on input `x`, in the forward or the
+        backward pass."""
+        name = op.split("::")[-1]
+        if name not in _FUNCTIONAL_KINDS:
+            # wait_tensor and the like move nothing.
+            return
+        kind, scale = _FUNCTIONAL_KINDS[name]
+        if kind == "all_gather":
+            scale = self.size()
+        # Autograd's engine runs a graph task only in a backward pass.
+        in_backward = torch._C._current_graph_task_id() >= 0
+        direction = "backward" if in_backward else "forward"
+        self._record(kind, x, direction, scale)
+
+    def _gather_uneven(self, local, axis, shape):
+        # DTensor shards as `torch.chunk` does: the last ranks' shards may
+        # be shorter, or empty.
+        length = -(-shape[axis] // self.size())
+        padding = [0, 0] * (local.ndim - axis - 1)
+        padded = torch.nn.functional.pad(
+            local, padding + [0, length - local.shape[axis]]
+        )
+        return self.gather(padded, axis).narrow(axis, 0, shape[axis])
 
     def _gather_partitions(self, x, axis):
         def scattered_gradient(grad):
@@ -186,7 +306,7 @@ class TorchCollectiveAdapter(CollectiveAdapter):
                 return self.reduce_scatter(grad, axis, "mean")
 
         return _Conjugate.apply(
-            x, lambda x: self.gather(x.detach(), axis), scattered_gradient
+            x, self, lambda x: self.gather(x.detach(), axis), scattered_gradient
         )
 
 
@@ -199,13 +319,35 @@ class _Conjugate(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, forward, backward):
+    def forward(ctx, x, adapter, forward, backward):
+        ctx.adapter = adapter
         ctx.backward_op = backward
         return forward(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.backward_op(grad), None, None
+        if isinstance(grad, DTensor):
+            # Under sequence parallelism a whole output that met sequence
+            # shards has its gradient in shards (or partial sums).
+            grad = ctx.adapter.whole_gradient(grad)
+        return ctx.backward_op(grad), None, None, None
+
+
+class _Replicated(torch.autograd.Function):
+    """A local tensor as a replicated `DTensor`; its gradient made whole."""
+
+    @staticmethod
+    def forward(ctx, x, adapter):
+        ctx.adapter = adapter
+        return DTensor.from_local(
+            x, adapter.device_mesh, [Replicate()], run_check=False
+        )
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor):
+            grad = ctx.adapter.whole_gradient(grad)
+        return grad, None
 
 
 def _identity(x):

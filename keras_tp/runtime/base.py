@@ -89,12 +89,12 @@ class Runtime(CheckpointPieces):
         if sequence_parallel:
             if not self.runs_sequence_parallel:
                 raise ValueError(
-                    "sequence_parallel=True runs on JAX with tensor "
-                    "parallelism only, for now (this runtime: "
+                    "sequence_parallel=True runs on JAX and torch with "
+                    "tensor parallelism only, for now (this runtime: "
                     f"{self.backend}, data_parallel={data_parallel}, "
                     f"zero_stage={zero_stage}). Pass sequence_parallel="
-                    "False, or use the JAX backend with data_parallel=1 "
-                    "and zero_stage=0."
+                    "False, or use the JAX or torch backend with "
+                    "data_parallel=1 and zero_stage=0."
                 )
             self.adapter = SequenceParallelAdapter(self.adapter)
 
@@ -449,7 +449,7 @@ class Runtime(CheckpointPieces):
         """This rank's value of `variable` where ranks hold their own."""
         return variable.value
 
-    def run_local_region(self, region, args, kwargs):
+    def run_local_region(self, region, args, kwargs, enter=None):
         """Runs a region's per-rank math where the values are already local.
 
         For a rank that holds its own tensors (a torch process, a JAX device
@@ -460,13 +460,19 @@ class Runtime(CheckpointPieces):
         Args:
             region: the `ShardedRegion`.
             args, kwargs: the region's call arguments, local to the rank.
+            enter: the function a replicated input enters the parallel
+                part through; by default the adapter's `copy_to_parallel`.
 
         Returns:
             The region's local outputs.
         """
         if region.parallel_input:
             args, kwargs = copy_replicated_inputs(
-                region, self.adapter, args, kwargs, is_float
+                region,
+                enter or self.adapter.copy_to_parallel,
+                args,
+                kwargs,
+                is_float,
             )
         weights = [self.local_value(v) for v, _ in region.variables()]
         with region.local_weights(weights), self.adapter.activated():

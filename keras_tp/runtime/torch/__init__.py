@@ -40,6 +40,7 @@ from keras_tp.runtime.base import median_seconds
 from keras_tp.runtime.torch.process_group import configure_virtual_devices
 from keras_tp.runtime.torch.process_group import join_process_group
 from keras_tp.runtime.torch.process_group import mesh_groups
+from keras_tp.runtime.torch.sequence import SequenceShards
 from keras_tp.runtime.torch.storage import from_numpy
 from keras_tp.runtime.torch.storage import parameter_of
 from keras_tp.runtime.torch.storage import swap_storage
@@ -75,7 +76,7 @@ class TorchRuntime(Runtime):
                 f"torchrun --nproc-per-node {world_size}) or pass "
                 f"world_size={ranks}."
             )
-        # Runtime refuses sequence_parallel=True here, with the fix.
+        # Runtime refuses sequence_parallel=True here where it can't run.
         super().__init__(world_size, *args, **kwargs)
         set_process_adapter(self.adapter)
         if self.world_size != ranks:
@@ -85,6 +86,18 @@ class TorchRuntime(Runtime):
                 "with one device."
             )
         self._input_widths = {}
+        self._regions = []
+        self._sequence = (
+            SequenceShards(self.adapter.inner, self._regions)
+            if self.sequence_parallel
+            else None
+        )
+
+    @property
+    def runs_sequence_parallel(self):
+        # The shards between the regions are DTensors of the `model` ranks;
+        # in a per-rank step the `data` axis would need them too.
+        return not self.per_rank_steps
 
     def _available_devices(self):
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -350,7 +363,8 @@ class TorchRuntime(Runtime):
         predictions of the slices are gathered into the global batch's.
         """
         if not self.per_rank_steps:
-            return super().run_step(phase, step, *args, **kwargs)
+            with self._sequence_step():
+                return super().run_step(phase, step, *args, **kwargs)
         (data,) = args
         model = step.__self__
         with self.adapter.stats.recording(phase):
@@ -429,16 +443,38 @@ class TorchRuntime(Runtime):
         size = tensor.shape[0] // self.data_parallel
         return tensor.narrow(0, self.data_adapter.rank() * size, size)
 
+    def call_model(self, model, inputs, training):
+        if self._sequence is None:
+            return super().call_model(model, inputs, training)
+        with self._sequence.step():
+            outputs = super().call_model(model, inputs, training)
+            return self._sequence.whole(outputs)
+
+    def _sequence_step(self):
+        if self._sequence is None:
+            return contextlib.nullcontext()
+        return self._sequence.step()
+
     def run_region(self, region, args, kwargs):
         region.check_input_widths(
             self._input_widths[id(region)], args, self.tensor_parallel
         )
-        return self.run_local_region(region, args, kwargs)
+        if self._sequence is None:
+            return self.run_local_region(region, args, kwargs)
+        if not region.parallel_input:
+            args, kwargs = self._sequence.whole((args, kwargs))
+        return self.run_local_region(
+            region, args, kwargs, enter=self._sequence.enter
+        )
 
     def prepare_model(self, model):
         # Masks then come from the layers' seed generators, which every
         # rank holds alike and checkpoints save.
         draw_from_state(seed_generators(model))
+        if self._sequence is not None:
+            self._sequence.make_gradients_whole(
+                parameter_of(v) for v in model.trainable_variables
+            )
 
     def prepare_region(self, region):
         """Lets the region's layers take local-width inputs.
@@ -448,6 +484,7 @@ class TorchRuntime(Runtime):
         checks the widths instead, split-aware (`check_input_widths`).
         """
         self._input_widths[id(region)] = region.drop_input_widths()
+        self._regions.append(region)
 
 
 RUNTIME = TorchRuntime

@@ -1,0 +1,247 @@
+"""Sequence parallelism on torch: the code between regions on `DTensor`s.
+
+Each rank is a process that runs the model's whole code on its own
+tensors. Under sequence parallelism the activations between the regions
+are sequence shards, but that code reads shapes from them: keras-hub's
+decoders build their causal masks from the hidden states' length, and a
+position embedding takes as many rows. So a shard travels as a
+`torch.distributed.tensor.DTensor` split on the sequence axis over the
+`model` ranks: its shape is the whole sequence's, each rank stores and
+computes its shard, and the pointwise code (norms, dropouts, residual
+adds) runs on the shard alone. Tensors the code makes from shapes (a
+causal mask, a slice of a position table, a dropout's mask) are plain and
+whole, and `implicit_replication` lets them meet the shards, as a
+replicated `DTensor` would.
+
+- A region's `reduce_from_parallel` reduce-scatters its output into such
+  a shard (`TorchCollectiveAdapter.reduce_scatter_sequence`).
+- A shard entering a region is all-gathered (`gather_sequence`), once per
+  forward pass however many of the region's layers read it. The region's
+  matmuls keep the gathered input for their backward pass (Megatron keeps
+  the shard and gathers it again).
+- A model output that is a shard is all-gathered whole; its gradient, the
+  same on every rank, is sliced back.
+- A layer called on a shard reads its own whole weights as replicated
+  `DTensor`s, and a weight a region adds to a shard (a Row layer's bias)
+  meets it as one, so that their gradients, partial sums over each rank's
+  shard, are made whole by one counted collective each in the backward
+  pass (Megatron all-reduces its sequence-parallel weights' gradients).
+
+A shard meets mostly pointwise code and whole tensors between the
+regions. An operation that mixes the sequence's positions there (a
+pooling over it, the attention of a layer the plan keeps whole) makes
+DTensor move what it needs itself, as XLA does on JAX; those collectives
+are counted too.
+"""
+
+import contextlib
+
+import keras
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.nn.modules.module import register_module_forward_hook
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from keras_tp.keras_internals import bind_values
+from keras_tp.keras_internals import own_trainable_variables
+
+
+class SequenceShards:
+    """The sequence shards of a torch runtime's `model` ranks.
+
+    Args:
+        adapter: the runtime's `model`-axis `TorchCollectiveAdapter`.
+        regions: the runtime's installed regions (a list it fills).
+    """
+
+    def __init__(self, adapter, regions):
+        self.adapter = adapter
+        self.regions = regions
+        self._in_step = False
+
+    @contextlib.contextmanager
+    def step(self):
+        """The context of a step or a call, its backward pass included:
+        whole tensors meet the shards as replicated ones, and a layer
+        called on a shard reads its whole weights as replicated.
+
+        The collectives DTensor issues itself are counted (see
+        `_CountedDTensorCollectives`).
+        """
+        if self._in_step:
+            # `implicit_replication` switches off on exit, not back to
+            # what it was: only the outermost context may enter it.
+            yield
+            return
+        self._in_step = True
+        held = {
+            id(variable)
+            for region in self.regions
+            for variable, _ in region.variables()
+        }
+        try:
+            with (
+                implicit_replication(),
+                _ReplicatedWeights(self.adapter, held),
+                _CountedDTensorCollectives(self.adapter),
+            ):
+                yield
+        except (NotImplementedError, RuntimeError) as error:
+            if not _is_dtensor_limit(error):
+                raise
+            raise ValueError(
+                "sequence_parallel=True runs the code between the split "
+                "layers on sequence shards (torch DTensors), and an "
+                "operation there has no rule for them in torch "
+                f"({_first_line(error)}). It is most likely the attention "
+                "of a layer the plan keeps whole (see "
+                "`tp.sharding_plan.fallbacks`). Pass sequence_parallel="
+                "False, or use the JAX backend, whose compiler splits any "
+                "operation."
+            ) from error
+        finally:
+            self._in_step = False
+
+    def make_gradients_whole(self, parameters):
+        """A weight a region adds to a shard (a Row layer's bias after its
+        reduce-scatter) meets it as a replicated tensor, and its gradient
+        arrives as a `DTensor` of partial sums: each such gradient is made
+        whole by one counted all-reduce as soon as it is accumulated."""
+
+        def make_whole(parameter):
+            if isinstance(parameter.grad, DTensor):
+                parameter.grad = self.adapter.whole_gradient(parameter.grad)
+
+        for parameter in parameters:
+            parameter.register_post_accumulate_grad_hook(make_whole)
+
+    def enter(self, x):
+        """A region's replicated input, read by split weights: a shard
+        all-gathered (its gradient, each rank's partial sum,
+        reduce-scattered), any other through `copy_to_parallel`."""
+        if isinstance(x, DTensor) and _is_shard(x):
+            return self.adapter.gather_sequence(x)
+        return self.adapter.copy_to_parallel(self._local(x))
+
+    def whole(self, structure):
+        """`structure` with each `DTensor` made a whole local tensor: a
+        shard all-gathered (its gradient, the same on every rank, sliced
+        back), a partial sum all-reduced."""
+        return keras.tree.map_structure(self._local, structure)
+
+    def _local(self, x):
+        if not isinstance(x, DTensor):
+            return x
+        (placement,) = x.placements
+        if placement.is_shard():
+            return self.adapter.gather_from_parallel(
+                x.to_local(), placement.dim
+            )
+        if placement.is_partial():
+            return self.adapter.reduce_from_parallel(x.to_local())
+        return x.to_local()
+
+
+class _LayerHooks:
+    """Global module hooks around every Keras layer's call while inside;
+    `_enter_layer` and `_leave_layer` are the subclass's."""
+
+    def __enter__(self):
+        self._hooks = [
+            register_module_forward_pre_hook(self._enter_layer),
+            register_module_forward_hook(self._leave_layer),
+        ]
+        return self
+
+    def __exit__(self, *exc):
+        for hook in self._hooks:
+            hook.remove()
+
+
+class _ReplicatedWeights(_LayerHooks):
+    """A layer called on a shard reads its own whole trainable weights as
+    replicated `DTensor`s (`TorchCollectiveAdapter.replicated`), whose
+    gradients come back whole; a layer called on whole tensors reads them
+    as they are.
+
+    Args:
+        adapter: the `model`-axis `TorchCollectiveAdapter`.
+        held: ids of the variables the regions hold, which they read.
+    """
+
+    def __init__(self, adapter, held):
+        self.adapter = adapter
+        self.held = held
+        self._bindings = []
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        # A call that raised left its binding open.
+        while self._bindings:
+            binding = self._bindings.pop()
+            if binding is not None:
+                binding.__exit__(None, None, None)
+
+    def _enter_layer(self, module, args):
+        pairs = []
+        if isinstance(module, keras.layers.Layer) and any(
+            isinstance(x, DTensor) for x in keras.tree.flatten(args)
+        ):
+            pairs = [
+                (variable, self.adapter.replicated(variable.value))
+                for variable in own_trainable_variables(module)
+                if id(variable) not in self.held
+            ]
+        binding = bind_values(pairs) if pairs else None
+        if binding is not None:
+            binding.__enter__()
+        self._bindings.append(binding)
+
+    def _leave_layer(self, module, args, output):
+        binding = self._bindings.pop()
+        if binding is not None:
+            binding.__exit__(None, None, None)
+
+
+class _CountedDTensorCollectives(TorchDispatchMode):
+    """Counts each collective DTensor issues itself (a functional
+    collective) on the `model` axis.
+
+    Between the regions a shard meets pointwise code and whole tensors,
+    which need none. An operation there that mixes the sequence's
+    positions (a pooling over it, the attention of a layer the plan keeps
+    whole, the backward pass of a slice of a position table) makes DTensor
+    move what it needs, as XLA does on JAX: exact, and counted here.
+
+    Args:
+        adapter: the `model`-axis `TorchCollectiveAdapter`.
+    """
+
+    def __init__(self, adapter):
+        super().__init__()
+        self.adapter = adapter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if DTensor in types:
+            # Modes run before tensor subclasses: this lets DTensor turn the
+            # op into local ops and collectives first, which come back here.
+            return NotImplemented
+        if func.namespace == "_c10d_functional":
+            self.adapter.count_functional(func.name(), args[0])
+        return func(*args, **(kwargs or {}))
+
+
+def _is_dtensor_limit(error):
+    """Whether `error` is DTensor's: an op it has no sharding rule for."""
+    message = str(error)
+    return "DTensor" in message or "sharding strategy" in message
+
+
+def _first_line(error):
+    return str(error).strip().splitlines()[0]
+
+
+def _is_shard(x):
+    (placement,) = x.placements
+    return placement.is_shard()

@@ -1,0 +1,68 @@
+"""`TensorParallelKeras(sequence_parallel=True)` on torch: 2 processes.
+
+Run alone:
+`KERAS_BACKEND=torch python -m pytest tests/test_torch_sequence_parallel.py`.
+One launch runs every check (starting processes is the slow part). The
+norms, dropouts and residual adds of keras-hub's decoder LMs run on
+sequence shards (DTensors); they train exactly as on one device, with
+Megatron's collectives, and the step's temporaries take less memory.
+"""
+
+import keras
+import pytest
+
+if keras.backend.backend() != "torch":
+    pytest.skip(
+        "torch backend tests; run with KERAS_BACKEND=torch",
+        allow_module_level=True,
+    )
+
+from keras_tp.launcher import launch  # noqa: E402
+from tests import zoo_cases  # noqa: E402
+from tests.torch_scripts import sequence_checks  # noqa: E402
+
+BLOCKS = zoo_cases.BLOCKS
+WORLD_SIZE = 2
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch(
+        sequence_checks.sequence_checks,
+        world_size=WORLD_SIZE,
+        args=(WORLD_SIZE,),
+        timeout=900,
+    )
+
+
+def test_llama_trains_exactly_with_megatron_sp_collectives(results):
+    llama = results["llama"]
+    # Every weight that stays whole (Llama's 5 RMS norms) has its
+    # gradient, a partial sum over each rank's shard, all-reduced once.
+    assert llama["whole_weights"] == 2 * BLOCKS + 1
+    zoo_cases.check_sequence_parallel(llama, llama["whole_weights"])
+
+
+def test_plans_with_whole_projections_train_or_refuse(results):
+    # Qwen3 keeps its attention's projections whole (per-head norms) and
+    # gathers their outputs: exact on shards.
+    assert results["qwen3"]["weights"] < 1e-5
+    assert results["qwen3"]["fallbacks"]
+    # Gemma's single key/value head stays whole and meets the shards in
+    # its attention, which DTensor cannot run backward: refused.
+    assert "no rule for them in torch" in results["gemma"]
+    assert "sequence_parallel=False" in results["gemma"]
+
+
+def test_dropout_on_shards_draws_the_whole_mask(results):
+    # Each rank draws the mask of the whole sequence and keeps its shard:
+    # the same masks as tensor parallelism alone.
+    assert results["dropout"] < 1e-6
+
+
+def test_activations_held_for_the_backward_pass_fall(results):
+    (plain, _), (split, _) = (
+        results["temporaries"][False],
+        results["temporaries"][True],
+    )
+    assert split < plain, results["temporaries"]

@@ -1,0 +1,72 @@
+"""Run on every rank by `keras_tp.launch` in
+tests/test_torch_sequence_parallel.py."""
+
+import keras
+import keras_hub
+
+import keras_tp
+from benchmarks.sequence_parallel import step_temporary_bytes
+from benchmarks.sequence_parallel import trained
+from tests import models
+from tests import zoo_cases
+
+
+def sequence_checks(world_size):
+    """Rank 0's results of each check of the test module."""
+    results = {
+        name: zoo_cases.sequence_parallel_results(name, world_size)
+        for name in ("llama",)
+    }
+    reference, tp = zoo_cases.trained(
+        "qwen3", world_size, sequence_parallel=True
+    )
+    results["qwen3"] = {
+        "weights": models.max_diff(tp.get_weights(), reference.get_weights()),
+        "fallbacks": dict(tp.sharding_plan.fallbacks),
+    }
+    results["gemma"] = _refusal("gemma", world_size)
+    results["dropout"] = _dropout_difference(world_size)
+    results["temporaries"] = {
+        sequence: step_temporary_bytes(
+            *trained(256, 64, 2, 2, 2, world_size, sequence)
+        )
+        for sequence in (False, True)
+    }
+    return results
+
+
+def _refusal(name, world_size):
+    """The error of zoo model `name`'s first training step, or `None`."""
+    _, tp, x, y = zoo_cases.pair(name, world_size, sequence_parallel=True)
+    tp.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    try:
+        tp.train_on_batch(x, y)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _dropout_difference(world_size):
+    """Largest weight difference between a GPT2 backbone with dropout
+    trained 2 steps split with and without sequence parallelism."""
+    x, y = models.backbone_data(4, length=8)
+    weights = []
+    for sequence in (False, True):
+        keras.utils.set_random_seed(3)
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=64,
+            num_layers=2,
+            num_heads=2,
+            hidden_dim=16,
+            intermediate_dim=32,
+            max_sequence_length=8,
+            dropout=0.3,
+        )
+        tp = keras_tp.TensorParallelKeras(
+            backbone, world_size=world_size, sequence_parallel=sequence
+        )
+        tp.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        for _ in range(2):
+            tp.train_on_batch(x, y)
+        weights.append(tp.get_weights())
+    return models.max_diff(*weights)

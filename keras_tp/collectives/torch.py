@@ -7,6 +7,12 @@ GPU). Plain `dist.all_reduce` is invisible to autograd, and the gradient of
 makes tensor-parallel gradients N times too large. So Megatron's conjugate
 operators are small `torch.autograd.Function`s whose backward pass issues
 (and counts) exactly the collective the math needs, or none.
+
+Under sequence parallelism a sequence shard is a `DTensor` split over the
+adapter's ranks (`reduce_scatter_sequence` makes one), so that the code
+between the split layers sees the whole sequence's shape; a gradient that
+comes back as a `DTensor` is made whole by a counted collective
+(`whole_gradient`).
 """
 
 import functools
@@ -32,11 +38,11 @@ _TORCH_REDUCE_OPS = {
 
 # What `count_functional` counts each functional collective as.
 _FUNCTIONAL_KINDS = {
-    "all_gather_into_tensor": ("all_gather", None),
-    "all_reduce": ("all_reduce", 1),
-    "reduce_scatter_tensor": ("reduce_scatter", 1),
-    "all_to_all_single": ("all_to_all", 1),
-    "broadcast": ("broadcast", 1),
+    "all_gather_into_tensor": "all_gather",
+    "all_reduce": "all_reduce",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
 }
 
 
@@ -282,9 +288,9 @@ class TorchCollectiveAdapter(CollectiveAdapter):
         if name not in _FUNCTIONAL_KINDS:
             # wait_tensor and the like move nothing.
             return
-        kind, scale = _FUNCTIONAL_KINDS[name]
-        if kind == "all_gather":
-            scale = self.size()
+        kind = _FUNCTIONAL_KINDS[name]
+        # An all-gather moves `size()` times its input.
+        scale = self.size() if kind == "all_gather" else 1
         # Autograd's engine runs a graph task only in a backward pass.
         in_backward = torch._C._current_graph_task_id() >= 0
         direction = "backward" if in_backward else "forward"

@@ -143,23 +143,7 @@ class SequenceShards:
         return x.to_local()
 
 
-class _LayerHooks:
-    """Global module hooks around every Keras layer's call while inside;
-    `_enter_layer` and `_leave_layer` are the subclass's."""
-
-    def __enter__(self):
-        self._hooks = [
-            register_module_forward_pre_hook(self._enter_layer),
-            register_module_forward_hook(self._leave_layer),
-        ]
-        return self
-
-    def __exit__(self, *exc):
-        for hook in self._hooks:
-            hook.remove()
-
-
-class _ReplicatedWeights(_LayerHooks):
+class _ReplicatedWeights:
     """A layer called on a shard reads its own whole trainable weights as
     replicated `DTensor`s (`TorchCollectiveAdapter.replicated`), whose
     gradients come back whole; a layer called on whole tensors reads them
@@ -175,8 +159,17 @@ class _ReplicatedWeights(_LayerHooks):
         self.held = held
         self._bindings = []
 
+    def __enter__(self):
+        # Global module hooks: every Keras layer's call while inside.
+        self._hooks = [
+            register_module_forward_pre_hook(self._enter_layer),
+            register_module_forward_hook(self._leave_layer),
+        ]
+        return self
+
     def __exit__(self, *exc):
-        super().__exit__(*exc)
+        for hook in self._hooks:
+            hook.remove()
         # A call that raised left its binding open.
         while self._bindings:
             binding = self._bindings.pop()

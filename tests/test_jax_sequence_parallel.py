@@ -31,7 +31,8 @@ from tests import zoo_cases  # noqa: E402
 BLOCKS = zoo_cases.BLOCKS
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma"])
+# GPT2 is the compiled-step test's model; torch's test trains Qwen3.
+@pytest.mark.parametrize("name", ["llama", "gemma"])
 def test_decoder_lms_train_exactly_with_megatron_sp_collectives(name):
     # XLA sums the whole weights' gradients itself, uncounted (see below).
     zoo_cases.check_sequence_parallel(

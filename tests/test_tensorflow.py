@@ -42,7 +42,15 @@ TOLERANCE = 1e-5
 FIT_STEPS = 5
 BATCH = 4
 MODELS = ("mlp", "cnn", "transformer_lm", "subclassed")
-CASES = [(name, n) for name in MODELS for n in (2, 4)]
+# The transformer LM runs 2 ways only: its 4-way split costs most of the
+# module's time and tests nothing the MLP's and the CNN's 4-way splits and
+# the zoo's transformers do not.
+CASES = [
+    (name, n)
+    for name in MODELS
+    for n in (2, 4)
+    if not (name == "transformer_lm" and n == 4)
+]
 
 
 def _loss():

@@ -64,6 +64,8 @@ class TorchRuntime(Runtime):
     """
 
     backend = "torch"
+    # The sequence shards between the regions, under sequence parallelism.
+    _sequence = None
 
     def __init__(self, world_size=None, *args, **kwargs):
         """Arguments as `Runtime`'s; this process joins the group first."""
@@ -85,13 +87,8 @@ class TorchRuntime(Runtime):
                 f"group has {ranks} rank(s): on torch each rank is one process "
                 "with one device."
             )
-        self._input_widths = {}
-        self._regions = []
-        self._sequence = (
-            SequenceShards(self.adapter.inner, self._regions)
-            if self.sequence_parallel
-            else None
-        )
+        if self.sequence_parallel:
+            self._sequence = SequenceShards(self.adapter.inner, self._regions)
 
     @property
     def runs_sequence_parallel(self):
@@ -106,6 +103,8 @@ class TorchRuntime(Runtime):
         ]
 
     def _build(self):
+        self._input_widths = {}
+        self._regions = []
         self.rank = dist.get_rank()
         self.device = (
             torch.device("cuda", torch.cuda.current_device())

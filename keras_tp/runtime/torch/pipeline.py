@@ -307,7 +307,6 @@ class TorchStageRuntime(TorchRuntime):
         # Runtime's constructor, not TorchRuntime's: this process already
         # joined its process group, of which the stage holds a part.
         Runtime.__init__(self, len(devices), devices, data_parallel, zero_stage)
-        self._input_widths = {}
 
     def _axis_groups(self):
         return self._groups

@@ -821,13 +821,15 @@ def test_fit_compiles_its_step_once(data_parallel):
     assert traced == ["train", "test"], traced
 
 
-def _two_hosts(directory, *mode):
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory):
     """Runs tests/jax_scripts/multihost.py in 2 processes; their JSON."""
     import json
     import socket
     import subprocess
     import sys
 
+    directory = tmp_path_factory.mktemp("two_hosts")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -836,7 +838,7 @@ def _two_hosts(directory, *mode):
     )
     processes = [
         subprocess.Popen(
-            [sys.executable, script, str(port), str(i), str(directory), *mode],
+            [sys.executable, script, str(port), str(i), str(directory)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -852,19 +854,19 @@ def _two_hosts(directory, *mode):
     ]
 
 
-def test_two_hosts_gather_weights_and_save(tmp_path):
+def test_two_hosts_gather_weights_and_save(two_hosts):
     """TP=4 over two jax.distributed processes of two devices each."""
-    results = _two_hosts(tmp_path)
+    results = [process["tensor_parallel"] for process in two_hosts]
     for result in results:
         assert len(result["devices"]) == 4  # 2 local + 2 remote devices
         assert result["weights"] <= ATOL
     assert results[0]["saved"] == 0.0
 
 
-def test_two_hosts_reduce_hierarchically(tmp_path):
+def test_two_hosts_reduce_hierarchically(two_hosts):
     """A data axis of 4 over two processes of two devices each: within
     each host first (tests/hierarchy_cases.py)."""
     from tests import hierarchy_cases
 
-    for results in _two_hosts(tmp_path, "hierarchical"):
-        hierarchy_cases.check_runs(results)
+    for process in two_hosts:
+        hierarchy_cases.check_runs(process["hierarchical"])

@@ -245,8 +245,9 @@ def test_bytes_per_device_within_bound(name, n):
     )
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_transformer_collectives_per_step(n):
+def test_transformer_collectives_per_step():
+    # 2 ways: CASES' transformer LM (see there).
+    n = 2
     stats = run_case("transformer_lm", n)["train_stats"]
     blocks = 2
     # Per block 2 forward and 2 backward all-reduces; plus the token and

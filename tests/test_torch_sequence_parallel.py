@@ -40,7 +40,11 @@ def test_llama_trains_exactly_with_megatron_sp_collectives(results):
     # Every weight that stays whole (Llama's 5 RMS norms) has its
     # gradient, a partial sum over each rank's shard, all-reduced once.
     assert llama["whole_weights"] == 2 * BLOCKS + 1
-    zoo_cases.check_sequence_parallel(llama, llama["whole_weights"])
+    # The backward pass gathers each region's input again (Megatron's
+    # re-gather), rather than keeping it whole from the forward pass.
+    zoo_cases.check_sequence_parallel(
+        llama, llama["whole_weights"], regathered=True
+    )
 
 
 def test_plans_with_whole_projections_train_or_refuse(results):
@@ -61,8 +65,12 @@ def test_dropout_on_shards_draws_the_whole_mask(results):
 
 
 def test_activations_held_for_the_backward_pass_fall(results):
+    # GPT2 (hidden 64, 2 heads, sequence 256) split 2 ways: Megatron's
+    # activation formula, sbh(10 + 24/t + 5as/ht) per block for tensor
+    # parallelism against sbh(34/t + 5as/ht), predicts 1.14x. Keeping the
+    # region inputs gathered rather than their shards gives about 1.0x.
     (plain, _), (split, _) = (
         results["temporaries"][False],
         results["temporaries"][True],
     )
-    assert split < plain, results["temporaries"]
+    assert plain > 1.1 * split, results["temporaries"]

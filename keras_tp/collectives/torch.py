@@ -280,6 +280,15 @@ class TorchCollectiveAdapter(CollectiveAdapter):
             return self._gather_uneven(local, placement.dim, grad.shape)
         return local
 
+    def regather_sequence(self, shard):
+        """A sequence shard (a `DTensor`) all-gathered again in the backward
+        pass, for the gradients of the weights that read it whole: counted,
+        and outside autograd."""
+        (placement,) = shard.placements
+        local = shard.to_local().detach()
+        self._record("all_gather", local, "backward", self.size())
+        return self.gather(local, placement.dim)
+
     def count_functional(self, op, x):
         """Counts a functional collective `op` (`"_c10d_functional::..."`)
         that torch issued itself on input `x`, in the forward or the

@@ -9,7 +9,9 @@ A sharded region runs eagerly on the local tensors of the process.
 
 - `process_group`: how a process joins its rank's process group;
 - `storage`: a variable's Parameter, swapped for the rank's slice;
-- `liveness`: which rank was lost when a collective fails.
+- `liveness`: which rank was lost when a collective fails;
+- `saved_tensors`: what a step keeps for its backward pass;
+- `sequence`: sequence parallelism's shards between the regions.
 
 Multi-node runs use the usual torchrun flags, on every node:
 
@@ -40,6 +42,7 @@ from keras_tp.runtime.base import median_seconds
 from keras_tp.runtime.torch.process_group import configure_virtual_devices
 from keras_tp.runtime.torch.process_group import join_process_group
 from keras_tp.runtime.torch.process_group import mesh_groups
+from keras_tp.runtime.torch.saved_tensors import DetachedSavedTensors
 from keras_tp.runtime.torch.sequence import SequenceShards
 from keras_tp.runtime.torch.storage import from_numpy
 from keras_tp.runtime.torch.storage import parameter_of
@@ -92,9 +95,10 @@ class TorchRuntime(Runtime):
 
     @property
     def runs_sequence_parallel(self):
-        # The shards between the regions are DTensors of the `model` ranks;
-        # in a per-rank step the `data` axis would need them too.
-        return not self.per_rank_steps
+        # The shards between the regions are DTensors of each data row's
+        # `model` ranks. ZeRO-3's partitions are gathered over `data`
+        # inside the layers, where the shards would meet them.
+        return self.zero_stage < 3
 
     def _available_devices(self):
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -362,11 +366,11 @@ class TorchRuntime(Runtime):
         predictions of the slices are gathered into the global batch's.
         """
         if not self.per_rank_steps:
-            with self._sequence_step():
+            with self._step_context():
                 return super().run_step(phase, step, *args, **kwargs)
         (data,) = args
         model = step.__self__
-        with self.adapter.stats.recording(phase):
+        with self.adapter.stats.recording(phase), self._step_context():
             data = keras.tree.map_structure(self._batch_slice, data)
             if phase == "predict":
                 return keras.tree.map_structure(
@@ -449,9 +453,12 @@ class TorchRuntime(Runtime):
             outputs = super().call_model(model, inputs, training)
             return self._sequence.whole(outputs)
 
-    def _sequence_step(self):
+    def _step_context(self):
+        """A step keeps its saved tensors detached (see `saved_tensors`);
+        under sequence parallelism, in the shards' context, which does
+        too."""
         if self._sequence is None:
-            return contextlib.nullcontext()
+            return DetachedSavedTensors()
         return self._sequence.step()
 
     def run_region(self, region, args, kwargs):

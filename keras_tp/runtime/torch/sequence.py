@@ -17,8 +17,8 @@ replicated `DTensor` would.
   a shard (`TorchCollectiveAdapter.reduce_scatter_sequence`).
 - A shard entering a region is all-gathered (`gather_sequence`), once per
   forward pass however many of the region's layers read it. The region's
-  matmuls keep the gathered input for their backward pass (Megatron keeps
-  the shard and gathers it again).
+  matmuls keep only the shard for their backward pass, which gathers it
+  again, once (`_RegatheredInputs`), as Megatron does.
 - A model output that is a shard is all-gathered whole; its gradient, the
   same on every rank, is sliced back.
 - A layer called on a shard reads its own whole weights as replicated
@@ -35,8 +35,10 @@ are counted too.
 """
 
 import contextlib
+import weakref
 
 import keras
+import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.modules.module import register_module_forward_hook
@@ -45,6 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from keras_tp.keras_internals import bind_values
 from keras_tp.keras_internals import own_trainable_variables
+from keras_tp.runtime.torch.saved_tensors import DetachedSavedTensors
 
 
 class SequenceShards:
@@ -59,6 +62,7 @@ class SequenceShards:
         self.adapter = adapter
         self.regions = regions
         self._in_step = False
+        self._regathered = _RegatheredInputs(adapter)
 
     @contextlib.contextmanager
     def step(self):
@@ -85,6 +89,7 @@ class SequenceShards:
                 implicit_replication(),
                 _ReplicatedWeights(self.adapter, held),
                 _CountedDTensorCollectives(self.adapter),
+                self._regathered,
             ):
                 yield
         except (NotImplementedError, RuntimeError) as error:
@@ -121,7 +126,9 @@ class SequenceShards:
         all-gathered (its gradient, each rank's partial sum,
         reduce-scattered), any other through `copy_to_parallel`."""
         if isinstance(x, DTensor) and _is_shard(x):
-            return self.adapter.gather_sequence(x)
+            gathered = self.adapter.gather_sequence(x)
+            self._regathered.keep_shard(gathered, x)
+            return gathered
         return self.adapter.copy_to_parallel(self._local(x))
 
     def whole(self, structure):
@@ -195,6 +202,70 @@ class _ReplicatedWeights:
         binding = self._bindings.pop()
         if binding is not None:
             binding.__exit__(None, None, None)
+
+
+class _RegatheredInputs(DetachedSavedTensors):
+    """Saves a gathered shard for the backward pass as the shard alone.
+
+    A region's matmuls save their input, the whole sequence gathered from
+    the shards, for their weights' gradients: that would keep `N` times
+    the shard alive per region from the forward pass to the backward one.
+    Saved tensors hooks keep the shard instead and gather it again (one
+    counted all-gather in the backward pass), once however many of the
+    region's matmuls saved it (Megatron's re-gather of its sequence
+    parallel inputs).
+
+    Args:
+        adapter: the `model`-axis `TorchCollectiveAdapter`.
+    """
+
+    def __init__(self, adapter):
+        super().__init__()
+        self.adapter = adapter
+        # id of a gathered tensor -> [weak reference to it, its shard,
+        # weak reference to its `_Regather` once saved]
+        self._shards = {}
+
+    def __exit__(self, *exc):
+        self._shards.clear()
+        return super().__exit__(*exc)
+
+    def keep_shard(self, gathered, shard):
+        """Notes that `gathered` is `shard` all-gathered on its axis."""
+        self._shards[id(gathered)] = [weakref.ref(gathered), shard, None]
+
+    def pack(self, tensor):
+        base = tensor if tensor._base is None else tensor._base
+        entry = self._shards.get(id(base))
+        if entry is None or entry[0]() is not base:
+            return super().pack(tensor)
+        # One re-gather per gathered tensor, shared by the tensors saved
+        # from it (views included) and alive while any of them is.
+        regather = entry[2] and entry[2]()
+        if regather is None:
+            regather = _Regather(self.adapter, entry[1])
+            entry[2] = weakref.ref(regather)
+        return regather, tensor.size(), tensor.stride(), tensor.storage_offset()
+
+    def unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        regather, size, stride, offset = packed
+        return regather.value().as_strided(size, stride, offset)
+
+
+class _Regather:
+    """A shard's all-gather again in the backward pass, made once."""
+
+    def __init__(self, adapter, shard):
+        self.adapter = adapter
+        self.shard = shard
+        self._value = None
+
+    def value(self):
+        if self._value is None:
+            self._value = self.adapter.regather_sequence(self.shard)
+        return self._value
 
 
 class _CountedDTensorCollectives(TorchDispatchMode):

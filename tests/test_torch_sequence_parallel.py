@@ -1,8 +1,9 @@
-"""`TensorParallelKeras(sequence_parallel=True)` on torch: 2 processes.
+"""`TensorParallelKeras(sequence_parallel=True)` on torch: 2 and 4 processes.
 
 Run alone:
 `KERAS_BACKEND=torch python -m pytest tests/test_torch_sequence_parallel.py`.
-One launch runs every check (starting processes is the slow part). The
+One launch runs the checks of tensor parallelism alone (starting
+processes is the slow part), another those with data parallelism. The
 norms, dropouts and residual adds of keras-hub's decoder LMs run on
 sequence shards (DTensors); they train exactly as on one device, with
 Megatron's collectives, and the step's temporaries take less memory.
@@ -42,6 +43,20 @@ def test_llama_trains_exactly_with_megatron_sp_collectives(results):
     assert llama["whole_weights"] == 2 * BLOCKS + 1
     # The backward pass gathers each region's input again (Megatron's
     # re-gather), rather than keeping it whole from the forward pass.
+    zoo_cases.check_sequence_parallel(
+        llama, llama["whole_weights"], regathered=True
+    )
+
+
+def test_composes_with_data_parallelism_and_zero():
+    # 2 replicas of 2 tensor-parallel ranks, ZeRO-1 over the replicas:
+    # each replica's shards are DTensors of its own ranks.
+    llama = launch(
+        sequence_checks.data_parallel_checks,
+        world_size=4,
+        args=(2, WORLD_SIZE),
+        timeout=900,
+    )
     zoo_cases.check_sequence_parallel(
         llama, llama["whole_weights"], regathered=True
     )

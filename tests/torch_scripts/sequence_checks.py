@@ -35,6 +35,17 @@ def sequence_checks(world_size):
     return results
 
 
+def data_parallel_checks(data_parallel, tensor_parallel):
+    """Rank 0's Llama results (`zoo_cases.sequence_parallel_results`) with
+    `data_parallel` replicas of `tensor_parallel` ranks under ZeRO-1."""
+    return zoo_cases.sequence_parallel_results(
+        "llama",
+        data_parallel * tensor_parallel,
+        data_parallel=data_parallel,
+        zero_stage=1,
+    )
+
+
 def _refusal(name, world_size):
     """The error of zoo model `name`'s first training step, or `None`."""
     _, tp, x, y = zoo_cases.pair(name, world_size, sequence_parallel=True)

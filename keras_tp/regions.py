@@ -10,6 +10,8 @@ touches backend details.
 
 import contextlib
 import contextvars
+import functools
+import inspect
 
 import keras
 
@@ -62,6 +64,19 @@ class ShardedRegion:
     def parallel_input(self):
         """Whether replicated inputs must pass `copy_to_parallel`."""
         return any(m.handler.parallel_input(m.style) for m in self.members)
+
+    @functools.cached_property
+    def _first_argument(self):
+        # The class's `call`: the instance's is replaced by the region's.
+        parameters = list(inspect.signature(type(self.layer).call).parameters)
+        return parameters[1] if len(parameters) > 1 else None
+
+    def main_input(self, args, kwargs):
+        """The layer's first call argument, passed by position or by name
+        (keras-hub's attention layers take `hidden_states=`)."""
+        if args:
+            return args[0]
+        return kwargs.get(self._first_argument)
 
     def input_axis(self, args):
         """Axis on which the first positional input arrives split."""

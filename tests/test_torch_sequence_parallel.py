@@ -62,6 +62,10 @@ def test_composes_with_data_parallelism_and_zero():
     )
 
 
+def test_mixture_of_experts_trains_exactly(results):
+    assert results["mixtral"] < 1e-5
+
+
 def test_plans_with_whole_projections_train_or_refuse(results):
     # Qwen3 keeps its attention's projections whole (per-head norms) and
     # gathers their outputs: exact on shards.

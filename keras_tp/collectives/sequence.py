@@ -12,9 +12,19 @@ between regions take `1 / size()` of the memory.
 handlers' per-rank math stays as it is: their `reduce_from_parallel` of a
 sequence activation becomes `reduce_scatter_sequence`. The runtime gathers
 the sequence shards where a region's inputs enter (`gather_sequence`).
+
+A sequence activation is a region's `(batch, sequence, features)` output
+that carries its input's batch and sequence axes (`region_inputs`): an
+attention's or an MLP's output, or an embedding's lookup of `(batch,
+sequence)` token ids. A region whose input has no sequence axis, such as
+the experts of a mixture of experts called on the flattened tokens,
+reduces its output whole.
 """
 
 import contextlib
+import contextvars
+
+import keras
 
 from keras_tp.collectives.base import CollectiveAdapter
 
@@ -23,9 +33,39 @@ SEQUENCE_AXIS = 1
 SEQUENCE_RANK = 3
 
 
+# The (batch, sequence) sizes of the input of the region being computed.
+_REGION_SEQUENCE = contextvars.ContextVar(
+    "keras_tp_region_sequence", default=None
+)
+
+
 def is_sequence(x):
     """Whether `x` is a sequence activation: `(batch, sequence, features)`."""
     return len(x.shape) == SEQUENCE_RANK
+
+
+@contextlib.contextmanager
+def region_inputs(main):
+    """The context of a region's per-rank call whose main input (its
+    layer's first argument) is `main`.
+
+    Notes the batch and sequence sizes of `main`, where it has them:
+    `(batch, sequence, ...)` activations (an attention's output projection
+    takes `(batch, sequence, heads, head_dim)`) or `(batch, sequence)`
+    integer token ids. Only an output that carries them is reduce-scattered
+    over the sequence.
+    """
+    sizes = None
+    if main is not None and hasattr(main, "shape"):
+        rank = len(main.shape)
+        dtype = keras.backend.standardize_dtype(main.dtype)
+        if rank >= SEQUENCE_RANK or (rank == 2 and "int" in dtype):
+            sizes = tuple(main.shape[:2])
+    token = _REGION_SEQUENCE.set(sizes)
+    try:
+        yield
+    finally:
+        _REGION_SEQUENCE.reset(token)
 
 
 class SequenceParallelAdapter:
@@ -55,7 +95,8 @@ class SequenceParallelAdapter:
     def reduce_from_parallel(self, x):
         """Reduce-scatters a sequence activation's partial sums over the
         sequence; reduces any other tensor whole."""
-        if not is_sequence(x):
+        sizes = _REGION_SEQUENCE.get()
+        if not is_sequence(x) or tuple(x.shape[:2]) != sizes:
             return self.inner.reduce_from_parallel(x)
         size = self.inner.size()
         if x.shape[SEQUENCE_AXIS] % size:

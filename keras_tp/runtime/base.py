@@ -13,6 +13,7 @@ from keras import ops
 from keras_tp.collectives.hierarchy import HierarchicalAdapter
 from keras_tp.collectives.hierarchy import host_groups
 from keras_tp.collectives.sequence import SequenceParallelAdapter
+from keras_tp.collectives.sequence import region_inputs
 from keras_tp.keras_internals import bind_values
 from keras_tp.placement import Placement
 from keras_tp.regions import copy_replicated_inputs
@@ -476,7 +477,11 @@ class Runtime(CheckpointPieces):
                 is_float,
             )
         weights = [self.local_value(v) for v, _ in region.variables()]
-        with region.local_weights(weights), self.adapter.activated():
+        with (
+            region.local_weights(weights),
+            self.adapter.activated(),
+            region_inputs(region.main_input(args, kwargs)),
+        ):
             return region.compute(*args, **kwargs)
 
 

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec
 
 from keras_tp.collectives.sequence import SEQUENCE_AXIS
 from keras_tp.collectives.sequence import is_sequence
+from keras_tp.collectives.sequence import region_inputs
 from keras_tp.keras_internals import StatelessScope
 from keras_tp.keras_internals import get_keras_mask
 from keras_tp.keras_internals import set_keras_mask
@@ -150,6 +151,7 @@ class MeshRegions:
                 ) as scope,
                 region.local_weights(local_weights),
                 adapter.activated(),
+                region_inputs(region.main_input(local_args, local_kwargs)),
             ):
                 outputs = region.compute(*local_args, **local_kwargs)
             return outputs, [scope.get_current_value(v) for v in state]

@@ -40,11 +40,13 @@ import weakref
 import keras
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.modules.module import register_module_forward_hook
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from keras_tp.collectives.sequence import SEQUENCE_AXIS
 from keras_tp.keras_internals import bind_values
 from keras_tp.keras_internals import own_trainable_variables
 from keras_tp.runtime.torch.saved_tensors import DetachedSavedTensors
@@ -125,7 +127,7 @@ class SequenceShards:
         """A region's replicated input, read by split weights: a shard
         all-gathered (its gradient, each rank's partial sum,
         reduce-scattered), any other through `copy_to_parallel`."""
-        if isinstance(x, DTensor) and _is_shard(x):
+        if isinstance(x, DTensor) and _is_sequence_shard(x):
             gathered = self.adapter.gather_sequence(x)
             self._regathered.keep_shard(gathered, x)
             return gathered
@@ -141,13 +143,17 @@ class SequenceShards:
         if not isinstance(x, DTensor):
             return x
         (placement,) = x.placements
-        if placement.is_shard():
+        if type(placement) is Shard:
             return self.adapter.gather_from_parallel(
                 x.to_local(), placement.dim
             )
         if placement.is_partial():
             return self.adapter.reduce_from_parallel(x.to_local())
-        return x.to_local()
+        if placement.is_replicate():
+            return x.to_local()
+        # A layout DTensor made itself: the tokens of a flattened sequence
+        # shard, say, strided over the ranks. Its own all-gather, counted.
+        return x.full_tensor()
 
 
 class _ReplicatedWeights:
@@ -306,6 +312,7 @@ def _first_line(error):
     return str(error).strip().splitlines()[0]
 
 
-def _is_shard(x):
+def _is_sequence_shard(x):
+    """Whether `x` is split on the sequence axis as a region leaves it."""
     (placement,) = x.placements
-    return placement.is_shard()
+    return type(placement) is Shard and placement.dim == SEQUENCE_AXIS

@@ -1,15 +1,24 @@
-"""The pipeline bubble, measured: idle time per stage on 2 torch ranks.
+"""The pipeline bubble, measured: idle time per stage of 2 stages.
 
 Trains an MLP of `--layers` Dense layers of width `--width`, cut into 2
-stages of equal parameters (`keras_tp.pipeline.split_stages`), through
-`torch.distributed.pipelining`'s GPipe and 1F1B schedules, for each number
-of micro-batches in `--microbatches`. Each stage records when each of its
-micro-batches' forward and backward passes ran; the last step's records
-give each stage's idle share of the step (`1 - busy / step`), printed next
-to the ideal `(P - 1) / (M + P - 1)`, with the most micro-batches whose
-activations a stage held at once and the bytes it sent.
+stages of equal parameters (`keras_tp.pipeline.split_stages`), with the
+GPipe and 1F1B schedules, for each number of micro-batches in
+`--microbatches`:
+
+- torch: 2 ranks (gloo) run `torch.distributed.pipelining`'s schedules,
+  and each stage records when each of its micro-batches' forward and
+  backward passes ran;
+- TensorFlow: `TensorParallelKeras(pipeline_parallel=2)` on 2 logical
+  CPUs trains with Adam, and its traced step times each pass on its
+  stage's device (`pipeline_timeline()`).
+
+The last step's times give each stage's idle share of the step
+(`1 - busy / step`), printed next to the ideal `(P - 1) / (M + P - 1)`,
+with the most micro-batches whose activations a stage held at once and
+the bytes it sent.
 
     KERAS_BACKEND=torch python benchmarks/pipeline_bubble.py
+    KERAS_BACKEND=tensorflow python benchmarks/pipeline_bubble.py
 """
 
 import argparse
@@ -22,6 +31,54 @@ import keras_tp  # noqa: E402
 
 STAGES = 2
 BATCH = 64
+
+
+def mlp(width, layers):
+    """The benchmark's MLP, seeded."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((width,))
+    hidden = inputs
+    for i in range(layers):
+        hidden = keras.layers.Dense(width, activation="relu", name=f"d{i}")(
+            hidden
+        )
+    return keras.Model(inputs, keras.layers.Dense(10, name="head")(hidden))
+
+
+def tensorflow_measured(width, layers, schedule, microbatches, steps):
+    """`measured`'s numbers of a TensorFlow pipeline's last training
+    step, from `pipeline_timeline()`."""
+    import keras
+    import numpy as np
+
+    from keras_tp.pipeline import schedules
+
+    tp = keras_tp.TensorParallelKeras(
+        mlp(width, layers),
+        world_size=STAGES,
+        pipeline_parallel=STAGES,
+        num_microbatches=microbatches,
+        schedule=schedule,
+    )
+    tp.compile(
+        optimizer="adam",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH * steps, width)).astype("float32")
+    y = rng.integers(0, 10, BATCH * steps)
+    tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    timeline = tp.pipeline_timeline()
+    order = [[span.action for span in stage] for stage in timeline.spans]
+    sent = tp.communication_stats("train", axis="pipe")["send"]
+    return (
+        schedules.bubble_fraction(timeline),
+        schedules.peak_activations(order),
+        # Stage 0 sends activations forward, stage 1 gradients backward.
+        [sent["forward_bytes"], sent["backward_bytes"]],
+    )
 
 
 def stage_records(width, layers, schedule, microbatches, steps):
@@ -38,15 +95,7 @@ def stage_records(width, layers, schedule, microbatches, steps):
 
     join_process_group(STAGES)
     rank = dist.get_rank()
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((width,))
-    hidden = inputs
-    for i in range(layers):
-        hidden = keras.layers.Dense(width, activation="relu", name=f"d{i}")(
-            hidden
-        )
-    model = keras.Model(inputs, keras.layers.Dense(10, name="head")(hidden))
-    stage_model = split_stages(model, STAGES).stages[rank].model
+    stage_model = split_stages(mlp(width, layers), STAGES).stages[rank].model
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     stats = CommunicationStats()
     pipeline = TorchPipeline(
@@ -106,11 +155,19 @@ def main(argv=None):
         "--microbatches", type=int, nargs="+", default=[2, 4, 8]
     )
     args = parser.parse_args(argv)
+    import keras
+
     from keras_tp.pipeline import schedules
 
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        keras_tp.configure_virtual_devices(STAGES)
+        where = f"{STAGES} logical CPUs (TensorFlow)"
+    else:
+        where = f"{STAGES} torch ranks (gloo)"
     print(
         f"MLP of {args.layers} x Dense({args.width}), batch {BATCH}, "
-        f"{STAGES} torch ranks (gloo), last of {args.steps} steps\n"
+        f"{where}, last of {args.steps} steps\n"
     )
     print(
         "| schedule | M | bubble, stage 0 / 1 | ideal | peak activations "
@@ -119,13 +176,18 @@ def main(argv=None):
     print("|---|---:|---:|---:|---:|---:|")
     for schedule in ("gpipe", "1f1b"):
         for microbatches in args.microbatches:
-            records = keras_tp.launch(
-                stage_records,
-                world_size=STAGES,
-                args=(args.width, args.layers, schedule, microbatches),
-                kwargs={"steps": args.steps},
-            )
-            bubble, peak, sent = measured(records)
+            if backend == "tensorflow":
+                bubble, peak, sent = tensorflow_measured(
+                    args.width, args.layers, schedule, microbatches, args.steps
+                )
+            else:
+                records = keras_tp.launch(
+                    stage_records,
+                    world_size=STAGES,
+                    args=(args.width, args.layers, schedule, microbatches),
+                    kwargs={"steps": args.steps},
+                )
+                bubble, peak, sent = measured(records)
             ideal = schedules.ideal_bubble(STAGES, microbatches)
             print(
                 f"| {schedule} | {microbatches} | "

@@ -403,10 +403,12 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
     def pipeline_timeline(self):
         """When each stage ran each micro-batch in the last training step.
 
-        Measured from the run on torch, where each stage's rank times its
-        own passes; this is a collective, which every rank calls. JAX and
-        TensorFlow issue every stage's passes from one thread, and do not
-        record when each ran.
+        Measured from the run: on torch each stage's rank times its own
+        passes, and this is a collective, which every rank calls; on
+        TensorFlow the traced step times each pass of its first replica
+        with `tf.timestamp` operations on the stage's device. JAX issues
+        every stage's passes from one thread, and does not record when
+        each ran.
 
         Returns:
             A `keras_tp.pipeline.Timeline`, in seconds from the step's

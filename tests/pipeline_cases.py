@@ -7,6 +7,8 @@ through its backend's pipeline, next to the same model on one device.
 import keras
 import numpy as np
 
+from keras_tp.pipeline import bubble_fraction
+from keras_tp.pipeline import schedules
 from keras_tp.pipeline.stages import split_stages
 from tests import models
 from tests import zoo
@@ -122,6 +124,33 @@ def check_backbone_traffic(sent, split, replicas=1, copies=1):
     assert sent["backward_bytes"] == (
         times * len(cuts) * micro * LENGTH * 16 * 4
     )
+
+
+def check_measured_timeline(timeline, schedule, num_microbatches):
+    """A timeline measured from a training step obeys the schedule.
+
+    Each stage ran its actions in the schedule's order, one at a time; a
+    micro-batch's forward pass on stage 1 started after stage 0's ended,
+    and its backward pass on stage 0 after stage 1's; every stage idled
+    part of the step, but not all of it.
+    """
+    order = schedules.issue_order(schedule, 2, num_microbatches)
+    for stage, spans in enumerate(timeline.spans):
+        assert [(a.action.kind, a.action.microbatch) for a in spans] == [
+            (kind, m) for s, kind, m in order if s == stage
+        ]
+        for span, following in zip(spans, spans[1:]):
+            assert span.start <= span.end <= following.start
+    for m in range(num_microbatches):
+        forward, backward = schedules.FORWARD, schedules.BACKWARD
+        first = timeline.span_of(schedules.Action(0, forward, m))
+        second = timeline.span_of(schedules.Action(1, forward, m))
+        assert second.start >= first.end
+        first = timeline.span_of(schedules.Action(1, backward, m))
+        second = timeline.span_of(schedules.Action(0, backward, m))
+        assert second.start >= first.end
+    for bubble in bubble_fraction(timeline):
+        assert 0 < bubble < 1
 
 
 def check_mlp_pipeline(schedule):

@@ -56,6 +56,10 @@ def _device(variable):
 def test_fit_evaluate_predict_match_one_device(schedule):
     tp = pipeline_cases.check_mlp_pipeline(schedule)
     assert tp._runtime.last_num_microbatches == MICROBATCHES
+    # Timed by the step itself: when TensorFlow's executor ran each action.
+    pipeline_cases.check_measured_timeline(
+        tp.pipeline_timeline(), schedule, MICROBATCHES
+    )
     # Each device stores its stage's weights, as TensorFlow placed them,
     # and each Adam slot lives with its variable.
     stage_bytes = pipeline_cases.mlp_stage_bytes()

@@ -282,9 +282,10 @@ class PipelineRuntime(CheckpointPieces):
         `None` before the first."""
         raise NotImplementedError(
             f"pipeline_timeline() is measured on torch, whose stages time "
-            f"their own passes; on {self.backend} one thread issues every "
-            "stage's passes asynchronously, and when each ran on its "
-            "device is not recorded. Use the torch backend to measure the "
+            "their own passes, and on TensorFlow, whose traced step times "
+            f"them; on {self.backend} one thread issues every stage's "
+            "passes asynchronously, and when each ran on its device is not "
+            "recorded. Use the torch or TensorFlow backend to measure the "
             "bubble, or keras_tp.pipeline.simulate for a schedule's "
             "timeline."
         )

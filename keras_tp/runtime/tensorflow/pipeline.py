@@ -177,11 +177,20 @@ class TensorFlowPipeline(ScheduledStages):
         in_flight = [0] * len(self.stage_models)
         self.peak_activations = [0] * len(self.stage_models)
         loss = 0.0
+        self.times = []
+        ends = {}
         for stage, kind, m in self.order:
             model = self.stage_models[stage]
+            if kind == schedules.FORWARD:
+                inputs = received[stage, m]
+                sender = (stage - 1, kind, m)
+            else:
+                inputs = cotangents.get((stage, m), [])
+                sender = (stage + 1, kind, m)
             with (
                 tf.device(self.devices[stage]),
                 tf.control_dependencies(previous[stage]),
+                self._timed(inputs, ends.get(sender)),
             ):
                 if kind == schedules.FORWARD:
                     in_flight[stage] += 1
@@ -201,6 +210,7 @@ class TensorFlowPipeline(ScheduledStages):
                     tapes[stage, m] = tape
                     results[stage, m] = (received_inputs, outputs)
                     previous[stage] = tf.nest.flatten(outputs)
+                    ends[stage, kind, m] = self._ended(previous[stage])
                     if stage == last:
                         loss = loss + outputs
                         continue
@@ -221,6 +231,7 @@ class TensorFlowPipeline(ScheduledStages):
                     ),
                 )
                 previous[stage] = [g for g in grads if g is not None]
+                ends[stage, kind, m] = self._ended(previous[stage])
                 # A stage may hold a weight it does not read: a layer
                 # called in several stages (keras-hub's ReversibleEmbedding
                 # with untied logits) has all its weights in each.
@@ -238,6 +249,30 @@ class TensorFlowPipeline(ScheduledStages):
                     self._send(sent, "backward")
                     cotangents[stage - 1, m] = sent
         return loss, gradients, _concatenated(predictions)
+
+    @contextlib.contextmanager
+    def _timed(self, inputs, sent=None):
+        """Times the action issued inside, on its stage's device.
+
+        Its start is a `tf.timestamp` that runs once the action's inputs,
+        the timestamp `sent` of the end of the action that sent them, and
+        its stage's previous action are done; the action's operations wait
+        for it. `_ended` adds the timestamp of its end. So the times are
+        the executor's, as the step runs, not the trace's.
+        """
+        waits = tf.nest.flatten(inputs) + ([sent] if sent is not None else [])
+        with tf.control_dependencies(waits):
+            start = tf.timestamp()
+        self.times.append([start])
+        with tf.control_dependencies([start]):
+            yield
+
+    def _ended(self, outputs):
+        """The timestamp of the end of the action timed last."""
+        with tf.control_dependencies(outputs):
+            end = tf.timestamp()
+        self.times[-1].append(end)
+        return end
 
     def forward(self, x, training=False):
         """The stages' outputs for a batch, one micro-batch after the other.
@@ -327,6 +362,10 @@ class TensorFlowPipelineRuntime(PipelineRuntime):
         # One list of runners (one per replica) per micro-batch count: a
         # batch of another size may take another count.
         self._runners = {}
+        # Per micro-batch count, the start and end times of each action of
+        # the first replica's last training step, in the schedule's order.
+        self._step_times = {}
+        self._trained_count = None
         # Per replica, each stage as it runs there: the Keras models in
         # the first, their `MirroredStage`s (made by `prepare_model`) in
         # the others.
@@ -441,6 +480,13 @@ class TensorFlowPipelineRuntime(PipelineRuntime):
                 )
                 for replica, stages in enumerate(self._replica_stages)
             ]
+            with tf.init_scope():
+                self._step_times[count] = tf.Variable(
+                    tf.zeros(
+                        (len(self._runners[count][0].order), 2), "float64"
+                    ),
+                    trainable=False,
+                )
         self.last_num_microbatches = count
         return self._runners[count]
 
@@ -471,6 +517,10 @@ class TensorFlowPipelineRuntime(PipelineRuntime):
             replica_gradients.append(gradients)
             predictions.append(y_pred)
         self.peak_activations = list(runners[0].peak_activations)
+        self._trained_count = self.last_num_microbatches
+        self._step_times[self._trained_count].assign(
+            tf.stack([tf.stack(pair) for pair in runners[0].times])
+        )
         gradients, variables = self._owned_gradients(
             self._averaged_gradients(replica_gradients)
         )
@@ -486,6 +536,19 @@ class TensorFlowPipelineRuntime(PipelineRuntime):
         return self.trainer.compute_metrics(
             x, y, _concatenated(predictions), None
         )
+
+    def measured_timeline(self):
+        """The last training step's `schedules.Timeline`, from the times
+        its first replica's stages ran each action (see
+        `TensorFlowPipeline._timed`), or `None` before the first step."""
+        if self._trained_count is None:
+            return None
+        order = self._runners[self._trained_count][0].order
+        records = [[] for _ in range(self.pipeline_parallel)]
+        times = self._step_times[self._trained_count].numpy()
+        for (stage, kind, m), (start, end) in zip(order, times):
+            records[stage].append((kind, m, float(start), float(end)))
+        return schedules.recorded_timeline(records)
 
     def _averaged_gradients(self, replica_gradients):
         """Each stage's gradients averaged over the replicas.

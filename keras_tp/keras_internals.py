@@ -329,6 +329,13 @@ def compute_loss(model, **kwargs):
     return model._compute_loss(**kwargs)
 
 
+def compile_arguments(model):
+    """The arguments by name that a compiled `model` last passed to Keras'
+    own `compile`: a keras-hub task's, with its "auto" defaults filled
+    in."""
+    return dict(model._compile_config.config)
+
+
 def compiled_loss(model):
     """The loss `compile(loss=...)` made, a function of `(y_true, y_pred)`
     (with an optional sample weight); `None` before compiling."""

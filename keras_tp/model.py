@@ -10,6 +10,7 @@ from keras_tp import checkpoint
 from keras_tp import regions
 from keras_tp.checkpoint.callbacks import prepare_callbacks
 from keras_tp.collectives.base import nbytes
+from keras_tp.keras_internals import compile_arguments
 from keras_tp.keras_internals import place_slots_on_creation
 from keras_tp.keras_internals import print_msg
 from keras_tp.parallel import CoordinatedOptimizer
@@ -241,6 +242,10 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             zero3.install_gathers(model, installed, runtime)
         _WRAPPED_MODELS.add(model)
         self.built = True
+        if getattr(model, "compiled", False):
+            # keras-hub tasks compile themselves when made, and a model
+            # compiled before it is wrapped trains as it was compiled.
+            self._adopt_compile(model)
 
     @property
     def sharding_plan(self):
@@ -263,13 +268,53 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
     def zero_stage(self):
         return self._runtime.zero_stage
 
-    def compile(self, optimizer="rmsprop", *args, **kwargs):
-        """Configures training as `keras.Model.compile` does.
+    def compile(self, *args, **kwargs):
+        """Configures training as the wrapped model's `compile` does.
 
-        With a data axis or a ZeRO stage, `optimizer` is wrapped in a
+        That is `keras.Model.compile`, or the wrapped model's own where its
+        class defines one: a keras-hub task's fills in its loss, optimizer
+        and metrics for `"auto"` (and its `generate()` settings). A model
+        compiled before it is wrapped (a keras-hub task compiles itself
+        when made) is compiled alike when wrapped.
+
+        With a data axis or a ZeRO stage, the optimizer is wrapped in a
         `keras_tp.CoordinatedOptimizer` of the model's stage (pass one
         yourself to set its bucket size or gradient accumulation).
+
+        Example:
+
+        ```python
+        causal_lm = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+        tp = keras_tp.TensorParallelKeras(causal_lm, world_size=2)
+        tp.compile(optimizer="adam")  # loss and metrics: the task's own
+        ```
         """
+        if type(self.model).compile is not keras.Model.compile:
+            self.model.compile(*args, **kwargs)
+            resolved = compile_arguments(self.model)
+            if "jit_compile" not in kwargs:
+                # The runtime's default, not the one Keras filled in.
+                del resolved["jit_compile"]
+            args, kwargs = (), resolved
+        self._compile(*args, **kwargs)
+
+    def _adopt_compile(self, model):
+        """Compiles this model with the arguments `model` was compiled
+        with (its optimizer anew if it was built: its state is that of
+        the whole variables)."""
+        arguments = compile_arguments(model)
+        del arguments["jit_compile"]
+        optimizer = arguments["optimizer"]
+        if (
+            isinstance(optimizer, keras.optimizers.Optimizer)
+            and optimizer.built
+        ):
+            arguments["optimizer"] = type(optimizer).from_config(
+                optimizer.get_config()
+            )
+        self._compile(**arguments)
+
+    def _compile(self, optimizer="rmsprop", *args, **kwargs):
         kwargs.setdefault("jit_compile", self._runtime.jit_compile_default)
         optimizer = self._coordinated(optimizer)
         with self._runtime.scope():

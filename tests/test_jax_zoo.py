@@ -20,6 +20,7 @@ import keras_tp  # noqa: E402
 
 keras_tp.configure_virtual_devices(4)
 
+from tests import models  # noqa: E402
 from tests import zoo  # noqa: E402
 from tests import zoo_cases  # noqa: E402
 from tests.test_jax import _count_hlo  # noqa: E402
@@ -168,3 +169,22 @@ def test_int8_quantized_layers_stay_whole_or_are_refused():
                 )
             },
         )
+
+
+def test_a_keras_hub_task_trains_as_it_compiled_itself():
+    # keras-hub tasks compile themselves when made: wrapped, the split
+    # model trains without a compile(), and compile() fills in the task's
+    # own "auto" loss and weighted metrics.
+    reference, x, y = zoo.ZOO["gpt2"]()
+    tp = keras_tp.TensorParallelKeras(zoo.ZOO["gpt2"]()[0], world_size=2)
+    assert tp.compiled
+    for model in (reference, tp):
+        model.fit(x, y, epochs=2, shuffle=False, verbose=0)
+    assert models.max_diff(tp.get_weights(), reference.get_weights()) < 1e-5
+    for model in (reference, tp):
+        model.compile(optimizer="adam")
+        model.fit(x, y, epochs=2, shuffle=False, verbose=0)
+    assert models.max_diff(tp.get_weights(), reference.get_weights()) < 1e-5
+    assert tp.evaluate(x, y, return_dict=True, verbose=0) == pytest.approx(
+        reference.evaluate(x, y, return_dict=True, verbose=0)
+    )

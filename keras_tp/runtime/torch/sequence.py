@@ -238,7 +238,9 @@ class _RegatheredInputs(DetachedSavedTensors):
 
     def keep_shard(self, gathered, shard):
         """Notes that `gathered` is `shard` all-gathered on its axis."""
-        self._shards[id(gathered)] = [weakref.ref(gathered), shard, None]
+        # Detached, as a saved tensor is (see `DetachedSavedTensors`).
+        entry = [weakref.ref(gathered), shard.detach(), None]
+        self._shards[id(gathered)] = entry
 
     def pack(self, tensor):
         base = tensor if tensor._base is None else tensor._base

@@ -290,13 +290,20 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
         ```
         """
         if type(self.model).compile is not keras.Model.compile:
-            self.model.compile(*args, **kwargs)
-            resolved = compile_arguments(self.model)
-            if "jit_compile" not in kwargs:
-                # The runtime's default, not the one Keras filled in.
-                del resolved["jit_compile"]
-            args, kwargs = (), resolved
+            args, kwargs = self._resolved_by_model(args, kwargs)
         self._compile(*args, **kwargs)
+
+    def _resolved_by_model(self, args, kwargs):
+        """`compile`'s arguments as the wrapped model's own `compile`
+        resolves them; as given if it does not call Keras' `compile`."""
+        self.model.compile(*args, **kwargs)
+        if not self.model.compiled:
+            return args, kwargs
+        resolved = compile_arguments(self.model)
+        if "jit_compile" not in kwargs:
+            # The runtime's default, not the one Keras filled in.
+            del resolved["jit_compile"]
+        return (), resolved
 
     def _adopt_compile(self, model):
         """Compiles this model with the arguments `model` was compiled

@@ -228,8 +228,7 @@ class _RegatheredInputs(DetachedSavedTensors):
     def __init__(self, adapter):
         super().__init__()
         self.adapter = adapter
-        # id of a gathered tensor -> [weak reference to it, its shard,
-        # weak reference to its `_Regather` once saved]
+        # id of a gathered tensor -> its `_GatheredShard`
         self._shards = {}
 
     def __exit__(self, *exc):
@@ -238,21 +237,14 @@ class _RegatheredInputs(DetachedSavedTensors):
 
     def keep_shard(self, gathered, shard):
         """Notes that `gathered` is `shard` all-gathered on its axis."""
-        # Detached, as a saved tensor is (see `DetachedSavedTensors`).
-        entry = [weakref.ref(gathered), shard.detach(), None]
-        self._shards[id(gathered)] = entry
+        self._shards[id(gathered)] = _GatheredShard(gathered, shard)
 
     def pack(self, tensor):
         base = tensor if tensor._base is None else tensor._base
         entry = self._shards.get(id(base))
-        if entry is None or entry[0]() is not base:
+        if entry is None or entry.gathered() is not base:
             return super().pack(tensor)
-        # One re-gather per gathered tensor, shared by the tensors saved
-        # from it (views included) and alive while any of them is.
-        regather = entry[2] and entry[2]()
-        if regather is None:
-            regather = _Regather(self.adapter, entry[1])
-            entry[2] = weakref.ref(regather)
+        regather = entry.regather(self.adapter)
         return regather, tensor.size(), tensor.stride(), tensor.storage_offset()
 
     def unpack(self, packed):
@@ -260,6 +252,28 @@ class _RegatheredInputs(DetachedSavedTensors):
             return packed
         regather, size, stride, offset = packed
         return regather.value().as_strided(size, stride, offset)
+
+
+class _GatheredShard:
+    """A gathered tensor (weakly) and the shard it was gathered from.
+
+    Its `_Regather` is shared by the tensors saved from it (views
+    included) and held by them alone, so that the shard gathered again
+    lives while one of them is still to be used.
+    """
+
+    def __init__(self, gathered, shard):
+        self.gathered = weakref.ref(gathered)
+        # Detached, as a saved tensor is (see `DetachedSavedTensors`).
+        self.shard = shard.detach()
+        self._regather = None
+
+    def regather(self, adapter):
+        regather = self._regather and self._regather()
+        if regather is None:
+            regather = _Regather(adapter, self.shard)
+            self._regather = weakref.ref(regather)
+        return regather
 
 
 class _Regather:

@@ -13,12 +13,18 @@ activations each device holds:
   pass (the activations), and the most the step holds at once, weights
   and optimizer state excepted, on each of `--tensor-parallel`
   processes: the largest of each.
+- TensorFlow: the bytes the forward pass leaves for the backward pass
+  (the activations) on the device that holds the most, read from the
+  traced training step's graph; and the step's peak above what was in
+  use before it, read from the host allocator that the virtual CPU
+  devices share, so every replica's together.
 
 Prints a table and writes a plot of the activations against sequence
 length (`--plot`).
 
     KERAS_BACKEND=jax python benchmarks/sequence_parallel.py
     KERAS_BACKEND=torch python benchmarks/sequence_parallel.py
+    KERAS_BACKEND=tensorflow python benchmarks/sequence_parallel.py
 """
 
 import argparse
@@ -126,6 +132,95 @@ def step_temporary_bytes(model, x, y):
     return live.held, live.peak
 
 
+def tensorflow_held_bytes(model, x, y):
+    """The bytes the forward pass of `model`'s training step leaves for
+    its backward pass (TensorFlow), on the device that holds the most.
+
+    Read from the traced step's graph: the forward tensors the gradient
+    ops consume, each buffer once (an identity or a reshape shares its
+    input's), less the weights' reads and the inputs, grouped by the
+    device of the op that makes them.
+    """
+    import collections
+
+    import tensorflow as tf
+
+    runtime = model._runtime
+    step = tf.function(lambda x, y: runtime._train_step(model, (x, y)))
+    with runtime.adapter.stats.recording("train"):
+        graph = step.get_concrete_function(
+            tf.nest.map_structure(tf.convert_to_tensor, x),
+            tf.convert_to_tensor(y),
+        ).graph
+    held = collections.Counter()
+    counted = set()
+    for op in graph.get_operations():
+        if not _in_backward(op):
+            continue
+        for tensor in op.inputs:
+            if _in_backward(tensor.op):
+                continue
+            tensor = _buffer_of(tensor)
+            if tensor.op.type in _NOT_ACTIVATIONS or tensor.name in counted:
+                continue
+            counted.add(tensor.name)
+            size = tensor.shape.num_elements() * tensor.dtype.size
+            held[tensor.op.device] += size
+    return max(held[device] for device in held if device)
+
+
+# What the gradient tape adds to a traced graph is under this name scope.
+def _in_backward(op):
+    return "gradient_tape/" in op.name
+
+
+# Ops whose output shares their input's buffer.
+_ALIASES = {"Identity", "IdentityN", "Reshape", "EnsureShape", "Squeeze"}
+_NOT_ACTIVATIONS = {"ReadVariableOp", "Const", "Placeholder"}
+
+
+def _buffer_of(tensor):
+    """The tensor whose buffer `tensor` shares (itself, if none)."""
+    while tensor.op.type in _ALIASES:
+        index = tensor.value_index if tensor.op.type == "IdentityN" else 0
+        source = tensor.op.inputs[index]
+        if not source.shape.is_fully_defined():
+            break
+        tensor = source
+    return tensor
+
+
+def tensorflow_rows(lengths, hidden, heads, layers, batch, tensor_parallel):
+    """The held bytes (`tensorflow_held_bytes`) for each length, without
+    and with sequence parallelism, and the traced step's peak."""
+    import tensorflow as tf
+
+    rows = []
+    for length in lengths:
+        for sequence in (False, True):
+            tp, x, y = trained(
+                length, hidden, heads, layers, batch, tensor_parallel, sequence
+            )
+            before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            tp.train_on_batch(x, y)
+            peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+            stats = tp.communication_stats("train", axis="model")
+            rows.append(
+                {
+                    "length": length,
+                    "sequence_parallel": sequence,
+                    "temporaries": tensorflow_held_bytes(tp, x, y),
+                    "peak": peak - before,
+                    "collectives": {
+                        kind: entry["calls"] for kind, entry in stats.items()
+                    },
+                }
+            )
+            del tp
+    return rows
+
+
 def torch_rows(lengths, hidden, heads, layers, batch, tensor_parallel):
     """Run on every rank: the largest activation bytes over the ranks for
     each length, without and with sequence parallelism."""
@@ -167,6 +262,10 @@ def measure(lengths, hidden, heads, layers, batch, tensor_parallel):
             world_size=tensor_parallel,
             args=(lengths, hidden, heads, layers, batch, tensor_parallel),
             timeout=3600,
+        )
+    if keras.backend.backend() == "tensorflow":
+        return tensorflow_rows(
+            lengths, hidden, heads, layers, batch, tensor_parallel
         )
     from benchmarks.jax_steps import hlo_collectives
     from benchmarks.jax_steps import step_memory
@@ -238,7 +337,7 @@ def main():
     import keras
 
     backend = keras.backend.backend()
-    if backend == "jax":
+    if backend in ("jax", "tensorflow"):
         keras_tp.configure_virtual_devices(args.tensor_parallel)
     rows = measure(
         args.lengths,
@@ -252,14 +351,15 @@ def main():
         f"GPT2 backbone, hidden {args.hidden}, {args.heads} heads, "
         f"{args.layers} blocks, batch {args.batch}, TP={args.tensor_parallel}"
     )
-    what = (
-        "XLA temporaries of the training step"
-        if backend == "jax"
-        else "activations held for the backward pass"
-    )
+    what = {
+        "jax": "XLA temporaries of the training step",
+        "torch": "activations held for the backward pass",
+        "tensorflow": "activations held for the backward pass",
+    }[backend]
     print(f"length  {what}, MiB per device (TP / +SP / ratio)")
     for plain, split in zip(rows[::2], rows[1::2]):
-        extra = f"   peak {plain['peak'] / 2**20:7.1f} / " + (
+        peak = "host peak, all replicas" if backend == "tensorflow" else "peak"
+        extra = f"   {peak} {plain['peak'] / 2**20:7.1f} / " + (
             f"{split['peak'] / 2**20:7.1f}   HLO: {plain['hlo']} -> "
             f"{split['hlo']}"
             if backend == "jax"

@@ -18,6 +18,7 @@ import keras_tp  # noqa: E402
 
 keras_tp.configure_virtual_devices(4)
 
+from tests import models  # noqa: E402
 from tests import zoo_cases  # noqa: E402
 
 _runs = {}
@@ -57,3 +58,15 @@ def test_experts_split_in_inference():
 
 def test_resnet_pairs_convolutions_through_batchnorm():
     zoo_cases.check_resnet(zoo_cases.cnn_checks("resnet50", 2))
+
+
+def test_a_task_that_holds_its_optimizer_saves(tmp_path):
+    # A keras-hub task compiled by its own compile() holds the optimizer,
+    # whose state Keras writes with the model: it is assembled whole too.
+    reference, tp, x, y = zoo_cases.pair("gpt2", 2)
+    for model in (reference, tp):
+        model.compile(optimizer="adam")
+        model.fit(x, y, epochs=1, shuffle=False, verbose=0)
+    tp.save(tmp_path / "gpt2.keras")
+    loaded = keras.saving.load_model(tmp_path / "gpt2.keras")
+    assert models.max_diff(loaded.get_weights(), reference.get_weights()) < 1e-5

@@ -20,6 +20,8 @@ import tensorflow as tf
 
 from keras_tp.collectives.base import CollectiveAdapter
 from keras_tp.collectives.base import nbytes
+from keras_tp.collectives.sequence import SEQUENCE_AXIS
+from keras_tp.collectives.tensorflow_sequence import SequenceShard
 from keras_tp.stats import CommunicationStats
 
 logger = logging.getLogger(__name__)
@@ -243,6 +245,32 @@ class TensorFlowCollectiveAdapter(CollectiveAdapter):
         return _conjugate(
             x, lambda x: averaged(self._local_slice(self._sum(x), axis)), grad
         )
+
+    def gather_sequence(self, x, axis=1):
+        local = x.local if isinstance(x, SequenceShard) else x
+        axis = axis % len(local.shape)
+        self._record("all_gather", local, "forward", self._axis_size)
+
+        def grad(upstream):
+            # Each rank's gradient of the whole sequence is its partial sum.
+            self._record("reduce_scatter", upstream, "backward")
+            return self._local_slice(self._sum(upstream), axis)
+
+        return _conjugate(local, lambda x: self._gather(x, axis), grad)
+
+    def reduce_scatter_sequence(self, x, axis=1):
+        """As the base class; the shard comes back as a `SequenceShard`,
+        whose shape is the whole sequence's, so that the code between the
+        regions reads the whole sequence's length (see
+        `keras_tp.collectives.tensorflow_sequence`)."""
+        axis = axis % len(x.shape)
+        if axis != SEQUENCE_AXIS:
+            raise ValueError(
+                f"Sequence shards split axis {SEQUENCE_AXIS}, not {axis}."
+            )
+        self._record("reduce_scatter", x, "forward")
+        local = self._reduce_scatter(x, axis, "sum")
+        return SequenceShard(local=local, length=x.shape[axis])
 
     def _gather_partitions(self, x, axis):
         def grad(upstream):

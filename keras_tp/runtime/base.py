@@ -90,13 +90,13 @@ class Runtime(CheckpointPieces):
         if sequence_parallel:
             if not self.runs_sequence_parallel:
                 raise ValueError(
-                    "sequence_parallel=True runs on JAX with tensor "
-                    "parallelism alone, and on torch with data parallelism "
-                    "and ZeRO stages 1 and 2 too, for now (this runtime: "
-                    f"{self.backend}, data_parallel={data_parallel}, "
-                    f"zero_stage={zero_stage}). Pass sequence_parallel="
+                    "sequence_parallel=True runs on JAX and TensorFlow "
+                    "with tensor parallelism alone, and on torch with data "
+                    "parallelism and ZeRO stages 1 and 2 too, for now (this "
+                    f"runtime: {self.backend}, data_parallel={data_parallel}"
+                    f", zero_stage={zero_stage}). Pass sequence_parallel="
                     "False, or use torch with zero_stage at most 2, or JAX "
-                    "with data_parallel=1 and zero_stage=0."
+                    "or TensorFlow with data_parallel=1 and zero_stage=0."
                 )
             self.adapter = SequenceParallelAdapter(self.adapter)
 
@@ -288,11 +288,21 @@ class Runtime(CheckpointPieces):
         variable.assign(value)
 
     def save_model(self, model, filepath, **kwargs):
-        """Writes the unsplit `model` with its current weights."""
-        self._write_unsplit(model, lambda: model.save(filepath, **kwargs))
+        """Writes the unsplit `model` with its current weights, and its
+        optimizer's state where it holds the optimizer (a keras-hub task
+        compiled by its own `compile`)."""
+        variables = list(model.variables)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and optimizer.built:
+            variables += optimizer.variables
+        variables = [v for v in variables if self.placement.is_placed(v)]
+        self._write_unsplit(
+            model, variables, lambda: model.save(filepath, **kwargs)
+        )
 
-    def _write_unsplit(self, model, write):
-        """Runs `write` (a Keras save) where `model`'s variables read whole.
+    def _write_unsplit(self, model, variables, write):
+        """Runs `write` (a Keras save of `model`) where the placed
+        `variables` it writes read whole.
 
         The default runs it as it is; runtimes whose ranks hold shards
         assemble the full values for the time of the write, on the one

@@ -1,10 +1,6 @@
 """Run on every rank by `keras_tp.launch` in
 tests/test_torch_sequence_parallel.py."""
 
-import keras
-import keras_hub
-
-import keras_tp
 from benchmarks.sequence_parallel import step_temporary_bytes
 from benchmarks.sequence_parallel import trained
 from tests import models
@@ -33,7 +29,7 @@ def sequence_checks(world_size):
         tp.get_weights(), reference.get_weights()
     )
     results["gemma"] = _refusal("gemma", world_size)
-    results["dropout"] = _dropout_difference(world_size)
+    results["dropout"] = zoo_cases.dropout_difference(world_size)
     results["temporaries"] = {
         sequence: step_temporary_bytes(
             *trained(256, 64, 2, 2, 2, world_size, sequence)
@@ -63,29 +59,3 @@ def _refusal(name, world_size):
     except ValueError as error:
         return str(error)
     return None
-
-
-def _dropout_difference(world_size):
-    """Largest weight difference between a GPT2 backbone with dropout
-    trained 2 steps split with and without sequence parallelism."""
-    x, y = models.backbone_data(4, length=8)
-    weights = []
-    for sequence in (False, True):
-        keras.utils.set_random_seed(3)
-        backbone = keras_hub.models.GPT2Backbone(
-            vocabulary_size=64,
-            num_layers=2,
-            num_heads=2,
-            hidden_dim=16,
-            intermediate_dim=32,
-            max_sequence_length=8,
-            dropout=0.3,
-        )
-        tp = keras_tp.TensorParallelKeras(
-            backbone, world_size=world_size, sequence_parallel=sequence
-        )
-        tp.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
-        for _ in range(2):
-            tp.train_on_batch(x, y)
-        weights.append(tp.get_weights())
-    return models.max_diff(*weights)

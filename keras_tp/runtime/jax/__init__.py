@@ -257,7 +257,7 @@ class JaxRuntime(MeshSteps, MeshRegions, Runtime):
             )
         variable.assign(value)
 
-    def _write_unsplit(self, model, write):
+    def _write_unsplit(self, model, variables, write):
         """Runs `write` with full weights; on several hosts process 0 writes.
 
         One process reads global arrays directly, unless some variables
@@ -267,7 +267,6 @@ class JaxRuntime(MeshSteps, MeshRegions, Runtime):
         variables hold the full values on the host, and all processes wait
         for it.
         """
-        variables = model.variables
         stacked = any(map(self.placement.is_per_replica, variables))
         if jax.process_count() == 1 and not stacked:
             write()

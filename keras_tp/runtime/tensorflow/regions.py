@@ -11,6 +11,9 @@ import contextlib
 
 import tensorflow as tf
 
+from keras_tp.collectives.tensorflow_sequence import SequenceShard
+from keras_tp.collectives.tensorflow_sequence import shards_of
+from keras_tp.collectives.tensorflow_sequence import whole_tensors
 from keras_tp.runtime.tensorflow.storage import local_read
 
 
@@ -29,9 +32,40 @@ class ReplicaRegions:
         return self._in_replica()
 
     def run_region(self, region, args, kwargs):
-        if self._in_replica():
+        if not self._in_replica():
+            return self._region_outside_replicas(region, args, kwargs)
+        if not self.sequence_parallel:
             return self.run_local_region(region, args, kwargs)
-        return self._region_outside_replicas(region, args, kwargs)
+        if not region.parallel_input:
+            args, kwargs = whole_tensors((args, kwargs))
+        return self.run_local_region(
+            region, args, kwargs, enter=self._enter_from_sequence
+        )
+
+    def _enter_from_sequence(self, x):
+        """A region's replicated input, read by split weights: a sequence
+        shard all-gathered (its gradient, each rank's partial sum,
+        reduce-scattered), any other through `copy_to_parallel`."""
+        if isinstance(x, SequenceShard):
+            return self.adapter.gather_sequence(x)
+        return self.adapter.copy_to_parallel(x)
+
+    @contextlib.contextmanager
+    def sequence_shards(self):
+        """The context of a replica's forward pass: under sequence
+        parallelism, the shards between the regions are split over this
+        runtime's `model` ranks (`keras_tp.collectives.tensorflow_sequence`)."""
+        if not self.sequence_parallel:
+            yield
+            return
+        with shards_of(self.adapter.inner):
+            yield
+
+    def whole_outputs(self, outputs):
+        """A replica's model outputs with every sequence shard gathered."""
+        if not self.sequence_parallel:
+            return outputs
+        return whole_tensors(outputs)
 
     @contextlib.contextmanager
     def _gathered_partitions(self, layer, variables, axes):

@@ -154,10 +154,10 @@ class ReplicaStorage:
         for component, piece in zip(self._components(variable), pieces):
             component.assign(piece)
 
-    def _write_unsplit(self, model, write):
+    def _write_unsplit(self, model, variables, write):
         """Writes with every variable assembled on the host; on several
         workers only the chief writes."""
-        with self._assembled(model.variables):
+        with self._assembled(variables):
             if self._is_chief():
                 write()
             else:

@@ -113,14 +113,18 @@ class ReplicaTrainer:
         """
         x = self._checked_split(x)
 
+        def call(x):
+            with self.sequence_shards():
+                return self.whole_outputs(model(x, training=training))
+
         def forward(x):
             replica = self._replica_id()
             local_x = self._row_slice(x, replica // self.tensor_parallel)
             if tapes is None:
-                return model(local_x, training=training)
+                return call(local_x)
             tape = tf.GradientTape()
             with tape:
-                y_pred = model(local_x, training=training)
+                y_pred = call(local_x)
             tapes[replica] = (tape, y_pred)
             return y_pred
 
@@ -332,14 +336,17 @@ class ReplicaTrainer:
         """
         if self._in_replica():
             # A custom loop's replica step: values are the replica's own.
-            with self._local_shapes(model):
-                return super().call_model(model, inputs, training)
-        if not (self.per_rank_steps or self._local_layers):
+            with self._local_shapes(model), self.sequence_shards():
+                outputs = super().call_model(model, inputs, training)
+                return self.whole_outputs(outputs)
+        if not (
+            self.per_rank_steps or self._local_layers or self.sequence_parallel
+        ):
             return super().call_model(model, inputs, training)
 
         def call_on_replica(inputs):
-            with forward_pass():
-                return model(inputs, training=training)
+            with forward_pass(), self.sequence_shards():
+                return self.whole_outputs(model(inputs, training=training))
 
         with self.recording_call():
             return self._on_replicas(call_on_replica, inputs)

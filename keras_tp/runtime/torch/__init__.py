@@ -232,7 +232,7 @@ class TorchRuntime(Runtime):
             tensor = self.data_adapter.local_slice(tensor, data_axis)
         variable.assign(tensor)
 
-    def _write_unsplit(self, model, write):
+    def _write_unsplit(self, model, variables, write):
         """Runs `write` on rank 0 while its variables hold full values.
 
         The other ranks hold one full variable at a time while gathering.
@@ -241,7 +241,7 @@ class TorchRuntime(Runtime):
         """
         split = [
             variable
-            for variable in model.variables
+            for variable in variables
             if self.placement.local_shape(variable)
             != self.placement.full_shapes[id(variable)]
         ]

@@ -1,0 +1,99 @@
+"""`TensorParallelKeras(sequence_parallel=True)` on TensorFlow, virtual CPUs.
+
+Run alone:
+`KERAS_BACKEND=tensorflow python -m pytest
+tests/test_tensorflow_sequence_parallel.py`. The norms, dropouts and
+residual adds of keras-hub's decoder LMs run on sequence shards
+(`SequenceShard`s) in each replica; they train exactly as on one device,
+with Megatron's collectives, and the forward pass holds less for the
+backward pass.
+"""
+
+import os
+
+import pytest
+
+if os.environ.get("KERAS_BACKEND") != "tensorflow":
+    pytest.skip(
+        "TensorFlow tests run with KERAS_BACKEND=tensorflow",
+        allow_module_level=True,
+    )
+
+import keras_tp  # noqa: E402
+
+keras_tp.configure_virtual_devices(4)
+
+import numpy as np  # noqa: E402
+
+from benchmarks.sequence_parallel import tensorflow_held_bytes  # noqa: E402
+from benchmarks.sequence_parallel import trained  # noqa: E402
+from tests import models  # noqa: E402
+from tests import zoo  # noqa: E402
+from tests import zoo_cases  # noqa: E402
+
+BLOCKS = zoo_cases.BLOCKS
+
+
+def test_llama_trains_exactly_with_megatron_sp_collectives():
+    llama = zoo_cases.sequence_parallel_results("llama", 2)
+    # Every weight that stays whole (Llama's 5 RMS norms) has its
+    # gradient, a partial sum over each replica's shard, all-reduced once.
+    assert llama["whole_weights"] == 2 * BLOCKS + 1
+    zoo_cases.check_sequence_parallel(
+        llama, llama["whole_weights"], regathered=False
+    )
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gemma", "qwen3"])
+def test_decoder_lms_train_exactly(name):
+    # GPT2 adds a position table to the shards, Gemma keeps its single
+    # key/value head whole and Qwen3 its attention's projections: what
+    # meets a shard whole is sliced or gathered, and stays exact.
+    reference, tp = zoo_cases.trained(name, 2, sequence_parallel=True)
+    assert models.max_diff(tp.get_weights(), reference.get_weights()) < 1e-5
+
+
+def test_calls_predict_and_evaluate_match_one_device():
+    reference, tp, x, y = zoo_cases.pair("gpt2", 2, sequence_parallel=True)
+    assert models.max_diff(tp(x), reference(x)) < 1e-5
+    for model in (reference, tp):
+        model.compile(optimizer="sgd", loss=zoo.loss_for("gpt2"))
+    predicted = tp.predict(x, batch_size=len(y), verbose=0)
+    assert models.max_diff(predicted, reference(x)) < 1e-5
+    assert np.allclose(
+        tp.evaluate(x, y, verbose=0), reference.evaluate(x, y, verbose=0)
+    )
+
+
+def test_dropout_on_shards_draws_the_whole_mask():
+    # Each replica draws the mask of the whole sequence and keeps its
+    # shard: the same masks as tensor parallelism alone.
+    assert zoo_cases.dropout_difference(2) < 1e-6
+
+
+def test_activations_held_for_the_backward_pass_fall():
+    # GPT2 (hidden 128, 4 heads, sequence 128, batch 2) split 4 ways.
+    # Megatron's activation formula per block, sbh(10 + 24/t + 5as/ht)
+    # for tensor parallelism against sbh(4 + 30/t + 5as/ht) for sequence
+    # parallelism that keeps the gathered inputs of the split layers for
+    # the backward pass (no re-gather on TensorFlow), predicts 1.27x.
+    held = {
+        sequence: tensorflow_held_bytes(
+            *trained(128, 128, 4, BLOCKS, 2, 4, sequence)
+        )
+        for sequence in (False, True)
+    }
+    assert held[False] > 1.2 * held[True], held
+
+
+def test_refusals_name_the_fix():
+    with pytest.raises(ValueError, match="use torch with zero_stage at most 2"):
+        keras_tp.TensorParallelKeras(
+            models.mlp(), world_size=4, data_parallel=2, sequence_parallel=True
+        )
+    tp = keras_tp.TensorParallelKeras(
+        models.gpt2_backbone(), world_size=4, sequence_parallel=True
+    )
+    x, _ = models.backbone_data(2, length=6)
+    with pytest.raises(ValueError, match="must divide by 4"):
+        tp(x)

@@ -136,8 +136,8 @@ def tensorflow_held_bytes(model, x, y):
     """The bytes the forward pass of `model`'s training step leaves for
     its backward pass (TensorFlow), on the device that holds the most.
 
-    Read from the traced step's graph: the forward tensors the gradient
-    ops consume, each buffer once (an identity or a reshape shares its
+    Read from the traced step's graph: the forward tensors the backward
+    pass's ops consume, each buffer once (an identity or a reshape shares its
     input's), less the weights' reads and the inputs, grouped by the
     device of the op that makes them.
     """
@@ -152,13 +152,19 @@ def tensorflow_held_bytes(model, x, y):
             tf.nest.map_structure(tf.convert_to_tensor, x),
             tf.convert_to_tensor(y),
         ).graph
+    operations = graph.get_operations()
+    # The graph lists its ops as they were made: the forward pass's, then
+    # (from the first op the gradient tape makes) the backward pass's,
+    # the custom gradients' collectives included.
+    first = next(
+        i for i, op in enumerate(operations) if "gradient_tape/" in op.name
+    )
+    forward = set(operations[:first])
     held = collections.Counter()
     counted = set()
-    for op in graph.get_operations():
-        if not _in_backward(op):
-            continue
+    for op in operations[first:]:
         for tensor in op.inputs:
-            if _in_backward(tensor.op):
+            if tensor.op not in forward:
                 continue
             tensor = _buffer_of(tensor)
             if tensor.op.type in _NOT_ACTIVATIONS or tensor.name in counted:
@@ -167,11 +173,6 @@ def tensorflow_held_bytes(model, x, y):
             size = tensor.shape.num_elements() * tensor.dtype.size
             held[tensor.op.device] += size
     return max(held[device] for device in held if device)
-
-
-# What the gradient tape adds to a traced graph is under this name scope.
-def _in_backward(op):
-    return "gradient_tape/" in op.name
 
 
 # Ops whose output shares their input's buffer.

@@ -88,8 +88,9 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             those activations take `1 / tensor_parallel` of the memory.
             For inputs of shape `(batch, sequence, features)` whose
             sequence length divides by the tensor-parallel size; on JAX
-            with tensor parallelism alone (also inside pipeline stages),
-            on torch also with data parallelism and ZeRO-1/2, for now.
+            and TensorFlow with tensor parallelism alone (on JAX also
+            inside pipeline stages), on torch also with data parallelism
+            and ZeRO-1/2, for now.
 
     Example:
 

@@ -39,8 +39,10 @@ def test_llama_trains_exactly_with_megatron_sp_collectives():
     # Every weight that stays whole (Llama's 5 RMS norms) has its
     # gradient, a partial sum over each replica's shard, all-reduced once.
     assert llama["whole_weights"] == 2 * BLOCKS + 1
+    # The backward pass gathers each region's input again (Megatron's
+    # re-gather), rather than keeping it whole from the forward pass.
     zoo_cases.check_sequence_parallel(
-        llama, llama["whole_weights"], regathered=False
+        llama, llama["whole_weights"], regathered=True
     )
 
 
@@ -72,18 +74,19 @@ def test_dropout_on_shards_draws_the_whole_mask():
 
 
 def test_activations_held_for_the_backward_pass_fall():
-    # GPT2 (hidden 128, 4 heads, sequence 128, batch 2) split 4 ways.
-    # Megatron's activation formula per block, sbh(10 + 24/t + 5as/ht)
-    # for tensor parallelism against sbh(4 + 30/t + 5as/ht) for sequence
-    # parallelism that keeps the gathered inputs of the split layers for
-    # the backward pass (no re-gather on TensorFlow), predicts 1.27x.
+    # GPT2 (hidden 128, 4 heads, sequence 128, batch 2) split 4 ways: the
+    # forward pass leaves 4.1 MiB per device for the backward pass with
+    # tensor parallelism alone, 2.9 MiB with the shards (1.4x; Megatron's
+    # activation formula predicts 1.5x, TensorFlow's GELU keeps more of
+    # the split layers' activations than it counts). Keeping the regions'
+    # gathered inputs rather than re-gathering them gives 1.24x.
     held = {
         sequence: tensorflow_held_bytes(
             *trained(128, 128, 4, BLOCKS, 2, 4, sequence)
         )
         for sequence in (False, True)
     }
-    assert held[False] > 1.2 * held[True], held
+    assert held[False] > 1.3 * held[True], held
 
 
 def test_refusals_name_the_fix():

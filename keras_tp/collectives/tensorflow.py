@@ -258,6 +258,14 @@ class TensorFlowCollectiveAdapter(CollectiveAdapter):
 
         return _conjugate(local, lambda x: self._gather(x, axis), grad)
 
+    def regather_sequence(self, shard, axis=1):
+        """A sequence shard all-gathered again in the backward pass, for
+        the gradients of the weights that read it whole: counted, and
+        without a gradient of its own."""
+        local = tf.stop_gradient(shard)
+        self._record("all_gather", local, "backward", self._axis_size)
+        return self._gather(local, axis)
+
     def reduce_scatter_sequence(self, x, axis=1):
         """As the base class; the shard comes back as a `SequenceShard`,
         whose shape is the whole sequence's, so that the code between the

@@ -46,13 +46,21 @@ from keras_tp.collectives.sequence import SEQUENCE_AXIS
 _ADAPTER = contextvars.ContextVar("keras_tp_sequence_adapter", default=None)
 
 
+# The backward pass's gathers of the shards that entered regions in this
+# forward pass, by shard: one per shard, however many products read it.
+_REGATHERS = contextvars.ContextVar("keras_tp_regathers", default=None)
+
+
 @contextlib.contextmanager
 def shards_of(adapter):
-    """The context of a replica's step whose shards `adapter` splits."""
+    """The context of a replica's forward pass whose shards `adapter`
+    splits."""
     token = _ADAPTER.set(adapter)
+    regathers = _REGATHERS.set({})
     try:
         yield
     finally:
+        _REGATHERS.reset(regathers)
         _ADAPTER.reset(token)
 
 
@@ -145,6 +153,177 @@ def whole_tensor(x):
     if not isinstance(x, SequenceShard):
         return x
     return _adapter().gather_from_parallel(x.local, SEQUENCE_AXIS)
+
+
+class GatheredSequence(tf.experimental.ExtensionType):
+    """A region's input all-gathered from its sequence shards, which keeps
+    the shard for the backward pass.
+
+    The split layers' products with their weights (a `Dense`'s
+    `tensordot`, an `EinsumDense`'s `matmul`) read `whole` forward; for
+    the weights' gradients the backward pass gathers `local` again, once
+    however many products read it, so that only the shard is held
+    between the passes: Megatron's re-gather. Any other operation reads
+    `whole` as a tensor.
+
+    Attributes:
+        whole: the gathered input, whose gradient is reduce-scattered.
+        local: this rank's shard of it.
+    """
+
+    whole: tf.Tensor
+    local: tf.Tensor
+
+    @property
+    def shape(self):
+        return self.whole.shape
+
+    @property
+    def dtype(self):
+        return self.whole.dtype
+
+    @property
+    def ndim(self):
+        return self.whole.shape.rank
+
+    def get_shape(self):
+        return self.shape
+
+    def is_tensor_like(self):
+        """Makes `tf.is_tensor` true (see `SequenceShard`)."""
+
+    def __tf_tensor__(self, dtype=None, name=None):
+        return self.whole if dtype is None else tf.cast(self.whole, dtype)
+
+
+def gathered(adapter, shard):
+    """`shard` all-gathered where it enters a region (`gather_sequence`),
+    as a `GatheredSequence` whose products re-gather it backward."""
+    whole = adapter.gather_sequence(shard.local, SEQUENCE_AXIS)
+    return GatheredSequence(whole=whole, local=shard.local)
+
+
+class _Regather:
+    """The backward pass's gather of one shard, made by the first product
+    whose gradient needs it."""
+
+    def __init__(self, adapter, local):
+        self.adapter = adapter
+        self.local = local
+        self.whole = None
+
+    def __call__(self):
+        if self.whole is None:
+            self.whole = self.adapter.regather_sequence(
+                self.local, SEQUENCE_AXIS
+            )
+        return self.whole
+
+
+def _regather_of(x):
+    regathers = _REGATHERS.get()
+    key = x.local.ref()
+    if key not in regathers:
+        regathers[key] = _Regather(_adapter(), x.local)
+    return regathers[key]
+
+
+def _regathered_product(x, weight, product):
+    """`product(x.whole, weight)`, a contraction of `x`'s last axis with
+    the first of a 2-D `weight`, whose gradient re-gathers `x`."""
+    regather = _regather_of(x)
+
+    @tf.custom_gradient
+    def contracted(whole, weight):
+        def grad(upstream):
+            again = regather()
+            features = again.shape[-1]
+            weight_gradient = tf.matmul(
+                tf.reshape(again, [-1, features]),
+                tf.reshape(upstream, [-1, upstream.shape[-1]]),
+                transpose_a=True,
+            )
+            return tf.matmul(upstream, weight, transpose_b=True), (
+                weight_gradient
+            )
+
+        return product(whole, weight), grad
+
+    return contracted(x.whole, tf.convert_to_tensor(weight))
+
+
+def _is_matrix(weight):
+    return getattr(weight, "shape", None) is not None and len(weight.shape) == 2
+
+
+@tf.experimental.dispatch_for_api(tf.matmul, {"a": GatheredSequence})
+def _matmul(
+    a,
+    b,
+    transpose_a=False,
+    transpose_b=False,
+    adjoint_a=False,
+    adjoint_b=False,
+    a_is_sparse=False,
+    b_is_sparse=False,
+    output_type=None,
+    grad_a=False,
+    grad_b=False,
+    name=None,
+):
+    flags = (
+        transpose_a,
+        transpose_b,
+        adjoint_a,
+        adjoint_b,
+        a_is_sparse,
+        b_is_sparse,
+        output_type,
+        grad_a,
+        grad_b,
+    )
+    if any(flags) or not _is_matrix(b):
+        return tf.matmul(
+            a.whole,
+            b,
+            transpose_a,
+            transpose_b,
+            adjoint_a,
+            adjoint_b,
+            a_is_sparse,
+            b_is_sparse,
+            output_type,
+            grad_a,
+            grad_b,
+            name,
+        )
+    return _regathered_product(a, b, lambda x, w: tf.matmul(x, w, name=name))
+
+
+@tf.experimental.dispatch_for_api(tf.tensordot, {"a": GatheredSequence})
+def _tensordot(a, b, axes, name=None):
+    last = [[a.ndim - 1], [0]]
+    contracts_last = axes == 1 or [list(map(int, part)) for part in axes] in (
+        last,
+        [[-1], [0]],
+    )
+    if not (contracts_last and _is_matrix(b)):
+        return tf.tensordot(a.whole, b, axes, name)
+    return _regathered_product(
+        a, b, lambda x, w: tf.tensordot(x, w, axes, name)
+    )
+
+
+@tf.experimental.dispatch_for_api(tf.cast, {"x": GatheredSequence})
+def _cast_gathered(x, dtype, name=None):
+    if tf.as_dtype(dtype) == x.dtype:
+        return x
+    return tf.cast(x.whole, dtype, name)
+
+
+@tf.experimental.dispatch_for_api(tf.shape, {"input": GatheredSequence})
+def _shape_gathered(input, out_type=None, name=None):
+    return tf.shape(input.whole, out_type=out_type or tf.int32, name=name)
 
 
 def whole_tensors(structure):

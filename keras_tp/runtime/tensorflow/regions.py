@@ -12,6 +12,7 @@ import contextlib
 import tensorflow as tf
 
 from keras_tp.collectives.tensorflow_sequence import SequenceShard
+from keras_tp.collectives.tensorflow_sequence import gathered
 from keras_tp.collectives.tensorflow_sequence import shards_of
 from keras_tp.collectives.tensorflow_sequence import whole_tensors
 from keras_tp.runtime.tensorflow.storage import local_read
@@ -45,9 +46,10 @@ class ReplicaRegions:
     def _enter_from_sequence(self, x):
         """A region's replicated input, read by split weights: a sequence
         shard all-gathered (its gradient, each rank's partial sum,
-        reduce-scattered), any other through `copy_to_parallel`."""
+        reduce-scattered; the split weights' gradients gather it again),
+        any other through `copy_to_parallel`."""
         if isinstance(x, SequenceShard):
-            return self.adapter.gather_sequence(x)
+            return gathered(self.adapter, x)
         return self.adapter.copy_to_parallel(x)
 
     @contextlib.contextmanager

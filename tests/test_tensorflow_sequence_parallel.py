@@ -100,3 +100,15 @@ def test_refusals_name_the_fix():
     x, _ = models.backbone_data(2, length=6)
     with pytest.raises(ValueError, match="must divide by 4"):
         tp(x)
+
+
+def test_batches_of_different_lengths_are_refused():
+    # Keras traces the step again for a second length with the length
+    # unknown, which the shards cannot split.
+    tp = keras_tp.TensorParallelKeras(
+        models.gpt2_backbone(length=8), world_size=2, sequence_parallel=True
+    )
+    tp.compile(optimizer="sgd", loss="mse")
+    tp.train_on_batch(*models.backbone_data(2, length=4))
+    with pytest.raises(ValueError, match="Pad every batch to one sequence"):
+        tp.train_on_batch(*models.backbone_data(2, length=6))

@@ -99,6 +99,15 @@ class SequenceParallelAdapter:
         if not is_sequence(x) or tuple(x.shape[:2]) != sizes:
             return self.inner.reduce_from_parallel(x)
         size = self.inner.size()
+        if x.shape[SEQUENCE_AXIS] is None:
+            raise ValueError(
+                "sequence_parallel=True splits a split layer's output over "
+                "its sequence axis (1), whose length is unknown here: "
+                f"shape {tuple(x.shape)}. TensorFlow traces a step for "
+                "batches of different lengths with the length unknown. Pad "
+                "every batch to one sequence length, or pass "
+                "sequence_parallel=False."
+            )
         if x.shape[SEQUENCE_AXIS] % size:
             raise ValueError(
                 "sequence_parallel=True reduce-scatters a split layer's "

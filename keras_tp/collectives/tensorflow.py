@@ -20,7 +20,6 @@ import tensorflow as tf
 
 from keras_tp.collectives.base import CollectiveAdapter
 from keras_tp.collectives.base import nbytes
-from keras_tp.collectives.sequence import SEQUENCE_AXIS
 from keras_tp.collectives.tensorflow_sequence import SequenceShard
 from keras_tp.stats import CommunicationStats
 
@@ -267,15 +266,11 @@ class TensorFlowCollectiveAdapter(CollectiveAdapter):
         return self._gather(local, axis)
 
     def reduce_scatter_sequence(self, x, axis=1):
-        """As the base class; the shard comes back as a `SequenceShard`,
-        whose shape is the whole sequence's, so that the code between the
-        regions reads the whole sequence's length (see
-        `keras_tp.collectives.tensorflow_sequence`)."""
+        """As the base class, for the sequence axis (1); the shard comes
+        back as a `SequenceShard`, whose shape is the whole sequence's, so
+        that the code between the regions reads the whole sequence's
+        length (see `keras_tp.collectives.tensorflow_sequence`)."""
         axis = axis % len(x.shape)
-        if axis != SEQUENCE_AXIS:
-            raise ValueError(
-                f"Sequence shards split axis {SEQUENCE_AXIS}, not {axis}."
-            )
         self._record("reduce_scatter", x, "forward")
         local = self._reduce_scatter(x, axis, "sum")
         return SequenceShard(local=local, length=x.shape[axis])

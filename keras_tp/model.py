@@ -87,10 +87,10 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             its replicated input an all-gather, with the same bytes, and
             those activations take `1 / tensor_parallel` of the memory.
             For inputs of shape `(batch, sequence, features)` whose
-            sequence length divides by the tensor-parallel size; on JAX
-            and TensorFlow with tensor parallelism alone (on JAX also
-            inside pipeline stages), on torch also with data parallelism
-            and ZeRO-1/2, for now.
+            sequence length divides by the tensor-parallel size; on
+            TensorFlow also with data parallelism and ZeRO, on torch with
+            data parallelism and ZeRO-1/2, on JAX with tensor parallelism
+            alone (also inside pipeline stages), for now.
 
     Example:
 

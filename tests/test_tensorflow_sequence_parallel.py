@@ -89,11 +89,19 @@ def test_activations_held_for_the_backward_pass_fall():
     assert held[False] > 1.3 * held[True], held
 
 
-def test_refusals_name_the_fix():
-    with pytest.raises(ValueError, match="use torch with zero_stage at most 2"):
-        keras_tp.TensorParallelKeras(
-            models.mlp(), world_size=4, data_parallel=2, sequence_parallel=True
-        )
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_composes_with_data_parallelism_and_zero(zero_stage):
+    # 2 replicas of 2 tensor-parallel ranks: each replica's shards are
+    # split over its own ranks, the data axis' collectives are ZeRO's.
+    llama = zoo_cases.sequence_parallel_results(
+        "llama", 4, data_parallel=2, zero_stage=zero_stage
+    )
+    zoo_cases.check_sequence_parallel(
+        llama, llama["whole_weights"], regathered=True
+    )
+
+
+def test_lengths_that_do_not_divide_are_refused():
     tp = keras_tp.TensorParallelKeras(
         models.gpt2_backbone(), world_size=4, sequence_parallel=True
     )

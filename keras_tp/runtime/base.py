@@ -90,13 +90,14 @@ class Runtime(CheckpointPieces):
         if sequence_parallel:
             if not self.runs_sequence_parallel:
                 raise ValueError(
-                    "sequence_parallel=True runs on JAX and TensorFlow "
-                    "with tensor parallelism alone, and on torch with data "
-                    "parallelism and ZeRO stages 1 and 2 too, for now (this "
-                    f"runtime: {self.backend}, data_parallel={data_parallel}"
-                    f", zero_stage={zero_stage}). Pass sequence_parallel="
-                    "False, or use torch with zero_stage at most 2, or JAX "
-                    "or TensorFlow with data_parallel=1 and zero_stage=0."
+                    "sequence_parallel=True runs on TensorFlow with data "
+                    "parallelism and any ZeRO stage, on torch with data "
+                    "parallelism and ZeRO stages 1 and 2, and on JAX with "
+                    "tensor parallelism alone, for now (this runtime: "
+                    f"{self.backend}, data_parallel={data_parallel}, "
+                    f"zero_stage={zero_stage}). Pass sequence_parallel="
+                    "False, or use TensorFlow, or torch with zero_stage at "
+                    "most 2, or JAX with data_parallel=1 and zero_stage=0."
                 )
             self.adapter = SequenceParallelAdapter(self.adapter)
 

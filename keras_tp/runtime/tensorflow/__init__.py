@@ -58,10 +58,7 @@ class TensorFlowRuntime(
     # program (see `run_step`).
     jit_compile_default = False
 
-    @property
-    def runs_sequence_parallel(self):
-        # The data axis' and ZeRO's steps are not yet run on shards.
-        return self.data_parallel == 1 and self.zero_stage == 0
+    runs_sequence_parallel = True
 
     def _build(self):
         # Whether a layer reads split variables outside regions.

@@ -120,3 +120,38 @@ def test_batches_of_different_lengths_are_refused():
     tp.train_on_batch(*models.backbone_data(2, length=4))
     with pytest.raises(ValueError, match="Pad every batch to one sequence"):
         tp.train_on_batch(*models.backbone_data(2, length=6))
+
+
+def test_shards_compute_as_whole_tensors():
+    # On shards: pointwise operations with whole tensors (sliced where
+    # they have the sequence axis), comparisons, reductions over the
+    # features; what has no rule (a `where`, a pooling over the
+    # sequence) gathers them, of any dtype. Each result is the whole
+    # tensors' result.
+    import tensorflow as tf
+
+    from keras_tp.collectives import tensorflow_sequence
+    from keras_tp.collectives.tensorflow import TensorFlowCollectiveAdapter
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    adapter = TensorFlowCollectiveAdapter(axis_size=2)
+    x = tf.reshape(tf.range(2 * 4 * 3, dtype=tf.float32), (2, 4, 3))
+    mask = tf.cast(tf.reshape(tf.range(8), (2, 4, 1)) > 3, tf.float32)
+
+    def compute(x):
+        scaled = tf.where(x > 1.0, x * mask + 1.0, 0.0) / 2.0
+        centred = scaled - tf.reduce_mean(scaled, axis=-1, keepdims=True)
+        return centred, tf.reduce_mean(centred, axis=1), x >= 5.0
+
+    def replica():
+        with tensorflow_sequence.shards_of(adapter):
+            rank = adapter.rank()
+            shard = tensorflow_sequence.SequenceShard(
+                local=x[:, 2 * rank : 2 * rank + 2], length=4
+            )
+            return tensorflow_sequence.whole_tensors(compute(shard))
+
+    results = tf.function(lambda: strategy.run(replica))()
+    for result, expected in zip(results, compute(x)):
+        for local in strategy.experimental_local_results(result):
+            np.testing.assert_array_equal(local, expected)

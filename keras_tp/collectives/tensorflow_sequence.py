@@ -76,6 +76,20 @@ def _adapter():
     return adapter
 
 
+def _operators(api):
+    """A binary operator and its reflection, both calling `api` with the
+    other operand as a tensor (a Python number, a Keras variable), so that
+    TensorFlow's dispatch sees the shard."""
+
+    def operator(self, other):
+        return api(self, _to_tensor(other, self.dtype))
+
+    def reflected(self, other):
+        return api(_to_tensor(other, self.dtype), self)
+
+    return operator, reflected
+
+
 class SequenceShard(tf.experimental.ExtensionType):
     """This rank's slice of an activation split on its sequence axis.
 
@@ -113,32 +127,18 @@ class SequenceShard(tf.experimental.ExtensionType):
         whole = whole_tensor(self)
         return whole if dtype is None else tf.cast(whole, dtype)
 
-    def __add__(self, other):
-        return tf.math.add(self, _to_tensor(other, self.dtype))
+    # Python's operators, as TensorFlow's APIs that dispatch on shards.
+    __add__, __radd__ = _operators(tf.math.add)
+    __sub__, __rsub__ = _operators(tf.math.subtract)
+    __mul__, __rmul__ = _operators(tf.math.multiply)
+    __truediv__, __rtruediv__ = _operators(tf.math.truediv)
+    __pow__, __rpow__ = _operators(tf.math.pow)
+    __gt__, __lt__ = _operators(tf.math.greater)[0], _operators(tf.less)[0]
+    __ge__ = _operators(tf.math.greater_equal)[0]
+    __le__ = _operators(tf.math.less_equal)[0]
 
-    def __radd__(self, other):
-        return tf.math.add(_to_tensor(other, self.dtype), self)
-
-    def __sub__(self, other):
-        return tf.math.subtract(self, _to_tensor(other, self.dtype))
-
-    def __rsub__(self, other):
-        return tf.math.subtract(_to_tensor(other, self.dtype), self)
-
-    def __mul__(self, other):
-        return tf.math.multiply(self, _to_tensor(other, self.dtype))
-
-    def __rmul__(self, other):
-        return tf.math.multiply(_to_tensor(other, self.dtype), self)
-
-    def __truediv__(self, other):
-        return tf.math.truediv(self, _to_tensor(other, self.dtype))
-
-    def __rtruediv__(self, other):
-        return tf.math.truediv(_to_tensor(other, self.dtype), self)
-
-    def __pow__(self, other):
-        return tf.math.pow(self, _to_tensor(other, self.dtype))
+    def __abs__(self):
+        return tf.math.abs(self)
 
     def __neg__(self):
         return tf.math.negative(self)
@@ -152,6 +152,10 @@ def whole_tensor(x):
     same on every rank, sliced back; any other value as it is."""
     if not isinstance(x, SequenceShard):
         return x
+    if x.dtype == tf.bool:
+        # TensorFlow's collectives move numbers only.
+        whole = whole_tensor(_shard_like(tf.cast(x.local, tf.int32), x))
+        return tf.cast(whole, tf.bool)
     return _adapter().gather_from_parallel(x.local, SEQUENCE_AXIS)
 
 
@@ -364,9 +368,7 @@ def _meeting(whole, shard):
         return adapter.copy_to_parallel(whole) if differentiable else whole
     if whole.shape[axis] != shard.length:
         return None
-    if differentiable:
-        return adapter.scatter_to_parallel(whole, axis)
-    return adapter.local_slice(whole, axis)
+    return adapter.scatter_to_parallel(whole, axis)
 
 
 @tf.experimental.dispatch_for_unary_elementwise_apis(SequenceShard)

@@ -8,9 +8,10 @@ GPipe and 1F1B schedules, for each number of micro-batches in
 - torch: 2 ranks (gloo) run `torch.distributed.pipelining`'s schedules,
   and each stage records when each of its micro-batches' forward and
   backward passes ran;
-- TensorFlow: `TensorParallelKeras(pipeline_parallel=2)` on 2 logical
-  CPUs trains with Adam, and its traced step times each pass on its
-  stage's device (`pipeline_timeline()`).
+- TensorFlow and JAX: `TensorParallelKeras(pipeline_parallel=2)` on 2
+  logical CPUs trains with Adam, and each pass is timed on its stage's
+  device (`pipeline_timeline()`): by the traced step on TensorFlow, by
+  each pass's program on JAX.
 
 The last step's times give each stage's idle share of the step
 (`1 - busy / step`), printed next to the ideal `(P - 1) / (M + P - 1)`,
@@ -19,6 +20,7 @@ the bytes it sent.
 
     KERAS_BACKEND=torch python benchmarks/pipeline_bubble.py
     KERAS_BACKEND=tensorflow python benchmarks/pipeline_bubble.py
+    KERAS_BACKEND=jax python benchmarks/pipeline_bubble.py
 """
 
 import argparse
@@ -47,9 +49,9 @@ def mlp(width, layers):
     return keras.Model(inputs, keras.layers.Dense(10, name="head")(hidden))
 
 
-def tensorflow_measured(width, layers, schedule, microbatches, steps):
-    """`measured`'s numbers of a TensorFlow pipeline's last training
-    step, from `pipeline_timeline()`."""
+def pipeline_measured(width, layers, schedule, microbatches, steps):
+    """`measured`'s numbers of a `TensorParallelKeras` pipeline's last
+    training step, from `pipeline_timeline()`."""
     import keras
     import numpy as np
 
@@ -160,9 +162,9 @@ def main(argv=None):
     from keras_tp.pipeline import schedules
 
     backend = keras.backend.backend()
-    if backend == "tensorflow":
+    if backend in ("tensorflow", "jax"):
         keras_tp.configure_virtual_devices(STAGES)
-        where = f"{STAGES} logical CPUs (TensorFlow)"
+        where = f"{STAGES} logical CPUs ({backend})"
     else:
         where = f"{STAGES} torch ranks (gloo)"
     print(
@@ -176,8 +178,8 @@ def main(argv=None):
     print("|---|---:|---:|---:|---:|---:|")
     for schedule in ("gpipe", "1f1b"):
         for microbatches in args.microbatches:
-            if backend == "tensorflow":
-                bubble, peak, sent = tensorflow_measured(
+            if backend in ("tensorflow", "jax"):
+                bubble, peak, sent = pipeline_measured(
                     args.width, args.layers, schedule, microbatches, args.steps
                 )
             else:

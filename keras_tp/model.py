@@ -459,9 +459,9 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
         Measured from the run: on torch each stage's rank times its own
         passes, and this is a collective, which every rank calls; on
         TensorFlow the traced step times each pass of its first replica
-        with `tf.timestamp` operations on the stage's device. JAX issues
-        every stage's passes from one thread, and does not record when
-        each ran.
+        with `tf.timestamp` operations on the stage's device; on JAX each
+        pass's program stamps its start and end with host callbacks on
+        the stage's devices.
 
         Returns:
             A `keras_tp.pipeline.Timeline`, in seconds from the step's

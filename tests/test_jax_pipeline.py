@@ -37,6 +37,10 @@ def _pipelined(model, stages, **kwargs):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_fit_evaluate_predict_match_one_device(schedule):
     tp = pipeline_cases.check_mlp_pipeline(schedule)
+    # Stamped by each program on its devices: when each action ran.
+    pipeline_cases.check_measured_timeline(
+        tp.pipeline_timeline(), schedule, MICROBATCHES
+    )
     # Each device holds its stage's weights and their Adam slots, measured
     # from the arrays.
     stage_bytes = pipeline_cases.mlp_stage_bytes()
@@ -180,6 +184,10 @@ def test_replicas_of_stages_split_by_tensor_parallelism(zero_stage):
     sent = tp.communication_stats("predict", axis="pipe")["send"]
     rows = BATCH * pipeline_cases.LENGTH * (16 * 4 + 4)
     assert sent["forward_bytes"] == 2 * rows  # a copy on each model device
+    # Each stage's programs, on its 4 devices, stamp when they ran.
+    pipeline_cases.check_measured_timeline(
+        tp.pipeline_timeline(), "1f1b", MICROBATCHES
+    )
 
 
 def test_refusals_name_the_fix():
@@ -204,7 +212,7 @@ def test_refusals_name_the_fix():
             data_parallel=2,
             zero_stage=2,
         )
-    with pytest.raises(NotImplementedError, match="measured on torch"):
+    with pytest.raises(ValueError, match="No training step has run yet"):
         replicated.pipeline_timeline()
     with pytest.raises(ValueError, match="pass pipeline_parallel > 1"):
         keras_tp.TensorParallelKeras(

@@ -280,15 +280,7 @@ class PipelineRuntime(CheckpointPieces):
     def measured_timeline(self):
         """The last training step's measured `schedules.Timeline`, or
         `None` before the first."""
-        raise NotImplementedError(
-            f"pipeline_timeline() is measured on torch, whose stages time "
-            "their own passes, and on TensorFlow, whose traced step times "
-            f"them; on {self.backend} one thread issues every stage's "
-            "passes asynchronously, and when each ran on its device is not "
-            "recorded. Use the torch or TensorFlow backend to measure the "
-            "bubble, or keras_tp.pipeline.simulate for a schedule's "
-            "timeline."
-        )
+        raise NotImplementedError
 
     def build_optimizer(self, trainer):
         """Builds the optimizer's slots, each on its variable's stage."""

@@ -229,6 +229,8 @@ class JaxPipelineRuntime(PipelineRuntime):
         self._runners = {}
         self._updates = {}
         self._last_count = None
+        # The micro-batch count of the last training step's runner.
+        self._trained_count = None
 
     def _available_devices(self):
         return keras.distribution.list_devices()
@@ -302,6 +304,15 @@ class JaxPipelineRuntime(PipelineRuntime):
                 totals[names[shard.device]] += shard.data.nbytes
         return totals
 
+    def measured_timeline(self):
+        """The last training step's `schedules.Timeline`, from the times
+        each stage's programs ran on its devices (see `StageClock`), or
+        `None` before the first step."""
+        runner = self._runners.get(self._trained_count)
+        if runner is None:
+            return None
+        return runner.programs.clock.timeline(runner.order)
+
     @property
     def peak_activations(self):
         """Per stage, the most micro-batches whose activations it held at
@@ -339,6 +350,7 @@ class JaxPipelineRuntime(PipelineRuntime):
         replica_batch = batch // self.data_parallel
         runner = self._runner(self.microbatches(replica_batch))
         schedules.check_microbatches(replica_batch, runner.num_microbatches)
+        self._trained_count = self._last_count
         loss, gradients, stage_non_trainable, y_pred = runner.step(
             self.stage_lists(trainer.trainable_variables, trainable),
             self.stage_lists(trainer.non_trainable_variables, non_trainable),

@@ -17,16 +17,20 @@ its outputs. Two kinds of stage run them:
   all-gather.
 """
 
+import collections
 import contextlib
 import contextvars
+import time
 
 import jax
+import jax.experimental
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 from keras_tp.keras_internals import local_shapes
 from keras_tp.parallel.buckets import make_buckets
+from keras_tp.pipeline import schedules
 from keras_tp.runtime.base import is_float
 from keras_tp.runtime.jax import placement_spec
 
@@ -71,6 +75,78 @@ def tracing_stage(index):
         yield
     finally:
         TRACING_STAGE.reset(token)
+
+
+class StageClock:
+    """When each stage's programs ran on its devices.
+
+    Python issues a JAX pipeline's passes asynchronously, so when each one
+    ran is known on its devices only. Each training pass is stamped
+    (`stamped`) by two host callbacks in its program: one that its
+    computation waits for, once its inputs are there, and one once its
+    outputs are. A stage's programs run one after another on its devices,
+    in the order they were issued, so its stamps pair up with its actions
+    in the schedule's order.
+
+    Args:
+        num_stages: the pipeline's stages.
+        num_microbatches: micro-batches per training step.
+    """
+
+    def __init__(self, num_stages, num_microbatches):
+        # A step's stamps of a stage: a start and an end of a forward and
+        # a backward pass per micro-batch; only the last step's are kept.
+        self.stamps = [
+            collections.deque(maxlen=4 * num_microbatches)
+            for _ in range(num_stages)
+        ]
+
+    def stamped(self, function, stage):
+        """`function`, whose program stamps its start and end on `stage`'s
+        clock."""
+
+        def stamped_function(*args):
+            start = self._stamp(stage, args)
+            args, _ = jax.lax.optimization_barrier((args, start))
+            outputs = function(*args)
+            self._stamp(stage, outputs)
+            return outputs
+
+        return stamped_function
+
+    def _stamp(self, stage, tree):
+        # A first element of every array makes the callback wait for all.
+        firsts = [
+            leaf.ravel()[:1]
+            for leaf in jax.tree_util.tree_leaves(tree)
+            if hasattr(leaf, "ravel")
+            and leaf.size
+            and leaf.dtype != jax.dtypes.float0
+        ]
+
+        def record(*_):
+            self.stamps[stage].append(time.perf_counter())
+            return np.int32(0)
+
+        return jax.experimental.io_callback(
+            record, jax.ShapeDtypeStruct((), np.int32), *firsts
+        )
+
+    def timeline(self, order):
+        """The `schedules.Timeline` of the last step whose actions were
+        `order`, once its programs have run."""
+        jax.effects_barrier()
+        records = []
+        for stage, stamps in enumerate(self.stamps):
+            actions = [(kind, m) for s, kind, m in order if s == stage]
+            stamps = list(stamps)
+            records.append(
+                [
+                    (kind, m, stamps[2 * i], stamps[2 * i + 1])
+                    for i, (kind, m) in enumerate(actions)
+                ]
+            )
+        return schedules.recorded_timeline(records)
 
 
 def counted_jit(function, stats):
@@ -148,13 +224,22 @@ class StagePrograms:
         self.loss = loss
         self.num_microbatches = num_microbatches
         self.stats = stats
+        self.clock = StageClock(len(stage_models), num_microbatches or 1)
         self._forwards = [
-            counted_jit(self._forward_of(index), stats)
+            counted_jit(
+                self.clock.stamped(self._forward_of(index), index), stats
+            )
             for index in range(len(stage_models))
         ]
-        self._backward = counted_jit(
-            lambda vjp, cotangent: vjp(cotangent), stats
-        )
+        self._stage_backwards = [
+            counted_jit(
+                self.clock.stamped(
+                    lambda vjp, cotangent: vjp(cotangent), index
+                ),
+                stats,
+            )
+            for index in range(len(stage_models))
+        ]
         self._inferences = [
             counted_jit(self._inference_of(index), stats)
             for index in range(len(stage_models))
@@ -239,7 +324,7 @@ class StagePrograms:
         `cotangent` is the gradient of its outputs (`None` on the last)."""
         if cotangent is None:
             cotangent = np.float32(1.0)
-        return self._backward(residuals, cotangent)
+        return self._stage_backwards[stage](residuals, cotangent)
 
     def batch_loss(self, total):
         """The batch's loss from the sum of the last stage's shares."""
@@ -422,7 +507,10 @@ class ReplicatedStagePrograms(StagePrograms):
         key, args, kept = residuals
         if key not in self._backwards:
             self._backwards[key] = counted_jit(
-                self._backward_of(stage, *self._layouts[key]), self.stats
+                self.clock.stamped(
+                    self._backward_of(stage, *self._layouts[key]), stage
+                ),
+                self.stats,
             )
         return self._backwards[key](*args, kept, cotangent)
 

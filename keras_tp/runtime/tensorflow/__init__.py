@@ -19,7 +19,8 @@ seams of Keras' own `keras/src/backend/tensorflow/`:
 - `optimizer`: the `TensorParallelOptimizer` mixin, with which each replica
   updates its own shards.
 - `regions`: sharded layers on a replica's local weights, or run as their
-  own replica step outside a step.
+  own replica step outside a step; under sequence parallelism, their
+  inputs gathered from `SequenceShard`s.
 """
 
 from keras_tp.runtime.base import Runtime
@@ -58,6 +59,8 @@ class TensorFlowRuntime(
     # program (see `run_step`).
     jit_compile_default = False
 
+    # The activations between the regions travel as `SequenceShard`s of
+    # each replica's `model` group, whatever the data axis and ZeRO stage.
     runs_sequence_parallel = True
 
     def _build(self):

@@ -76,6 +76,26 @@ def _adapter():
     return adapter
 
 
+class _TensorLike:
+    """What Keras reads of a tensor, for the extension types below, which
+    hold this rank's slice of the sequence as `local`."""
+
+    @property
+    def dtype(self):
+        return self.local.dtype
+
+    @property
+    def ndim(self):
+        return self.local.shape.rank
+
+    def get_shape(self):
+        return self.shape
+
+    def is_tensor_like(self):
+        """Makes `tf.is_tensor` true, so that Keras takes the value as a
+        tensor rather than converting it (gathering it)."""
+
+
 def _operators(api):
     """A binary operator and its reflection, both calling `api` with the
     other operand as a tensor (a Python number, a Keras variable), so that
@@ -90,7 +110,7 @@ def _operators(api):
     return operator, reflected
 
 
-class SequenceShard(tf.experimental.ExtensionType):
+class SequenceShard(_TensorLike, tf.experimental.ExtensionType):
     """This rank's slice of an activation split on its sequence axis.
 
     Attributes:
@@ -107,21 +127,6 @@ class SequenceShard(tf.experimental.ExtensionType):
         shape = self.local.shape.as_list()
         shape[SEQUENCE_AXIS] = self.length
         return tf.TensorShape(shape)
-
-    @property
-    def dtype(self):
-        return self.local.dtype
-
-    @property
-    def ndim(self):
-        return self.local.shape.rank
-
-    def get_shape(self):
-        return self.shape
-
-    def is_tensor_like(self):
-        """Makes `tf.is_tensor` true, so that Keras takes the shard as a
-        tensor rather than converting it (gathering it)."""
 
     def __tf_tensor__(self, dtype=None, name=None):
         whole = whole_tensor(self)
@@ -159,7 +164,7 @@ def whole_tensor(x):
     return _adapter().gather_from_parallel(x.local, SEQUENCE_AXIS)
 
 
-class GatheredSequence(tf.experimental.ExtensionType):
+class GatheredSequence(_TensorLike, tf.experimental.ExtensionType):
     """A region's input all-gathered from its sequence shards, which keeps
     the shard for the backward pass.
 
@@ -181,20 +186,6 @@ class GatheredSequence(tf.experimental.ExtensionType):
     @property
     def shape(self):
         return self.whole.shape
-
-    @property
-    def dtype(self):
-        return self.whole.dtype
-
-    @property
-    def ndim(self):
-        return self.whole.shape.rank
-
-    def get_shape(self):
-        return self.shape
-
-    def is_tensor_like(self):
-        """Makes `tf.is_tensor` true (see `SequenceShard`)."""
 
     def __tf_tensor__(self, dtype=None, name=None):
         return self.whole if dtype is None else tf.cast(self.whole, dtype)

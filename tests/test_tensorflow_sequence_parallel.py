@@ -155,3 +155,15 @@ def test_shards_compute_as_whole_tensors():
     for result, expected in zip(results, compute(x)):
         for local in strategy.experimental_local_results(result):
             np.testing.assert_array_equal(local, expected)
+
+
+def test_a_shard_outside_its_step_is_refused():
+    import tensorflow as tf
+
+    from keras_tp.collectives import tensorflow_sequence
+
+    shard = tensorflow_sequence.SequenceShard(
+        local=tf.zeros((2, 2, 3)), length=4
+    )
+    with pytest.raises(RuntimeError, match="outside the replica step"):
+        tensorflow_sequence.whole_tensor(shard)

@@ -64,13 +64,11 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             model (Functional) is cut into that many consecutive stages
             (`keras_tp.pipeline.split_stages`), one per device, and each
             batch runs through them as micro-batches. `data_parallel`
-            replicas of the pipeline (JAX and torch) each train on a
-            slice of the batch. On JAX each stage of a replica runs on
-            `world_size / (pipeline_parallel x data_parallel)` devices,
-            split by tensor parallelism (a `data x pipe x model` mesh);
-            elsewhere `world_size = pipeline_parallel x data_parallel`.
-            On JAX `zero_stage=1` partitions the optimizer state over
-            the replicas.
+            replicas of the pipeline each train on a slice of the batch.
+            Each stage of a replica runs on `world_size /
+            (pipeline_parallel x data_parallel)` devices, split by tensor
+            parallelism (a `data x pipe x model` mesh); `zero_stage=1`
+            partitions the optimizer state over the replicas.
         num_microbatches: micro-batches per batch (per replica's slice of
             it) of a pipeline; `None` takes the largest divisor of the
             slice's size up to `4 * pipeline_parallel`.
@@ -360,19 +358,7 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             )
         else:
             return optimizer
-        data_adapter = (
-            runtime.hierarchical_data_adapter
-            if optimizer.hierarchical
-            else runtime.data_adapter
-        )
-        optimizer.bind(
-            runtime.placement,
-            data_adapter,
-            runtime.world_adapter,
-            runtime.time_data_all_reduce,
-            runtime.adapter,
-            runtime.run_on_ranks,
-        )
+        runtime.bind_optimizer(optimizer)
         return optimizer
 
     def fit(self, *args, **kwargs):

@@ -7,6 +7,7 @@ through its backend's pipeline, next to the same model on one device.
 import keras
 import numpy as np
 
+import keras_tp
 from keras_tp.pipeline import bubble_fraction
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.stages import split_stages
@@ -51,6 +52,24 @@ def backbone_reference(optimizer=None, stages=2):
     reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
     split = split_stages(models.gpt2_backbone(length=LENGTH), stages)
     return loss, reference, split, x, y
+
+
+def dense_adam():
+    """`Adam(1e-2)` that makes every gradient dense before its update.
+
+    A pipeline sums each stage's gradients over the micro-batches,
+    densely; on TensorFlow, Keras gives a one-device model's embedding
+    gradient as `IndexedSlices`, which Adam treats row by row.
+    """
+    # TensorFlow tests only: the other backends' tests do not import it.
+    import tensorflow as tf
+
+    optimizer = keras.optimizers.Adam(1e-2)
+    apply = optimizer.apply
+    optimizer.apply = lambda grads, variables=None: apply(
+        [tf.convert_to_tensor(g) for g in grads], variables
+    )
+    return optimizer
 
 
 def batches(x, y, steps):
@@ -227,6 +246,76 @@ def check_backbone_pipeline(tp, reference_optimizer=None):
         tp._runtime.tensor_parallel,
     )
     return tp, x, y
+
+
+def check_split_stage_replicas(
+    zero_stage, slots_of=None, reference_optimizer=None
+):
+    """data x pipe x model, 2 x 2 x 2 on 8 devices: 2 replicas of GPT2's
+    backbone in 2 stages, each split 2-way by tensor parallelism, each
+    replica training on its half of every batch, next to one device.
+
+    Each stage's replicas combine their gradients once per step, over what
+    each device holds of the stage: one all-reduce (DDP), or with ZeRO-1 a
+    reduce-scatter and an all-gather of the updated weights, the Adam
+    slots partitioned over the replicas. Evaluation and prediction run
+    each replica on its slice too.
+
+    Args:
+        zero_stage: 0 or 1.
+        slots_of: a function of the trained model returning its Adam
+            slots; default: the compiled optimizer's.
+        reference_optimizer: the one-device model's optimizer, as in
+            `backbone_reference`.
+
+    Returns:
+        The trained `TensorParallelKeras`.
+    """
+    tp, x, y = check_backbone_pipeline(
+        keras_tp.TensorParallelKeras(
+            models.gpt2_backbone(length=LENGTH),
+            world_size=8,
+            data_parallel=2,
+            pipeline_parallel=2,
+            num_microbatches=MICROBATCHES,
+            zero_stage=zero_stage,
+        ),
+        reference_optimizer,
+    )
+    # Devices 0-3 are replica 0 (stage 0 on 0-1, stage 1 on 2-3); 4-7
+    # hold the same shards for replica 1.
+    per_device = list(tp.parameter_bytes_per_device().values())
+    assert per_device[:4] == per_device[4:]
+    assert per_device[0] != per_device[2]
+    stage_shards = per_device[0] + per_device[2]
+    combined = tp.communication_stats(axis="data")
+    kinds = ["reduce_scatter", "all_gather"] if zero_stage else ["all_reduce"]
+    assert sorted(combined) == sorted(kinds)
+    for kind in kinds:
+        assert combined[kind]["calls"] == combined[kind]["optimizer_calls"]
+        assert combined[kind]["calls"] == 2
+        assert combined[kind]["bytes"] == stage_shards
+    slots = slots_of(tp) if slots_of else tp.optimizer.variables[2:]
+    assert list(tp._runtime.device_bytes(slots).values()) == [
+        2 * b // (1 + zero_stage) for b in per_device
+    ]
+    one_device = models.gpt2_backbone(length=LENGTH)
+    one_device.set_weights(tp.get_weights())
+    one_device.compile(loss="mse")
+    np.testing.assert_allclose(
+        tp.evaluate(x, y, batch_size=BATCH, verbose=0),
+        one_device.evaluate(x, y, batch_size=BATCH, verbose=0),
+        rtol=1e-5,
+    )
+    np.testing.assert_allclose(
+        tp.predict(x, batch_size=BATCH, verbose=0),
+        one_device.predict(x, batch_size=BATCH, verbose=0),
+        atol=1e-5,
+    )
+    sent = tp.communication_stats("predict", axis="pipe")["send"]
+    rows = BATCH * LENGTH * (16 * 4 + 4)
+    assert sent["forward_bytes"] == 2 * rows  # a copy on each model device
+    return tp
 
 
 def causal_lm_pipeline(tp_of):

@@ -31,12 +31,15 @@ export JAX_COMPILATION_CACHE_MAX_SIZE=$((2 * 1024 * 1024 * 1024))
 trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
 timed=tests/test_tensorflow_multiworker_timeout.py
 # A worker process keeps the virtual devices its first file configured;
-# the pipeline tests need 8 (data x pipe x model), the others 4.
+# the 3-D pipeline tests need 8 (data x pipe x model), the others 4. The
+# multi-worker tests start processes of their own, and run beside them.
 eight_devices=tests/test_jax_pipeline.py
+tensorflow_eight_devices=tests/test_tensorflow_pipeline_3d.py
 run jax "$parallel" $(ls tests/test_jax*.py tests/test_common*.py 2>/dev/null \
   | grep -vx "$eight_devices")
 run jax "" $(ls "$eight_devices" 2>/dev/null)
 run torch "" $(ls tests/test_torch*.py 2>/dev/null)
-run tensorflow "$parallel" $(ls tests/test_tensorflow*.py 2>/dev/null | grep -vx "$timed")
-run tensorflow "" $(ls "$timed" 2>/dev/null)
+run tensorflow "$parallel" $(ls tests/test_tensorflow*.py 2>/dev/null \
+  | grep -vx -e "$timed" -e "$tensorflow_eight_devices")
+run tensorflow "" $(ls "$timed" "$tensorflow_eight_devices" 2>/dev/null)
 exit $status

@@ -136,54 +136,9 @@ def test_sequence_parallel_inside_the_stages():
 
 @pytest.mark.parametrize("zero_stage", [0, 1])
 def test_replicas_of_stages_split_by_tensor_parallelism(zero_stage):
-    """data x pipe x model, 2 x 2 x 2 on 8 devices: 2 replicas of the
-    pipeline of the test above, each training on its half of every batch.
-    Each stage's replicas combine their gradients once per step, over what
-    each device holds of the stage: one all-reduce (DDP), or with ZeRO-1 a
-    reduce-scatter and an all-gather of the updated weights, the Adam
-    slots partitioned over the replicas."""
-    tp, x, y = pipeline_cases.check_backbone_pipeline(
-        keras_tp.TensorParallelKeras(
-            models.gpt2_backbone(length=pipeline_cases.LENGTH),
-            world_size=8,
-            data_parallel=2,
-            pipeline_parallel=2,
-            num_microbatches=MICROBATCHES,
-            zero_stage=zero_stage,
-        )
-    )
-    # Devices 0-3 are replica 0 (stage 0 on 0-1, stage 1 on 2-3); 4-7
-    # hold the same shards for replica 1.
-    per_device = list(tp.parameter_bytes_per_device().values())
-    assert per_device[:4] == per_device[4:]
-    assert per_device[0] != per_device[2]
-    stage_shards = per_device[0] + per_device[2]
-    combined = tp.communication_stats(axis="data")
-    kinds = ["reduce_scatter", "all_gather"] if zero_stage else ["all_reduce"]
-    assert sorted(combined) == sorted(kinds)
-    for kind in kinds:
-        assert combined[kind]["calls"] == combined[kind]["optimizer_calls"]
-        assert combined[kind]["calls"] == 2
-        assert combined[kind]["bytes"] == stage_shards
-    slots = list(tp._runtime.device_bytes(tp.optimizer.variables[2:]).values())
-    assert slots == [2 * b // (1 + zero_stage) for b in per_device]
-    # Evaluation and prediction run each replica on its slice too.
-    one_device = models.gpt2_backbone(length=pipeline_cases.LENGTH)
-    one_device.set_weights(tp.get_weights())
-    one_device.compile(loss="mse")
-    np.testing.assert_allclose(
-        tp.evaluate(x, y, batch_size=BATCH, verbose=0),
-        one_device.evaluate(x, y, batch_size=BATCH, verbose=0),
-        rtol=1e-5,
-    )
-    np.testing.assert_allclose(
-        tp.predict(x, batch_size=BATCH, verbose=0),
-        one_device.predict(x, batch_size=BATCH, verbose=0),
-        atol=1e-5,
-    )
-    sent = tp.communication_stats("predict", axis="pipe")["send"]
-    rows = BATCH * pipeline_cases.LENGTH * (16 * 4 + 4)
-    assert sent["forward_bytes"] == 2 * rows  # a copy on each model device
+    """data x pipe x model, 2 x 2 x 2 on 8 devices: see
+    `pipeline_cases.check_split_stage_replicas`."""
+    tp = pipeline_cases.check_split_stage_replicas(zero_stage)
     # Each stage's programs, on its 4 devices, stamp when they ran.
     pipeline_cases.check_measured_timeline(
         tp.pipeline_timeline(), "1f1b", MICROBATCHES
@@ -204,7 +159,7 @@ def test_refusals_name_the_fix():
         )
     with pytest.raises(ValueError, match="there is one"):
         _pipelined(models.mlp(), 2, zero_stage=1)
-    with pytest.raises(ValueError, match="Pass zero_stage=1 on JAX or torch"):
+    with pytest.raises(ValueError, match="Pass zero_stage=1, which partitions"):
         keras_tp.TensorParallelKeras(
             models.mlp(),
             world_size=4,

@@ -35,6 +35,7 @@ from keras_tp.runtime.tensorflow.devices import device_name  # noqa: E402
 from tests import checkpoint_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests import pipeline_cases  # noqa: E402
+from tests import zoo  # noqa: E402
 from tests.pipeline_cases import BATCH  # noqa: E402
 from tests.pipeline_cases import MICROBATCHES  # noqa: E402
 
@@ -81,14 +82,6 @@ def test_a_keras_hub_backbone_carries_its_padding_mask():
     """GPT2's blocks all read the padding mask: stage 0 passes it on, as
     an integer tensor without a gradient. On 2 replicas: the second runs
     keras-hub's layers on its mirrors of the stages' variables."""
-    # The pipeline sums each stage's gradients over the micro-batches,
-    # densely; Keras would give the one-device oracle's embedding
-    # gradient as `IndexedSlices`, which Adam treats row by row.
-    optimizer = keras.optimizers.Adam(1e-2)
-    apply = optimizer.apply
-    optimizer.apply = lambda grads, variables=None: apply(
-        [tf.convert_to_tensor(g) for g in grads], variables
-    )
     tp, _, _ = pipeline_cases.check_backbone_pipeline(
         _pipelined(
             models.gpt2_backbone(length=pipeline_cases.LENGTH),
@@ -96,7 +89,7 @@ def test_a_keras_hub_backbone_carries_its_padding_mask():
             data_parallel=2,
             num_microbatches=MICROBATCHES,
         ),
-        optimizer,
+        pipeline_cases.dense_adam(),
     )
     # The second replica's devices hold copies of the first's stages, and
     # each stage's gradients and weights cross between them once a step.
@@ -222,7 +215,7 @@ def test_replicas_draw_dropout_masks_of_their_own():
     )
 
 
-def test_refusals_name_the_fix():
+def test_refusals_name_the_fix(tmp_path):
     tp = _pipelined(models.mlp())
     with pytest.raises(ValueError, match="jit_compile=False"):
         tp.compile(optimizer="adam", loss=models.loss_fn(), jit_compile=True)
@@ -233,10 +226,11 @@ def test_refusals_name_the_fix():
     # 12 samples in batches of 8: Keras traces the step for any size.
     with pytest.raises(ValueError, match="drop_remainder=True"):
         tp.fit(x, y, batch_size=8, verbose=0)
-    with pytest.raises(ValueError, match="without tensor parallelism"):
-        keras_tp.TensorParallelKeras(
-            models.mlp(), world_size=4, pipeline_parallel=2, data_parallel=1
-        )
+    split = _pipelined(models.mlp(), world_size=4)
+    with pytest.raises(ValueError, match="TensorFlow pipeline whose stages"):
+        split.save_checkpoint(str(tmp_path))
+    with pytest.raises(ValueError, match="tie_word_embeddings=False"):
+        _pipelined(zoo.gpt2()[0], world_size=4)
     replicated = keras_tp.TensorParallelKeras(
         models.mlp(), world_size=4, pipeline_parallel=2, data_parallel=2
     )

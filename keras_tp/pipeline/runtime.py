@@ -44,12 +44,12 @@ class PipelineRuntime(CheckpointPieces):
         pipeline_parallel: the number of stages, one device each.
         world_size: total number of devices: `data_parallel x
             pipeline_parallel` times the tensor-parallel size of each
-            stage (1 except on JAX).
+            stage.
         device_ids: device names of the stages, in order.
         data_parallel: the number of replicas of the pipeline, each
-            training on its slice of every batch (JAX and torch).
-        zero_stage: 0, or 1 where the backend partitions the optimizer
-            state over the replicas (`zero_stages`).
+            training on its slice of every batch.
+        zero_stage: 0, or 1 to partition the optimizer state over the
+            replicas.
         num_microbatches: micro-batches per batch; `None` takes, for each
             batch, the largest divisor of its size up to
             `4 * pipeline_parallel`.
@@ -64,8 +64,8 @@ class PipelineRuntime(CheckpointPieces):
     backend = None
     local_ranks = False
     per_rank_steps = False
-    # The ZeRO stages the backend's pipeline takes over its replicas.
-    zero_stages = (0,)
+    # The ZeRO stages a pipeline takes over its replicas.
+    zero_stages = (0, 1)
     # Python issues each stage's work in the schedule's order: the step as
     # a whole is not one compiled program.
     jit_compile_default = False
@@ -117,9 +117,9 @@ class PipelineRuntime(CheckpointPieces):
                 "a partition of each gradient, so a pipeline would "
                 "reduce-scatter every micro-batch's gradients, "
                 "num_microbatches times ZeRO-1's traffic (DeepSpeed's "
-                "pipelines refuse them too). Pass zero_stage=1 on JAX or "
-                "torch, which partitions the optimizer state over the "
-                "replicas, or zero_stage=0."
+                "pipelines refuse them too). Pass zero_stage=1, which "
+                "partitions the optimizer state over the replicas, or "
+                "zero_stage=0."
             )
         if zero_stage and data_parallel == 1:
             raise ValueError(

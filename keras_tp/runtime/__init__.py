@@ -1,9 +1,9 @@
 """Backend runtimes; with `collectives`, the only code that knows backends.
 
 Each backend module defines a `Runtime` subclass named `RUNTIME` and a
-`configure_virtual_devices(n)` function; its `pipeline` module defines a
-`keras_tp.pipeline.runtime.PipelineRuntime` subclass named
-`PIPELINE_RUNTIME`.
+`configure_virtual_devices(n)` function; its `pipeline` module defines
+`PIPELINE_RUNTIME`: a `keras_tp.pipeline.runtime.PipelineRuntime`
+subclass, or a function of the same arguments that returns one.
 """
 
 import importlib
@@ -42,7 +42,7 @@ def asynchronous_module():
 
 
 def pipeline_runtime_class():
-    """The `PipelineRuntime` subclass of the current Keras backend."""
+    """What makes the `PipelineRuntime` of the current Keras backend."""
     backend_module()
     module = importlib.import_module(
         f"{_MODULES[keras.backend.backend()]}.pipeline"

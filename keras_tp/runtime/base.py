@@ -113,6 +113,23 @@ class Runtime(CheckpointPieces):
         optimizer updates the placed variables)."""
         return self if self.per_rank_steps else None
 
+    def bind_optimizer(self, optimizer):
+        """Binds a `CoordinatedOptimizer` to this runtime's placement and
+        to the collectives of its axes."""
+        data_adapter = (
+            self.hierarchical_data_adapter
+            if optimizer.hierarchical
+            else self.data_adapter
+        )
+        optimizer.bind(
+            self.placement,
+            data_adapter,
+            self.world_adapter,
+            self.time_data_all_reduce,
+            self.adapter,
+            self.run_on_ranks,
+        )
+
     def stage_plans(self, plan):
         """`(part of plan, runtime)` pairs that install the plan's regions:
         here the whole plan, run by this runtime (a pipeline gives each

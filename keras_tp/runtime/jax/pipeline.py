@@ -199,7 +199,6 @@ class JaxPipelineRuntime(PipelineRuntime):
 
     backend = "jax"
     sequence_parallel_stages = True
-    zero_stages = (0, 1)
     # A weight several stages use (a tied embedding) lives on the first
     # one's devices; the others receive a copy each step, and their
     # gradients of it are added to the first's before its update.

@@ -234,15 +234,7 @@ class ReplicaTrainer:
                 variables,
                 output_gradients=row_gradients[replica // self.tensor_parallel],
             )
-            if self.per_rank_steps:
-                gradients = _dense(gradients)
-            if self.tensor_parallel > 1:
-                gradients = self._replicated_from_first_replica(
-                    gradients, variables
-                )
-            optimizer.apply(gradients, variables)
-            if self.per_rank_steps:
-                self._average_non_trainables(model)
+            self.apply_on_replica(optimizer, gradients, variables, model)
 
         if model.trainable_variables:
             with self._local_shapes(model):
@@ -250,6 +242,47 @@ class ReplicaTrainer:
         else:
             warnings.warn("The model does not have any trainable weights.")
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def apply_on_replica(self, optimizer, gradients, variables, model):
+        """Updates this replica's pieces of `variables` (in a replica).
+
+        Args:
+            optimizer: the model's `TensorParallelOptimizer`.
+            gradients: this replica's gradients of `variables`.
+            variables: trainable variables of `model`.
+            model: the model whose non-trainable float state is averaged
+                over the data axis after the update.
+        """
+        if self.per_rank_steps:
+            gradients = _dense(gradients)
+        if self.tensor_parallel > 1:
+            gradients = self._replicated_from_first_replica(
+                gradients, variables
+            )
+        optimizer.apply(gradients, variables)
+        if self.per_rank_steps:
+            self._average_non_trainables(model)
+
+    def replica_results(self, fn, model, *args):
+        """Runs `fn(*args)` on every replica, `model`'s variables at their
+        local shapes.
+
+        Returns:
+            Each replica's result, in replica order.
+        """
+        with self._local_shapes(model):
+            results = self.strategy.run(fn, args=args)
+        replicas = len(self._local_replicas)
+        columns = []
+        for leaf in tf.nest.flatten(results):
+            local = self.strategy.experimental_local_results(leaf)
+            # A tensor every replica returned as it is (an input passed
+            # through) comes back once.
+            columns.append(local * replicas if len(local) == 1 else local)
+        return [
+            tf.nest.pack_sequence_as(results, [c[r] for c in columns])
+            for r in range(replicas)
+        ]
 
     def _replicated_from_first_replica(self, gradients, variables):
         """Gives every model rank the gradients of replicated variables

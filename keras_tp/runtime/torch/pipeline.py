@@ -346,7 +346,6 @@ class TorchPipelineRuntime(PipelineRuntime):
     local_ranks = True
     # The stage's optimizer step sees the gradients summed over every
     # micro-batch, so ZeRO-1 reduce-scatters once per step.
-    zero_stages = (0, 1)
     # Each stage that uses a weight holds a copy; their gradients are
     # summed over those stages (`_sum_shared_gradients`).
     shares_weights = True

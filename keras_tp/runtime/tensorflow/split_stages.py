@@ -1,0 +1,461 @@
+"""Pipeline stages split over several devices each, on TensorFlow.
+
+`SplitStagesRuntime` runs `TensorParallelKeras(world_size=W,
+pipeline_parallel=P, data_parallel=D)` where each stage has `T = W /
+(P x D)` > 1 devices per replica, or with `zero_stage=1`: every stage is
+a `TensorFlowRuntime` of its own, a `tf.distribute` strategy over the
+stage's `D x T` devices (its `data x model` mesh). That runtime stores
+the stage's variables split by tensor parallelism, runs its split layers
+with the collectives of its `model` axis, and updates the stage with an
+optimizer of its own: a copy of the compiled one which, with replicas,
+a `CoordinatedOptimizer` wraps to average the gradients over the stage's
+`data` axis (and, with ZeRO-1, to partition the optimizer state there).
+
+The runner (`SplitStagesPipeline`) issues each action of the schedule as
+one `strategy.run` of its stage, in one traced step: replica `(d, t)` of
+a stage receives its inputs from replica `(d, t)` of the previous stage,
+so each tensor-parallel device receives the activations whole, as
+Megatron-LM's stages do, and sends back their gradients.
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_tp.collectives.tensorflow import ReplicaStats
+from keras_tp.keras_internals import place_slots_on_creation
+from keras_tp.keras_internals import update_loss_tracker
+from keras_tp.parallel import CoordinatedOptimizer
+from keras_tp.pipeline import schedules
+from keras_tp.runtime.tensorflow import TensorFlowRuntime
+from keras_tp.runtime.tensorflow.optimizer import prepare_optimizer
+from keras_tp.runtime.tensorflow.whole_stages import TensorFlowPipeline
+from keras_tp.runtime.tensorflow.whole_stages import TensorFlowPipelineRuntime
+from keras_tp.runtime.tensorflow.whole_stages import _batch_size
+from keras_tp.runtime.tensorflow.whole_stages import _concatenated
+from keras_tp.runtime.tensorflow.whole_stages import _floating
+from keras_tp.runtime.tensorflow.whole_stages import _part
+
+
+class SplitStagesPipeline(TensorFlowPipeline):
+    """A pipeline whose stages each run on the replicas of a runtime.
+
+    Every value that crosses a cut is a list with one structure per
+    replica of the stage, in replica order (`d * T + t`); so are the
+    losses and outputs of the last stage.
+
+    Args:
+        stage_models: the Keras model of each stage.
+        runtimes: the `TensorFlowRuntime` of each stage's devices.
+        loss, schedule, num_microbatches, stats: as `TensorFlowPipeline`'s.
+
+    Attributes:
+        gradients: after a training step was traced, by `(stage,
+            replica)`, the replica's gradients of the stage's trainable
+            variables, summed over the micro-batches.
+    """
+
+    def __init__(
+        self, stage_models, runtimes, loss, schedule, num_microbatches, stats
+    ):
+        # The times of a stage's actions are taken on its first device.
+        super().__init__(
+            stage_models,
+            [runtime.devices[0] for runtime in runtimes],
+            loss,
+            schedule,
+            num_microbatches,
+            stats,
+        )
+        self.runtimes = runtimes
+        self.tensor_parallel = runtimes[0].tensor_parallel
+        self.data_parallel = runtimes[0].data_parallel
+
+    def _per_replica(self, x):
+        """Per micro-batch, per replica, micro-batch `m` of the replica's
+        data-parallel row of `x`."""
+        count = self.num_microbatches
+        row = _batch_size(x) // self.data_parallel
+        schedules.check_microbatches(row, count)
+        parts = [
+            _part(x, d * count + m, row // count)
+            for d in range(self.data_parallel)
+            for m in range(count)
+        ]
+        return [
+            [
+                parts[(r // self.tensor_parallel) * count + m]
+                for r in range(self.data_parallel * self.tensor_parallel)
+            ]
+            for m in range(count)
+        ]
+
+    def _microbatches(self, x, y):
+        # Per micro-batch, the last stage's replicas' gradients of the
+        # loss with respect to their outputs.
+        self._loss_cotangents = {}
+        received = {(0, m): part for m, part in enumerate(self._per_replica(x))}
+        return received, self._per_replica(y)
+
+    def _started(self):
+        """The start time of the action issued now: a replica's work
+        waits for it, which waits for the action's inputs and its
+        stage's previous action (see `_timed`). Replicas run in threads
+        of their own, which the control dependencies of the thread that
+        issues them do not reach."""
+        return self.times[-1][0]
+
+    def _run_forward(self, stage, m, received, target):
+        runtime = self.runtimes[stage]
+        model = self.stage_models[stage]
+        started = self._started()
+
+        def forward():
+            replica = runtime._replica_id()
+            with tf.control_dependencies([started]):
+                inputs = tf.nest.map_structure(tf.identity, received[replica])
+            with tf.GradientTape() as tape:
+                tape.watch(_floating(inputs))
+                outputs = model(inputs, training=True)
+            self._tapes[stage, m, replica] = (tape, inputs, outputs)
+            return outputs
+
+        outputs = runtime.replica_results(forward, model)
+        if target is None:
+            return outputs, None
+        return self._row_losses(m, outputs, target), outputs
+
+    def _row_losses(self, m, outputs, target):
+        """Each data-parallel row's share of the batch's loss from its
+        outputs of micro-batch `m`, computed outside the replicas (where
+        Keras would divide a loss by their number); the gradient of each
+        row's loss with respect to its outputs is kept for the backward
+        passes of the row's replicas."""
+        losses, cotangents = [], []
+        for first in range(0, len(outputs), self.tensor_parallel):
+            predicted = _floating(outputs[first])
+            with tf.GradientTape() as tape:
+                tape.watch(predicted)
+                loss = self.loss(target[first], outputs[first])
+                loss = loss / self.num_microbatches
+            losses.append(loss)
+            cotangents.append(
+                tape.gradient(
+                    loss,
+                    predicted,
+                    unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                )
+            )
+        self._loss_cotangents[m] = [
+            cotangents[r // self.tensor_parallel] for r in range(len(outputs))
+        ]
+        return losses
+
+    def _run_backward(self, stage, m, cotangent):
+        runtime = self.runtimes[stage]
+        variables = self.stage_models[stage].trainable_variables
+        started = self._started()
+        if cotangent is None:
+            cotangent = self._loss_cotangents.pop(m)
+
+        def backward():
+            replica = runtime._replica_id()
+            tape, inputs, outputs = self._tapes.pop((stage, m, replica))
+            sources = _floating(inputs) if stage else []
+            with tf.control_dependencies([started]):
+                grads = tape.gradient(
+                    _floating(outputs),
+                    [*variables, *sources],
+                    output_gradients=cotangent[replica],
+                )
+            self._accumulate(
+                stage, variables, grads[: len(variables)], (stage, replica)
+            )
+            # An input the outputs do not depend on gets a zero gradient:
+            # a replica returns tensors only.
+            sent = [
+                tf.zeros_like(source) if g is None else g
+                for source, g in zip(sources, grads[len(variables) :])
+            ]
+            return sent, self.gradients[stage, replica]
+
+        results = runtime.replica_results(backward, self.stage_models[stage])
+        return [r[0] for r in results], tf.nest.flatten(results)
+
+    def _joined(self, losses, predictions):
+        # Each row's loss is the mean over its equal slice of the batch,
+        # so their mean is the batch's.
+        loss = tf.add_n([row for micro in losses for row in micro])
+        return loss / self.data_parallel, self._batch_outputs(predictions)
+
+    def _batch_outputs(self, predictions):
+        """The batch's outputs from each micro-batch's, per replica: row
+        by row (from its first replica), each row's micro-batches in
+        order."""
+        return _concatenated(
+            [
+                micro[r]
+                for r in range(0, len(predictions[0]), self.tensor_parallel)
+                for micro in predictions
+            ]
+        )
+
+    def _call_stage(self, stage, values, training):
+        """Each replica's outputs of `stage` on its structure of `values`."""
+        runtime = self.runtimes[stage]
+        model = self.stage_models[stage]
+
+        def call():
+            return model(values[runtime._replica_id()], training=training)
+
+        return runtime.replica_results(call, model)
+
+    def forward(self, x, training=False):
+        """The stages' outputs for a batch, one micro-batch after the other,
+        each data-parallel row on its slice.
+
+        Args:
+            x: the batch's inputs, of a known batch size.
+            training: the `training` argument of the stages' calls.
+
+        Returns:
+            The last stage's outputs of the whole batch.
+        """
+        predictions = []
+        for values in self._per_replica(x):
+            for stage in range(len(self.stage_models)):
+                if stage:
+                    self._send(values, "forward")
+                values = self._call_stage(stage, values, training)
+            predictions.append(values)
+        return self._batch_outputs(predictions)
+
+
+class _StageTrainer:
+    """What a stage's `TensorFlowRuntime` reads of the model it trains
+    (`prepare_optimizer`, the local shapes of a replica, the statistics
+    averaged over `data`): the stage's variables, and its own optimizer.
+    """
+
+    def __init__(self, model, optimizer):
+        self.model = model
+        self.optimizer = optimizer
+
+    @property
+    def variables(self):
+        return self.model.variables
+
+    @property
+    def trainable_variables(self):
+        return self.model.trainable_variables
+
+    @property
+    def non_trainable_variables(self):
+        return self.model.non_trainable_variables
+
+
+class SplitStagesRuntime(TensorFlowPipelineRuntime):
+    """`PipelineRuntime` whose stages each run on a `TensorFlowRuntime`.
+
+    Stage `s` of replica `d` runs on its `T` devices `stage_devices[s][d
+    * T : (d + 1) * T]`; the stage's runtime holds the `D x T` devices of
+    every replica. See the module docstring.
+
+    Args: those of `PipelineRuntime`.
+
+    Attributes:
+        stage_runtimes: the `TensorFlowRuntime` of each stage.
+        stage_optimizers: each stage's optimizer, made from the compiled
+            one the first time the model trains (`build_optimizer`).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.shared_stages:
+            shared = [
+                v.path
+                for v in self.split.model.weights
+                if id(v) in self.shared_stages
+            ]
+            raise ValueError(
+                f"Weights {shared} are used by several pipeline stages (a "
+                "token embedding that also computes the logits). On "
+                "TensorFlow, stages split by tensor parallelism or ZeRO do "
+                "not share weights yet: untie them (keras-hub backbones "
+                "take tie_word_embeddings=False), pass pipeline_cuts that "
+                "keep every use in one stage, or run each stage whole "
+                "(world_size=pipeline_parallel x data_parallel, "
+                "zero_stage=0)."
+            )
+        # Each collective is issued by every replica of its stage, and
+        # counted once, by the stage's first replica.
+        self.stats = ReplicaStats()
+        self.stage_runtimes = []
+        for devices in self.stage_devices:
+            runtime = TensorFlowRuntime(
+                len(devices), devices, self.data_parallel, self.zero_stage
+            )
+            for adapter in (
+                runtime.adapter,
+                runtime.data_adapter,
+                runtime.world_adapter,
+            ):
+                adapter.stats = self.stats
+            self.stage_runtimes.append(runtime)
+        self.stage_optimizers = []
+        # The compiled optimizer the stage optimizers were made from.
+        self._optimizers_of = None
+
+    def prepare_model(self, model):
+        """Nothing to mirror: each stage's runtime holds its replicas."""
+
+    def _owner(self, variable):
+        return self.stage_runtimes[self.stage_of[id(variable)]]
+
+    def place_variable(self, variable, axis):
+        self._owner(variable).placement.place(variable, axis)
+
+    def place_variable_like(self, variable, reference, data_axis):
+        self.stage_of[id(variable)] = self.stage_of[id(reference)]
+        self._owner(variable).placement.place_like(
+            variable, reference, data_axis
+        )
+
+    def full_value(self, variable):
+        return self._owner(variable).full_value(variable)
+
+    def assign_full_value(self, variable, value):
+        self._owner(variable).assign_full_value(variable, value)
+
+    def local_pieces(self, variable):
+        self._refuse_checkpoints()
+
+    def assign_local_pieces(self, variable, read):
+        self._refuse_checkpoints()
+
+    def _refuse_checkpoints(self):
+        raise ValueError(
+            "Sharded checkpoints (save_weights, save_checkpoint, "
+            "BackupAndRestore) of a TensorFlow pipeline whose stages are "
+            "split by tensor parallelism or ZeRO are not supported yet: "
+            "each stage's optimizer holds its own state. Use save() to "
+            "write the unsplit model, or run each stage whole "
+            "(world_size=pipeline_parallel x data_parallel, zero_stage=0)."
+        )
+
+    def device_bytes(self, variables):
+        """`{device: bytes}` of these variables, from every stage's
+        runtime (each reads the variables it stores)."""
+        totals = dict.fromkeys(self.devices, 0)
+        for runtime in self.stage_runtimes:
+            placed = [v for v in variables if runtime.placement.is_placed(v)]
+            for device, size in runtime.device_bytes(placed).items():
+                totals[device] = totals.get(device, 0) + size
+        return totals
+
+    def check_compiled(self, trainer):
+        super().check_compiled(trainer)
+        # Each stage updates its variables with a copy of this optimizer
+        # (`build_optimizer`): built on no variable, it keeps the step
+        # count and holds no slot.
+        if not trainer.optimizer.built:
+            trainer.optimizer.build([])
+
+    def build_optimizer(self, trainer):
+        """Makes each stage's optimizer from the compiled one, once per
+        compile, and builds its slots with the stage's variables."""
+        optimizer = trainer.optimizer
+        if self._optimizers_of is optimizer:
+            return
+        # The first step may make them while Keras traces it: they are
+        # made eagerly, to outlive the trace.
+        with tf.init_scope():
+            if not optimizer.built:
+                optimizer.build([])
+            config = optimizer.get_config()
+            self.stage_optimizers = [
+                self._stage_trainer(type(optimizer).from_config(config), s)
+                for s in range(self.pipeline_parallel)
+            ]
+        self._optimizers_of = optimizer
+
+    def _stage_trainer(self, optimizer, stage):
+        """Stage `stage`'s `_StageTrainer`, whose optimizer is `optimizer`
+        (a copy of the compiled one), built on the stage's variables."""
+        runtime = self.stage_runtimes[stage]
+        if runtime.optimizer_runtime is None:
+            place_slots_on_creation(optimizer, runtime.placement.place_like)
+        else:
+            optimizer = CoordinatedOptimizer(
+                optimizer, zero_stage=self.zero_stage
+            )
+            runtime.bind_optimizer(optimizer)
+        trainer = _StageTrainer(self.stage_models[stage], optimizer)
+        prepare_optimizer(runtime, trainer)
+        return trainer
+
+    def _make_runners(self, count):
+        return [
+            SplitStagesPipeline(
+                self.stage_models,
+                self.stage_runtimes,
+                self._loss,
+                self.schedule,
+                count,
+                self.stats,
+            )
+        ]
+
+    def run_step(self, phase, step, *args, **kwargs):
+        # The collective groups of a stage's `data` axis run in graphs
+        # only: an eager step (`run_eagerly=True`) is traced anew.
+        step_of = getattr(self, f"{phase}_step")
+        if tf.executing_eagerly():
+            step_of = tf.function(step_of)
+        with self.stats.recording(phase):
+            return step_of(*args, **kwargs)
+
+    def train_step(self, data):
+        """Keras' train step: the schedule over the stages' replicas, then
+        each stage's update on its replicas.
+
+        Args:
+            data: the batch, `(x, y)`.
+
+        Returns:
+            The metrics' logs, as Keras' `train_step` returns them.
+        """
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        self.check_no_sample_weight(sample_weight)
+        self.build_optimizer(self.trainer)
+        (runner,) = self._runners_of(x)
+        loss, y_pred = runner.step(x, y)
+        self._record_step(runner)
+        for index, (runtime, stage) in enumerate(
+            zip(self.stage_runtimes, self.stage_optimizers)
+        ):
+            self._update(index, runtime, stage, runner.gradients)
+        self.trainer.optimizer.iterations.assign_add(1)
+        update_loss_tracker(self.trainer, loss, _batch_size(x))
+        return self.trainer.compute_metrics(x, y, y_pred, None)
+
+    @staticmethod
+    def _update(index, runtime, stage, gradients):
+        """Stage `index`'s update on each of its replicas, from the
+        replica's gradients (`SplitStagesPipeline.gradients`)."""
+
+        def update():
+            replica = runtime._replica_id()
+            runtime.apply_on_replica(
+                stage.optimizer,
+                gradients[index, replica],
+                stage.trainable_variables,
+                stage,
+            )
+            # `strategy.run` needs a result to return.
+            return tf.zeros(())
+
+        runtime.replica_results(update, stage)
+
+    def _forward(self, x):
+        (runner,) = self._runners_of(x)
+        return runner.forward(x)

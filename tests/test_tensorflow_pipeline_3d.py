@@ -1,0 +1,56 @@
+"""Pipelines whose stages tensor parallelism splits, on TensorFlow.
+
+Run alone, in a process of its own (8 logical CPUs): `KERAS_BACKEND=
+tensorflow python -m pytest tests/test_tensorflow_pipeline_3d.py`.
+Each stage is a `tf.distribute` strategy over its `data x model` devices
+(`keras_tp.runtime.tensorflow.split_stages`); one traced step runs the
+schedule's actions as those strategies' replica steps, next to the same
+model on one device.
+"""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import keras  # noqa: E402
+import pytest  # noqa: E402
+
+if keras.backend.backend() != "tensorflow":
+    pytest.skip(
+        "TensorFlow tests; run with KERAS_BACKEND=tensorflow",
+        allow_module_level=True,
+    )
+
+import keras_tp  # noqa: E402
+
+keras_tp.configure_virtual_devices(8)
+
+from tests import pipeline_cases  # noqa: E402
+from tests.pipeline_cases import MICROBATCHES  # noqa: E402
+
+
+def _stage_slots(tp):
+    """The Adam slots of every stage's own optimizer."""
+    return [
+        variable
+        for stage in tp._runtime.stage_optimizers
+        for variable in stage.optimizer.variables
+        if variable.name.endswith(("_momentum", "_velocity"))
+    ]
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_replicas_of_stages_split_by_tensor_parallelism(zero_stage):
+    """data x pipe x model, 2 x 2 x 2 on 8 devices: see
+    `pipeline_cases.check_split_stage_replicas`. Each stage updates its
+    shards with its own copy of the compiled optimizer; the compiled one
+    counts the steps."""
+    tp = pipeline_cases.check_split_stage_replicas(
+        zero_stage, _stage_slots, pipeline_cases.dense_adam()
+    )
+    assert int(tp.optimizer.iterations) == 2
+    # Each stage's actions are timed on its first device, from when their
+    # inputs are ready to when every replica's outputs are.
+    pipeline_cases.check_measured_timeline(
+        tp.pipeline_timeline(), "1f1b", MICROBATCHES
+    )

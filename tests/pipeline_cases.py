@@ -358,6 +358,41 @@ def causal_lm_pipeline(tp_of):
     return tp, shared_bytes
 
 
+def check_split_causal_lm(data_parallel, tensor_parallel, zero_stage):
+    """`causal_lm_pipeline` on `data_parallel` replicas of 2 stages, each
+    split `tensor_parallel` ways, with `zero_stage`, 2 micro-batches, and
+    `check_causal_lm_traffic`: the first stage's devices own the tied
+    embedding, the last stage's receive a copy once a step and send its
+    gradient back, each device its shard, each replica its own.
+
+    Returns:
+        `(tp, embedding)`: the trained model and its token embedding.
+    """
+    microbatches = 2
+    tp, shared_bytes = causal_lm_pipeline(
+        lambda model: keras_tp.TensorParallelKeras(
+            model,
+            world_size=2 * data_parallel * tensor_parallel,
+            pipeline_parallel=2,
+            data_parallel=data_parallel,
+            zero_stage=zero_stage,
+            num_microbatches=microbatches,
+        )
+    )
+    check_causal_lm_traffic(
+        tp,
+        microbatches,
+        shared_bytes,
+        copies=1,
+        replicas=data_parallel,
+        tensor_parallel=tensor_parallel,
+    )
+    embedding = next(
+        v for v in tp.trainable_variables if "token_embedding" in v.path
+    )
+    return tp, embedding
+
+
 def check_causal_lm_traffic(
     tp, microbatches, shared_bytes, copies, replicas=1, tensor_parallel=1
 ):

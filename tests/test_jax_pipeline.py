@@ -208,27 +208,8 @@ def test_a_causal_lm_shares_its_tied_embedding_between_stages(
     first stage adds to its own before the update. Split by tensor
     parallelism, each device exchanges its shard with its counterpart,
     and each replica its own copy."""
-    microbatches = 2
-    tp, shared_bytes = pipeline_cases.causal_lm_pipeline(
-        lambda model: keras_tp.TensorParallelKeras(
-            model,
-            world_size=2 * data_parallel * tensor_parallel,
-            pipeline_parallel=2,
-            data_parallel=data_parallel,
-            zero_stage=zero_stage,
-            num_microbatches=microbatches,
-        )
-    )
-    pipeline_cases.check_causal_lm_traffic(
-        tp,
-        microbatches,
-        shared_bytes,
-        copies=1,
-        replicas=data_parallel,
-        tensor_parallel=tensor_parallel,
-    )
-    embedding = next(
-        v for v in tp.trainable_variables if "token_embedding" in v.path
+    tp, embedding = pipeline_cases.check_split_causal_lm(
+        data_parallel, tensor_parallel, zero_stage
     )
     # The owner's devices hold it: one shard per device of the first stage.
     shards = embedding.value.addressable_shards

@@ -35,7 +35,6 @@ from keras_tp.runtime.tensorflow.devices import device_name  # noqa: E402
 from tests import checkpoint_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests import pipeline_cases  # noqa: E402
-from tests import zoo  # noqa: E402
 from tests.pipeline_cases import BATCH  # noqa: E402
 from tests.pipeline_cases import MICROBATCHES  # noqa: E402
 
@@ -229,8 +228,6 @@ def test_refusals_name_the_fix(tmp_path):
     split = _pipelined(models.mlp(), world_size=4)
     with pytest.raises(ValueError, match="TensorFlow pipeline whose stages"):
         split.save_checkpoint(str(tmp_path))
-    with pytest.raises(ValueError, match="tie_word_embeddings=False"):
-        _pipelined(zoo.gpt2()[0], world_size=4)
     replicated = keras_tp.TensorParallelKeras(
         models.mlp(), world_size=4, pipeline_parallel=2, data_parallel=2
     )
@@ -251,6 +248,17 @@ def test_a_causal_lm_shares_its_tied_embedding_between_stages():
     pipeline_cases.check_causal_lm_traffic(
         tp, microbatches, shared_bytes, copies=microbatches
     )
+
+
+def test_stages_split_by_tensor_parallelism_share_the_tied_embedding():
+    """GPT2's CausalLM on 2 stages, each split over 2 devices (a
+    `tf.distribute` strategy per stage): the last stage's devices hold a
+    copy of their shard of the token embedding, refreshed from the first
+    stage's once a step, and send their gradients of it back."""
+    tp, embedding = pipeline_cases.check_split_causal_lm(1, 2, 0)
+    shard = embedding.shape[0] // 2 * embedding.shape[1] * 4
+    held = tp._runtime.device_bytes([embedding])
+    assert list(held.values()) == [shard] * 4
 
 
 def test_sharded_checkpoints_of_stages_load_at_any_layout(tmp_path):

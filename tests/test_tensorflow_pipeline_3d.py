@@ -54,3 +54,14 @@ def test_replicas_of_stages_split_by_tensor_parallelism(zero_stage):
     pipeline_cases.check_measured_timeline(
         tp.pipeline_timeline(), "1f1b", MICROBATCHES
     )
+
+
+def test_replicas_of_split_stages_share_the_tied_embedding():
+    """GPT2's CausalLM, 2 replicas x 2 stages x 2-way tensor parallelism,
+    ZeRO-1: each replica's last stage refreshes its copy of the tied
+    embedding's shards from its own first stage (see
+    `pipeline_cases.check_split_causal_lm`)."""
+    tp, embedding = pipeline_cases.check_split_causal_lm(2, 2, 1)
+    shard = embedding.shape[0] // 2 * embedding.shape[1] * 4
+    held = tp._runtime.device_bytes([embedding])
+    assert list(held.values()) == [shard] * 8

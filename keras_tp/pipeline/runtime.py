@@ -399,6 +399,60 @@ class PipelineRuntime(CheckpointPieces):
             return self.split.run(inputs, training=training)
 
 
+class CallingStageRegions:
+    """Runs the split layers that several stages call (a tied embedding
+    that also computes the logits) on the devices of the calling stage.
+
+    A layer has one `call`, and its split math holds the collective
+    adapter it was installed with: here `adapter` is that of the runtime
+    of the stage whose work is issued now, and the region runs there,
+    with the stage's copy of the weights, split as its owner's.
+
+    Args:
+        runtimes: `{stage index: its runtime}` of the stages that call the
+            layers, the owner first.
+        calling: a function returning the index of the stage whose work
+            is issued now, or `None` outside any (Keras' symbolic build of
+            the model, which reads shapes only; a direct call), where the
+            owner's runtime serves.
+    """
+
+    def __init__(self, runtimes, calling):
+        self.runtimes = runtimes
+        self._owner = next(iter(runtimes.values()))
+        self._stage = calling
+        self.adapter = _CallingStageAdapter(self)
+
+    def calling_runtime(self):
+        """The runtime of the stage whose work is issued now."""
+        return self.runtimes.get(self._stage(), self._owner)
+
+    def prepare_local_layer(self, layer):
+        for runtime in self.runtimes.values():
+            runtime.prepare_local_layer(layer)
+
+    def prepare_region(self, region):
+        for runtime in self.runtimes.values():
+            runtime.prepare_region(region)
+
+    def run_region(self, region, args, kwargs):
+        return self.calling_runtime().run_region(region, args, kwargs)
+
+    def holds_local_values(self):
+        return self.calling_runtime().holds_local_values()
+
+
+class _CallingStageAdapter:
+    """The collective adapter of the calling stage's runtime, read at each
+    use (a region's per-rank math keeps the adapter it was made with)."""
+
+    def __init__(self, regions):
+        self._regions = regions
+
+    def __getattr__(self, name):
+        return getattr(self._regions.calling_runtime().adapter, name)
+
+
 def _check_layers(model):
     """Refuses layers whose training a pipeline would change."""
     for layer in sublayers(model):

@@ -23,6 +23,7 @@ from keras_tp.keras_internals import StatelessScope
 from keras_tp.keras_internals import jax_update_metrics
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.runner import ScheduledStages
+from keras_tp.pipeline.runtime import CallingStageRegions
 from keras_tp.pipeline.runtime import PipelineRuntime
 from keras_tp.runtime.jax import JaxRuntime
 from keras_tp.runtime.jax import to_jax_device
@@ -144,47 +145,6 @@ class JaxPipeline(ScheduledStages):
         )
 
 
-class CallingStageRegions:
-    """Runs the split layers that several stages call (a tied embedding
-    that also computes the logits) on the devices of the calling stage.
-
-    A layer has one `call`; each stage's program is traced under
-    `tracing_stage`, and the region runs on that stage's runtime, with
-    the stage's copy of the weights, split as its owner's.
-
-    Args:
-        runtimes: `{stage index: its JaxRuntime}` of the stages that
-            call the layers.
-    """
-
-    def __init__(self, runtimes):
-        self.runtimes = runtimes
-        self._owner = next(iter(runtimes.values()))
-        # The layers' per-rank math names the `model` axis only, which
-        # every stage's mesh has, and every adapter counts into the
-        # pipeline's stats: the first stage's serves every call.
-        self.adapter = self._owner.adapter
-
-    def _calling(self):
-        # Outside the stages' programs (Keras' symbolic build of the
-        # model, which reads shapes only) the owner's stage serves.
-        return self.runtimes.get(TRACING_STAGE.get(), self._owner)
-
-    def prepare_local_layer(self, layer):
-        for runtime in self.runtimes.values():
-            runtime.prepare_local_layer(layer)
-
-    def prepare_region(self, region):
-        for runtime in self.runtimes.values():
-            runtime.prepare_region(region)
-
-    def run_region(self, region, args, kwargs):
-        return self._calling().run_region(region, args, kwargs)
-
-    def holds_local_values(self):
-        return self._calling().holds_local_values()
-
-
 class JaxPipelineRuntime(PipelineRuntime):
     """Runs Keras' JAX steps as a pipeline of stages, one per device.
 
@@ -281,7 +241,10 @@ class JaxPipelineRuntime(PipelineRuntime):
         self._owner_runtime(variable).assign_local_pieces(variable, read)
 
     def calling_stage_runtime(self, stages):
-        return CallingStageRegions({s: self.stage_runtimes[s] for s in stages})
+        # Each stage's program is traced under its index.
+        return CallingStageRegions(
+            {s: self.stage_runtimes[s] for s in stages}, TRACING_STAGE.get
+        )
 
     def place_variable_like(self, variable, reference, data_axis):
         """Places an optimizer slot on its reference's stage; with ZeRO-1

@@ -18,22 +18,29 @@ so each tensor-parallel device receives the activations whole, as
 Megatron-LM's stages do, and sends back their gradients.
 """
 
+import contextlib
+
 import keras
 import tensorflow as tf
 
+from keras_tp.collectives.base import nbytes
 from keras_tp.collectives.tensorflow import ReplicaStats
 from keras_tp.keras_internals import place_slots_on_creation
+from keras_tp.keras_internals import set_stored_value
+from keras_tp.keras_internals import stored_value
 from keras_tp.keras_internals import update_loss_tracker
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.pipeline import schedules
+from keras_tp.pipeline.runtime import CallingStageRegions
 from keras_tp.runtime.tensorflow import TensorFlowRuntime
+from keras_tp.runtime.tensorflow.devices import device_name
 from keras_tp.runtime.tensorflow.optimizer import prepare_optimizer
 from keras_tp.runtime.tensorflow.whole_stages import TensorFlowPipeline
 from keras_tp.runtime.tensorflow.whole_stages import TensorFlowPipelineRuntime
-from keras_tp.runtime.tensorflow.whole_stages import _batch_size
-from keras_tp.runtime.tensorflow.whole_stages import _concatenated
-from keras_tp.runtime.tensorflow.whole_stages import _floating
-from keras_tp.runtime.tensorflow.whole_stages import _part
+from keras_tp.runtime.tensorflow.whole_stages import batch_part
+from keras_tp.runtime.tensorflow.whole_stages import concatenated
+from keras_tp.runtime.tensorflow.whole_stages import floating
+from keras_tp.runtime.tensorflow.whole_stages import traced_batch_size
 
 
 class SplitStagesPipeline(TensorFlowPipeline):
@@ -47,6 +54,9 @@ class SplitStagesPipeline(TensorFlowPipeline):
         stage_models: the Keras model of each stage.
         runtimes: the `TensorFlowRuntime` of each stage's devices.
         loss, schedule, num_microbatches, stats: as `TensorFlowPipeline`'s.
+        reading_copies: a function of a stage's index returning the
+            context in which its replicas read their copies of the weights
+            it shares with an earlier stage; `None`: it shares none.
 
     Attributes:
         gradients: after a training step was traced, by `(stage,
@@ -55,7 +65,14 @@ class SplitStagesPipeline(TensorFlowPipeline):
     """
 
     def __init__(
-        self, stage_models, runtimes, loss, schedule, num_microbatches, stats
+        self,
+        stage_models,
+        runtimes,
+        loss,
+        schedule,
+        num_microbatches,
+        stats,
+        reading_copies=None,
     ):
         # The times of a stage's actions are taken on its first device.
         super().__init__(
@@ -67,17 +84,31 @@ class SplitStagesPipeline(TensorFlowPipeline):
             stats,
         )
         self.runtimes = runtimes
+        self.reading_copies = reading_copies
         self.tensor_parallel = runtimes[0].tensor_parallel
         self.data_parallel = runtimes[0].data_parallel
+
+    def _replica_results(self, stage, fn):
+        """`fn` run on each replica of `stage`, which reads its copies of
+        the weights it shares with an earlier stage."""
+        reading = (
+            self.reading_copies(stage)
+            if self.reading_copies
+            else contextlib.nullcontext()
+        )
+        with reading:
+            return self.runtimes[stage].replica_results(
+                fn, self.stage_models[stage]
+            )
 
     def _per_replica(self, x):
         """Per micro-batch, per replica, micro-batch `m` of the replica's
         data-parallel row of `x`."""
         count = self.num_microbatches
-        row = _batch_size(x) // self.data_parallel
+        row = traced_batch_size(x) // self.data_parallel
         schedules.check_microbatches(row, count)
         parts = [
-            _part(x, d * count + m, row // count)
+            batch_part(x, d * count + m, row // count)
             for d in range(self.data_parallel)
             for m in range(count)
         ]
@@ -114,12 +145,12 @@ class SplitStagesPipeline(TensorFlowPipeline):
             with tf.control_dependencies([started]):
                 inputs = tf.nest.map_structure(tf.identity, received[replica])
             with tf.GradientTape() as tape:
-                tape.watch(_floating(inputs))
+                tape.watch(floating(inputs))
                 outputs = model(inputs, training=True)
             self._tapes[stage, m, replica] = (tape, inputs, outputs)
             return outputs
 
-        outputs = runtime.replica_results(forward, model)
+        outputs = self._replica_results(stage, forward)
         if target is None:
             return outputs, None
         return self._row_losses(m, outputs, target), outputs
@@ -132,7 +163,7 @@ class SplitStagesPipeline(TensorFlowPipeline):
         passes of the row's replicas."""
         losses, cotangents = [], []
         for first in range(0, len(outputs), self.tensor_parallel):
-            predicted = _floating(outputs[first])
+            predicted = floating(outputs[first])
             with tf.GradientTape() as tape:
                 tape.watch(predicted)
                 loss = self.loss(target[first], outputs[first])
@@ -160,10 +191,10 @@ class SplitStagesPipeline(TensorFlowPipeline):
         def backward():
             replica = runtime._replica_id()
             tape, inputs, outputs = self._tapes.pop((stage, m, replica))
-            sources = _floating(inputs) if stage else []
+            sources = floating(inputs) if stage else []
             with tf.control_dependencies([started]):
                 grads = tape.gradient(
-                    _floating(outputs),
+                    floating(outputs),
                     [*variables, *sources],
                     output_gradients=cotangent[replica],
                 )
@@ -178,7 +209,7 @@ class SplitStagesPipeline(TensorFlowPipeline):
             ]
             return sent, self.gradients[stage, replica]
 
-        results = runtime.replica_results(backward, self.stage_models[stage])
+        results = self._replica_results(stage, backward)
         return [r[0] for r in results], tf.nest.flatten(results)
 
     def _joined(self, losses, predictions):
@@ -191,7 +222,7 @@ class SplitStagesPipeline(TensorFlowPipeline):
         """The batch's outputs from each micro-batch's, per replica: row
         by row (from its first replica), each row's micro-batches in
         order."""
-        return _concatenated(
+        return concatenated(
             [
                 micro[r]
                 for r in range(0, len(predictions[0]), self.tensor_parallel)
@@ -207,7 +238,7 @@ class SplitStagesPipeline(TensorFlowPipeline):
         def call():
             return model(values[runtime._replica_id()], training=training)
 
-        return runtime.replica_results(call, model)
+        return self._replica_results(stage, call)
 
     def forward(self, x, training=False):
         """The stages' outputs for a batch, one micro-batch after the other,
@@ -233,20 +264,24 @@ class SplitStagesPipeline(TensorFlowPipeline):
 class _StageTrainer:
     """What a stage's `TensorFlowRuntime` reads of the model it trains
     (`prepare_optimizer`, the local shapes of a replica, the statistics
-    averaged over `data`): the stage's variables, and its own optimizer.
+    averaged over `data`): the stage's variables, and its own optimizer,
+    which updates the trainable ones the stage owns.
+
+    Args:
+        model: the stage's Keras model.
+        optimizer: the stage's optimizer.
+        owned: the stage's trainable variables that no earlier stage
+            owns.
     """
 
-    def __init__(self, model, optimizer):
+    def __init__(self, model, optimizer, owned):
         self.model = model
         self.optimizer = optimizer
+        self.trainable_variables = owned
 
     @property
     def variables(self):
         return self.model.variables
-
-    @property
-    def trainable_variables(self):
-        return self.model.trainable_variables
 
     @property
     def non_trainable_variables(self):
@@ -270,22 +305,6 @@ class SplitStagesRuntime(TensorFlowPipelineRuntime):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.shared_stages:
-            shared = [
-                v.path
-                for v in self.split.model.weights
-                if id(v) in self.shared_stages
-            ]
-            raise ValueError(
-                f"Weights {shared} are used by several pipeline stages (a "
-                "token embedding that also computes the logits). On "
-                "TensorFlow, stages split by tensor parallelism or ZeRO do "
-                "not share weights yet: untie them (keras-hub backbones "
-                "take tie_word_embeddings=False), pass pipeline_cuts that "
-                "keep every use in one stage, or run each stage whole "
-                "(world_size=pipeline_parallel x data_parallel, "
-                "zero_stage=0)."
-            )
         # Each collective is issued by every replica of its stage, and
         # counted once, by the stage's first replica.
         self.stats = ReplicaStats()
@@ -304,6 +323,10 @@ class SplitStagesRuntime(TensorFlowPipelineRuntime):
         self.stage_optimizers = []
         # The compiled optimizer the stage optimizers were made from.
         self._optimizers_of = None
+        # By `(stage, id(variable))`, a later stage's copy of a weight an
+        # earlier stage owns (a tied embedding), stored on its replicas.
+        self._copies = {}
+        self._shared_variables = {}
 
     def prepare_model(self, model):
         """Nothing to mirror: each stage's runtime holds its replicas."""
@@ -312,7 +335,65 @@ class SplitStagesRuntime(TensorFlowPipelineRuntime):
         return self.stage_runtimes[self.stage_of[id(variable)]]
 
     def place_variable(self, variable, axis):
+        """Places `variable` on its owner's replicas; the later stages
+        that use it get a copy of its pieces on theirs."""
+        owner = self.stage_of[id(variable)]
+        for stage in self.shared_stages.get(id(variable), ()):
+            if stage != owner:
+                runtime = self.stage_runtimes[stage]
+                runtime.placement.borrow(variable, axis)
+                self._copies[stage, id(variable)] = runtime.storage_copy(
+                    variable, axis
+                )
+                self._shared_variables[id(variable)] = variable
         self._owner(variable).placement.place(variable, axis)
+
+    def calling_stage_runtime(self, stages):
+        runtimes = {s: self.stage_runtimes[s] for s in stages}
+
+        def calling():
+            # The stage whose replicas run now.
+            return next(
+                (s for s, runtime in runtimes.items() if runtime._in_replica()),
+                None,
+            )
+
+        return CallingStageRegions(runtimes, calling)
+
+    @contextlib.contextmanager
+    def reading_copies(self, stage):
+        """Makes the weights `stage` uses but does not own read its copies
+        of them (see `refresh_copies`), for the replica steps issued
+        inside: their reads, and the gradients of those reads."""
+        swapped = [
+            (variable, stored_value(variable))
+            for variable in self.stage_models[stage].weights
+            if (stage, id(variable)) in self._copies
+        ]
+        for variable, _ in swapped:
+            set_stored_value(variable, self._copies[stage, id(variable)])
+        try:
+            yield
+        finally:
+            for variable, owned in swapped:
+                set_stored_value(variable, owned)
+
+    def refresh_copies(self):
+        """Copies each shared weight's pieces from its owner's replicas to
+        the stages that also use it, replica `(d, t)` to replica `(d, t)`,
+        once a step (counted as sent on `"pipe"`)."""
+        for (stage, key), copy in self._copies.items():
+            owned = stored_value(self._shared_variables[key]).values
+            runtime = self.stage_runtimes[stage]
+
+            def refresh(copy=copy, owned=owned, runtime=runtime):
+                copy.assign(owned[runtime._replica_id()].read_value())
+                # `strategy.run` needs a result to return.
+                return tf.zeros(())
+
+            runtime.replica_results(refresh, self.stage_models[stage])
+            for piece in owned:
+                self.stats.record("send", nbytes(piece), "forward", "pipe")
 
     def place_variable_like(self, variable, reference, data_axis):
         self.stage_of[id(variable)] = self.stage_of[id(reference)]
@@ -344,12 +425,23 @@ class SplitStagesRuntime(TensorFlowPipelineRuntime):
 
     def device_bytes(self, variables):
         """`{device: bytes}` of these variables, from every stage's
-        runtime (each reads the variables it stores)."""
+        runtime (each reads the variables it owns), and of the later
+        stages' copies of shared weights."""
         totals = dict.fromkeys(self.devices, 0)
-        for runtime in self.stage_runtimes:
-            placed = [v for v in variables if runtime.placement.is_placed(v)]
+        for stage, runtime in enumerate(self.stage_runtimes):
+            placed = [
+                v
+                for v in variables
+                if runtime.placement.is_placed(v)
+                and self.stage_of.get(id(v), stage) == stage
+            ]
             for device, size in runtime.device_bytes(placed).items():
                 totals[device] = totals.get(device, 0) + size
+        for variable in variables:
+            for stage in self.shared_stages.get(id(variable), ()):
+                copy = self._copies.get((stage, id(variable)))
+                for piece in copy.values if copy is not None else ():
+                    totals[device_name(piece.device)] += nbytes(piece)
         return totals
 
     def check_compiled(self, trainer):
@@ -389,7 +481,13 @@ class SplitStagesRuntime(TensorFlowPipelineRuntime):
                 optimizer, zero_stage=self.zero_stage
             )
             runtime.bind_optimizer(optimizer)
-        trainer = _StageTrainer(self.stage_models[stage], optimizer)
+        model = self.stage_models[stage]
+        owned = [
+            v
+            for v in model.trainable_variables
+            if self.stage_of[id(v)] == stage
+        ]
+        trainer = _StageTrainer(model, optimizer, owned)
         prepare_optimizer(runtime, trainer)
         return trainer
 
@@ -402,6 +500,7 @@ class SplitStagesRuntime(TensorFlowPipelineRuntime):
                 self.schedule,
                 count,
                 self.stats,
+                self.reading_copies if self._copies else None,
             )
         ]
 
@@ -428,26 +527,57 @@ class SplitStagesRuntime(TensorFlowPipelineRuntime):
         self.check_no_sample_weight(sample_weight)
         self.build_optimizer(self.trainer)
         (runner,) = self._runners_of(x)
+        self.refresh_copies()
         loss, y_pred = runner.step(x, y)
         self._record_step(runner)
+        addends = self._owned_gradients(runner.gradients)
         for index, (runtime, stage) in enumerate(
             zip(self.stage_runtimes, self.stage_optimizers)
         ):
-            self._update(index, runtime, stage, runner.gradients)
+            self._update(index, runtime, stage, addends)
         self.trainer.optimizer.iterations.assign_add(1)
-        update_loss_tracker(self.trainer, loss, _batch_size(x))
+        update_loss_tracker(self.trainer, loss, traced_batch_size(x))
         return self.trainer.compute_metrics(x, y, y_pred, None)
 
+    def _owned_gradients(self, gradients):
+        """By `(stage, replica)`, per variable the stage owns, the
+        gradients to add up for its update: its own and, for a weight
+        later stages also use (a tied embedding), theirs, sent from their
+        replica `(d, t)` to the owner's (counted on `"pipe"`), as
+        Megatron-LM all-reduces its word embeddings' gradients between its
+        first and last stages.
+
+        Args:
+            gradients: `SplitStagesPipeline.gradients`.
+        """
+        addends = {}
+        for (stage, replica), grads in gradients.items():
+            variables = self.stage_models[stage].trainable_variables
+            for variable, grad in zip(variables, grads):
+                owner = self.stage_of[id(variable)]
+                if owner != stage:
+                    self.stats.record("send", nbytes(grad), "backward", "pipe")
+                addends.setdefault((owner, replica, id(variable)), []).append(
+                    grad
+                )
+        return {
+            (owner, replica): [
+                addends[owner, replica, id(v)]
+                for v in self.stage_optimizers[owner].trainable_variables
+            ]
+            for owner, replica, _ in addends
+        }
+
     @staticmethod
-    def _update(index, runtime, stage, gradients):
-        """Stage `index`'s update on each of its replicas, from the
-        replica's gradients (`SplitStagesPipeline.gradients`)."""
+    def _update(index, runtime, stage, addends):
+        """Stage `index`'s update on each of its replicas, from the sums of
+        the replica's gradients (`_owned_gradients`), made there."""
 
         def update():
             replica = runtime._replica_id()
             runtime.apply_on_replica(
                 stage.optimizer,
-                gradients[index, replica],
+                [tf.add_n(grads) for grads in addends[index, replica]],
                 stage.trainable_variables,
                 stage,
             )
@@ -458,4 +588,5 @@ class SplitStagesRuntime(TensorFlowPipelineRuntime):
 
     def _forward(self, x):
         (runner,) = self._runners_of(x)
+        self.refresh_copies()
         return runner.forward(x)

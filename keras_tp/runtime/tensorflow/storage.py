@@ -66,6 +66,14 @@ class ReplicaStorage:
                 self._per_replica_variable(variable, full, axis, data_axis),
             )
 
+    def storage_copy(self, variable, axis):
+        """A per-replica storage on this runtime's replicas holding the
+        pieces of `variable`'s current (full) value, split on `axis`; for
+        a pipeline stage that reads another stage's weight."""
+        with tf.init_scope():
+            full = keras.ops.convert_to_numpy(variable.value)
+            return self._per_replica_variable(variable, full, axis, None)
+
     def _per_replica_variable(self, variable, full, axis, data_axis):
         """A per-replica tf.Variable whose components hold their pieces."""
         shards = self._local_shards(full, axis, data_axis)

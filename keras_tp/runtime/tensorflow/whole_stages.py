@@ -224,8 +224,8 @@ class TensorFlowPipeline(ScheduledStages):
         micro-batch, by `(0, m)`, and the last stage's targets, by `m`."""
         size = self._microbatch_size(x)
         count = self.num_microbatches
-        received = {(0, m): _part(x, m, size) for m in range(count)}
-        return received, [_part(y, m, size) for m in range(count)]
+        received = {(0, m): batch_part(x, m, size) for m in range(count)}
+        return received, [batch_part(y, m, size) for m in range(count)]
 
     def _run_forward(self, stage, m, received, target):
         """Micro-batch `m`'s forward pass of `stage`, on its tape.
@@ -245,7 +245,7 @@ class TensorFlowPipeline(ScheduledStages):
         self._borrow(stage)
         predicted = None
         with tf.GradientTape() as tape:
-            tape.watch(_floating(received))
+            tape.watch(floating(received))
             outputs = self.stage_models[stage](received, training=True)
             if target is not None:
                 predicted = outputs
@@ -272,8 +272,8 @@ class TensorFlowPipeline(ScheduledStages):
         # Integer tensors (a carried padding mask) take no part: gradients
         # flow between the floating-point ones only.
         grads = tape.gradient(
-            outputs if cotangent is None else _floating(outputs),
-            [*variables, *_floating(received)] if stage else variables,
+            outputs if cotangent is None else floating(outputs),
+            [*variables, *floating(received)] if stage else variables,
             output_gradients=cotangent,
         )
         self._accumulate(stage, variables, grads[: len(variables)])
@@ -299,7 +299,7 @@ class TensorFlowPipeline(ScheduledStages):
 
     def _joined(self, losses, predictions):
         """`(loss, y_pred)` of the batch from each micro-batch's."""
-        return tf.add_n(losses), _concatenated(predictions)
+        return tf.add_n(losses), concatenated(predictions)
 
     @contextlib.contextmanager
     def _timed(self, inputs, sent=None):
@@ -338,7 +338,7 @@ class TensorFlowPipeline(ScheduledStages):
         size = self._microbatch_size(x)
         predictions = []
         for m in range(self.num_microbatches):
-            outputs = _part(x, m, size)
+            outputs = batch_part(x, m, size)
             for stage, model in enumerate(self.stage_models):
                 if stage:
                     self._send(outputs, "forward")
@@ -346,7 +346,7 @@ class TensorFlowPipeline(ScheduledStages):
                 with tf.device(self.devices[stage]):
                     outputs = model(outputs, training=training)
             predictions.append(outputs)
-        return _concatenated(predictions)
+        return concatenated(predictions)
 
     def _microbatch_size(self, x):
         # Traced per input signature: the batch size is known here.
@@ -495,7 +495,7 @@ class TensorFlowPipelineRuntime(PipelineRuntime):
     def _runners_of(self, x):
         """The replicas' runners for the batch `x`, each running its
         replica's slice; the slice's size picks the micro-batch count."""
-        batch = _batch_size(x)
+        batch = traced_batch_size(x)
         if batch is None:
             raise ValueError(
                 "The batch size is unknown when Keras traces the step (a "
@@ -563,11 +563,11 @@ class TensorFlowPipelineRuntime(PipelineRuntime):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self.check_no_sample_weight(sample_weight)
         runners = self._runners_of(x)
-        size = _batch_size(x) // self.data_parallel
+        size = traced_batch_size(x) // self.data_parallel
         losses, replica_gradients, predictions = [], [], []
         for replica, runner in enumerate(runners):
             loss, y_pred = runner.step(
-                _part(x, replica, size), _part(y, replica, size)
+                batch_part(x, replica, size), batch_part(y, replica, size)
             )
             losses.append(loss)
             replica_gradients.append(
@@ -586,9 +586,9 @@ class TensorFlowPipelineRuntime(PipelineRuntime):
         self._copy_to_mirrors()
         # Each replica's loss is the mean over its equal slice.
         loss = tf.add_n(losses) / self.data_parallel
-        update_loss_tracker(self.trainer, loss, _batch_size(x))
+        update_loss_tracker(self.trainer, loss, traced_batch_size(x))
         return self.trainer.compute_metrics(
-            x, y, _concatenated(predictions), None
+            x, y, concatenated(predictions), None
         )
 
     def measured_timeline(self):
@@ -703,10 +703,10 @@ class TensorFlowPipelineRuntime(PipelineRuntime):
         """Each replica's stages' outputs of its slice of `x`, put back
         together in batch order."""
         runners = self._runners_of(x)
-        size = _batch_size(x) // self.data_parallel
-        return _concatenated(
+        size = traced_batch_size(x) // self.data_parallel
+        return concatenated(
             [
-                runner.forward(_part(x, replica, size))
+                runner.forward(batch_part(x, replica, size))
                 for replica, runner in enumerate(runners)
             ]
         )
@@ -725,7 +725,7 @@ class TensorFlowPipelineRuntime(PipelineRuntime):
         self.check_no_sample_weight(sample_weight)
         y_pred = self._forward(x)
         loss = self._loss(y, y_pred)
-        update_loss_tracker(self.trainer, loss, _batch_size(x))
+        update_loss_tracker(self.trainer, loss, traced_batch_size(x))
         return self.trainer.compute_metrics(x, y, y_pred, None)
 
     def predict_step(self, data):
@@ -763,7 +763,7 @@ def _updates_on_variable_devices(optimizer):
         del optimizer.update_step
 
 
-def _part(structure, index, size):
+def batch_part(structure, index, size):
     """Part `index` (of `size` samples) of every tensor in `structure`: a
     replica's slice of a batch, or a micro-batch of that slice."""
     return tf.nest.map_structure(
@@ -771,14 +771,14 @@ def _part(structure, index, size):
     )
 
 
-def _concatenated(parts):
+def concatenated(parts):
     """The parts' structures put back together along the batch."""
     if len(parts) == 1:
         return parts[0]
     return tf.nest.map_structure(lambda *p: tf.concat(p, axis=0), *parts)
 
 
-def _batch_size(x):
+def traced_batch_size(x):
     """The batch size of `x` as traced: `None` where it is unknown."""
     return tf.nest.flatten(x)[0].shape[0]
 
@@ -794,7 +794,7 @@ def _mirror(variable):
     )
 
 
-def _floating(structure):
+def floating(structure):
     """The floating-point tensors of `structure`, in `tf.nest` order (the
     same on both sides of a cut)."""
     return [t for t in tf.nest.flatten(structure) if t.dtype.is_floating]

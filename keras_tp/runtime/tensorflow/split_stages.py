@@ -303,6 +303,10 @@ class SplitStagesRuntime(TensorFlowPipelineRuntime):
             one the first time the model trains (`build_optimizer`).
     """
 
+    # Each replica runs the code between the split layers on its own
+    # values, so `auto_plan` checks the plan for that.
+    local_ranks = True
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # Each collective is issued by every replica of its stage, and

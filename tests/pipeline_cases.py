@@ -358,6 +358,29 @@ def causal_lm_pipeline(tp_of):
     return tp, shared_bytes
 
 
+def check_zoo_lm_pipeline(name, tp_of):
+    """Trains zoo LM `name` pipelined, 2 SGD steps, next to one device:
+    the weights and the predictions within 1e-5.
+
+    Args:
+        name: a `tests.zoo` model function's name.
+        tp_of: a function of the model returning its uncompiled
+            `TensorParallelKeras`.
+    """
+    reference, x, y = getattr(zoo, name)()
+    tp = tp_of(getattr(zoo, name)()[0])
+    for model in (reference, tp):
+        model.compile(
+            optimizer=keras.optimizers.SGD(1e-2), loss=zoo.loss_for(name)
+        )
+        for _ in range(2):
+            model.train_on_batch(x, y)
+    check_unsplit_weights(reference, tp.get_weights())
+    np.testing.assert_allclose(
+        tp.predict(x, verbose=0), reference.predict(x, verbose=0), atol=1e-5
+    )
+
+
 def check_split_causal_lm(data_parallel, tensor_parallel, zero_stage):
     """`causal_lm_pipeline` on `data_parallel` replicas of 2 stages, each
     split `tensor_parallel` ways, with `zero_stage`, 2 micro-batches, and

@@ -219,6 +219,23 @@ def test_a_causal_lm_shares_its_tied_embedding_between_stages(
     }
 
 
+def test_replicated_split_stages_run_the_plan_checked_per_rank():
+    """With replicas each stage's passes run per device, on its own
+    values, so the plan is checked for that: Qwen3's attention
+    (grouped-query, with query and key norms) splits exactly on 2 x 2 x 2
+    devices, its tied embedding shared by the stages."""
+    pipeline_cases.check_zoo_lm_pipeline(
+        "qwen3",
+        lambda model: keras_tp.TensorParallelKeras(
+            model,
+            world_size=8,
+            pipeline_parallel=2,
+            data_parallel=2,
+            num_microbatches=2,
+        ),
+    )
+
+
 def test_sharded_checkpoints_of_stages_load_at_any_layout(tmp_path):
     """Each stage's devices write their own shards (2 replicas x 2 stages
     x 2-way tensor parallelism, ZeRO-1, here); a fresh pipeline and one

@@ -35,7 +35,6 @@ from keras_tp.runtime.tensorflow.devices import device_name  # noqa: E402
 from tests import checkpoint_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests import pipeline_cases  # noqa: E402
-from tests import zoo  # noqa: E402
 from tests.pipeline_cases import BATCH  # noqa: E402
 from tests.pipeline_cases import MICROBATCHES  # noqa: E402
 
@@ -267,17 +266,9 @@ def test_split_stages_run_the_plan_checked_for_replicas():
     own values, so the plan is checked for that: Qwen3's attention
     (grouped-query, with query and key norms) splits exactly, its tied
     embedding shared by the stages."""
-    reference, x, y = zoo.qwen3()
-    tp = _pipelined(zoo.qwen3()[0], world_size=4, num_microbatches=2)
-    for model in (reference, tp):
-        model.compile(
-            optimizer=keras.optimizers.SGD(1e-2), loss=zoo.loss_for("qwen3")
-        )
-        for _ in range(2):
-            model.train_on_batch(x, y)
-    pipeline_cases.check_unsplit_weights(reference, tp.get_weights())
-    np.testing.assert_allclose(
-        tp.predict(x, verbose=0), reference.predict(x, verbose=0), atol=1e-5
+    pipeline_cases.check_zoo_lm_pipeline(
+        "qwen3",
+        lambda model: _pipelined(model, world_size=4, num_microbatches=2),
     )
 
 

@@ -191,6 +191,13 @@ class JaxPipelineRuntime(PipelineRuntime):
         # The micro-batch count of the last training step's runner.
         self._trained_count = None
 
+    @property
+    def local_ranks(self):
+        # With replicas each stage's passes run per device (a per-rank
+        # step), so `auto_plan` checks the plan for ranks that hold their
+        # own values.
+        return self.stage_runtimes[0].local_ranks
+
     def _available_devices(self):
         return keras.distribution.list_devices()
 

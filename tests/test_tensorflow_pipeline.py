@@ -272,6 +272,46 @@ def test_split_stages_run_the_plan_checked_for_replicas():
     )
 
 
+def test_split_stages_follow_the_compiled_optimizers_learning_rate():
+    """The MLP on 2 stages x 2 devices, cut between its Column and Row
+    layers: each device of the last stage receives its counterpart's
+    half of the activation. Each stage's optimizer takes the compiled
+    optimizer's learning rate, which a callback lowers after each
+    epoch."""
+
+    class LowerRate(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            optimizer = self.model.optimizer
+            optimizer.learning_rate = float(optimizer.learning_rate) / 10
+
+    x, y = models.data_for("mlp", batch=32)
+    reference = models.mlp()
+    model = models.mlp()
+    model.set_weights(reference.get_weights())
+    tp = _pipelined(model, world_size=4, num_microbatches=2)
+    losses = []
+    for each in (reference, tp):
+        each.compile(
+            optimizer=keras.optimizers.Adam(1e-2), loss=models.loss_fn()
+        )
+        history = each.fit(
+            x,
+            y,
+            batch_size=8,
+            epochs=3,
+            shuffle=False,
+            verbose=0,
+            callbacks=[LowerRate()],
+        )
+        losses.append(history.history["loss"])
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
+    pipeline_cases.check_unsplit_weights(reference, tp.get_weights())
+    assert int(tp.optimizer.iterations) == 12
+    sent = tp.communication_stats(axis="pipe")["send"]
+    # Per micro-batch of 4 samples, 2 halves of `up`'s 32 features.
+    assert sent["forward_bytes"] == 2 * 2 * 4 * 16 * 4
+
+
 def test_sharded_checkpoints_of_stages_load_at_any_layout(tmp_path):
     """Each stage's device writes its variables (2 replicas of 2 stages
     here: the mirrors are copies, not written, and take the loaded

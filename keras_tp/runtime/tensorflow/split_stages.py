@@ -312,6 +312,8 @@ class SplitStagesRuntime(TensorFlowPipelineRuntime):
         # Each collective is issued by every replica of its stage, and
         # counted once, by the stage's first replica.
         self.stats = ReplicaStats()
+        for model in self.stage_models[1:]:
+            model.input_spec = [_any_size(spec) for spec in model.input_spec]
         self.stage_runtimes = []
         for devices in self.stage_devices:
             runtime = TensorFlowRuntime(
@@ -572,13 +574,25 @@ class SplitStagesRuntime(TensorFlowPipelineRuntime):
             for owner, replica, _ in addends
         }
 
-    @staticmethod
-    def _update(index, runtime, stage, addends):
+    def _update(self, index, runtime, stage, addends):
         """Stage `index`'s update on each of its replicas, from the sums of
-        the replica's gradients (`_owned_gradients`), made there."""
+        the replica's gradients (`_owned_gradients`), made there.
+
+        The stage's optimizer first takes the compiled one's step count
+        and learning rate: a callback (`ReduceLROnPlateau`) or a load sets
+        those of the compiled optimizer.
+        """
+        compiled = self.trainer.optimizer
+        optimizer = stage.optimizer
+        if isinstance(optimizer, CoordinatedOptimizer):
+            optimizer = optimizer.inner_optimizer
 
         def update():
             replica = runtime._replica_id()
+            optimizer.iterations.assign(compiled.iterations)
+            # A schedule computes the rate from the step count.
+            if isinstance(compiled.learning_rate, keras.Variable):
+                optimizer.learning_rate.assign(compiled.learning_rate)
             runtime.apply_on_replica(
                 stage.optimizer,
                 [tf.add_n(grads) for grads in addends[index, replica]],
@@ -594,3 +608,16 @@ class SplitStagesRuntime(TensorFlowPipelineRuntime):
         (runner,) = self._runners_of(x)
         self.refresh_copies()
         return runner.forward(x)
+
+
+def _any_size(spec):
+    """`spec` checking the rank only: a stage's replica receives its
+    piece of an activation the previous stage's split layer leaves split
+    (a Column layer's features), and Keras would check the whole width."""
+    return keras.InputSpec(
+        dtype=spec.dtype,
+        ndim=spec.ndim,
+        allow_last_axis_squeeze=spec.allow_last_axis_squeeze,
+        name=spec.name,
+        optional=spec.optional,
+    )

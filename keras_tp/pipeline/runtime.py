@@ -207,6 +207,28 @@ class PipelineRuntime(CheckpointPieces):
         """The names of the backend's devices (on torch, its ranks)."""
         raise NotImplementedError
 
+    def stage_runtimes_of(self, runtime_class):
+        """A `runtime_class` runtime per stage, over the stage's devices
+        (its `data x model` mesh), whose collectives count in this
+        pipeline's `stats`."""
+        runtimes = []
+        for devices in self.stage_devices:
+            runtime = runtime_class(
+                len(devices),
+                devices,
+                self.data_parallel,
+                self.zero_stage,
+                sequence_parallel=self.sequence_parallel,
+            )
+            for adapter in (
+                runtime.adapter,
+                runtime.data_adapter,
+                runtime.world_adapter,
+            ):
+                adapter.stats = self.stats
+            runtimes.append(runtime)
+        return runtimes
+
     # What the model class calls --------------------------------------
 
     def scope(self):

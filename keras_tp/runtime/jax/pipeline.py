@@ -169,22 +169,7 @@ class JaxPipelineRuntime(PipelineRuntime):
         # Each stage's devices are a runtime of their own (a `data x model`
         # mesh), which places the stage's variables and runs its split
         # layers; all count into this runtime's stats.
-        self.stage_runtimes = []
-        for devices in self.stage_devices:
-            runtime = JaxRuntime(
-                len(devices),
-                devices,
-                self.data_parallel,
-                self.zero_stage,
-                sequence_parallel=self.sequence_parallel,
-            )
-            for adapter in (
-                runtime.adapter,
-                runtime.data_adapter,
-                runtime.world_adapter,
-            ):
-                adapter.stats = self.stats
-            self.stage_runtimes.append(runtime)
+        self.stage_runtimes = self.stage_runtimes_of(JaxRuntime)
         self._runners = {}
         self._updates = {}
         self._last_count = None

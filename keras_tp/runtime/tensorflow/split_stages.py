@@ -314,18 +314,7 @@ class SplitStagesRuntime(TensorFlowPipelineRuntime):
         self.stats = ReplicaStats()
         for model in self.stage_models[1:]:
             model.input_spec = [_any_size(spec) for spec in model.input_spec]
-        self.stage_runtimes = []
-        for devices in self.stage_devices:
-            runtime = TensorFlowRuntime(
-                len(devices), devices, self.data_parallel, self.zero_stage
-            )
-            for adapter in (
-                runtime.adapter,
-                runtime.data_adapter,
-                runtime.world_adapter,
-            ):
-                adapter.stats = self.stats
-            self.stage_runtimes.append(runtime)
+        self.stage_runtimes = self.stage_runtimes_of(TensorFlowRuntime)
         self.stage_optimizers = []
         # The compiled optimizer the stage optimizers were made from.
         self._optimizers_of = None

@@ -312,6 +312,26 @@ def test_split_stages_follow_the_compiled_optimizers_learning_rate():
     assert sent["forward_bytes"] == 2 * 2 * 4 * 16 * 4
 
 
+def test_split_stages_run_sequence_parallelism():
+    """GPT2's backbone on 2 stages x 2 devices with sequence parallelism:
+    between its split layers each device holds its half of the sequence
+    (each split layer's all-reduce a reduce-scatter, its input an
+    all-gather), and the stages exchange whole activations."""
+    tp, _, _ = pipeline_cases.check_backbone_pipeline(
+        _pipelined(
+            models.gpt2_backbone(length=pipeline_cases.LENGTH),
+            world_size=4,
+            num_microbatches=MICROBATCHES,
+            sequence_parallel=True,
+        ),
+        pipeline_cases.dense_adam(),
+    )
+    collectives = tp.communication_stats(axis="model")
+    assert collectives["reduce_scatter"]["forward_calls"] > 0
+    assert collectives["all_gather"]["forward_calls"] > 0
+    assert collectives["all_reduce"]["forward_calls"] == 0
+
+
 def test_sharded_checkpoints_of_stages_load_at_any_layout(tmp_path):
     """Each stage's device writes its variables (2 replicas of 2 stages
     here: the mirrors are copies, not written, and take the loaded

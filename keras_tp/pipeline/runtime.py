@@ -70,8 +70,10 @@ class PipelineRuntime(CheckpointPieces):
     # a whole is not one compiled program.
     jit_compile_default = False
     # Whether its stages' tensor-parallel layers can run sequence
-    # parallelism (`keras_tp.collectives.sequence`).
+    # parallelism (`keras_tp.collectives.sequence`), and whether also in
+    # replicas of the pipeline.
     sequence_parallel_stages = False
+    sequence_parallel_replicas = False
     # Whether stages may share a weight (a tied embedding, which also
     # computes the logits): each stage using it holds a copy, and the
     # backend keeps the copies equal (`shared_stages`).
@@ -129,15 +131,16 @@ class PipelineRuntime(CheckpointPieces):
                 "there is one. Pass data_parallel > 1, or zero_stage=0."
             )
         if sequence_parallel and not (
-            self.sequence_parallel_stages and data_parallel == 1
+            self.sequence_parallel_stages
+            and (data_parallel == 1 or self.sequence_parallel_replicas)
         ):
             raise ValueError(
                 f"sequence_parallel=True with pipeline_parallel="
                 f"{pipeline_parallel} and data_parallel={data_parallel}: "
                 "sequence parallelism runs inside pipeline stages split by "
-                "tensor parallelism on JAX, without data parallelism, for "
-                "now. Pass sequence_parallel=False, or data_parallel=1 on "
-                "JAX."
+                "tensor parallelism on TensorFlow, and on JAX without data "
+                "parallelism, for now. Pass sequence_parallel=False, or "
+                "use TensorFlow, or data_parallel=1 on JAX."
             )
         self.sequence_parallel = sequence_parallel
         self.data_parallel = data_parallel

@@ -146,7 +146,10 @@ class SplitStagesPipeline(TensorFlowPipeline):
                 inputs = tf.nest.map_structure(tf.identity, received[replica])
             with tf.GradientTape() as tape:
                 tape.watch(floating(inputs))
-                outputs = model(inputs, training=True)
+                with runtime.sequence_shards():
+                    outputs = runtime.whole_outputs(
+                        model(inputs, training=True)
+                    )
             self._tapes[stage, m, replica] = (tape, inputs, outputs)
             return outputs
 
@@ -236,7 +239,10 @@ class SplitStagesPipeline(TensorFlowPipeline):
         model = self.stage_models[stage]
 
         def call():
-            return model(values[runtime._replica_id()], training=training)
+            with runtime.sequence_shards():
+                return runtime.whole_outputs(
+                    model(values[runtime._replica_id()], training=training)
+                )
 
         return self._replica_results(stage, call)
 
@@ -306,6 +312,10 @@ class SplitStagesRuntime(TensorFlowPipelineRuntime):
     # Each replica runs the code between the split layers on its own
     # values, so `auto_plan` checks the plan for that.
     local_ranks = True
+    # Each stage's runtime runs it, whatever its data axis; the stages
+    # exchange whole activations.
+    sequence_parallel_stages = True
+    sequence_parallel_replicas = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -86,9 +86,10 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             those activations take `1 / tensor_parallel` of the memory.
             For inputs of shape `(batch, sequence, features)` whose
             sequence length divides by the tensor-parallel size; on
-            TensorFlow also with data parallelism and ZeRO, on torch with
-            data parallelism and ZeRO-1/2, on JAX with tensor parallelism
-            alone (also inside pipeline stages), for now.
+            TensorFlow also with data parallelism and ZeRO (and inside
+            pipeline stages), on torch with data parallelism and
+            ZeRO-1/2, on JAX with tensor parallelism alone (also inside
+            pipeline stages), for now.
 
     Example:
 

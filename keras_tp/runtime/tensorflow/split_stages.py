@@ -13,9 +13,14 @@ a `CoordinatedOptimizer` wraps to average the gradients over the stage's
 
 The runner (`SplitStagesPipeline`) issues each action of the schedule as
 one `strategy.run` of its stage, in one traced step: replica `(d, t)` of
-a stage receives its inputs from replica `(d, t)` of the previous stage,
-so each tensor-parallel device receives the activations whole, as
-Megatron-LM's stages do, and sends back their gradients.
+a stage receives its inputs from replica `(d, t)` of the previous stage
+(its copy of an activation, or its shard of one a split layer leaves
+split), as Megatron-LM's stages do, and sends back their gradients.
+Under sequence parallelism each stage gathers its outputs' sequence
+shards at its end. A weight a later stage also uses (a tied embedding)
+is owned by the first stage that uses it; the later stage keeps a copy
+of its pieces on its own replicas, refreshed once a step, and its
+gradients join the owner's before the update.
 """
 
 import contextlib

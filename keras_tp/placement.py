@@ -24,7 +24,9 @@ class Placement:
     By `id(variable)`, `axes` holds the `model`-axis split (`None`:
     replicated), `full_shapes` the full shape, and `data_axes` the ZeRO
     partition axis of the shard. `per_replica` holds the ids of the
-    variables whose copies on the data ranks may differ (local SGD).
+    variables whose copies on the data ranks may differ (local SGD), and
+    `references` the variable each one placed like another (an optimizer
+    slot) was placed like.
     """
 
     tensor_parallel: int
@@ -34,6 +36,7 @@ class Placement:
     full_shapes: dict = dataclasses.field(default_factory=dict, repr=False)
     data_axes: dict = dataclasses.field(default_factory=dict, repr=False)
     per_replica: set = dataclasses.field(default_factory=set, repr=False)
+    references: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def place(self, variable, axis):
         """Stores `variable` split on `axis` (`None`: replicated)."""
@@ -59,6 +62,7 @@ class Placement:
         """
         self.axes[id(variable)] = self.axes[id(reference)]
         self.full_shapes[id(variable)] = self.full_shapes[id(reference)]
+        self.references[id(variable)] = reference
         self.storage.place_variable_like(variable, reference, data_axis)
         if data_axis is not None:
             self.data_axes[id(variable)] = data_axis

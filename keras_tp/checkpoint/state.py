@@ -32,6 +32,10 @@ def checkpoint_state(model, build_optimizer=False):
         if not build_optimizer:
             return state
         storage_of(model).build_optimizer(model)
+    if _is_parallel(model):
+        held = model._runtime.checkpoint_optimizer_state(optimizer)
+        if held is not None:
+            return state + held
     if isinstance(optimizer, CoordinatedOptimizer):
         state += [
             (f"optimizer/{i}", v)

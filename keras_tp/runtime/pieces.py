@@ -76,6 +76,12 @@ class CheckpointPieces:
         """Assigns the piece the `position`-th rank here holds."""
         raise NotImplementedError
 
+    def checkpoint_optimizer_state(self, optimizer):
+        """`[(key, variable)]` of the optimizer state a checkpoint holds,
+        where the runtime's optimizers hold it in their own way; `None`:
+        the compiled `optimizer`'s variables, in its order."""
+        return None
+
     def process_index(self):
         """This process's index among the job's processes."""
         return 0

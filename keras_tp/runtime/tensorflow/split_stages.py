@@ -24,6 +24,7 @@ gradients join the owner's before the update.
 """
 
 import contextlib
+import itertools
 
 import keras
 import tensorflow as tf
@@ -417,20 +418,91 @@ class SplitStagesRuntime(TensorFlowPipelineRuntime):
     def assign_full_value(self, variable, value):
         self._owner(variable).assign_full_value(variable, value)
 
+    def _storing_runtime(self, variable):
+        """The stage runtime that stores `variable` (a model variable, or
+        a slot of a stage's optimizer); `None` for the compiled
+        optimizer's own variables, whole on the host."""
+        stage = self.stage_of.get(id(variable))
+        if stage is not None:
+            return self.stage_runtimes[stage]
+        return next(
+            (r for r in self.stage_runtimes if r.placement.is_placed(variable)),
+            None,
+        )
+
     def local_pieces(self, variable):
-        self._refuse_checkpoints()
+        """The pieces of `variable` its stage's replicas hold, each in
+        the file of its stage and replica."""
+        runtime = self._storing_runtime(variable)
+        if runtime is None:
+            # The compiled optimizer's own: with the first replica's.
+            whole = tuple((0, int(n)) for n in variable.shape)
+            value = keras.ops.convert_to_numpy(variable.value)
+            return [("stage0-replica0", whole, value)]
+        stage = self.stage_runtimes.index(runtime)
+        return [
+            (f"stage{stage}-{writer}", index, array)
+            for writer, index, array in runtime.local_pieces(variable)
+        ]
 
     def assign_local_pieces(self, variable, read):
-        self._refuse_checkpoints()
+        """Assigns the pieces of `variable` its stage's replicas hold (a
+        shared weight's copies follow at the next step)."""
+        runtime = self._storing_runtime(variable)
+        if runtime is None:
+            variable.assign(read(tuple((0, int(n)) for n in variable.shape)))
+        else:
+            runtime.assign_local_pieces(variable, read)
 
-    def _refuse_checkpoints(self):
-        raise ValueError(
-            "Sharded checkpoints (save_weights, save_checkpoint, "
-            "BackupAndRestore) of a TensorFlow pipeline whose stages are "
-            "split by tensor parallelism or ZeRO are not supported yet: "
-            "each stage's optimizer holds its own state. Use save() to "
-            "write the unsplit model, or run each stage whole "
-            "(world_size=pipeline_parallel x data_parallel, zero_stage=0)."
+    def checkpoint_optimizer_state(self, optimizer):
+        """`[(key, variable)]` of the optimizer state, keyed as one
+        device's optimizer keys it (`optimizer/i`), so that a checkpoint
+        loads at any layout: the compiled optimizer's own variables (its
+        step count and learning rate, which every stage's optimizer takes
+        each step), then each trainable variable's slots, from the stage
+        that owns it, in the model's order of the trainable variables.
+
+        Raises:
+            ValueError: for an optimizer that does not make each variable's
+                slots one after the other (its one-device order is then
+                unknown here).
+        """
+        self.build_optimizer(self.trainer)
+        slots = {}
+        for stage, runtime in zip(self.stage_optimizers, self.stage_runtimes):
+            inner = stage.optimizer
+            if isinstance(inner, CoordinatedOptimizer):
+                # The pipeline's CoordinatedOptimizers keep no state of
+                # their own: the step count and the learning rate are the
+                # inner optimizer's.
+                inner = inner.inner_optimizer
+            order = []
+            for variable in inner.variables:
+                reference = runtime.placement.references.get(id(variable))
+                if reference is not None:
+                    slots.setdefault(id(reference), []).append(variable)
+                    order.append(id(reference))
+            # Each variable's slots one after the other, as one device's
+            # optimizer makes them for each variable in the model's order.
+            runs = [key for key, _ in itertools.groupby(order)]
+            if len(runs) != len(set(runs)):
+                raise ValueError(self._slot_order_message(optimizer))
+        state = [
+            (f"optimizer/{i}", v) for i, v in enumerate(optimizer.variables)
+        ]
+        for variable in self.trainer.trainable_variables:
+            for slot in slots.get(id(variable), ()):
+                state.append((f"optimizer/{len(state)}", slot))
+        return state
+
+    @staticmethod
+    def _slot_order_message(optimizer):
+        return (
+            f"Optimizer '{optimizer.name}' does not make each variable's "
+            "slots one after the other, so a sharded checkpoint of a "
+            "TensorFlow pipeline whose stages are split cannot key them "
+            "as one device's optimizer does. Use save() to write the "
+            "unsplit model, or an optimizer of Keras."
         )
 
     def device_bytes(self, variables):

@@ -35,6 +35,7 @@ from keras_tp.runtime.tensorflow.devices import device_name  # noqa: E402
 from tests import checkpoint_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests import pipeline_cases  # noqa: E402
+from tests import zoo  # noqa: E402
 from tests.pipeline_cases import BATCH  # noqa: E402
 from tests.pipeline_cases import MICROBATCHES  # noqa: E402
 
@@ -247,15 +248,27 @@ def test_a_causal_lm_shares_its_tied_embedding_between_stages():
     )
 
 
-def test_stages_split_by_tensor_parallelism_share_the_tied_embedding():
+def test_stages_split_by_tensor_parallelism_share_the_tied_embedding(
+    tmp_path,
+):
     """GPT2's CausalLM on 2 stages, each split over 2 devices (a
     `tf.distribute` strategy per stage): the last stage's devices hold a
     copy of their shard of the token embedding, refreshed from the first
-    stage's once a step, and send their gradients of it back."""
+    stage's once a step, and send their gradients of it back; `save()`
+    writes the unsplit model."""
     tp, embedding = pipeline_cases.check_split_causal_lm(1, 2, 0)
     shard = embedding.shape[0] // 2 * embedding.shape[1] * 4
     held = tp._runtime.device_bytes([embedding])
     assert list(held.values()) == [shard] * 4
+    # save() writes the unsplit model, each stage's shards put together.
+    path = str(tmp_path / "lm.keras")
+    tp.save(path)
+    x = zoo.gpt2()[1]
+    np.testing.assert_allclose(
+        keras.saving.load_model(path, compile=False).predict(x, verbose=0),
+        tp.predict(x, verbose=0),
+        atol=1e-5,
+    )
 
 
 def test_split_stages_run_the_plan_checked_for_replicas():

@@ -454,6 +454,19 @@ class SplitStagesRuntime(TensorFlowPipelineRuntime):
         else:
             runtime.assign_local_pieces(variable, read)
 
+    def save_model(self, model, filepath, **kwargs):
+        """Writes the unsplit `model` (Keras' own save) with each stage's
+        variables assembled on the host for the time of the write."""
+        with contextlib.ExitStack() as assembled:
+            for stage, runtime in enumerate(self.stage_runtimes):
+                owned = [
+                    v
+                    for v in model.variables
+                    if self.stage_of.get(id(v)) == stage
+                ]
+                assembled.enter_context(runtime._assembled(owned))
+            model.save(filepath, **kwargs)
+
     def checkpoint_optimizer_state(self, optimizer):
         """`[(key, variable)]` of the optimizer state, keyed as one
         device's optimizer keys it (`optimizer/i`), so that a checkpoint

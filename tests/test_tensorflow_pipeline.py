@@ -327,7 +327,7 @@ def test_split_stages_run_sequence_parallelism():
     between its split layers each device holds its half of the sequence
     (each split layer's all-reduce a reduce-scatter, its input an
     all-gather), and the stages exchange whole activations."""
-    tp, _, _ = pipeline_cases.check_backbone_pipeline(
+    tp, x, y = pipeline_cases.check_backbone_pipeline(
         _pipelined(
             models.gpt2_backbone(length=pipeline_cases.LENGTH),
             world_size=4,
@@ -340,6 +340,11 @@ def test_split_stages_run_sequence_parallelism():
     assert collectives["reduce_scatter"]["forward_calls"] > 0
     assert collectives["all_gather"]["forward_calls"] > 0
     assert collectives["all_reduce"]["forward_calls"] == 0
+    # A direct call runs in the stages' replicas, as predict does.
+    one_device = models.gpt2_backbone(length=pipeline_cases.LENGTH)
+    one_device.set_weights(tp.get_weights())
+    batch = next(pipeline_cases.batches(x, y, 1))[0]
+    np.testing.assert_allclose(tp(batch), one_device(batch), atol=1e-5)
 
 
 def test_sharded_checkpoints_of_stages_load_at_any_layout(tmp_path):

@@ -693,10 +693,22 @@ class SplitStagesRuntime(TensorFlowPipelineRuntime):
 
         runtime.replica_results(update, stage)
 
-    def _forward(self, x):
+    def _forward(self, x, training=False):
         (runner,) = self._runners_of(x)
         self.refresh_copies()
-        return runner.forward(x)
+        return runner.forward(x, training)
+
+    def call_model(self, model, inputs, training):
+        """A direct call (`tp(x)`); under sequence parallelism it runs as
+        `predict`'s steps do, since sequence shards exist only in the
+        stages' replica steps."""
+        if not self.sequence_parallel:
+            return super().call_model(model, inputs, training)
+        forward = self._forward
+        if tf.executing_eagerly():
+            forward = tf.function(forward)
+        with self.stats.recording("call"):
+            return forward(inputs, bool(training))
 
 
 def _any_size(spec):

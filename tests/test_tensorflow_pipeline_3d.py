@@ -40,14 +40,13 @@ def _stage_slots(tp):
     ]
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1])
-def test_replicas_of_stages_split_by_tensor_parallelism(zero_stage):
-    """data x pipe x model, 2 x 2 x 2 on 8 devices: see
-    `pipeline_cases.check_split_stage_replicas`. Each stage updates its
-    shards with its own copy of the compiled optimizer; the compiled one
-    counts the steps."""
+def test_replicas_of_stages_split_by_tensor_parallelism():
+    """data x pipe x model, 2 x 2 x 2 on 8 devices, ZeRO-1: see
+    `pipeline_cases.check_split_stage_replicas` (DDP runs in the tied
+    embedding's test below). Each stage updates its shards with its own
+    copy of the compiled optimizer; the compiled one counts the steps."""
     tp = pipeline_cases.check_split_stage_replicas(
-        zero_stage, _stage_slots, pipeline_cases.dense_adam()
+        1, _stage_slots, pipeline_cases.dense_adam()
     )
     assert int(tp.optimizer.iterations) == 2
     # Each stage's actions are timed on its first device, from when their
@@ -59,13 +58,19 @@ def test_replicas_of_stages_split_by_tensor_parallelism(zero_stage):
 
 def test_replicas_of_split_stages_share_the_tied_embedding():
     """GPT2's CausalLM, 2 replicas x 2 stages x 2-way tensor parallelism,
-    ZeRO-1: each replica's last stage refreshes its copy of the tied
+    DDP: each replica's last stage refreshes its copy of the tied
     embedding's shards from its own first stage (see
     `pipeline_cases.check_split_causal_lm`)."""
-    tp, embedding = pipeline_cases.check_split_causal_lm(2, 2, 1)
+    tp, embedding = pipeline_cases.check_split_causal_lm(2, 2, 0)
     shard = embedding.shape[0] // 2 * embedding.shape[1] * 4
     held = tp._runtime.device_bytes([embedding])
     assert list(held.values()) == [shard] * 8
+    # Per step, each stage all-reduces its gradients over its 2 replicas
+    # once: the shared embedding's from both stages, added on the first.
+    combined = tp.communication_stats(axis="data")
+    assert list(combined) == ["all_reduce"]
+    assert combined["all_reduce"]["calls"] == 2
+    assert combined["all_reduce"]["optimizer_calls"] == 2
 
 
 def test_sharded_checkpoints_of_split_stages_load_at_any_layout(tmp_path):

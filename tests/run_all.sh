@@ -12,8 +12,7 @@ run() {
   # The slowest tests are listed: the suite must stay under CI's limit.
   # shellcheck disable=SC2086  # options are several words
   KERAS_BACKEND=$backend python -m pytest -q -p no:cacheprovider \
-    --durations=15 $options "$@" \
-    || status=1
+    --durations=15 $options "$@"
 }
 # Most tests spend their time in compilers and in waiting for replicas, one
 # core at a time: two worker processes (pytest-xdist) take a test file each.
@@ -31,15 +30,25 @@ export JAX_COMPILATION_CACHE_MAX_SIZE=$((2 * 1024 * 1024 * 1024))
 trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
 timed=tests/test_tensorflow_multiworker_timeout.py
 # A worker process keeps the virtual devices its first file configured;
-# the 3-D pipeline tests need 8 (data x pipe x model), the others 4. The
-# multi-worker tests start processes of their own, and run beside them.
+# the 3-D pipeline tests need 8 (data x pipe x model), the others 4.
 eight_devices=tests/test_jax_pipeline.py
 tensorflow_eight_devices=tests/test_tensorflow_pipeline_3d.py
 run jax "$parallel" $(ls tests/test_jax*.py tests/test_common*.py 2>/dev/null \
-  | grep -vx "$eight_devices")
-run jax "" $(ls "$eight_devices" 2>/dev/null)
-run torch "" $(ls tests/test_torch*.py 2>/dev/null)
+  | grep -vx "$eight_devices") || status=1
+# The two 8-device files run at the same time, one core each mostly; each
+# one's output is shown once it is done.
+logs=$(mktemp -d)
+run jax "" $(ls "$eight_devices" 2>/dev/null) > "$logs/jax" 2>&1 &
+jax_eight=$!
+run tensorflow "" $(ls "$tensorflow_eight_devices" 2>/dev/null) \
+  > "$logs/tensorflow" 2>&1 &
+tensorflow_eight=$!
+wait $jax_eight || status=1
+wait $tensorflow_eight || status=1
+cat "$logs/jax" "$logs/tensorflow"
+rm -rf "$logs"
+run torch "" $(ls tests/test_torch*.py 2>/dev/null) || status=1
 run tensorflow "$parallel" $(ls tests/test_tensorflow*.py 2>/dev/null \
-  | grep -vx -e "$timed" -e "$tensorflow_eight_devices")
-run tensorflow "" $(ls "$timed" "$tensorflow_eight_devices" 2>/dev/null)
+  | grep -vx -e "$timed" -e "$tensorflow_eight_devices") || status=1
+run tensorflow "" $(ls "$timed" 2>/dev/null) || status=1
 exit $status

@@ -24,7 +24,6 @@ gradients join the owner's before the update.
 """
 
 import contextlib
-import itertools
 
 import keras
 import tensorflow as tf
@@ -38,6 +37,8 @@ from keras_tp.keras_internals import update_loss_tracker
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.runtime import CallingStageRegions
+from keras_tp.pipeline.runtime import one_device_keys
+from keras_tp.pipeline.runtime import stage_slots
 from keras_tp.runtime.tensorflow import TensorFlowRuntime
 from keras_tp.runtime.tensorflow.devices import device_name
 from keras_tp.runtime.tensorflow.optimizer import prepare_optimizer
@@ -477,8 +478,7 @@ class SplitStagesRuntime(TensorFlowPipelineRuntime):
 
         Raises:
             ValueError: for an optimizer that does not make each variable's
-                slots one after the other (its one-device order is then
-                unknown here).
+                slots one after the other (`stage_slots`).
         """
         self.build_optimizer(self.trainer)
         slots = {}
@@ -489,34 +489,14 @@ class SplitStagesRuntime(TensorFlowPipelineRuntime):
                 # their own: the step count and the learning rate are the
                 # inner optimizer's.
                 inner = inner.inner_optimizer
-            order = []
-            for variable in inner.variables:
-                reference = runtime.placement.references.get(id(variable))
-                if reference is not None:
-                    slots.setdefault(id(reference), []).append(variable)
-                    order.append(id(reference))
-            # Each variable's slots one after the other, as one device's
-            # optimizer makes them for each variable in the model's order.
-            runs = [key for key, _ in itertools.groupby(order)]
-            if len(runs) != len(set(runs)):
-                raise ValueError(self._slot_order_message(optimizer))
-        state = [
-            (f"optimizer/{i}", v) for i, v in enumerate(optimizer.variables)
-        ]
-        for variable in self.trainer.trainable_variables:
-            for slot in slots.get(id(variable), ()):
-                state.append((f"optimizer/{len(state)}", slot))
-        return state
-
-    @staticmethod
-    def _slot_order_message(optimizer):
-        return (
-            f"Optimizer '{optimizer.name}' does not make each variable's "
-            "slots one after the other, so a sharded checkpoint of a "
-            "TensorFlow pipeline whose stages are split cannot key them "
-            "as one device's optimizer does. Use save() to write the "
-            "unsplit model, or an optimizer of Keras."
-        )
+            slots.update(stage_slots(inner, runtime.placement.references))
+        trainable = self.trainer.trainable_variables
+        counts = {
+            position: len(slots[id(v)])
+            for position, v in enumerate(trainable)
+            if id(v) in slots
+        }
+        return one_device_keys(trainable, optimizer.variables, slots, counts)
 
     def device_bytes(self, variables):
         """`{device: bytes}` of these variables, from every stage's

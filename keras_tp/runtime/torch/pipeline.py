@@ -37,10 +37,13 @@ from keras_tp.collectives.base import nbytes
 from keras_tp.collectives.torch import TorchCollectiveAdapter
 from keras_tp.collectives.torch import is_symbolic
 from keras_tp.keras_internals import draw_from_state
+from keras_tp.keras_internals import own_optimizer_variables
 from keras_tp.keras_internals import seed_generators
 from keras_tp.keras_internals import update_loss_tracker
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.runtime import PipelineRuntime
+from keras_tp.pipeline.runtime import one_device_keys
+from keras_tp.pipeline.runtime import stage_slots
 from keras_tp.runtime.base import Runtime
 from keras_tp.runtime.torch import TorchRuntime
 from keras_tp.runtime.torch.process_group import join_process_group
@@ -484,38 +487,76 @@ class TorchPipelineRuntime(PipelineRuntime):
     process_index = TorchRuntime.process_index
     wait_for_processes = TorchRuntime.wait_for_processes
 
+    def full_shape(self, variable):
+        """The unsplit shape of `variable`: as this rank's stage placed
+        it (a ZeRO partition's slot), or as the model was placed."""
+        if self.stage_runtime.placement.is_placed(variable):
+            return self.stage_runtime.full_shape(variable)
+        return super().full_shape(variable)
+
     def local_pieces(self, variable):
         """This rank's pieces of its stage's variables. A weight several
-        stages share is written by the first of them; the optimizer's
-        own variables (its iteration count), alike on every rank, by
-        the first rank."""
-        self._check_checkpoints()
+        stages share, and its slots, are written by the first of them;
+        the optimizer's own variables (its iteration count), alike on
+        every rank, by the first rank."""
+        if isinstance(variable, SlotOfAnotherStage):
+            return []
         stage = self.stage_of.get(id(variable))
-        if stage is None and not self.stage_runtime.placement.is_placed(
-            variable
-        ):
+        reference = self.stage_runtime.placement.references.get(id(variable))
+        if stage is None and reference is not None:
+            stage = self.stage_of.get(id(reference))
+        if stage is None:
             stage = 0
-        if stage is not None and stage != self.stage_index:
+        if stage != self.stage_index:
             return []
         return self.stage_runtime.local_pieces(variable)
 
     def assign_local_pieces(self, variable, read):
         """Assigns this rank's pieces of every variable it holds: its
         stage's, a shared weight's copy, the optimizer's own."""
-        self._check_checkpoints()
+        if isinstance(variable, SlotOfAnotherStage):
+            return
         if id(variable) not in self.stage_of or self._holds(variable):
             self.stage_runtime.assign_local_pieces(variable, read)
 
-    def _check_checkpoints(self):
-        if self.optimizer_runtime is not None:
-            raise ValueError(
-                "Sharded checkpoints (save_weights, save_checkpoint, "
-                "BackupAndRestore) of a torch pipeline with data_parallel="
-                f"{self.data_parallel} are not supported yet: its "
-                "CoordinatedOptimizer holds each stage's optimizer state "
-                "in that stage's order. Use save() to write the unsplit "
-                "model, or data_parallel=1."
-            )
+    def checkpoint_optimizer_state(self, optimizer):
+        """With replicas, the state of this rank's `CoordinatedOptimizer`,
+        built on its stage's variables, keyed as one device's optimizer
+        keys its own (`one_device_keys`). Every rank lists every key, as
+        the checkpoint code expects: the ranks of a pipeline tell each
+        other their slots (a collective: every rank calls it), and the
+        slots of other stages stand as `SlotOfAnotherStage`s. Without
+        replicas the optimizer is built in one device's order
+        (`build_optimizer`), and keyed so."""
+        if self.optimizer_runtime is None:
+            return None
+        inner = optimizer.inner_optimizer
+        references = self.stage_runtime.placement.references
+        slots = stage_slots(inner, references)
+        trainable = self.trainer.trainable_variables
+        owned = {
+            position: [
+                (slot.path, self.full_shape(slot), slot.dtype)
+                for slot in slots[id(variable)]
+            ]
+            for position, variable in enumerate(trainable)
+            if self.stage_of[id(variable)] == self.stage_index
+            and id(variable) in slots
+        }
+        stages = [None] * self.pipeline_parallel
+        dist.all_gather_object(stages, owned, group=self.pipe_group)
+        described = {p: d for stage in stages for p, d in stage.items()}
+        for position, variable in enumerate(trainable):
+            if id(variable) not in slots and position in described:
+                slots[id(variable)] = [
+                    SlotOfAnotherStage(*description)
+                    for description in described[position]
+                ]
+        own = [v for v in inner.variables if id(v) not in references]
+        counts = {p: len(d) for p, d in described.items()}
+        state = one_device_keys(trainable, own, slots, counts)
+        wrapper = own_optimizer_variables(optimizer)
+        return state + [(f"coordinated/{i}", v) for i, v in enumerate(wrapper)]
 
     def _available_devices(self):
         return TorchRuntime._available_devices(self)
@@ -842,6 +883,23 @@ class TorchPipelineRuntime(PipelineRuntime):
         """
         own = [v for v in variables if parameter_of(v).device.type != "meta"]
         return TorchRuntime.device_bytes(self, own)
+
+
+class SlotOfAnotherStage:
+    """What a checkpoint lists of an optimizer slot another stage's rank
+    holds: its path, unsplit shape and dtype. This rank writes and reads
+    none of it.
+
+    Args:
+        path: the slot's path.
+        shape: its unsplit shape.
+        dtype: its dtype.
+    """
+
+    def __init__(self, path, shape, dtype):
+        self.path = path
+        self.shape = tuple(shape)
+        self.dtype = dtype
 
 
 def _accept_split_inputs(stage_model):

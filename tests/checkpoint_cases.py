@@ -311,6 +311,30 @@ def pipeline_round_trip(make_pipelined, directory, rank=0):
     return differences, manifest
 
 
+def check_three_dimensional_round_trip(directory):
+    """`pipeline_round_trip` at 2 replicas x 2 stages x 2-way tensor
+    parallelism with ZeRO-1 on 8 devices: each device writes a file of
+    its own, with its stage's shards and its ZeRO partition of their
+    optimizer state.
+
+    Args:
+        directory: where the checkpoints go.
+    """
+    differences, manifest = pipeline_round_trip(
+        lambda model: keras_tp.TensorParallelKeras(
+            model,
+            world_size=8,
+            pipeline_parallel=2,
+            data_parallel=2,
+            zero_stage=1,
+        ),
+        directory,
+    )
+    assert manifest["mesh"]["pipeline_parallel"] == 2
+    assert len(manifest["files"]) == 8
+    assert len(differences) == 3
+
+
 def _save_on_rank(name, directory, world_size, data_parallel, zero_stage):
     tp = parallel(name, world_size, data_parallel, zero_stage)
     return train_and_save(tp, name, directory)

@@ -134,6 +134,9 @@ class TensorFlowPipeline(ScheduledStages):
     Attributes:
         peak_activations: after a training step was traced, per stage, the
             most micro-batches whose activations it held at once.
+        gradients: after a training step was traced, each stage's
+            gradients of its trainable variables, summed over the
+            micro-batches (`_accumulate`).
     """
 
     def __init__(

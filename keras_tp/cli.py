@@ -22,14 +22,12 @@ import subprocess
 import sys
 
 from keras_tp import __version__
+from keras_tp.errors import CommandError
+from keras_tp.errors import ShardingError
 from keras_tp.native_logs import quiet_native_logs
 
 BACKENDS = ("jax", "torch", "tensorflow")
 DEFAULT_BACKEND = "jax"
-
-
-class CommandError(Exception):
-    """A user error, reported as one line on stderr with exit status 1."""
 
 
 def main():
@@ -346,7 +344,6 @@ def _check_divisible(model, plan, world_size):
     """
     from keras_tp.plan.auto import auto_plan
     from keras_tp.plan.sharding_plan import ShardedUnit
-    from keras_tp.plan.sharding_plan import ShardingError
     from keras_tp.plan.sharding_plan import check_shardable
 
     if plan.tensor_parallel == 1:

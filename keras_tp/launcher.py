@@ -20,52 +20,25 @@ import warnings
 import keras
 
 from keras_tp import elastic
+from keras_tp import rank_processes
+from keras_tp.errors import AttemptFailed
+from keras_tp.errors import RankError
+from keras_tp.errors import RankLostError
+from keras_tp.errors import RankTimeoutError
+from keras_tp.errors import RemoteTraceback
+
+# The errors `launch` raises are importable from here, as they were before
+# they moved to `keras_tp.errors`.
+__all__ = [
+    "RankError",
+    "RankLostError",
+    "RankTimeoutError",
+    "RemoteTraceback",
+    "launch",
+    "usable_cores",
+]
 
 logger = logging.getLogger(__name__)
-
-
-class RankError(RuntimeError):
-    """A rank failed; the message says which and how.
-
-    Raised when a rank's exception cannot be re-raised as itself (it does
-    not pickle), when a rank dies without an exception, or, as a
-    `RankTimeoutError`, when ranks outlive the timeout.
-    """
-
-
-class RankTimeoutError(RankError, TimeoutError):
-    """Ranks were still running when `launch`'s timeout expired."""
-
-
-class RankLostError(RankError):
-    """A collective failed because other ranks died or stopped responding.
-
-    Raised on a surviving rank, in place of the backend's own error (a
-    gloo "Connection reset by peer" or "Timed out waiting", a TensorFlow
-    `UnavailableError`), which is its `__cause__`. Under `keras_tp.launch`
-    it comes back to the caller; under `torchrun` it is the error the
-    rank's traceback ends with.
-
-    Attributes:
-        ranks: the ranks (torch) or workers (TensorFlow) that were lost.
-        rank: the rank or worker that raised.
-    """
-
-    def __init__(self, message, ranks=(), rank=None):
-        super().__init__(message)
-        self.ranks = tuple(ranks)
-        self.rank = rank
-
-    def __reduce__(self):
-        # Pickled from a rank to the caller of `launch`.
-        return type(self), (self.args[0], self.ranks, self.rank)
-
-
-class RemoteTraceback(Exception):
-    """The traceback of an exception raised on another rank, as text."""
-
-    def __str__(self):
-        return self.args[0]
 
 
 def launch(
@@ -216,9 +189,6 @@ def launch(
         environment[elastic.COLLECTIVE_TIMEOUT_VARIABLE] = str(
             elastic.check_collective_timeout(collective_timeout)
         )
-    # Imported here: it imports this module's errors.
-    from keras_tp import rank_processes
-
     payload = _pickle_by_value((train_fn, args, kwargs))
     rendezvous = (master_addr, master_port)
     restart = 0
@@ -234,7 +204,7 @@ def launch(
                 threads_per_rank,
                 nproc_per_node or world_size,
             )
-        except rank_processes.AttemptFailed as failure:
+        except AttemptFailed as failure:
             next_size = _next_world_size(sizes, world_size - len(failure.lost))
             if restart == max_restarts or next_size is None:
                 if restart < max_restarts:
@@ -304,13 +274,10 @@ def _run_attempt(
     free one.
 
     Raises:
-        rank_processes.AttemptFailed: if a rank failed; the other ranks
-            were stopped.
+        AttemptFailed: if a rank failed; the other ranks were stopped.
         RankTimeoutError: if ranks were still running after `timeout`.
     """
     import torch.multiprocessing as mp
-
-    from keras_tp import rank_processes
 
     cores = usable_cores()
     threads = (

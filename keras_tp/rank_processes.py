@@ -16,32 +16,15 @@ import signal
 import time
 import traceback
 
-from keras_tp.launcher import RankError
-from keras_tp.launcher import RankLostError
-from keras_tp.launcher import RankTimeoutError
-from keras_tp.launcher import RemoteTraceback
+from keras_tp.errors import AttemptFailed
+from keras_tp.errors import RankError
+from keras_tp.errors import RankLostError
+from keras_tp.errors import RankTimeoutError
+from keras_tp.errors import RemoteTraceback
 
 # Seconds a rank has to write its stack after a timeout, and to exit after
 # another rank failed.
 _GRACE_SECONDS = 3.0
-
-
-class AttemptFailed(Exception):
-    """An attempt's ranks failed: what to raise, and which ranks were lost.
-
-    Attributes:
-        error: the exception `launch` raises if it does not restart.
-        cause: its `__cause__` (the rank's traceback, as text).
-        lost: the ranks that are gone (died, or named by a survivor).
-        summary: one line saying what happened, for the restart's log.
-    """
-
-    def __init__(self, error, cause, lost, summary):
-        super().__init__(summary)
-        self.error = error
-        self.cause = cause
-        self.lost = frozenset(lost)
-        self.summary = summary
 
 
 def run_rank(

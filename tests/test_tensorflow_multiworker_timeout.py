@@ -86,7 +86,7 @@ def test_killed_worker_is_named_at_once(tmp_path):
     status, log, raised, exited = _run_workers(tmp_path, "1", "kill")
     assert status != 0
     assert (
-        "keras_tp.launcher.RankLostError: Worker 0: a collective failed "
+        "keras_tp.errors.RankLostError: Worker 0: a collective failed "
         "because worker 1 (localhost:" in log
     ), log[-3000:]
     assert "is gone: its connection closed" in log
@@ -101,7 +101,7 @@ def test_frozen_coordination_leader_is_named_within_the_timeout(tmp_path):
     status, log, raised, exited = _run_workers(tmp_path, "0", "freeze")
     assert status != 0
     assert (
-        "keras_tp.launcher.RankLostError: Worker 1: a collective failed "
+        "keras_tp.errors.RankLostError: Worker 1: a collective failed "
         "because worker 0 (localhost:" in log
     ), log[-3000:]
     assert "runs TensorFlow's coordination service" in log
@@ -113,7 +113,7 @@ def test_frozen_worker_is_named_by_its_missed_heartbeats(tmp_path):
     status, log, raised, exited = _run_workers(tmp_path, "1", "freeze")
     assert status != 0
     assert (
-        "keras_tp.launcher.RankLostError: Worker 0: a collective failed "
+        "keras_tp.errors.RankLostError: Worker 0: a collective failed "
         "because worker 1 (localhost:" in log
     ), log[-3000:]
     assert "stopped sending heartbeats" in log

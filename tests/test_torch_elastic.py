@@ -126,7 +126,7 @@ def test_torchrun_names_a_hung_rank_then_restarts_and_resumes(tmp_path):
     assert result.returncode == 0, result.stderr[-5000:]
     # The first attempt's rank 0 ended with the error naming rank 1.
     assert (
-        "keras_tp.launcher.RankLostError: Rank 0: a collective failed "
+        "keras_tp.errors.RankLostError: Rank 0: a collective failed "
         "because rank 1 (pid " in result.stderr
     )
     assert "stopped responding: no heartbeat for 3 s" in result.stderr

@@ -25,7 +25,6 @@ import numpy as np
 from keras_tp.checkpoint.files import FORMAT
 from keras_tp.checkpoint.files import FORMAT_VERSION
 from keras_tp.checkpoint.files import MANIFEST
-from keras_tp.checkpoint.files import CheckpointError
 from keras_tp.checkpoint.files import PieceReader
 from keras_tp.checkpoint.files import numpy_dtype
 from keras_tp.checkpoint.files import read_manifest
@@ -34,6 +33,7 @@ from keras_tp.checkpoint.files import write_manifest
 from keras_tp.checkpoint.files import write_pieces
 from keras_tp.checkpoint.state import checkpoint_state
 from keras_tp.checkpoint.state import storage_of
+from keras_tp.errors import CheckpointError
 
 __all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
 

@@ -17,15 +17,13 @@ from safetensors import SafetensorError
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from keras_tp.errors import CheckpointError
+
 MANIFEST = "manifest.json"
 FORMAT = "keras_tp.checkpoint"
 FORMAT_VERSION = 1
 # Bytes read at a time while hashing: one buffer, whatever the file size.
 _HASH_CHUNK = 1 << 24
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, damaged, or does not fit the model."""
 
 
 def write_pieces(directory, name, pieces):

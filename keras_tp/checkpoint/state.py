@@ -23,7 +23,8 @@ def checkpoint_state(model, build_optimizer=False):
         build_optimizer: build a compiled optimizer that has no state yet,
             so that state can be loaded into it.
     """
-    inner = model.model if _is_parallel(model) else model
+    runtime = _runtime_of(model)
+    inner = model if runtime is None else model.model
     state = [(f"model/{i}", v) for i, v in enumerate(inner.variables)]
     optimizer = getattr(model, "optimizer", None)
     if optimizer is None:
@@ -32,8 +33,8 @@ def checkpoint_state(model, build_optimizer=False):
         if not build_optimizer:
             return state
         storage_of(model).build_optimizer(model)
-    if _is_parallel(model):
-        held = model._runtime.checkpoint_optimizer_state(optimizer)
+    if runtime is not None:
+        held = runtime.checkpoint_optimizer_state(optimizer)
         if held is not None:
             return state + held
     if isinstance(optimizer, CoordinatedOptimizer):
@@ -53,15 +54,19 @@ def checkpoint_state(model, build_optimizer=False):
 
 def storage_of(model):
     """Where `model`'s pieces live: its runtime, or the one device."""
-    if _is_parallel(model):
-        return _ParallelStorage(model)
-    return _OneDeviceStorage(model)
+    if _runtime_of(model) is None:
+        return _OneDeviceStorage(model)
+    return _ParallelStorage(model)
 
 
-def _is_parallel(model):
-    from keras_tp.model import TensorParallelKeras
+def _runtime_of(model):
+    """The runtime of a `TensorParallelKeras`; `None` for a Keras model.
 
-    return isinstance(model, TensorParallelKeras)
+    Read as an attribute rather than by the model's class, so that the
+    model, which saves through this package, is the only one of the two
+    that imports the other.
+    """
+    return getattr(model, "_runtime", None)
 
 
 class _ParallelStorage:
@@ -69,7 +74,7 @@ class _ParallelStorage:
 
     def __init__(self, model):
         self.model = model
-        self.runtime = model._runtime
+        self.runtime = _runtime_of(model)
         self.local_pieces = self.runtime.local_pieces
         self.assign_local_pieces = self.runtime.assign_local_pieces
         self.full_shape = self.runtime.full_shape

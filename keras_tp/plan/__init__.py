@@ -1,7 +1,7 @@
 """Sharding plans: styles, the automatic planner and LayoutMap export."""
 
+from keras_tp.errors import ShardingError
 from keras_tp.plan.auto import auto_plan
-from keras_tp.plan.handler import ShardingError
 from keras_tp.plan.sharding_plan import ShardingPlan
 from keras_tp.plan.styles import Channelwise
 from keras_tp.plan.styles import Column

@@ -50,10 +50,6 @@ def _slices_commute(function):
     return _ELEMENTWISE_CACHE[key][0]
 
 
-class ShardingError(ValueError):
-    """A plan asks for a split that cannot be done exactly."""
-
-
 class LayerHandler:
     """Base class: the sharding rules of one family of leaf layers."""
 

@@ -8,9 +8,9 @@ layer with weights of its own is handled by `OwnWeightsHandler`.
 import keras
 from keras import ops
 
+from keras_tp.errors import ShardingError
 from keras_tp.keras_internals import stored_kernel
 from keras_tp.plan.handler import LayerHandler
-from keras_tp.plan.handler import ShardingError
 from keras_tp.plan.own_weights import OwnWeightsHandler
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Row

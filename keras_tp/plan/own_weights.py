@@ -8,12 +8,12 @@ the traced values before it chooses one.
 
 import numpy as np
 
+from keras_tp.errors import ShardingError
 from keras_tp.keras_internals import StatelessScope
 from keras_tp.keras_internals import own_trainable_variables
 from keras_tp.keras_internals import own_variables
 from keras_tp.keras_internals import sublayers
 from keras_tp.plan.handler import LayerHandler
-from keras_tp.plan.handler import ShardingError
 from keras_tp.plan.styles import Channelwise
 from keras_tp.plan.styles import ExpertParallel
 

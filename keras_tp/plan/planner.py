@@ -11,8 +11,8 @@ import logging
 
 import keras
 
+from keras_tp.errors import ShardingError
 from keras_tp.plan.attention import ATTENTION
-from keras_tp.plan.handler import ShardingError
 from keras_tp.plan.layers import leaf_handler
 from keras_tp.plan.pairing import MegatronPairing
 from keras_tp.plan.sharding_plan import check_shardable

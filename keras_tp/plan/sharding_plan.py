@@ -5,10 +5,10 @@ import re
 
 import keras
 
+from keras_tp.errors import ShardingError
 from keras_tp.keras_internals import own_variables
 from keras_tp.keras_internals import sublayers
 from keras_tp.plan.attention import ATTENTION
-from keras_tp.plan.handler import ShardingError
 from keras_tp.plan.handler import is_elementwise
 from keras_tp.plan.layers import leaf_handler
 from keras_tp.plan.styles import Column

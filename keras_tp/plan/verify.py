@@ -28,12 +28,12 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_tp.errors import ShardingError
 from keras_tp.keras_internals import StatelessScope
 from keras_tp.keras_internals import own_seed_generators
 from keras_tp.keras_internals import own_trainable_variables
 from keras_tp.keras_internals import sublayers
 from keras_tp.plan import trace as tracing
-from keras_tp.plan.handler import ShardingError
 from keras_tp.plan.sharding_plan import ShardedUnit
 from keras_tp.plan.styles import Channelwise
 from keras_tp.plan.styles import Column

@@ -108,6 +108,7 @@ def configure_multi_worker(collective_timeout=None):
                 )
             )
         )
+        liveness.watch(_MULTI_WORKER_STRATEGY)
     return _MULTI_WORKER_STRATEGY
 
 

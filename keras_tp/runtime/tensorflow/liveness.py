@@ -21,7 +21,7 @@ import re
 import tensorflow as tf
 
 from keras_tp import elastic
-from keras_tp.launcher import RankLostError
+from keras_tp.errors import RankLostError
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,8 @@ DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 
 # The collective timeout of this worker's strategy, for messages.
 _TIMEOUT = None
+# The `MultiWorkerMirroredStrategy` that `watch` was given.
+_STRATEGY = None
 
 _COORDINATION_CONFIG = (
     "tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2"
@@ -60,6 +62,19 @@ def prepare(collective_timeout):
         detect_dead_workers_within(
             min(DEFAULT_HEARTBEAT_TIMEOUT, collective_timeout / 2)
         )
+
+
+def watch(strategy):
+    """Explains this worker's failed collectives, once `strategy` exists.
+
+    An uncaught collective failure then ends the worker's program with a
+    `RankLostError` naming the lost workers (`rank_lost_error`).
+
+    Args:
+        strategy: the `MultiWorkerMirroredStrategy` whose collectives fail.
+    """
+    global _STRATEGY
+    _STRATEGY = strategy
     elastic.install_failure_hook(rank_lost_error)
 
 
@@ -116,9 +131,7 @@ def rank_lost_error(error):
         A `RankLostError` (not raised) if `error` is a failed collective
         whose message, read as above, names lost workers; else `None`.
     """
-    from keras_tp.runtime.tensorflow import devices
-
-    strategy = devices._MULTI_WORKER_STRATEGY
+    strategy = _STRATEGY
     if strategy is None or not isinstance(error, tf.errors.OpError):
         return None
     resolver = strategy.cluster_resolver

@@ -29,7 +29,7 @@ import time
 import torch.distributed as dist
 
 from keras_tp import elastic
-from keras_tp.launcher import RankLostError
+from keras_tp.errors import RankLostError
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,88 @@
+"""The exceptions keras_tp raises, in one module that imports nothing.
+
+Every part of keras_tp can raise these without importing the part that
+catches them: the launcher, the rank processes and the backends'
+liveness checks share the rank errors, the planner and the command line
+share `ShardingError`. `keras_tp.RankLostError`, `keras_tp.ShardingError`
+and `keras_tp.CheckpointError` are the same classes.
+"""
+
+
+class ShardingError(ValueError):
+    """A plan asks for a split that cannot be done exactly."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, damaged, or does not fit the model."""
+
+
+class RankError(RuntimeError):
+    """A rank failed; the message says which and how.
+
+    Raised when a rank's exception cannot be re-raised as itself (it does
+    not pickle), when a rank dies without an exception, or, as a
+    `RankTimeoutError`, when ranks outlive the timeout.
+    """
+
+
+class RankTimeoutError(RankError, TimeoutError):
+    """Ranks were still running when `launch`'s timeout expired."""
+
+
+class RankLostError(RankError):
+    """A collective failed because other ranks died or stopped responding.
+
+    Raised on a surviving rank, in place of the backend's own error (a
+    gloo "Connection reset by peer" or "Timed out waiting", a TensorFlow
+    `UnavailableError`), which is its `__cause__`. Under `keras_tp.launch`
+    it comes back to the caller; under `torchrun` it is the error the
+    rank's traceback ends with.
+
+    Attributes:
+        ranks: the ranks (torch) or workers (TensorFlow) that were lost.
+        rank: the rank or worker that raised.
+    """
+
+    def __init__(self, message, ranks=(), rank=None):
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+        self.rank = rank
+
+    def __reduce__(self):
+        # Pickled from a rank to the caller of `launch`.
+        return type(self), (self.args[0], self.ranks, self.rank)
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised on another rank, as text."""
+
+    def __str__(self):
+        return self.args[0]
+
+
+class AttemptFailed(Exception):
+    """An attempt's ranks failed: what to raise, and which ranks were lost.
+
+    Passed from `keras_tp.rank_processes` to `launch`, which restarts the
+    job or raises `error`; it never reaches the user.
+
+    Attributes:
+        error: the exception `launch` raises if it does not restart.
+        cause: its `__cause__` (the rank's traceback, as text).
+        lost: the ranks that are gone (died, or named by a survivor).
+        summary: one line saying what happened, for the restart's log.
+    """
+
+    def __init__(self, error, cause, lost, summary):
+        super().__init__(summary)
+        self.error = error
+        self.cause = cause
+        self.lost = frozenset(lost)
+        self.summary = summary
+
+
+class CommandError(Exception):
+    """A user error of the `keras-tp` command.
+
+    Reported as one line on stderr with exit status 1.
+    """

@@ -15,9 +15,9 @@ import pytest
 
 import keras_tp
 from keras_tp import cli
-from keras_tp.collectives.base import nbytes
 from keras_tp.demo.models import transformer_lm
 from keras_tp.plan.memory import zero_memory
+from keras_tp.tensors import nbytes
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

@@ -2,13 +2,9 @@
 
 import contextlib
 import contextvars
-import math
-
-import keras
-import ml_dtypes
-import numpy as np
 
 from keras_tp.stats import CommunicationStats
+from keras_tp.tensors import nbytes
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
@@ -188,17 +184,3 @@ def current_adapter():
             "a process started by `keras_tp.launch` / `torchrun`."
         )
     return adapter
-
-
-def nbytes(x, shape=None):
-    """Bytes of a tensor (or variable) of any backend, from shape and dtype.
-
-    Args:
-        x: the tensor or variable; only its dtype is read if `shape` is set.
-        shape: the shape to count instead of `x.shape`.
-    """
-    dtype = keras.backend.standardize_dtype(x.dtype)
-    # ml_dtypes names the dtypes NumPy lacks (bfloat16, float8_*).
-    itemsize = np.dtype(getattr(ml_dtypes, dtype, dtype)).itemsize
-    shape = x.shape if shape is None else shape
-    return math.prod(int(dim) for dim in shape) * itemsize

@@ -19,9 +19,9 @@ import logging
 import tensorflow as tf
 
 from keras_tp.collectives.base import CollectiveAdapter
-from keras_tp.collectives.base import nbytes
 from keras_tp.collectives.tensorflow_sequence import SequenceShard
 from keras_tp.stats import CommunicationStats
+from keras_tp.tensors import nbytes
 
 logger = logging.getLogger(__name__)
 

@@ -141,8 +141,8 @@ def whole_parameters(parallel):
         and variables of split layers that are not split (a Row layer adds
         its bias once, after the all-reduce).
     """
-    from keras_tp.collectives.base import nbytes
     from keras_tp.plan.sharding_plan import walk_layers
+    from keras_tp.tensors import nbytes
 
     plan = parallel.sharding_plan
     split = plan.variable_axes()

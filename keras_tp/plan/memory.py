@@ -6,9 +6,9 @@
 
 import math
 
-from keras_tp.collectives.base import nbytes
 from keras_tp.plan.report import split_variable_table
 from keras_tp.plan.sharding_plan import walk_layers
+from keras_tp.tensors import nbytes
 
 ZERO_STAGES = (0, 1, 2, 3)
 ADAM_SLOTS = 2

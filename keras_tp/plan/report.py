@@ -1,6 +1,6 @@
 """A bound plan as text: per split variable, its style and local bytes."""
 
-from keras_tp.collectives.base import nbytes
+from keras_tp.tensors import nbytes
 
 
 def split_variable_table(plan, local_shape):

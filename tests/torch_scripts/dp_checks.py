@@ -9,7 +9,7 @@ import keras
 import torch.distributed as dist
 
 import keras_tp
-from keras_tp.collectives.base import nbytes
+from keras_tp.tensors import nbytes
 from tests import dp_cases
 from tests import models
 from tests.torch_scripts.rank_checks import _all_ranks

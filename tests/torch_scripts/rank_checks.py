@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import keras_tp
 from keras_tp import collectives
-from keras_tp.collectives.base import nbytes
+from keras_tp.tensors import nbytes
 from tests import models
 from tests import random_cases
 

@@ -20,7 +20,7 @@ from keras_tp.keras_internals import StatelessScope
 from keras_tp.keras_internals import get_keras_mask
 from keras_tp.keras_internals import set_keras_mask
 from keras_tp.regions import shared_value
-from keras_tp.runtime.base import is_float
+from keras_tp.tensors import is_float
 
 # The runtime whose per-rank step is being traced in this context.
 TRACING_RANKS_OF = contextvars.ContextVar("keras_tp_ranks", default=None)

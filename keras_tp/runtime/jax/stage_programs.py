@@ -31,8 +31,8 @@ from jax.sharding import PartitionSpec
 from keras_tp.keras_internals import local_shapes
 from keras_tp.parallel.buckets import make_buckets
 from keras_tp.pipeline import schedules
-from keras_tp.runtime.base import is_float
 from keras_tp.runtime.jax import placement_spec
+from keras_tp.tensors import is_float
 
 # Per-device values that cross between programs, one row per device of a
 # `data x model` mesh: device (d, t) of one stage sends its row to device

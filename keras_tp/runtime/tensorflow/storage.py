@@ -19,13 +19,13 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_tp.collectives.base import nbytes
 from keras_tp.keras_internals import local_shapes
 from keras_tp.keras_internals import set_stored_value
 from keras_tp.keras_internals import stored_value
 from keras_tp.runtime.base import largest_difference
 from keras_tp.runtime.tensorflow.devices import HOST
 from keras_tp.runtime.tensorflow.devices import device_name
+from keras_tp.tensors import nbytes
 
 logger = logging.getLogger(__name__)
 

@@ -33,10 +33,10 @@ from keras_tp.keras_internals import compute_loss
 from keras_tp.keras_internals import local_shapes
 from keras_tp.keras_internals import update_loss_tracker
 from keras_tp.regions import forward_pass
-from keras_tp.runtime.base import collect_flat
-from keras_tp.runtime.base import is_float
 from keras_tp.runtime.tensorflow.optimizer import prepare_optimizer
 from keras_tp.runtime.tensorflow.storage import local_read
+from keras_tp.tensors import collect_flat
+from keras_tp.tensors import is_float
 
 
 class ReplicaTrainer:

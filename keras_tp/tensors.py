@@ -1,0 +1,73 @@
+"""Small helpers on tensors of any backend: their bytes, their dtype kind,
+and collectives over many tensors at once.
+
+They use only `keras.ops` and `keras.backend`, so the plan, the optimizer,
+the runtimes and the collectives share them without importing each other.
+"""
+
+import math
+
+import keras
+import ml_dtypes
+import numpy as np
+from keras import ops
+
+
+def nbytes(x, shape=None):
+    """Bytes of a tensor (or variable) of any backend, from shape and dtype.
+
+    Args:
+        x: the tensor or variable; only its dtype is read if `shape` is set.
+        shape: the shape to count instead of `x.shape`.
+
+    Returns:
+        The number of bytes, an `int`.
+    """
+    dtype = keras.backend.standardize_dtype(x.dtype)
+    # ml_dtypes names the dtypes NumPy lacks (bfloat16, float8_*).
+    itemsize = np.dtype(getattr(ml_dtypes, dtype, dtype)).itemsize
+    shape = x.shape if shape is None else shape
+    return math.prod(int(dim) for dim in shape) * itemsize
+
+
+def is_float(x):
+    """Whether `x` is a tensor of a floating-point dtype, on any backend."""
+    if not (hasattr(x, "dtype") and hasattr(x, "shape")):
+        return False
+    return keras.backend.is_float_dtype(
+        keras.backend.standardize_dtype(x.dtype)
+    )
+
+
+def collect_flat(tensors, collective):
+    """Runs `collective` once per dtype on `tensors` joined flat.
+
+    One collective of the summed size costs one latency instead of one per
+    tensor; the results are cut back into the tensors' shapes.
+
+    Args:
+        tensors: the tensors.
+        collective: function of a flat vector (an all-reduce, say)
+            returning a vector of the same size and dtype.
+
+    Returns:
+        The list of the collective's results, one per tensor, in order.
+    """
+    by_dtype = {}
+    for i, tensor in enumerate(tensors):
+        dtype = keras.backend.standardize_dtype(tensor.dtype)
+        by_dtype.setdefault(dtype, []).append(i)
+    results = [None] * len(tensors)
+    for indices in by_dtype.values():
+        pieces = [tensors[i] for i in indices]
+        flat = collective(
+            ops.concatenate([ops.reshape(p, (-1,)) for p in pieces])
+        )
+        offset = 0
+        for i, piece in zip(indices, pieces):
+            size = math.prod(int(dim) for dim in piece.shape)
+            results[i] = ops.reshape(
+                flat[offset : offset + size], tuple(piece.shape)
+            )
+            offset += size
+    return results

@@ -2,6 +2,8 @@
 
 import keras
 
+from keras_tp.keras_internals import ATTENTION_OUTPUT_PROJECTION
+from keras_tp.keras_internals import attention_projections
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Row
 
@@ -25,11 +27,7 @@ class AttentionUnit:
 
     def projections(self, layer):
         """`{attribute: sublayer}` of the projections, column ones first."""
-        names = ["_query_dense", "_key_dense", "_value_dense"]
-        if getattr(layer, "_use_gate", False):
-            names.append("_gate_dense")
-        names.append("_output_dense")
-        return {name: getattr(layer, name) for name in names}
+        return attention_projections(layer)
 
     def heads(self, layer):
         """`(query_heads, key_value_heads)`."""
@@ -40,7 +38,7 @@ class AttentionUnit:
     @staticmethod
     def projection_style(name):
         """The style of projection `name` when the unit is sharded."""
-        return Row() if name == "_output_dense" else Column()
+        return Row() if name == ATTENTION_OUTPUT_PROJECTION else Column()
 
     def output_axes(self, layer, kwargs):
         """Output axes: the scores, if returned, stay split on heads."""

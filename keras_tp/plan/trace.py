@@ -15,6 +15,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_tp.keras_internals import build_shapes
+from keras_tp.keras_internals import input_structure
 from keras_tp.plan.sharding_plan import walk_layers
 
 Call = collections.namedtuple(
@@ -163,7 +165,7 @@ def probe_inputs(model, batch=2, seed=0):
             return ops.convert_to_tensor(value, dtype=dtype)
         return ops.ones(dims, dtype=dtype)
 
-    symbolic = getattr(model, "_inputs_struct", None)
+    symbolic = input_structure(model)
     if symbolic is None:
         symbolic = getattr(model, "inputs", None) or None
         if isinstance(model, keras.Sequential) and symbolic:
@@ -172,7 +174,7 @@ def probe_inputs(model, batch=2, seed=0):
         return keras.tree.map_structure(
             lambda t: make(t.shape, t.dtype), symbolic
         )
-    shapes = getattr(model, "_build_shapes_dict", None)
+    shapes = build_shapes(model)
     if model.built and shapes and len(shapes) == 1:
         shape = next(iter(shapes.values()))
         return keras.tree.map_shape_structure(

@@ -10,6 +10,7 @@ import concurrent.futures
 import keras
 import tensorflow as tf
 
+from keras_tp.keras_internals import UpdatesThroughAssign
 from keras_tp.keras_internals import backend_free_add_variable_from_reference
 from keras_tp.keras_internals import get_stateless_scope
 from keras_tp.parallel import CoordinatedOptimizer
@@ -69,7 +70,7 @@ def prepare_optimizer(runtime, model):
     return optimizer
 
 
-class TensorParallelOptimizer:
+class TensorParallelOptimizer(UpdatesThroughAssign):
     """Mixin that makes a Keras optimizer update tensor-parallel replicas.
 
     `TensorFlowRuntime` mixes it into the class of the compiled optimizer the
@@ -116,35 +117,6 @@ class TensorParallelOptimizer:
             variable.assign_sub(value)
         else:
             super().assign_sub(variable, _scattered(value))
-
-    def _overwrite_model_variables_with_average_value(
-        self, trainable_variables
-    ):
-        for variable, average in zip(
-            trainable_variables, self._model_variables_moving_average
-        ):
-            self.assign(variable, average)
-
-    def _var_key(self, variable):
-        # The TensorFlow optimizer keys variables by their distributed
-        # container, whose handle exists only inside a replica; this path
-        # always passes Keras variables, which are their own key.
-        return id(variable)
-
-    def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        for grad, variable in zip(grads, trainable_variables):
-            self.update_step(grad, variable, learning_rate)
-
-    def _apply_weight_decay(self, variables):
-        if self.weight_decay is None:
-            return
-        for variable in variables:
-            if self._use_weight_decay(variable):
-                lr = keras.ops.cast(self.learning_rate, variable.dtype)
-                wd = keras.ops.cast(self.weight_decay, variable.dtype)
-                # The optimizer's `assign_sub`, as a Keras variable's would
-                # compare the local shard's shape with the full shape.
-                self.assign_sub(variable, variable * wd * lr)
 
 
 _TENSOR_PARALLEL_CLASSES = {}

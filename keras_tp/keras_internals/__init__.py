@@ -1,0 +1,114 @@
+"""Every use of Keras internals, in one place.
+
+keras_tp reaches below Keras' public API where it must: a rank holds
+slices of variables that Keras believes whole, and a split layer runs
+inside Keras' own call machinery. This package is the only code that
+imports `keras.src` or reads private Keras attributes, so a Keras upgrade
+is audited here. Its modules go by what they reach into:
+
+- `scopes`: values bound to variables (`bind_values`), so that Keras' own
+  code computes on a rank's shards;
+- `variables`: a variable's storage, reported shape and JAX layout;
+- `layers`: what a layer tracks (variables, sublayers, seed generators),
+  attention projections, masks;
+- `optimizers`: slots, optimizer variables and update hooks;
+- `models`: a compiled model's loss, metrics and inputs;
+- `graphs`: the nodes of a Functional model's graph.
+
+Everything is importable from the package itself:
+`from keras_tp.keras_internals import bind_values`.
+"""
+
+from keras_tp.keras_internals.graphs import is_input_node
+from keras_tp.keras_internals.graphs import node_call_arguments
+from keras_tp.keras_internals.graphs import node_filled_arguments
+from keras_tp.keras_internals.graphs import node_inputs
+from keras_tp.keras_internals.graphs import node_operation
+from keras_tp.keras_internals.graphs import node_outputs
+from keras_tp.keras_internals.graphs import producer_node
+from keras_tp.keras_internals.layers import ATTENTION_OUTPUT_PROJECTION
+from keras_tp.keras_internals.layers import attention_projections
+from keras_tp.keras_internals.layers import draw_from_state
+from keras_tp.keras_internals.layers import get_keras_mask
+from keras_tp.keras_internals.layers import own_seed_generators
+from keras_tp.keras_internals.layers import own_trainable_variables
+from keras_tp.keras_internals.layers import own_variables
+from keras_tp.keras_internals.layers import seed_generators
+from keras_tp.keras_internals.layers import set_keras_mask
+from keras_tp.keras_internals.layers import shifted_seed_draws
+from keras_tp.keras_internals.layers import stored_kernel
+from keras_tp.keras_internals.layers import sublayers
+from keras_tp.keras_internals.models import build_shapes
+from keras_tp.keras_internals.models import compile_arguments
+from keras_tp.keras_internals.models import compiled_loss
+from keras_tp.keras_internals.models import compute_loss
+from keras_tp.keras_internals.models import input_structure
+from keras_tp.keras_internals.models import jax_update_metrics
+from keras_tp.keras_internals.models import print_msg
+from keras_tp.keras_internals.models import update_loss_tracker
+from keras_tp.keras_internals.optimizers import UpdatesThroughAssign
+from keras_tp.keras_internals.optimizers import (
+    backend_free_add_variable_from_reference,
+)
+from keras_tp.keras_internals.optimizers import model_variables_of
+from keras_tp.keras_internals.optimizers import moving_average
+from keras_tp.keras_internals.optimizers import own_optimizer_variables
+from keras_tp.keras_internals.optimizers import place_slots_on_creation
+from keras_tp.keras_internals.scopes import StatelessScope
+from keras_tp.keras_internals.scopes import bind_values
+from keras_tp.keras_internals.scopes import get_stateless_scope
+from keras_tp.keras_internals.scopes import local_shapes
+from keras_tp.keras_internals.scopes import stateful_cond
+from keras_tp.keras_internals.variables import direct_assign
+from keras_tp.keras_internals.variables import jax_layout
+from keras_tp.keras_internals.variables import set_jax_layout
+from keras_tp.keras_internals.variables import set_reported_shape
+from keras_tp.keras_internals.variables import set_stored_value
+from keras_tp.keras_internals.variables import stored_value
+
+__all__ = [
+    "ATTENTION_OUTPUT_PROJECTION",
+    "StatelessScope",
+    "UpdatesThroughAssign",
+    "attention_projections",
+    "backend_free_add_variable_from_reference",
+    "bind_values",
+    "build_shapes",
+    "compile_arguments",
+    "compiled_loss",
+    "compute_loss",
+    "direct_assign",
+    "draw_from_state",
+    "get_keras_mask",
+    "get_stateless_scope",
+    "input_structure",
+    "is_input_node",
+    "jax_layout",
+    "jax_update_metrics",
+    "local_shapes",
+    "model_variables_of",
+    "moving_average",
+    "node_call_arguments",
+    "node_filled_arguments",
+    "node_inputs",
+    "node_operation",
+    "node_outputs",
+    "own_optimizer_variables",
+    "own_seed_generators",
+    "own_trainable_variables",
+    "own_variables",
+    "place_slots_on_creation",
+    "print_msg",
+    "producer_node",
+    "seed_generators",
+    "set_jax_layout",
+    "set_keras_mask",
+    "set_reported_shape",
+    "set_stored_value",
+    "shifted_seed_draws",
+    "stateful_cond",
+    "stored_kernel",
+    "stored_value",
+    "sublayers",
+    "update_loss_tracker",
+]

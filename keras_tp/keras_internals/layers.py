@@ -1,0 +1,121 @@
+"""What a Keras layer tracks: its own variables, sublayers, seeds."""
+
+import contextlib
+
+from keras import ops
+from keras.src.backend import get_keras_mask
+from keras.src.backend import set_keras_mask
+
+# Keras' functions that read and write the mask a layer attaches to its
+# output tensor.
+__all__ = ["get_keras_mask", "set_keras_mask"]
+
+
+def own_variables(layer):
+    """Variables tracked on `layer` itself, not through its sublayers."""
+    return layer._trainable_variables + layer._non_trainable_variables
+
+
+def own_trainable_variables(layer):
+    return list(layer._trainable_variables)
+
+
+def sublayers(layer, recursive=True):
+    """The layers tracked inside `layer`, without `layer` itself."""
+    return layer._flatten_layers(include_self=False, recursive=recursive)
+
+
+def own_seed_generators(layer):
+    """The `SeedGenerator`s tracked on `layer` itself (a Dropout's)."""
+    return list(layer._seed_generators)
+
+
+def seed_generators(layer):
+    """The `SeedGenerator`s of `layer` and of every layer inside it."""
+    return [
+        generator
+        for sub in layer._flatten_layers(include_self=True)
+        for generator in sub._seed_generators
+    ]
+
+
+def draw_from_state(generators):
+    """Makes Keras' torch backend draw these generators' masks from state.
+
+    On torch, Keras draws the mask of a Dropout made without a `seed` from
+    torch's global generator, which is per process, not per rank or per
+    layer, and in no checkpoint. A generator with an initial seed draws
+    from its own state variable instead, as on JAX and TensorFlow; giving
+    each the seed its state started from changes no other behaviour.
+    """
+    for generator in generators:
+        if generator._initial_seed is None:
+            state = ops.convert_to_numpy(generator.state.value)
+            generator._initial_seed = int(state[0])
+
+
+@contextlib.contextmanager
+def shifted_seed_draws(generators, shift):
+    """Inside, each generator's draws are moved to another random stream.
+
+    Keras random ops draw `seed_generator.next()`, a `[seed, counter]`
+    pair, and advance the counter. Here a draw returns
+    `[seed + shift(), counter]` while the state advances exactly as
+    without it, so ranks that shift by their own amount draw independent
+    numbers yet keep the same generator state (and checkpoint it alike).
+
+    Args:
+        generators: the `SeedGenerator`s whose draws are shifted.
+        shift: function returning the shift, a scalar (it may be traced,
+            such as a mesh axis index, so it is read at each draw).
+    """
+    previous = [generator.__dict__.get("next") for generator in generators]
+    for generator in generators:
+        draw = generator.next
+
+        def shifted_next(ordered=True, draw=draw):
+            seed = draw(ordered)
+            amount = ops.cast(shift(), seed.dtype)
+            return seed + ops.stack([amount, ops.zeros_like(amount)])
+
+        generator.next = shifted_next
+    try:
+        yield
+    finally:
+        for generator, draw in zip(generators, previous):
+            if draw is None:
+                del generator.next
+            else:
+                generator.next = draw
+
+
+def stored_kernel(layer, name):
+    """The variable behind a kernel property, or `None`.
+
+    With LoRA enabled, Keras' `kernel` property is the merged tensor; the
+    variable itself is `_kernel`.
+    """
+    return getattr(layer, "_" + name, None)
+
+
+# The attribute of an attention layer's output projection; the others
+# (query, key, value, gate) are split by heads into columns.
+ATTENTION_OUTPUT_PROJECTION = "_output_dense"
+
+
+def attention_projections(layer):
+    """The projections of a `MultiHeadAttention` or `GroupQueryAttention`.
+
+    Args:
+        layer: the attention layer, built.
+
+    Returns:
+        `{attribute name: EinsumDense}`: query, key, value, the gate when
+        the layer has one, then the output projection
+        (`ATTENTION_OUTPUT_PROJECTION`).
+    """
+    names = ["_query_dense", "_key_dense", "_value_dense"]
+    if getattr(layer, "_use_gate", False):
+        names.append("_gate_dense")
+    names.append(ATTENTION_OUTPUT_PROJECTION)
+    return {name: getattr(layer, name) for name in names}

@@ -1,0 +1,52 @@
+"""A compiled Keras model: its loss, metrics and compile arguments."""
+
+from keras.src.utils.io_utils import print_msg
+
+__all__ = ["print_msg"]
+
+
+def compute_loss(model, **kwargs):
+    """`model.compute_loss`, also when a user's override lacks `training`."""
+    return model._compute_loss(**kwargs)
+
+
+def compile_arguments(model):
+    """The arguments by name that a compiled `model` last passed to Keras'
+    own `compile`: a keras-hub task's, with its "auto" defaults filled
+    in."""
+    return dict(model._compile_config.config)
+
+
+def compiled_loss(model):
+    """The loss `compile(loss=...)` made, a function of `(y_true, y_pred)`
+    (with an optional sample weight); `None` before compiling."""
+    return model._compile_loss
+
+
+def jax_update_metrics(model, metrics, loss, x, y, y_pred, sample_weight):
+    """Keras' JAX trainer's metric update of a step, as values.
+
+    Returns:
+        `(logs, new values of model.metrics_variables)`.
+    """
+    return model._update_metrics_variables(
+        metrics, loss, x, y, y_pred, sample_weight
+    )
+
+
+def update_loss_tracker(model, loss, sample_weight):
+    """Adds a step's loss to the mean loss `fit()` reports."""
+    model._loss_tracker.update_state(loss, sample_weight=sample_weight)
+
+
+def input_structure(model):
+    """The symbolic inputs a Functional model was built on, in the
+    structure its `call` takes (a dict, a list, one tensor); `None` for a
+    model of another kind."""
+    return getattr(model, "_inputs_struct", None)
+
+
+def build_shapes(model):
+    """`{argument name: shape}` that `model.build` was called with, or
+    `None` for a model built otherwise."""
+    return getattr(model, "_build_shapes_dict", None)

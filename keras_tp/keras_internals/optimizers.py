@@ -1,0 +1,94 @@
+"""Keras optimizers: their slots, their variables, their update hooks."""
+
+import keras
+from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+
+def moving_average(optimizer, variable):
+    """The EMA of `variable` kept by `optimizer` (`use_ema=True`)."""
+    averages = optimizer._model_variables_moving_average
+    return averages[optimizer._get_variable_index(variable)]
+
+
+def model_variables_of(optimizer):
+    """The model variables `optimizer` was built for, in order."""
+    return optimizer._trainable_variables
+
+
+def own_optimizer_variables(optimizer):
+    """The variables an optimizer tracks itself, not through an inner one."""
+    return optimizer._variables
+
+
+def backend_free_add_variable_from_reference(optimizer, reference, **kwargs):
+    """Keras' backend-independent `add_variable_from_reference`.
+
+    The TensorFlow optimizer colocates each slot with its reference
+    variable; this creates the slot wherever the caller's device scope
+    says.
+    """
+    return BaseOptimizer.add_variable_from_reference(
+        optimizer, reference, **kwargs
+    )
+
+
+def place_slots_on_creation(optimizer, placed):
+    """Calls `placed(slot, reference)` on every slot `optimizer` creates.
+
+    Keras optimizers make their slots (momenta, velocities) through
+    `add_variable_from_reference`; each is handed to `placed` as soon as
+    it exists, to be split like its reference. The slot is created by the
+    optimizer's class at the time (the TensorFlow runtime mixes a class
+    in before building).
+    """
+
+    def add_placed_variable(reference_variable, *args, **kwargs):
+        variable = type(optimizer).add_variable_from_reference(
+            optimizer, reference_variable, *args, **kwargs
+        )
+        placed(variable, reference_variable)
+        return variable
+
+    optimizer.add_variable_from_reference = add_placed_variable
+
+
+class UpdatesThroughAssign:
+    """Mixin: an optimizer's private update hooks, each variable on its own.
+
+    Keras' optimizers apply gradients, weight decay and the moving average
+    through hooks that a backend may route elsewhere (the TensorFlow
+    optimizer through `tf.distribute`'s cross-replica paths, keyed by each
+    variable's distributed container). With this mixin every variable is
+    updated by the optimizer's own `update_step`, `assign` and
+    `assign_sub`, and keyed by identity, so a subclass that overrides
+    those methods decides where each update goes.
+    """
+
+    def _overwrite_model_variables_with_average_value(
+        self, trainable_variables
+    ):
+        for variable, average in zip(
+            trainable_variables, self._model_variables_moving_average
+        ):
+            self.assign(variable, average)
+
+    def _var_key(self, variable):
+        # The TensorFlow optimizer keys variables by their distributed
+        # container, whose handle exists only inside a replica; this path
+        # always passes Keras variables, which are their own key.
+        return id(variable)
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        for grad, variable in zip(grads, trainable_variables):
+            self.update_step(grad, variable, learning_rate)
+
+    def _apply_weight_decay(self, variables):
+        if self.weight_decay is None:
+            return
+        for variable in variables:
+            if self._use_weight_decay(variable):
+                lr = keras.ops.cast(self.learning_rate, variable.dtype)
+                wd = keras.ops.cast(self.weight_decay, variable.dtype)
+                # The optimizer's `assign_sub`, as a Keras variable's would
+                # compare the local shard's shape with the full shape.
+                self.assign_sub(variable, variable * wd * lr)

@@ -1,10 +1,16 @@
 """Data parallelism and ZeRO: what the `data` axis of the mesh does.
 
 - `optimizer`: `CoordinatedOptimizer`, which synchronises gradients over
-  `data` (DDP, ZeRO-1/2/3) around any Keras optimizer;
+  `data` (DDP, ZeRO-1/2/3) around any Keras optimizer (`wrapping`: the
+  Keras side of running an inner optimizer);
+- `zero`: how its variables lie over `data` (partitions, buckets) and the
+  collectives of DDP and ZeRO;
 - `buckets`: the gradient buckets it sends, one collective each;
-- `compression`: `Compression`, what those collectives send (16-bit
-  casts, PowerSGD, 1-bit signs);
+- the strategies it holds: `accumulation` and `local_sgd` (when the
+  replicas synchronise), `compression` (`Compression`: what the buckets'
+  collectives send: 16-bit casts, PowerSGD, 1-bit signs) and `overlap`
+  (buckets sent during the backward pass);
+- `bucket_probe`: `bucket_cap_mb="auto"`; `clipping`: norms across ranks;
 - `zero3`: ZeRO-3's parameter gathers around each layer's call;
 - `reports`: optimizer and gradient bytes per device, gradient sharing,
   and the consistency check of the copies (methods of the model).

@@ -11,8 +11,11 @@ time: `n = latency * bandwidth * (1 - share) / share`, kept between
 """
 
 import dataclasses
+import logging
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 # All-reduce sizes the probe times, in bytes: 4 KiB to 16 MiB.
 PROBE_BYTES = (2**12, 2**16, 2**20, 2**24)
@@ -90,3 +93,48 @@ def bucket_cap_mb(latency, bandwidth, share=LATENCY_SHARE):
         return LARGEST_MB
     nbytes = latency * bandwidth * (1 - share) / share
     return float(np.clip(nbytes / 2**20, SMALLEST_MB, LARGEST_MB))
+
+
+def check_bucket_cap_mb(bucket_cap_mb):
+    """Refuses a `bucket_cap_mb` that is neither a size nor `"auto"`."""
+    if bucket_cap_mb != "auto" and not (
+        isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0
+    ):
+        raise ValueError(
+            f"bucket_cap_mb must be a number > 0 or 'auto', got "
+            f"{bucket_cap_mb!r}."
+        )
+
+
+def probe_for(bucket_cap_mb, data_parallel, time_all_reduce):
+    """`probe_link` where `bucket_cap_mb="auto"` has a data axis to time.
+
+    Args:
+        bucket_cap_mb: the optimizer's `bucket_cap_mb`.
+        data_parallel: the size of the data axis.
+        time_all_reduce: the runtime's timer (see `probe_link`).
+
+    Returns:
+        A `LinkProbe`, or `None` for a fixed size or without a data axis.
+    """
+    if bucket_cap_mb != "auto" or data_parallel == 1:
+        return None
+    probe = probe_link(time_all_reduce)
+    logger.info("bucket_cap_mb='auto': %s", probe.describe())
+    return probe
+
+
+def chosen_cap_mb(bucket_cap_mb, link_probe):
+    """The bucket size in use, in megabytes.
+
+    Args:
+        bucket_cap_mb: the optimizer's `bucket_cap_mb`: a size or `"auto"`.
+        link_probe: what `probe_link` measured for `"auto"`, or `None`
+            where there was no data axis to measure, and nothing is sent:
+            any size does.
+    """
+    if bucket_cap_mb != "auto":
+        return bucket_cap_mb
+    if link_probe is None:
+        return LARGEST_MB
+    return link_probe.bucket_cap_mb

@@ -12,7 +12,34 @@ import math
 import numpy as np
 from keras import ops
 
-from keras_tp.collectives.base import nbytes
+from keras_tp.tensors import nbytes
+
+
+class PlainCodec:
+    """Gradients travel as they are: the codec without compression.
+
+    A codec is what a bucket's collectives send and how (see
+    `compression.py` for the compressed ones):
+
+    - `all_reduce(bucket, values, adapter)`: the bucket's `values`
+      averaged over `adapter`'s axis;
+    - `reduce_scatter(rows, adapter)`: this rank's row of the average of
+      `rows`, where `scatters` is true (else the bucket all-reduces and
+      keeps its partition);
+    - `variables`: the optimizer variables the codec keeps.
+    """
+
+    scatters = True
+    variables = ()
+
+    def all_reduce(self, bucket, values, adapter):
+        return all_reduce_flat(values, adapter, bucket.cap_bytes)
+
+    def reduce_scatter(self, rows, adapter):
+        return adapter.reduce_scatter(rows, axis=0, op="mean")
+
+
+PLAIN = PlainCodec()
 
 
 class Bucket:
@@ -78,7 +105,7 @@ class Bucket:
         position = {id(v): i for i, v in enumerate(variables)}
         return [position[id(v)] for v in self.variables]
 
-    def all_reduce(self, grads, variables, out, adapter, codec=None):
+    def all_reduce(self, grads, variables, out, adapter, codec=PLAIN):
         """Averages the bucket's gradients over `adapter`'s axis.
 
         Args:
@@ -86,30 +113,16 @@ class Bucket:
             variables: the variables the gradients belong to.
             out: a list like `grads`; the bucket's entries are replaced.
             adapter: the collective adapter of the `data` axis.
-            codec: the compression's arithmetic (see `compression.py`),
-                or `None` to send the gradients as they are.
+            codec: how the gradients travel: as they are (`PLAIN`), by a
+                compression's codec (`compression.py`), or by the backward
+                pass's `BackwardOverlap`.
         """
         indices = self.indices(variables)
-        values = [grads[i] for i in indices]
-        if codec is None:
-            averaged = all_reduce_flat(values, adapter, self.cap_bytes)
-        else:
-            averaged = codec.all_reduce(self, values, adapter)
+        averaged = codec.all_reduce(self, [grads[i] for i in indices], adapter)
         for i, value in zip(indices, averaged):
             out[i] = value
 
-    def place(self, values, variables, out):
-        """Puts the bucket's `values` into `out` at its variables' places.
-
-        Args:
-            values: per variable of the bucket, in its order.
-            variables: the variables `out` is indexed like.
-            out: a list like `variables`.
-        """
-        for i, value in zip(self.indices(variables), values):
-            out[i] = value
-
-    def reduce_scatter(self, grads, variables, out, adapter, codec=None):
+    def reduce_scatter(self, grads, variables, out, adapter, codec=PLAIN):
         """This rank's partition of the bucket's averaged gradients.
 
         Arguments as in `all_reduce`; `out` receives the partitions. A
@@ -118,17 +131,14 @@ class Bucket:
         """
         parts = adapter.size()
         indices = self.indices(variables)
-        if codec is not None and not codec.scatters:
+        if not codec.scatters:
             values = [grads[i] for i in indices]
             averaged = codec.all_reduce(self, values, adapter)
             for i, value, axis in zip(indices, averaged, self.partition_axes):
                 out[i] = partition(value, axis, adapter.rank(), parts)
             return
         rows = self._as_rows(grads, indices, parts)
-        if codec is None:
-            local = adapter.reduce_scatter(rows, axis=0, op="mean")
-        else:
-            local = codec.reduce_scatter(rows, adapter)
+        local = codec.reduce_scatter(rows, adapter)
         for i, piece, axis, shape in self._partitions(local, indices, parts):
             part_shape = list(shape)
             part_shape[axis] //= parts

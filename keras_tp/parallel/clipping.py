@@ -10,6 +10,52 @@ and one all-reduce over the mesh adds them up.
 from keras import ops
 
 
+class NormClipping:
+    """`clipnorm` and `global_clipnorm`, taken over from an optimizer.
+
+    Norms need every shard's gradient, so a `CoordinatedOptimizer` clips
+    by norm across ranks instead of its inner optimizer, whose bounds it
+    takes (and clears).
+
+    Args:
+        optimizer: the inner Keras optimizer.
+    """
+
+    def __init__(self, optimizer):
+        self.clip_norm = optimizer.clipnorm
+        self.global_clip_norm = optimizer.global_clipnorm
+        optimizer.clipnorm = None
+        optimizer.global_clipnorm = None
+        self._placement = None
+        self._world = None
+        self._within_replica = False
+
+    def bind(self, placement, world, within_replica):
+        """Attaches the ranks whose gradients make the norms.
+
+        Args:
+            placement: the `Placement` of the variables.
+            world: the collective adapter over those ranks.
+            within_replica: whether each data-parallel replica clips its
+                own gradients (local SGD), `world` being its `model` axis.
+        """
+        self._placement = placement
+        self._world = world
+        self._within_replica = within_replica
+
+    def __call__(self, grads, variables):
+        """`grads` of `variables` clipped (see `clipped`)."""
+        return clipped(
+            grads,
+            variables,
+            self._placement,
+            self._world,
+            self.clip_norm,
+            self.global_clip_norm,
+            within_replica=self._within_replica,
+        )
+
+
 def clipped(
     grads,
     variables,

@@ -19,6 +19,7 @@ import math
 import numpy as np
 from keras import ops
 
+from keras_tp.parallel.buckets import PLAIN
 from keras_tp.parallel.buckets import all_reduce_flat
 
 KINDS = ("bf16", "fp16", "powersgd", "sign")
@@ -163,22 +164,46 @@ class Compression:
         return n, m, rank
 
 
-def make_codec(compression, optimizer, variables):
-    """The arithmetic of `compression` for `optimizer`'s buckets.
-
-    Creates the optimizer variables the kind keeps (errors, `Q`s).
+def gradient_compression(identifier, zero_stage):
+    """The `Compression` of a `CoordinatedOptimizer`, or `None`.
 
     Args:
-        compression: a `Compression`.
-        optimizer: the `CoordinatedOptimizer` being built; its placement
-            places the new variables.
+        identifier: its `compression` argument (see `Compression.get`).
+        zero_stage: its ZeRO stage; stage 3 compresses nothing.
+    """
+    compression = Compression.get(identifier)
+    if compression is not None and zero_stage == 3:
+        raise ValueError(
+            f"compression={compression.kind!r} does not apply to "
+            "zero_stage=3, whose gradients are reduce-scattered by the "
+            "backward pass of its parameter gathers. Use zero_stage=2 "
+            "to compress gradients, or compression=None with "
+            "zero_stage=3."
+        )
+    return compression
+
+
+def make_codec(compression, optimizer, placement, variables):
+    """The codec of `compression` for `optimizer`'s buckets.
+
+    A codec does the arithmetic of a compression kind behind
+    `buckets.PlainCodec`'s interface. It creates the optimizer variables
+    the kind keeps (errors, `Q`s), so that checkpoints keep them.
+
+    Args:
+        compression: a `Compression`, or `None` for none.
+        optimizer: the `CoordinatedOptimizer` being built, which owns the
+            new variables.
+        placement: the `Placement` that places them.
         variables: its trainable variables.
     """
+    if compression is None:
+        return PLAIN
     if compression.kind in _CAST_DTYPES:
         return CastCodec(_CAST_DTYPES[compression.kind])
     if compression.kind == "powersgd":
-        return PowerSGDCodec(compression, optimizer, variables)
-    return SignCodec(optimizer, variables)
+        return PowerSGDCodec(compression, optimizer, placement, variables)
+    return SignCodec(optimizer, placement, variables)
 
 
 class CastCodec:
@@ -216,13 +241,13 @@ class PowerSGDCodec:
     Args:
         compression: the `Compression` (rank, rate, seed).
         optimizer: the `CoordinatedOptimizer` that keeps the state.
+        placement: the `Placement` of its variables.
         variables: its trainable variables.
     """
 
     scatters = False
 
-    def __init__(self, compression, optimizer, variables):
-        placement = optimizer._placement
+    def __init__(self, compression, optimizer, placement, variables):
         self.matrices = {}
         self.errors = {}
         self.qs = {}
@@ -234,12 +259,12 @@ class PowerSGDCodec:
             n, m, rank = matrix
             self.matrices[id(variable)] = (n, m)
             self.errors[id(variable)] = per_rank_variable(
-                optimizer, variable, "powersgd_error"
+                optimizer, placement, variable, "powersgd_error"
             )
             rng = np.random.default_rng([compression.seed, len(self.qs)])
             start = rng.standard_normal((m, rank))
             self.qs[id(variable)] = per_model_rank_variable(
-                optimizer, variable, start, "powersgd_q"
+                optimizer, placement, variable, start, "powersgd_q"
             )
 
     @property
@@ -286,14 +311,15 @@ class SignCodec:
 
     Args:
         optimizer: the `CoordinatedOptimizer` that keeps the errors.
+        placement: the `Placement` of its variables.
         variables: its trainable variables.
     """
 
     scatters = False
 
-    def __init__(self, optimizer, variables):
+    def __init__(self, optimizer, placement, variables):
         self.errors = {
-            id(v): per_rank_variable(optimizer, v, "sign_error")
+            id(v): per_rank_variable(optimizer, placement, v, "sign_error")
             for v in variables
         }
 
@@ -365,7 +391,7 @@ def _unpacked(words, size, dtype):
     return ops.cast(bits, dtype) * 2 - 1
 
 
-def per_rank_variable(optimizer, reference, name):
+def per_rank_variable(optimizer, placement, reference, name):
     """A zero variable holding each rank's own copy of a gradient.
 
     Errors differ from rank to rank along `data` as the local gradients
@@ -375,10 +401,10 @@ def per_rank_variable(optimizer, reference, name):
 
     Args:
         optimizer: the `CoordinatedOptimizer` the variable belongs to.
+        placement: the `Placement` that places it.
         reference: the trainable variable whose gradient it follows.
         name: suffix of the variable's name.
     """
-    placement = optimizer._placement
     full_shape = placement.full_shapes[id(reference)]
     variable = optimizer.add_variable(
         (placement.data_parallel,) + tuple(full_shape),
@@ -392,7 +418,7 @@ def per_rank_variable(optimizer, reference, name):
     return variable
 
 
-def per_model_rank_variable(optimizer, reference, start, name):
+def per_model_rank_variable(optimizer, placement, reference, start, name):
     """A variable equal on the data ranks, one value per model rank.
 
     PowerSGD's `Q` follows the gradient of a tensor-parallel shard, which
@@ -400,11 +426,11 @@ def per_model_rank_variable(optimizer, reference, start, name):
 
     Args:
         optimizer: the `CoordinatedOptimizer` the variable belongs to.
+        placement: the `Placement` that places it.
         reference: the trainable variable whose gradient it follows.
         start: the first value of every rank's copy, a NumPy array.
         name: suffix of the variable's name.
     """
-    placement = optimizer._placement
     split = placement.split_axis(reference) is not None
     full = np.tile(start, (placement.tensor_parallel, 1)) if split else start
 

@@ -5,22 +5,28 @@ the gradients of earlier layers: an all-reduce bucket is one flat vector
 cut into calls of `bucket_cap_mb`, in reverse order of the variables (the
 order the backward pass makes their gradients), and each call starts as
 soon as the gradients it covers exist. The optimizer then only waits for
-what is still in flight. The runtime says when each gradient is ready
-(torch: a post-accumulate-grad hook per parameter); the calls are the
-optimizer's own, so the numbers and the counted bytes are those of the
-step without overlap.
+what is still in flight: the runtime attaches a `BackwardOverlap` as
+`CoordinatedOptimizer.backward_overlap`, and the optimizer's buckets take
+it as their codec (see `buckets.PlainCodec`). The runtime says when each
+gradient is ready (torch: a post-accumulate-grad hook per parameter); the
+calls are the optimizer's own, so the numbers and the counted bytes are
+those of the step without overlap.
 """
 
 import time
 
 from keras import ops
 
-from keras_tp.collectives.base import nbytes
 from keras_tp.parallel.buckets import FlatPieces
+from keras_tp.parallel.buckets import PlainCodec
+from keras_tp.tensors import nbytes
 
 
-class BackwardOverlap:
+class BackwardOverlap(PlainCodec):
     """Starts each piece of each bucket when its gradients are ready.
+
+    The codec of the steps the optimizer overlaps: a bucket's all-reduce
+    waits for the pieces the backward pass started, and sends the rest.
 
     Args:
         buckets: the optimizer's `Bucket`s; the all-reduce ones overlap.
@@ -49,13 +55,15 @@ class BackwardOverlap:
     def start_step(self):
         """Forgets the last step's gradients; called before each step.
 
-        Gradients count only from here to `end_step()`: a backward pass
-        outside a training step starts nothing.
+        Gradients count only from here until the optimizer has taken
+        every bucket: a backward pass outside a training step starts
+        nothing.
         """
         self.active = True
         self._flats = {bucket.index: {} for bucket in self.buckets}
         self._waits = {bucket.index: [] for bucket in self.buckets}
         self._times = {}
+        self._taken = 0
         self._start = time.perf_counter()
 
     def gradient_ready(self, index, gradient):
@@ -68,35 +76,31 @@ class BackwardOverlap:
         self._flats[bucket.index][k] = ops.reshape(gradient, (-1,))
         self._start_ready(bucket)
 
-    def take(self, bucket, gradients):
-        """The averaged gradients of `bucket`, or `None` if it does not
-        overlap.
+    def all_reduce(self, bucket, values, adapter):
+        """The averaged gradients of `bucket`.
 
         Starts the pieces the backward pass did not complete (their
-        variables got no gradient: `gradients` holds the optimizer's zeros
-        for them), then waits for every piece.
+        variables got no gradient: `values` holds the optimizer's zeros
+        for them), then waits for every piece. Outside a step, or for a
+        bucket that does not overlap, an all-reduce as without overlap.
 
         Args:
             bucket: the bucket.
-            gradients: the gradients of its variables, in its order.
+            values: the gradients of its variables, in its order.
+            adapter: the collective adapter of the `data` axis.
         """
         if not self.active or bucket.index not in self._waits:
-            return None
+            return super().all_reduce(bucket, values, adapter)
         flats = self._flats[bucket.index]
-        for k, gradient in enumerate(gradients):
+        for k, gradient in enumerate(values):
             flats.setdefault(k, ops.reshape(gradient, (-1,)))
         self._start_ready(bucket)
         pieces = [wait() for wait in self._waits[bucket.index]]
         self._times[bucket.index]["finished"] = self._elapsed()
+        self._taken += 1
+        if self._taken == len(self.buckets):
+            self._end_step()
         return self._pieces[bucket.index].assemble(pieces)
-
-    def end_step(self):
-        """Keeps the step's per-bucket times for `timeline()`."""
-        self.active = False
-        self._timeline = [
-            {"bucket": index, **times}
-            for index, times in sorted(self._times.items())
-        ]
 
     def timeline(self):
         """When the buckets of the last step were ready and finished.
@@ -108,6 +112,14 @@ class BackwardOverlap:
             the optimizer had the result.
         """
         return list(self._timeline)
+
+    def _end_step(self):
+        """Keeps the step's per-bucket times for `timeline()`."""
+        self.active = False
+        self._timeline = [
+            {"bucket": index, **times}
+            for index, times in sorted(self._times.items())
+        ]
 
     def _start_ready(self, bucket):
         pieces = self._pieces[bucket.index]

@@ -17,6 +17,7 @@ _EXPORTS = {
     "Compression": "keras_tp.parallel",
     "CoordinatedOptimizer": "keras_tp.parallel",
     "ExpertParallel": "keras_tp.plan",
+    "ParallelConfig": "keras_tp.config",
     "RankLostError": "keras_tp.errors",
     "Replicate": "keras_tp.plan",
     "Row": "keras_tp.plan",

@@ -1,27 +1,23 @@
 """`TensorParallelKeras`: a `keras.Model` split across devices."""
 
 import inspect
-import os
 import weakref
 
 import keras
 
 from keras_tp import checkpoint
-from keras_tp import regions
+from keras_tp import compiling
+from keras_tp import reporting
+from keras_tp import weight_files
 from keras_tp.checkpoint.callbacks import prepare_callbacks
-from keras_tp.collectives.base import nbytes
-from keras_tp.keras_internals import compile_arguments
+from keras_tp.config import ParallelConfig
 from keras_tp.keras_internals import place_slots_on_creation
 from keras_tp.keras_internals import print_msg
 from keras_tp.parallel import CoordinatedOptimizer
-from keras_tp.parallel import zero3
 from keras_tp.parallel.reports import DataParallelReports
-from keras_tp.plan.auto import auto_plan
-from keras_tp.plan.report import format_plan
-from keras_tp.plan.sharding_plan import ShardingPlan
-from keras_tp.plan.verify import check_locally
-from keras_tp.runtime import pipeline_runtime_class
-from keras_tp.runtime import runtime_class
+from keras_tp.runtime import make_runtime
+from keras_tp.splitting import bind_plan
+from keras_tp.splitting import split_model
 
 _FIT_SIGNATURE = inspect.signature(keras.Model.fit)
 
@@ -85,11 +81,9 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             its replicated input an all-gather, with the same bytes, and
             those activations take `1 / tensor_parallel` of the memory.
             For inputs of shape `(batch, sequence, features)` whose
-            sequence length divides by the tensor-parallel size; on
-            TensorFlow also with data parallelism and ZeRO (and inside
-            pipeline stages), on torch with data parallelism and
-            ZeRO-1/2, on JAX with tensor parallelism alone (also inside
-            pipeline stages), for now.
+            sequence length divides by the tensor-parallel size; which
+            data axes, ZeRO stages and pipelines each backend runs it
+            with is `keras_tp.config.SUPPORT` (the table in the docs).
 
     Example:
 
@@ -129,14 +123,17 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
         sequence_parallel=False,
         **kwargs,
     ):
-        if zero_stage not in (0, 1, 2, 3):
-            raise ValueError(
-                f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}."
-            )
-        if not isinstance(data_parallel, int) or data_parallel < 1:
-            raise ValueError(
-                f"data_parallel must be an integer >= 1, got {data_parallel!r}."
-            )
+        config = ParallelConfig(
+            world_size=world_size,
+            device_ids=device_ids,
+            data_parallel=data_parallel,
+            pipeline_parallel=pipeline_parallel,
+            zero_stage=zero_stage,
+            sequence_parallel=sequence_parallel,
+            schedule=schedule,
+            num_microbatches=num_microbatches,
+            pipeline_cuts=pipeline_cuts,
+        )
         if not isinstance(model, keras.Model):
             raise TypeError(
                 f"TensorParallelKeras wraps a keras.Model, got {type(model)}."
@@ -152,105 +149,30 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
                 f"Model '{model.name}' is not built. Call "
                 "`model.build(input_shape)` or run it once on a batch first."
             )
-        if not isinstance(pipeline_parallel, int) or pipeline_parallel < 1:
-            raise ValueError(
-                "pipeline_parallel must be an integer >= 1, got "
-                f"{pipeline_parallel!r}."
-            )
-        if pipeline_parallel > 1:
-            runtime = pipeline_runtime_class()(
-                model,
-                pipeline_parallel,
-                world_size,
-                device_ids,
-                data_parallel,
-                zero_stage,
-                num_microbatches,
-                schedule,
-                pipeline_cuts,
-                sequence_parallel,
-            )
-        else:
-            if num_microbatches is not None or pipeline_cuts is not None:
-                raise ValueError(
-                    "num_microbatches and pipeline_cuts are arguments of a "
-                    "pipeline: pass pipeline_parallel > 1 with them."
-                )
-            runtime = runtime_class()(
-                world_size,
-                device_ids,
-                data_parallel,
-                zero_stage,
-                sequence_parallel=sequence_parallel,
-            )
+        runtime = make_runtime(model, config)
         name = kwargs.pop("name", f"tensor_parallel_{model.name}")
         with runtime.scope():
             super().__init__(name=name, **kwargs)
         self.model = model
-        tensor_parallel = runtime.tensor_parallel
-        if isinstance(plan, str):
-            if plan != "auto":
-                raise ValueError(
-                    "plan must be 'auto', a ShardingPlan or a dict, got "
-                    f"{plan!r}."
-                )
-            bound = auto_plan(
-                model, tensor_parallel, check_local=runtime.local_ranks
-            )
-        elif isinstance(plan, (ShardingPlan, dict, list, tuple)):
-            rules = plan.rules if isinstance(plan, ShardingPlan) else plan
-            bound = ShardingPlan(rules).bind(model, tensor_parallel)
-            bound.sources = {e.layer.path: "user plan" for e in bound.layers}
-            if runtime.local_ranks and tensor_parallel > 1:
-                check_locally(model, bound)
-        else:
-            raise TypeError(
-                "plan must be 'auto', a ShardingPlan or a dict, got "
-                f"{type(plan)}."
-            )
-        if tensor_parallel == 1:
-            # Splitting over one rank changes nothing but would still issue
-            # collectives over the model axis: every layer stays whole.
-            bound = ShardingPlan().bind(model, 1)
-            reason = (
-                "one tensor-parallel rank: nothing to split"
-                if pipeline_parallel == 1
-                else "whole on its pipeline stage"
-            )
-            bound.replicated = {path: reason for path in bound.replicated}
         self._runtime = runtime
-        self._plan = bound
-        axes = bound.variable_axes()
-        for variable in model.variables:
-            entry = axes.get(variable.path)
-            axis = (
-                entry[1] if entry is not None and entry[0] is variable else None
-            )
-            runtime.placement.place(variable, axis)
-        installed = [
-            region
-            for part, part_runtime in runtime.stage_plans(bound)
-            for region in regions.install(part, part_runtime)
-        ]
-        runtime.prepare_model(model)
-        runtime.prepare_trainer(self)
-        if zero_stage == 3:
-            for variable in model.trainable_variables:
-                axis = runtime.placement.partition_axis(variable)
-                if axis is not None:
-                    runtime.placement.partition(variable, axis)
-            zero3.install_gathers(model, installed, runtime)
+        self._plan = bind_plan(model, plan, runtime)
+        split_model(model, self._plan, runtime, self)
         _WRAPPED_MODELS.add(model)
         self.built = True
         if getattr(model, "compiled", False):
             # keras-hub tasks compile themselves when made, and a model
             # compiled before it is wrapped trains as it was compiled.
-            self._adopt_compile(model)
+            self._compile(**compiling.arguments_of(model))
 
     @property
     def sharding_plan(self):
         """The `ShardingPlan` applied to the model, bound to it."""
         return self._plan
+
+    @property
+    def parallel_config(self):
+        """The `keras_tp.ParallelConfig` the model runs, on its devices."""
+        return self._runtime.config
 
     @property
     def device_mesh(self):
@@ -290,40 +212,12 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
         ```
         """
         if type(self.model).compile is not keras.Model.compile:
-            args, kwargs = self._resolved_by_model(args, kwargs)
+            args, kwargs = compiling.resolved_by_model(self.model, args, kwargs)
         self._compile(*args, **kwargs)
-
-    def _resolved_by_model(self, args, kwargs):
-        """`compile`'s arguments as the wrapped model's own `compile`
-        resolves them; as given if it does not call Keras' `compile`."""
-        self.model.compile(*args, **kwargs)
-        if not self.model.compiled:
-            return args, kwargs
-        resolved = compile_arguments(self.model)
-        if "jit_compile" not in kwargs:
-            # The runtime's default, not the one Keras filled in.
-            del resolved["jit_compile"]
-        return (), resolved
-
-    def _adopt_compile(self, model):
-        """Compiles this model with the arguments `model` was compiled
-        with (its optimizer anew if it was built: its state is that of
-        the whole variables)."""
-        arguments = compile_arguments(model)
-        del arguments["jit_compile"]
-        optimizer = arguments["optimizer"]
-        if (
-            isinstance(optimizer, keras.optimizers.Optimizer)
-            and optimizer.built
-        ):
-            arguments["optimizer"] = type(optimizer).from_config(
-                optimizer.get_config()
-            )
-        self._compile(**arguments)
 
     def _compile(self, optimizer="rmsprop", *args, **kwargs):
         kwargs.setdefault("jit_compile", self._runtime.jit_compile_default)
-        optimizer = self._coordinated(optimizer)
+        optimizer = compiling.coordinated(optimizer, self._runtime)
         with self._runtime.scope():
             super().compile(optimizer, *args, **kwargs)
         self._runtime.check_compiled(self)
@@ -333,34 +227,6 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             place_slots_on_creation(
                 self.optimizer, self._runtime.placement.place_like
             )
-
-    def _coordinated(self, optimizer):
-        runtime = self._runtime.optimizer_runtime
-        if isinstance(optimizer, CoordinatedOptimizer):
-            if self._runtime.pipeline_parallel > 1:
-                raise ValueError(
-                    "A pipelined model takes a plain Keras optimizer, not a "
-                    "CoordinatedOptimizer: each stage updates its own "
-                    "variables, and its replicas combine their gradients "
-                    "themselves. Pass the inner optimizer, and zero_stage to "
-                    "TensorParallelKeras."
-                )
-            if optimizer.zero_stage != self.zero_stage:
-                raise ValueError(
-                    f"The CoordinatedOptimizer has zero_stage="
-                    f"{optimizer.zero_stage} but the model was built with "
-                    f"zero_stage={self.zero_stage}; make them agree."
-                )
-            # Without a data axis it still clips and accumulates.
-            runtime = runtime or self._runtime
-        elif runtime is not None:
-            optimizer = CoordinatedOptimizer(
-                keras.optimizers.get(optimizer), zero_stage=self.zero_stage
-            )
-        else:
-            return optimizer
-        runtime.bind_optimizer(optimizer)
-        return optimizer
 
     def fit(self, *args, **kwargs):
         """Trains as `keras.Model.fit` does.
@@ -468,18 +334,7 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
         print(keras_tp.pipeline.bubble_fraction(timeline))
         ```
         """
-        if self._runtime.pipeline_parallel == 1:
-            raise ValueError(
-                "pipeline_timeline() times the stages of a pipeline: pass "
-                "pipeline_parallel > 1 to TensorParallelKeras."
-            )
-        timeline = self._runtime.measured_timeline()
-        if timeline is None:
-            raise ValueError(
-                "No training step has run yet: call fit() (or "
-                "train_on_batch()) first."
-            )
-        return timeline
+        return reporting.measured_timeline(self._runtime)
 
     def reset_communication_stats(self):
         """Forgets the recorded collectives of every phase."""
@@ -494,52 +349,31 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
 
         Returns:
             A dict with `backend`, `world_size`, `tensor_parallel`,
-            `data_parallel`, `pipeline_parallel`, `zero_stage`, `devices`,
+            `data_parallel`, `pipeline_parallel`, `zero_stage`,
+            `sequence_parallel`, `config` (the `ParallelConfig` in one
+            line), `devices`,
             `parameter_bytes_per_device` (measured from the arrays),
             `parameter_bytes_total` (unsplit), `sharded_layers` and
             `replicated_layers` (path: reason).
         """
-        return {
-            "backend": self._runtime.backend,
-            "world_size": self._runtime.world_size,
-            "tensor_parallel": self._runtime.tensor_parallel,
-            "data_parallel": self._runtime.data_parallel,
-            "pipeline_parallel": self._runtime.pipeline_parallel,
-            "zero_stage": self._runtime.zero_stage,
-            "devices": list(self._runtime.devices),
-            "parameter_bytes_per_device": self.parameter_bytes_per_device(),
-            "parameter_bytes_total": self._full_parameter_bytes(),
-            "sharded_layers": [e.layer.path for e in self._plan.layers],
-            "replicated_layers": dict(self._plan.replicated),
-        }
-
-    def _full_parameter_bytes(self):
-        shapes = self._runtime.placement.full_shapes
-        return sum(nbytes(v, shapes[id(v)]) for v in self.model.variables)
+        return reporting.parallelism_info(self._runtime, self.model, self._plan)
 
     def summary(self, print_fn=None, **kwargs):
         """Prints the plan: per layer, style, local shape and bytes/device.
 
         A pipelined model prints its stages instead: their layers,
-        parameters and the tensors that cross each cut.
+        parameters and the tensors that cross each cut. Then the bytes of
+        the parameters, and the `ParallelConfig`.
 
         Args:
             print_fn: function taking a line of text; defaults to Keras'
                 `print_msg`.
         """
         print_fn = print_fn or print_msg
-        if self._runtime.pipeline_parallel > 1:
-            print_fn(self._runtime.split.summary())
-        else:
-            print_fn(
-                format_plan(self._plan, self._runtime.placement.local_shape)
-            )
-        per_device = self.parameter_bytes_per_device()
-        total = self._full_parameter_bytes()
-        print_fn(
-            f"Parameters: {_mb(total)} unsplit; per device (measured): "
-            + ", ".join(f"{d} {_mb(b)}" for d, b in per_device.items())
-        )
+        for text in reporting.summary_lines(
+            self._runtime, self.model, self._plan
+        ):
+            print_fn(text)
 
     def get_weights(self):
         """The original model's weights, unsplit, as NumPy arrays."""
@@ -551,20 +385,7 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
         Args:
             weights: arrays in the order and full shapes of `get_weights()`.
         """
-        variables = self.model.weights
-        if len(weights) != len(variables):
-            raise ValueError(
-                f"set_weights() got {len(weights)} arrays but model "
-                f"'{self.model.name}' has {len(variables)} weights."
-            )
-        for variable, value in zip(variables, weights):
-            full_shape = self._runtime.placement.full_shapes[id(variable)]
-            if tuple(value.shape) != full_shape:
-                raise ValueError(
-                    f"set_weights(): variable '{variable.path}' has full "
-                    f"shape {full_shape}, got {tuple(value.shape)}."
-                )
-            self._runtime.assign_full_value(variable, value)
+        weight_files.set_full_weights(self._runtime, self.model, weights)
 
     def save(self, filepath, overwrite=True, **kwargs):
         """Saves the original, unsplit model with the current weights."""
@@ -592,13 +413,7 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
         tp.fit(x, y, epochs=4, callbacks=[backup])
         ```
         """
-        filepath = os.fspath(filepath)
-        if not overwrite and os.path.exists(filepath):
-            raise FileExistsError(
-                f"save_weights(): '{filepath}' exists and overwrite=False. "
-                "Pass overwrite=True, or another path."
-            )
-        checkpoint.save_checkpoint(self, filepath)
+        weight_files.save_weights(self, filepath, overwrite)
 
     def load_weights(self, filepath, skip_mismatch=False, **kwargs):
         """Loads a checkpoint written by `save_weights` or `save_checkpoint`.
@@ -612,21 +427,7 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             skip_mismatch: not supported: a checkpoint of another
                 architecture is refused, naming the variable.
         """
-        filepath = os.fspath(filepath)
-        if skip_mismatch or kwargs:
-            raise ValueError(
-                "load_weights() of a TensorParallelKeras model takes only "
-                f"the checkpoint path; got skip_mismatch={skip_mismatch} and "
-                f"{sorted(kwargs)}."
-            )
-        if not os.path.isdir(filepath):
-            raise ValueError(
-                f"load_weights(): '{filepath}' is not a keras_tp checkpoint "
-                "directory. Load a Keras weights file into the model before "
-                "wrapping it (`model.load_weights(path)`, then "
-                "`TensorParallelKeras(model, ...)`)."
-            )
-        checkpoint.load_checkpoint(self, filepath)
+        weight_files.load_weights(self, filepath, skip_mismatch, kwargs)
 
     def save_checkpoint(self, directory, epoch=None):
         """Saves a sharded checkpoint: see `keras_tp.save_checkpoint`."""
@@ -641,7 +442,3 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             "TensorParallelKeras is not serialised itself: `save()` writes "
             "the original model, which you wrap again after loading."
         )
-
-
-def _mb(nbytes):
-    return f"{nbytes / 2**20:.3f} MiB"

@@ -82,3 +82,22 @@ def test_troubleshooting_lists_every_error_message():
         if " ".join(piece.split()) not in page
     ]
     assert not missing, "docs/troubleshooting.md lacks:\n" + "\n".join(missing)
+
+
+def test_support_matrix_is_the_one_config_writes():
+    from keras_tp import config
+
+    api = (REPO / "docs" / "api.md").read_text()
+    start = "<!-- support-matrix:start -->\n"
+    end = "\n<!-- support-matrix:end -->"
+    documented = api[api.index(start) + len(start) : api.index(end)]
+    assert documented == config.support_table()
+    # The refusals written from the matrix are quoted on the
+    # troubleshooting page as they read.
+    page = " ".join((REPO / "docs" / "troubleshooting.md").read_text().split())
+    for feature in (
+        "sequence_parallel",
+        "sequence_parallel in pipeline stages",
+    ):
+        assert config.support_text(feature) in page
+        assert config.fixes_text(feature) in page

@@ -298,7 +298,7 @@ def test_transformer_block_adds_two_forward_and_two_backward_all_reduces():
 def test_gradients_are_not_n_times_too_large():
     """Megatron f/g on TensorFlow: the raw all-reduce gradient is N x."""
     n = 4
-    runtime = TensorFlowRuntime(world_size=n)
+    runtime = TensorFlowRuntime(keras_tp.ParallelConfig(world_size=n))
     adapter = runtime.adapter
     rng = np.random.default_rng(0)
     x = rng.normal(size=(3, 8)).astype("float32")
@@ -349,7 +349,7 @@ def test_gradients_are_not_n_times_too_large():
 
 def test_collectives_and_their_gradients():
     n = 4
-    runtime = TensorFlowRuntime(world_size=n)
+    runtime = TensorFlowRuntime(keras_tp.ParallelConfig(world_size=n))
     adapter = runtime.adapter
     collectives = keras_tp.collectives
 

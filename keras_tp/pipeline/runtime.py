@@ -4,8 +4,9 @@ A pipeline runtime stands where a tensor-parallel `Runtime` stands: the
 model class compiles, fits and reports through the same methods. It cuts
 the model into `P` stages (`split_stages`), keeps each stage's variables
 and optimizer slots on the stage's own device (or process), and runs
-Keras' steps as a schedule of micro-batches. This module is the part
-every backend shares: the checks, the stages of each variable, the
+Keras' steps as a schedule of micro-batches. Its `keras_tp.ParallelConfig`
+has checked what the backend runs (`keras_tp.config.SUPPORT`). This module
+is the part every backend shares: the stages of each variable, the
 micro-batch count and the loss. Each backend's subclass (in
 `keras_tp.runtime.<backend>.pipeline`) stores the variables and runs the
 steps with its trainer's signatures.
@@ -42,39 +43,22 @@ class PipelineRuntime(CheckpointPieces):
 
     Args:
         model: the built Functional model to cut.
-        pipeline_parallel: the number of stages, one device each.
-        world_size: total number of devices: `data_parallel x
-            pipeline_parallel` times the tensor-parallel size of each
-            stage.
-        device_ids: device names of the stages, in order.
-        data_parallel: the number of replicas of the pipeline, each
-            training on its slice of every batch.
-        zero_stage: 0, or 1 to partition the optimizer state over the
-            replicas.
-        num_microbatches: micro-batches per batch; `None` takes, for each
-            batch, the largest divisor of its size up to
-            `4 * pipeline_parallel`.
-        schedule: `"gpipe"` or `"1f1b"`.
-        cut_points: names of the layers at which stages 1.. start; `None`
-            cuts automatically (see `split_stages`).
-        sequence_parallel: whether each stage's tensor-parallel layers
-            leave their activations split on the sequence axis (see
-            `keras_tp.collectives.sequence`).
+        config: the `keras_tp.ParallelConfig` of the pipeline: its
+            `pipeline_parallel` stages, `data_parallel` replicas of them,
+            each stage on `world_size / (pipeline_parallel x
+            data_parallel)` devices split by tensor parallelism; its
+            `zero_stage`, `schedule`, `num_microbatches` (`None` takes,
+            for each batch, the largest divisor of its size up to `4 *
+            pipeline_parallel`), `pipeline_cuts` (see `split_stages`) and
+            `sequence_parallel`.
     """
 
     backend = None
     local_ranks = False
     per_rank_steps = False
-    # The ZeRO stages a pipeline takes over its replicas.
-    zero_stages = (0, 1)
     # Python issues each stage's work in the schedule's order: the step as
     # a whole is not one compiled program.
     jit_compile_default = False
-    # Whether its stages' tensor-parallel layers can run sequence
-    # parallelism (`keras_tp.collectives.sequence`), and whether also in
-    # replicas of the pipeline.
-    sequence_parallel_stages = False
-    sequence_parallel_replicas = False
     # Whether stages may share a weight (a tied embedding, which also
     # computes the logits): each stage using it holds a copy, and the
     # backend keeps the copies equal (`shared_stages`).
@@ -84,82 +68,23 @@ class PipelineRuntime(CheckpointPieces):
     # its stages with the plain optimizer.
     optimizer_runtime = None
 
-    def __init__(
-        self,
-        model,
-        pipeline_parallel,
-        world_size=None,
-        device_ids=None,
-        data_parallel=1,
-        zero_stage=0,
-        num_microbatches=None,
-        schedule="1f1b",
-        cut_points=None,
-        sequence_parallel=False,
-    ):
-        if world_size is None and device_ids is None:
-            world_size = pipeline_parallel * data_parallel
+    def __init__(self, model, config):
         devices = select_devices(
-            self.backend, self._available_devices(), world_size, device_ids
+            self.backend,
+            self._available_devices(),
+            config.requested_world_size,
+            config.device_ids,
         )
-        world_size = len(devices)
-        if world_size % (pipeline_parallel * data_parallel):
-            raise ValueError(
-                f"pipeline_parallel={pipeline_parallel} with "
-                f"world_size={world_size} and data_parallel={data_parallel}"
-                ": a pipeline runs data_parallel replicas of its stages, "
-                "each stage on world_size / (pipeline_parallel x "
-                "data_parallel) devices split by tensor parallelism. Pass a "
-                "world_size divisible by pipeline_parallel x data_parallel."
-            )
-        if zero_stage not in self.zero_stages:
-            raise ValueError(
-                f"zero_stage={zero_stage} with pipeline_parallel="
-                f"{pipeline_parallel}: on {self.backend} a pipeline takes "
-                f"zero_stage in {self.zero_stages}. ZeRO-2 and 3 keep only "
-                "a partition of each gradient, so a pipeline would "
-                "reduce-scatter every micro-batch's gradients, "
-                "num_microbatches times ZeRO-1's traffic (DeepSpeed's "
-                "pipelines refuse them too). Pass zero_stage=1, which "
-                "partitions the optimizer state over the replicas, or "
-                "zero_stage=0."
-            )
-        if zero_stage and data_parallel == 1:
-            raise ValueError(
-                f"zero_stage={zero_stage} with pipeline_parallel="
-                f"{pipeline_parallel} and data_parallel=1: ZeRO partitions "
-                "the optimizer state over the pipeline's replicas, and "
-                "there is one. Pass data_parallel > 1, or zero_stage=0."
-            )
-        if sequence_parallel and not (
-            self.sequence_parallel_stages
-            and (data_parallel == 1 or self.sequence_parallel_replicas)
-        ):
-            raise ValueError(
-                f"sequence_parallel=True with pipeline_parallel="
-                f"{pipeline_parallel} and data_parallel={data_parallel}: "
-                "sequence parallelism runs inside pipeline stages split by "
-                "tensor parallelism on TensorFlow, and on JAX without data "
-                "parallelism, for now. Pass sequence_parallel=False, or "
-                "use TensorFlow, or data_parallel=1 on JAX."
-            )
-        self.sequence_parallel = sequence_parallel
-        self.data_parallel = data_parallel
-        self.zero_stage = zero_stage
-        self.tensor_parallel = world_size // (pipeline_parallel * data_parallel)
-        schedules.check_schedule_name(schedule)
-        if num_microbatches is not None and (
-            not isinstance(num_microbatches, int) or num_microbatches < 1
-        ):
-            raise ValueError(
-                "num_microbatches must be a positive integer or None, got "
-                f"{num_microbatches!r}."
-            )
+        self.config = config = config.on_devices(devices)
+        self.sequence_parallel = config.sequence_parallel
+        self.data_parallel = data_parallel = config.data_parallel
+        self.zero_stage = config.zero_stage
+        self.tensor_parallel = config.tensor_parallel
         _check_layers(model)
-        self.pipeline_parallel = pipeline_parallel
-        self.world_size = world_size
-        self.num_microbatches = num_microbatches
-        self.schedule = schedule
+        self.pipeline_parallel = pipeline_parallel = config.pipeline_parallel
+        self.world_size = len(devices)
+        self.num_microbatches = config.num_microbatches
+        self.schedule = config.schedule
         self.devices = devices
         # The devices form a `data x pipe x model` grid; stage `s` runs on
         # its `pipe` index `s`: `data` rows of `model` devices each.
@@ -172,7 +97,7 @@ class PipelineRuntime(CheckpointPieces):
         self.split = split_stages(
             model,
             pipeline_parallel,
-            cut_points,
+            config.pipeline_cuts,
             share_weights=self.shares_weights,
         )
         self.stage_models = [stage.model for stage in self.split.stages]
@@ -217,13 +142,7 @@ class PipelineRuntime(CheckpointPieces):
         pipeline's `stats`."""
         runtimes = []
         for devices in self.stage_devices:
-            runtime = runtime_class(
-                len(devices),
-                devices,
-                self.data_parallel,
-                self.zero_stage,
-                sequence_parallel=self.sequence_parallel,
-            )
+            runtime = runtime_class(self.config.stage_config(devices))
             for adapter in (
                 runtime.adapter,
                 runtime.data_adapter,

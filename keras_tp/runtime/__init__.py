@@ -3,7 +3,8 @@
 Each backend module defines a `Runtime` subclass named `RUNTIME` and a
 `configure_virtual_devices(n)` function; its `pipeline` module defines
 `PIPELINE_RUNTIME`: a `keras_tp.pipeline.runtime.PipelineRuntime`
-subclass, or a function of the same arguments that returns one.
+subclass, or a function of the same arguments (`model, config`) that
+returns one. `make_runtime` picks between them.
 """
 
 import importlib
@@ -28,9 +29,22 @@ def backend_module():
     return importlib.import_module(_MODULES[backend])
 
 
-def runtime_class():
-    """The `Runtime` subclass of the current Keras backend."""
-    return backend_module().RUNTIME
+def make_runtime(model, config):
+    """The runtime that runs `model` split as `config` says.
+
+    Args:
+        model: the built Keras model; a pipeline cuts it into stages.
+        config: a `keras_tp.ParallelConfig` of the current Keras backend.
+
+    Returns:
+        The backend's `Runtime`, or its pipeline runtime where
+        `config.pipeline_parallel > 1`.
+    """
+    module = backend_module()
+    if config.pipeline_parallel == 1:
+        return module.RUNTIME(config)
+    pipeline = importlib.import_module(f"{module.__name__}.pipeline")
+    return pipeline.PIPELINE_RUNTIME(model, config)
 
 
 def asynchronous_module():
@@ -39,15 +53,6 @@ def asynchronous_module():
     return importlib.import_module(
         f"{_MODULES[keras.backend.backend()]}.asynchronous"
     )
-
-
-def pipeline_runtime_class():
-    """What makes the `PipelineRuntime` of the current Keras backend."""
-    backend_module()
-    module = importlib.import_module(
-        f"{_MODULES[keras.backend.backend()]}.pipeline"
-    )
-    return module.PIPELINE_RUNTIME
 
 
 def configure_virtual_devices(n):

@@ -30,10 +30,8 @@ class Runtime(CheckpointPieces):
     variable's local shard is stored, and how a sharded region runs.
 
     Args:
-        world_size: total number of devices; `None` means all available.
-        device_ids: explicit device names such as `["cpu:0", "cpu:1"]`.
-        data_parallel: size of the data axis of the `data x model` mesh.
-        zero_stage: the ZeRO stage (0 to 3) of the data axis.
+        config: the `keras_tp.ParallelConfig` of its `data x model` mesh;
+            its `world_size` of `None` means every device there is.
     """
 
     backend = None
@@ -44,37 +42,28 @@ class Runtime(CheckpointPieces):
     # What `compile(jit_compile=...)` defaults to; Keras' "auto" enables XLA
     # where the backend can compile the whole step.
     jit_compile_default = "auto"
-    # Whether the runtime's regions can leave their activations split on
-    # the sequence axis (`keras_tp.collectives.sequence`).
-    runs_sequence_parallel = False
 
-    def __init__(
-        self,
-        world_size=None,
-        device_ids=None,
-        data_parallel=1,
-        zero_stage=0,
-        sequence_parallel=False,
-    ):
-        self.zero_stage = zero_stage
+    def __init__(self, config):
         devices = select_devices(
-            self.backend, self._available_devices(), world_size, device_ids
+            self.backend,
+            self._available_devices(),
+            config.requested_world_size,
+            config.device_ids,
         )
-        if len(devices) % data_parallel:
-            raise ValueError(
-                f"world_size={len(devices)} is not divisible by "
-                f"data_parallel={data_parallel}."
-            )
+        self.config = config = config.on_devices(devices)
+        self.zero_stage = config.zero_stage
         self.devices = devices
         self.world_size = len(devices)
-        self.data_parallel = data_parallel
-        self.tensor_parallel = self.world_size // data_parallel
+        self.data_parallel = config.data_parallel
+        self.tensor_parallel = config.tensor_parallel
         # With a data axis or ZeRO the whole step runs per rank, and the
         # CoordinatedOptimizer synchronises the data axis.
-        self.per_rank_steps = data_parallel > 1 or zero_stage > 0
-        self.placement = Placement(self.tensor_parallel, data_parallel, self)
+        self.per_rank_steps = self.data_parallel > 1 or self.zero_stage > 0
+        self.placement = Placement(
+            self.tensor_parallel, self.data_parallel, self
+        )
         self.device_mesh = keras.distribution.DeviceMesh(
-            shape=(data_parallel, self.tensor_parallel),
+            shape=(self.data_parallel, self.tensor_parallel),
             axis_names=("data", "model"),
             devices=devices,
         )
@@ -86,19 +75,10 @@ class Runtime(CheckpointPieces):
         )
         self.data_adapter.stats = self.adapter.stats
         self.world_adapter.stats = self.adapter.stats
-        self.sequence_parallel = sequence_parallel
-        if sequence_parallel:
-            if not self.runs_sequence_parallel:
-                raise ValueError(
-                    "sequence_parallel=True runs on TensorFlow with data "
-                    "parallelism and any ZeRO stage, on torch with data "
-                    "parallelism and ZeRO stages 1 and 2, and on JAX with "
-                    "tensor parallelism alone, for now (this runtime: "
-                    f"{self.backend}, data_parallel={data_parallel}, "
-                    f"zero_stage={zero_stage}). Pass sequence_parallel="
-                    "False, or use TensorFlow, or torch with zero_stage at "
-                    "most 2, or JAX with data_parallel=1 and zero_stage=0."
-                )
+        # The config checked that this backend runs it (see
+        # `keras_tp.config.SUPPORT`).
+        self.sequence_parallel = config.sequence_parallel
+        if self.sequence_parallel:
             self.adapter = SequenceParallelAdapter(self.adapter)
 
     @property

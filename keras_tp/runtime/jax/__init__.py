@@ -94,13 +94,6 @@ class JaxRuntime(MeshSteps, MeshRegions, Runtime):
     backend = "jax"
 
     @property
-    def runs_sequence_parallel(self):
-        # The regions' shard_maps take and leave sequence shards of global
-        # arrays; in a per-rank step every value is local, and the code
-        # between regions would need to know which are shards.
-        return not self.per_rank_steps
-
-    @property
     def local_ranks(self):
         # Without a data axis, the code between regions runs on global
         # arrays, which any plan computes exactly.

@@ -59,10 +59,6 @@ class TensorFlowRuntime(
     # program (see `run_step`).
     jit_compile_default = False
 
-    # The activations between the regions travel as `SequenceShard`s of
-    # each replica's `model` group, whatever the data axis and ZeRO stage.
-    runs_sequence_parallel = True
-
     def _build(self):
         # Whether a layer reads split variables outside regions.
         self._local_layers = False

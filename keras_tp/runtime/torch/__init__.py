@@ -70,8 +70,9 @@ class TorchRuntime(Runtime):
     # The sequence shards between the regions, under sequence parallelism.
     _sequence = None
 
-    def __init__(self, world_size=None, *args, **kwargs):
+    def __init__(self, config):
         """Arguments as `Runtime`'s; this process joins the group first."""
+        world_size = config.world_size
         join_process_group(world_size)
         ranks = dist.get_world_size()
         if world_size is not None and world_size != ranks:
@@ -81,8 +82,7 @@ class TorchRuntime(Runtime):
                 f"torchrun --nproc-per-node {world_size}) or pass "
                 f"world_size={ranks}."
             )
-        # Runtime refuses sequence_parallel=True here where it can't run.
-        super().__init__(world_size, *args, **kwargs)
+        super().__init__(config)
         set_process_adapter(self.adapter)
         if self.world_size != ranks:
             raise ValueError(
@@ -92,13 +92,6 @@ class TorchRuntime(Runtime):
             )
         if self.sequence_parallel:
             self._sequence = SequenceShards(self.adapter.inner, self._regions)
-
-    @property
-    def runs_sequence_parallel(self):
-        # The shards between the regions are DTensors of each data row's
-        # `model` ranks. ZeRO-3's partitions are gathered over `data`
-        # inside the layers, where the shards would meet them.
-        return self.zero_stage < 3
 
     def _available_devices(self):
         device_type = "cuda" if torch.cuda.is_available() else "cpu"

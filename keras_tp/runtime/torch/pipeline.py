@@ -297,19 +297,17 @@ class TorchStageRuntime(TorchRuntime):
     steps.
 
     Args:
-        devices: the device names of the stage's ranks, in mesh order.
-        data_parallel: the number of replicas of the pipeline.
-        zero_stage: 0, or 1 to partition the stage's optimizer state over
-            its replicas.
+        config: the `keras_tp.ParallelConfig` of the stage's ranks (see
+            `ParallelConfig.stage_config`).
         groups: this rank's process groups of the stage's `model` axis,
             its `data` axis and both (see `TorchRuntime._axis_groups`).
     """
 
-    def __init__(self, devices, data_parallel, zero_stage, groups):
+    def __init__(self, config, groups):
         self._groups = groups
         # Runtime's constructor, not TorchRuntime's: this process already
         # joined its process group, of which the stage holds a part.
-        Runtime.__init__(self, len(devices), devices, data_parallel, zero_stage)
+        Runtime.__init__(self, config)
 
     def _axis_groups(self):
         return self._groups
@@ -353,21 +351,10 @@ class TorchPipelineRuntime(PipelineRuntime):
     # summed over those stages (`_sum_shared_gradients`).
     shares_weights = True
 
-    def __init__(
-        self,
-        model,
-        pipeline_parallel,
-        world_size=None,
-        device_ids=None,
-        data_parallel=1,
-        *args,
-        **kwargs,
-    ):
-        needed = (
-            pipeline_parallel * data_parallel
-            if world_size is None
-            else world_size
-        )
+    def __init__(self, model, config):
+        needed = config.requested_world_size
+        pipeline_parallel = config.pipeline_parallel
+        data_parallel = config.data_parallel
         join_process_group(needed)
         ranks = dist.get_world_size()
         if needed != ranks:
@@ -386,15 +373,7 @@ class TorchPipelineRuntime(PipelineRuntime):
         # This rank's number and torch device, as tensor parallelism
         # names them.
         TorchRuntime._build(self)
-        super().__init__(
-            model,
-            pipeline_parallel,
-            world_size,
-            device_ids,
-            data_parallel,
-            *args,
-            **kwargs,
-        )
+        super().__init__(model, config)
         shape = {
             "data": data_parallel,
             "pipe": pipeline_parallel,
@@ -407,9 +386,7 @@ class TorchPipelineRuntime(PipelineRuntime):
             shape, "model", "pipe", "data", ("data", "model")
         )
         self.stage_runtime = TorchStageRuntime(
-            self.stage_devices[self.stage_index],
-            data_parallel,
-            self.zero_stage,
+            self.config.stage_config(self.stage_devices[self.stage_index]),
             (model_group, data_group, stage_group),
         )
         for adapter in (

@@ -1,0 +1,69 @@
+"""The arguments `TensorParallelKeras.compile()` passes on to Keras: as
+the wrapped model resolves them, and the optimizer coordinated over the
+data axis."""
+
+import keras
+
+from keras_tp.keras_internals import compile_arguments
+from keras_tp.parallel import CoordinatedOptimizer
+
+
+def resolved_by_model(model, args, kwargs):
+    """`compile`'s arguments as `model`'s own `compile` resolves them; as
+    given if it does not call Keras' `compile`.
+
+    Returns:
+        `(args, kwargs)` for `keras.Model.compile`.
+    """
+    model.compile(*args, **kwargs)
+    if not model.compiled:
+        return args, kwargs
+    resolved = compile_arguments(model)
+    if "jit_compile" not in kwargs:
+        # The runtime's default, not the one Keras filled in.
+        del resolved["jit_compile"]
+    return (), resolved
+
+
+def arguments_of(model):
+    """The arguments `model` was compiled with, its optimizer anew if it
+    was built (its state is that of the whole variables)."""
+    arguments = compile_arguments(model)
+    del arguments["jit_compile"]
+    optimizer = arguments["optimizer"]
+    if isinstance(optimizer, keras.optimizers.Optimizer) and optimizer.built:
+        arguments["optimizer"] = type(optimizer).from_config(
+            optimizer.get_config()
+        )
+    return arguments
+
+
+def coordinated(optimizer, runtime):
+    """`optimizer` as `runtime` runs it: a `CoordinatedOptimizer` bound to
+    it where its steps run per rank, else as given."""
+    bound_to = runtime.optimizer_runtime
+    if isinstance(optimizer, CoordinatedOptimizer):
+        if runtime.pipeline_parallel > 1:
+            raise ValueError(
+                "A pipelined model takes a plain Keras optimizer, not a "
+                "CoordinatedOptimizer: each stage updates its own "
+                "variables, and its replicas combine their gradients "
+                "themselves. Pass the inner optimizer, and zero_stage to "
+                "TensorParallelKeras."
+            )
+        if optimizer.zero_stage != runtime.zero_stage:
+            raise ValueError(
+                f"The CoordinatedOptimizer has zero_stage="
+                f"{optimizer.zero_stage} but the model was built with "
+                f"zero_stage={runtime.zero_stage}; make them agree."
+            )
+        # Without a data axis it still clips and accumulates.
+        bound_to = bound_to or runtime
+    elif bound_to is not None:
+        optimizer = CoordinatedOptimizer(
+            keras.optimizers.get(optimizer), zero_stage=runtime.zero_stage
+        )
+    else:
+        return optimizer
+    bound_to.bind_optimizer(optimizer)
+    return optimizer

@@ -1,0 +1,67 @@
+"""How `TensorParallelKeras` splits a model it wraps: the plan bound to
+the model, its variables placed, its split layers' regions installed."""
+
+from keras_tp import regions
+from keras_tp.parallel import zero3
+from keras_tp.plan.auto import auto_plan
+from keras_tp.plan.sharding_plan import ShardingPlan
+from keras_tp.plan.verify import check_locally
+
+
+def bind_plan(model, plan, runtime):
+    """`plan` (`"auto"`, a `ShardingPlan`, a dict or a list of rules)
+    bound to `model` at the runtime's tensor-parallel size."""
+    tensor_parallel = runtime.tensor_parallel
+    if isinstance(plan, str):
+        if plan != "auto":
+            raise ValueError(
+                f"plan must be 'auto', a ShardingPlan or a dict, got {plan!r}."
+            )
+        bound = auto_plan(
+            model, tensor_parallel, check_local=runtime.local_ranks
+        )
+    elif isinstance(plan, (ShardingPlan, dict, list, tuple)):
+        rules = plan.rules if isinstance(plan, ShardingPlan) else plan
+        bound = ShardingPlan(rules).bind(model, tensor_parallel)
+        bound.sources = {e.layer.path: "user plan" for e in bound.layers}
+        if runtime.local_ranks and tensor_parallel > 1:
+            check_locally(model, bound)
+    else:
+        raise TypeError(
+            f"plan must be 'auto', a ShardingPlan or a dict, got {type(plan)}."
+        )
+    if tensor_parallel == 1:
+        # Splitting over one rank changes nothing but would still issue
+        # collectives over the model axis: every layer stays whole.
+        bound = ShardingPlan().bind(model, 1)
+        reason = (
+            "one tensor-parallel rank: nothing to split"
+            if runtime.pipeline_parallel == 1
+            else "whole on its pipeline stage"
+        )
+        bound.replicated = {path: reason for path in bound.replicated}
+    return bound
+
+
+def split_model(model, plan, runtime, trainer):
+    """Places `model`'s variables as the bound `plan` splits them, runs
+    its split layers through the runtime, and prepares `trainer` (the
+    `TensorParallelKeras`) to run the steps."""
+    axes = plan.variable_axes()
+    for variable in model.variables:
+        entry = axes.get(variable.path)
+        axis = entry[1] if entry is not None and entry[0] is variable else None
+        runtime.placement.place(variable, axis)
+    installed = [
+        region
+        for part, part_runtime in runtime.stage_plans(plan)
+        for region in regions.install(part, part_runtime)
+    ]
+    runtime.prepare_model(model)
+    runtime.prepare_trainer(trainer)
+    if runtime.zero_stage == 3:
+        for variable in model.trainable_variables:
+            axis = runtime.placement.partition_axis(variable)
+            if axis is not None:
+                runtime.placement.partition(variable, axis)
+        zero3.install_gathers(model, installed, runtime)

@@ -3,7 +3,6 @@
 import contextlib
 import functools
 import logging
-import math
 import time
 
 import keras
@@ -19,6 +18,8 @@ from keras_tp.placement import Placement
 from keras_tp.regions import copy_replicated_inputs
 from keras_tp.regions import forward_pass
 from keras_tp.runtime.pieces import CheckpointPieces
+from keras_tp.tensors import collect_flat
+from keras_tp.tensors import is_float
 
 logger = logging.getLogger(__name__)
 
@@ -535,49 +536,6 @@ def select_devices(backend, available, world_size, device_ids):
             )
         devices = available[:world_size]
     return devices
-
-
-def is_float(x):
-    """Whether `x` is a tensor of a floating-point dtype, on any backend."""
-    if not (hasattr(x, "dtype") and hasattr(x, "shape")):
-        return False
-    return keras.backend.is_float_dtype(
-        keras.backend.standardize_dtype(x.dtype)
-    )
-
-
-def collect_flat(tensors, collective):
-    """Runs `collective` once per dtype on `tensors` joined flat.
-
-    One collective of the summed size costs one latency instead of one per
-    tensor; the results are cut back into the tensors' shapes.
-
-    Args:
-        tensors: the tensors.
-        collective: function of a flat vector (an all-reduce, say)
-            returning a vector of the same size and dtype.
-
-    Returns:
-        The list of the collective's results, one per tensor, in order.
-    """
-    by_dtype = {}
-    for i, tensor in enumerate(tensors):
-        dtype = keras.backend.standardize_dtype(tensor.dtype)
-        by_dtype.setdefault(dtype, []).append(i)
-    results = [None] * len(tensors)
-    for indices in by_dtype.values():
-        pieces = [tensors[i] for i in indices]
-        flat = collective(
-            ops.concatenate([ops.reshape(p, (-1,)) for p in pieces])
-        )
-        offset = 0
-        for i, piece in zip(indices, pieces):
-            size = math.prod(int(dim) for dim in piece.shape)
-            results[i] = ops.reshape(
-                flat[offset : offset + size], tuple(piece.shape)
-            )
-            offset += size
-    return results
 
 
 def largest_difference(copies):

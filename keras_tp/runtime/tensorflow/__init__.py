@@ -7,7 +7,7 @@ chosen devices (GPUs, or the virtual CPUs made by
 `TF_CONFIG`. DTensor is not used.
 
 `TensorFlowRuntime` is put together from one mixin per part, along the
-seams of Keras' own `keras/src/backend/tensorflow/`:
+seams of Keras' own TensorFlow backend:
 
 - `devices`: the strategy, its replicas and the `data x model` mesh over
   them, with the collectives of each axis; running a function on every

@@ -25,21 +25,16 @@ class Support:
     Attributes:
         replicas: whether it runs with `data_parallel > 1`.
         zero_stages: the ZeRO stages it runs with.
-        whole_stages: whether it runs in pipeline stages that are each
-            whole on one device of a replica (no tensor parallelism, no
-            ZeRO).
     """
 
     replicas: bool = True
     zero_stages: tuple = ZERO_STAGES
-    whole_stages: bool = True
 
     def runs(self, config):
         """Whether `config` is within what this support allows."""
         return (
             (self.replicas or config.data_parallel == 1)
             and config.zero_stage in self.zero_stages
-            and (self.whole_stages or config.splits_stages)
         )
 
 
@@ -67,9 +62,9 @@ SUPPORT = {
         "jax": Support(replicas=False, zero_stages=(0,)),
     },
     "sequence_parallel in pipeline stages": {
-        # Each split stage is a `tf.distribute` runtime of its own, which
-        # runs it as above; stages whole on one device have no regions.
-        "tensorflow": Support(zero_stages=(0, 1), whole_stages=False),
+        # Each stage is a `tf.distribute` runtime of its own, which runs
+        # it as above.
+        "tensorflow": Support(zero_stages=(0, 1)),
         "torch": None,
         # The stages' programs are the regions' shard_maps on each stage's
         # mesh; with replicas they run per rank (see above).
@@ -159,12 +154,6 @@ class ParallelConfig:
         if size is None:
             return None
         return size // (self.data_parallel * self.pipeline_parallel)
-
-    @property
-    def splits_stages(self):
-        """Whether a pipeline's stages span several devices of a replica
-        (tensor parallelism) or partition their optimizer state (ZeRO)."""
-        return self.tensor_parallel > 1 or self.zero_stage > 0
 
     def on_devices(self, devices):
         """This config on the chosen `devices` (a runtime's), checked."""
@@ -314,8 +303,6 @@ def _conditions(feature, backend):
     stages = _context_stages(feature, backend)
     zero = [s for s in stages if s in support.zero_stages]
     conditions = []
-    if not support.whole_stages:
-        conditions.append("where tensor parallelism or ZeRO splits the stages")
     if not support.replicas:
         alone = zero == [0] and len(stages) > 1
         conditions.append(
@@ -347,8 +334,6 @@ def _fix(feature, backend):
         needs.append(
             "zero_stage=0" if zero == [0] else f"zero_stage at most {zero[-1]}"
         )
-    if not support.whole_stages:
-        needs.append("tensor_parallel > 1 or zero_stage=1")
     if not needs:
         return f"use {name}"
     if needs == ["data_parallel=1"]:

@@ -10,7 +10,7 @@ import numpy as np
 import keras_tp
 from keras_tp.pipeline import bubble_fraction
 from keras_tp.pipeline import schedules
-from keras_tp.pipeline.stages import split_stages
+from keras_tp.pipeline.cutting import split_stages
 from tests import models
 from tests import zoo
 

@@ -2,11 +2,11 @@
 
 Run alone:
 `KERAS_BACKEND=tensorflow python -m pytest tests/test_tensorflow_pipeline.py`.
-Each stage's variables and Adam slots are `tf.Variable`s on the stage's
-device; Keras' traced steps run the micro-batches through the stages,
-each under its device, next to the same model on one device. With
-replicas of the pipeline, each replica's stages run on its own devices
-with mirrors of the stage's variables.
+Each stage is a `tf.distribute` runtime of its own: its variables and
+Adam slots live on the stage's devices, and Keras' traced steps run the
+micro-batches through the stages as replica steps, next to the same
+model on one device. With replicas of the pipeline, each stage's
+replicas hold copies of its variables and all-reduce its gradients.
 """
 
 import os
@@ -62,7 +62,7 @@ def test_fit_evaluate_predict_match_one_device(schedule):
         tp.pipeline_timeline(), schedule, MICROBATCHES
     )
     # Each device stores its stage's weights, as TensorFlow placed them,
-    # and each Adam slot lives with its variable.
+    # and each Adam slot lives with its variable, in its stage's optimizer.
     stage_bytes = pipeline_cases.mlp_stage_bytes()
     assert tp.parameter_bytes_per_device() == dict(zip(DEVICES, stage_bytes))
     stage_of = {"up": 0, "down": 1, "head": 1}
@@ -70,9 +70,10 @@ def test_fit_evaluate_predict_match_one_device(schedule):
         stage = stage_of[variable.path.split("/")[0]]
         assert _device(variable) == DEVICES[stage], variable.path
         prefix = variable.path.replace("/", "_")
+        optimizer = tp._runtime.stage_optimizers[stage].optimizer
         slots = [
             v
-            for v in tp.optimizer.variables
+            for v in optimizer.variables
             if v.name in (f"{prefix}_momentum", f"{prefix}_velocity")
         ]
         assert [_device(v) for v in slots] == [DEVICES[stage]] * 2
@@ -81,7 +82,7 @@ def test_fit_evaluate_predict_match_one_device(schedule):
 def test_a_keras_hub_backbone_carries_its_padding_mask():
     """GPT2's blocks all read the padding mask: stage 0 passes it on, as
     an integer tensor without a gradient. On 2 replicas: the second runs
-    keras-hub's layers on its mirrors of the stages' variables."""
+    keras-hub's layers on its copies of the stages' variables."""
     tp, _, _ = pipeline_cases.check_backbone_pipeline(
         _pipelined(
             models.gpt2_backbone(length=pipeline_cases.LENGTH),
@@ -92,12 +93,12 @@ def test_a_keras_hub_backbone_carries_its_padding_mask():
         pipeline_cases.dense_adam(),
     )
     # The second replica's devices hold copies of the first's stages, and
-    # each stage's gradients and weights cross between them once a step.
+    # each stage's replicas all-reduce its gradients once a step.
     held = list(tp.parameter_bytes_per_device().values())
     assert held[:2] == held[2:]
     data = tp.communication_stats(axis="data")
-    for kind in ("reduce", "broadcast"):
-        assert data[kind]["bytes"] == sum(held[:2])
+    assert list(data) == ["all_reduce"]
+    assert data["all_reduce"]["bytes"] == sum(held[:2])
 
 
 def test_replicas_of_the_pipeline_match_one_device():
@@ -123,9 +124,8 @@ def test_replicas_of_the_pipeline_match_one_device():
     pipeline_cases.check_unsplit_weights(reference, tp.get_weights())
     # The `data x pipe` grid, row-major: stage s of replica d on cpu:2d+s.
     assert tp._runtime.stage_devices == [["cpu:0", "cpu:2"], ["cpu:1", "cpu:3"]]
-    # Every device holds its stage's weights: the first replica's Keras
-    # variables (with their Adam slots, not counted here), the second's
-    # mirrors.
+    # Every device holds its stage's weights (with their Adam slots, not
+    # counted here), each replica a copy.
     up, rest = pipeline_cases.mlp_stage_bytes()
     assert tp.parameter_bytes_per_device() == {
         "cpu:0": up,
@@ -133,14 +133,13 @@ def test_replicas_of_the_pipeline_match_one_device():
         "cpu:2": up,
         "cpu:3": rest,
     }
-    # Per step, each stage's gradients cross once from the second
-    # replica's device to the first's, and its updated weights once back:
-    # one copy per variable each way.
+    # Per step, each stage's replicas all-reduce its gradients in one
+    # bucket (DDP's minimum), as every backend's pipeline replicas do.
     data = tp.communication_stats(axis="data")
-    assert set(data) == {"reduce", "broadcast"}
-    for kind in ("reduce", "broadcast"):
-        assert data[kind]["optimizer_bytes"] == data[kind]["bytes"] == up + rest
-        assert data[kind]["calls"] == len(tp.model.trainable_variables)
+    assert set(data) == {"all_reduce"}
+    combined = data["all_reduce"]
+    assert combined["optimizer_bytes"] == combined["bytes"] == up + rest
+    assert combined["calls"] == 2
     # Each replica sends its half of the batch across the cut, and back.
     sent = tp.communication_stats(axis="pipe")["send"]
     assert sent["forward_bytes"] == sent["backward_bytes"] == BATCH * 32 * 4
@@ -158,8 +157,8 @@ def test_replicas_of_the_pipeline_match_one_device():
     np.testing.assert_allclose(
         accuracy, np.mean(expected.argmax(-1) == y), rtol=1e-6
     )
-    # set_weights reaches the mirrors: the second replica predicts the
-    # second half of each batch with them.
+    # set_weights reaches every replica: the second predicts the second
+    # half of each batch with its copies.
     other = models.mlp(seed=1)
     tp.set_weights(other.get_weights())
     np.testing.assert_allclose(
@@ -180,38 +179,47 @@ def test_replicas_of_the_pipeline_match_one_device():
 
 
 def test_replicas_draw_dropout_masks_of_their_own():
-    """The second replica's stage runs the first's layers on mirrors of
-    its variables: its dropout draws a stream of its own, as a data
-    replica does, while its generator's state advances alike."""
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((16,))
-    hidden = keras.layers.Dense(32, name="up")(inputs)
-    hidden = keras.layers.Dropout(0.5, name="drop")(hidden)
-    hidden = keras.layers.Dense(32, name="down")(hidden)
-    model = keras.Model(inputs, keras.layers.Dense(8, name="head")(hidden))
-    tp = keras_tp.TensorParallelKeras(
-        model,
-        world_size=4,
-        pipeline_parallel=2,
-        data_parallel=2,
-        pipeline_cuts=["down"],
-    )
-    first, mirrored = (stages[0] for stages in tp._runtime._replica_stages)
-    x = np.ones((4, 16), "float32")
-    masks = [
-        keras.ops.convert_to_numpy(
-            keras.tree.flatten(stage(x, training=True))[0]
+    """Each replica of a stage draws dropout masks of its own, as the
+    replicas of a data-parallel step do: with one micro-batch, 2
+    replicas of the pipeline train exactly as 2 data-parallel replicas
+    of the unsplit model."""
+
+    def dropout_model():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((16,))
+        hidden = keras.layers.Dense(32, name="up")(inputs)
+        hidden = keras.layers.Dropout(0.5, name="drop")(hidden)
+        hidden = keras.layers.Dense(32, name="down")(hidden)
+        return keras.Model(
+            inputs, keras.layers.Dense(8, name="head")(hidden)
         )
-        != 0
-        for stage in (first, mirrored)
-    ]
-    assert masks[0].shape == (4, 32)
-    assert (masks[0] != masks[1]).any()
-    (state,) = (v for v in first.non_trainable_variables if "seed" in v.path)
-    (mirror,) = mirrored.non_trainable_variables
-    np.testing.assert_array_equal(
-        keras.ops.convert_to_numpy(state.value),
-        mirror.numpy(),
+
+    x, y = models.data_for("mlp", batch=16)
+    trained = []
+    for kwargs in (
+        {"pipeline_parallel": 2, "num_microbatches": 1},
+        {},
+    ):
+        tp = keras_tp.TensorParallelKeras(
+            dropout_model(),
+            world_size=4 if kwargs else 2,
+            data_parallel=2,
+            **kwargs,
+        )
+        tp.compile(optimizer=keras.optimizers.SGD(0.1), loss=models.loss_fn())
+        tp.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+        trained.append(tp.get_weights())
+    for pipelined, data_parallel in zip(*trained):
+        np.testing.assert_allclose(pipelined, data_parallel, atol=1e-6)
+    one_device = dropout_model()
+    one_device.compile(
+        optimizer=keras.optimizers.SGD(0.1), loss=models.loss_fn()
+    )
+    one_device.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    # The masks differ from one device's: each replica draws its own.
+    assert any(
+        np.abs(a - b).max() > 1e-4
+        for a, b in zip(trained[0], one_device.get_weights())
     )
 
 
@@ -236,15 +244,15 @@ def test_refusals_name_the_fix():
 
 def test_a_causal_lm_shares_its_tied_embedding_between_stages():
     """keras-hub's GPT2 CausalLM computes its logits with its token
-    embedding: the last stage reads it from the first stage's device in
-    each forward pass, and its gradient crosses back once a step, to be
-    added to the first stage's before the update."""
+    embedding: the last stage's device holds a copy of it, refreshed from
+    the first stage's once a step, and its gradient crosses back once a
+    step, to be added to the first stage's before the update."""
     microbatches = 2
     tp, shared_bytes = pipeline_cases.causal_lm_pipeline(
         lambda model: _pipelined(model, num_microbatches=microbatches)
     )
     pipeline_cases.check_causal_lm_traffic(
-        tp, microbatches, shared_bytes, copies=microbatches
+        tp, microbatches, shared_bytes, copies=1
     )
 
 
@@ -348,16 +356,19 @@ def test_split_stages_run_sequence_parallelism():
 
 
 def test_sharded_checkpoints_of_stages_load_at_any_layout(tmp_path):
-    """Each stage's device writes its variables (2 replicas of 2 stages
-    here: the mirrors are copies, not written, and take the loaded
-    values); a fresh pipeline and one device load them, and a pipeline
-    loads one device's checkpoint."""
+    """Each stage's first replica writes its variables (2 replicas of 2
+    stages here: the second replica's are copies, not written, and take
+    the loaded values); a fresh pipeline and one device load them, and a
+    pipeline loads one device's checkpoint."""
     differences, manifest = checkpoint_cases.pipeline_round_trip(
         lambda model: _pipelined(model, world_size=4, data_parallel=2),
         str(tmp_path),
     )
     assert manifest["mesh"]["pipeline_parallel"] == 2
-    # The first replica's two stage devices hold every variable.
-    writers = sorted(f.split("-")[-1] for f in manifest["files"])
-    assert writers == ["cpu0.safetensors", "cpu1.safetensors"], writers
+    # The first replica of each stage holds every variable of the stage.
+    writers = sorted("-".join(f.split("-")[-2:]) for f in manifest["files"])
+    assert writers == [
+        "stage0-replica0.safetensors",
+        "stage1-replica0.safetensors",
+    ], writers
     assert len(differences) == 3

@@ -20,7 +20,7 @@ if keras.backend.backend() != "torch":
     )
 
 from keras_tp.launcher import launch  # noqa: E402
-from keras_tp.pipeline.stages import split_stages  # noqa: E402
+from keras_tp.pipeline.cutting import split_stages  # noqa: E402
 from tests import checkpoint_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests import pipeline_cases  # noqa: E402

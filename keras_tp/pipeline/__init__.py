@@ -6,6 +6,7 @@ forward and backward passes of the microbatches (GPipe, 1F1B), and
 simulates them to measure the pipeline bubble.
 """
 
+from keras_tp.pipeline.cutting import split_stages
 from keras_tp.pipeline.schedules import Action
 from keras_tp.pipeline.schedules import Timeline
 from keras_tp.pipeline.schedules import bubble_fraction
@@ -18,7 +19,6 @@ from keras_tp.pipeline.stages import Boundary
 from keras_tp.pipeline.stages import BoundaryTensor
 from keras_tp.pipeline.stages import Stage
 from keras_tp.pipeline.stages import StageSplit
-from keras_tp.pipeline.stages import split_stages
 
 __all__ = [
     "Action",

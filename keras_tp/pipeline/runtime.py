@@ -22,7 +22,8 @@ import numpy as np
 from keras_tp.keras_internals import compiled_loss
 from keras_tp.keras_internals import sublayers
 from keras_tp.pipeline import schedules
-from keras_tp.pipeline.stages import split_stages
+from keras_tp.pipeline.cutting import split_stages
+from keras_tp.pipeline.ownership import WeightOwners
 from keras_tp.placement import Placement
 from keras_tp.runtime.base import Runtime
 from keras_tp.runtime.base import select_devices
@@ -101,28 +102,11 @@ class PipelineRuntime(CheckpointPieces):
             share_weights=self.shares_weights,
         )
         self.stage_models = [stage.model for stage in self.split.stages]
-        # The stage of every variable the stages own, by id: the first
-        # that uses it; optimizer slots join their reference's stage when
-        # they are created.
-        self.stage_of = {}
-        # The stages of each variable that several stages use, by id.
-        self.shared_stages = {}
-        for index, stage in enumerate(self.stage_models):
-            for variable in stage.variables:
-                if id(variable) in self.stage_of:
-                    stages = self.shared_stages.setdefault(
-                        id(variable), [self.stage_of[id(variable)]]
-                    )
-                    stages.append(index)
-                else:
-                    self.stage_of[id(variable)] = index
-        strays = [v.path for v in model.variables if id(v) not in self.stage_of]
-        if strays:
-            raise ValueError(
-                f"Variables {strays} of model '{model.name}' are used by no "
-                "layer of its graph, so no pipeline stage holds them. Remove "
-                "the layers that own them from the model."
-            )
+        self.owners = WeightOwners(self.stage_models, model)
+        # By id, the owning stage of each variable, and the stages of each
+        # that several stages use (see `WeightOwners`).
+        self.stage_of = self.owners.stage_of
+        self.shared_stages = self.owners.shared_stages
         self.placement = Placement(self.tensor_parallel, 1, self)
         self.stats = CommunicationStats()
         self.device_mesh = keras.distribution.DeviceMesh(
@@ -320,8 +304,7 @@ class PipelineRuntime(CheckpointPieces):
         self._move(variable, self.stage_of[id(variable)])
 
     def place_variable_like(self, variable, reference, data_axis):
-        self.stage_of[id(variable)] = self.stage_of[id(reference)]
-        self._move(variable, self.stage_of[id(variable)])
+        self._move(variable, self.owners.adopt(variable, reference))
 
     def _move(self, variable, stage):
         """Stores `variable` on the device of `stage`."""

@@ -4,12 +4,13 @@ Each stage's forward pass is a jitted `jax.vjp` of the stage's Keras
 model on that stage's devices (one, or several splitting its layers by
 tensor parallelism); it returns the stage's outputs and the
 `VJP` that holds its residuals (the activations the backward pass
-needs). Each backward pass is a jitted call of one such `VJP`. Python
-issues the actions in the order of a schedule (`keras_tp.pipeline.
-schedules`), and JAX's asynchronous dispatch lets the devices of
-different stages compute at the same time: a stage's call returns at
-once, and an array sent to the next stage's device is copied when it is
-ready. The activations of a micro-batch live in its `VJP` from its
+needs). Each backward pass is a jitted call of one such `VJP`. These
+are the stage primitives (`JaxStages`) that the pipeline's executor
+(`keras_tp.pipeline.executor`) runs in the order of a schedule, and
+JAX's asynchronous dispatch lets the devices of different stages
+compute at the same time: a stage's call returns at once, and an array
+sent to the next stage's device is copied when it is ready. The
+activations of a micro-batch live in its `VJP` from its
 forward pass to its backward pass, so a 1F1B order holds fewer of them
 than GPipe's.
 """
@@ -22,127 +23,23 @@ import keras
 from keras_tp.keras_internals import StatelessScope
 from keras_tp.keras_internals import jax_update_metrics
 from keras_tp.pipeline import schedules
-from keras_tp.pipeline.runner import ScheduledStages
+from keras_tp.pipeline.executor import peak_activations
+from keras_tp.pipeline.executor import run_forward
+from keras_tp.pipeline.executor import run_schedule
 from keras_tp.pipeline.runtime import CallingStageRegions
 from keras_tp.pipeline.runtime import PipelineRuntime
 from keras_tp.runtime.jax import JaxRuntime
 from keras_tp.runtime.jax import to_jax_device
-from keras_tp.runtime.jax.stage_programs import TRACING_STAGE
-from keras_tp.runtime.jax.stage_programs import ReplicaGradients
-from keras_tp.runtime.jax.stage_programs import ReplicatedStagePrograms
-from keras_tp.runtime.jax.stage_programs import StagePrograms
-from keras_tp.runtime.jax.stage_programs import count_received
-from keras_tp.runtime.jax.stage_programs import counted_jit
-from keras_tp.runtime.jax.stage_programs import onto
+from keras_tp.runtime.jax.replicated_stages import ReplicaGradients
+from keras_tp.runtime.jax.replicated_stages import ReplicatedStagePrograms
+from keras_tp.runtime.jax.stages import TRACING_STAGE
+from keras_tp.runtime.jax.stages import JaxStages
+from keras_tp.runtime.jax.stages import StagePrograms
+from keras_tp.runtime.jax.stages import batch_size
+from keras_tp.runtime.jax.stages import count_received
+from keras_tp.runtime.jax.stages import counted_jit
+from keras_tp.runtime.jax.stages import onto
 from keras_tp.runtime.jax.steps import is_concrete
-
-
-class JaxPipeline(ScheduledStages):
-    """The stages of a pipeline, each compiled for its own devices.
-
-    Args:
-        programs: the stages' compiled passes (`StagePrograms`).
-        schedule: `"gpipe"` or `"1f1b"`.
-    """
-
-    def __init__(self, programs, schedule):
-        super().__init__(
-            programs.stage_models,
-            [runtime.mesh for runtime in programs.runtimes],
-            programs.loss,
-            schedule,
-            programs.num_microbatches,
-            programs.stats,
-        )
-        self.programs = programs
-        self.peak_activations = []
-
-    def step(self, trainable, non_trainable, x, y):
-        """Runs the forward and backward passes of one batch.
-
-        Args:
-            trainable: each stage's trainable values, on its devices.
-            non_trainable: each stage's non-trainable values.
-            x: the batch's inputs (NumPy or JAX arrays).
-            y: the batch's targets.
-
-        Returns:
-            `(loss, gradients, non_trainable, predictions)`: the batch's
-            mean loss, each stage's gradients summed over the micro-batches
-            (of the mean loss; one row per replica with replicas), each
-            stage's new non-trainable values, and the last stage's outputs
-            of the whole batch.
-            `peak_activations` then holds, per stage, the most
-            micro-batches whose activations it held at once.
-        """
-        programs = self.programs
-        last = len(self.stage_models) - 1
-        count = self.num_microbatches
-        targets = programs.split_batch(y, count)
-        received = {
-            (0, m): part
-            for m, part in enumerate(programs.split_batch(x, count))
-        }
-        predictions = [None] * self.num_microbatches
-        cotangents = {}
-        residuals = {}
-        non_trainable = list(non_trainable)
-        gradients = [None] * len(self.stage_models)
-        loss = 0.0
-        in_flight = [0] * len(self.stage_models)
-        self.peak_activations = [0] * len(self.stage_models)
-        for stage, kind, m in self.order:
-            if kind == schedules.FORWARD:
-                in_flight[stage] += 1
-                self.peak_activations[stage] = max(
-                    self.peak_activations[stage], in_flight[stage]
-                )
-                inputs = programs.place(stage, received.pop((stage, m)))
-                if stage:
-                    count_received(self.stats, inputs, "forward")
-                (
-                    outputs,
-                    residuals[stage, m],
-                    non_trainable[stage],
-                    predicted,
-                ) = programs.forward(
-                    stage,
-                    trainable[stage],
-                    non_trainable[stage],
-                    inputs,
-                    targets[m] if stage == last else None,
-                )
-                if stage == last:
-                    loss = loss + outputs
-                    predictions[m] = predicted
-                else:
-                    received[stage + 1, m] = outputs
-                continue
-            in_flight[stage] -= 1
-            cotangent = None
-            if stage < last:
-                cotangent = onto(
-                    cotangents.pop((stage, m)), self.devices[stage]
-                )
-                count_received(self.stats, cotangent, "backward")
-            grads, input_grads = programs.backward(
-                stage, residuals.pop((stage, m)), cotangent
-            )
-            gradients[stage] = (
-                grads
-                if gradients[stage] is None
-                else jax.tree_util.tree_map(
-                    lambda a, b: a + b, gradients[stage], grads
-                )
-            )
-            if stage > 0:
-                cotangents[stage - 1, m] = input_grads
-        return (
-            programs.batch_loss(loss),
-            gradients,
-            non_trainable,
-            programs.join_batch(predictions),
-        )
 
 
 class JaxPipelineRuntime(PipelineRuntime):
@@ -170,10 +67,10 @@ class JaxPipelineRuntime(PipelineRuntime):
         # mesh), which places the stage's variables and runs its split
         # layers; all count into this runtime's stats.
         self.stage_runtimes = self.stage_runtimes_of(JaxRuntime)
-        self._runners = {}
+        # The compiled training passes, per micro-batch count.
+        self._training_programs = {}
         self._updates = {}
-        self._last_count = None
-        # The micro-batch count of the last training step's runner.
+        # The micro-batch count of the last training step.
         self._trained_count = None
 
     @property
@@ -208,7 +105,8 @@ class JaxPipelineRuntime(PipelineRuntime):
         super().check_compiled(trainer)
         # The compiled stage functions hold the loss and the optimizer of
         # the last compile().
-        self._runners.clear()
+        self._training_programs.clear()
+        self._trained_count = None
         self._updates.clear()
 
     def place_variable(self, variable, axis):
@@ -262,60 +160,65 @@ class JaxPipelineRuntime(PipelineRuntime):
         """The last training step's `schedules.Timeline`, from the times
         each stage's programs ran on its devices (see `StageClock`), or
         `None` before the first step."""
-        runner = self._runners.get(self._trained_count)
-        if runner is None:
+        if self._trained_count is None:
             return None
-        return runner.programs.clock.timeline(runner.order)
+        programs = self._training_programs[self._trained_count]
+        return programs.clock.timeline(self._order(self._trained_count))
 
     @property
     def peak_activations(self):
         """Per stage, the most micro-batches whose activations it held at
         once in the last training step."""
-        runner = self._runners.get(self._last_count)
-        return runner.peak_activations if runner else []
+        if self._trained_count is None:
+            return []
+        return peak_activations(
+            self._order(self._trained_count), self.pipeline_parallel
+        )
 
-    def _runner(self, count):
-        self._last_count = count
-        if count not in self._runners:
+    def _order(self, count):
+        return schedules.issue_order(
+            self.schedule, self.pipeline_parallel, count
+        )
+
+    def _programs_of(self, count):
+        """The compiled training passes of `count` micro-batches."""
+        if count not in self._training_programs:
             programs = (
                 ReplicatedStagePrograms
                 if self.data_parallel > 1
                 else StagePrograms
             )
-            self._runners[count] = JaxPipeline(
-                programs(
-                    self.stage_models,
-                    self.stage_runtimes,
-                    self.loss_function(),
-                    count,
-                    self.stats,
-                ),
-                self.schedule,
+            self._training_programs[count] = programs(
+                self.stage_models,
+                self.stage_runtimes,
+                self.loss_function(),
+                count,
+                self.stats,
             )
-        return self._runners[count]
+        return self._training_programs[count]
 
     def train_step(self, state, data):
         trainer = self.trainer
         trainable, non_trainable, optimizer_values, metrics = state
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         self.check_no_sample_weight(sample_weight)
-        batch = len(jax.tree_util.tree_leaves(x)[0])
+        batch = batch_size(x)
         self.check_batch_size(batch)
         replica_batch = batch // self.data_parallel
-        runner = self._runner(self.microbatches(replica_batch))
-        schedules.check_microbatches(replica_batch, runner.num_microbatches)
-        self._trained_count = self._last_count
-        loss, gradients, stage_non_trainable, y_pred = runner.step(
+        count = self.microbatches(replica_batch)
+        self._trained_count = count
+        stages = JaxStages(
+            self._programs_of(count),
             self.stage_lists(trainer.trainable_variables, trainable),
             self.stage_lists(trainer.non_trainable_variables, non_trainable),
-            x,
-            y,
+            count,
         )
+        loss, y_pred = run_schedule(stages, self._order(count), x, y)
         trainable, optimizer_values = self._apply(
-            trainable, optimizer_values, gradients
+            trainable, optimizer_values, stages.gradients
         )
         non_trainable = self._merged(
-            trainer.non_trainable_variables, non_trainable, stage_non_trainable
+            trainer.non_trainable_variables, non_trainable, stages.non_trainable
         )
         logs, metrics = jax_update_metrics(
             trainer, metrics, loss, x, y, y_pred, sample_weight
@@ -341,32 +244,22 @@ class JaxPipelineRuntime(PipelineRuntime):
     def _owned_gradients(self, gradients):
         """Per stage, the gradients of the trainable variables it owns: a
         shared weight's gradients from every stage that uses it, added on
-        its owner's devices (Megatron-LM's word-embedding all-reduce)."""
-        totals = {}
-        for stage, grads in enumerate(gradients):
-            variables = self.stage_models[stage].trainable_variables
-            for variable, grad in zip(variables, grads):
-                owner = self.stage_of[id(variable)]
-                if owner != stage:
-                    grad = onto(grad, self.stage_runtimes[owner].mesh)
-                    count_received(self.stats, grad, "backward")
-                previous = totals.get(id(variable))
-                totals[id(variable)] = (
-                    grad
-                    if previous is None
-                    else jax.tree_util.tree_map(jax.numpy.add, previous, grad)
-                )
-        return [
-            [totals[id(v)] for v in self._owned(stage)]
-            for stage in range(self.pipeline_parallel)
-        ]
+        its owner's devices (see `WeightOwners`)."""
 
-    def _owned(self, stage):
-        """The trainable variables stage `stage` owns and updates."""
+        def moved(grad, stage, owner):
+            grad = onto(grad, self.stage_runtimes[owner].mesh)
+            count_received(self.stats, grad, "backward")
+            return grad
+
         return [
-            v
-            for v in self.stage_models[stage].trainable_variables
-            if self.stage_of[id(v)] == stage
+            [
+                functools.reduce(
+                    lambda a, b: jax.tree_util.tree_map(jax.numpy.add, a, b),
+                    addends,
+                )
+                for addends in stage
+            ]
+            for stage in self.owners.gradient_addends(gradients, moved)
         ]
 
     def _apply(self, trainable, optimizer_values, gradients):
@@ -408,7 +301,7 @@ class JaxPipelineRuntime(PipelineRuntime):
         """`(update, variables, slots, shared)` of a stage: its compiled
         optimizer update (`_update_of`) and the variables it reads."""
         optimizer = self.trainer.optimizer
-        own = self._owned(stage)
+        own = self.owners.owned(stage)
         slots = [
             v for v in optimizer.variables if self.stage_of.get(id(v)) == stage
         ]
@@ -443,23 +336,18 @@ class JaxPipelineRuntime(PipelineRuntime):
         Returns:
             `(outputs, each stage's new non-trainable values)`.
         """
-        batch = len(jax.tree_util.tree_leaves(x)[0])
+        batch = batch_size(x)
         replicas = programs.data_parallel
         if replicas > 1:
             self.check_batch_size(batch)
-        parts = programs.split_batch(x, self.microbatches(batch // replicas))
-        non_trainable = list(non_trainable)
-        outputs = []
-        for tensors in parts:
-            for stage in range(self.pipeline_parallel):
-                tensors = programs.place(stage, tensors)
-                if stage:
-                    count_received(self.stats, tensors, "forward")
-                tensors, non_trainable[stage] = programs.infer(
-                    stage, trainable[stage], non_trainable[stage], tensors
-                )
-            outputs.append(tensors)
-        return programs.join_batch(outputs), non_trainable
+        stages = JaxStages(
+            programs,
+            trainable,
+            non_trainable,
+            self.microbatches(batch // replicas),
+        )
+        outputs = programs.join_batch(run_forward(stages, x))
+        return outputs, stages.non_trainable
 
     def test_step(self, state, data):
         trainer = self.trainer

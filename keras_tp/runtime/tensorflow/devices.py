@@ -152,6 +152,25 @@ class _MirroredStrategy(tf.distribute.MirroredStrategy):
         super().__init__(devices)
 
 
+def multi_worker_strategy():
+    """The strategy `configure_multi_worker()` made, or `None`."""
+    return _MULTI_WORKER_STRATEGY
+
+
+def local_devices():
+    """The names of this host's devices: its GPUs, else its (logical)
+    CPUs."""
+    if _tf_config_workers() > 1:
+        raise RuntimeError(
+            "TF_CONFIG describes several workers: call "
+            "`keras_tp.runtime.tensorflow.configure_multi_worker()` at "
+            "the start of the program, before any TensorFlow operation."
+        )
+    gpus = tf.config.list_logical_devices("GPU")
+    devices = gpus or tf.config.list_logical_devices("CPU")
+    return [device_name(device.name) for device in devices]
+
+
 class ReplicaDevices:
     """Runtime mixin: the strategy, its replicas and the mesh axes' adapters.
 
@@ -161,15 +180,7 @@ class ReplicaDevices:
     def _available_devices(self):
         if _MULTI_WORKER_STRATEGY is not None:
             return self._multi_worker_devices(_MULTI_WORKER_STRATEGY)
-        if _tf_config_workers() > 1:
-            raise RuntimeError(
-                "TF_CONFIG describes several workers: call "
-                "`keras_tp.runtime.tensorflow.configure_multi_worker()` at "
-                "the start of the program, before any TensorFlow operation."
-            )
-        gpus = tf.config.list_logical_devices("GPU")
-        devices = gpus or tf.config.list_logical_devices("CPU")
-        return [device_name(device.name) for device in devices]
+        return local_devices()
 
     @staticmethod
     def _multi_worker_devices(strategy):

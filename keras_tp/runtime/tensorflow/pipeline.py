@@ -1,22 +1,401 @@
-"""Pipelines on TensorFlow: stages whole on one device, or split over several.
+"""Pipelines on TensorFlow: every stage a `tf.distribute` runtime of its own.
 
-`pipeline_runtime` picks the runtime of `TensorParallelKeras(
-pipeline_parallel=P, ...)`: `TensorFlowPipelineRuntime`
-(`whole_stages`) where each replica runs each stage whole on one device,
-and `SplitStagesRuntime` (`split_stages`) where tensor parallelism
-splits the stages or ZeRO partitions their optimizer state
-(`ParallelConfig.splits_stages`).
+`TensorFlowPipelineRuntime` runs `TensorParallelKeras(world_size=W,
+pipeline_parallel=P, data_parallel=D)`: every stage is a
+`TensorFlowRuntime` over the stage's `D x T` devices (`T = W / (P x D)`,
+its `data x model` mesh). That runtime stores the stage's variables (split
+by tensor parallelism where `T > 1`), runs its split layers with the
+collectives of its `model` axis, and updates the stage with an optimizer
+of its own: a copy of the compiled one which, with replicas, a
+`CoordinatedOptimizer` wraps to average the gradients over the stage's
+`data` axis (and, with ZeRO-1, to partition the optimizer state there),
+as every backend's pipeline replicas do. The schedule runs as replica
+steps of the stages (`keras_tp.runtime.tensorflow.stages`), through the
+pipeline's one executor. A weight a later stage also uses (a tied
+embedding) is owned by the first stage that uses it; the later stage
+keeps a copy of its pieces on its own replicas, refreshed once a step,
+and its gradients join the owner's before the update
+(`keras_tp.runtime.tensorflow.stage_storage`).
 """
 
-from keras_tp.runtime.tensorflow.split_stages import SplitStagesRuntime
-from keras_tp.runtime.tensorflow.whole_stages import TensorFlowPipelineRuntime
+import keras
+import tensorflow as tf
+
+from keras_tp.collectives.tensorflow import ReplicaStats
+from keras_tp.keras_internals import place_slots_on_creation
+from keras_tp.keras_internals import update_loss_tracker
+from keras_tp.parallel import CoordinatedOptimizer
+from keras_tp.pipeline import schedules
+from keras_tp.pipeline.runtime import CallingStageRegions
+from keras_tp.pipeline.runtime import PipelineRuntime
+from keras_tp.runtime.tensorflow import TensorFlowRuntime
+from keras_tp.runtime.tensorflow import devices as tf_devices
+from keras_tp.runtime.tensorflow.optimizer import prepare_optimizer
+from keras_tp.runtime.tensorflow.stage_storage import StageStorage
+from keras_tp.runtime.tensorflow.stages import TensorFlowStages
+from keras_tp.runtime.tensorflow.stages import traced_batch_size
+from keras_tp.tensors import nbytes
 
 
-def pipeline_runtime(model, config):
-    """The pipeline runtime of `model` for `config` (a `ParallelConfig`)."""
-    if config.splits_stages:
-        return SplitStagesRuntime(model, config)
-    return TensorFlowPipelineRuntime(model, config)
+class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
+    """`PipelineRuntime` whose stages each run on a `TensorFlowRuntime`.
+
+    Stage `s` of replica `d` runs on its `T` devices `stage_devices[s][d
+    * T : (d + 1) * T]`; the stage's runtime holds the `D x T` devices of
+    every replica. See the module docstring.
+
+    Args: those of `PipelineRuntime`.
+
+    Attributes:
+        stage_runtimes: the `TensorFlowRuntime` of each stage.
+        stage_optimizers: each stage's optimizer, made from the compiled
+            one the first time the model trains (`build_optimizer`).
+        peak_activations: after a training step was traced, per stage, the
+            most micro-batches whose activations it held at once.
+        last_num_microbatches: the micro-batch count of the last traced
+            step, or `None` before any.
+    """
+
+    backend = "tensorflow"
+    # Each replica runs the code between the split layers on its own
+    # values, so `auto_plan` checks the plan for that.
+    local_ranks = True
+    # A weight several stages use is owned by the first; the later ones
+    # keep a copy, refreshed once a step (`StageStorage.refresh_copies`).
+    shares_weights = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Each collective is issued by every replica of its stage, and
+        # counted once, by the stage's first replica.
+        self.stats = ReplicaStats()
+        for model in self.stage_models[1:]:
+            model.input_spec = [_any_size(spec) for spec in model.input_spec]
+        self.stage_runtimes = self.stage_runtimes_of(TensorFlowRuntime)
+        self.stage_optimizers = []
+        # The compiled optimizer the stage optimizers were made from.
+        self._optimizers_of = None
+        # By `(stage, id(variable))`, a later stage's copy of a weight an
+        # earlier stage owns (a tied embedding), stored on its replicas.
+        self._copies = {}
+        self._shared_variables = {}
+        # The stage primitives per micro-batch count: a batch of another
+        # size may take another count.
+        self._stages = {}
+        # Per micro-batch count, the start and end times of each action of
+        # the last training step, in the schedule's order.
+        self._step_times = {}
+        self._trained_count = None
+        self.peak_activations = []
+        self.last_num_microbatches = None
+
+    def _available_devices(self):
+        if tf_devices.multi_worker_strategy() is not None:
+            raise NotImplementedError(
+                "pipeline_parallel on TensorFlow runs its stages on the "
+                "devices of one host: with configure_multi_worker(), use "
+                "pipeline_parallel=1, or the torch backend."
+            )
+        return tf_devices.local_devices()
+
+    def _stages_of(self, x):
+        """The stage primitives for the batch `x`: the size of each
+        replica's slice picks the micro-batch count."""
+        batch = traced_batch_size(x)
+        if batch is None:
+            raise ValueError(
+                "The batch size is unknown when Keras traces the step (a "
+                "last batch smaller than the others, or a tf.data dataset "
+                "batched without drop_remainder=True). pipeline_parallel "
+                "on TensorFlow splits each batch into micro-batches when "
+                "the step is traced: use a number of samples divisible by "
+                "the batch size, or `dataset.batch(..., "
+                "drop_remainder=True)`."
+            )
+        self.check_batch_size(batch)
+        count = self.microbatches(batch // self.data_parallel)
+        if count not in self._stages:
+            self._stages[count] = TensorFlowStages(
+                self.stage_models,
+                self.stage_runtimes,
+                self._loss,
+                self.schedule,
+                count,
+                self.stats,
+                self.reading_copies if self._copies else None,
+            )
+            with tf.init_scope():
+                self._step_times[count] = tf.Variable(
+                    tf.zeros((len(self._stages[count].order), 2), "float64"),
+                    trainable=False,
+                )
+        self.last_num_microbatches = count
+        return self._stages[count]
+
+    def _record_step(self, stages):
+        """Keeps what `stages` measured of the training step just traced:
+        their peak activations, and the times they ran each action, which
+        the step writes."""
+        self.peak_activations = list(stages.peak_activations)
+        self._trained_count = self.last_num_microbatches
+        self._step_times[self._trained_count].assign(
+            tf.stack([tf.stack(pair) for pair in stages.times])
+        )
+
+    def _loss(self, y_true, y_pred):
+        # Read when a step is traced: `predict` needs no compiled loss,
+        # and a model compiled again uses its new loss.
+        return self.loss_function()(y_true, y_pred)
+
+    def measured_timeline(self):
+        """The last training step's `schedules.Timeline`, from the times
+        its stages ran each action (see `TensorFlowStages._timed`), or
+        `None` before the first step."""
+        if self._trained_count is None:
+            return None
+        order = self._stages[self._trained_count].order
+        records = [[] for _ in range(self.pipeline_parallel)]
+        times = self._step_times[self._trained_count].numpy()
+        for (stage, kind, m), (start, end) in zip(order, times):
+            records[stage].append((kind, m, float(start), float(end)))
+        return schedules.recorded_timeline(records)
+
+    def test_step(self, data):
+        """Keras' test step: each replica's stages' forward passes of its
+        slice, then the loss and the metrics of the whole batch.
+
+        Args:
+            data: the batch, `(x, y)`.
+
+        Returns:
+            The metrics' logs, as Keras' `test_step` returns them.
+        """
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        self.check_no_sample_weight(sample_weight)
+        y_pred = self._forward(x)
+        loss = self._loss(y, y_pred)
+        update_loss_tracker(self.trainer, loss, traced_batch_size(x))
+        return self.trainer.compute_metrics(x, y, y_pred, None)
+
+    def predict_step(self, data):
+        """Keras' predict step: each replica's stages' forward passes of
+        its slice.
+
+        Args:
+            data: the batch, `x` or a tuple starting with it.
+
+        Returns:
+            The model's outputs of the batch, in its order.
+        """
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        return self._forward(x)
+
+    def calling_stage_runtime(self, stages):
+        runtimes = {s: self.stage_runtimes[s] for s in stages}
+
+        def calling():
+            # The stage whose replicas run now.
+            return next(
+                (s for s, runtime in runtimes.items() if runtime._in_replica()),
+                None,
+            )
+
+        return CallingStageRegions(runtimes, calling)
+
+    def check_compiled(self, trainer):
+        super().check_compiled(trainer)
+        # Each stage updates its variables with a copy of this optimizer
+        # (`build_optimizer`): built on no variable, it keeps the step
+        # count and holds no slot.
+        if not trainer.optimizer.built:
+            trainer.optimizer.build([])
+
+    def build_optimizer(self, trainer):
+        """Makes each stage's optimizer from the compiled one, once per
+        compile, and builds its slots with the stage's variables."""
+        optimizer = trainer.optimizer
+        if self._optimizers_of is optimizer:
+            return
+        # The first step may make them while Keras traces it: they are
+        # made eagerly, to outlive the trace.
+        with tf.init_scope():
+            if not optimizer.built:
+                optimizer.build([])
+            config = optimizer.get_config()
+            self.stage_optimizers = [
+                self._stage_trainer(type(optimizer).from_config(config), s)
+                for s in range(self.pipeline_parallel)
+            ]
+        self._optimizers_of = optimizer
+
+    def _stage_trainer(self, optimizer, stage):
+        """Stage `stage`'s `_StageTrainer`, whose optimizer is `optimizer`
+        (a copy of the compiled one), built on the stage's variables."""
+        runtime = self.stage_runtimes[stage]
+        if runtime.optimizer_runtime is None:
+            place_slots_on_creation(optimizer, runtime.placement.place_like)
+        else:
+            optimizer = CoordinatedOptimizer(
+                optimizer, zero_stage=self.zero_stage
+            )
+            runtime.bind_optimizer(optimizer)
+        trainer = _StageTrainer(
+            self.stage_models[stage], optimizer, self.owners.owned(stage)
+        )
+        prepare_optimizer(runtime, trainer)
+        return trainer
+
+    def run_step(self, phase, step, *args, **kwargs):
+        # The collective groups of a stage's `data` axis run in graphs
+        # only: an eager step (`run_eagerly=True`) is traced anew.
+        step_of = getattr(self, f"{phase}_step")
+        if tf.executing_eagerly():
+            step_of = tf.function(step_of)
+        with self.stats.recording(phase):
+            return step_of(*args, **kwargs)
+
+    def train_step(self, data):
+        """Keras' train step: the schedule over the stages' replicas, then
+        each stage's update on its replicas.
+
+        Args:
+            data: the batch, `(x, y)`.
+
+        Returns:
+            The metrics' logs, as Keras' `train_step` returns them.
+        """
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        self.check_no_sample_weight(sample_weight)
+        self.build_optimizer(self.trainer)
+        stages = self._stages_of(x)
+        self.refresh_copies()
+        loss, y_pred = stages.step(x, y)
+        self._record_step(stages)
+        addends = self._owned_gradients(stages.gradients)
+        for index, (runtime, stage) in enumerate(
+            zip(self.stage_runtimes, self.stage_optimizers)
+        ):
+            self._update(index, runtime, stage, addends)
+        self.trainer.optimizer.iterations.assign_add(1)
+        update_loss_tracker(self.trainer, loss, traced_batch_size(x))
+        return self.trainer.compute_metrics(x, y, y_pred, None)
+
+    def _owned_gradients(self, gradients):
+        """By `(stage, replica)`, per variable the stage owns, the
+        gradients to add up for its update: its own and, for a weight
+        later stages also use (a tied embedding), theirs, sent from their
+        replica `(d, t)` to the owner's (counted on `"pipe"`; see
+        `WeightOwners`).
+
+        Args:
+            gradients: `TensorFlowStages.gradients`.
+        """
+
+        def moved(grad, stage, owner):
+            self.stats.record("send", nbytes(grad), "backward", "pipe")
+            return grad
+
+        replicas = sorted({replica for _, replica in gradients})
+        return {
+            (owner, replica): addends
+            for replica in replicas
+            for owner, addends in enumerate(
+                self.owners.gradient_addends(
+                    [
+                        gradients[stage, replica]
+                        for stage in range(self.pipeline_parallel)
+                    ],
+                    moved,
+                )
+            )
+        }
+
+    def _update(self, index, runtime, stage, addends):
+        """Stage `index`'s update on each of its replicas, from the sums of
+        the replica's gradients (`_owned_gradients`), made there.
+
+        The stage's optimizer first takes the compiled one's step count
+        and learning rate: a callback (`ReduceLROnPlateau`) or a load sets
+        those of the compiled optimizer.
+        """
+        compiled = self.trainer.optimizer
+        optimizer = stage.optimizer
+        if isinstance(optimizer, CoordinatedOptimizer):
+            optimizer = optimizer.inner_optimizer
+
+        def update():
+            replica = runtime._replica_id()
+            optimizer.iterations.assign(compiled.iterations)
+            # A schedule computes the rate from the step count.
+            if isinstance(compiled.learning_rate, keras.Variable):
+                optimizer.learning_rate.assign(compiled.learning_rate)
+            runtime.apply_on_replica(
+                stage.optimizer,
+                [tf.add_n(grads) for grads in addends[index, replica]],
+                stage.trainable_variables,
+                stage,
+            )
+            # `strategy.run` needs a result to return.
+            return tf.zeros(())
+
+        runtime.replica_results(update, stage)
+
+    def _forward(self, x, training=False):
+        stages = self._stages_of(x)
+        self.refresh_copies()
+        return stages.predict(x, training)
+
+    def call_model(self, model, inputs, training):
+        """A direct call (`tp(x)`); under sequence parallelism it runs as
+        `predict`'s steps do, since sequence shards exist only in the
+        stages' replica steps."""
+        if not self.sequence_parallel:
+            return super().call_model(model, inputs, training)
+        forward = self._forward
+        if tf.executing_eagerly():
+            forward = tf.function(forward)
+        with self.stats.recording("call"):
+            return forward(inputs, bool(training))
 
 
-PIPELINE_RUNTIME = pipeline_runtime
+class _StageTrainer:
+    """What a stage's `TensorFlowRuntime` reads of the model it trains
+    (`prepare_optimizer`, the local shapes of a replica, the statistics
+    averaged over `data`): the stage's variables, and its own optimizer,
+    which updates the trainable ones the stage owns.
+
+    Args:
+        model: the stage's Keras model.
+        optimizer: the stage's optimizer.
+        owned: the stage's trainable variables that no earlier stage
+            owns.
+    """
+
+    def __init__(self, model, optimizer, owned):
+        self.model = model
+        self.optimizer = optimizer
+        self.trainable_variables = owned
+
+    @property
+    def variables(self):
+        return self.model.variables
+
+    @property
+    def non_trainable_variables(self):
+        return self.model.non_trainable_variables
+
+
+def _any_size(spec):
+    """`spec` checking the rank only: a stage's replica receives its
+    piece of an activation the previous stage's split layer leaves split
+    (a Column layer's features), and Keras would check the whole width."""
+    return keras.InputSpec(
+        dtype=spec.dtype,
+        ndim=spec.ndim,
+        allow_last_axis_squeeze=spec.allow_last_axis_squeeze,
+        name=spec.name,
+        optional=spec.optional,
+    )
+
+
+PIPELINE_RUNTIME = TensorFlowPipelineRuntime

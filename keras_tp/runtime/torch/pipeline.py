@@ -1,16 +1,8 @@
-"""Pipeline stages on torch: `torch.distributed.pipelining` on Keras models.
+"""Pipelines on torch: a rank's stage, its storage and its steps.
 
-Each rank runs (its shard of) one stage: a Keras model made of the
-user's own layers (`keras_tp.pipeline.split_stages`), wrapped as the
-`nn.Module` that a `PipelineStage` runs. torch's schedules
-(`ScheduleGPipe`, `Schedule1F1B`) split the batch into micro-batches,
-send the activations and their gradients between neighbouring ranks, and
-leave each stage's gradients, averaged over the micro-batches, in its
-parameters' `.grad`.
-The stage also times each micro-batch's forward and backward pass, and
-counts the bytes it sends to its neighbours.
-
-`TorchPipelineRuntime` runs `TensorParallelKeras(model,
+Each rank runs (its shard of) one stage, through the stage primitives of
+`keras_tp.runtime.torch.stages` (`torch.distributed.pipelining` running
+keras_tp's schedules). `TorchPipelineRuntime` runs `TensorParallelKeras(model,
 pipeline_parallel=P, data_parallel=D, world_size=D * P * T)`: D replicas
 of the pipeline, each training on its slice of every batch, each stage
 of a replica split over T ranks by tensor parallelism. The ranks form a
@@ -22,267 +14,26 @@ activations), each rank exchanges its own copy of the activations, or
 its shard of a split one, with its counterparts `(d, p +/- 1, t)`.
 """
 
-import gc
-import time
 
 import keras
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining import Schedule1F1B
-from torch.distributed.pipelining import ScheduleGPipe
 
-from keras_tp.collectives.base import nbytes
 from keras_tp.collectives.torch import TorchCollectiveAdapter
 from keras_tp.collectives.torch import is_symbolic
 from keras_tp.keras_internals import draw_from_state
-from keras_tp.keras_internals import own_optimizer_variables
 from keras_tp.keras_internals import seed_generators
 from keras_tp.keras_internals import update_loss_tracker
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.runtime import PipelineRuntime
-from keras_tp.pipeline.runtime import one_device_keys
-from keras_tp.pipeline.runtime import stage_slots
 from keras_tp.runtime.base import Runtime
 from keras_tp.runtime.torch import TorchRuntime
 from keras_tp.runtime.torch.process_group import join_process_group
 from keras_tp.runtime.torch.process_group import mesh_groups
-from keras_tp.runtime.torch.storage import parameter_of
-from keras_tp.runtime.torch.storage import swap_storage
-from keras_tp.runtime.torch.storage import to_numpy
-from keras_tp.runtime.torch.storage import write_on_rank_zero
-
-# torch.distributed.pipelining's own schedule of each name.
-TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
-class KerasStageModule(torch.nn.Module):
-    """A Keras stage model as the `nn.Module` of a `PipelineStage`.
-
-    A `PipelineStage` passes each tensor it receives as a positional
-    argument and sends each tensor the module returns. A stage model of
-    `keras_tp.pipeline.split_stages` takes and returns dicts of named
-    tensors, which travel in the order of their names
-    (`flatten_named`). Keras layers on torch are `nn.Module`s, so the
-    stage's parameters are this module's.
-
-    Args:
-        model: the stage's Keras model.
-    """
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-        inputs = model.input
-        self.input_names = sorted(inputs) if isinstance(inputs, dict) else None
-        # The `training` argument of the stage's calls: forward-only
-        # passes (evaluation, prediction) run with `False`.
-        self.training_call = True
-        # The bytes of the gradients a backward pass of this stage sends
-        # back: one per floating-point input (integer inputs, such as a
-        # carried padding mask, have none).
-        self.input_gradient_bytes = 0
-
-    def forward(self, *tensors):
-        self.input_gradient_bytes = sum(
-            nbytes(t) for t in tensors if t.is_floating_point()
-        )
-        if self.input_names is not None:
-            inputs = dict(zip(self.input_names, tensors))
-        else:
-            (inputs,) = tensors
-        return flatten_named(self.model(inputs, training=self.training_call))
-
-    def structured(self, outputs):
-        """The stage model's outputs in its own structure again.
-
-        Args:
-            outputs: what `forward` returned (or the schedule merged).
-        """
-        return unflatten_named(outputs, self.model.output)
-
-
-def flatten_named(value):
-    """A dict's values in the order of their keys; anything else as is."""
-    if isinstance(value, dict):
-        return tuple(value[name] for name in sorted(value))
-    return value
-
-
-def unflatten_named(value, structure):
-    """The inverse of `flatten_named` for a value shaped like `structure`."""
-    if isinstance(structure, dict):
-        return dict(zip(sorted(structure), value))
-    return value
-
-
-class RecordedPipelineStage(PipelineStage):
-    """A `PipelineStage` that times each micro-batch and counts its sends.
-
-    `timeline` holds `(kind, micro_batch, start, end)` of the last step,
-    in `time.perf_counter()` seconds, which on Linux is one clock for
-    every process of the machine. Each micro-batch's activations sent
-    forward and gradients sent back are recorded in `stats` on the axis
-    `"pipe"`.
-
-    Args:
-        module: the stage's `KerasStageModule`.
-        stats: the `CommunicationStats` to record in.
-        *args, **kwargs: the rest of `PipelineStage`'s arguments.
-    """
-
-    def __init__(self, module, stats, *args, **kwargs):
-        super().__init__(module, *args, **kwargs)
-        self.stats = stats
-        self.timeline = []
-        self.generators = seed_generators(module.model)
-
-    def _forward_metadata_inference(self, *args, **kwargs):
-        # torch infers a stage's shapes by running it once before its
-        # first step. One device draws no dropout mask there, and a run
-        # resumed from a checkpoint makes its pipeline again: the draw
-        # must leave the dropouts' random streams where they were.
-        states = [g.state.value.clone() for g in self.generators]
-        try:
-            return super()._forward_metadata_inference(*args, **kwargs)
-        finally:
-            for generator, state in zip(self.generators, states):
-                generator.state.assign(state)
-
-    def _to_tensor(self, arg):
-        # torch infers a stage's shapes by running it once on tensors made
-        # from the metadata it receives, left uninitialised; a stage that
-        # looks up received token ids (a seq2seq decoder's embedding, in a
-        # later stage) would index with garbage. Integer ones start at 0.
-        tensor = super()._to_tensor(arg)
-        if isinstance(arg, torch.Tensor) or tensor.is_floating_point():
-            return tensor
-        return torch.zeros_like(tensor)
-
-    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
-        start = time.perf_counter()
-        output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-        self.timeline.append(
-            ("forward", fwd_chunk_id, start, time.perf_counter())
-        )
-        if not self.is_last:
-            for tensor in keras.tree.flatten(output):
-                self.stats.record("send", nbytes(tensor), "forward", "pipe")
-        return output
-
-    def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
-        if not self.has_backward:
-            # A forward-only run (`schedule.eval`) skips the backward pass.
-            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
-        start = time.perf_counter()
-        output = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
-        self.timeline.append(
-            ("backward", bwd_chunk_id, start, time.perf_counter())
-        )
-        if not self.is_first:
-            self.stats.record(
-                "send", self.submod.input_gradient_bytes, "backward", "pipe"
-            )
-        return output
-
-
-class TorchPipeline:
-    """This rank's stage of a pipeline, and the schedule that runs it.
-
-    Args:
-        stage_model: the Keras model of this rank's stage.
-        stage_index: the stage's place in the pipeline.
-        num_stages: the number of stages (ranks of `group`).
-        num_microbatches: micro-batches per batch.
-        schedule: `"gpipe"` or `"1f1b"`.
-        loss: the last stage's loss, a function of `(y_true, y_pred)`
-            that averages over the micro-batch; `None` for a pipeline
-            that only runs `forward` without targets (torch's schedules
-            compute the loss whenever they have one).
-        stats: the `CommunicationStats` that count the point-to-point
-            traffic (axis `"pipe"`).
-        device: this rank's torch device.
-        group: the process group of the pipeline's ranks.
-    """
-
-    def __init__(
-        self,
-        stage_model,
-        stage_index,
-        num_stages,
-        num_microbatches,
-        schedule,
-        loss,
-        stats,
-        device,
-        group=None,
-    ):
-        schedules.check_schedule_name(schedule)
-        module = KerasStageModule(stage_model)
-        self.stage = RecordedPipelineStage(
-            module, stats, stage_index, num_stages, device, group=group
-        )
-        self.schedule = TORCH_SCHEDULES[schedule](
-            self.stage,
-            num_microbatches,
-            loss_fn=None
-            if loss is None
-            else lambda y_pred, y_true: loss(y_true, module.structured(y_pred)),
-        )
-        self.num_microbatches = num_microbatches
-
-    @property
-    def is_last(self):
-        return self.stage.is_last
-
-    def step(self, x, y):
-        """Runs the forward and backward passes of one batch.
-
-        Args:
-            x: the batch's inputs; read by the first stage only.
-            y: the batch's targets; read by the last stage only.
-
-        Returns:
-            On the last stage, `(mean loss of the micro-batches, the
-            batch's outputs)`; elsewhere `(None, None)`.
-        """
-        return self._run(self.schedule.step, x, y, training=True)
-
-    def forward(self, x, y=None, training=False):
-        """Runs the forward passes of one batch only, without gradients.
-
-        Args:
-            x: the batch's inputs; read by the first stage only.
-            y: the batch's targets, or `None` for no loss; read by the
-                last stage only.
-            training: the `training` argument of the stages' calls.
-
-        Returns:
-            On the last stage, `(mean loss of the micro-batches or None,
-            the batch's outputs)`; elsewhere `(None, None)`.
-        """
-        with torch.no_grad():
-            return self._run(self.schedule.eval, x, y, training)
-
-    def _run(self, run, x, y, training):
-        """Runs the schedule's `run` (`step` or `eval`) on this stage."""
-        schedules.check_microbatches(
-            len(keras.tree.flatten(x)[0]), self.num_microbatches
-        )
-        self.stage.timeline = []
-        self.stage.submod.training_call = training
-        inputs = ()
-        if self.stage.is_first:
-            inputs = flatten_named(x)
-            inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-        if not self.is_last:
-            run(*inputs)
-            return None, None
-        losses = None if y is None else []
-        outputs = run(*inputs, target=y, losses=losses)
-        loss = None if y is None else torch.stack(losses).mean().detach()
-        return loss, self.stage.submod.structured(outputs)
+from keras_tp.runtime.torch.stage_storage import StageStorage
+from keras_tp.runtime.torch.stages import TorchPipeline
+from keras_tp.tensors import nbytes
 
 
 class TorchStageRuntime(TorchRuntime):
@@ -313,7 +64,7 @@ class TorchStageRuntime(TorchRuntime):
         return self._groups
 
 
-class TorchPipelineRuntime(PipelineRuntime):
+class TorchPipelineRuntime(StageStorage, PipelineRuntime):
     """Runs Keras' torch steps as pipelines, one stage shard per rank.
 
     The ranks form a `data x pipe x model` mesh, row-major: rank
@@ -452,88 +203,10 @@ class TorchPipelineRuntime(PipelineRuntime):
             in (stages := self.shared_stages.get(id(variable), ()))
         }
 
-    def _holds(self, variable):
-        """Whether this rank's stage uses (and so holds) `variable`."""
-        stages = self.shared_stages.get(
-            id(variable), [self.stage_of[id(variable)]]
-        )
-        return self.stage_index in stages
-
     synchronised_state = Runtime.synchronised_state
     _batch_slice = TorchRuntime._batch_slice
     process_index = TorchRuntime.process_index
     wait_for_processes = TorchRuntime.wait_for_processes
-
-    def full_shape(self, variable):
-        """The unsplit shape of `variable`: as this rank's stage placed
-        it (a ZeRO partition's slot), or as the model was placed."""
-        if self.stage_runtime.placement.is_placed(variable):
-            return self.stage_runtime.full_shape(variable)
-        return super().full_shape(variable)
-
-    def local_pieces(self, variable):
-        """This rank's pieces of its stage's variables. A weight several
-        stages share, and its slots, are written by the first of them;
-        the optimizer's own variables (its iteration count), alike on
-        every rank, by the first rank."""
-        if isinstance(variable, SlotOfAnotherStage):
-            return []
-        stage = self.stage_of.get(id(variable))
-        reference = self.stage_runtime.placement.references.get(id(variable))
-        if stage is None and reference is not None:
-            stage = self.stage_of.get(id(reference))
-        if stage is None:
-            stage = 0
-        if stage != self.stage_index:
-            return []
-        return self.stage_runtime.local_pieces(variable)
-
-    def assign_local_pieces(self, variable, read):
-        """Assigns this rank's pieces of every variable it holds: its
-        stage's, a shared weight's copy, the optimizer's own."""
-        if isinstance(variable, SlotOfAnotherStage):
-            return
-        if id(variable) not in self.stage_of or self._holds(variable):
-            self.stage_runtime.assign_local_pieces(variable, read)
-
-    def checkpoint_optimizer_state(self, optimizer):
-        """With replicas, the state of this rank's `CoordinatedOptimizer`,
-        built on its stage's variables, keyed as one device's optimizer
-        keys its own (`one_device_keys`). Every rank lists every key, as
-        the checkpoint code expects: the ranks of a pipeline tell each
-        other their slots (a collective: every rank calls it), and the
-        slots of other stages stand as `SlotOfAnotherStage`s. Without
-        replicas the optimizer is built in one device's order
-        (`build_optimizer`), and keyed so."""
-        if self.optimizer_runtime is None:
-            return None
-        inner = optimizer.inner_optimizer
-        references = self.stage_runtime.placement.references
-        slots = stage_slots(inner, references)
-        trainable = self.trainer.trainable_variables
-        owned = {
-            position: [
-                (slot.path, self.full_shape(slot), slot.dtype)
-                for slot in slots[id(variable)]
-            ]
-            for position, variable in enumerate(trainable)
-            if self.stage_of[id(variable)] == self.stage_index
-            and id(variable) in slots
-        }
-        stages = [None] * self.pipeline_parallel
-        dist.all_gather_object(stages, owned, group=self.pipe_group)
-        described = {p: d for stage in stages for p, d in stage.items()}
-        for position, variable in enumerate(trainable):
-            if id(variable) not in slots and position in described:
-                slots[id(variable)] = [
-                    SlotOfAnotherStage(*description)
-                    for description in described[position]
-                ]
-        own = [v for v in inner.variables if id(v) not in references]
-        counts = {p: len(d) for p, d in described.items()}
-        state = one_device_keys(trainable, own, slots, counts)
-        wrapper = own_optimizer_variables(optimizer)
-        return state + [(f"coordinated/{i}", v) for i, v in enumerate(wrapper)]
 
     def _available_devices(self):
         return TorchRuntime._available_devices(self)
@@ -556,31 +229,6 @@ class TorchPipelineRuntime(PipelineRuntime):
         # same masks, from the layers' seed generators. Only this stage's
         # generators hold their state here.
         draw_from_state(seed_generators(self.stage_model))
-
-    def place_variable(self, variable, axis):
-        """Keeps this rank's shard of its own stage's variables; the other
-        stages' variables keep the shape of their shard on the meta
-        device, without memory."""
-        # The planner's trace of the model, just made, leaves dead autograd
-        # graphs that still hold the variables; they are young, and
-        # collecting the young generations frees them in a fraction of the
-        # full collection `swap_storage` falls back to.
-        gc.collect(1)
-        if self._holds(variable):
-            self.stage_runtime.placement.place(variable, axis)
-        else:
-            _to_meta(variable, self.placement.model_shard_shape(variable))
-
-    def place_variable_like(self, variable, reference, data_axis):
-        """Places an optimizer slot with its reference: Keras makes it in
-        the reference's shape on this rank's device, its shard already."""
-        self.stage_of[id(variable)] = self.stage_of[id(reference)]
-        if id(reference) in self.shared_stages:
-            self.shared_stages[id(variable)] = self.shared_stages[id(reference)]
-        if self._holds(reference):
-            self.stage_runtime.placement.place_like(variable, reference)
-        else:
-            _to_meta(variable, tuple(variable.shape))
 
     @property
     def peak_activations(self):
@@ -778,107 +426,6 @@ class TorchPipelineRuntime(PipelineRuntime):
             )
             return self._from_last_stage(outputs)
 
-    def full_value(self, variable):
-        """The variable's unsplit value, assembled by its stage's ranks in
-        the first replica and broadcast from the first of them."""
-        full = self._assembled(variable)
-        if full is None:
-            full = self._empty_full(variable)
-        dist.broadcast(full, src=self._assembler(variable))
-        return to_numpy(full)
-
-    def _assembler(self, variable):
-        """The rank that assembles `variable`: `(0, its stage, 0)`."""
-        return self._rank_of(0, self.stage_of[id(variable)], 0)
-
-    def _assembled(self, variable):
-        """The unsplit value of `variable` on its stage's ranks in the
-        first replica, `None` on the other ranks.
-
-        Those ranks gather the shards of a split variable over their
-        model group (every rank of the group takes part).
-        """
-        if self.data_index or self.stage_of[id(variable)] != self.stage_index:
-            return None
-        full = self.stage_runtime._unsplit(
-            variable, parameter_of(variable).detach()
-        )
-        # A copy: the array returned must not change with training.
-        return full.clone()
-
-    def _empty_full(self, variable):
-        """An uninitialised tensor of `variable`'s unsplit shape."""
-        return torch.empty(
-            self.placement.full_shapes[id(variable)],
-            dtype=parameter_of(variable).dtype,
-            device=self.device,
-        )
-
-    def assign_full_value(self, variable, value):
-        """Assigns this rank's part of `value` on the ranks of the
-        variable's stage, its shard on each tensor-parallel rank.
-
-        Every rank passes the same `value`, as in any SPMD program.
-        """
-        if self._holds(variable):
-            self.stage_runtime.assign_full_value(variable, value)
-
-    def save_model(self, model, filepath, **kwargs):
-        """Rank 0 writes the unsplit model; each variable's stage in the
-        first replica assembles it and sends it to rank 0, which holds it
-        only while writing.
-
-        Every rank returns once the file is written, and raises if rank 0
-        failed to write it.
-        """
-
-        def gathered():
-            for variable in model.variables:
-                assembler = self._assembler(variable)
-                split = self.placement.split_axis(variable) is not None
-                if assembler == 0 and not split:
-                    # Rank 0 holds it whole.
-                    continue
-                full = self._assembled(variable)
-                if assembler != 0:
-                    if self.rank == assembler:
-                        dist.send(full, dst=0)
-                    elif self.rank == 0:
-                        full = self._empty_full(variable)
-                        dist.recv(full, src=assembler)
-                if self.rank == 0:
-                    yield variable, full
-
-        write_on_rank_zero(
-            self.rank, gathered(), lambda: model.save(filepath, **kwargs)
-        )
-
-    def device_bytes(self, variables):
-        """`{this rank's device: bytes}` of its tensors, each storage once.
-
-        The other stages' variables, meta tensors here, hold no memory.
-        """
-        own = [v for v in variables if parameter_of(v).device.type != "meta"]
-        return TorchRuntime.device_bytes(self, own)
-
-
-class SlotOfAnotherStage:
-    """What a checkpoint lists of an optimizer slot another stage's rank
-    holds: its path, unsplit shape and dtype. This rank writes and reads
-    none of it.
-
-    Args:
-        path: the slot's path.
-        shape: its unsplit shape.
-        dtype: its dtype.
-    """
-
-    def __init__(self, path, shape, dtype):
-        self.path = path
-        self.shape = tuple(shape)
-        self.dtype = dtype
-
-
 def _accept_split_inputs(stage_model):
     """Lets a stage model take the tensors that cross its cut split.
 
@@ -901,16 +448,6 @@ def _accept_split_inputs(stage_model):
         )
         for spec in specs
     ]
-
-
-def _to_meta(variable, shape):
-    """Makes `variable` a "meta" tensor of `shape`: a variable of another
-    stage, which no rank of this stage computes, keeps the shape of its
-    shard for Keras' symbolic builds and holds no memory."""
-    parameter = parameter_of(variable)
-    swap_storage(
-        variable, torch.empty(shape, dtype=parameter.dtype, device="meta")
-    )
 
 
 PIPELINE_RUNTIME = TorchPipelineRuntime

@@ -1,0 +1,326 @@
+"""Where a pipeline's cuts may fall, and which of them `split_stages` takes.
+
+Measurements of a model's dataflow graph (`keras_tp.pipeline.graph`):
+how many activations cross each position, the parameters (or measured
+seconds) of each node, which layers share a weight; and the choice of
+the cut positions among the candidates, automatic or given by name.
+"""
+
+import difflib
+import logging
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# Graph measurements ----------------------------------------------------
+
+
+def lifetimes(graph):
+    """`{key: (first, last)}`: the cuts each tensor crosses.
+
+    A cut `k` (`1 <= k < n`) separates nodes `[0, k)` from `[k, n)`; a
+    tensor crosses it when it exists before (a model input, or made by a
+    node before `k`) and is needed after (read by a node at or after `k`,
+    or a model output).
+    """
+    n = len(graph.nodes)
+    outputs = set(graph.outputs)
+    spans = {}
+    for key, info in graph.tensors.items():
+        first = 0 if info.producer is None else info.producer + 1
+        last = max(info.consumers, default=-1)
+        if key in outputs:
+            last = n
+        spans[key] = (first, last)
+    return spans
+
+
+def crossing(graph, spans, k):
+    """Keys of the tensors crossing cut `k`, in a fixed order."""
+    return [
+        key
+        for key in _tensor_order(graph)
+        if spans[key][0] <= k <= spans[key][1]
+    ]
+
+
+def _tensor_order(graph):
+    order = list(graph.inputs)
+    for node in graph.nodes:
+        for key in node.outputs:
+            if graph.tensors[key].producer == node.index:
+                order.append(key)
+    return order
+
+
+def _activation_counts(graph, spans):
+    """Per cut `k`, the crossing tensors that count against it.
+
+    Model inputs crossing a cut are carried wherever they are still read,
+    and a model output made earlier is carried to the end: they cross many
+    cuts alike and say nothing about where a block ends. The others are
+    the activations a cut must send.
+    """
+    n = len(graph.nodes)
+    delta = np.zeros(n + 2, dtype=np.int64)
+    outputs = set(graph.outputs)
+    for key, info in graph.tensors.items():
+        if info.producer is None:
+            continue
+        first, last = spans[key]
+        if key in outputs:
+            last = first
+        if last >= first:
+            delta[first] += 1
+            delta[last + 1] -= 1
+    return np.cumsum(delta)[: n + 1]
+
+
+def node_parameters(graph):
+    """Weight scalars per node; a weight counts at its first use only."""
+    seen = set()
+    sizes = []
+    for node in graph.nodes:
+        size = 0
+        for weight in getattr(node.operation, "weights", ()):
+            if id(weight) not in seen:
+                seen.add(id(weight))
+                size += int(np.prod(weight.shape))
+        sizes.append(size)
+    return sizes
+
+
+def weight_owners(graph):
+    """`[(label, first node, last node)]` for weights used by several nodes.
+
+    A layer called twice (a tied embedding, also the LM head), or two
+    layers that share a variable, must have all those calls in one stage:
+    a stage owns its weights.
+    """
+    uses = {}
+    for node in graph.nodes:
+        for weight in getattr(node.operation, "weights", ()):
+            uses.setdefault(id(weight), (weight, []))[1].append(node)
+    spans = {}
+    for weight, nodes in uses.values():
+        if nodes[0].index == nodes[-1].index:
+            continue
+        layers = []
+        for node in nodes:
+            if node.operation.name not in layers:
+                layers.append(node.operation.name)
+        span = (nodes[0].index, nodes[-1].index)
+        label = (tuple(layers), weight.path)
+        spans.setdefault(label, span)
+    return [(label, a, b) for label, (a, b) in spans.items()]
+
+
+# Choosing cuts ---------------------------------------------------------
+
+
+def candidate_cuts(graph, owners):
+    """Where automatic cuts may go.
+
+    Returns:
+        `(candidates, fewest, splitting)`: the cuts where the fewest
+        activations cross, that number, and `{cut: label}` for the cuts
+        excluded because they would separate the calls of a shared
+        weight's layers.
+    """
+    n = len(graph.nodes)
+    counts = _activation_counts(graph, lifetimes(graph))
+    splitting = {}
+    for label, first, last in owners:
+        for k in range(first + 1, last + 1):
+            splitting.setdefault(k, label)
+    allowed = [k for k in range(1, n) if k not in splitting]
+    if not allowed:
+        return [], None, splitting
+    fewest = min(counts[k] for k in allowed)
+    return [k for k in allowed if counts[k] == fewest], fewest, splitting
+
+
+def automatic_cuts(graph, num_stages, sizes, owners, found):
+    n = len(graph.nodes)
+    if num_stages == 1:
+        return []
+    candidates, fewest, splitting = found
+    if not candidates:
+        if splitting:
+            raise ValueError(_tie_message(graph, splitting[1], owners))
+        raise ValueError(
+            f"Model '{graph.model.name}' has {n} node(s) and cannot be cut "
+            f"into {num_stages} stages."
+        )
+    if num_stages > len(candidates) + 1:
+        where = ", ".join(f"'{graph.nodes[k].name}'" for k in candidates[:12])
+        more = " ..." if len(candidates) > 12 else ""
+        tied = ""
+        if splitting:
+            tied = (
+                " Cuts that would separate the calls of a shared layer "
+                "are excluded: "
+                + _tie_message(graph, next(iter(splitting.values())), owners)
+            )
+        raise ValueError(
+            f"Model '{graph.model.name}' has {len(candidates)} candidate "
+            f"cut point(s), where {fewest} activation(s) cross (new stages "
+            f"could start at {where}{more}), so at most "
+            f"{len(candidates) + 1} stages; got num_stages={num_stages}. "
+            "Use fewer stages, or pass `cut_points=` (names of the layers "
+            f"at which stages start).{tied}"
+        )
+    weights = list(sizes)
+    if sum(weights) == 0:
+        weights = [1] * n  # no parameters at all: balance node counts
+    cuts = _balanced(weights, candidates, num_stages)
+    logger.info(
+        "Cut '%s' at %s among %d candidates.",
+        graph.model.name,
+        [graph.nodes[k].name for k in cuts],
+        len(candidates),
+    )
+    return cuts
+
+
+def _balanced(weights, candidates, num_stages):
+    """The cuts among `candidates` that balance `weights` best.
+
+    First the largest stage is made as small as possible (a pipeline runs
+    at the pace of its slowest stage), then, among the cuts that reach
+    it, the sum of squared stage weights is made smallest (the other
+    stages as even as they can be). Among equal choices a later cut wins,
+    so parameterless layers (activations, dropout) stay with the layer
+    before them.
+    """
+    prefix = np.concatenate([[0], np.cumsum(weights)]).tolist()
+    ends = [0] + list(candidates) + [len(weights)]
+    m = len(ends)
+
+    def load(i, j):
+        return prefix[ends[j]] - prefix[ends[i]]
+
+    def solve(cost, combine, limit):
+        inf = float("inf")
+        best = [[inf] * m for _ in range(num_stages + 1)]
+        parent = [[None] * m for _ in range(num_stages + 1)]
+        best[0][0] = 0
+        for s in range(1, num_stages + 1):
+            for j in range(s, m):
+                if s == num_stages and j != m - 1:
+                    continue
+                for i in range(s - 1, j):
+                    if best[s - 1][i] == inf or load(i, j) > limit:
+                        continue
+                    value = combine(best[s - 1][i], cost(load(i, j)))
+                    if value <= best[s][j]:
+                        best[s][j] = value
+                        parent[s][j] = i
+        return best[num_stages][m - 1], parent
+
+    bottleneck, _ = solve(lambda w: w, max, float("inf"))
+    _, parent = solve(lambda w: w * w, lambda a, b: a + b, bottleneck)
+    cuts = []
+    j = m - 1
+    for s in range(num_stages, 1, -1):
+        j = parent[s][j]
+        cuts.append(ends[j])
+    return sorted(cuts)
+
+
+def user_cuts(graph, num_stages, cut_points, owners):
+    if isinstance(cut_points, str) or not isinstance(cut_points, (list, tuple)):
+        raise TypeError(
+            "cut_points must be a list of layer names (the layers at which "
+            f"new stages start), got {cut_points!r}."
+        )
+    if len(cut_points) != num_stages - 1:
+        raise ValueError(
+            f"num_stages={num_stages} needs {num_stages - 1} cut point(s), "
+            "the names of the layers at which stages 1.. start; got "
+            f"{len(cut_points)}: {list(cut_points)}."
+        )
+    positions = [_find_node(graph, name) for name in cut_points]
+    previous = 0
+    for name, k in zip(cut_points, positions):
+        if k == 0:
+            raise ValueError(
+                f"Cut point '{name}' is the first node of model "
+                f"'{graph.model.name}': stage 0 would be empty. Name the "
+                "layer at which the *second* stage starts."
+            )
+        if k <= previous:
+            before = cut_points[positions.index(previous)]
+            raise ValueError(
+                f"Cut point '{name}' (node {k}) does not come after "
+                f"'{before}' (node {previous}) in the order model "
+                f"'{graph.model.name}' runs its layers. List cut points in "
+                "that order, each once; `split.stages[i].operation_names` "
+                "shows it."
+            )
+        previous = k
+    for label, first, last in owners:
+        for k in positions:
+            if first < k <= last:
+                raise ValueError(_tie_message(graph, label, owners))
+    return positions
+
+
+def _find_node(graph, name):
+    if not isinstance(name, str):
+        raise TypeError(f"A cut point must be a layer name, got {name!r}.")
+    exact = [n.index for n in graph.nodes if n.name == name]
+    if exact:
+        return exact[0]
+    matches = [
+        n
+        for n in graph.nodes
+        if n.operation.name == name or n.name.split(":")[0].endswith("." + name)
+    ]
+    if not matches:
+        names = [n.name for n in graph.nodes] + [
+            n.operation.name for n in graph.nodes
+        ]
+        close = difflib.get_close_matches(name, names, n=3)
+        hint = f" Did you mean {close}?" if close else ""
+        opaque = ""
+        if graph.opaque:
+            opaque = (
+                f" Nested models {graph.opaque} are kept whole: their "
+                "layers cannot be cut points."
+            )
+        raise ValueError(
+            f"Model '{graph.model.name}' has no layer named '{name}' to "
+            f"start a stage at.{hint}{opaque} Cut points are layer (or op) "
+            "names as `model.summary()` shows them."
+        )
+    if len(matches) > 1:
+        raise ValueError(
+            f"'{name}' names {len(matches)} calls in model "
+            f"'{graph.model.name}': {[n.name for n in matches]}. Name one "
+            "of them exactly."
+        )
+    return matches[0].index
+
+
+def _tie_message(graph, label, owners):
+    layers, path = label
+    first, last = next((a, b) for lab, a, b in owners if lab == label)
+    what = (
+        f"layer '{layers[0]}' is called"
+        if len(layers) == 1
+        else f"layers {list(layers)} share weight '{path}' and are called"
+    )
+    return (
+        f"In model '{graph.model.name}', {what} at "
+        f"'{graph.nodes[first].name}' and at '{graph.nodes[last].name}', "
+        "and a cut between them would need its weights in two stages. The "
+        "usual case is a token embedding that also computes the logits "
+        "(keras-hub's `ReversibleEmbedding` in GPT2, Gemma and Llama "
+        "CausalLMs). Pass share_weights=True to give each stage that calls "
+        "it a copy (TensorParallelKeras' pipelines do, and keep the copies "
+        "equal), choose cut points so that all its calls fall in one "
+        "stage, or pipeline the backbone (`split_stages(model.backbone, "
+        "...)`)."
+    )

@@ -1,0 +1,375 @@
+"""Cutting a Functional model into pipeline stages.
+
+A pipeline runs consecutive parts of a model, its *stages*, on different
+devices, and sends the activations that cross each cut from one stage to
+the next. `split_stages` makes those parts: Functional models built from
+the user's own layer objects, so that training the stages trains the
+user's model.
+
+Where to cut: at the positions of the graph where the fewest activations
+cross (between the blocks of a transformer, the residual stream; between
+the blocks of a ResNet, the block's output), choosing among them the cuts
+that balance the stages' parameters. Tensors that a later stage reads but
+an earlier one made (skip connections, and model inputs such as keras-hub's
+`padding_mask`, which every transformer block reads) are carried: they
+become extra outputs of the stages they pass through and extra inputs of
+the next ones.
+"""
+
+import inspect
+import logging
+import time
+
+import keras
+import numpy as np
+
+from keras_tp.keras_internals import sublayers
+from keras_tp.pipeline.cut_points import automatic_cuts
+from keras_tp.pipeline.cut_points import candidate_cuts
+from keras_tp.pipeline.cut_points import crossing
+from keras_tp.pipeline.cut_points import lifetimes
+from keras_tp.pipeline.cut_points import node_parameters
+from keras_tp.pipeline.cut_points import user_cuts
+from keras_tp.pipeline.cut_points import weight_owners
+from keras_tp.pipeline.graph import Dataflow
+from keras_tp.pipeline.stages import Boundary
+from keras_tp.pipeline.stages import BoundaryTensor
+from keras_tp.pipeline.stages import Stage
+from keras_tp.pipeline.stages import StageSplit
+
+logger = logging.getLogger(__name__)
+
+# Timed runs of each block for `balance="time"`, after one warm-up run.
+TIMED_RUNS = 5
+
+BALANCES = ("parameters", "time")
+
+
+def split_stages(
+    model,
+    num_stages,
+    cut_points=None,
+    balance="parameters",
+    sample=None,
+    share_weights=False,
+):
+    """Cuts a Functional model into consecutive pipeline stages.
+
+    Each stage is a Functional model made of the user's own layer objects
+    (the same variables: nothing is copied or initialised again), so
+    training the stages trains `model`, and `model.get_weights()` sees it.
+    Run one after the other, the stages compute exactly what `model`
+    computes (`StageSplit.run`).
+
+    The cut points are positions in a topological order of the model's
+    graph: its layer calls and raw-op calls (such as the `x + y` of a
+    residual add). Nested Functional and Sequential models called once
+    (the backbone of a keras-hub `CausalLM` or classifier) are opened up,
+    so a cut can fall between their layers; a nested model that cannot be
+    (called on a structure unlike its inputs, or with tensors in keyword
+    arguments) stays one node, whose layers then all go to one stage.
+
+    Automatic cuts (`cut_points=None`): the candidates are the positions
+    where the fewest activations cross the cut, not counting the model
+    inputs a stage carries (keras-hub's `padding_mask`) nor model outputs
+    already made: between the blocks of a transformer, the residual
+    stream; between ResNet blocks, the block's output. Cuts that would put
+    the calls of one layer (or two layers sharing a weight) in different
+    stages are not candidates, unless `share_weights`. Among the
+    candidates, the `num_stages - 1` cuts are chosen that make the largest
+    stage smallest (by parameters), then the stages most even.
+
+    User cuts: `cut_points=["block_2", "block_4"]` starts a new stage *at*
+    each named layer: stage 0 runs up to, not including, `block_2`.
+    Names are layer or op names (`StageSplit.cut_points` and
+    `Stage.operation_names` list them), in the order the model runs them;
+    a layer inside a nested model may be named with or without the nested
+    model's name (`gpt2_backbone.transformer_layer_1`).
+
+    Tensors made before a cut and read after it (skip connections, model
+    inputs read by every block) cross each cut up to their last reader:
+    they are outputs of the stages they pass through and inputs of the
+    next ones. `StageSplit.boundaries` lists them per cut. A tensor made
+    once and read by every block (T5's position bias, a long skip) thus
+    crosses every cut in between, and automatic cuts, which look for the
+    fewest crossing activations, then fall only outside that span: pass
+    `cut_points` there.
+
+    Args:
+        model: a built Functional or Sequential Keras model (keras-hub
+            backbones and task models, `keras.applications` models).
+        num_stages: number of stages, at least 1.
+        cut_points: `None` for automatic cuts, or the names of the
+            `num_stages - 1` layers at which a new stage starts.
+        balance: what automatic cuts balance: `"parameters"` (the number
+            of weight scalars per stage, a proxy for both compute and
+            memory), or `"time"`: the forward time of each stage, measured
+            on `sample` here, block by block between the candidate cuts
+            (the median of a few runs after a warm-up run).
+        sample: with `balance="time"`, a batch of the model's inputs.
+        share_weights: whether cuts may separate the calls of one layer
+            (or of layers sharing a weight): each stage that calls it
+            then holds the weight (`StageSplit.shared_weights`), and the
+            pipeline must keep those copies equal, as Megatron-LM does
+            with the word embeddings of its first and last stages.
+
+    Returns:
+        A `StageSplit`.
+
+    Raises:
+        NotImplementedError: for a subclassed model (its `call` is opaque).
+        ValueError: for a bad `num_stages`, `cut_points` or `balance`; for
+            cuts that separate the calls of one layer, without
+            `share_weights` (keras-hub's `CausalLM`s use the token
+            embedding for the logits too); for layers that add losses in
+            `call`.
+
+    Example:
+
+    ```python
+    from keras_tp.pipeline import split_stages
+
+    split = split_stages(backbone, num_stages=4)
+    print(split.summary(sequence_length=1024))
+    outputs = split.run(x)            # == backbone(x)
+    sent = split.stages[0].model(x)
+    # {"padding_mask": ..., "transformer_layer_5": ...}: the padding mask,
+    # carried, and the residual stream after block 5.
+    ```
+    """
+    if isinstance(num_stages, bool) or not isinstance(
+        num_stages, (int, np.integer)
+    ):
+        raise TypeError(f"num_stages must be an int, got {num_stages!r}.")
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}.")
+    if balance not in BALANCES:
+        raise ValueError(
+            f"Unknown balance {balance!r}; supported: "
+            f"{', '.join(repr(b) for b in BALANCES)}."
+        )
+    if (balance == "time") != (sample is not None):
+        raise ValueError(
+            "balance='time' times the model's blocks on a batch of its "
+            "inputs and needs one: pass sample=x with it (and only with "
+            f"it); got balance={balance!r} and "
+            f"sample={'None' if sample is None else 'a batch'}."
+        )
+    graph = Dataflow(model)
+    _check_losses(model)
+    sizes = node_parameters(graph)
+    owners = [] if share_weights else weight_owners(graph)
+    found = candidate_cuts(graph, owners)
+    if cut_points is None:
+        if balance == "time" and num_stages > 1:
+            sizes = block_seconds(graph, found[0], sample)
+        positions = automatic_cuts(graph, num_stages, sizes, owners, found)
+        chosen_balance = balance
+    else:
+        positions = user_cuts(graph, num_stages, cut_points, owners)
+        chosen_balance = None
+    split = _build(graph, positions, chosen_balance)
+    split.candidate_cut_points = [graph.nodes[k].name for k in found[0]]
+    logger.info("%s", split)
+    return split
+
+
+def _check_losses(model):
+    """Refuses layers that add losses in `call`: a stage cannot return them.
+
+    Activity regularizers are found from the layers' attributes; `add_loss`
+    in a layer's `call` from the source of the `call` that runs (a
+    mixture-of-experts router's auxiliary loss), or, where the call adds
+    it elsewhere, after the model has run eagerly (its losses are then
+    listed in `model.losses`).
+    """
+    for layer in [model] + list(sublayers(model)):
+        if getattr(layer, "activity_regularizer", None) is not None:
+            raise ValueError(
+                f"Layer '{layer.name}' of model '{model.name}' has an "
+                "activity regularizer, which adds a loss during `call`; "
+                "pipeline stages do not pass such losses on. Remove it "
+                "(or regularize the weights instead) before splitting."
+            )
+        if _adds_loss_in_call(layer):
+            raise ValueError(
+                f"Layer '{layer.name}' of model '{model.name}' calls "
+                "`add_loss` in its `call` (a mixture-of-experts router's "
+                "auxiliary loss, say); pipeline stages do not pass such "
+                "losses on, and each micro-batch would compute its own. "
+                "Train this model without pipeline_parallel (tensor and "
+                "data parallelism handle it), or compute that loss from "
+                "the model's outputs instead."
+            )
+    regularized = sum(
+        1
+        for weight in model.trainable_weights
+        if getattr(weight, "regularizer", None) is not None
+    )
+    if len(model.losses) > regularized:
+        raise ValueError(
+            f"Model '{model.name}' has losses added by `add_loss` in a "
+            "layer's `call` (seen after its last run); pipeline stages do "
+            "not pass such losses on. Compute that loss from the model's "
+            "outputs instead, before splitting."
+        )
+
+
+def _adds_loss_in_call(layer):
+    """Whether the `call` that runs for `layer` calls `add_loss`."""
+    for cls in type(layer).__mro__:
+        call = cls.__dict__.get("call")
+        if call is None:
+            continue
+        try:
+            source = inspect.getsource(call)
+        except (OSError, TypeError):
+            return False
+        return ".add_loss(" in source
+    return False
+
+
+# Timing and building stages -------------------------------------------
+
+
+def block_seconds(graph, candidates, sample):
+    """Forward seconds per node: each block's between the candidate cuts,
+    measured on `sample`, counted at the block's first node.
+
+    The blocks run one after the other as the stages of a split at every
+    candidate, each on the previous one's outputs, as a pipeline would
+    run them.
+    """
+    blocks = _build(graph, list(candidates), None)
+    seconds = [0.0] * len(graph.nodes)
+    starts = [0] + list(candidates)
+    # Converted once, so that the first block's times do not include it.
+    inputs = keras.tree.map_structure(keras.ops.convert_to_tensor, sample)
+    for start, stage in zip(starts, blocks.stages):
+        outputs = _wait(stage.model(inputs))
+        runs = []
+        for _ in range(TIMED_RUNS):
+            began = time.perf_counter()
+            _wait(stage.model(inputs))
+            runs.append(time.perf_counter() - began)
+        seconds[start] = float(np.median(runs))
+        inputs = outputs
+    return seconds
+
+
+def _wait(outputs):
+    """`outputs` once computed: backends may return before they are."""
+    for tensor in keras.tree.flatten(outputs):
+        keras.ops.convert_to_numpy(tensor)
+    return outputs
+
+
+def _build(graph, positions, balance):
+    n = len(graph.nodes)
+    spans = lifetimes(graph)
+    bounds = [0] + list(positions) + [n]
+    crossings = [crossing(graph, spans, k) for k in positions]
+    boundaries = []
+    for index, (k, keys) in enumerate(zip(positions, crossings)):
+        tensors = []
+        for key in keys:
+            info = graph.tensors[key]
+            carried = info.producer is None or info.producer < bounds[index]
+            tensors.append(
+                BoundaryTensor(
+                    info.name,
+                    _batch_shape(info.tensor.shape),
+                    info.tensor.dtype,
+                    carried,
+                )
+            )
+        boundaries.append(Boundary(index, tensors))
+
+    stages = []
+    for index in range(len(bounds) - 1):
+        start, stop = bounds[index], bounds[index + 1]
+        nodes = graph.nodes[start:stop]
+        taken = {n.operation.name for n in nodes}
+        values = {}
+        if index == 0:
+            flat = []
+            for key in graph.inputs:
+                tensor = graph.tensors[key].tensor
+                symbol = keras.Input(
+                    batch_shape=tensor.shape,
+                    dtype=tensor.dtype,
+                    sparse=getattr(tensor, "sparse", False),
+                    name=tensor.name,
+                )
+                values[key] = symbol
+                flat.append(symbol)
+            inputs = keras.tree.pack_sequence_as(graph.input_structure, flat)
+            input_names = [graph.tensors[key].name for key in graph.inputs]
+        else:
+            inputs = {}
+            for key in crossings[index - 1]:
+                info = graph.tensors[key]
+                name = info.name
+                if name in taken:
+                    name = name + "_received"
+                symbol = keras.Input(
+                    batch_shape=_batch_shape(info.tensor.shape),
+                    dtype=info.tensor.dtype,
+                    name=name,
+                )
+                values[key] = symbol
+                inputs[name] = symbol
+            input_names = list(inputs)
+        for node in nodes:
+            results = node.replay(values.__getitem__)
+            for key, value in zip(node.outputs, results):
+                values[key] = value
+        if index == len(bounds) - 2:
+            flat = [values[key] for key in graph.outputs]
+            outputs = keras.tree.pack_sequence_as(graph.output_structure, flat)
+            output_names = [graph.tensors[key].name for key in graph.outputs]
+        else:
+            outputs = {
+                graph.tensors[key].name: values[key] for key in crossings[index]
+            }
+            output_names = list(outputs)
+        stage_model = keras.Model(
+            inputs=inputs,
+            outputs=outputs,
+            name=f"{graph.model.name}_stage_{index}",
+        )
+        layer_names = []
+        for node in nodes:
+            if node.is_layer and node.operation.name not in layer_names:
+                layer_names.append(node.operation.name)
+        stages.append(
+            Stage(
+                index=index,
+                model=stage_model,
+                layer_names=layer_names,
+                operation_names=[node.name for node in nodes],
+                input_names=input_names,
+                output_names=output_names,
+                parameter_count=_count(stage_model.weights),
+            )
+        )
+    cut_points = [graph.nodes[k].name for k in positions]
+    return StageSplit(graph.model, stages, boundaries, cut_points, balance)
+
+
+# Formatting ------------------------------------------------------------
+
+
+def _batch_shape(shape):
+    """`shape` with its first dimension the (unknown) batch.
+
+    Keras infers a batch of 1 where a batch-less tensor is broadcast
+    against a batched one (`x + positions` with positions shaped
+    `(1, L, D)`); a stage receives whole microbatches.
+    """
+    shape = tuple(shape)
+    return (None,) + shape[1:] if shape else shape
+
+
+def _count(weights):
+    return int(sum(int(np.prod(w.shape)) for w in weights))

@@ -1,0 +1,196 @@
+"""Where a TensorFlow pipeline's variables live, and how they are read.
+
+Each stage's variables (and their optimizer slots) are stored by the
+stage's `TensorFlowRuntime`, on the stage's replicas. A weight a later
+stage also uses (a tied embedding) is owned by the first stage that uses
+it; the later stage keeps a copy of its pieces on its own replicas,
+refreshed from its counterparts once a step (`refresh_copies`), and its
+replica steps read that copy (`reading_copies`). Full values, sharded
+checkpoints and `save()` read each variable from its owner.
+"""
+
+import contextlib
+
+import keras
+import tensorflow as tf
+
+from keras_tp.keras_internals import set_stored_value
+from keras_tp.keras_internals import stored_value
+from keras_tp.parallel import CoordinatedOptimizer
+from keras_tp.pipeline.runtime import one_device_keys
+from keras_tp.pipeline.runtime import stage_slots
+from keras_tp.runtime.tensorflow.devices import device_name
+from keras_tp.tensors import nbytes
+
+
+class StageStorage:
+    """Pipeline runtime mixin: each stage's variables on its runtime, a
+    shared weight's copies on the later stages that use it.
+
+    It reads the pipeline's `stage_runtimes`, `stage_models`, `owners`,
+    `_copies` and `_shared_variables`.
+    """
+
+    def place_variable(self, variable, axis):
+        """Places `variable` on its owner's replicas; the later stages
+        that use it get a copy of its pieces on theirs."""
+        owner = self.stage_of[id(variable)]
+        for stage in self.shared_stages.get(id(variable), ()):
+            if stage != owner:
+                runtime = self.stage_runtimes[stage]
+                runtime.placement.borrow(variable, axis)
+                self._copies[stage, id(variable)] = runtime.storage_copy(
+                    variable, axis
+                )
+                self._shared_variables[id(variable)] = variable
+        self._owner(variable).placement.place(variable, axis)
+
+    @contextlib.contextmanager
+    def reading_copies(self, stage):
+        """Makes the weights `stage` uses but does not own read its copies
+        of them (see `refresh_copies`), for the replica steps issued
+        inside: their reads, and the gradients of those reads."""
+        swapped = [
+            (variable, stored_value(variable))
+            for variable in self.stage_models[stage].weights
+            if (stage, id(variable)) in self._copies
+        ]
+        for variable, _ in swapped:
+            set_stored_value(variable, self._copies[stage, id(variable)])
+        try:
+            yield
+        finally:
+            for variable, owned in swapped:
+                set_stored_value(variable, owned)
+
+    def refresh_copies(self):
+        """Copies each shared weight's pieces from its owner's replicas to
+        the stages that also use it, replica `(d, t)` to replica `(d, t)`,
+        once a step (counted as sent on `"pipe"`)."""
+        for (stage, key), copy in self._copies.items():
+            owned = stored_value(self._shared_variables[key]).values
+            runtime = self.stage_runtimes[stage]
+
+            def refresh(copy=copy, owned=owned, runtime=runtime):
+                copy.assign(owned[runtime._replica_id()].read_value())
+                # `strategy.run` needs a result to return.
+                return tf.zeros(())
+
+            runtime.replica_results(refresh, self.stage_models[stage])
+            for piece in owned:
+                self.stats.record("send", nbytes(piece), "forward", "pipe")
+
+    def place_variable_like(self, variable, reference, data_axis):
+        self.owners.adopt(variable, reference)
+        self._owner(variable).placement.place_like(
+            variable, reference, data_axis
+        )
+
+    def full_value(self, variable):
+        return self._owner(variable).full_value(variable)
+
+    def assign_full_value(self, variable, value):
+        self._owner(variable).assign_full_value(variable, value)
+
+    def _storing_runtime(self, variable):
+        """The stage runtime that stores `variable` (a model variable, or
+        a slot of a stage's optimizer); `None` for the compiled
+        optimizer's own variables, whole on the host."""
+        stage = self.stage_of.get(id(variable))
+        if stage is not None:
+            return self.stage_runtimes[stage]
+        return next(
+            (r for r in self.stage_runtimes if r.placement.is_placed(variable)),
+            None,
+        )
+
+    def local_pieces(self, variable):
+        """The pieces of `variable` its stage's replicas hold, each in
+        the file of its stage and replica."""
+        runtime = self._storing_runtime(variable)
+        if runtime is None:
+            # The compiled optimizer's own: with the first replica's.
+            whole = tuple((0, int(n)) for n in variable.shape)
+            value = keras.ops.convert_to_numpy(variable.value)
+            return [("stage0-replica0", whole, value)]
+        stage = self.stage_runtimes.index(runtime)
+        return [
+            (f"stage{stage}-{writer}", index, array)
+            for writer, index, array in runtime.local_pieces(variable)
+        ]
+
+    def assign_local_pieces(self, variable, read):
+        """Assigns the pieces of `variable` its stage's replicas hold (a
+        shared weight's copies follow at the next step)."""
+        runtime = self._storing_runtime(variable)
+        if runtime is None:
+            variable.assign(read(tuple((0, int(n)) for n in variable.shape)))
+        else:
+            runtime.assign_local_pieces(variable, read)
+
+    def save_model(self, model, filepath, **kwargs):
+        """Writes the unsplit `model` (Keras' own save) with each stage's
+        variables assembled on the host for the time of the write."""
+        with contextlib.ExitStack() as assembled:
+            for stage, runtime in enumerate(self.stage_runtimes):
+                owned = [
+                    v
+                    for v in model.variables
+                    if self.stage_of.get(id(v)) == stage
+                ]
+                assembled.enter_context(runtime._assembled(owned))
+            model.save(filepath, **kwargs)
+
+    def checkpoint_optimizer_state(self, optimizer):
+        """`[(key, variable)]` of the optimizer state, keyed as one
+        device's optimizer keys it (`optimizer/i`), so that a checkpoint
+        loads at any layout: the compiled optimizer's own variables (its
+        step count and learning rate, which every stage's optimizer takes
+        each step), then each trainable variable's slots, from the stage
+        that owns it, in the model's order of the trainable variables.
+
+        Raises:
+            ValueError: for an optimizer that does not make each variable's
+                slots one after the other (`stage_slots`).
+        """
+        self.build_optimizer(self.trainer)
+        slots = {}
+        for stage, runtime in zip(self.stage_optimizers, self.stage_runtimes):
+            inner = stage.optimizer
+            if isinstance(inner, CoordinatedOptimizer):
+                # The pipeline's CoordinatedOptimizers keep no state of
+                # their own: the step count and the learning rate are the
+                # inner optimizer's.
+                inner = inner.inner_optimizer
+            slots.update(stage_slots(inner, runtime.placement.references))
+        trainable = self.trainer.trainable_variables
+        counts = {
+            position: len(slots[id(v)])
+            for position, v in enumerate(trainable)
+            if id(v) in slots
+        }
+        return one_device_keys(trainable, optimizer.variables, slots, counts)
+
+    def device_bytes(self, variables):
+        """`{device: bytes}` of these variables, from every stage's
+        runtime (each reads the variables it owns), and of the later
+        stages' copies of shared weights."""
+        totals = dict.fromkeys(self.devices, 0)
+        for stage, runtime in enumerate(self.stage_runtimes):
+            placed = [
+                v
+                for v in variables
+                if runtime.placement.is_placed(v)
+                and self.stage_of.get(id(v), stage) == stage
+            ]
+            for device, size in runtime.device_bytes(placed).items():
+                totals[device] = totals.get(device, 0) + size
+        for variable in variables:
+            for stage in self.shared_stages.get(id(variable), ()):
+                copy = self._copies.get((stage, id(variable)))
+                for piece in copy.values if copy is not None else ():
+                    totals[device_name(piece.device)] += nbytes(piece)
+        return totals
+
+    def _owner(self, variable):
+        return self.stage_runtimes[self.stage_of[id(variable)]]

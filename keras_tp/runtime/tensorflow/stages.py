@@ -1,0 +1,392 @@
+"""The stage primitives of TensorFlow pipelines: replica steps of stages.
+
+Every stage of a pipeline is a `TensorFlowRuntime` of its own, a
+`tf.distribute` strategy over the stage's `D x T` devices (its `data x
+model` mesh; one device where neither splits it). `TensorFlowStages`
+runs each action of a schedule as one `strategy.run` of its stage, in
+one traced step: replica `(d, t)` of a stage receives its inputs from
+replica `(d, t)` of the previous stage (its copy of an activation, or its
+shard of one a split layer leaves split), as Megatron-LM's stages do, and
+sends back their gradients. A forward pass records a `GradientTape` per
+replica, which the matching backward pass asks for the stage's gradients
+and for those of the tensors it received. Control dependencies chain
+each stage's actions in the schedule's order, so a stage runs one
+micro-batch at a time and a 1F1B order bounds the activations it holds;
+TensorFlow's executor runs the actions of different stages at the same
+time where the data allows. Under sequence parallelism each stage
+gathers its outputs' sequence shards at its end.
+"""
+
+import contextlib
+
+import tensorflow as tf
+
+from keras_tp.pipeline import schedules
+from keras_tp.pipeline.executor import StagePrimitives
+from keras_tp.pipeline.executor import peak_activations
+from keras_tp.pipeline.executor import run_forward
+from keras_tp.pipeline.executor import run_schedule
+from keras_tp.tensors import nbytes
+
+
+class TensorFlowStages(StagePrimitives):
+    """The stage primitives of a pipeline whose stages each run on the
+    replicas of a `TensorFlowRuntime`.
+
+    Its steps are plain Python that issues TensorFlow operations: call
+    them inside a `tf.function` (Keras' traced step), where they are
+    traced once. Every value that crosses a cut is a list with one
+    structure per replica of the stage, in replica order (`d * T + t`); so
+    are the losses and outputs of the last stage. Each action is issued
+    after its stage's previous action and timed on the stage's first
+    device (`_issued`).
+
+    Args:
+        stage_models: the Keras model of each stage.
+        runtimes: the `TensorFlowRuntime` of each stage's devices.
+        loss: a function of `(y_true, y_pred)` that averages over the
+            micro-batch, for the last stage.
+        schedule: `"gpipe"` or `"1f1b"`.
+        num_microbatches: micro-batches per batch.
+        stats: the `CommunicationStats` that count what the stages send
+            each other (axis `"pipe"`).
+        reading_copies: a function of a stage's index returning the
+            context in which its replicas read their copies of the weights
+            it shares with an earlier stage; `None`: it shares none.
+
+    Attributes:
+        order: the schedule's actions in the order they are issued.
+        peak_activations: after a training step was traced, per stage, the
+            most micro-batches whose activations it held at once.
+        gradients: after a training step was traced, by `(stage,
+            replica)`, the replica's gradients of the stage's trainable
+            variables, summed over the micro-batches.
+        times: after a training step was traced, the start and end
+            timestamps of each action, in `order`.
+    """
+
+    def __init__(
+        self,
+        stage_models,
+        runtimes,
+        loss,
+        schedule,
+        num_microbatches,
+        stats,
+        reading_copies=None,
+    ):
+        self.stage_models = list(stage_models)
+        self.num_stages = len(stage_models)
+        self.runtimes = runtimes
+        # The times of a stage's actions are taken on its first device.
+        self.devices = [runtime.devices[0] for runtime in runtimes]
+        self.loss = loss
+        self.num_microbatches = num_microbatches
+        self.stats = stats
+        self.reading_copies = reading_copies
+        self.tensor_parallel = runtimes[0].tensor_parallel
+        self.data_parallel = runtimes[0].data_parallel
+        self.order = schedules.issue_order(
+            schedule, self.num_stages, num_microbatches
+        )
+        self.peak_activations = []
+        self._training = False
+
+    def step(self, x, y):
+        """One batch's forward and backward passes.
+
+        Args:
+            x: the batch's inputs, of a known batch size.
+            y: the batch's targets.
+
+        Returns:
+            `(loss, y_pred)`: the batch's mean loss and the last stage's
+            outputs of the whole batch. `gradients` then holds each
+            stage's gradients of the loss (see `_accumulate`).
+        """
+        self._tapes = {}
+        self.gradients = {}
+        self.times = []
+        self._ends = {}
+        self._previous = [[] for _ in self.stage_models]
+        result = run_schedule(self, self.order, x, y)
+        self.peak_activations = peak_activations(self.order, self.num_stages)
+        return result
+
+    def microbatches(self, x, y):
+        # Per micro-batch, the last stage's replicas' gradients of the
+        # loss with respect to their outputs.
+        self._loss_cotangents = {}
+        targets = None if y is None else self._per_replica(y)
+        return self._per_replica(x), targets
+
+    def forward(self, stage, m, inputs, target):
+        with self._issued(stage, schedules.FORWARD, m, inputs) as done:
+            outputs, predicted = self._run_forward(stage, m, inputs, target)
+            done.extend(tf.nest.flatten(outputs))
+        return outputs, predicted
+
+    def backward(self, stage, m, cotangent):
+        received = [] if cotangent is None else cotangent
+        with self._issued(stage, schedules.BACKWARD, m, received) as done:
+            sent, finished = self._run_backward(stage, m, cotangent)
+            done.extend(finished)
+        return sent
+
+    def send(self, value, stage, direction):
+        """Counts `value` as sent to a neighbouring stage: the receiving
+        stage's operations, under its device, copy it there."""
+        for tensor in tf.nest.flatten(value):
+            self.stats.record("send", nbytes(tensor), direction, "pipe")
+        return value
+
+    def infer(self, stage, inputs):
+        """Each replica's outputs of `stage` on its structure of `inputs`."""
+        runtime = self.runtimes[stage]
+        model = self.stage_models[stage]
+
+        def call():
+            replica_inputs = inputs[runtime._replica_id()]
+            with runtime.sequence_shards():
+                return runtime.whole_outputs(
+                    model(replica_inputs, training=self._training)
+                )
+
+        return self._replica_results(stage, call)
+
+    def joined(self, losses, predictions):
+        # Each row's loss is the mean over its equal slice of the batch,
+        # so their mean is the batch's.
+        if not losses:
+            return None, self._batch_outputs(predictions)
+        loss = tf.add_n([row for micro in losses for row in micro])
+        return loss / self.data_parallel, self._batch_outputs(predictions)
+
+    def predict(self, x, training=False):
+        """The stages' outputs for a batch, one micro-batch after the other.
+
+        Args:
+            x: the batch's inputs, of a known batch size.
+            training: the `training` argument of the stages' calls.
+
+        Returns:
+            The last stage's outputs of the whole batch.
+        """
+        self._training = training
+        return self.joined([], run_forward(self, x))[1]
+
+    def _replica_results(self, stage, fn):
+        """`fn` run on each replica of `stage`, which reads its copies of
+        the weights it shares with an earlier stage."""
+        reading = (
+            self.reading_copies(stage)
+            if self.reading_copies
+            else contextlib.nullcontext()
+        )
+        with reading:
+            return self.runtimes[stage].replica_results(
+                fn, self.stage_models[stage]
+            )
+
+    def _per_replica(self, x):
+        """Per micro-batch, per replica, micro-batch `m` of the replica's
+        data-parallel row of `x`."""
+        count = self.num_microbatches
+        row = traced_batch_size(x) // self.data_parallel
+        schedules.check_microbatches(row, count)
+        parts = [
+            batch_part(x, d * count + m, row // count)
+            for d in range(self.data_parallel)
+            for m in range(count)
+        ]
+        return [
+            [
+                parts[(r // self.tensor_parallel) * count + m]
+                for r in range(self.data_parallel * self.tensor_parallel)
+            ]
+            for m in range(count)
+        ]
+
+    def _started(self):
+        """The start time of the action issued now: a replica's work
+        waits for it, which waits for the action's inputs and its
+        stage's previous action (see `_timed`). Replicas run in threads
+        of their own, which the control dependencies of the thread that
+        issues them do not reach."""
+        return self.times[-1][0]
+
+    def _run_forward(self, stage, m, received, target):
+        runtime = self.runtimes[stage]
+        model = self.stage_models[stage]
+        started = self._started()
+
+        def forward():
+            replica = runtime._replica_id()
+            with tf.control_dependencies([started]):
+                inputs = tf.nest.map_structure(tf.identity, received[replica])
+            with tf.GradientTape() as tape:
+                tape.watch(floating(inputs))
+                with runtime.sequence_shards():
+                    outputs = runtime.whole_outputs(
+                        model(inputs, training=True)
+                    )
+            self._tapes[stage, m, replica] = (tape, inputs, outputs)
+            return outputs
+
+        outputs = self._replica_results(stage, forward)
+        if target is None:
+            return outputs, None
+        return self._row_losses(m, outputs, target), outputs
+
+    def _row_losses(self, m, outputs, target):
+        """Each data-parallel row's share of the batch's loss from its
+        outputs of micro-batch `m`, computed outside the replicas (where
+        Keras would divide a loss by their number); the gradient of each
+        row's loss with respect to its outputs is kept for the backward
+        passes of the row's replicas."""
+        losses, cotangents = [], []
+        for first in range(0, len(outputs), self.tensor_parallel):
+            predicted = floating(outputs[first])
+            with tf.GradientTape() as tape:
+                tape.watch(predicted)
+                loss = self.loss(target[first], outputs[first])
+                loss = loss / self.num_microbatches
+            losses.append(loss)
+            cotangents.append(
+                tape.gradient(
+                    loss,
+                    predicted,
+                    unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                )
+            )
+        self._loss_cotangents[m] = [
+            cotangents[r // self.tensor_parallel] for r in range(len(outputs))
+        ]
+        return losses
+
+    def _run_backward(self, stage, m, cotangent):
+        runtime = self.runtimes[stage]
+        variables = self.stage_models[stage].trainable_variables
+        started = self._started()
+        if cotangent is None:
+            cotangent = self._loss_cotangents.pop(m)
+
+        def backward():
+            replica = runtime._replica_id()
+            tape, inputs, outputs = self._tapes.pop((stage, m, replica))
+            sources = floating(inputs) if stage else []
+            with tf.control_dependencies([started]):
+                grads = tape.gradient(
+                    floating(outputs),
+                    [*variables, *sources],
+                    output_gradients=cotangent[replica],
+                )
+            self._accumulate(
+                (stage, replica), variables, grads[: len(variables)]
+            )
+            # An input the outputs do not depend on gets a zero gradient:
+            # a replica returns tensors only.
+            sent = [
+                tf.zeros_like(source) if g is None else g
+                for source, g in zip(sources, grads[len(variables) :])
+            ]
+            return sent, self.gradients[stage, replica]
+
+        results = self._replica_results(stage, backward)
+        return [r[0] for r in results], tf.nest.flatten(results)
+
+    def _batch_outputs(self, predictions):
+        """The batch's outputs from each micro-batch's, per replica: row
+        by row (from its first replica), each row's micro-batches in
+        order."""
+        return concatenated(
+            [
+                micro[r]
+                for r in range(0, len(predictions[0]), self.tensor_parallel)
+                for micro in predictions
+            ]
+        )
+
+    def _accumulate(self, key, variables, grads):
+        """Adds a micro-batch's gradients to `gradients[key]`: per
+        trainable variable of the stage, dense, summed over micro-batches.
+
+        A stage may hold a weight it does not read: a layer called in
+        several stages (keras-hub's ReversibleEmbedding with untied logits)
+        has all its weights in each; its gradient is zero.
+        """
+        dense = [
+            tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
+            for v, g in zip(variables, grads)
+        ]
+        total = self.gradients.get(key)
+        self.gradients[key] = (
+            dense if total is None else [a + b for a, b in zip(total, dense)]
+        )
+
+    @contextlib.contextmanager
+    def _issued(self, stage, kind, m, inputs):
+        """Issues the action `(stage, kind, m)` on its stage's device, after
+        the stage's previous action and timed (`_timed`); the caller adds
+        the tensors the action ends with to the list it is given."""
+        previous = stage - 1 if kind == schedules.FORWARD else stage + 1
+        sender = (previous, kind, m)
+        with (
+            tf.device(self.devices[stage]),
+            tf.control_dependencies(self._previous[stage]),
+            self._timed(inputs, self._ends.get(sender)),
+        ):
+            done = []
+            yield done
+            self._previous[stage] = done
+            self._ends[stage, kind, m] = self._ended(done)
+
+    @contextlib.contextmanager
+    def _timed(self, inputs, sent=None):
+        """Times the action issued inside, on its stage's device.
+
+        Its start is a `tf.timestamp` that runs once the action's inputs,
+        the timestamp `sent` of the end of the action that sent them, and
+        its stage's previous action are done; the action's operations wait
+        for it. `_ended` adds the timestamp of its end. So the times are
+        the executor's, as the step runs, not the trace's.
+        """
+        waits = tf.nest.flatten(inputs) + ([sent] if sent is not None else [])
+        with tf.control_dependencies(waits):
+            start = tf.timestamp()
+        self.times.append([start])
+        with tf.control_dependencies([start]):
+            yield
+
+    def _ended(self, outputs):
+        """The timestamp of the end of the action timed last."""
+        with tf.control_dependencies(outputs):
+            end = tf.timestamp()
+        self.times[-1].append(end)
+        return end
+
+
+def batch_part(structure, index, size):
+    """Part `index` (of `size` samples) of every tensor in `structure`: a
+    replica's slice of a batch, or a micro-batch of that slice."""
+    return tf.nest.map_structure(
+        lambda a: a[index * size : (index + 1) * size], structure
+    )
+
+
+def concatenated(parts):
+    """The parts' structures put back together along the batch."""
+    if len(parts) == 1:
+        return parts[0]
+    return tf.nest.map_structure(lambda *p: tf.concat(p, axis=0), *parts)
+
+
+def traced_batch_size(x):
+    """The batch size of `x` as traced: `None` where it is unknown."""
+    return tf.nest.flatten(x)[0].shape[0]
+
+
+def floating(structure):
+    """The floating-point tensors of `structure`, in `tf.nest` order (the
+    same on both sides of a cut)."""
+    return [t for t in tf.nest.flatten(structure) if t.dtype.is_floating]

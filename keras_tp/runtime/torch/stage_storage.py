@@ -1,0 +1,245 @@
+"""Where a torch pipeline's variables live, and how they are read.
+
+Each rank stores its shard of its own stage's variables (and their
+optimizer slots), through its stage's `TorchRuntime`; the other stages'
+variables are meta tensors here, shaped like their shards, without
+memory. A weight several stages use (a tied embedding) has a copy on
+every stage that uses it. Full values, `save()` and sharded checkpoints
+are assembled by each variable's stage in the first replica.
+"""
+
+import gc
+
+import torch
+import torch.distributed as dist
+
+from keras_tp.keras_internals import own_optimizer_variables
+from keras_tp.pipeline.runtime import one_device_keys
+from keras_tp.pipeline.runtime import stage_slots
+from keras_tp.runtime.torch import TorchRuntime
+from keras_tp.runtime.torch.storage import parameter_of
+from keras_tp.runtime.torch.storage import swap_storage
+from keras_tp.runtime.torch.storage import to_numpy
+from keras_tp.runtime.torch.storage import write_on_rank_zero
+
+
+class StageStorage:
+    """Pipeline runtime mixin: this rank's stage's variables on its
+    stage runtime, the other stages' on the meta device.
+
+    It reads the pipeline's `stage_runtime`, `stage_index`, `owners`,
+    `placement` and its mesh coordinates (`_rank_of`).
+    """
+
+    def _holds(self, variable):
+        """Whether this rank's stage uses (and so holds) `variable`."""
+        stages = self.shared_stages.get(
+            id(variable), [self.stage_of[id(variable)]]
+        )
+        return self.stage_index in stages
+
+    def full_shape(self, variable):
+        """The unsplit shape of `variable`: as this rank's stage placed
+        it (a ZeRO partition's slot), or as the model was placed."""
+        if self.stage_runtime.placement.is_placed(variable):
+            return self.stage_runtime.full_shape(variable)
+        return super().full_shape(variable)
+
+    def local_pieces(self, variable):
+        """This rank's pieces of its stage's variables. A weight several
+        stages share, and its slots, are written by the first of them;
+        the optimizer's own variables (its iteration count), alike on
+        every rank, by the first rank."""
+        if isinstance(variable, SlotOfAnotherStage):
+            return []
+        stage = self.stage_of.get(id(variable))
+        reference = self.stage_runtime.placement.references.get(id(variable))
+        if stage is None and reference is not None:
+            stage = self.stage_of.get(id(reference))
+        if stage is None:
+            stage = 0
+        if stage != self.stage_index:
+            return []
+        return self.stage_runtime.local_pieces(variable)
+
+    def assign_local_pieces(self, variable, read):
+        """Assigns this rank's pieces of every variable it holds: its
+        stage's, a shared weight's copy, the optimizer's own."""
+        if isinstance(variable, SlotOfAnotherStage):
+            return
+        if id(variable) not in self.stage_of or self._holds(variable):
+            self.stage_runtime.assign_local_pieces(variable, read)
+
+    def checkpoint_optimizer_state(self, optimizer):
+        """With replicas, the state of this rank's `CoordinatedOptimizer`,
+        built on its stage's variables, keyed as one device's optimizer
+        keys its own (`one_device_keys`). Every rank lists every key, as
+        the checkpoint code expects: the ranks of a pipeline tell each
+        other their slots (a collective: every rank calls it), and the
+        slots of other stages stand as `SlotOfAnotherStage`s. Without
+        replicas the optimizer is built in one device's order
+        (`build_optimizer`), and keyed so."""
+        if self.optimizer_runtime is None:
+            return None
+        inner = optimizer.inner_optimizer
+        references = self.stage_runtime.placement.references
+        slots = stage_slots(inner, references)
+        trainable = self.trainer.trainable_variables
+        owned = {
+            position: [
+                (slot.path, self.full_shape(slot), slot.dtype)
+                for slot in slots[id(variable)]
+            ]
+            for position, variable in enumerate(trainable)
+            if self.stage_of[id(variable)] == self.stage_index
+            and id(variable) in slots
+        }
+        stages = [None] * self.pipeline_parallel
+        dist.all_gather_object(stages, owned, group=self.pipe_group)
+        described = {p: d for stage in stages for p, d in stage.items()}
+        for position, variable in enumerate(trainable):
+            if id(variable) not in slots and position in described:
+                slots[id(variable)] = [
+                    SlotOfAnotherStage(*description)
+                    for description in described[position]
+                ]
+        own = [v for v in inner.variables if id(v) not in references]
+        counts = {p: len(d) for p, d in described.items()}
+        state = one_device_keys(trainable, own, slots, counts)
+        wrapper = own_optimizer_variables(optimizer)
+        return state + [(f"coordinated/{i}", v) for i, v in enumerate(wrapper)]
+
+    def place_variable(self, variable, axis):
+        """Keeps this rank's shard of its own stage's variables; the other
+        stages' variables keep the shape of their shard on the meta
+        device, without memory."""
+        # The planner's trace of the model, just made, leaves dead autograd
+        # graphs that still hold the variables; they are young, and
+        # collecting the young generations frees them in a fraction of the
+        # full collection `swap_storage` falls back to.
+        gc.collect(1)
+        if self._holds(variable):
+            self.stage_runtime.placement.place(variable, axis)
+        else:
+            _to_meta(variable, self.placement.model_shard_shape(variable))
+
+    def place_variable_like(self, variable, reference, data_axis):
+        """Places an optimizer slot with its reference: Keras makes it in
+        the reference's shape on this rank's device, its shard already."""
+        self.owners.adopt(variable, reference)
+        if id(reference) in self.shared_stages:
+            self.shared_stages[id(variable)] = self.shared_stages[id(reference)]
+        if self._holds(reference):
+            self.stage_runtime.placement.place_like(variable, reference)
+        else:
+            _to_meta(variable, tuple(variable.shape))
+
+    def full_value(self, variable):
+        """The variable's unsplit value, assembled by its stage's ranks in
+        the first replica and broadcast from the first of them."""
+        full = self._assembled(variable)
+        if full is None:
+            full = self._empty_full(variable)
+        dist.broadcast(full, src=self._assembler(variable))
+        return to_numpy(full)
+
+    def _assembler(self, variable):
+        """The rank that assembles `variable`: `(0, its stage, 0)`."""
+        return self._rank_of(0, self.stage_of[id(variable)], 0)
+
+    def _assembled(self, variable):
+        """The unsplit value of `variable` on its stage's ranks in the
+        first replica, `None` on the other ranks.
+
+        Those ranks gather the shards of a split variable over their
+        model group (every rank of the group takes part).
+        """
+        if self.data_index or self.stage_of[id(variable)] != self.stage_index:
+            return None
+        full = self.stage_runtime._unsplit(
+            variable, parameter_of(variable).detach()
+        )
+        # A copy: the array returned must not change with training.
+        return full.clone()
+
+    def _empty_full(self, variable):
+        """An uninitialised tensor of `variable`'s unsplit shape."""
+        return torch.empty(
+            self.placement.full_shapes[id(variable)],
+            dtype=parameter_of(variable).dtype,
+            device=self.device,
+        )
+
+    def assign_full_value(self, variable, value):
+        """Assigns this rank's part of `value` on the ranks of the
+        variable's stage, its shard on each tensor-parallel rank.
+
+        Every rank passes the same `value`, as in any SPMD program.
+        """
+        if self._holds(variable):
+            self.stage_runtime.assign_full_value(variable, value)
+
+    def save_model(self, model, filepath, **kwargs):
+        """Rank 0 writes the unsplit model; each variable's stage in the
+        first replica assembles it and sends it to rank 0, which holds it
+        only while writing.
+
+        Every rank returns once the file is written, and raises if rank 0
+        failed to write it.
+        """
+
+        def gathered():
+            for variable in model.variables:
+                assembler = self._assembler(variable)
+                split = self.placement.split_axis(variable) is not None
+                if assembler == 0 and not split:
+                    # Rank 0 holds it whole.
+                    continue
+                full = self._assembled(variable)
+                if assembler != 0:
+                    if self.rank == assembler:
+                        dist.send(full, dst=0)
+                    elif self.rank == 0:
+                        full = self._empty_full(variable)
+                        dist.recv(full, src=assembler)
+                if self.rank == 0:
+                    yield variable, full
+
+        write_on_rank_zero(
+            self.rank, gathered(), lambda: model.save(filepath, **kwargs)
+        )
+
+    def device_bytes(self, variables):
+        """`{this rank's device: bytes}` of its tensors, each storage once.
+
+        The other stages' variables, meta tensors here, hold no memory.
+        """
+        own = [v for v in variables if parameter_of(v).device.type != "meta"]
+        return TorchRuntime.device_bytes(self, own)
+
+
+class SlotOfAnotherStage:
+    """What a checkpoint lists of an optimizer slot another stage's rank
+    holds: its path, unsplit shape and dtype. This rank writes and reads
+    none of it.
+
+    Args:
+        path: the slot's path.
+        shape: its unsplit shape.
+        dtype: its dtype.
+    """
+
+    def __init__(self, path, shape, dtype):
+        self.path = path
+        self.shape = tuple(shape)
+        self.dtype = dtype
+
+
+def _to_meta(variable, shape):
+    """Makes `variable` a "meta" tensor of `shape`: a variable of another
+    stage, which no rank of this stage computes, keeps the shape of its
+    shard for Keras' symbolic builds and holds no memory."""
+    parameter = parameter_of(variable)
+    swap_storage(
+        variable, torch.empty(shape, dtype=parameter.dtype, device="meta")
+    )

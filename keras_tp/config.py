@@ -33,9 +33,8 @@ class Support:
     def runs(self, config):
         """Whether `config` is within what this support allows."""
         return (
-            (self.replicas or config.data_parallel == 1)
-            and config.zero_stage in self.zero_stages
-        )
+            self.replicas or config.data_parallel == 1
+        ) and config.zero_stage in self.zero_stages
 
 
 # The support matrix: per feature, per backend, where it runs (`None`:

@@ -190,9 +190,7 @@ def test_replicas_draw_dropout_masks_of_their_own():
         hidden = keras.layers.Dense(32, name="up")(inputs)
         hidden = keras.layers.Dropout(0.5, name="drop")(hidden)
         hidden = keras.layers.Dense(32, name="down")(hidden)
-        return keras.Model(
-            inputs, keras.layers.Dense(8, name="head")(hidden)
-        )
+        return keras.Model(inputs, keras.layers.Dense(8, name="head")(hidden))
 
     x, y = models.data_for("mlp", batch=16)
     trained = []

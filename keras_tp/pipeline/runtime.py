@@ -12,7 +12,6 @@ micro-batch count and the loss. Each backend's subclass (in
 steps with its trainer's signatures.
 """
 
-import contextlib
 import copy
 import itertools
 
@@ -26,8 +25,6 @@ from keras_tp.pipeline.cutting import split_stages
 from keras_tp.pipeline.ownership import WeightOwners
 from keras_tp.placement import Placement
 from keras_tp.runtime.base import Runtime
-from keras_tp.runtime.base import select_devices
-from keras_tp.runtime.pieces import CheckpointPieces
 from keras_tp.stats import CommunicationStats
 
 # Loss reductions whose per-micro-batch values, each weighted by 1/M,
@@ -35,12 +32,16 @@ from keras_tp.stats import CommunicationStats
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 
-class PipelineRuntime(CheckpointPieces):
+class PipelineRuntime(Runtime):
     """The stages of a pipeline and how Keras' steps run them.
 
-    Sharded checkpoints (`CheckpointPieces`): each variable's pieces are
-    written and read by the devices of the stage that owns it, and the
-    backend's `local_pieces` and `assign_local_pieces` say how.
+    A `Runtime` whose devices form a `data x pipe x model` grid: each
+    stage runs on the `MeshRuntime`s of its devices (`stage_runtimes`), and
+    Keras' steps run as a schedule of micro-batches through the backend's
+    stage primitives (`keras_tp.pipeline.executor`). Sharded checkpoints:
+    each variable's pieces are written and read by the devices of the stage
+    that owns it, and the backend's `local_pieces` and
+    `assign_local_pieces` say how.
 
     Args:
         model: the built Functional model to cut.
@@ -64,29 +65,16 @@ class PipelineRuntime(CheckpointPieces):
     # computes the logits): each stage using it holds a copy, and the
     # backend keeps the copies equal (`shared_stages`).
     shares_weights = False
-    # The runtime a `CoordinatedOptimizer` binds to (see
-    # `Runtime.optimizer_runtime`); `None`: the backend's pipeline updates
-    # its stages with the plain optimizer.
-    optimizer_runtime = None
 
     def __init__(self, model, config):
-        devices = select_devices(
-            self.backend,
-            self._available_devices(),
-            config.requested_world_size,
-            config.device_ids,
-        )
-        self.config = config = config.on_devices(devices)
-        self.sequence_parallel = config.sequence_parallel
-        self.data_parallel = data_parallel = config.data_parallel
-        self.zero_stage = config.zero_stage
-        self.tensor_parallel = config.tensor_parallel
+        super().__init__(config)
+        config = self.config
+        devices = self.devices
+        data_parallel = self.data_parallel
         _check_layers(model)
         self.pipeline_parallel = pipeline_parallel = config.pipeline_parallel
-        self.world_size = len(devices)
         self.num_microbatches = config.num_microbatches
         self.schedule = config.schedule
-        self.devices = devices
         # The devices form a `data x pipe x model` grid; stage `s` runs on
         # its `pipe` index `s`: `data` rows of `model` devices each.
         grid = np.array(devices, dtype=object).reshape(
@@ -116,10 +104,6 @@ class PipelineRuntime(CheckpointPieces):
         )
         self.trainer = None
 
-    def _available_devices(self):
-        """The names of the backend's devices (on torch, its ranks)."""
-        raise NotImplementedError
-
     def stage_runtimes_of(self, runtime_class):
         """A `runtime_class` runtime per stage, over the stage's devices
         (its `data x model` mesh), whose collectives count in this
@@ -138,18 +122,9 @@ class PipelineRuntime(CheckpointPieces):
 
     # What the model class calls --------------------------------------
 
-    def scope(self):
-        return contextlib.nullcontext()
-
-    def prepare_model(self, model):
-        """Nothing to prepare: the stages were cut at construction."""
-
     def prepare_trainer(self, trainer):
         """Keeps the `TensorParallelKeras` whose steps this runtime runs."""
         self.trainer = trainer
-
-    def prepare_step_state(self, variables):
-        """Nothing to place: each stage's state is on its device."""
 
     def stage_plans(self, plan):
         """`(part of plan, runtime)` pairs: each stage's split layers, with
@@ -295,32 +270,6 @@ class PipelineRuntime(CheckpointPieces):
             members = [v for v in stage.variables if id(v) in by_id]
             grouped.append([by_id[id(v)] for v in members])
         return grouped
-
-    check_batch_size = Runtime.check_batch_size
-
-    # Placement: the storage of `self.placement` ----------------------
-
-    def place_variable(self, variable, axis):
-        self._move(variable, self.stage_of[id(variable)])
-
-    def place_variable_like(self, variable, reference, data_axis):
-        self._move(variable, self.owners.adopt(variable, reference))
-
-    def _move(self, variable, stage):
-        """Stores `variable` on the device of `stage`."""
-        raise NotImplementedError
-
-    def device_bytes(self, variables):
-        """`{device: bytes}` these variables occupy, read from the arrays."""
-        raise NotImplementedError
-
-    # Each stage's variables hold their full values (or their split over
-    # the stage's devices, which the backend's arrays assemble).
-    full_value = Runtime.full_value
-    assign_full_value = Runtime.assign_full_value
-
-    def save_model(self, model, filepath, **kwargs):
-        model.save(filepath, **kwargs)
 
     def call_model(self, model, inputs, training):
         with self.stats.recording("call"):

@@ -39,11 +39,11 @@ from keras_tp.keras_internals import set_jax_layout
 from keras_tp.keras_internals import set_reported_shape
 from keras_tp.keras_internals import set_stored_value
 from keras_tp.keras_internals import stored_value
-from keras_tp.runtime.base import Runtime
 from keras_tp.runtime.base import largest_difference
 from keras_tp.runtime.base import median_seconds
 from keras_tp.runtime.jax.regions import MeshRegions
 from keras_tp.runtime.jax.steps import MeshSteps
+from keras_tp.runtime.mesh import MeshRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def placement_spec(ndim, axis, data_axis):
     return PartitionSpec(*spec)
 
 
-class JaxRuntime(MeshSteps, MeshRegions, Runtime):
+class JaxRuntime(MeshSteps, MeshRegions, MeshRuntime):
     """Runs tensor parallelism on the devices of a `jax.sharding.Mesh`."""
 
     backend = "jax"

@@ -23,7 +23,7 @@ seams of Keras' own TensorFlow backend:
   inputs gathered from `SequenceShard`s.
 """
 
-from keras_tp.runtime.base import Runtime
+from keras_tp.runtime.mesh import MeshRuntime
 from keras_tp.runtime.tensorflow.devices import ReplicaDevices
 from keras_tp.runtime.tensorflow.devices import configure_multi_worker
 from keras_tp.runtime.tensorflow.devices import configure_virtual_devices
@@ -45,7 +45,7 @@ __all__ = [
 
 
 class TensorFlowRuntime(
-    ReplicaDevices, ReplicaStorage, ReplicaTrainer, ReplicaRegions, Runtime
+    ReplicaDevices, ReplicaStorage, ReplicaTrainer, ReplicaRegions, MeshRuntime
 ):
     """Runs tensor parallelism, DDP and ZeRO on `tf.distribute` replicas.
 

@@ -37,15 +37,18 @@ from keras_tp.keras_internals import draw_from_state
 from keras_tp.keras_internals import seed_generators
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.parallel.overlap import BackwardOverlap
-from keras_tp.runtime.base import Runtime
 from keras_tp.runtime.base import median_seconds
+from keras_tp.runtime.mesh import MeshRuntime
 from keras_tp.runtime.torch.process_group import configure_virtual_devices
 from keras_tp.runtime.torch.process_group import join_process_group
 from keras_tp.runtime.torch.process_group import mesh_groups
+from keras_tp.runtime.torch.process_group import rank_devices
+from keras_tp.runtime.torch.process_group import this_device
 from keras_tp.runtime.torch.saved_tensors import DetachedSavedTensors
 from keras_tp.runtime.torch.sequence import SequenceShards
 from keras_tp.runtime.torch.storage import from_numpy
 from keras_tp.runtime.torch.storage import parameter_of
+from keras_tp.runtime.torch.storage import storage_bytes
 from keras_tp.runtime.torch.storage import swap_storage
 from keras_tp.runtime.torch.storage import to_numpy
 from keras_tp.runtime.torch.storage import write_on_rank_zero
@@ -58,7 +61,7 @@ __all__ = [
 ]
 
 
-class TorchRuntime(Runtime):
+class TorchRuntime(MeshRuntime):
     """Runs tensor parallelism with one process per rank.
 
     The devices are named `"<type>:<rank>"`, one per rank of the process
@@ -94,20 +97,13 @@ class TorchRuntime(Runtime):
             self._sequence = SequenceShards(self.adapter.inner, self._regions)
 
     def _available_devices(self):
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        return [
-            f"{device_type}:{rank}" for rank in range(dist.get_world_size())
-        ]
+        return rank_devices()
 
     def _build(self):
         self._input_widths = {}
         self._regions = []
         self.rank = dist.get_rank()
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
+        self.device = this_device()
 
     def _axis_adapters(self):
         model_group, data_group, mesh_group = self._axis_groups()
@@ -340,15 +336,7 @@ class TorchRuntime(Runtime):
 
     def device_bytes(self, variables):
         """`{this rank's device: bytes}`, each torch storage counted once."""
-        seen = set()
-        total = 0
-        for variable in variables:
-            storage = parameter_of(variable).untyped_storage()
-            key = (storage.device, storage.data_ptr())
-            if key not in seen:
-                seen.add(key)
-                total += storage.nbytes()
-        return {self.devices[self.rank]: total}
+        return {self.devices[self.rank]: storage_bytes(variables)}
 
     def run_step(self, phase, step, *args, **kwargs):
         """Runs Keras' step; with a data axis, on this rank's batch slice.
@@ -364,7 +352,7 @@ class TorchRuntime(Runtime):
         (data,) = args
         model = step.__self__
         with self.adapter.stats.recording(phase), self._step_context():
-            data = keras.tree.map_structure(self._batch_slice, data)
+            data = keras.tree.map_structure(self.batch_slice, data)
             if phase == "predict":
                 return keras.tree.map_structure(
                     lambda y: (
@@ -427,7 +415,7 @@ class TorchRuntime(Runtime):
             optimizer.backward_overlap = overlap
         optimizer.backward_overlap.start_step()
 
-    def _batch_slice(self, tensor):
+    def batch_slice(self, tensor):
         """This data rank's slice of a global batch tensor."""
         if isinstance(tensor, np.ndarray):
             # `train_on_batch` and the like hand NumPy batches over as

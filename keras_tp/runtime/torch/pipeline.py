@@ -14,7 +14,6 @@ activations), each rank exchanges its own copy of the activations, or
 its shard of a split one, with its counterparts `(d, p +/- 1, t)`.
 """
 
-
 import keras
 import numpy as np
 import torch
@@ -27,10 +26,12 @@ from keras_tp.keras_internals import seed_generators
 from keras_tp.keras_internals import update_loss_tracker
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.runtime import PipelineRuntime
-from keras_tp.runtime.base import Runtime
+from keras_tp.runtime.mesh import MeshRuntime
 from keras_tp.runtime.torch import TorchRuntime
 from keras_tp.runtime.torch.process_group import join_process_group
 from keras_tp.runtime.torch.process_group import mesh_groups
+from keras_tp.runtime.torch.process_group import rank_devices
+from keras_tp.runtime.torch.process_group import this_device
 from keras_tp.runtime.torch.stage_storage import StageStorage
 from keras_tp.runtime.torch.stages import TorchPipeline
 from keras_tp.tensors import nbytes
@@ -56,9 +57,9 @@ class TorchStageRuntime(TorchRuntime):
 
     def __init__(self, config, groups):
         self._groups = groups
-        # Runtime's constructor, not TorchRuntime's: this process already
+        # The mesh's constructor, not TorchRuntime's: this process already
         # joined its process group, of which the stage holds a part.
-        Runtime.__init__(self, config)
+        MeshRuntime.__init__(self, config)
 
     def _axis_groups(self):
         return self._groups
@@ -123,7 +124,8 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
             )
         # This rank's number and torch device, as tensor parallelism
         # names them.
-        TorchRuntime._build(self)
+        self.rank = dist.get_rank()
+        self.device = this_device()
         super().__init__(model, config)
         shape = {
             "data": data_parallel,
@@ -203,13 +205,14 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
             in (stages := self.shared_stages.get(id(variable), ()))
         }
 
-    synchronised_state = Runtime.synchronised_state
-    _batch_slice = TorchRuntime._batch_slice
-    process_index = TorchRuntime.process_index
-    wait_for_processes = TorchRuntime.wait_for_processes
-
     def _available_devices(self):
-        return TorchRuntime._available_devices(self)
+        return rank_devices()
+
+    def process_index(self):
+        return self.rank
+
+    def wait_for_processes(self):
+        dist.barrier()
 
     @property
     def optimizer_runtime(self):
@@ -300,7 +303,7 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
         )
         if self.data_adapter is None:
             return data
-        return keras.tree.map_structure(self._batch_slice, data)
+        return keras.tree.map_structure(self.stage_runtime.batch_slice, data)
 
     def train_step(self, data):
         data = self._replica_part(data)
@@ -373,7 +376,7 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
             with torch.no_grad():
                 trainer.compute_metrics(x, y, y_pred, None)
             if self.data_adapter is not None:
-                totals, _ = self.synchronised_state(
+                totals, _ = self.stage_runtime.synchronised_state(
                     [], [], before, [v.value.detach() for v in variables]
                 )
                 for variable, total in zip(variables, totals):
@@ -425,6 +428,7 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
                 inputs, training=bool(training)
             )
             return self._from_last_stage(outputs)
+
 
 def _accept_split_inputs(stage_model):
     """Lets a stage model take the tensors that cross its cut split.

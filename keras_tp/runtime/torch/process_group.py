@@ -172,6 +172,19 @@ def _leave_process_group():
         dist.destroy_process_group()
 
 
+def rank_devices():
+    """The device name of every rank of the process group, in rank order."""
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return [f"{device_type}:{rank}" for rank in range(dist.get_world_size())]
+
+
+def this_device():
+    """The torch device this rank computes on."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def mesh_groups(shape, *axes):
     """This rank's process groups along axes of a mesh of all ranks.
 

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from keras_tp.keras_internals import own_optimizer_variables
 from keras_tp.pipeline.runtime import one_device_keys
 from keras_tp.pipeline.runtime import stage_slots
-from keras_tp.runtime.torch import TorchRuntime
 from keras_tp.runtime.torch.storage import parameter_of
+from keras_tp.runtime.torch.storage import storage_bytes
 from keras_tp.runtime.torch.storage import swap_storage
 from keras_tp.runtime.torch.storage import to_numpy
 from keras_tp.runtime.torch.storage import write_on_rank_zero
@@ -215,7 +215,7 @@ class StageStorage:
         The other stages' variables, meta tensors here, hold no memory.
         """
         own = [v for v in variables if parameter_of(v).device.type != "meta"]
-        return TorchRuntime.device_bytes(self, own)
+        return {self.devices[self.rank]: storage_bytes(own)}
 
 
 class SlotOfAnotherStage:

@@ -100,3 +100,16 @@ def write_on_rank_zero(rank, full_values, write):
             "Rank 0 failed to write the model's weights; its exception "
             "says why."
         )
+
+
+def storage_bytes(variables):
+    """The bytes of the torch storages behind `variables`, each once."""
+    seen = set()
+    total = 0
+    for variable in variables:
+        storage = parameter_of(variable).untyped_storage()
+        key = (storage.device, storage.data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total

@@ -15,7 +15,7 @@ from keras_tp.asynchronous.servers import server_optimizer
 from keras_tp.asynchronous.threads import runner_factory
 from keras_tp.asynchronous.workers import stateless_loss
 from keras_tp.runtime.base import select_devices
-from keras_tp.runtime.jax import to_jax_device
+from keras_tp.runtime.jax.devices import to_jax_device
 
 # Keras layers are not written to be traced by two threads at once; the
 # lock is taken only while jit traces, not while programs run.

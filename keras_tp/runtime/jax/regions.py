@@ -8,6 +8,7 @@ it runs directly on the local values (`Runtime.run_local_region`).
 
 import contextlib
 import contextvars
+import functools
 
 import jax
 import numpy as np
@@ -57,6 +58,14 @@ class MeshRegions:
 
     def holds_local_values(self):
         return self._inside_ranks
+
+    @functools.cached_property
+    def _sequence_copies_per_device(self):
+        return self.adapter.sequence_copies_per_device(self.mesh)
+
+    @functools.cached_property
+    def _copies_per_device(self):
+        return self.adapter.copies_per_device(self.mesh)
 
     @contextlib.contextmanager
     def _gathered_partitions(self, layer, variables, axes):

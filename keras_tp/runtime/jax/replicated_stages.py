@@ -17,13 +17,13 @@ from jax.sharding import PartitionSpec
 
 from keras_tp.keras_internals import local_shapes
 from keras_tp.parallel.buckets import make_buckets
-from keras_tp.runtime.jax import placement_spec
 from keras_tp.runtime.jax.stages import StagePrograms
 from keras_tp.runtime.jax.stages import batch_size
 from keras_tp.runtime.jax.stages import counted_jit
 from keras_tp.runtime.jax.stages import onto
 from keras_tp.runtime.jax.stages import signature
 from keras_tp.runtime.jax.stages import tracing_stage
+from keras_tp.runtime.jax.storage import placement_spec
 from keras_tp.tensors import is_float
 
 # Per-device values that cross between programs, one row per device of a

@@ -15,6 +15,7 @@ whole on every rank, and its gradient is all-reduced as under DDP.
 """
 
 from keras_tp.keras_internals import bind_values
+from keras_tp.parallel.buckets import PLAIN
 from keras_tp.parallel.buckets import make_buckets
 from keras_tp.parallel.buckets import partition
 
@@ -47,7 +48,7 @@ class ZeroLayout:
             cap_bytes,
         )
 
-    def synchronised(self, grads, variables, adapter, codec):
+    def synchronised(self, grads, variables, adapter, codec=PLAIN):
         """The gradients every rank uses, each of its own partition.
 
         Buckets of whole variables are all-reduced; partitioned ones are
@@ -58,7 +59,8 @@ class ZeroLayout:
             grads: this rank's gradients of `variables`.
             variables: the trainable variables.
             adapter: the collective adapter of the `data` axis.
-            codec: how the buckets travel (see `buckets.PlainCodec`).
+            codec: how the buckets travel (see `buckets.PlainCodec`; by
+                default as they are).
         """
         out = list(grads)
         for bucket in self.buckets:
@@ -100,12 +102,27 @@ class ZeroLayout:
                 None if axis is None else scope.get_current_value(variable)
                 for variable, axis in zip(variables, axes)
             ]
-        gathered = {}
+        for i, full in self.gathered(partitions, variables, adapter).items():
+            variables[i].assign(full)
+
+    def gathered(self, partitions, variables, adapter):
+        """The partitioned variables' full values from each rank's
+        partition, one all-gather per bucket.
+
+        Args:
+            partitions: per variable, this rank's partition (or anything,
+                for a variable left whole).
+            variables: the trainable variables.
+            adapter: the collective adapter of the `data` axis.
+
+        Returns:
+            `{index in variables: full value}` of the partitioned ones.
+        """
+        whole = {}
         for bucket in self.buckets:
             if bucket.partitioned:
-                bucket.all_gather(partitions, variables, gathered, adapter)
-        for i, full in gathered.items():
-            variables[i].assign(full)
+                bucket.all_gather(partitions, variables, whole, adapter)
+        return whole
 
     def describe(self, variables):
         """The buckets' collective calls and the variables left whole.

@@ -90,6 +90,9 @@ class PipelineRuntime(Runtime):
             share_weights=self.shares_weights,
         )
         self.stage_models = [stage.model for stage in self.split.stages]
+        if self.tensor_parallel > 1:
+            for stage_model in self.stage_models[1:]:
+                _accept_split_inputs(stage_model)
         self.owners = WeightOwners(self.stage_models, model)
         # By id, the owning stage of each variable, and the stages of each
         # that several stages use (see `WeightOwners`).
@@ -381,6 +384,30 @@ def one_device_keys(trainable_variables, own, slots, slot_counts):
             state.append((f"optimizer/{index + ordinal}", slot))
         index += slot_counts.get(position, 0)
     return state
+
+
+def _accept_split_inputs(stage_model):
+    """Lets a stage model take the tensors that cross its cut split.
+
+    Keras checks a Functional model's inputs against the shapes of its
+    `Input`s, which are the unsplit ones; a tensor that a stage leaves
+    split by tensor parallelism (a Column layer's output) arrives as each
+    rank's shard. Only the ranks of the inputs are checked here: the split
+    layers that consume such a tensor check its width themselves
+    (`ShardedRegion.check_input_widths`).
+    """
+    if stage_model.input_spec is None:
+        return
+    stage_model.input_spec = [
+        keras.InputSpec(
+            dtype=spec.dtype,
+            ndim=spec.ndim,
+            allow_last_axis_squeeze=spec.allow_last_axis_squeeze,
+            name=spec.name,
+            optional=spec.optional,
+        )
+        for spec in stage_model.input_spec
+    ]
 
 
 def _check_layers(model):

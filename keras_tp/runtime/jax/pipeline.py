@@ -29,9 +29,9 @@ from keras_tp.pipeline.executor import run_schedule
 from keras_tp.pipeline.runtime import CallingStageRegions
 from keras_tp.pipeline.runtime import PipelineRuntime
 from keras_tp.runtime.jax import JaxRuntime
-from keras_tp.runtime.jax.devices import to_jax_device
 from keras_tp.runtime.jax.replicated_stages import ReplicaGradients
 from keras_tp.runtime.jax.replicated_stages import ReplicatedStagePrograms
+from keras_tp.runtime.jax.stage_storage import StageStorage
 from keras_tp.runtime.jax.stages import TRACING_STAGE
 from keras_tp.runtime.jax.stages import JaxStages
 from keras_tp.runtime.jax.stages import StagePrograms
@@ -42,11 +42,11 @@ from keras_tp.runtime.jax.stages import onto
 from keras_tp.runtime.jax.steps import is_concrete
 
 
-class JaxPipelineRuntime(PipelineRuntime):
+class JaxPipelineRuntime(StageStorage, PipelineRuntime):
     """Runs Keras' JAX steps as a pipeline of stages, one per device.
 
     Each stage's variables and optimizer slots are committed to its
-    device. A training step runs the schedule (`JaxPipeline`), then one
+    device. A training step runs the schedule (`JaxStages`), then one
     compiled optimizer update per stage on its device; evaluation and
     prediction send each micro-batch through the stages' compiled forward
     passes, which JAX's asynchronous dispatch overlaps across devices.
@@ -55,7 +55,6 @@ class JaxPipelineRuntime(PipelineRuntime):
     """
 
     backend = "jax"
-    sequence_parallel_stages = True
     # A weight several stages use (a tied embedding) lives on the first
     # one's devices; the others receive a copy each step, and their
     # gradients of it are added to the first's before its update.
@@ -109,52 +108,11 @@ class JaxPipelineRuntime(PipelineRuntime):
         self._trained_count = None
         self._updates.clear()
 
-    def place_variable(self, variable, axis):
-        stage = self.stage_of[id(variable)]
-        self.stage_runtimes[stage].placement.place(variable, axis)
-        # The other stages that use it read a copy split alike.
-        for other in self.shared_stages.get(id(variable), ()):
-            if other != stage:
-                self.stage_runtimes[other].placement.borrow(variable, axis)
-
-    def _owner_runtime(self, variable):
-        """The runtime of the stage that stores `variable` (the first
-        stage for the optimizer's own variables, which every stage's
-        update reads a copy of)."""
-        return self.stage_runtimes[self.stage_of.get(id(variable), 0)]
-
-    def local_pieces(self, variable):
-        return self._owner_runtime(variable).local_pieces(variable)
-
-    def assign_local_pieces(self, variable, read):
-        # Other stages that use it read a copy of the owner's each step.
-        self._owner_runtime(variable).assign_local_pieces(variable, read)
-
     def calling_stage_runtime(self, stages):
         # Each stage's program is traced under its index.
         return CallingStageRegions(
             {s: self.stage_runtimes[s] for s in stages}, TRACING_STAGE.get
         )
-
-    def place_variable_like(self, variable, reference, data_axis):
-        """Places an optimizer slot on its reference's stage; with ZeRO-1
-        partitioned over the stage's replicas (`ReplicaGradients`)."""
-        stage = self.stage_of[id(reference)]
-        self.stage_of[id(variable)] = stage
-        placement = self.stage_runtimes[stage].placement
-        partition_axis = (
-            placement.partition_axis(reference) if self.zero_stage else None
-        )
-        placement.place_like(variable, reference, partition_axis)
-
-    def device_bytes(self, variables):
-        """`{device: bytes}` of these variables, read from their arrays."""
-        names = {to_jax_device(name): name for name in self.devices}
-        totals = dict.fromkeys(self.devices, 0)
-        for variable in variables:
-            for shard in variable.value.addressable_shards:
-                totals[names[shard.device]] += shard.data.nbytes
-        return totals
 
     def measured_timeline(self):
         """The last training step's `schedules.Timeline`, from the times

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 from keras_tp.keras_internals import local_shapes
-from keras_tp.parallel.buckets import make_buckets
+from keras_tp.parallel.zero import ZeroLayout
 from keras_tp.runtime.jax.stages import StagePrograms
 from keras_tp.runtime.jax.stages import batch_size
 from keras_tp.runtime.jax.stages import counted_jit
@@ -283,22 +283,15 @@ class ReplicaGradients:
         self.runtime = runtime
         self.variables = list(variables)
         self.stats = stats
-        self.partition_axes = {
-            id(v): placement.partition_axis(v) if zero_stage else None
-            for v in self.variables
-        }
-        self.buckets = make_buckets(
-            self.variables,
-            self.partition_axes,
-            placement.model_shard_shape,
-            BUCKET_CAP_MB * 2**20,
+        self.layout = ZeroLayout(
+            placement, self.variables, zero_stage, BUCKET_CAP_MB * 2**20
         )
         self._placed = [runtime._variable_spec(v) for v in self.variables]
         self._partitioned = [
             placement_spec(
                 len(placement.full_shapes[id(v)]),
                 placement.split_axis(v),
-                self.partition_axes[id(v)],
+                self.layout.partition_axes[id(v)],
             )
             for v in self.variables
         ]
@@ -332,13 +325,7 @@ class ReplicaGradients:
 
         def local(rows):
             gradients = [row[0] for row in rows]
-            out = list(gradients)
-            for bucket in self.buckets:
-                if bucket.partitioned:
-                    bucket.reduce_scatter(gradients, variables, out, adapter)
-                else:
-                    bucket.all_reduce(gradients, variables, out, adapter)
-            return out
+            return self.layout.synchronised(gradients, variables, adapter)
 
         rows = _replica_rows(self.runtime, variables)
         return self._on_devices(local, rows, self._partitioned)(gradient_rows)
@@ -360,10 +347,7 @@ class ReplicaGradients:
         variables = self.variables
 
         def local(partitions):
-            whole = {}
-            for bucket in self.buckets:
-                if bucket.partitioned:
-                    bucket.all_gather(partitions, variables, whole, adapter)
+            whole = self.layout.gathered(partitions, variables, adapter)
             return [whole.get(i, p) for i, p in enumerate(partitions)]
 
         return self._on_devices(local, self._partitioned, self._placed)(values)

@@ -1,0 +1,60 @@
+"""Where a JAX pipeline's variables live, and how they are read.
+
+Each stage's variables (and their optimizer slots) are placed on the
+stage's devices by the stage's `JaxRuntime`, split by its tensor
+parallelism and, with ZeRO-1, their slots partitioned over its replicas.
+A weight a later stage also uses (a tied embedding) lives on its owner's
+devices; the later stage borrows its placement and receives a copy each
+step. Sharded checkpoints read each variable from its owner.
+"""
+
+from keras_tp.runtime.jax.devices import to_jax_device
+
+
+class StageStorage:
+    """Pipeline runtime mixin: each stage's variables on its runtime's
+    devices.
+
+    It reads the pipeline's `stage_runtimes`, `owners` (and its
+    `stage_of`, `shared_stages`), `devices` and `zero_stage`.
+    """
+
+    def place_variable(self, variable, axis):
+        stage = self.stage_of[id(variable)]
+        self.stage_runtimes[stage].placement.place(variable, axis)
+        # The other stages that use it read a copy split alike.
+        for other in self.shared_stages.get(id(variable), ()):
+            if other != stage:
+                self.stage_runtimes[other].placement.borrow(variable, axis)
+
+    def _owner_runtime(self, variable):
+        """The runtime of the stage that stores `variable` (the first
+        stage for the optimizer's own variables, which every stage's
+        update reads a copy of)."""
+        return self.stage_runtimes[self.stage_of.get(id(variable), 0)]
+
+    def local_pieces(self, variable):
+        return self._owner_runtime(variable).local_pieces(variable)
+
+    def assign_local_pieces(self, variable, read):
+        # Other stages that use it read a copy of the owner's each step.
+        self._owner_runtime(variable).assign_local_pieces(variable, read)
+
+    def place_variable_like(self, variable, reference, data_axis):
+        """Places an optimizer slot on its reference's stage; with ZeRO-1
+        partitioned over the stage's replicas (`ReplicaGradients`)."""
+        stage = self.owners.adopt(variable, reference)
+        placement = self.stage_runtimes[stage].placement
+        partition_axis = (
+            placement.partition_axis(reference) if self.zero_stage else None
+        )
+        placement.place_like(variable, reference, partition_axis)
+
+    def device_bytes(self, variables):
+        """`{device: bytes}` of these variables, read from their arrays."""
+        names = {to_jax_device(name): name for name in self.devices}
+        totals = dict.fromkeys(self.devices, 0)
+        for variable in variables:
+            for shard in variable.value.addressable_shards:
+                totals[names[shard.device]] += shard.data.nbytes
+        return totals

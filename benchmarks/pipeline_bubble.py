@@ -91,8 +91,8 @@ def stage_records(width, layers, schedule, microbatches, steps):
     import torch.distributed as dist
 
     from keras_tp.pipeline.cutting import split_stages
+    from keras_tp.runtime.torch.devices import join_process_group
     from keras_tp.runtime.torch.pipeline import TorchPipeline
-    from keras_tp.runtime.torch.process_group import join_process_group
     from keras_tp.stats import CommunicationStats
 
     join_process_group(STAGES)

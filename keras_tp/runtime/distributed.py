@@ -2,7 +2,7 @@
 
 Which backend runs decides what joining a job means; each backend's part
 lives in its runtime (`keras_tp.runtime.jax.distributed`,
-`keras_tp.runtime.torch.process_group`).
+`keras_tp.runtime.torch.devices`).
 """
 
 import keras
@@ -51,7 +51,7 @@ def initialize_distributed():
 
         distributed.initialize_distributed()
     elif backend == "torch":
-        from keras_tp.runtime.torch.process_group import join_process_group
+        from keras_tp.runtime.torch.devices import join_process_group
 
         join_process_group()
     elif backend == "tensorflow":

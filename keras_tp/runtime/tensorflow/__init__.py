@@ -7,14 +7,15 @@ chosen devices (GPUs, or the virtual CPUs made by
 `TF_CONFIG`. DTensor is not used.
 
 `TensorFlowRuntime` is put together from one mixin per part, along the
-seams of Keras' own TensorFlow backend:
+seams of Keras' own TensorFlow backend, with the same file names as the
+other backends' runtimes:
 
 - `devices`: the strategy, its replicas and the `data x model` mesh over
   them, with the collectives of each axis; running a function on every
   replica.
 - `storage`: per-replica variables, each component holding its rank's
   shard; full values, saving and the bytes on each device.
-- `trainer`: Keras' train, test and predict steps, run by the runtime over
+- `steps`: Keras' train, test and predict steps, run by the runtime over
   the replicas; direct calls of the model.
 - `optimizer`: the `TensorParallelOptimizer` mixin, with which each replica
   updates its own shards.
@@ -30,9 +31,9 @@ from keras_tp.runtime.tensorflow.devices import configure_virtual_devices
 from keras_tp.runtime.tensorflow.optimizer import TensorParallelOptimizer
 from keras_tp.runtime.tensorflow.optimizer import tensor_parallel_class
 from keras_tp.runtime.tensorflow.regions import ReplicaRegions
+from keras_tp.runtime.tensorflow.steps import ReplicaSteps
 from keras_tp.runtime.tensorflow.storage import ReplicaShapes
 from keras_tp.runtime.tensorflow.storage import ReplicaStorage
-from keras_tp.runtime.tensorflow.trainer import ReplicaTrainer
 
 __all__ = [
     "RUNTIME",
@@ -45,7 +46,7 @@ __all__ = [
 
 
 class TensorFlowRuntime(
-    ReplicaDevices, ReplicaStorage, ReplicaTrainer, ReplicaRegions, MeshRuntime
+    ReplicaDevices, ReplicaStorage, ReplicaSteps, ReplicaRegions, MeshRuntime
 ):
     """Runs tensor parallelism, DDP and ZeRO on `tf.distribute` replicas.
 

@@ -64,7 +64,7 @@ from keras_tp.asynchronous.servers import weighted_mean
 from keras_tp.asynchronous.staleness import StalenessBound
 from keras_tp.asynchronous.workers import stateless_loss
 from keras_tp.asynchronous.workers import worker_non_trainable_values
-from keras_tp.runtime.torch.process_group import join_process_group
+from keras_tp.runtime.torch.devices import join_process_group
 from keras_tp.runtime.torch.storage import from_numpy
 from keras_tp.runtime.torch.storage import to_numpy
 

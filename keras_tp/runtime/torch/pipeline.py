@@ -28,10 +28,10 @@ from keras_tp.pipeline import schedules
 from keras_tp.pipeline.runtime import PipelineRuntime
 from keras_tp.runtime.mesh import MeshRuntime
 from keras_tp.runtime.torch import TorchRuntime
-from keras_tp.runtime.torch.process_group import join_process_group
-from keras_tp.runtime.torch.process_group import mesh_groups
-from keras_tp.runtime.torch.process_group import rank_devices
-from keras_tp.runtime.torch.process_group import this_device
+from keras_tp.runtime.torch.devices import join_process_group
+from keras_tp.runtime.torch.devices import mesh_groups
+from keras_tp.runtime.torch.devices import rank_devices
+from keras_tp.runtime.torch.devices import this_device
 from keras_tp.runtime.torch.stage_storage import StageStorage
 from keras_tp.runtime.torch.stages import TorchPipeline
 from keras_tp.tensors import nbytes

@@ -2,14 +2,17 @@
 
 A split variable keeps its `torch.nn.Parameter` object, which Keras layers
 and torch modules track, but the tensor inside is swapped for this rank's
-slice, and the variable reports the local shape.
+slice, and the variable reports the local shape. Full values are gathered
+over the mesh's axes; a checkpoint holds each rank's own piece.
 """
 
 import gc
 
+import keras
 import ml_dtypes
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from keras_tp.keras_internals import set_reported_shape
 from keras_tp.keras_internals import stored_value
@@ -92,7 +95,7 @@ def write_on_rank_zero(rank, full_values, write):
         for variable, own in held:
             swap_storage(variable, own)
     saved = torch.tensor([error is None], dtype=torch.int32)
-    torch.distributed.broadcast(saved, src=0)
+    dist.broadcast(saved, src=0)
     if error is not None:
         raise error
     if not saved.item():
@@ -113,3 +116,132 @@ def storage_bytes(variables):
             seen.add(key)
             total += storage.nbytes()
     return total
+
+
+class ProcessStorage:
+    """The `TorchRuntime`'s variables, each holding this rank's part."""
+
+    def place_variable(self, variable, axis):
+        value = parameter_of(variable).detach()
+        if axis is not None:
+            value = self.adapter.local_slice(value, axis)
+        elif value.device == self.device:
+            return
+        swap_storage(variable, value.to(self.device))
+
+    def place_variable_like(self, variable, reference, data_axis):
+        """Keeps this rank's data partition of a slot made like `reference`.
+
+        Keras made the slot in the reference's local shape: its
+        tensor-parallel shard, already partitioned if the reference is
+        (ZeRO-3), in which case there is nothing left to cut.
+        """
+        if (
+            data_axis is not None
+            and id(reference) not in self.placement.data_axes
+        ):
+            self.partition_variable(variable, data_axis)
+
+    def partition_variable(self, variable, data_axis):
+        value = parameter_of(variable).detach()
+        swap_storage(variable, self.data_adapter.local_slice(value, data_axis))
+
+    def _unsplit(self, variable, tensor):
+        """Gathers `tensor`, a rank's part of `variable`, over both axes."""
+        data_axis = self.placement.data_axis(variable)
+        if data_axis is not None:
+            tensor = self.data_adapter.gather(tensor, data_axis)
+        axis = self.placement.axes[id(variable)]
+        if axis is not None:
+            tensor = self.adapter.gather(tensor, axis)
+        return tensor
+
+    def full_value(self, variable):
+        value = self._unsplit(variable, parameter_of(variable).detach())
+        return keras.ops.convert_to_numpy(value)
+
+    def assign_full_value(self, variable, value):
+        """Assigns this rank's part of `value`.
+
+        Every rank passes the same full `value`, as in any SPMD program, so
+        each takes its part locally without communicating.
+        """
+        tensor = keras.ops.convert_to_tensor(value, dtype=variable.dtype)
+        axis = self.placement.axes[id(variable)]
+        if axis is not None:
+            tensor = self.adapter.local_slice(tensor, axis)
+        data_axis = self.placement.data_axis(variable)
+        if data_axis is not None:
+            tensor = self.data_adapter.local_slice(tensor, data_axis)
+        variable.assign(tensor)
+
+    def _write_unsplit(self, model, variables, write):
+        """Runs `write` on rank 0 while its variables hold full values.
+
+        The other ranks hold one full variable at a time while gathering.
+        Every rank returns once the file is written, and raises if rank 0
+        failed to write it.
+        """
+        split = [
+            variable
+            for variable in variables
+            if self.placement.local_shape(variable)
+            != self.placement.full_shapes[id(variable)]
+        ]
+        write_on_rank_zero(
+            self.rank,
+            ((v, self._unsplit(v, parameter_of(v).detach())) for v in split),
+            write,
+        )
+
+    def replica_differences(self, variables):
+        """Largest difference between the copies of each variable.
+
+        A rank's copy is compared with those of the ranks that must hold
+        the same numbers: its data-parallel replicas (unless the variable
+        is partitioned over `data`) and, for a replicated variable, the
+        other model ranks. Every rank returns the same, world-wide result.
+        """
+        worst = []
+        for variable in variables:
+            local = parameter_of(variable).detach().double()
+            difference = local.new_zeros(())
+            peers = []
+            if id(variable) not in self.placement.data_axes:
+                peers.append(self.data_adapter)
+            if self.placement.split_axis(variable) is None:
+                peers.append(self.adapter)
+            for adapter in peers:
+                copies = adapter.gather(local.unsqueeze(0), 0)
+                difference = torch.maximum(
+                    difference, (copies - local).abs().max()
+                )
+            worst.append(difference)
+        if not worst:
+            return {}
+        worst = torch.stack(worst)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        return {
+            variable.path: float(difference)
+            for variable, difference in zip(variables, worst)
+        }
+
+    def _ranks_here(self):
+        model_rank = self.adapter.rank()
+        return [(f"rank{self.rank}", model_rank, self.data_adapter.rank())]
+
+    def _read_piece(self, variable, position):
+        return to_numpy(parameter_of(variable).detach())
+
+    def _write_piece(self, variable, position, value):
+        parameter_of(variable).data.copy_(from_numpy(value))
+
+    def process_index(self):
+        return self.rank
+
+    def wait_for_processes(self):
+        dist.barrier()
+
+    def device_bytes(self, variables):
+        """`{this rank's device: bytes}`, each torch storage counted once."""
+        return {self.devices[self.rank]: storage_bytes(variables)}

@@ -1,10 +1,12 @@
-"""How a torch process becomes a rank: joining its process group.
+"""The devices of the torch runtime: one process per rank, in a group.
 
 A process started by `keras_tp.launch` or `torchrun` joins the group its
 `RANK`, `WORLD_SIZE` and `MASTER_*` variables describe, with the collective
 timeout `KERAS_TP_COLLECTIVE_TIMEOUT` sets, and starts the heartbeat that
 lets a failed collective name a lost rank (`liveness`). A process started
 by `mpirun` gets these variables from the MPI launcher's (`keras_tp.mpi`).
+The ranks form the runtime's `data x model` mesh, whose axes are process
+groups (`mesh_groups`).
 """
 
 import atexit
@@ -12,6 +14,7 @@ import datetime
 import logging
 import math
 import os
+import socket
 
 import numpy as np
 import torch
@@ -20,6 +23,8 @@ from torch.distributed.constants import default_pg_timeout
 
 from keras_tp import elastic
 from keras_tp import mpi
+from keras_tp.collectives.torch import TorchCollectiveAdapter
+from keras_tp.runtime.base import median_seconds
 from keras_tp.runtime.torch import liveness
 
 logger = logging.getLogger(__name__)
@@ -235,3 +240,72 @@ def mesh_groups(shape, *axes):
         )
         groups.append(group)
     return groups
+
+
+class ProcessDevices:
+    """The `TorchRuntime`'s ranks, and the process groups of its axes."""
+
+    def _available_devices(self):
+        return rank_devices()
+
+    def _axis_adapters(self):
+        model_group, data_group, mesh_group = self._axis_groups()
+        return (
+            TorchCollectiveAdapter(model_group),
+            TorchCollectiveAdapter(data_group, "data"),
+            TorchCollectiveAdapter(mesh_group, ("data", "model")),
+        )
+
+    def _axis_groups(self):
+        """This rank's process groups of the `model` axis, the `data` axis
+        and the whole `data x model` mesh.
+
+        Rank `r` sits at row `r // tensor_parallel` and column
+        `r % tensor_parallel` of the mesh; a group of every rank is the
+        default group (`None`).
+        """
+        model_group, data_group = mesh_groups(
+            {"data": self.data_parallel, "model": self.tensor_parallel},
+            "model",
+            "data",
+        )
+        return model_group, data_group, None
+
+    def time_data_all_reduce(self, nbytes, repeats):
+        buffer = torch.zeros(nbytes // 4, device=self.device)
+        group = self.data_adapter.group
+
+        def all_reduce():
+            dist.all_reduce(buffer, group=group)
+            if buffer.is_cuda:
+                torch.cuda.synchronize(buffer.device)
+
+        seconds = median_seconds(all_reduce, repeats)
+        # Every rank takes the slowest rank's time, so all choose alike.
+        slowest = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        return float(slowest)
+
+    def _rank_hosts(self):
+        # torchrun numbers the nodes GROUP_RANK; a job set up by hand is
+        # told apart by host name.
+        host = os.environ.get("GROUP_RANK") or socket.gethostname()
+        hosts = [None] * self.world_size
+        dist.all_gather_object(hosts, host)
+        return hosts
+
+    def _level_adapters(self, within, across):
+        model = self.tensor_parallel
+
+        def adapter(groups):
+            # Data rank d of shard m is global rank d * model + m; every
+            # rank creates every group, as torch.distributed requires.
+            enumeration = [
+                [d * model + m for d in ranks]
+                for m in range(model)
+                for ranks in groups
+            ]
+            group, _ = dist.new_subgroups_by_enumeration(enumeration)
+            return TorchCollectiveAdapter(group, "data")
+
+        return adapter(within), adapter(across)

@@ -39,7 +39,7 @@ from keras_tp.tensors import collect_flat
 from keras_tp.tensors import is_float
 
 
-class ReplicaTrainer:
+class ReplicaSteps:
     """Runtime mixin: Keras' train, test and predict steps on the replicas."""
 
     def run_step(self, phase, step, *args, **kwargs):

@@ -1,0 +1,126 @@
+"""How Keras' torch steps run on a rank.
+
+Without a data axis Keras' own torch trainer runs unchanged in each
+process. With one, each data rank runs Keras' step on its slice of the
+global batch, and the ranks then agree on the metrics and the
+non-trainable state, so the logs are the global batch's. A step keeps its
+saved tensors detached (`saved_tensors`); with overlap, the gradient
+buckets start their all-reduce during the backward pass.
+"""
+
+import keras
+import numpy as np
+import torch
+
+from keras_tp.parallel import CoordinatedOptimizer
+from keras_tp.parallel.overlap import BackwardOverlap
+from keras_tp.runtime.torch.saved_tensors import DetachedSavedTensors
+from keras_tp.runtime.torch.storage import parameter_of
+
+
+class ProcessSteps:
+    """The `TorchRuntime`'s steps and direct calls (see the module)."""
+
+    def run_step(self, phase, step, *args, **kwargs):
+        """Runs Keras' step; with a data axis, on this rank's batch slice.
+
+        Each data rank trains on its slice of the global batch. Its metric
+        updates are summed over `data` and its float non-trainable state
+        averaged (one all-reduce), so the logs are the global batch's; the
+        predictions of the slices are gathered into the global batch's.
+        """
+        if not self.per_rank_steps:
+            with self._step_context():
+                return super().run_step(phase, step, *args, **kwargs)
+        (data,) = args
+        model = step.__self__
+        with self.adapter.stats.recording(phase), self._step_context():
+            data = keras.tree.map_structure(self.batch_slice, data)
+            if phase == "predict":
+                return keras.tree.map_structure(
+                    lambda y: (
+                        self.data_adapter.all_gather(y, 0)
+                        if torch.is_tensor(y)
+                        else y
+                    ),
+                    step(data),
+                )
+            metrics = model.metrics_variables
+            before = [v.value.detach().clone() for v in metrics]
+            if phase == "train":
+                self._start_backward_overlap(model)
+            step(data)
+            non_trainable = model.non_trainable_variables
+            new_metrics, values = self.synchronised_state(
+                non_trainable,
+                [v.value.detach() for v in non_trainable],
+                before,
+                [v.value.detach() for v in metrics],
+            )
+            for variable, value in zip(
+                metrics + non_trainable, new_metrics + values
+            ):
+                variable.assign(value)
+            return model.get_metrics_result()
+
+    def run_on_ranks(self, fn, variables, phase):
+        """Runs `fn()` in this rank's process, without autograd, as Keras'
+        torch trainer runs the optimizer."""
+        with torch.no_grad():
+            super().run_on_ranks(fn, variables, phase)
+
+    def _start_backward_overlap(self, model):
+        """Sends each gradient bucket as soon as the backward pass made it.
+
+        Each trainable parameter gets a post-accumulate-grad hook (once,
+        when the optimizer is built) that hands its gradient to the
+        optimizer's `BackwardOverlap`; a bucket complete starts its
+        all-reduce asynchronously, while the backward pass goes on.
+        """
+        optimizer = getattr(model, "optimizer", None)
+        if not (
+            isinstance(optimizer, CoordinatedOptimizer)
+            and optimizer.built
+            and optimizer.overlaps
+        ):
+            return
+        if optimizer.backward_overlap is None:
+            variables = list(model.trainable_variables)
+            overlap = BackwardOverlap(
+                optimizer.buckets, variables, self.data_adapter
+            )
+            for index, variable in enumerate(variables):
+                parameter_of(variable).register_post_accumulate_grad_hook(
+                    lambda parameter, index=index: overlap.gradient_ready(
+                        index, parameter.grad
+                    )
+                )
+            optimizer.backward_overlap = overlap
+        optimizer.backward_overlap.start_step()
+
+    def batch_slice(self, tensor):
+        """This data rank's slice of a global batch tensor."""
+        if isinstance(tensor, np.ndarray):
+            # `train_on_batch` and the like hand NumPy batches over as
+            # they are; `fit()` hands tensors.
+            tensor = keras.ops.convert_to_tensor(tensor)
+        if not torch.is_tensor(tensor) or tensor.ndim == 0:
+            return tensor
+        self.check_batch_size(tensor.shape[0])
+        size = tensor.shape[0] // self.data_parallel
+        return tensor.narrow(0, self.data_adapter.rank() * size, size)
+
+    def call_model(self, model, inputs, training):
+        if self._sequence is None:
+            return super().call_model(model, inputs, training)
+        with self._sequence.step():
+            outputs = super().call_model(model, inputs, training)
+            return self._sequence.whole(outputs)
+
+    def _step_context(self):
+        """A step keeps its saved tensors detached (see `saved_tensors`);
+        under sequence parallelism, in the shards' context, which does
+        too."""
+        if self._sequence is None:
+            return DetachedSavedTensors()
+        return self._sequence.step()

@@ -69,8 +69,6 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         # Each collective is issued by every replica of its stage, and
         # counted once, by the stage's first replica.
         self.stats = ReplicaStats()
-        for model in self.stage_models[1:]:
-            model.input_spec = [_any_size(spec) for spec in model.input_spec]
         self.stage_runtimes = self.stage_runtimes_of(TensorFlowRuntime)
         self.stage_optimizers = []
         # The compiled optimizer the stage optimizers were made from.
@@ -383,19 +381,6 @@ class _StageTrainer:
     @property
     def non_trainable_variables(self):
         return self.model.non_trainable_variables
-
-
-def _any_size(spec):
-    """`spec` checking the rank only: a stage's replica receives its
-    piece of an activation the previous stage's split layer leaves split
-    (a Column layer's features), and Keras would check the whole width."""
-    return keras.InputSpec(
-        dtype=spec.dtype,
-        ndim=spec.ndim,
-        allow_last_axis_squeeze=spec.allow_last_axis_squeeze,
-        name=spec.name,
-        optional=spec.optional,
-    )
 
 
 PIPELINE_RUNTIME = TensorFlowPipelineRuntime

@@ -153,9 +153,6 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
         # Keras' symbolic builds alone, on "meta" tensors, where no
         # collective runs and the shapes are those of its model rank.
         self.stage_runtimes = [self.stage_runtime] * pipeline_parallel
-        if self.tensor_parallel > 1:
-            for stage_model in self.stage_models[1:]:
-                _accept_split_inputs(stage_model)
         self.stage_model = self.stage_models[self.stage_index]
         self._shared_adapters = self._shared_weight_adapters()
         # The rank (d, P - 1, t) of this replica and tensor-parallel rank:
@@ -428,30 +425,6 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
                 inputs, training=bool(training)
             )
             return self._from_last_stage(outputs)
-
-
-def _accept_split_inputs(stage_model):
-    """Lets a stage model take the tensors that cross its cut split.
-
-    Keras checks a Functional model's inputs against the shapes of its
-    `Input`s, which are the unsplit ones; a tensor that a stage leaves
-    split by tensor parallelism (a Column layer's output) arrives as this
-    rank's shard. Only the ranks of the inputs are checked here: the
-    split layers that consume such a tensor check its width themselves
-    (`ShardedRegion.check_input_widths`).
-    """
-    specs = stage_model.input_spec
-    if specs is None:
-        return
-    stage_model.input_spec = [
-        keras.InputSpec(
-            ndim=len(spec.shape),
-            allow_last_axis_squeeze=spec.allow_last_axis_squeeze,
-            name=spec.name,
-            optional=spec.optional,
-        )
-        for spec in specs
-    ]
 
 
 PIPELINE_RUNTIME = TorchPipelineRuntime

@@ -92,7 +92,7 @@ def stage_records(width, layers, schedule, microbatches, steps):
 
     from keras_tp.pipeline.cutting import split_stages
     from keras_tp.runtime.torch.devices import join_process_group
-    from keras_tp.runtime.torch.pipeline import TorchPipeline
+    from keras_tp.runtime.torch.stages import TorchPipeline
     from keras_tp.stats import CommunicationStats
 
     join_process_group(STAGES)

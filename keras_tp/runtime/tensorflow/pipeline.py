@@ -147,7 +147,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
 
     def measured_timeline(self):
         """The last training step's `schedules.Timeline`, from the times
-        its stages ran each action (see `TensorFlowStages._timed`), or
+        its stages ran each action (see `TensorFlowStages._issued`), or
         `None` before the first step."""
         if self._trained_count is None:
             return None
@@ -157,36 +157,6 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         for (stage, kind, m), (start, end) in zip(order, times):
             records[stage].append((kind, m, float(start), float(end)))
         return schedules.recorded_timeline(records)
-
-    def test_step(self, data):
-        """Keras' test step: each replica's stages' forward passes of its
-        slice, then the loss and the metrics of the whole batch.
-
-        Args:
-            data: the batch, `(x, y)`.
-
-        Returns:
-            The metrics' logs, as Keras' `test_step` returns them.
-        """
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        self.check_no_sample_weight(sample_weight)
-        y_pred = self._forward(x)
-        loss = self._loss(y, y_pred)
-        update_loss_tracker(self.trainer, loss, traced_batch_size(x))
-        return self.trainer.compute_metrics(x, y, y_pred, None)
-
-    def predict_step(self, data):
-        """Keras' predict step: each replica's stages' forward passes of
-        its slice.
-
-        Args:
-            data: the batch, `x` or a tuple starting with it.
-
-        Returns:
-            The model's outputs of the batch, in its order.
-        """
-        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        return self._forward(x)
 
     def calling_stage_runtime(self, stages):
         runtimes = {s: self.stage_runtimes[s] for s in stages}
@@ -244,37 +214,52 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         return trainer
 
     def run_step(self, phase, step, *args, **kwargs):
-        # The collective groups of a stage's `data` axis run in graphs
-        # only: an eager step (`run_eagerly=True`) is traced anew.
-        step_of = getattr(self, f"{phase}_step")
+        step = getattr(self, f"{phase}_step")
+        return self._traced(step, phase, *args, **kwargs)
+
+    def _traced(self, step, phase, *args, **kwargs):
+        """`step(*args)`, counted in `phase`. The collective groups of a
+        stage's `data` axis run in graphs only: an eager step
+        (`run_eagerly=True`, a direct call) is traced anew."""
         if tf.executing_eagerly():
-            step_of = tf.function(step_of)
+            step = tf.function(step)
         with self.stats.recording(phase):
-            return step_of(*args, **kwargs)
+            return step(*args, **kwargs)
 
     def train_step(self, data):
         """Keras' train step: the schedule over the stages' replicas, then
-        each stage's update on its replicas.
-
-        Args:
-            data: the batch, `(x, y)`.
-
-        Returns:
-            The metrics' logs, as Keras' `train_step` returns them.
-        """
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        self.check_no_sample_weight(sample_weight)
+        each stage's update on its replicas."""
+        x, y = self._batch(data)
         self.build_optimizer(self.trainer)
         stages = self._stages_of(x)
         self.refresh_copies()
         loss, y_pred = stages.step(x, y)
         self._record_step(stages)
         addends = self._owned_gradients(stages.gradients)
-        for index, (runtime, stage) in enumerate(
-            zip(self.stage_runtimes, self.stage_optimizers)
-        ):
-            self._update(index, runtime, stage, addends)
+        for stage in range(self.pipeline_parallel):
+            self._update(stage, addends)
         self.trainer.optimizer.iterations.assign_add(1)
+        return self._logs(x, y, loss, y_pred)
+
+    def test_step(self, data):
+        """Keras' test step: each replica's stages' forward passes of its
+        slice, then the loss and the metrics of the whole batch."""
+        x, y = self._batch(data)
+        y_pred = self._forward(x)
+        return self._logs(x, y, self._loss(y, y_pred), y_pred)
+
+    def predict_step(self, data):
+        """Keras' predict step: each replica's stages' forward passes of
+        its slice; the model's outputs of the batch, in its order."""
+        return self._forward(keras.utils.unpack_x_y_sample_weight(data)[0])
+
+    def _batch(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        self.check_no_sample_weight(sample_weight)
+        return x, y
+
+    def _logs(self, x, y, loss, y_pred):
+        """The metrics' logs, as Keras' steps return them."""
         update_loss_tracker(self.trainer, loss, traced_batch_size(x))
         return self.trainer.compute_metrics(x, y, y_pred, None)
 
@@ -308,7 +293,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             )
         }
 
-    def _update(self, index, runtime, stage, addends):
+    def _update(self, index, addends):
         """Stage `index`'s update on each of its replicas, from the sums of
         the replica's gradients (`_owned_gradients`), made there.
 
@@ -316,6 +301,8 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         and learning rate: a callback (`ReduceLROnPlateau`) or a load sets
         those of the compiled optimizer.
         """
+        runtime = self.stage_runtimes[index]
+        stage = self.stage_optimizers[index]
         compiled = self.trainer.optimizer
         optimizer = stage.optimizer
         if isinstance(optimizer, CoordinatedOptimizer):
@@ -349,25 +336,15 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         stages' replica steps."""
         if not self.sequence_parallel:
             return super().call_model(model, inputs, training)
-        forward = self._forward
-        if tf.executing_eagerly():
-            forward = tf.function(forward)
-        with self.stats.recording("call"):
-            return forward(inputs, bool(training))
+        return self._traced(self._forward, "call", inputs, bool(training))
 
 
 class _StageTrainer:
     """What a stage's `TensorFlowRuntime` reads of the model it trains
     (`prepare_optimizer`, the local shapes of a replica, the statistics
-    averaged over `data`): the stage's variables, and its own optimizer,
-    which updates the trainable ones the stage owns.
-
-    Args:
-        model: the stage's Keras model.
-        optimizer: the stage's optimizer.
-        owned: the stage's trainable variables that no earlier stage
-            owns.
-    """
+    averaged over `data`): the stage's model and variables, its own
+    optimizer, and the trainable variables it owns (`owned`), which that
+    optimizer updates."""
 
     def __init__(self, model, optimizer, owned):
         self.model = model

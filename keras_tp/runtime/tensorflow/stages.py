@@ -60,7 +60,7 @@ class TensorFlowStages(StagePrimitives):
             most micro-batches whose activations it held at once.
         gradients: after a training step was traced, by `(stage,
             replica)`, the replica's gradients of the stage's trainable
-            variables, summed over the micro-batches.
+            variables, summed over the micro-batches (`_accumulate`).
         times: after a training step was traced, the start and end
             timestamps of each action, in `order`.
     """
@@ -78,8 +78,6 @@ class TensorFlowStages(StagePrimitives):
         self.stage_models = list(stage_models)
         self.num_stages = len(stage_models)
         self.runtimes = runtimes
-        # The times of a stage's actions are taken on its first device.
-        self.devices = [runtime.devices[0] for runtime in runtimes]
         self.loss = loss
         self.num_microbatches = num_microbatches
         self.stats = stats
@@ -93,25 +91,19 @@ class TensorFlowStages(StagePrimitives):
         self._training = False
 
     def step(self, x, y):
-        """One batch's forward and backward passes.
-
-        Args:
-            x: the batch's inputs, of a known batch size.
-            y: the batch's targets.
-
-        Returns:
-            `(loss, y_pred)`: the batch's mean loss and the last stage's
-            outputs of the whole batch. `gradients` then holds each
-            stage's gradients of the loss (see `_accumulate`).
-        """
-        self._tapes = {}
-        self.gradients = {}
-        self.times = []
-        self._ends = {}
+        """`(loss, y_pred)` of one batch's forward and backward passes (`x`
+        of a known batch size); `gradients` then holds the stages'."""
+        self._tapes, self.gradients, self._ends, self.times = {}, {}, {}, []
         self._previous = [[] for _ in self.stage_models]
         result = run_schedule(self, self.order, x, y)
         self.peak_activations = peak_activations(self.order, self.num_stages)
         return result
+
+    def predict(self, x, training=False):
+        """The last stage's outputs of the batch `x`, one micro-batch
+        after the other; `training` is that of the stages' calls."""
+        self._training = training
+        return self.joined([], run_forward(self, x))[1]
 
     def microbatches(self, x, y):
         # Per micro-batch, the last stage's replicas' gradients of the
@@ -121,17 +113,61 @@ class TensorFlowStages(StagePrimitives):
         return self._per_replica(x), targets
 
     def forward(self, stage, m, inputs, target):
+        runtime = self.runtimes[stage]
         with self._issued(stage, schedules.FORWARD, m, inputs) as done:
-            outputs, predicted = self._run_forward(stage, m, inputs, target)
+            started = self.times[-1][0]
+
+            def forward():
+                replica = runtime._replica_id()
+                with tf.control_dependencies([started]):
+                    received = tf.nest.map_structure(
+                        tf.identity, inputs[replica]
+                    )
+                with tf.GradientTape() as tape:
+                    tape.watch(floating(received))
+                    outputs = self._call(stage, received, True)
+                self._tapes[stage, m, replica] = (tape, received, outputs)
+                return outputs
+
+            outputs = predicted = self._replica_results(stage, forward)
+            if target is None:
+                predicted = None
+            else:
+                outputs = self._row_losses(m, outputs, target)
             done.extend(tf.nest.flatten(outputs))
         return outputs, predicted
 
     def backward(self, stage, m, cotangent):
+        runtime = self.runtimes[stage]
+        variables = self.stage_models[stage].trainable_variables
         received = [] if cotangent is None else cotangent
         with self._issued(stage, schedules.BACKWARD, m, received) as done:
-            sent, finished = self._run_backward(stage, m, cotangent)
-            done.extend(finished)
-        return sent
+            started = self.times[-1][0]
+            if cotangent is None:
+                cotangent = self._loss_cotangents.pop(m)
+
+            def backward():
+                replica = runtime._replica_id()
+                tape, inputs, outputs = self._tapes.pop((stage, m, replica))
+                sources = floating(inputs) if stage else []
+                with tf.control_dependencies([started]):
+                    grads = tape.gradient(
+                        floating(outputs),
+                        [*variables, *sources],
+                        output_gradients=cotangent[replica],
+                    )
+                self._accumulate((stage, replica), variables, grads)
+                # An input the outputs do not depend on gets a zero
+                # gradient: a replica returns tensors only.
+                sent = [
+                    tf.zeros_like(source) if g is None else g
+                    for source, g in zip(sources, grads[len(variables) :])
+                ]
+                return sent, self.gradients[stage, replica]
+
+            results = self._replica_results(stage, backward)
+            done.extend(tf.nest.flatten(results))
+        return [sent for sent, _ in results]
 
     def send(self, value, stage, direction):
         """Counts `value` as sent to a neighbouring stage: the receiving
@@ -143,46 +179,39 @@ class TensorFlowStages(StagePrimitives):
     def infer(self, stage, inputs):
         """Each replica's outputs of `stage` on its structure of `inputs`."""
         runtime = self.runtimes[stage]
-        model = self.stage_models[stage]
-
-        def call():
-            replica_inputs = inputs[runtime._replica_id()]
-            with runtime.sequence_shards():
-                return runtime.whole_outputs(
-                    model(replica_inputs, training=self._training)
-                )
-
-        return self._replica_results(stage, call)
+        return self._replica_results(
+            stage,
+            lambda: self._call(
+                stage, inputs[runtime._replica_id()], self._training
+            ),
+        )
 
     def joined(self, losses, predictions):
         # Each row's loss is the mean over its equal slice of the batch,
         # so their mean is the batch's.
-        if not losses:
-            return None, self._batch_outputs(predictions)
-        loss = tf.add_n([row for micro in losses for row in micro])
-        return loss / self.data_parallel, self._batch_outputs(predictions)
+        loss = None
+        if losses:
+            loss = tf.add_n([row for micro in losses for row in micro])
+            loss = loss / self.data_parallel
+        # The batch's outputs: row by row (from its first replica), each
+        # row's micro-batches in order.
+        rows = range(0, len(predictions[0]), self.tensor_parallel)
+        return loss, concatenated([mb[r] for r in rows for mb in predictions])
 
-    def predict(self, x, training=False):
-        """The stages' outputs for a batch, one micro-batch after the other.
-
-        Args:
-            x: the batch's inputs, of a known batch size.
-            training: the `training` argument of the stages' calls.
-
-        Returns:
-            The last stage's outputs of the whole batch.
-        """
-        self._training = training
-        return self.joined([], run_forward(self, x))[1]
+    def _call(self, stage, inputs, training):
+        """A replica's outputs of `stage`, its sequence shards gathered."""
+        runtime = self.runtimes[stage]
+        with runtime.sequence_shards():
+            return runtime.whole_outputs(
+                self.stage_models[stage](inputs, training=training)
+            )
 
     def _replica_results(self, stage, fn):
         """`fn` run on each replica of `stage`, which reads its copies of
         the weights it shares with an earlier stage."""
-        reading = (
-            self.reading_copies(stage)
-            if self.reading_copies
-            else contextlib.nullcontext()
-        )
+        reading = contextlib.nullcontext()
+        if self.reading_copies:
+            reading = self.reading_copies(stage)
         with reading:
             return self.runtimes[stage].replica_results(
                 fn, self.stage_models[stage]
@@ -206,37 +235,6 @@ class TensorFlowStages(StagePrimitives):
             ]
             for m in range(count)
         ]
-
-    def _started(self):
-        """The start time of the action issued now: a replica's work
-        waits for it, which waits for the action's inputs and its
-        stage's previous action (see `_timed`). Replicas run in threads
-        of their own, which the control dependencies of the thread that
-        issues them do not reach."""
-        return self.times[-1][0]
-
-    def _run_forward(self, stage, m, received, target):
-        runtime = self.runtimes[stage]
-        model = self.stage_models[stage]
-        started = self._started()
-
-        def forward():
-            replica = runtime._replica_id()
-            with tf.control_dependencies([started]):
-                inputs = tf.nest.map_structure(tf.identity, received[replica])
-            with tf.GradientTape() as tape:
-                tape.watch(floating(inputs))
-                with runtime.sequence_shards():
-                    outputs = runtime.whole_outputs(
-                        model(inputs, training=True)
-                    )
-            self._tapes[stage, m, replica] = (tape, inputs, outputs)
-            return outputs
-
-        outputs = self._replica_results(stage, forward)
-        if target is None:
-            return outputs, None
-        return self._row_losses(m, outputs, target), outputs
 
     def _row_losses(self, m, outputs, target):
         """Each data-parallel row's share of the batch's loss from its
@@ -264,52 +262,9 @@ class TensorFlowStages(StagePrimitives):
         ]
         return losses
 
-    def _run_backward(self, stage, m, cotangent):
-        runtime = self.runtimes[stage]
-        variables = self.stage_models[stage].trainable_variables
-        started = self._started()
-        if cotangent is None:
-            cotangent = self._loss_cotangents.pop(m)
-
-        def backward():
-            replica = runtime._replica_id()
-            tape, inputs, outputs = self._tapes.pop((stage, m, replica))
-            sources = floating(inputs) if stage else []
-            with tf.control_dependencies([started]):
-                grads = tape.gradient(
-                    floating(outputs),
-                    [*variables, *sources],
-                    output_gradients=cotangent[replica],
-                )
-            self._accumulate(
-                (stage, replica), variables, grads[: len(variables)]
-            )
-            # An input the outputs do not depend on gets a zero gradient:
-            # a replica returns tensors only.
-            sent = [
-                tf.zeros_like(source) if g is None else g
-                for source, g in zip(sources, grads[len(variables) :])
-            ]
-            return sent, self.gradients[stage, replica]
-
-        results = self._replica_results(stage, backward)
-        return [r[0] for r in results], tf.nest.flatten(results)
-
-    def _batch_outputs(self, predictions):
-        """The batch's outputs from each micro-batch's, per replica: row
-        by row (from its first replica), each row's micro-batches in
-        order."""
-        return concatenated(
-            [
-                micro[r]
-                for r in range(0, len(predictions[0]), self.tensor_parallel)
-                for micro in predictions
-            ]
-        )
-
     def _accumulate(self, key, variables, grads):
-        """Adds a micro-batch's gradients to `gradients[key]`: per
-        trainable variable of the stage, dense, summed over micro-batches.
+        """Adds a micro-batch's gradients of `variables` (the first of
+        `grads`) to `gradients[key]`, dense.
 
         A stage may hold a weight it does not read: a layer called in
         several stages (keras-hub's ReversibleEmbedding with untied logits)
@@ -326,44 +281,37 @@ class TensorFlowStages(StagePrimitives):
 
     @contextlib.contextmanager
     def _issued(self, stage, kind, m, inputs):
-        """Issues the action `(stage, kind, m)` on its stage's device, after
-        the stage's previous action and timed (`_timed`); the caller adds
-        the tensors the action ends with to the list it is given."""
-        previous = stage - 1 if kind == schedules.FORWARD else stage + 1
-        sender = (previous, kind, m)
-        with (
-            tf.device(self.devices[stage]),
-            tf.control_dependencies(self._previous[stage]),
-            self._timed(inputs, self._ends.get(sender)),
-        ):
-            done = []
-            yield done
-            self._previous[stage] = done
-            self._ends[stage, kind, m] = self._ended(done)
+        """Issues the action `(stage, kind, m)` on its stage's first
+        device, after the stage's previous action, and times it there;
+        the caller adds the tensors the action ends with to the list it
+        is given.
 
-    @contextlib.contextmanager
-    def _timed(self, inputs, sent=None):
-        """Times the action issued inside, on its stage's device.
-
-        Its start is a `tf.timestamp` that runs once the action's inputs,
-        the timestamp `sent` of the end of the action that sent them, and
-        its stage's previous action are done; the action's operations wait
-        for it. `_ended` adds the timestamp of its end. So the times are
-        the executor's, as the step runs, not the trace's.
+        The start is a `tf.timestamp` that runs once the action's inputs,
+        the end of the action that sent them and the stage's previous
+        action are done; the action's operations wait for it (each
+        replica's work explicitly, from `times[-1][0]`: replicas run in
+        threads of their own, which the control dependencies of the
+        issuing thread do not reach). The end is a timestamp after the
+        tensors it ends with. So the times are the executor's, as the step
+        runs, not the trace's.
         """
+        sender = stage - 1 if kind == schedules.FORWARD else stage + 1
+        sent = self._ends.get((sender, kind, m))
         waits = tf.nest.flatten(inputs) + ([sent] if sent is not None else [])
-        with tf.control_dependencies(waits):
-            start = tf.timestamp()
-        self.times.append([start])
-        with tf.control_dependencies([start]):
-            yield
-
-    def _ended(self, outputs):
-        """The timestamp of the end of the action timed last."""
-        with tf.control_dependencies(outputs):
-            end = tf.timestamp()
-        self.times[-1].append(end)
-        return end
+        with (
+            tf.device(self.runtimes[stage].devices[0]),
+            tf.control_dependencies(self._previous[stage]),
+        ):
+            with tf.control_dependencies(waits):
+                start = tf.timestamp()
+            self.times.append([start])
+            with tf.control_dependencies([start]):
+                done = []
+                yield done
+                self._previous[stage] = done
+                with tf.control_dependencies(done):
+                    self._ends[stage, kind, m] = end = tf.timestamp()
+                self.times[-1].append(end)
 
 
 def batch_part(structure, index, size):

@@ -1,27 +1,23 @@
 """Pipeline stages on JAX: one compiled program per stage, on its devices.
 
-Each stage's forward pass is a jitted `jax.vjp` of the stage's Keras
-model on that stage's devices (one, or several splitting its layers by
-tensor parallelism); it returns the stage's outputs and the
-`VJP` that holds its residuals (the activations the backward pass
-needs). Each backward pass is a jitted call of one such `VJP`. These
-are the stage primitives (`JaxStages`) that the pipeline's executor
-(`keras_tp.pipeline.executor`) runs in the order of a schedule, and
-JAX's asynchronous dispatch lets the devices of different stages
-compute at the same time: a stage's call returns at once, and an array
-sent to the next stage's device is copied when it is ready. The
-activations of a micro-batch live in its `VJP` from its
-forward pass to its backward pass, so a 1F1B order holds fewer of them
-than GPipe's.
+Each stage's passes are compiled for its devices (one, or several that
+split its layers by tensor parallelism, in replicas or not) by
+`keras_tp.runtime.jax.stages`, whose `JaxStages` are the stage primitives
+that the pipeline's executor (`keras_tp.pipeline.executor`) runs in the
+order of a schedule. A training step then runs one compiled optimizer
+update per stage on its devices, in which the stage's replicas combine
+their gradients (`ReplicaGradients`).
 """
 
 import functools
 
 import jax
 import keras
+from jax.sharding import NamedSharding
 
 from keras_tp.keras_internals import StatelessScope
 from keras_tp.keras_internals import jax_update_metrics
+from keras_tp.parallel.zero import ZeroLayout
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.executor import peak_activations
 from keras_tp.pipeline.executor import run_forward
@@ -29,8 +25,6 @@ from keras_tp.pipeline.executor import run_schedule
 from keras_tp.pipeline.runtime import CallingStageRegions
 from keras_tp.pipeline.runtime import PipelineRuntime
 from keras_tp.runtime.jax import JaxRuntime
-from keras_tp.runtime.jax.replicated_stages import ReplicaGradients
-from keras_tp.runtime.jax.replicated_stages import ReplicatedStagePrograms
 from keras_tp.runtime.jax.stage_storage import StageStorage
 from keras_tp.runtime.jax.stages import TRACING_STAGE
 from keras_tp.runtime.jax.stages import JaxStages
@@ -39,7 +33,13 @@ from keras_tp.runtime.jax.stages import batch_size
 from keras_tp.runtime.jax.stages import count_received
 from keras_tp.runtime.jax.stages import counted_jit
 from keras_tp.runtime.jax.stages import onto
+from keras_tp.runtime.jax.stages import replica_rows
 from keras_tp.runtime.jax.steps import is_concrete
+from keras_tp.runtime.jax.storage import placement_spec
+
+# The most megabytes of gradient per collective call of the replicas'
+# update, as `CoordinatedOptimizer`'s default.
+BUCKET_CAP_MB = 25
 
 
 class JaxPipelineRuntime(StageStorage, PipelineRuntime):
@@ -66,11 +66,12 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         # mesh), which places the stage's variables and runs its split
         # layers; all count into this runtime's stats.
         self.stage_runtimes = self.stage_runtimes_of(JaxRuntime)
-        # The compiled training passes, per micro-batch count.
-        self._training_programs = {}
+        # `StagePrograms` by `(micro-batch count, or None for inference;
+        # per device)`, and each stage's compiled optimizer update.
+        self._compiled = {}
         self._updates = {}
-        # The micro-batch count of the last training step.
-        self._trained_count = None
+        # The programs of the last training step.
+        self._trained = None
 
     @property
     def local_ranks(self):
@@ -82,30 +83,14 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
     def _available_devices(self):
         return keras.distribution.list_devices()
 
-    # Inference programs, built once the variables are placed: on whole
-    # arrays (any batch, for `tp(x)`), and the replicas' own, each on its
-    # slice of a batch, for `evaluate` and `predict`.
-
-    @functools.cached_property
-    def _whole_programs(self):
-        return StagePrograms(
-            self.stage_models, self.stage_runtimes, None, None, self.stats
-        )
-
-    @functools.cached_property
-    def _step_programs(self):
-        if self.data_parallel == 1:
-            return self._whole_programs
-        return ReplicatedStagePrograms(
-            self.stage_models, self.stage_runtimes, None, None, self.stats
-        )
-
     def check_compiled(self, trainer):
         super().check_compiled(trainer)
-        # The compiled stage functions hold the loss and the optimizer of
-        # the last compile().
-        self._training_programs.clear()
-        self._trained_count = None
+        # The training programs and updates hold the loss and the optimizer
+        # of the last compile().
+        self._compiled = {
+            k: p for k, p in self._compiled.items() if k[0] is None
+        }
+        self._trained = None
         self._updates.clear()
 
     def calling_stage_runtime(self, stages):
@@ -118,42 +103,51 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         """The last training step's `schedules.Timeline`, from the times
         each stage's programs ran on its devices (see `StageClock`), or
         `None` before the first step."""
-        if self._trained_count is None:
+        if self._trained is None:
             return None
-        programs = self._training_programs[self._trained_count]
-        return programs.clock.timeline(self._order(self._trained_count))
+        order = self._order(self._trained.num_microbatches)
+        return self._trained.clock.timeline(order)
 
     @property
     def peak_activations(self):
         """Per stage, the most micro-batches whose activations it held at
         once in the last training step."""
-        if self._trained_count is None:
+        if self._trained is None:
             return []
-        return peak_activations(
-            self._order(self._trained_count), self.pipeline_parallel
-        )
+        order = self._order(self._trained.num_microbatches)
+        return peak_activations(order, self.pipeline_parallel)
 
     def _order(self, count):
         return schedules.issue_order(
             self.schedule, self.pipeline_parallel, count
         )
 
-    def _programs_of(self, count):
-        """The compiled training passes of `count` micro-batches."""
-        if count not in self._training_programs:
-            programs = (
-                ReplicatedStagePrograms
-                if self.data_parallel > 1
-                else StagePrograms
-            )
-            self._training_programs[count] = programs(
+    def _programs(self, count, per_device=True):
+        """The stages' compiled passes: for training steps of `count`
+        micro-batches, or for inference (`count=None`); per device with
+        replicas, unless `per_device=False` (whole arrays of any batch,
+        for direct calls `tp(x)`)."""
+        key = (count, per_device and self.data_parallel > 1)
+        if key not in self._compiled:
+            self._compiled[key] = StagePrograms(
                 self.stage_models,
                 self.stage_runtimes,
-                self.loss_function(),
-                count,
                 self.stats,
+                key[1],
+                count and self.loss_function(),
+                count,
             )
-        return self._training_programs[count]
+        return self._compiled[key]
+
+    def _stages(self, programs, trainable, non_trainable, count):
+        """The `JaxStages` of `programs` on Keras' values of a step."""
+        trainer = self.trainer
+        return JaxStages(
+            programs,
+            self.stage_lists(trainer.trainable_variables, trainable),
+            self.stage_lists(trainer.non_trainable_variables, non_trainable),
+            count,
+        )
 
     def train_step(self, state, data):
         trainer = self.trainer
@@ -162,26 +156,72 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         self.check_no_sample_weight(sample_weight)
         batch = batch_size(x)
         self.check_batch_size(batch)
-        replica_batch = batch // self.data_parallel
-        count = self.microbatches(replica_batch)
-        self._trained_count = count
-        stages = JaxStages(
-            self._programs_of(count),
-            self.stage_lists(trainer.trainable_variables, trainable),
-            self.stage_lists(trainer.non_trainable_variables, non_trainable),
-            count,
-        )
+        count = self.microbatches(batch // self.data_parallel)
+        self._trained = programs = self._programs(count)
+        stages = self._stages(programs, trainable, non_trainable, count)
         loss, y_pred = run_schedule(stages, self._order(count), x, y)
         trainable, optimizer_values = self._apply(
             trainable, optimizer_values, stages.gradients
         )
-        non_trainable = self._merged(
-            trainer.non_trainable_variables, non_trainable, stages.non_trainable
-        )
+        non_trainable = self._merged(non_trainable, stages.non_trainable)
         logs, metrics = jax_update_metrics(
             trainer, metrics, loss, x, y, y_pred, sample_weight
         )
         return logs, (trainable, non_trainable, optimizer_values, metrics)
+
+    def test_step(self, state, data):
+        trainable, non_trainable, metrics = state
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        self.check_no_sample_weight(sample_weight)
+        y_pred, non_trainable = self._infer(trainable, non_trainable, x)
+        loss = self.loss_function()(y, y_pred)
+        logs, metrics = jax_update_metrics(
+            self.trainer, metrics, loss, x, y, y_pred, sample_weight
+        )
+        return logs, (trainable, non_trainable, metrics)
+
+    def predict_step(self, state, data):
+        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
+        return self._infer(*state, x)
+
+    def call_model(self, model, inputs, training):
+        """A direct call `tp(x)` on arrays runs the stages on their devices.
+
+        A symbolic call (Keras building its metrics) runs the stages as a
+        graph, as on one device.
+        """
+        if not all(map(is_concrete, jax.tree_util.tree_leaves(inputs))):
+            return super().call_model(model, inputs, training)
+        trainer = self.trainer
+        with self.stats.recording("call"):
+            outputs, _ = self._infer(
+                [v.value for v in trainer.trainable_variables],
+                [v.value for v in trainer.non_trainable_variables],
+                inputs,
+                per_device=False,
+            )
+        return outputs
+
+    def _infer(self, trainable, non_trainable, x, per_device=True):
+        """The stages' forward passes of `x`, micro-batch by micro-batch,
+        on Keras' values: `(outputs, new non-trainable values)`."""
+        programs = self._programs(None, per_device)
+        batch = batch_size(x)
+        if programs.per_device:
+            self.check_batch_size(batch)
+        count = self.microbatches(batch // programs.replicas)
+        stages = self._stages(programs, trainable, non_trainable, count)
+        outputs = programs.join_batch(run_forward(stages, x))
+        return outputs, self._merged(non_trainable, stages.non_trainable)
+
+    def _merged(self, values, stage_values):
+        """Keras' non-trainable `values` with each stage's new ones written
+        over them."""
+        variables = self.trainer.non_trainable_variables
+        merged = dict(zip(map(id, variables), values))
+        for stage, new in zip(self.stage_models, stage_values):
+            merged.update(zip(map(id, stage.non_trainable_variables), new))
+        return [merged[id(v)] for v in variables]
 
     def stage_lists(self, variables, values):
         """`values` grouped by stage (see `PipelineRuntime.stage_lists`),
@@ -221,195 +261,160 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         ]
 
     def _apply(self, trainable, optimizer_values, gradients):
-        """Each stage's optimizer update, compiled for its device.
+        """Each stage's optimizer update, compiled for its devices.
 
         The optimizer's own variables (its step count, learning rate) are
         copied to every stage; each stage's update advances the step count
         alike, and the last stage's copy is kept.
         """
         trainer = self.trainer
-        optimizer = trainer.optimizer
         variables = trainer.trainable_variables
-        new_trainable = dict(zip(map(id, variables), trainable))
-        new_optimizer = dict(
-            zip(map(id, optimizer.variables), optimizer_values)
-        )
-        gradients = self._owned_gradients(gradients)
-        for stage, grads in enumerate(gradients):
+        optimizer_variables = trainer.optimizer.variables
+        values = dict(zip(map(id, variables), trainable))
+        values.update(zip(map(id, optimizer_variables), optimizer_values))
+        shared = [v for v in optimizer_variables if id(v) not in self.stage_of]
+        shared_values = [values[id(v)] for v in shared]
+        for stage, grads in enumerate(self._owned_gradients(gradients)):
             if stage not in self._updates:
-                self._updates[stage] = self._update_of(stage)
-            update, own, slots, shared = self._updates[stage]
-            mesh = self.stage_runtimes[stage].mesh
-            values, slot_values, shared_values = update(
-                [new_trainable[id(v)] for v in own],
-                [new_optimizer[id(v)] for v in slots],
-                onto([new_optimizer[id(v)] for v in shared], mesh),
+                self._updates[stage] = self._update_of(stage, shared)
+            update, own, slots = self._updates[stage]
+            new_values, new_slots, new_shared = update(
+                [values[id(v)] for v in own],
+                [values[id(v)] for v in slots],
+                onto(shared_values, self.stage_runtimes[stage].mesh),
                 grads,
             )
-            new_trainable.update(zip(map(id, own), values))
-            new_optimizer.update(zip(map(id, slots), slot_values))
-            stage_shared = dict(zip(map(id, shared), shared_values))
-        new_optimizer.update(stage_shared)
+            values.update(zip(map(id, own), new_values))
+            values.update(zip(map(id, slots), new_slots))
+        values.update(zip(map(id, shared), new_shared))
         return (
-            [new_trainable[id(v)] for v in variables],
-            [new_optimizer[id(v)] for v in optimizer.variables],
+            [values[id(v)] for v in variables],
+            [values[id(v)] for v in optimizer_variables],
         )
 
-    def _update_of(self, stage):
-        """`(update, variables, slots, shared)` of a stage: its compiled
-        optimizer update (`_update_of`) and the variables it reads."""
+    def _update_of(self, stage, shared):
+        """`(update, variables, slots)` of a stage: its compiled optimizer
+        update, a function of `(values, slot values, shared values,
+        gradients)` returning their new values, and the variables and
+        slots whose values it takes (`shared` are the optimizer's own)."""
         optimizer = self.trainer.optimizer
         own = self.owners.owned(stage)
         slots = [
             v for v in optimizer.variables if self.stage_of.get(id(v)) == stage
         ]
-        shared = [v for v in optimizer.variables if id(v) not in self.stage_of]
-        replicas = (
-            ReplicaGradients(
-                self.stage_runtimes[stage], own, self.zero_stage, self.stats
+        replicas = None
+        if self.data_parallel > 1:
+            runtime = self.stage_runtimes[stage]
+            replicas = ReplicaGradients(runtime, own, self.zero_stage)
+
+        def update(values, slot_values, shared_values, gradients):
+            if replicas is not None:
+                gradients = replicas.reduce(gradients)
+                values = replicas.partitioned(values)
+            groups = (
+                (own, values),
+                (slots, slot_values),
+                (shared, shared_values),
             )
-            if self.data_parallel > 1
-            else None
-        )
-        update = counted_jit(
-            _update_of(optimizer, own, slots, shared, replicas), self.stats
-        )
-        return update, own, slots, shared
-
-    def _merged(self, variables, values, stage_values):
-        """`values` with each stage's new ones written over them."""
-        merged = dict(zip(map(id, variables), values))
-        for stage, new in zip(self.stage_models, stage_values):
-            merged.update(zip(map(id, stage.non_trainable_variables), new))
-        return [merged[id(v)] for v in variables]
-
-    def _forward(self, trainable, non_trainable, x, programs):
-        """The stages' forward passes of `x`, micro-batch by micro-batch.
-
-        Args:
-            trainable, non_trainable: each stage's values.
-            x: the inputs.
-            programs: the `StagePrograms` that run them.
-
-        Returns:
-            `(outputs, each stage's new non-trainable values)`.
-        """
-        batch = batch_size(x)
-        replicas = programs.data_parallel
-        if replicas > 1:
-            self.check_batch_size(batch)
-        stages = JaxStages(
-            programs,
-            trainable,
-            non_trainable,
-            self.microbatches(batch // replicas),
-        )
-        outputs = programs.join_batch(run_forward(stages, x))
-        return outputs, stages.non_trainable
-
-    def test_step(self, state, data):
-        trainer = self.trainer
-        trainable, non_trainable, metrics = state
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        self.check_no_sample_weight(sample_weight)
-        y_pred, stage_non_trainable = self._forward(
-            self.stage_lists(trainer.trainable_variables, trainable),
-            self.stage_lists(trainer.non_trainable_variables, non_trainable),
-            x,
-            self._step_programs,
-        )
-        loss = self.loss_function()(y, y_pred)
-        non_trainable = self._merged(
-            trainer.non_trainable_variables, non_trainable, stage_non_trainable
-        )
-        logs, metrics = jax_update_metrics(
-            trainer, metrics, loss, x, y, y_pred, sample_weight
-        )
-        return logs, (trainable, non_trainable, metrics)
-
-    def predict_step(self, state, data):
-        trainer = self.trainer
-        trainable, non_trainable = state
-        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        y_pred, stage_non_trainable = self._forward(
-            self.stage_lists(trainer.trainable_variables, trainable),
-            self.stage_lists(trainer.non_trainable_variables, non_trainable),
-            x,
-            self._step_programs,
-        )
-        return y_pred, self._merged(
-            trainer.non_trainable_variables, non_trainable, stage_non_trainable
-        )
-
-    def call_model(self, model, inputs, training):
-        """A direct call `tp(x)` on arrays runs the stages on their devices.
-
-        A symbolic call (Keras building its metrics) runs the stages as a
-        graph, as on one device.
-        """
-        if not all(map(is_concrete, jax.tree_util.tree_leaves(inputs))):
-            return super().call_model(model, inputs, training)
-        trainer = self.trainer
-        with self.stats.recording("call"):
-            outputs, _ = self._forward(
-                self.stage_lists(
-                    trainer.trainable_variables,
-                    [v.value for v in trainer.trainable_variables],
-                ),
-                self.stage_lists(
-                    trainer.non_trainable_variables,
-                    [v.value for v in trainer.non_trainable_variables],
-                ),
-                inputs,
-                self._whole_programs,
+            mapping = [pair for group in groups for pair in zip(*group)]
+            with StatelessScope(state_mapping=mapping) as scope:
+                optimizer.apply(gradients, own)
+            new_values, new_slots, new_shared = (
+                [
+                    _or(scope.get_current_value(v), value)
+                    for v, value in zip(*group)
+                ]
+                for group in groups
             )
-        return outputs
+            if replicas is not None:
+                new_values = replicas.gathered(new_values)
+            return new_values, new_slots, new_shared
+
+        return counted_jit(update, self.stats), own, slots
 
 
-def _update_of(optimizer, variables, slots, shared, replicas=None):
-    """One stage's optimizer update, as a function of values.
+class ReplicaGradients:
+    """How the replicas of a stage combine their gradients and updates.
+
+    Without ZeRO each replica's gradients are averaged over `data` (DDP);
+    with ZeRO-1 they are reduce-scattered, each device updates its
+    partition of the weights with its partition of the optimizer state,
+    and the updated partitions are all-gathered. The collectives travel
+    in the `CoordinatedOptimizer`'s buckets (`ZeroLayout`) and count as
+    the optimizer's communication. Every method is traced inside the
+    stage's jitted optimizer update, on whole arrays.
 
     Args:
-        optimizer: the compiled Keras optimizer.
+        runtime: the stage's `JaxRuntime` (a `data x model` mesh).
         variables: the stage's trainable variables.
-        slots: the optimizer's slots of those variables.
-        shared: the optimizer's own variables (step count, learning rate).
-        replicas: with replicas, their `ReplicaGradients`, which combine
-            their gradients and updates; `None` without.
-
-    Returns:
-        A function of `(values, slot_values, shared_values, gradients)`
-        returning the new `(values, slot_values, shared_values)`.
+        zero_stage: 0 or 1.
     """
 
-    def update(values, slot_values, shared_values, gradients):
-        if replicas is not None:
-            gradients = replicas.reduce(gradients)
-            values = replicas.partitioned(values)
-        mapping = [
-            *zip(variables, values),
-            *zip(slots, slot_values),
-            *zip(shared, shared_values),
+    def __init__(self, runtime, variables, zero_stage):
+        placement = runtime.placement
+        self.runtime = runtime
+        self.variables = list(variables)
+        self.layout = ZeroLayout(
+            placement, self.variables, zero_stage, BUCKET_CAP_MB * 2**20
+        )
+        self._placed = [runtime._variable_spec(v) for v in self.variables]
+        self._partitioned = [
+            placement_spec(
+                len(placement.full_shapes[id(v)]),
+                placement.split_axis(v),
+                self.layout.partition_axes[id(v)],
+            )
+            for v in self.variables
         ]
-        with StatelessScope(state_mapping=mapping) as scope:
-            optimizer.apply(gradients, variables)
 
-        def new(group, old):
-            return [
-                _or(scope.get_current_value(v), value)
-                for v, value in zip(group, old)
-            ]
+    def _on_devices(self, local, in_specs, out_specs):
+        """`local(values, variables, data adapter)` run per device on the
+        stage's mesh, as the optimizer's communication."""
+        runtime = self.runtime
 
-        new_values = new(variables, values)
-        if replicas is not None:
-            new_values = replicas.gathered(new_values)
-        return (
-            new_values,
-            new(slots, slot_values),
-            new(shared, shared_values),
+        def labelled(values):
+            with runtime.adapter.stats.labelled("optimizer"):
+                return local(values, self.variables, runtime.data_adapter)
+
+        return jax.shard_map(
+            labelled,
+            mesh=runtime.mesh,
+            in_specs=(in_specs,),
+            out_specs=out_specs,
+            check_vma=False,
         )
 
-    return update
+    def reduce(self, gradient_rows):
+        """The gradients averaged over the replicas (from one row per
+        replica, `StagePrograms.backward`): whole, or each device's ZeRO
+        partition of them."""
+        return self._on_devices(
+            lambda rows, variables, adapter: self.layout.synchronised(
+                [row[0] for row in rows], variables, adapter
+            ),
+            replica_rows(self.runtime, self.variables),
+            self._partitioned,
+        )(gradient_rows)
+
+    def partitioned(self, values):
+        """The weights laid out as their ZeRO partitions, so that the
+        update computes each device's partition only (a local slice of
+        a replicated weight, without communication)."""
+        return [
+            jax.lax.with_sharding_constraint(
+                value, NamedSharding(self.runtime.mesh, spec)
+            )
+            for value, spec in zip(values, self._partitioned)
+        ]
+
+    def gathered(self, values):
+        """The updated weights, whole again: each partition all-gathered."""
+
+        def local(partitions, variables, adapter):
+            whole = self.layout.gathered(partitions, variables, adapter)
+            return [whole.get(i, p) for i, p in enumerate(partitions)]
+
+        return self._on_devices(local, self._partitioned, self._placed)(values)
 
 
 def _or(value, default):

@@ -6,10 +6,8 @@ split its layers by tensor parallelism, in replicas or not) by
 that the pipeline's executor (`keras_tp.pipeline.executor`) runs in the
 order of a schedule. A training step then runs one compiled optimizer
 update per stage on its devices, in which the stage's replicas combine
-their gradients (`ReplicaGradients`).
+their gradients (`over_replicas`).
 """
-
-import functools
 
 import jax
 import keras
@@ -30,10 +28,10 @@ from keras_tp.runtime.jax.stages import TRACING_STAGE
 from keras_tp.runtime.jax.stages import JaxStages
 from keras_tp.runtime.jax.stages import StagePrograms
 from keras_tp.runtime.jax.stages import batch_size
-from keras_tp.runtime.jax.stages import count_received
 from keras_tp.runtime.jax.stages import counted_jit
 from keras_tp.runtime.jax.stages import onto
 from keras_tp.runtime.jax.stages import replica_rows
+from keras_tp.runtime.jax.stages import sent
 from keras_tp.runtime.jax.steps import is_concrete
 from keras_tp.runtime.jax.storage import placement_spec
 
@@ -70,7 +68,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         # per device)`, and each stage's compiled optimizer update.
         self._compiled = {}
         self._updates = {}
-        # The programs of the last training step.
+        # The programs and the order of actions of the last training step.
         self._trained = None
 
     @property
@@ -105,8 +103,8 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         `None` before the first step."""
         if self._trained is None:
             return None
-        order = self._order(self._trained.num_microbatches)
-        return self._trained.clock.timeline(order)
+        programs, order = self._trained
+        return programs.clock.timeline(order)
 
     @property
     def peak_activations(self):
@@ -114,13 +112,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         once in the last training step."""
         if self._trained is None:
             return []
-        order = self._order(self._trained.num_microbatches)
-        return peak_activations(order, self.pipeline_parallel)
-
-    def _order(self, count):
-        return schedules.issue_order(
-            self.schedule, self.pipeline_parallel, count
-        )
+        return peak_activations(self._trained[1], self.pipeline_parallel)
 
     def _programs(self, count, per_device=True):
         """The stages' compiled passes: for training steps of `count`
@@ -129,14 +121,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         for direct calls `tp(x)`)."""
         key = (count, per_device and self.data_parallel > 1)
         if key not in self._compiled:
-            self._compiled[key] = StagePrograms(
-                self.stage_models,
-                self.stage_runtimes,
-                self.stats,
-                key[1],
-                count and self.loss_function(),
-                count,
-            )
+            self._compiled[key] = StagePrograms(self, key[1], count)
         return self._compiled[key]
 
     def _stages(self, programs, trainable, non_trainable, count):
@@ -157,9 +142,13 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         batch = batch_size(x)
         self.check_batch_size(batch)
         count = self.microbatches(batch // self.data_parallel)
-        self._trained = programs = self._programs(count)
+        programs = self._programs(count)
+        order = schedules.issue_order(
+            self.schedule, self.pipeline_parallel, count
+        )
+        self._trained = (programs, order)
         stages = self._stages(programs, trainable, non_trainable, count)
-        loss, y_pred = run_schedule(stages, self._order(count), x, y)
+        loss, y_pred = run_schedule(stages, order, x, y)
         trainable, optimizer_values = self._apply(
             trainable, optimizer_values, stages.gradients
         )
@@ -235,30 +224,22 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             ]
             for i, variable in enumerate(members):
                 if self.stage_of[id(variable)] != stage:
-                    group[i] = onto(group[i], self.stage_runtimes[stage].mesh)
-                    count_received(self.stats, group[i], "forward")
+                    group[i] = self._sent(group[i], stage, "forward")
         return grouped
+
+    def _sent(self, value, stage, direction):
+        mesh = self.stage_runtimes[stage].mesh
+        return sent(value, mesh, self.stats, direction)
 
     def _owned_gradients(self, gradients):
         """Per stage, the gradients of the trainable variables it owns: a
         shared weight's gradients from every stage that uses it, added on
         its owner's devices (see `WeightOwners`)."""
-
-        def moved(grad, stage, owner):
-            grad = onto(grad, self.stage_runtimes[owner].mesh)
-            count_received(self.stats, grad, "backward")
-            return grad
-
-        return [
-            [
-                functools.reduce(
-                    lambda a, b: jax.tree_util.tree_map(jax.numpy.add, a, b),
-                    addends,
-                )
-                for addends in stage
-            ]
-            for stage in self.owners.gradient_addends(gradients, moved)
-        ]
+        addends = self.owners.gradient_addends(
+            gradients,
+            lambda grad, _, owner: self._sent(grad, owner, "backward"),
+        )
+        return [[sum(a[1:], a[0]) for a in stage] for stage in addends]
 
     def _apply(self, trainable, optimizer_values, gradients):
         """Each stage's optimizer update, compiled for its devices.
@@ -302,15 +283,8 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         slots = [
             v for v in optimizer.variables if self.stage_of.get(id(v)) == stage
         ]
-        replicas = None
-        if self.data_parallel > 1:
-            runtime = self.stage_runtimes[stage]
-            replicas = ReplicaGradients(runtime, own, self.zero_stage)
 
         def update(values, slot_values, shared_values, gradients):
-            if replicas is not None:
-                gradients = replicas.reduce(gradients)
-                values = replicas.partitioned(values)
             groups = (
                 (own, values),
                 (slots, slot_values),
@@ -319,62 +293,60 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             mapping = [pair for group in groups for pair in zip(*group)]
             with StatelessScope(state_mapping=mapping) as scope:
                 optimizer.apply(gradients, own)
-            new_values, new_slots, new_shared = (
-                [
-                    _or(scope.get_current_value(v), value)
-                    for v, value in zip(*group)
-                ]
-                for group in groups
-            )
-            if replicas is not None:
-                new_values = replicas.gathered(new_values)
-            return new_values, new_slots, new_shared
 
+            def new(variable, value):
+                current = scope.get_current_value(variable)
+                return value if current is None else current
+
+            return tuple([*map(new, *group)] for group in groups)
+
+        if self.data_parallel > 1:
+            update = over_replicas(
+                update, self.stage_runtimes[stage], own, self.zero_stage
+            )
         return counted_jit(update, self.stats), own, slots
 
 
-class ReplicaGradients:
-    """How the replicas of a stage combine their gradients and updates.
+def over_replicas(update, runtime, variables, zero_stage):
+    """A stage's optimizer `update` (see `_update_of`) with replicas,
+    which combine their gradients and updates.
 
     Without ZeRO each replica's gradients are averaged over `data` (DDP);
     with ZeRO-1 they are reduce-scattered, each device updates its
-    partition of the weights with its partition of the optimizer state,
-    and the updated partitions are all-gathered. The collectives travel
-    in the `CoordinatedOptimizer`'s buckets (`ZeroLayout`) and count as
-    the optimizer's communication. Every method is traced inside the
-    stage's jitted optimizer update, on whole arrays.
+    partition of the weights with its partition of the optimizer state
+    (the weights laid out as their partitions, so that the update
+    computes each device's only, without communication), and the updated
+    partitions are all-gathered. The collectives travel in the
+    `CoordinatedOptimizer`'s buckets (`ZeroLayout`) and count as the
+    optimizer's communication.
 
     Args:
+        update: the update of whole values.
         runtime: the stage's `JaxRuntime` (a `data x model` mesh).
         variables: the stage's trainable variables.
         zero_stage: 0 or 1.
+
+    Returns:
+        The update of the gradients' rows, one per replica
+        (`StagePrograms`), traced inside the stage's jitted update.
     """
-
-    def __init__(self, runtime, variables, zero_stage):
-        placement = runtime.placement
-        self.runtime = runtime
-        self.variables = list(variables)
-        self.layout = ZeroLayout(
-            placement, self.variables, zero_stage, BUCKET_CAP_MB * 2**20
+    placement = runtime.placement
+    adapter = runtime.data_adapter
+    layout = ZeroLayout(placement, variables, zero_stage, BUCKET_CAP_MB * 2**20)
+    placed = [runtime._variable_spec(v) for v in variables]
+    partitioned = [
+        placement_spec(
+            len(placement.full_shapes[id(v)]),
+            placement.split_axis(v),
+            layout.partition_axes[id(v)],
         )
-        self._placed = [runtime._variable_spec(v) for v in self.variables]
-        self._partitioned = [
-            placement_spec(
-                len(placement.full_shapes[id(v)]),
-                placement.split_axis(v),
-                self.layout.partition_axes[id(v)],
-            )
-            for v in self.variables
-        ]
+        for v in variables
+    ]
 
-    def _on_devices(self, local, in_specs, out_specs):
-        """`local(values, variables, data adapter)` run per device on the
-        stage's mesh, as the optimizer's communication."""
-        runtime = self.runtime
-
+    def on_devices(local, in_specs, out_specs):
         def labelled(values):
-            with runtime.adapter.stats.labelled("optimizer"):
-                return local(values, self.variables, runtime.data_adapter)
+            with adapter.stats.labelled("optimizer"):
+                return local(values)
 
         return jax.shard_map(
             labelled,
@@ -384,41 +356,28 @@ class ReplicaGradients:
             check_vma=False,
         )
 
-    def reduce(self, gradient_rows):
-        """The gradients averaged over the replicas (from one row per
-        replica, `StagePrograms.backward`): whole, or each device's ZeRO
-        partition of them."""
-        return self._on_devices(
-            lambda rows, variables, adapter: self.layout.synchronised(
-                [row[0] for row in rows], variables, adapter
-            ),
-            replica_rows(self.runtime, self.variables),
-            self._partitioned,
-        )(gradient_rows)
+    def reduced(rows):
+        grads = [row[0] for row in rows]
+        return layout.synchronised(grads, variables, adapter)
 
-    def partitioned(self, values):
-        """The weights laid out as their ZeRO partitions, so that the
-        update computes each device's partition only (a local slice of
-        a replicated weight, without communication)."""
-        return [
+    def gathered(partitions):
+        whole = layout.gathered(partitions, variables, adapter)
+        return [whole.get(i, p) for i, p in enumerate(partitions)]
+
+    def combined(values, slot_values, shared_values, gradient_rows):
+        rows = replica_rows(runtime, variables)
+        gradients = on_devices(reduced, rows, partitioned)(gradient_rows)
+        values = [
             jax.lax.with_sharding_constraint(
-                value, NamedSharding(self.runtime.mesh, spec)
+                value, NamedSharding(runtime.mesh, spec)
             )
-            for value, spec in zip(values, self._partitioned)
+            for value, spec in zip(values, partitioned)
         ]
+        new_values, *new = update(values, slot_values, shared_values, gradients)
+        new_values = on_devices(gathered, partitioned, placed)(new_values)
+        return new_values, *new
 
-    def gathered(self, values):
-        """The updated weights, whole again: each partition all-gathered."""
-
-        def local(partitions, variables, adapter):
-            whole = self.layout.gathered(partitions, variables, adapter)
-            return [whole.get(i, p) for i, p in enumerate(partitions)]
-
-        return self._on_devices(local, self._partitioned, self._placed)(values)
-
-
-def _or(value, default):
-    return default if value is None else value
+    return combined
 
 
 PIPELINE_RUNTIME = JaxPipelineRuntime

@@ -37,8 +37,9 @@ ROWS = PartitionSpec(("data", "model"))
 DATA = PartitionSpec("data")
 
 
-def onto(tree, mesh):
-    """The arrays of `tree` placed on `mesh`, each keeping its split.
+def onto(tree, mesh, spec=None):
+    """The arrays of `tree` placed on `mesh`, split by `spec` or else each
+    keeping its split.
 
     An activation split over the sending stage's `model` axis (a Column
     layer's output) goes to the same split on the receiving stage: each
@@ -49,10 +50,11 @@ def onto(tree, mesh):
     def put(array):
         sharding = getattr(array, "sharding", None)
         named = isinstance(sharding, NamedSharding)
-        spec = sharding.spec if named else PartitionSpec()
-        return jax.device_put(array, NamedSharding(mesh, spec))
+        kept = sharding.spec if named else PartitionSpec()
+        split = kept if spec is None else spec
+        return jax.device_put(array, NamedSharding(mesh, split))
 
-    return jax.tree_util.tree_map(put, tree)
+    return jax.tree.map(put, tree)
 
 
 class StageClock:
@@ -90,7 +92,7 @@ class StageClock:
         # A first element of every array makes the callback wait for all.
         firsts = [
             leaf.ravel()[:1]
-            for leaf in jax.tree_util.tree_leaves(tree)
+            for leaf in jax.tree.leaves(tree)
             if hasattr(leaf, "ravel")
             and leaf.size
             and leaf.dtype != jax.dtypes.float0
@@ -111,13 +113,8 @@ class StageClock:
         records = []
         for stage, stamps in enumerate(self.stamps):
             actions = [(kind, m) for s, kind, m in order if s == stage]
-            stamps = list(stamps)
-            records.append(
-                [
-                    (kind, m, stamps[2 * i], stamps[2 * i + 1])
-                    for i, (kind, m) in enumerate(actions)
-                ]
-            )
+            times = list(zip(*[iter(stamps)] * 2))
+            records.append([(*a, *t) for a, t in zip(actions, times)])
         return schedules.recorded_timeline(records)
 
 
@@ -151,22 +148,24 @@ def signature(tree):
     """The shapes and dtypes of a tree's leaves: what a trace depends on."""
     return tuple(
         (getattr(leaf, "shape", None), str(getattr(leaf, "dtype", type(leaf))))
-        for leaf in jax.tree_util.tree_leaves(tree)
+        for leaf in jax.tree.leaves(tree)
     )
 
 
-def count_received(stats, tree, direction):
-    """Counts, one call per array, what a stage's devices received from
-    their neighbour, placed on them: each device its own shard or copy.
+def sent(tree, mesh, stats, direction):
+    """`tree` placed on `mesh` (`onto`), counted as received there on
+    `"pipe"`, one call per array: each device its own shard or copy.
     Integer inputs' `float0` gradients carry no data."""
-    for leaf in jax.tree_util.tree_leaves(tree):
+    tree = onto(tree, mesh)
+    for leaf in jax.tree.leaves(tree):
         if leaf.dtype != jax.dtypes.float0:
             received = sum(s.data.nbytes for s in leaf.addressable_shards)
             stats.record("send", received, direction, "pipe")
+    return tree
 
 
 def batch_size(tree):
-    return len(jax.tree_util.tree_leaves(tree)[0])
+    return len(jax.tree.leaves(tree)[0])
 
 
 class StagePrograms:
@@ -197,37 +196,28 @@ class StagePrograms:
     passes through without a gradient).
 
     Args:
-        stage_models: the Keras model of each stage, in order.
-        runtimes: the `JaxRuntime` of each stage's devices.
-        stats: the pipeline's `CommunicationStats`.
+        pipeline: the `JaxPipelineRuntime` (its stage models, their
+            runtimes, its stats and loss).
         per_device: whether the passes run per device (see above).
-        loss: the loss of `(y_true, y_pred)`, averaged over a micro-batch;
-            `None` for programs that only run inference (`infer`).
-        num_microbatches: micro-batches per batch of a training step.
+        num_microbatches: micro-batches per batch of a training step, or
+            `None` for programs that only run inference.
     """
 
-    def __init__(
-        self,
-        stage_models,
-        runtimes,
-        stats,
-        per_device,
-        loss=None,
-        num_microbatches=None,
-    ):
-        self.stage_models = list(stage_models)
-        self.runtimes = list(runtimes)
-        self.stats = stats
+    def __init__(self, pipeline, per_device, num_microbatches=None):
+        self.stage_models = pipeline.stage_models
+        self.runtimes = pipeline.stage_runtimes
+        self.stats = pipeline.stats
         self.per_device = per_device
-        self.replicas = runtimes[0].data_parallel if per_device else 1
-        self.loss = loss
+        self.replicas = pipeline.data_parallel if per_device else 1
+        # Loss of `(y_true, y_pred)`, averaged over a micro-batch.
+        self.loss = num_microbatches and pipeline.loss_function()
         self.num_microbatches = num_microbatches
         self.last = len(self.stage_models) - 1
-        self.clock = StageClock(len(stage_models), num_microbatches or 1)
+        self.clock = StageClock(self.last + 1, num_microbatches or 1)
         self._programs = {}
-        # Per forward trace, how to rebuild its VJP from kept residuals.
+        # How to rebuild a forward pass's VJP from its kept residuals, by
+        # stage and the signature of the pass's arguments on each device.
         self._layouts = {}
-        self._tracing = None
 
     def split_batch(self, tree, count):
         """The batch's `count` micro-batches: micro-batch `m` holds the
@@ -241,8 +231,7 @@ class StagePrograms:
             return array[:, m].reshape((replicas * size,) + array.shape[3:])
 
         return [
-            jax.tree_util.tree_map(lambda a, m=m: part(a, m), tree)
-            for m in range(count)
+            jax.tree.map(lambda a, m=m: part(a, m), tree) for m in range(count)
         ]
 
     def join_batch(self, parts):
@@ -257,70 +246,24 @@ class StagePrograms:
             ).swapaxes(0, 1)
             return stacked.reshape((count * rows,) + stacked.shape[3:])
 
-        return jax.tree_util.tree_map(whole, *parts)
-
-    def batch_loss(self, total):
-        """Each replica's loss is its slice's; the batch's is their mean."""
-        return jax.numpy.mean(total)
+        return jax.tree.map(whole, *parts)
 
     def place(self, stage, tree):
         """A stage's input arrays, placed on its devices: the first
         stage's split over its replicas when per device."""
-        mesh = self.runtimes[stage].mesh
-        if stage or not self.per_device:
-            return onto(tree, mesh)
-        sharding = NamedSharding(mesh, DATA)
-        return jax.tree_util.tree_map(
-            lambda a: jax.device_put(a, sharding), tree
-        )
+        first = self.per_device and not stage
+        return onto(tree, self.runtimes[stage].mesh, DATA if first else None)
 
-    def infer(self, stage, trainable, non_trainable, inputs):
-        """A stage's forward pass of one micro-batch, for inference.
-
-        Returns:
-            `(outputs, its new non-trainable values)`.
-        """
-        program = self._program(("infer", stage), stage, self._inference_of)
-        return program(trainable, non_trainable, self.place(stage, inputs))
-
-    def forward(self, stage, trainable, non_trainable, inputs, targets):
-        """Runs a stage's forward pass of one micro-batch.
-
-        Returns:
-            `(outputs, residuals, non_trainable, predictions)`: the stage's
-            outputs (on the last stage, its share of the batch's loss, one
-            per replica), what its backward pass takes, its new
-            non-trainable values and, on the last stage, its outputs.
-        """
-        args = (trainable, non_trainable, self.place(stage, inputs), targets)
-        self._tracing = key = (stage, signature(args))
-        program = self._program(
-            ("forward", stage), stage, self._forward_of, True
-        )
-        outputs, kept, new_non_trainable, predictions = program(*args)
-        return outputs, (key, args, kept), new_non_trainable, predictions
-
-    def backward(self, stage, residuals, cotangent):
-        """`(gradients, input gradients)` of a stage's micro-batch;
-        `cotangent` is the gradient of its outputs (`None` on the last)."""
-        key, args, kept = residuals
-        program = self._program(
-            ("backward", key),
-            stage,
-            lambda s: self._backward_of(s, *self._layouts[key]),
-            stamped=True,
-        )
-        return program(*args, kept, cotangent)
-
-    def _program(self, key, stage, make, stamped=False):
-        """The compiled program `key` of `stage`, made by `make(stage)` once;
-        a training pass stamps when it ran (`StageClock`)."""
-        if key not in self._programs:
-            function = make(stage)
-            if stamped:
+    def program(self, kind, stage):
+        """A stage's compiled pass, made once: `"infer"`, or the training
+        passes `"forward"` and `"backward"`, which stamp when they ran on
+        its devices (`StageClock`)."""
+        if (kind, stage) not in self._programs:
+            function = getattr(self, f"_{kind}_of")(stage)
+            if kind != "infer":
                 function = self.clock.stamped(function, stage)
-            self._programs[key] = counted_jit(function, self.stats)
-        return self._programs[key]
+            self._programs[kind, stage] = counted_jit(function, self.stats)
+        return self._programs[kind, stage]
 
     def _mapped(self, stage, local, in_specs, out_specs):
         """`local` per device on the stage's mesh; whole, as it is."""
@@ -335,14 +278,12 @@ class StagePrograms:
         )
 
     def _rows(self, tree):
-        if not self.per_device:
-            return tree
-        return jax.tree_util.tree_map(lambda a: a[None], tree)
+        return (
+            jax.tree.map(lambda a: a[None], tree) if self.per_device else tree
+        )
 
     def _from_rows(self, tree):
-        if not self.per_device:
-            return tree
-        return jax.tree_util.tree_map(lambda a: a[0], tree)
+        return jax.tree.map(lambda a: a[0], tree) if self.per_device else tree
 
     def _specs(self, stage):
         """`(trainable, non_trainable, inputs, targets)` in-specs."""
@@ -354,6 +295,13 @@ class StagePrograms:
             ROWS if stage else DATA,
             DATA,
         )
+
+    def _arguments(self, stage, trainable, non_trainable, inputs, targets):
+        """`(inputs, leaves)`: a pass's inputs as the stage reads them, and
+        the leaves of all its arguments, where residuals are looked up."""
+        inputs = self._from_rows(inputs) if stage else inputs
+        leaves = (trainable, non_trainable, inputs, targets)
+        return inputs, jax.tree.leaves(leaves)
 
     @contextlib.contextmanager
     def _traced(self, stage):
@@ -378,7 +326,7 @@ class StagePrograms:
         finally:
             TRACING_STAGE.reset(token)
 
-    def _inference_of(self, index):
+    def _infer_of(self, index):
         model = self.stage_models[index]
         last = index == self.last
 
@@ -399,9 +347,8 @@ class StagePrograms:
         last = index == self.last
 
         def local(trainable, non_trainable, inputs, targets):
-            inputs = self._from_rows(inputs) if index else inputs
-            candidates = jax.tree_util.tree_leaves(
-                (trainable, non_trainable, inputs, targets)
+            inputs, leaves = self._arguments(
+                index, trainable, non_trainable, inputs, targets
             )
             floats, rebuild = _floats(inputs)
 
@@ -420,16 +367,14 @@ class StagePrograms:
                 primal, vjp, (new_non_trainable, outputs) = jax.vjp(
                     stage, trainable, floats, has_aux=True
                 )
-            residuals, treedef = jax.tree_util.tree_flatten(vjp)
-            index_of = {id(leaf): i for i, leaf in enumerate(candidates)}
+            residuals, treedef = jax.tree.flatten(vjp)
+            index_of = {id(leaf): i for i, leaf in enumerate(leaves)}
             sources = tuple(index_of.get(id(leaf)) for leaf in residuals)
-            self._layouts[self._tracing] = (treedef, sources)
+            self._layouts[index, signature(leaves)] = (treedef, sources)
             kept = [r for r, s in zip(residuals, sources) if s is None]
-            if last:
-                sent, predictions = self._rows(primal), outputs
-            else:
-                sent, predictions = self._rows(outputs), None
-            return sent, self._rows(kept), new_non_trainable, predictions
+            passed = self._rows(primal if last else outputs)
+            predictions = outputs if last else None
+            return passed, self._rows(kept), new_non_trainable, predictions
 
         specs = self._specs(index)
         # The last stage's share of the loss and its outputs (the
@@ -442,18 +387,18 @@ class StagePrograms:
         )
         return self._mapped(index, local, specs, out_specs)
 
-    def _backward_of(self, index, treedef, sources):
+    def _backward_of(self, index):
         last = index == self.last
 
         def local(trainable, non_trainable, inputs, targets, kept, cotangent):
-            inputs = self._from_rows(inputs) if index else inputs
-            candidates = jax.tree_util.tree_leaves(
-                (trainable, non_trainable, inputs, targets)
+            _, leaves = self._arguments(
+                index, trainable, non_trainable, inputs, targets
             )
+            treedef, sources = self._layouts[index, signature(leaves)]
             kept = iter(self._from_rows(kept))
-            vjp = jax.tree_util.tree_unflatten(
+            vjp = jax.tree.unflatten(
                 treedef,
-                [next(kept) if s is None else candidates[s] for s in sources],
+                [next(kept) if s is None else leaves[s] for s in sources],
             )
             gradients, input_gradients = vjp(
                 np.float32(1.0) if last else self._from_rows(cotangent)
@@ -465,18 +410,17 @@ class StagePrograms:
 
         runtime = self.runtimes[index]
         variables = self.stage_models[index].trainable_variables
+        in_specs = (*self._specs(index), ROWS, ROWS)
         out_specs = (replica_rows(runtime, variables), ROWS)
-        return self._mapped(
-            index, local, (*self._specs(index), ROWS, ROWS), out_specs
-        )
+        return self._mapped(index, local, in_specs, out_specs)
 
 
 class JaxStages(StagePrimitives):
-    """The stage primitives of a JAX pipeline: its compiled passes on the
-    values of one step.
+    """The stage primitives of a JAX pipeline: its compiled passes
+    (`StagePrograms`) on the values of one step.
 
     Args:
-        programs: the stages' compiled passes (`StagePrograms`).
+        programs: the stages' `StagePrograms`.
         trainable: each stage's trainable values, on its devices.
         non_trainable: each stage's non-trainable values; `non_trainable`
             then holds their new values.
@@ -502,49 +446,44 @@ class JaxStages(StagePrimitives):
         targets = None if y is None else split(y, self.count)
         return split(x, self.count), targets
 
+    def _values(self, stage, inputs):
+        placed = self.programs.place(stage, inputs)
+        return self.trainable[stage], self.non_trainable[stage], placed
+
     def forward(self, stage, m, inputs, target):
-        (
-            outputs,
-            self._residuals[stage, m],
-            self.non_trainable[stage],
-            predicted,
-        ) = self.programs.forward(
-            stage,
-            self.trainable[stage],
-            self.non_trainable[stage],
-            inputs,
-            target,
-        )
+        args = (*self._values(stage, inputs), target)
+        program = self.programs.program("forward", stage)
+        outputs, kept, self.non_trainable[stage], predicted = program(*args)
+        self._residuals[stage, m] = (args, kept)
         return outputs, predicted
 
     def backward(self, stage, m, cotangent):
-        grads, input_grads = self.programs.backward(
-            stage, self._residuals.pop((stage, m)), cotangent
-        )
+        args, kept = self._residuals.pop((stage, m))
+        program = self.programs.program("backward", stage)
+        grads, input_grads = program(*args, kept, cotangent)
         total = self.gradients[stage]
         self.gradients[stage] = (
             grads
             if total is None
-            else jax.tree_util.tree_map(jax.numpy.add, total, grads)
+            else jax.tree.map(jax.numpy.add, total, grads)
         )
         return input_grads
 
     def send(self, value, stage, direction):
-        value = onto(value, self.programs.runtimes[stage].mesh)
-        count_received(self.programs.stats, value, direction)
-        return value
+        mesh = self.programs.runtimes[stage].mesh
+        return sent(value, mesh, self.programs.stats, direction)
 
     def infer(self, stage, inputs):
-        outputs, self.non_trainable[stage] = self.programs.infer(
-            stage, self.trainable[stage], self.non_trainable[stage], inputs
+        program = self.programs.program("infer", stage)
+        outputs, self.non_trainable[stage] = program(
+            *self._values(stage, inputs)
         )
         return outputs
 
     def joined(self, losses, predictions):
-        return (
-            self.programs.batch_loss(sum(losses[1:], losses[0])),
-            self.programs.join_batch(predictions),
-        )
+        # Each replica's loss is its slice's; the batch's is their mean.
+        loss = jax.numpy.mean(sum(losses[1:], losses[0]))
+        return loss, self.programs.join_batch(predictions)
 
 
 def replica_rows(runtime, variables):
@@ -557,12 +496,12 @@ def replica_rows(runtime, variables):
 def _floats(tree):
     """`(float leaves, rebuild)`: a tree's differentiable leaves, and the
     function that puts new ones back among its other leaves."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    leaves, treedef = jax.tree.flatten(tree)
     floats = [is_float(leaf) for leaf in leaves]
 
     def rebuild(new_floats):
         new = iter(new_floats)
-        return jax.tree_util.tree_unflatten(
+        return jax.tree.unflatten(
             treedef,
             [next(new) if f else leaf for leaf, f in zip(leaves, floats)],
         )

@@ -16,45 +16,7 @@ logger = logging.getLogger(__name__)
 # Graph measurements ----------------------------------------------------
 
 
-def lifetimes(graph):
-    """`{key: (first, last)}`: the cuts each tensor crosses.
-
-    A cut `k` (`1 <= k < n`) separates nodes `[0, k)` from `[k, n)`; a
-    tensor crosses it when it exists before (a model input, or made by a
-    node before `k`) and is needed after (read by a node at or after `k`,
-    or a model output).
-    """
-    n = len(graph.nodes)
-    outputs = set(graph.outputs)
-    spans = {}
-    for key, info in graph.tensors.items():
-        first = 0 if info.producer is None else info.producer + 1
-        last = max(info.consumers, default=-1)
-        if key in outputs:
-            last = n
-        spans[key] = (first, last)
-    return spans
-
-
-def crossing(graph, spans, k):
-    """Keys of the tensors crossing cut `k`, in a fixed order."""
-    return [
-        key
-        for key in _tensor_order(graph)
-        if spans[key][0] <= k <= spans[key][1]
-    ]
-
-
-def _tensor_order(graph):
-    order = list(graph.inputs)
-    for node in graph.nodes:
-        for key in node.outputs:
-            if graph.tensors[key].producer == node.index:
-                order.append(key)
-    return order
-
-
-def _activation_counts(graph, spans):
+def _activation_counts(graph):
     """Per cut `k`, the crossing tensors that count against it.
 
     Model inputs crossing a cut are carried wherever they are still read,
@@ -68,11 +30,9 @@ def _activation_counts(graph, spans):
     for key, info in graph.tensors.items():
         if info.producer is None:
             continue
-        first, last = spans[key]
-        if key in outputs:
-            last = first
-        if last >= first:
-            delta[first] += 1
+        last = info.first if key in outputs else info.last
+        if last >= info.first:
+            delta[info.first] += 1
             delta[last + 1] -= 1
     return np.cumsum(delta)[: n + 1]
 
@@ -129,7 +89,7 @@ def candidate_cuts(graph, owners):
         weight's layers.
     """
     n = len(graph.nodes)
-    counts = _activation_counts(graph, lifetimes(graph))
+    counts = _activation_counts(graph)
     splitting = {}
     for label, first, last in owners:
         for k in range(first + 1, last + 1):

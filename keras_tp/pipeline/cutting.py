@@ -26,12 +26,11 @@ import numpy as np
 from keras_tp.keras_internals import sublayers
 from keras_tp.pipeline.cut_points import automatic_cuts
 from keras_tp.pipeline.cut_points import candidate_cuts
-from keras_tp.pipeline.cut_points import crossing
-from keras_tp.pipeline.cut_points import lifetimes
 from keras_tp.pipeline.cut_points import node_parameters
 from keras_tp.pipeline.cut_points import user_cuts
 from keras_tp.pipeline.cut_points import weight_owners
 from keras_tp.pipeline.graph import Dataflow
+from keras_tp.pipeline.schedules import check_count
 from keras_tp.pipeline.stages import Boundary
 from keras_tp.pipeline.stages import BoundaryTensor
 from keras_tp.pipeline.stages import Stage
@@ -137,12 +136,7 @@ def split_stages(
     # carried, and the residual stream after block 5.
     ```
     """
-    if isinstance(num_stages, bool) or not isinstance(
-        num_stages, (int, np.integer)
-    ):
-        raise TypeError(f"num_stages must be an int, got {num_stages!r}.")
-    if num_stages < 1:
-        raise ValueError(f"num_stages must be >= 1, got {num_stages}.")
+    check_count("num_stages", num_stages)
     if balance not in BALANCES:
         raise ValueError(
             f"Unknown balance {balance!r}; supported: "
@@ -265,66 +259,47 @@ def _wait(outputs):
 
 
 def _build(graph, positions, balance):
-    n = len(graph.nodes)
-    spans = lifetimes(graph)
-    bounds = [0] + list(positions) + [n]
-    crossings = [crossing(graph, spans, k) for k in positions]
-    boundaries = []
-    for index, (k, keys) in enumerate(zip(positions, crossings)):
-        tensors = []
-        for key in keys:
-            info = graph.tensors[key]
-            carried = info.producer is None or info.producer < bounds[index]
-            tensors.append(
-                BoundaryTensor(
-                    info.name,
-                    _batch_shape(info.tensor.shape),
-                    info.tensor.dtype,
-                    carried,
-                )
-            )
-        boundaries.append(Boundary(index, tensors))
-
-    stages = []
-    for index in range(len(bounds) - 1):
-        start, stop = bounds[index], bounds[index + 1]
+    bounds = [0, *positions, len(graph.nodes)]
+    crossings = [graph.crossing(k) for k in positions]
+    stages, boundaries = [], []
+    for index, (start, stop) in enumerate(zip(bounds, bounds[1:])):
         nodes = graph.nodes[start:stop]
-        taken = {n.operation.name for n in nodes}
         values = {}
         if index == 0:
             flat = []
             for key in graph.inputs:
                 tensor = graph.tensors[key].tensor
-                symbol = keras.Input(
+                values[key] = keras.Input(
                     batch_shape=tensor.shape,
                     dtype=tensor.dtype,
                     sparse=getattr(tensor, "sparse", False),
                     name=tensor.name,
                 )
-                values[key] = symbol
-                flat.append(symbol)
+                flat.append(values[key])
             inputs = keras.tree.pack_sequence_as(graph.input_structure, flat)
             input_names = [graph.tensors[key].name for key in graph.inputs]
         else:
-            inputs = {}
+            # The tensors sent across the cut before this stage: carried
+            # where the sending stage did not make them.
+            taken = {node.operation.name for node in nodes}
+            inputs, sent = {}, []
             for key in crossings[index - 1]:
                 info = graph.tensors[key]
-                name = info.name
-                if name in taken:
-                    name = name + "_received"
-                symbol = keras.Input(
-                    batch_shape=_batch_shape(info.tensor.shape),
-                    dtype=info.tensor.dtype,
-                    name=name,
+                name = info.name + ("_received" if info.name in taken else "")
+                shape = _batch_shape(info.tensor.shape)
+                dtype = info.tensor.dtype
+                inputs[name] = values[key] = keras.Input(
+                    batch_shape=shape, dtype=dtype, name=name
                 )
-                values[key] = symbol
-                inputs[name] = symbol
+                carried = (
+                    info.producer is None or info.producer < bounds[index - 1]
+                )
+                sent.append(BoundaryTensor(info.name, shape, dtype, carried))
+            boundaries.append(Boundary(index - 1, sent))
             input_names = list(inputs)
         for node in nodes:
-            results = node.replay(values.__getitem__)
-            for key, value in zip(node.outputs, results):
-                values[key] = value
-        if index == len(bounds) - 2:
+            values.update(zip(node.outputs, node.replay(values.__getitem__)))
+        if index == len(positions):
             flat = [values[key] for key in graph.outputs]
             outputs = keras.tree.pack_sequence_as(graph.output_structure, flat)
             output_names = [graph.tensors[key].name for key in graph.outputs]
@@ -338,26 +313,21 @@ def _build(graph, positions, balance):
             outputs=outputs,
             name=f"{graph.model.name}_stage_{index}",
         )
-        layer_names = []
-        for node in nodes:
-            if node.is_layer and node.operation.name not in layer_names:
-                layer_names.append(node.operation.name)
         stages.append(
             Stage(
                 index=index,
                 model=stage_model,
-                layer_names=layer_names,
+                layer_names=list(
+                    dict.fromkeys(n.operation.name for n in nodes if n.is_layer)
+                ),
                 operation_names=[node.name for node in nodes],
                 input_names=input_names,
                 output_names=output_names,
-                parameter_count=_count(stage_model.weights),
+                parameter_count=stage_model.count_params(),
             )
         )
     cut_points = [graph.nodes[k].name for k in positions]
     return StageSplit(graph.model, stages, boundaries, cut_points, balance)
-
-
-# Formatting ------------------------------------------------------------
 
 
 def _batch_shape(shape):
@@ -369,7 +339,3 @@ def _batch_shape(shape):
     """
     shape = tuple(shape)
     return (None,) + shape[1:] if shape else shape
-
-
-def _count(weights):
-    return int(sum(int(np.prod(w.shape)) for w in weights))

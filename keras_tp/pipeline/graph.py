@@ -40,6 +40,8 @@ class TensorInfo:
         producer: index of the node that produces it; `None` for a graph
             input.
         consumers: indices of the nodes that read it, in order.
+        first, last: the cuts it crosses, `first <= k <= last` (see
+            `Dataflow.crossing`).
     """
 
     def __init__(self, key, tensor, name, producer):
@@ -48,6 +50,7 @@ class TensorInfo:
         self.name = name
         self.producer = producer
         self.consumers = []
+        self.first = 0 if producer is None else producer + 1
 
     def __repr__(self):
         return (
@@ -70,10 +73,9 @@ class NodeInfo:
         outputs: keys of the tensors it writes.
     """
 
-    def __init__(self, index, node, scope, name, inputs, outputs):
+    def __init__(self, index, node, name, inputs, outputs):
         self.index = index
         self.node = node
-        self.scope = scope
         self.operation = node_operation(node)
         self.name = name
         self.inputs = inputs
@@ -119,7 +121,8 @@ class Dataflow:
     Attributes:
         model: the model.
         nodes: the `NodeInfo`s in topological order.
-        tensors: `{key: TensorInfo}`.
+        tensors: `{key: TensorInfo}`: the graph inputs, then the tensors
+            in the order of the nodes that make them.
         inputs: keys of the graph inputs, in `model.inputs` order.
         outputs: keys of the graph outputs, in `model.outputs` order.
         input_structure: the model's input structure (`model.input`).
@@ -132,6 +135,8 @@ class Dataflow:
         self.nodes = []
         self.tensors = {}
         self.opaque = []
+        # A nested model's inputs stand for the tensors it is called on,
+        # and its call's outputs for its own outputs: `_resolve` follows.
         self._aliases = {}
         self._scopes = [""]
         self._calls = collections.Counter()
@@ -150,9 +155,9 @@ class Dataflow:
         # they receive; one may not share its name with a layer of the
         # stage, which only a layer called more than once can.
         repeated = {
-            node_operation(node).name
+            node.operation.name
             for node in self.nodes
-            if self._calls[id(node_operation(node))] > 1
+            if self._calls[id(node.operation)] > 1
         }
         for info in self.tensors.values():
             if info.producer is not None and info.name in repeated:
@@ -162,6 +167,21 @@ class Dataflow:
                 consumers = self.tensors[key].consumers
                 if not consumers or consumers[-1] != node.index:
                     consumers.append(node.index)
+        # A tensor crosses cut `k` (nodes `[0, k)` before it, `[k, n)`
+        # after) from its making up to its last reader, or to the end if
+        # it is a model output.
+        outputs = set(self.outputs)
+        for key, info in self.tensors.items():
+            last = max(info.consumers, default=-1)
+            info.last = len(self.nodes) if key in outputs else last
+
+    def crossing(self, k):
+        """Keys of the tensors crossing cut `k`, in `tensors` order."""
+        return [
+            key
+            for key, info in self.tensors.items()
+            if info.first <= k <= info.last
+        ]
 
     def _resolve(self, scope, tensor):
         key = (scope, id(tensor))
@@ -171,76 +191,48 @@ class Dataflow:
 
     def _walk(self, outputs):
         # An explicit stack: deep models (hundreds of blocks) would pass
-        # Python's recursion limit.
-        state = {}
-        tasks = [("tensor", 0, t) for t in reversed(outputs)]
+        # Python's recursion limit. A node is emitted after the tensors it
+        # reads, which are pushed after it, so popped before it.
+        opened = set()
+        tasks = [(0, t) for t in reversed(outputs)]
         while tasks:
-            task = tasks.pop()
-            kind, scope = task[0], task[1]
-            if kind == "tensor":
-                self._visit_tensor(scope, task[2], state, tasks)
-            elif kind == "emit":
-                self._emit(scope, task[2])
-                state[(scope, id(task[2]))] = "done"
-            elif kind == "open":
-                self._open(scope, task[2], task[3], task[4], tasks)
-            else:  # "close": the nested model's outputs are now known.
-                node, inner, inner_model = task[2], task[3], task[4]
-                for outer_t, inner_t in zip(
-                    node_outputs(node), inner_model.outputs
+            scope, item = tasks.pop()
+            if not isinstance(item, keras.KerasTensor):
+                self._emit(scope, item)
+                continue
+            if self._resolve(scope, item) in self.tensors:
+                continue
+            found = producer_node(item)
+            if found is None or is_input_node(found[0]):
+                raise ValueError(
+                    f"Tensor {item.name!r} of model '{self.model.name}' is "
+                    "not computed from the model's inputs (a constant, or "
+                    "an input of a nested model that is not connected); "
+                    "the model cannot be cut into stages."
+                )
+            node = found[0]
+            if (scope, id(node)) in opened:
+                continue
+            opened.add((scope, id(node)))
+            operation = node_operation(node)
+            if _opens(operation, node):
+                inner = len(self._scopes)
+                self._scopes.append(self._scopes[scope] + operation.name + ".")
+                argument = node_call_arguments(node)[0][0]
+                for inner_t, outer_t in zip(
+                    operation.inputs, keras.tree.flatten(argument)
                 ):
-                    self._aliases[(scope, id(outer_t))] = self._resolve(
-                        inner, inner_t
-                    )
-                state[(scope, id(node))] = "done"
-
-    def _visit_tensor(self, scope, tensor, state, tasks):
-        key = self._resolve(scope, tensor)
-        if key in self.tensors:
-            return
-        found = producer_node(tensor)
-        if found is None or is_input_node(found[0]):
-            raise ValueError(
-                f"Tensor {tensor.name!r} of model '{self.model.name}' is "
-                "not computed from the model's inputs (a constant, or an "
-                "input of a nested model that is not connected); the model "
-                "cannot be cut into stages."
-            )
-        node = found[0]
-        node_key = (scope, id(node))
-        status = state.get(node_key)
-        if status == "done":
-            return
-        if status == "open":
-            raise ValueError(
-                f"The graph of model '{self.model.name}' has a cycle at "
-                f"'{node_operation(node).name}'."
-            )
-        state[node_key] = "open"
-        inner_model = _nested_graph(node_operation(node), node)
-        if inner_model is None:
-            if isinstance(node_operation(node), keras.Model):
-                self.opaque.append(node_operation(node).name)
-            tasks.append(("emit", scope, node))
-        else:
-            inner = len(self._scopes)
-            self._scopes.append(
-                self._scopes[scope] + node_operation(node).name + "."
-            )
-            tasks.append(("close", scope, node, inner, inner_model))
-            tasks.append(("open", scope, node, inner, inner_model))
-        for t in reversed(node_inputs(node)):
-            tasks.append(("tensor", scope, t))
-
-    def _open(self, scope, node, inner, inner_model, tasks):
-        del inner_model  # the nested model's own inputs are aliased below
-        args, _ = node_call_arguments(node)
-        outer = keras.tree.flatten(args[0])
-        model = node_operation(node)
-        for inner_t, outer_t in zip(_flat_inputs(model, args[0]), outer):
-            self._aliases[(inner, id(inner_t))] = self._resolve(scope, outer_t)
-        for t in reversed(model.outputs):
-            tasks.append(("tensor", inner, t))
+                    self._aliases[(inner, id(inner_t))] = (scope, id(outer_t))
+                for outer_t, inner_t in zip(
+                    node_outputs(node), operation.outputs
+                ):
+                    self._aliases[(scope, id(outer_t))] = (inner, id(inner_t))
+                tasks.extend((inner, t) for t in reversed(operation.outputs))
+            else:
+                if isinstance(operation, keras.Model):
+                    self.opaque.append(operation.name)
+                tasks.append((scope, node))
+            tasks.extend((scope, t) for t in reversed(node_inputs(node)))
 
     def _emit(self, scope, node):
         operation = node_operation(node)
@@ -259,7 +251,7 @@ class Dataflow:
                 continue  # an op that returned a tensor it was given
             tensor_name = name if len(produced) == 1 else f"{name}:{i}"
             self.tensors[key] = TensorInfo(key, tensor, tensor_name, index)
-        self.nodes.append(NodeInfo(index, node, scope, name, inputs, outputs))
+        self.nodes.append(NodeInfo(index, node, name, inputs, outputs))
 
 
 def graph_endpoints(model):
@@ -300,56 +292,39 @@ def graph_endpoints(model):
     )
 
 
-def _nested_graph(operation, node):
-    """The nested graph model a node calls, if it can be opened up.
+def _opens(operation, node):
+    """Whether a node's call of a nested model is opened up.
 
-    A nested model is opened when it is Functional or Sequential and was
-    called with one positional argument whose structure matches its inputs
-    and no tensor in keyword arguments; otherwise `None`, and it stays one
-    node.
+    It is where the model is Functional or Sequential and was called with
+    one positional argument whose structure matches its inputs and no
+    tensor in keyword arguments; otherwise it stays one node.
     """
     if not isinstance(operation, (keras.Function, keras.Sequential)):
-        return None
+        return False
     try:
-        inner_inputs, inner_outputs, _, _ = graph_endpoints(operation)
+        inputs, outputs, _, _ = graph_endpoints(operation)
     except (ValueError, NotImplementedError):
-        return None
+        return False
     args, kwargs = node_call_arguments(node)
-    if len(args) != 1 or any(
+    if len(args) != 1 or len(outputs) != len(node_outputs(node)):
+        return False
+    flat = keras.tree.flatten(args[0])
+    if len(flat) != len(inputs) or any(
+        not isinstance(t, keras.KerasTensor) for t in flat
+    ):
+        return False
+    if any(
         isinstance(t, keras.KerasTensor) for t in keras.tree.flatten(kwargs)
     ):
-        return None
-    if len(inner_outputs) != len(node_outputs(node)):
-        return None
-    flat = _flat_inputs(operation, args[0])
-    if flat is None or len(flat) != len(inner_inputs):
-        return None
-    if not all(
-        isinstance(t, keras.KerasTensor) for t in keras.tree.flatten(args[0])
+        return False
+    if isinstance(operation, keras.Function) and not (
+        len(inputs) == 1 and isinstance(args[0], keras.KerasTensor)
     ):
-        return None
-    return operation
-
-
-def _flat_inputs(model, argument):
-    """The nested model's input tensors, aligned with `flatten(argument)`.
-
-    `None` where the argument's structure does not match the model's
-    inputs.
-    """
-    inputs = list(model.inputs)
-    flat = keras.tree.flatten(argument)
-    if len(flat) != len(inputs):
-        return None
-    if isinstance(model, keras.Function):
         try:
             keras.tree.assert_same_structure(
-                keras.tree.lists_to_tuples(argument),
-                keras.tree.lists_to_tuples(model.input),
+                keras.tree.lists_to_tuples(args[0]),
+                keras.tree.lists_to_tuples(operation.input),
             )
         except (ValueError, TypeError):
-            if not (
-                len(inputs) == 1 and isinstance(argument, keras.KerasTensor)
-            ):
-                return None
-    return inputs
+            return False
+    return True

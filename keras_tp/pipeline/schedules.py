@@ -23,6 +23,7 @@ that timeline.
 
 import collections
 import math
+import numbers
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -52,12 +53,7 @@ def gpipe(num_stages, num_microbatches):
     #  Action(stage=1, kind="backward", microbatch=1)]
     ```
     """
-    _check_sizes(num_stages, num_microbatches)
-    return [
-        [Action(s, FORWARD, m) for m in range(num_microbatches)]
-        + [Action(s, BACKWARD, m) for m in range(num_microbatches)]
-        for s in range(num_stages)
-    ]
+    return _flushed(num_stages, num_microbatches, lambda s: num_microbatches)
 
 
 def one_f_one_b(num_stages, num_microbatches):
@@ -69,13 +65,7 @@ def one_f_one_b(num_stages, num_microbatches):
     `M >= P`; with fewer microbatches it is still correct (every stage
     warms up with all its forwards, which is GPipe's order), and the
     bubble is the larger share of the step that `ideal_bubble` says.
-
-    Args:
-        num_stages: number of pipeline stages `P`, at least 1.
-        num_microbatches: number of microbatches `M`, at least 1.
-
-    Returns:
-        A list of `P` lists of `Action`s: stage `s`'s actions in order.
+    Arguments and result as `gpipe`'s.
 
     Example:
 
@@ -84,18 +74,28 @@ def one_f_one_b(num_stages, num_microbatches):
     # ["f0", "f1", "f2", "b0", "f3", "b1", "b2", "b3"]
     ```
     """
+    return _flushed(
+        num_stages,
+        num_microbatches,
+        lambda s: min(num_stages - s - 1, num_microbatches),
+    )
+
+
+def _flushed(num_stages, num_microbatches, warmup):
+    """Stage `s` runs `warmup(s)` forwards, then one forward and one
+    backward while forwards remain, then the remaining backwards: GPipe
+    is the case where every stage warms up with all its forwards."""
     _check_sizes(num_stages, num_microbatches)
     schedule = []
     for s in range(num_stages):
-        warmup = min(num_stages - s - 1, num_microbatches)
-        actions = [Action(s, FORWARD, m) for m in range(warmup)]
-        steady = num_microbatches - warmup
+        first = warmup(s)
+        actions = [Action(s, FORWARD, m) for m in range(first)]
+        steady = num_microbatches - first
         for i in range(steady):
-            actions.append(Action(s, FORWARD, warmup + i))
-            actions.append(Action(s, BACKWARD, i))
-        actions.extend(
+            actions += [Action(s, FORWARD, first + i), Action(s, BACKWARD, i)]
+        actions += [
             Action(s, BACKWARD, m) for m in range(steady, num_microbatches)
-        )
+        ]
         schedule.append(actions)
     return schedule
 
@@ -326,14 +326,16 @@ def _dependencies(action, num_stages):
 
 
 def _check_sizes(num_stages, num_microbatches):
-    for name, value in (
-        ("num_stages", num_stages),
-        ("num_microbatches", num_microbatches),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {value!r}.")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}.")
+    check_count("num_stages", num_stages)
+    check_count("num_microbatches", num_microbatches)
+
+
+def check_count(name, value):
+    """Raises unless `value` is an int (NumPy's too) of at least 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r}.")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}.")
 
 
 def _per_stage(value, num_stages, name):

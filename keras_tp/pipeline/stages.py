@@ -6,9 +6,11 @@ own layers, and the `Boundary` of each cut: the tensors one stage sends
 the next.
 """
 
-import re
+import dataclasses
 
 import keras
+
+from keras_tp import tensors
 
 
 class BoundaryTensor:
@@ -47,19 +49,29 @@ class BoundaryTensor:
             ValueError: if the tensor has an unknown dimension other than
                 the batch and `sequence_length` is not given.
         """
-        size = 1
+        shape, unknown = self._filled_shape(batch_size, sequence_length)
+        if unknown:
+            raise ValueError(
+                f"Boundary tensor '{self.name}' has shape {self.shape}: "
+                "dimensions other than the batch are unknown. Pass "
+                "`sequence_length=` (used for each of them), or build "
+                "the model on inputs of fixed shape."
+            )
+        return tensors.nbytes(self, shape)
+
+    def _filled_shape(self, batch_size, sequence_length):
+        """`(shape, unknown)`: the shape with an unknown batch dimension
+        `batch_size` and every other unknown one `sequence_length`, where
+        `unknown` of them, still unknown, are left out."""
+        shape, unknown = [], 0
         for i, dim in enumerate(self.shape):
             if dim is None:
                 dim = batch_size if i == 0 else sequence_length
             if dim is None:
-                raise ValueError(
-                    f"Boundary tensor '{self.name}' has shape {self.shape}: "
-                    "dimensions other than the batch are unknown. Pass "
-                    "`sequence_length=` (used for each of them), or build "
-                    "the model on inputs of fixed shape."
-                )
-            size *= int(dim)
-        return int(size * _itemsize(self.dtype))
+                unknown += 1
+            else:
+                shape.append(dim)
+        return shape, unknown
 
     def __repr__(self):
         return (
@@ -93,6 +105,7 @@ class Boundary:
         return f"Boundary({self.index}, {self.names})"
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class Stage:
     """One stage of a pipeline.
 
@@ -115,23 +128,13 @@ class Stage:
             not), as `model.count_params()` counts them.
     """
 
-    def __init__(
-        self,
-        index,
-        model,
-        layer_names,
-        operation_names,
-        input_names,
-        output_names,
-        parameter_count,
-    ):
-        self.index = index
-        self.model = model
-        self.layer_names = layer_names
-        self.operation_names = operation_names
-        self.input_names = input_names
-        self.output_names = output_names
-        self.parameter_count = parameter_count
+    index: int
+    model: keras.Model
+    layer_names: list
+    operation_names: list
+    input_names: list
+    output_names: list
+    parameter_count: int
 
     def __repr__(self):
         return (
@@ -271,32 +274,16 @@ class StageSplit:
         )
 
 
-def _itemsize(dtype):
-    """Bytes per element of a Keras dtype string."""
-    if dtype == "bool":
-        return 1
-    bits = re.search(r"(\d+)", dtype)
-    if bits is None:
-        raise ValueError(f"Unknown size of dtype {dtype!r}.")
-    return int(bits.group(1)) / 8
-
-
 def _shape_text(shape):
     return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"
 
 
-def _bytes_text(tensors, sequence_length):
+def _bytes_text(boundary_tensors, sequence_length):
     """Bytes per sample, as `512` or `512·L` for unknown dimensions."""
     terms = {}
-    for t in tensors:
-        size = _itemsize(t.dtype)
-        unknown = 0
-        for dim in t.shape[1:]:
-            if dim is None and sequence_length is None:
-                unknown += 1
-            else:
-                size *= int(sequence_length if dim is None else dim)
-        terms[unknown] = terms.get(unknown, 0) + size
+    for t in boundary_tensors:
+        shape, unknown = t._filled_shape(1, sequence_length)
+        terms[unknown] = terms.get(unknown, 0) + tensors.nbytes(t, shape)
     parts = []
     for power in sorted(terms, reverse=True):
         value = f"{terms[power]:,.0f}"

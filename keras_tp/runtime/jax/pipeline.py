@@ -1,16 +1,14 @@
-"""Pipeline stages on JAX: one compiled program per stage, on its devices.
+"""JAX pipelines: Keras' steps run through each stage's compiled passes
+(`keras_tp.runtime.jax.stages`) and optimizer update, on its devices, and
+the clock that measures when each pass ran."""
 
-Each stage's passes are compiled for its devices (one, or several that
-split its layers by tensor parallelism, in replicas or not) by
-`keras_tp.runtime.jax.stages`, whose `JaxStages` are the stage primitives
-that the pipeline's executor (`keras_tp.pipeline.executor`) runs in the
-order of a schedule. A training step then runs one compiled optimizer
-update per stage on its devices, in which the stage's replicas combine
-their gradients (`over_replicas`).
-"""
+import collections
+import time
 
 import jax
+import jax.experimental
 import keras
+import numpy as np
 from jax.sharding import NamedSharding
 
 from keras_tp.keras_internals import StatelessScope
@@ -44,10 +42,12 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
     """Runs Keras' JAX steps as a pipeline of stages, one per device.
 
     Each stage's variables and optimizer slots are committed to its
-    device. A training step runs the schedule (`JaxStages`), then one
-    compiled optimizer update per stage on its device; evaluation and
-    prediction send each micro-batch through the stages' compiled forward
-    passes, which JAX's asynchronous dispatch overlaps across devices.
+    devices. A training step runs the schedule (`JaxStages`), then one
+    compiled optimizer update per stage on its devices, in which the
+    stage's replicas combine their gradients (`over_replicas`);
+    evaluation and prediction send each micro-batch through the stages'
+    compiled forward passes, which JAX's asynchronous dispatch overlaps
+    across devices.
     Keras' JAX trainer passes the state as values (`train_step(state,
     data)`); the steps take and return them in its order.
     """
@@ -121,7 +121,8 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         for direct calls `tp(x)`)."""
         key = (count, per_device and self.data_parallel > 1)
         if key not in self._compiled:
-            self._compiled[key] = StagePrograms(self, key[1], count)
+            clock = StageClock(self.pipeline_parallel, count or 1)
+            self._compiled[key] = StagePrograms(self, key[1], count, clock)
         return self._compiled[key]
 
     def _stages(self, programs, trainable, non_trainable, count):
@@ -378,6 +379,67 @@ def over_replicas(update, runtime, variables, zero_stage):
         return new_values, *new
 
     return combined
+
+
+class StageClock:
+    """When each stage's programs ran on its devices.
+
+    Python issues a JAX pipeline's passes asynchronously, so when each one
+    ran is known on its devices only. Each training pass is stamped
+    (`stamped`) by two host callbacks in its program: one that its
+    computation waits for, once its inputs are there, and one once its
+    outputs are. A stage's programs run one after another on its devices,
+    in the order they were issued, so its stamps pair up with its actions
+    in the schedule's order (only the last step's are kept).
+    """
+
+    def __init__(self, num_stages, num_microbatches):
+        self.stamps = [
+            collections.deque(maxlen=4 * num_microbatches)
+            for _ in range(num_stages)
+        ]
+
+    def stamped(self, function, stage):
+        """`function`, whose program stamps its start and end on `stage`'s
+        clock."""
+
+        def stamped_function(*args):
+            start = self._stamp(stage, args)
+            args, _ = jax.lax.optimization_barrier((args, start))
+            outputs = function(*args)
+            self._stamp(stage, outputs)
+            return outputs
+
+        return stamped_function
+
+    def _stamp(self, stage, tree):
+        # A first element of every array makes the callback wait for all.
+        firsts = [
+            leaf.ravel()[:1]
+            for leaf in jax.tree.leaves(tree)
+            if hasattr(leaf, "ravel")
+            and leaf.size
+            and leaf.dtype != jax.dtypes.float0
+        ]
+
+        def record(*_):
+            self.stamps[stage].append(time.perf_counter())
+            return np.int32(0)
+
+        return jax.experimental.io_callback(
+            record, jax.ShapeDtypeStruct((), np.int32), *firsts
+        )
+
+    def timeline(self, order):
+        """The `schedules.Timeline` of the last step whose actions were
+        `order`, once its programs have run."""
+        jax.effects_barrier()
+        records = []
+        for stage, stamps in enumerate(self.stamps):
+            actions = [(kind, m) for s, kind, m in order if s == stage]
+            times = list(zip(*[iter(stamps)] * 2))
+            records.append([(*a, *t) for a, t in zip(actions, times)])
+        return schedules.recorded_timeline(records)
 
 
 PIPELINE_RUNTIME = JaxPipelineRuntime

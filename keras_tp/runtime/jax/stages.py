@@ -1,30 +1,24 @@
 """The stage primitives of JAX pipelines: each stage's compiled passes.
 
-A stage's forward pass is a jitted `jax.vjp` of the stage's Keras model on
-its devices; it returns the stage's outputs and the residuals (the
-activations) its backward pass needs, which live from a micro-batch's
-forward pass to its backward pass, so a 1F1B order holds fewer of them
-than GPipe's. `StagePrograms` compiles the passes and `JaxStages` serves
-them to the pipeline's executor (`keras_tp.pipeline.executor`) on one
-step's values: Python issues them in the schedule's order, and JAX's
-asynchronous dispatch lets the devices of different stages compute at the
-same time (an array sent to the next stage's devices is copied when it is
-ready).
+`StagePrograms` compiles each stage's passes for its devices; `JaxStages`
+serves them to the pipeline's executor (`keras_tp.pipeline.executor`) on
+one step's values. Python issues the passes in the schedule's order, and
+JAX's asynchronous dispatch lets the devices of different stages compute
+at the same time (an array sent to the next stage's devices is copied
+when it is ready). A micro-batch's residuals (the activations its
+backward pass needs) live from its forward pass to its backward pass, so
+a 1F1B order holds fewer of them than GPipe's.
 """
 
-import collections
 import contextlib
 import contextvars
-import time
 
 import jax
-import jax.experimental
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 from keras_tp.keras_internals import local_shapes
-from keras_tp.pipeline import schedules
 from keras_tp.pipeline.executor import StagePrimitives
 from keras_tp.tensors import is_float
 
@@ -49,73 +43,27 @@ def onto(tree, mesh, spec=None):
 
     def put(array):
         sharding = getattr(array, "sharding", None)
-        named = isinstance(sharding, NamedSharding)
-        kept = sharding.spec if named else PartitionSpec()
-        split = kept if spec is None else spec
+        if spec is not None:
+            split = spec
+        elif isinstance(sharding, NamedSharding):
+            split = sharding.spec
+        else:
+            split = PartitionSpec()
         return jax.device_put(array, NamedSharding(mesh, split))
 
     return jax.tree.map(put, tree)
 
 
-class StageClock:
-    """When each stage's programs ran on its devices.
-
-    Python issues a JAX pipeline's passes asynchronously, so when each one
-    ran is known on its devices only. Each training pass is stamped
-    (`stamped`) by two host callbacks in its program: one that its
-    computation waits for, once its inputs are there, and one once its
-    outputs are. A stage's programs run one after another on its devices,
-    in the order they were issued, so its stamps pair up with its actions
-    in the schedule's order (only the last step's are kept).
-    """
-
-    def __init__(self, num_stages, num_microbatches):
-        self.stamps = [
-            collections.deque(maxlen=4 * num_microbatches)
-            for _ in range(num_stages)
-        ]
-
-    def stamped(self, function, stage):
-        """`function`, whose program stamps its start and end on `stage`'s
-        clock."""
-
-        def stamped_function(*args):
-            start = self._stamp(stage, args)
-            args, _ = jax.lax.optimization_barrier((args, start))
-            outputs = function(*args)
-            self._stamp(stage, outputs)
-            return outputs
-
-        return stamped_function
-
-    def _stamp(self, stage, tree):
-        # A first element of every array makes the callback wait for all.
-        firsts = [
-            leaf.ravel()[:1]
-            for leaf in jax.tree.leaves(tree)
-            if hasattr(leaf, "ravel")
-            and leaf.size
-            and leaf.dtype != jax.dtypes.float0
-        ]
-
-        def record(*_):
-            self.stamps[stage].append(time.perf_counter())
-            return np.int32(0)
-
-        return jax.experimental.io_callback(
-            record, jax.ShapeDtypeStruct((), np.int32), *firsts
-        )
-
-    def timeline(self, order):
-        """The `schedules.Timeline` of the last step whose actions were
-        `order`, once its programs have run."""
-        jax.effects_barrier()
-        records = []
-        for stage, stamps in enumerate(self.stamps):
-            actions = [(kind, m) for s, kind, m in order if s == stage]
-            times = list(zip(*[iter(stamps)] * 2))
-            records.append([(*a, *t) for a, t in zip(actions, times)])
-        return schedules.recorded_timeline(records)
+def sent(tree, mesh, stats, direction):
+    """`tree` placed on `mesh` (`onto`), counted as received there on
+    `"pipe"`, one call per array: each device its own shard or copy.
+    Integer inputs' `float0` gradients carry no data."""
+    tree = onto(tree, mesh)
+    for leaf in jax.tree.leaves(tree):
+        if leaf.dtype != jax.dtypes.float0:
+            received = sum(s.data.nbytes for s in leaf.addressable_shards)
+            stats.record("send", received, direction, "pipe")
+    return tree
 
 
 def counted_jit(function, stats):
@@ -152,18 +100,6 @@ def signature(tree):
     )
 
 
-def sent(tree, mesh, stats, direction):
-    """`tree` placed on `mesh` (`onto`), counted as received there on
-    `"pipe"`, one call per array: each device its own shard or copy.
-    Integer inputs' `float0` gradients carry no data."""
-    tree = onto(tree, mesh)
-    for leaf in jax.tree.leaves(tree):
-        if leaf.dtype != jax.dtypes.float0:
-            received = sum(s.data.nbytes for s in leaf.addressable_shards)
-            stats.record("send", received, direction, "pipe")
-    return tree
-
-
 def batch_size(tree):
     return len(jax.tree.leaves(tree)[0])
 
@@ -179,14 +115,13 @@ class StagePrograms:
     inside one `shard_map` over the stage's `data x model` mesh, as a
     data-parallel step does (`keras_tp.runtime.jax.steps`). Replica `d`
     (row `d` of every stage's mesh) trains on the `d`-th slice of each
-    batch, in `num_microbatches` micro-batches, as a torch replica does: a
-    micro-batch's arrays hold every replica's slice, split over `data`.
-    Values that cross between programs (activations, their gradients,
-    residuals) travel as one row per device (`ROWS`), so no program needs
-    to know how each is split; the gradients leave with one row per
-    replica (`"data"` on a new first axis), summed over the micro-batches
-    on their devices without communication, and the replicas combine them
-    once per step in the stage's optimizer update.
+    batch, as a torch replica does: a micro-batch's arrays hold every
+    replica's slice, split over `data`. Values that cross between programs
+    (activations, their gradients, residuals) travel as one row per device
+    (`ROWS`), so no program needs to know how each is split; the gradients
+    leave with one row per replica (`"data"` on a new first axis), summed
+    over the micro-batches on their devices without communication, and
+    the replicas combine them once per step in the stage's update.
 
     Both are built by the same code: on whole arrays the rows and the
     `shard_map` are the identity. Residuals that are a pass's own inputs
@@ -201,9 +136,11 @@ class StagePrograms:
         per_device: whether the passes run per device (see above).
         num_microbatches: micro-batches per batch of a training step, or
             `None` for programs that only run inference.
+        clock: the `StageClock` on which the training passes stamp when
+            they ran.
     """
 
-    def __init__(self, pipeline, per_device, num_microbatches=None):
+    def __init__(self, pipeline, per_device, num_microbatches, clock):
         self.stage_models = pipeline.stage_models
         self.runtimes = pipeline.stage_runtimes
         self.stats = pipeline.stats
@@ -213,7 +150,7 @@ class StagePrograms:
         self.loss = num_microbatches and pipeline.loss_function()
         self.num_microbatches = num_microbatches
         self.last = len(self.stage_models) - 1
-        self.clock = StageClock(self.last + 1, num_microbatches or 1)
+        self.clock = clock
         self._programs = {}
         # How to rebuild a forward pass's VJP from its kept residuals, by
         # stage and the signature of the pass's arguments on each device.
@@ -230,9 +167,7 @@ class StagePrograms:
             array = array.reshape((replicas, count, size) + array.shape[1:])
             return array[:, m].reshape((replicas * size,) + array.shape[3:])
 
-        return [
-            jax.tree.map(lambda a, m=m: part(a, m), tree) for m in range(count)
-        ]
+        return [jax.tree.map(lambda a: part(a, m), tree) for m in range(count)]
 
     def join_batch(self, parts):
         """The micro-batches' outputs as the batch's (see `split_batch`)."""
@@ -257,10 +192,12 @@ class StagePrograms:
     def program(self, kind, stage):
         """A stage's compiled pass, made once: `"infer"`, or the training
         passes `"forward"` and `"backward"`, which stamp when they ran on
-        its devices (`StageClock`)."""
+        its devices."""
         if (kind, stage) not in self._programs:
-            function = getattr(self, f"_{kind}_of")(stage)
-            if kind != "infer":
+            if kind == "infer":
+                function = self._forward_of(stage, training=False)
+            else:
+                function = getattr(self, f"_{kind}_of")(stage)
                 function = self.clock.stamped(function, stage)
             self._programs[kind, stage] = counted_jit(function, self.stats)
         return self._programs[kind, stage]
@@ -312,44 +249,36 @@ class StagePrograms:
         token = TRACING_STAGE.set(stage)
         runtime = self.runtimes[stage]
         placement = runtime.placement
-        placed = [
-            v
-            for v in self.stage_models[stage].variables
-            if self.per_device and placement.is_placed(v)
-        ]
-        ranks = (
-            runtime._ranks() if self.per_device else contextlib.nullcontext()
-        )
+        variables = self.stage_models[stage].variables
+        placed = [v for v in variables if placement.is_placed(v)]
         try:
-            with local_shapes(placed, placement.local_shape), ranks:
+            if not self.per_device:
+                yield
+                return
+            with local_shapes(placed, placement.local_shape), runtime._ranks():
                 yield
         finally:
             TRACING_STAGE.reset(token)
 
-    def _infer_of(self, index):
+    def _forward_of(self, index, training=True):
+        """Stage `index`'s forward pass: for inference, `(outputs, new
+        non-trainable values)`; for training, `(outputs or, on the last
+        stage, its share of the loss; kept residuals; new non-trainable
+        values; predictions on the last stage)`."""
         model = self.stage_models[index]
         last = index == self.last
 
-        def local(trainable, non_trainable, inputs):
-            inputs = self._from_rows(inputs) if index else inputs
-            with self._traced(index):
-                outputs, new_non_trainable = model.stateless_call(
-                    trainable, non_trainable, inputs, training=False
-                )
-            return (outputs if last else self._rows(outputs)), new_non_trainable
-
-        specs = self._specs(index)
-        out_specs = (DATA if last else ROWS, specs[1])
-        return self._mapped(index, local, specs[:3], out_specs)
-
-    def _forward_of(self, index):
-        model = self.stage_models[index]
-        last = index == self.last
-
-        def local(trainable, non_trainable, inputs, targets):
+        def local(trainable, non_trainable, inputs, targets=None):
             inputs, leaves = self._arguments(
                 index, trainable, non_trainable, inputs, targets
             )
+            if not training:
+                with self._traced(index):
+                    outputs, new_non_trainable = model.stateless_call(
+                        trainable, non_trainable, inputs, training=False
+                    )
+                outputs = outputs if last else self._rows(outputs)
+                return outputs, new_non_trainable
             floats, rebuild = _floats(inputs)
 
             def stage(trainable, floats):
@@ -371,23 +300,26 @@ class StagePrograms:
             index_of = {id(leaf): i for i, leaf in enumerate(leaves)}
             sources = tuple(index_of.get(id(leaf)) for leaf in residuals)
             self._layouts[index, signature(leaves)] = (treedef, sources)
-            kept = [r for r, s in zip(residuals, sources) if s is None]
-            passed = self._rows(primal if last else outputs)
-            predictions = outputs if last else None
-            return passed, self._rows(kept), new_non_trainable, predictions
+            kept = self._rows(
+                [r for r, s in zip(residuals, sources) if s is None]
+            )
+            if last:
+                return self._rows(primal), kept, new_non_trainable, outputs
+            return self._rows(outputs), kept, new_non_trainable, None
 
         specs = self._specs(index)
-        # The last stage's share of the loss and its outputs (the
-        # predictions) are whole on each replica's devices.
-        out_specs = (
-            DATA if last else ROWS,
-            ROWS,
-            specs[1],
-            DATA if last else None,
-        )
+        # The last stage's outputs (its predictions) and its share of the
+        # loss are whole on each replica's devices.
+        sent_spec = DATA if last else ROWS
+        if not training:
+            return self._mapped(index, local, specs[:3], (sent_spec, specs[1]))
+        out_specs = (sent_spec, ROWS, specs[1], DATA if last else None)
         return self._mapped(index, local, specs, out_specs)
 
     def _backward_of(self, index):
+        """Stage `index`'s backward pass: `(gradients, input gradients)`
+        from the forward pass's arguments, kept residuals and the gradient
+        of its outputs (`None` on the last stage)."""
         last = index == self.last
 
         def local(trainable, non_trainable, inputs, targets, kept, cotangent):
@@ -403,10 +335,8 @@ class StagePrograms:
             gradients, input_gradients = vjp(
                 np.float32(1.0) if last else self._from_rows(cotangent)
             )
-            return (
-                self._rows(gradients),
-                self._rows(input_gradients) if index else None,
-            )
+            input_gradients = self._rows(input_gradients) if index else None
+            return self._rows(gradients), input_gradients
 
         runtime = self.runtimes[index]
         variables = self.stage_models[index].trainable_variables

@@ -1,18 +1,13 @@
 """Pipelines on torch: a rank's stage, its storage and its steps.
 
-Each rank runs (its shard of) one stage, through the stage primitives of
+Each rank runs its tensor-parallel shard of one stage of one replica
+(`TorchPipelineRuntime`), through the stage primitives of
 `keras_tp.runtime.torch.stages` (`torch.distributed.pipelining` running
-keras_tp's schedules). `TorchPipelineRuntime` runs `TensorParallelKeras(model,
-pipeline_parallel=P, data_parallel=D, world_size=D * P * T)`: D replicas
-of the pipeline, each training on its slice of every batch, each stage
-of a replica split over T ranks by tensor parallelism. The ranks form a
-`data x pipe x model` mesh: rank `(d, p, t)` stores and computes the
-`t`-th tensor-parallel shard of stage `p` of replica `d` only, and the
-steps of Keras' torch trainer run as this rank's part of its replica's
-schedule. As in Megatron (without its scatter-gather of the boundary
-activations), each rank exchanges its own copy of the activations, or
-its shard of a split one, with its counterparts `(d, p +/- 1, t)`.
+keras_tp's schedules), and stores its variables
+(`keras_tp.runtime.torch.stage_storage`).
 """
+
+import itertools
 
 import keras
 import numpy as np
@@ -43,16 +38,11 @@ class TorchStageRuntime(TorchRuntime):
     A `TorchRuntime` on the ranks of one stage, a `data x model` mesh of
     its own inside the pipeline's `data x pipe x model` one: its `model`
     axis is this rank's tensor-parallel group `{(d, p, t')}` and its
-    `data` axis the stage's replicas `{(d', p, t)}`. It places the stage's
+    `data` axis the stage's replicas `{(d', p, t)}` (`groups`: those and
+    both, see `TorchRuntime._axis_groups`). It places the stage's
     variables (this rank's shards), runs the stage's split layers over
     its group, and gathers their full values; the pipeline runs the
     steps.
-
-    Args:
-        config: the `keras_tp.ParallelConfig` of the stage's ranks (see
-            `ParallelConfig.stage_config`).
-        groups: this rank's process groups of the stage's `model` axis,
-            its `data` axis and both (see `TorchRuntime._axis_groups`).
     """
 
     def __init__(self, config, groups):
@@ -68,23 +58,25 @@ class TorchStageRuntime(TorchRuntime):
 class TorchPipelineRuntime(StageStorage, PipelineRuntime):
     """Runs Keras' torch steps as pipelines, one stage shard per rank.
 
-    The ranks form a `data x pipe x model` mesh, row-major: rank
-    `d * P * T + p * T + t` runs the `t`-th tensor-parallel shard of
-    stage `p` of replica `d`. Every rank builds the whole model (same
-    seed), then keeps its own stage only, split by the model's
-    tensor-parallel plan over the stage's `T` ranks (`TorchStageRuntime`).
-    The other stages' variables become "meta" tensors, which keep their
+    `TensorParallelKeras(model, pipeline_parallel=P, data_parallel=D,
+    world_size=D * P * T)`: D replicas of the pipeline, each training on
+    its slice of every batch. The ranks form a `data x pipe x model` mesh,
+    row-major: rank `d * P * T + p * T + t` runs the `t`-th
+    tensor-parallel shard of stage `p` of replica `d`. Every rank builds
+    the whole model (same seed), then keeps its own stage only, split by
+    the model's plan over the stage's `T` ranks (`TorchStageRuntime`);
+    the other stages' variables become "meta" tensors, which keep their
     shapes (Keras' symbolic builds read them) and hold no memory. A
     training step runs this rank's part of its replica's schedule
     (`TorchPipeline`) on the replica's slice of the batch, exchanging
-    activations and their gradients with the ranks of the same replica
-    and tensor-parallel rank in the neighbouring stages, averages the
-    stage's gradients over the replicas and updates its own shard: with
-    replicas, a `CoordinatedOptimizer` bound to the stage's runtime does
-    both (DDP's all-reduce, or ZeRO-1's reduce-scatter, update of this
-    rank's partition of the optimizer state and all-gather). The last
-    stage of each replica, which has the loss and the outputs (whole on
-    each of its ranks), updates the metrics; their updates are summed
+    activations and their gradients (its own copy, or its shard of a split
+    one, as Megatron-LM without its scatter-gather) with its counterparts
+    `(d, p +/- 1, t)`; then it updates its own shard: with replicas, a
+    `CoordinatedOptimizer` bound to the stage's runtime averages the
+    gradients over them first (DDP's all-reduce, or ZeRO-1's
+    reduce-scatter, update of this rank's partition and all-gather). The
+    last stage of each replica, which has the loss and the outputs (whole
+    on each of its ranks), updates the metrics; their updates are summed
     over the replicas, and the metric variables, and the outputs of a
     prediction, are then broadcast from it, so every rank logs and
     returns the same numbers.
@@ -97,8 +89,6 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
     backend = "torch"
     # Each rank runs the code between split layers on its own tensors.
     local_ranks = True
-    # The stage's optimizer step sees the gradients summed over every
-    # micro-batch, so ZeRO-1 reduce-scatters once per step.
     # Each stage that uses a weight holds a copy; their gradients are
     # summed over those stages (`_sum_shared_gradients`).
     shares_weights = True
@@ -132,8 +122,9 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
             "pipe": pipeline_parallel,
             "model": self.tensor_parallel,
         }
+        self._mesh_shape = tuple(shape.values())
         self.data_index, self.stage_index, model_index = (
-            int(i) for i in np.unravel_index(self.rank, tuple(shape.values()))
+            int(i) for i in np.unravel_index(self.rank, self._mesh_shape)
         )
         model_group, self.pipe_group, data_group, stage_group = mesh_groups(
             shape, "model", "pipe", "data", ("data", "model")
@@ -180,19 +171,16 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
         shards match, for every stage splits them alike.
         """
         adapters = {}
-        for stages in sorted(set(map(tuple, self.shared_stages.values()))):
-            for data_index in range(self.data_parallel):
-                for tensor_index in range(self.tensor_parallel):
-                    ranks = [
-                        self._rank_of(data_index, stage, tensor_index)
-                        for stage in stages
-                    ]
-                    group = dist.new_group(ranks)
-                    if self.rank not in ranks:
-                        continue
-                    adapter = TorchCollectiveAdapter(group, "pipe")
-                    adapter.stats = self.stats
-                    adapters[stages] = adapter
+        for stages, d, t in itertools.product(
+            sorted(set(map(tuple, self.shared_stages.values()))),
+            range(self.data_parallel),
+            range(self.tensor_parallel),
+        ):
+            ranks = [self._rank_of(d, stage, t) for stage in stages]
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                adapters[stages] = TorchCollectiveAdapter(group, "pipe")
+                adapters[stages].stats = self.stats
         # In the model's order, the same on every rank: each group's
         # ranks must all-reduce its weights in one order.
         return {
@@ -218,11 +206,10 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
         return self.stage_runtime if self.data_parallel > 1 else None
 
     def _rank_of(self, data_index, stage_index, model_index):
-        """The global rank at `(data_index, stage_index, model_index)` of
-        the `data x pipe x model` mesh."""
-        return (
-            data_index * self.pipeline_parallel + stage_index
-        ) * self.tensor_parallel + model_index
+        """The global rank at these indices of the `data x pipe x model`
+        mesh."""
+        index = (data_index, stage_index, model_index)
+        return int(np.ravel_multi_index(index, self._mesh_shape))
 
     def prepare_model(self, model):
         # As `TorchRuntime.prepare_model`: the ranks of a stage draw the
@@ -256,19 +243,12 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
         of other stages' variables are made on the meta device, without
         memory (`place_variable_like`). A `CoordinatedOptimizer` over the
         stage's replicas builds this stage's slots only."""
-        if self.optimizer_runtime is None:
-            trainer.optimizer.build(trainer.trainable_variables)
-        else:
-            trainer.optimizer.build(self.stage_model.trainable_variables)
+        held = self.stage_model if self.optimizer_runtime else trainer
+        trainer.optimizer.build(held.trainable_variables)
 
     def _pipeline(self, x, with_loss=True):
-        """This rank's `TorchPipeline` for a batch of inputs `x`.
-
-        Args:
-            x: this replica's part of the batch's inputs.
-            with_loss: whether it computes the loss (training and
-                evaluation) or only the outputs (prediction).
-        """
+        """This rank's `TorchPipeline` for this replica's inputs `x`: with
+        the loss (training, evaluation) or without (prediction)."""
         leaves = keras.tree.flatten(x)
         count = self.microbatches(len(leaves[0]))
         shapes = tuple((tuple(t.shape), t.dtype) for t in leaves)
@@ -287,24 +267,20 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
             )
         return self._pipelines[key]
 
-    def _replica_part(self, data):
-        """This replica's slice of every tensor of a global batch, as
-        torch tensors (`train_on_batch` passes NumPy arrays on).
-
-        Raises:
-            ValueError: if the batch does not split evenly over the
-                replicas.
-        """
+    def _batch(self, data):
+        """`(x, y, sample_weight)` of this replica's slice of a global
+        batch, as torch tensors (`train_on_batch` passes NumPy arrays on);
+        a `ValueError` if it does not split evenly over the replicas."""
         data = keras.tree.map_structure(
             lambda t: t if t is None else keras.ops.convert_to_tensor(t), data
         )
-        if self.data_adapter is None:
-            return data
-        return keras.tree.map_structure(self.stage_runtime.batch_slice, data)
+        if self.data_adapter is not None:
+            slice_of = self.stage_runtime.batch_slice
+            data = keras.tree.map_structure(slice_of, data)
+        return keras.utils.unpack_x_y_sample_weight(data)
 
     def train_step(self, data):
-        data = self._replica_part(data)
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = self._batch(data)
         self.check_no_sample_weight(sample_weight)
         pipeline = self._pipeline(x)
         variables = self.stage_model.trainable_variables
@@ -326,7 +302,8 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
         """Sums each shared weight's gradients over the stages holding a
         copy, as Megatron-LM all-reduces the word embeddings' gradients
         between its first and last stages: every copy then takes the same
-        update and stays equal."""
+        update and stays equal. (`WeightOwners.gradient_addends` needs
+        every stage's gradients in one process; a rank has its own.)"""
         held = {id(variable): variable for variable in variables}
         for key, adapter in self._shared_adapters.items():
             parameter = held[key].value
@@ -337,18 +314,14 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
                 parameter.grad = adapter.all_reduce(gradient)
 
     def test_step(self, data):
-        data = self._replica_part(data)
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = self._batch(data)
         self.check_no_sample_weight(sample_weight)
         pipeline = self._pipeline(x)
         loss, y_pred = pipeline.forward(x, y)
         return self._logs(pipeline, x, y, loss, y_pred)
 
     def predict_step(self, data):
-        data = self._replica_part(data)
-        x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        _, y_pred = self._pipeline(x, with_loss=False).forward(x)
-        y_pred = self._from_last_stage(y_pred)
+        y_pred = self._last_stage_outputs(self._batch(data)[0])
         if self.data_adapter is None:
             return y_pred
         # Every rank returns the whole batch's outputs: the replicas'
@@ -389,9 +362,12 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
             variable.assign(value.reshape(variable.shape))
         return trainer.get_metrics_result()
 
-    def _from_last_stage(self, outputs):
-        """The last stage's `outputs`, broadcast to every rank of its
-        replica."""
+    def _last_stage_outputs(self, x, training=False):
+        """The stages' outputs of `x`, without gradients, broadcast from
+        the last stage to every rank of its replica."""
+        _, outputs = self._pipeline(x, with_loss=False).forward(
+            x, None, training
+        )
         last = self.last_rank
         specs = [None]
         if self.rank == last:
@@ -421,10 +397,7 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
             return super().call_model(model, inputs, training)
         inputs = keras.tree.map_structure(keras.ops.convert_to_tensor, inputs)
         with self.stats.recording("call"):
-            _, outputs = self._pipeline(inputs, with_loss=False).forward(
-                inputs, training=bool(training)
-            )
-            return self._from_last_stage(outputs)
+            return self._last_stage_outputs(inputs, bool(training))
 
 
 PIPELINE_RUNTIME = TorchPipelineRuntime

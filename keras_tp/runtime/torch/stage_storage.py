@@ -8,6 +8,7 @@ every stage that uses it. Full values, `save()` and sharded checkpoints
 are assembled by each variable's stage in the first replica.
 """
 
+import dataclasses
 import gc
 
 import torch
@@ -52,12 +53,10 @@ class StageStorage:
         every rank, by the first rank."""
         if isinstance(variable, SlotOfAnotherStage):
             return []
-        stage = self.stage_of.get(id(variable))
-        reference = self.stage_runtime.placement.references.get(id(variable))
-        if stage is None and reference is not None:
-            stage = self.stage_of.get(id(reference))
-        if stage is None:
-            stage = 0
+        stage_of = self.stage_of
+        references = self.stage_runtime.placement.references
+        reference = references.get(id(variable), variable)
+        stage = stage_of.get(id(variable), stage_of.get(id(reference), 0))
         if stage != self.stage_index:
             return []
         return self.stage_runtime.local_pieces(variable)
@@ -87,7 +86,7 @@ class StageStorage:
         trainable = self.trainer.trainable_variables
         owned = {
             position: [
-                (slot.path, self.full_shape(slot), slot.dtype)
+                (slot.path, tuple(self.full_shape(slot)), slot.dtype)
                 for slot in slots[id(variable)]
             ]
             for position, variable in enumerate(trainable)
@@ -218,21 +217,15 @@ class StageStorage:
         return {self.devices[self.rank]: storage_bytes(own)}
 
 
+@dataclasses.dataclass(eq=False)
 class SlotOfAnotherStage:
     """What a checkpoint lists of an optimizer slot another stage's rank
-    holds: its path, unsplit shape and dtype. This rank writes and reads
-    none of it.
+    holds: its path, unsplit shape (a tuple) and dtype. This rank writes
+    and reads none of it."""
 
-    Args:
-        path: the slot's path.
-        shape: its unsplit shape.
-        dtype: its dtype.
-    """
-
-    def __init__(self, path, shape, dtype):
-        self.path = path
-        self.shape = tuple(shape)
-        self.dtype = dtype
+    path: str
+    shape: tuple
+    dtype: object
 
 
 def _to_meta(variable, shape):

@@ -36,14 +36,11 @@ class KerasStageModule(torch.nn.Module):
     """A Keras stage model as the `nn.Module` of a `PipelineStage`.
 
     A `PipelineStage` passes each tensor it receives as a positional
-    argument and sends each tensor the module returns. A stage model of
+    argument and sends each tensor the module returns. A stage `model` of
     `keras_tp.pipeline.split_stages` takes and returns dicts of named
     tensors, which travel in the order of their names
     (`flatten_named`). Keras layers on torch are `nn.Module`s, so the
     stage's parameters are this module's.
-
-    Args:
-        model: the stage's Keras model.
     """
 
     def __init__(self, model):
@@ -70,12 +67,11 @@ class KerasStageModule(torch.nn.Module):
         return flatten_named(self.model(inputs, training=self.training_call))
 
     def structured(self, outputs):
-        """The stage model's outputs in its own structure again.
-
-        Args:
-            outputs: what `forward` returned (or the schedule merged).
-        """
-        return unflatten_named(outputs, self.model.output)
+        """The stage model's `outputs` (as `forward` returned them, or the
+        schedule merged them) in its own structure again."""
+        if isinstance(self.model.output, dict):
+            return dict(zip(sorted(self.model.output), outputs))
+        return outputs
 
 
 def flatten_named(value):
@@ -85,26 +81,15 @@ def flatten_named(value):
     return value
 
 
-def unflatten_named(value, structure):
-    """The inverse of `flatten_named` for a value shaped like `structure`."""
-    if isinstance(structure, dict):
-        return dict(zip(sorted(structure), value))
-    return value
-
-
 class RecordedPipelineStage(PipelineStage):
     """A `PipelineStage` that times each micro-batch and counts its sends.
 
     `timeline` holds `(kind, micro_batch, start, end)` of the last step,
     in `time.perf_counter()` seconds, which on Linux is one clock for
     every process of the machine. Each micro-batch's activations sent
-    forward and gradients sent back are recorded in `stats` on the axis
+    forward and gradients sent back are recorded in `stats` (the
+    `CommunicationStats` given after the `KerasStageModule`) on the axis
     `"pipe"`.
-
-    Args:
-        module: the stage's `KerasStageModule`.
-        stats: the `CommunicationStats` to record in.
-        *args, **kwargs: the rest of `PipelineStage`'s arguments.
     """
 
     def __init__(self, module, stats, *args, **kwargs):
@@ -135,39 +120,43 @@ class RecordedPipelineStage(PipelineStage):
             return tensor
         return torch.zeros_like(tensor)
 
-    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+    def _timed(self, kind, run, chunk, *args, **kwargs):
         start = time.perf_counter()
-        output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-        self.timeline.append(
-            ("forward", fwd_chunk_id, start, time.perf_counter())
-        )
+        output = run(chunk, *args, **kwargs)
+        self.timeline.append((kind, chunk, start, time.perf_counter()))
+        return output
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        run = super().forward_one_chunk
+        output = self._timed("forward", run, fwd_chunk_id, *args, **kwargs)
         if not self.is_last:
             for tensor in keras.tree.flatten(output):
                 self.stats.record("send", nbytes(tensor), "forward", "pipe")
         return output
 
     def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        run = super().backward_one_chunk
         if not self.has_backward:
             # A forward-only run (`schedule.eval`) skips the backward pass.
-            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
-        start = time.perf_counter()
-        output = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
-        self.timeline.append(
-            ("backward", bwd_chunk_id, start, time.perf_counter())
-        )
+            return run(bwd_chunk_id, *args, **kwargs)
+        output = self._timed("backward", run, bwd_chunk_id, *args, **kwargs)
         if not self.is_first:
-            self.stats.record(
-                "send", self.submod.input_gradient_bytes, "backward", "pipe"
-            )
+            bytes_sent = self.submod.input_gradient_bytes
+            self.stats.record("send", bytes_sent, "backward", "pipe")
         return output
 
 
 class TorchPipeline:
-    """This rank's stage of a pipeline, and the schedule that runs it.
+    """This rank's stage of a pipeline, and the schedule that runs it:
+    torch's schedule runtime (`_PipelineScheduleRuntime`), which runs a
+    schedule given as per-rank action lists and adds the sends and
+    receives between the stages, running keras_tp's own, so GPipe and 1F1B
+    come from `keras_tp.pipeline.schedules` on torch as on every backend.
 
     Args:
         stage_model: the Keras model of this rank's stage.
-        stage_index: the stage's place in the pipeline.
+        stage_index: the stage's place in the pipeline, and this rank's
+            in `group`.
         num_stages: the number of stages (ranks of `group`).
         num_microbatches: micro-batches per batch.
         schedule: `"gpipe"` or `"1f1b"`.
@@ -198,14 +187,24 @@ class TorchPipeline:
         self.stage = RecordedPipelineStage(
             module, stats, stage_index, num_stages, device, group=group
         )
-        loss_fn = (
-            None
-            if loss is None
-            else lambda y_pred, y_true: loss(y_true, module.structured(y_pred))
+        loss_fn = None
+        if loss is not None:
+
+            def loss_fn(y_pred, y_true):
+                return loss(y_true, module.structured(y_pred))
+
+        self.schedule = _PipelineScheduleRuntime(
+            [self.stage], num_microbatches, loss_fn=loss_fn
         )
         actions = schedules.SCHEDULES[schedule](num_stages, num_microbatches)
-        self.schedule = _schedule_runtime(
-            self.stage, num_microbatches, loss_fn, actions
+        self.schedule._prepare_schedule_with_comms(
+            {
+                index: [
+                    _Action(index, _COMPUTATIONS[a.kind], a.microbatch)
+                    for a in stage_actions
+                ]
+                for index, stage_actions in enumerate(actions)
+            }
         )
         self.num_microbatches = num_microbatches
 
@@ -214,11 +213,8 @@ class TorchPipeline:
         return self.stage.is_last
 
     def step(self, x, y):
-        """Runs the forward and backward passes of one batch.
-
-        Args:
-            x: the batch's inputs; read by the first stage only.
-            y: the batch's targets; read by the last stage only.
+        """Runs the forward and backward passes of one batch: `x` is read
+        by the first stage only, `y` by the last.
 
         Returns:
             On the last stage, `(mean loss of the micro-batches, the
@@ -227,18 +223,9 @@ class TorchPipeline:
         return self._run(self.schedule.step, x, y, training=True)
 
     def forward(self, x, y=None, training=False):
-        """Runs the forward passes of one batch only, without gradients.
-
-        Args:
-            x: the batch's inputs; read by the first stage only.
-            y: the batch's targets, or `None` for no loss; read by the
-                last stage only.
-            training: the `training` argument of the stages' calls.
-
-        Returns:
-            On the last stage, `(mean loss of the micro-batches or None,
-            the batch's outputs)`; elsewhere `(None, None)`.
-        """
+        """As `step`, the forward passes only, without gradients; without
+        targets `y`, the loss returned is `None`. `training` is the
+        argument of the stages' calls."""
         with torch.no_grad():
             return self._run(self.schedule.eval, x, y, training)
 
@@ -260,33 +247,3 @@ class TorchPipeline:
         outputs = run(*inputs, target=y, losses=losses)
         loss = None if y is None else torch.stack(losses).mean().detach()
         return loss, self.stage.submod.structured(outputs)
-
-
-def _schedule_runtime(stage, num_microbatches, loss_fn, actions):
-    """torch's schedule runtime, running keras_tp's `actions` on `stage`.
-
-    `torch.distributed.pipelining` runs a schedule given as per-rank action
-    lists (`_PipelineScheduleRuntime`) and adds the sends and receives
-    between the stages, so GPipe and 1F1B come from
-    `keras_tp.pipeline.schedules` on torch as on every backend.
-
-    Args:
-        stage: this rank's `PipelineStage`; stage `s` runs on rank `s` of
-            the pipeline's group.
-        num_microbatches: micro-batches per batch.
-        loss_fn: the last stage's loss of `(y_pred, y_true)`, or `None`.
-        actions: per stage, its `schedules.Action`s in order.
-    """
-    runtime = _PipelineScheduleRuntime(
-        [stage], num_microbatches, loss_fn=loss_fn
-    )
-    runtime._prepare_schedule_with_comms(
-        {
-            index: [
-                _Action(index, _COMPUTATIONS[a.kind], a.microbatch)
-                for a in stage_actions
-            ]
-            for index, stage_actions in enumerate(actions)
-        }
-    )
-    return runtime

@@ -1,9 +1,9 @@
 """Where a pipeline's cuts may fall, and which of them `split_stages` takes.
 
-Measurements of a model's dataflow graph (`keras_tp.pipeline.graph`):
-how many activations cross each position, the parameters (or measured
-seconds) of each node, which layers share a weight; and the choice of
-the cut positions among the candidates, automatic or given by name.
+How many activations cross each position of a model's dataflow graph
+(`keras_tp.pipeline.graph`), the parameters of each node, which layers
+share a weight; and the cut positions chosen among the candidates, or
+given by name.
 """
 
 import difflib
@@ -12,8 +12,6 @@ import logging
 import numpy as np
 
 logger = logging.getLogger(__name__)
-
-# Graph measurements ----------------------------------------------------
 
 
 def _activation_counts(graph):
@@ -24,59 +22,40 @@ def _activation_counts(graph):
     cuts alike and say nothing about where a block ends. The others are
     the activations a cut must send.
     """
-    n = len(graph.nodes)
-    delta = np.zeros(n + 2, dtype=np.int64)
+    counts = np.zeros(len(graph.nodes) + 1, dtype=np.int64)
     outputs = set(graph.outputs)
     for key, info in graph.tensors.items():
-        if info.producer is None:
-            continue
-        last = info.first if key in outputs else info.last
-        if last >= info.first:
-            delta[info.first] += 1
-            delta[last + 1] -= 1
-    return np.cumsum(delta)[: n + 1]
+        if info.producer is not None:
+            last = info.first if key in outputs else info.last
+            counts[info.first : last + 1] += 1
+    return counts
 
 
-def node_parameters(graph):
-    """Weight scalars per node; a weight counts at its first use only."""
-    seen = set()
-    sizes = []
+def weight_uses(graph):
+    """`(sizes, shared)`: the weight scalars of each node, a weight counted
+    at its first use only; and `[(layers, path, first node, last node)]`
+    for the weights several nodes use.
+
+    A layer called twice (a tied embedding, also the LM head), or two
+    layers that share a variable, must have all those calls in one stage
+    (a stage owns its weights), unless `share_weights`.
+    """
+    uses, sizes = {}, []
     for node in graph.nodes:
         size = 0
         for weight in getattr(node.operation, "weights", ()):
-            if id(weight) not in seen:
-                seen.add(id(weight))
+            if id(weight) not in uses:
+                uses[id(weight)] = (weight, [])
                 size += int(np.prod(weight.shape))
+            uses[id(weight)][1].append(node)
         sizes.append(size)
-    return sizes
-
-
-def weight_owners(graph):
-    """`[(label, first node, last node)]` for weights used by several nodes.
-
-    A layer called twice (a tied embedding, also the LM head), or two
-    layers that share a variable, must have all those calls in one stage:
-    a stage owns its weights.
-    """
-    uses = {}
-    for node in graph.nodes:
-        for weight in getattr(node.operation, "weights", ()):
-            uses.setdefault(id(weight), (weight, []))[1].append(node)
-    spans = {}
+    shared = {}
     for weight, nodes in uses.values():
-        if nodes[0].index == nodes[-1].index:
-            continue
-        layers = []
-        for node in nodes:
-            if node.operation.name not in layers:
-                layers.append(node.operation.name)
-        span = (nodes[0].index, nodes[-1].index)
-        label = (tuple(layers), weight.path)
-        spans.setdefault(label, span)
-    return [(label, a, b) for label, (a, b) in spans.items()]
-
-
-# Choosing cuts ---------------------------------------------------------
+        if nodes[0].index != nodes[-1].index:
+            layers = tuple(dict.fromkeys(n.operation.name for n in nodes))
+            span = (nodes[0].index, nodes[-1].index)
+            shared.setdefault((layers, weight.path), span)
+    return sizes, [(*label, a, b) for label, (a, b) in shared.items()]
 
 
 def candidate_cuts(graph, owners):
@@ -84,16 +63,16 @@ def candidate_cuts(graph, owners):
 
     Returns:
         `(candidates, fewest, splitting)`: the cuts where the fewest
-        activations cross, that number, and `{cut: label}` for the cuts
-        excluded because they would separate the calls of a shared
-        weight's layers.
+        activations cross, that number, and `{cut: owner}` (an entry of
+        `owners`, from `weight_uses`) for the cuts excluded because they
+        would separate the calls of a shared weight's layers.
     """
     n = len(graph.nodes)
     counts = _activation_counts(graph)
     splitting = {}
-    for label, first, last in owners:
-        for k in range(first + 1, last + 1):
-            splitting.setdefault(k, label)
+    for owner in owners:
+        for k in range(owner[2] + 1, owner[3] + 1):
+            splitting.setdefault(k, owner)
     allowed = [k for k in range(1, n) if k not in splitting]
     if not allowed:
         return [], None, splitting
@@ -108,7 +87,7 @@ def automatic_cuts(graph, num_stages, sizes, owners, found):
     candidates, fewest, splitting = found
     if not candidates:
         if splitting:
-            raise ValueError(_tie_message(graph, splitting[1], owners))
+            raise ValueError(_tie_message(graph, splitting[1]))
         raise ValueError(
             f"Model '{graph.model.name}' has {n} node(s) and cannot be cut "
             f"into {num_stages} stages."
@@ -121,7 +100,7 @@ def automatic_cuts(graph, num_stages, sizes, owners, found):
             tied = (
                 " Cuts that would separate the calls of a shared layer "
                 "are excluded: "
-                + _tie_message(graph, next(iter(splitting.values())), owners)
+                + _tie_message(graph, next(iter(splitting.values())))
             )
         raise ValueError(
             f"Model '{graph.model.name}' has {len(candidates)} candidate "
@@ -220,10 +199,9 @@ def user_cuts(graph, num_stages, cut_points, owners):
                 "shows it."
             )
         previous = k
-    for label, first, last in owners:
-        for k in positions:
-            if first < k <= last:
-                raise ValueError(_tie_message(graph, label, owners))
+    for owner in owners:
+        if any(owner[2] < k <= owner[3] for k in positions):
+            raise ValueError(_tie_message(graph, owner))
     return positions
 
 
@@ -264,9 +242,8 @@ def _find_node(graph, name):
     return matches[0].index
 
 
-def _tie_message(graph, label, owners):
-    layers, path = label
-    first, last = next((a, b) for lab, a, b in owners if lab == label)
+def _tie_message(graph, owner):
+    layers, path, first, last = owner
     what = (
         f"layer '{layers[0]}' is called"
         if len(layers) == 1

@@ -1,19 +1,8 @@
-"""Cutting a Functional model into pipeline stages.
+"""Cutting a Functional model into pipeline stages: `split_stages`.
 
-A pipeline runs consecutive parts of a model, its *stages*, on different
-devices, and sends the activations that cross each cut from one stage to
-the next. `split_stages` makes those parts: Functional models built from
-the user's own layer objects, so that training the stages trains the
-user's model.
-
-Where to cut: at the positions of the graph where the fewest activations
-cross (between the blocks of a transformer, the residual stream; between
-the blocks of a ResNet, the block's output), choosing among them the cuts
-that balance the stages' parameters. Tensors that a later stage reads but
-an earlier one made (skip connections, and model inputs such as keras-hub's
-`padding_mask`, which every transformer block reads) are carried: they
-become extra outputs of the stages they pass through and extra inputs of
-the next ones.
+The stages are Functional models built from the user's own layer objects,
+so that training the stages trains the user's model; where the cuts fall
+is decided on the model's dataflow graph (`graph`, `cut_points`).
 """
 
 import inspect
@@ -26,9 +15,8 @@ import numpy as np
 from keras_tp.keras_internals import sublayers
 from keras_tp.pipeline.cut_points import automatic_cuts
 from keras_tp.pipeline.cut_points import candidate_cuts
-from keras_tp.pipeline.cut_points import node_parameters
 from keras_tp.pipeline.cut_points import user_cuts
-from keras_tp.pipeline.cut_points import weight_owners
+from keras_tp.pipeline.cut_points import weight_uses
 from keras_tp.pipeline.graph import Dataflow
 from keras_tp.pipeline.schedules import check_count
 from keras_tp.pipeline.stages import Boundary
@@ -151,8 +139,9 @@ def split_stages(
         )
     graph = Dataflow(model)
     _check_losses(model)
-    sizes = node_parameters(graph)
-    owners = [] if share_weights else weight_owners(graph)
+    sizes, owners = weight_uses(graph)
+    if share_weights:
+        owners = []
     found = candidate_cuts(graph, owners)
     if cut_points is None:
         if balance == "time" and num_stages > 1:
@@ -211,19 +200,12 @@ def _check_losses(model):
 
 def _adds_loss_in_call(layer):
     """Whether the `call` that runs for `layer` calls `add_loss`."""
-    for cls in type(layer).__mro__:
-        call = cls.__dict__.get("call")
-        if call is None:
-            continue
-        try:
-            source = inspect.getsource(call)
-        except (OSError, TypeError):
-            return False
-        return ".add_loss(" in source
-    return False
-
-
-# Timing and building stages -------------------------------------------
+    owners = [c for c in type(layer).__mro__ if "call" in c.__dict__]
+    call = owners[0].__dict__["call"] if owners else None
+    try:
+        return ".add_loss(" in inspect.getsource(call)
+    except (OSError, TypeError):
+        return False
 
 
 def block_seconds(graph, candidates, sample):

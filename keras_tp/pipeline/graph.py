@@ -3,9 +3,8 @@
 A Keras Functional model is a graph of *nodes*, one per call of an
 operation: a layer, or a raw op such as the `x + y` of a residual add. The
 pipeline cuts this graph, so it needs every node, in an order that runs,
-with the tensors each one reads and writes. Nested graph models (the
-backbone inside a keras-hub `CausalLM`, a `Sequential` inside a Functional
-model) are opened up, so that a cut can fall between their layers.
+with the tensors each one reads and writes, nested models (the backbone
+inside a keras-hub `CausalLM`) opened up so that a cut can fall inside.
 
 Keras keeps the graph in private structures: each `KerasTensor` records the
 call that produced it (`_keras_history`) and each operation the calls made
@@ -24,8 +23,6 @@ from keras_tp.keras_internals import node_inputs
 from keras_tp.keras_internals import node_operation
 from keras_tp.keras_internals import node_outputs
 from keras_tp.keras_internals import producer_node
-
-# The graph -------------------------------------------------------------
 
 
 class TensorInfo:

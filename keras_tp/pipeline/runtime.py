@@ -1,15 +1,9 @@
 """`PipelineRuntime`: what `TensorParallelKeras(pipeline_parallel=P)` runs.
 
-A pipeline runtime stands where a tensor-parallel `Runtime` stands: the
-model class compiles, fits and reports through the same methods. It cuts
-the model into `P` stages (`split_stages`), keeps each stage's variables
-and optimizer slots on the stage's own device (or process), and runs
-Keras' steps as a schedule of micro-batches. Its `keras_tp.ParallelConfig`
-has checked what the backend runs (`keras_tp.config.SUPPORT`). This module
-is the part every backend shares: the stages of each variable, the
-micro-batch count and the loss. Each backend's subclass (in
-`keras_tp.runtime.<backend>.pipeline`) stores the variables and runs the
-steps with its trainer's signatures.
+The part every backend shares: the stages and their devices, the stage of
+each variable, the micro-batch count and the loss. Each backend's subclass
+(`keras_tp.runtime.<backend>.pipeline`) stores the variables and runs
+Keras' steps with its trainer's signatures.
 """
 
 import copy

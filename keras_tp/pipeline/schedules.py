@@ -7,13 +7,10 @@ waits for the ones it needs: the forward of microbatch `m` on stage `s`
 needs it on stage `s - 1`, the backward needs it on stage `s + 1` and its
 own forward.
 
-- GPipe (Huang et al., 2019): every forward, then every backward. Each
-  stage holds the activations of all `M` microbatches at its peak.
-- 1F1B (PipeDream-Flush, Narayanan et al., 2021; Megatron-LM,
-  `torch.distributed.pipelining.Schedule1F1B`): stage `s` runs
-  `P - s - 1` warm-up forwards, then alternates one forward and one
-  backward, then runs the remaining backwards. It takes as long as GPipe
-  but holds at most `P - s` microbatches' activations.
+GPipe (Huang et al., 2019) holds the activations of all `M` microbatches
+at its peak; 1F1B (PipeDream-Flush, Narayanan et al., 2021; Megatron-LM,
+`torch.distributed.pipelining.Schedule1F1B`) takes as long but holds at
+most `P - s` on stage `s`.
 
 Both idle for a fraction `(P - 1) / (M + P - 1)` of the step, the pipeline
 *bubble*, when every stage takes the same time. `simulate` runs a schedule

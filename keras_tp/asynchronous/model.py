@@ -84,6 +84,7 @@ class AsyncDataParallel(keras.Model):
                     f"AsyncDataParallel: {name} must be an integer >= "
                     f"{least}, got {value!r}."
                 )
+            setattr(self, name, value)
         if not isinstance(model, keras.Model):
             raise TypeError(
                 "AsyncDataParallel wraps a keras.Model, got "
@@ -95,10 +96,6 @@ class AsyncDataParallel(keras.Model):
                 "it first (give it an Input, or call it on a batch)."
             )
         self.wrapped_model = model
-        self.workers = workers
-        self.servers = servers
-        self.max_staleness = max_staleness
-        self.pull_every = pull_every
         self._device_ids = device_ids
         self._runner = None
 

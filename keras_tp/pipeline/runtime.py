@@ -183,10 +183,6 @@ class PipelineRuntime(Runtime):
         `None` before the first."""
         raise NotImplementedError
 
-    def build_optimizer(self, trainer):
-        """Builds the optimizer's slots, each on its variable's stage."""
-        trainer.optimizer.build(trainer.trainable_variables)
-
     def check_compiled(self, trainer):
         """Refuses what a pipeline would compute differently from Keras.
 

@@ -25,7 +25,6 @@ from keras_tp.collectives.tensorflow import ReplicaStats
 from keras_tp.keras_internals import place_slots_on_creation
 from keras_tp.keras_internals import update_loss_tracker
 from keras_tp.parallel import CoordinatedOptimizer
-from keras_tp.pipeline import schedules
 from keras_tp.pipeline.runtime import CallingStageRegions
 from keras_tp.pipeline.runtime import PipelineRuntime
 from keras_tp.runtime.tensorflow import TensorFlowRuntime
@@ -73,17 +72,15 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         self.stage_optimizers = []
         # The compiled optimizer the stage optimizers were made from.
         self._optimizers_of = None
-        # By `(stage, id(variable))`, a later stage's copy of a weight an
-        # earlier stage owns (a tied embedding), stored on its replicas.
+        # By `(stage, id(variable))`, `(variable, copy)`: a later stage's
+        # copy of a weight an earlier stage owns (a tied embedding),
+        # stored on its replicas.
         self._copies = {}
-        self._shared_variables = {}
         # The stage primitives per micro-batch count: a batch of another
         # size may take another count.
         self._stages = {}
-        # Per micro-batch count, the start and end times of each action of
-        # the last training step, in the schedule's order.
-        self._step_times = {}
-        self._trained_count = None
+        # Those of the last training step.
+        self._trained = None
         self.peak_activations = []
         self.last_num_microbatches = None
 
@@ -122,23 +119,8 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
                 self.stats,
                 self.reading_copies if self._copies else None,
             )
-            with tf.init_scope():
-                self._step_times[count] = tf.Variable(
-                    tf.zeros((len(self._stages[count].order), 2), "float64"),
-                    trainable=False,
-                )
         self.last_num_microbatches = count
         return self._stages[count]
-
-    def _record_step(self, stages):
-        """Keeps what `stages` measured of the training step just traced:
-        their peak activations, and the times they ran each action, which
-        the step writes."""
-        self.peak_activations = list(stages.peak_activations)
-        self._trained_count = self.last_num_microbatches
-        self._step_times[self._trained_count].assign(
-            tf.stack([tf.stack(pair) for pair in stages.times])
-        )
 
     def _loss(self, y_true, y_pred):
         # Read when a step is traced: `predict` needs no compiled loss,
@@ -146,17 +128,11 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         return self.loss_function()(y_true, y_pred)
 
     def measured_timeline(self):
-        """The last training step's `schedules.Timeline`, from the times
-        its stages ran each action (see `TensorFlowStages._issued`), or
-        `None` before the first step."""
-        if self._trained_count is None:
+        """The last training step's `schedules.Timeline` (see
+        `TensorFlowStages.measured_timeline`), `None` before the first."""
+        if self._trained is None:
             return None
-        order = self._stages[self._trained_count].order
-        records = [[] for _ in range(self.pipeline_parallel)]
-        times = self._step_times[self._trained_count].numpy()
-        for (stage, kind, m), (start, end) in zip(order, times):
-            records[stage].append((kind, m, float(start), float(end)))
-        return schedules.recorded_timeline(records)
+        return self._trained.measured_timeline()
 
     def calling_stage_runtime(self, stages):
         runtimes = {s: self.stage_runtimes[s] for s in stages}
@@ -179,8 +155,9 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             trainer.optimizer.build([])
 
     def build_optimizer(self, trainer):
-        """Makes each stage's optimizer from the compiled one, once per
-        compile, and builds its slots with the stage's variables."""
+        """Makes each stage's optimizer, once per compile: a copy of the
+        compiled one (wrapped by a `CoordinatedOptimizer` with replicas),
+        whose slots are built with the stage's variables."""
         optimizer = trainer.optimizer
         if self._optimizers_of is optimizer:
             return
@@ -189,29 +166,23 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         with tf.init_scope():
             if not optimizer.built:
                 optimizer.build([])
-            config = optimizer.get_config()
-            self.stage_optimizers = [
-                self._stage_trainer(type(optimizer).from_config(config), s)
-                for s in range(self.pipeline_parallel)
-            ]
+            config, trainers = optimizer.get_config(), []
+            for stage, runtime in enumerate(self.stage_runtimes):
+                copy = type(optimizer).from_config(config)
+                if runtime.optimizer_runtime is None:
+                    place_slots_on_creation(copy, runtime.placement.place_like)
+                else:
+                    copy = CoordinatedOptimizer(
+                        copy, zero_stage=self.zero_stage
+                    )
+                    runtime.bind_optimizer(copy)
+                owned = self.owners.owned(stage)
+                trainers.append(
+                    _StageTrainer(self.stage_models[stage], copy, owned)
+                )
+                prepare_optimizer(runtime, trainers[-1])
+        self.stage_optimizers = trainers
         self._optimizers_of = optimizer
-
-    def _stage_trainer(self, optimizer, stage):
-        """Stage `stage`'s `_StageTrainer`, whose optimizer is `optimizer`
-        (a copy of the compiled one), built on the stage's variables."""
-        runtime = self.stage_runtimes[stage]
-        if runtime.optimizer_runtime is None:
-            place_slots_on_creation(optimizer, runtime.placement.place_like)
-        else:
-            optimizer = CoordinatedOptimizer(
-                optimizer, zero_stage=self.zero_stage
-            )
-            runtime.bind_optimizer(optimizer)
-        trainer = _StageTrainer(
-            self.stage_models[stage], optimizer, self.owners.owned(stage)
-        )
-        prepare_optimizer(runtime, trainer)
-        return trainer
 
     def run_step(self, phase, step, *args, **kwargs):
         step = getattr(self, f"{phase}_step")
@@ -234,7 +205,8 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         stages = self._stages_of(x)
         self.refresh_copies()
         loss, y_pred = stages.step(x, y)
-        self._record_step(stages)
+        self._trained = stages
+        self.peak_activations = list(stages.peak_activations)
         addends = self._owned_gradients(stages.gradients)
         for stage in range(self.pipeline_parallel):
             self._update(stage, addends)

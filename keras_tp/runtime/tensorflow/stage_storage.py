@@ -27,8 +27,8 @@ class StageStorage:
     """Pipeline runtime mixin: each stage's variables on its runtime, a
     shared weight's copies on the later stages that use it.
 
-    It reads the pipeline's `stage_runtimes`, `stage_models`, `owners`,
-    `_copies` and `_shared_variables`.
+    It reads the pipeline's `stage_runtimes`, `stage_models`, `owners`
+    and `_copies`.
     """
 
     def place_variable(self, variable, axis):
@@ -39,10 +39,8 @@ class StageStorage:
             if stage != owner:
                 runtime = self.stage_runtimes[stage]
                 runtime.placement.borrow(variable, axis)
-                self._copies[stage, id(variable)] = runtime.storage_copy(
-                    variable, axis
-                )
-                self._shared_variables[id(variable)] = variable
+                copy = runtime.storage_copy(variable, axis)
+                self._copies[stage, id(variable)] = (variable, copy)
         self._owner(variable).placement.place(variable, axis)
 
     @contextlib.contextmanager
@@ -56,7 +54,7 @@ class StageStorage:
             if (stage, id(variable)) in self._copies
         ]
         for variable, _ in swapped:
-            set_stored_value(variable, self._copies[stage, id(variable)])
+            set_stored_value(variable, self._copies[stage, id(variable)][1])
         try:
             yield
         finally:
@@ -67,8 +65,8 @@ class StageStorage:
         """Copies each shared weight's pieces from its owner's replicas to
         the stages that also use it, replica `(d, t)` to replica `(d, t)`,
         once a step (counted as sent on `"pipe"`)."""
-        for (stage, key), copy in self._copies.items():
-            owned = stored_value(self._shared_variables[key]).values
+        for (stage, _), (variable, copy) in self._copies.items():
+            owned = stored_value(variable).values
             runtime = self.stage_runtimes[stage]
 
             def refresh(copy=copy, owned=owned, runtime=runtime):
@@ -185,11 +183,10 @@ class StageStorage:
             ]
             for device, size in runtime.device_bytes(placed).items():
                 totals[device] = totals.get(device, 0) + size
-        for variable in variables:
-            for stage in self.shared_stages.get(id(variable), ()):
-                copy = self._copies.get((stage, id(variable)))
-                for piece in copy.values if copy is not None else ():
-                    totals[device_name(piece.device)] += nbytes(piece)
+        wanted = {id(v) for v in variables}
+        for (_, key), (_, copy) in self._copies.items():
+            for piece in copy.values if key in wanted else ():
+                totals[device_name(piece.device)] += nbytes(piece)
         return totals
 
     def _owner(self, variable):

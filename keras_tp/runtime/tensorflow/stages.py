@@ -44,15 +44,13 @@ class TensorFlowStages(StagePrimitives):
     Args:
         stage_models: the Keras model of each stage.
         runtimes: the `TensorFlowRuntime` of each stage's devices.
-        loss: a function of `(y_true, y_pred)` that averages over the
-            micro-batch, for the last stage.
+        loss: the last stage's loss of `(y_true, y_pred)`, a mean.
         schedule: `"gpipe"` or `"1f1b"`.
         num_microbatches: micro-batches per batch.
-        stats: the `CommunicationStats` that count what the stages send
-            each other (axis `"pipe"`).
+        stats: where what the stages send each other counts (`"pipe"`).
         reading_copies: a function of a stage's index returning the
             context in which its replicas read their copies of the weights
-            it shares with an earlier stage; `None`: it shares none.
+            it shares with an earlier stage; `None`: no stage shares any.
 
     Attributes:
         order: the schedule's actions in the order they are issued.
@@ -62,7 +60,8 @@ class TensorFlowStages(StagePrimitives):
             replica)`, the replica's gradients of the stage's trainable
             variables, summed over the micro-batches (`_accumulate`).
         times: after a training step was traced, the start and end
-            timestamps of each action, in `order`.
+            timestamps of each action, in `order` (see `_issued`), which
+            the step writes to `step_times` as it runs.
     """
 
     def __init__(
@@ -89,6 +88,11 @@ class TensorFlowStages(StagePrimitives):
         )
         self.peak_activations = []
         self._training = False
+        # Made eagerly, to outlive the trace of the first step.
+        with tf.init_scope():
+            self.step_times = tf.Variable(
+                tf.zeros((len(self.order), 2), "float64"), trainable=False
+            )
 
     def step(self, x, y):
         """`(loss, y_pred)` of one batch's forward and backward passes (`x`
@@ -96,8 +100,18 @@ class TensorFlowStages(StagePrimitives):
         self._tapes, self.gradients, self._ends, self.times = {}, {}, {}, []
         self._previous = [[] for _ in self.stage_models]
         result = run_schedule(self, self.order, x, y)
+        self.step_times.assign(tf.stack([tf.stack(t) for t in self.times]))
         self.peak_activations = peak_activations(self.order, self.num_stages)
         return result
+
+    def measured_timeline(self):
+        """The `schedules.Timeline` of the last training step, as it ran."""
+        records = [[] for _ in range(self.num_stages)]
+        for (stage, kind, m), (start, end) in zip(
+            self.order, self.step_times.numpy()
+        ):
+            records[stage].append((kind, m, float(start), float(end)))
+        return schedules.recorded_timeline(records)
 
     def predict(self, x, training=False):
         """The last stage's outputs of the batch `x`, one micro-batch
@@ -196,7 +210,10 @@ class TensorFlowStages(StagePrimitives):
         # The batch's outputs: row by row (from its first replica), each
         # row's micro-batches in order.
         rows = range(0, len(predictions[0]), self.tensor_parallel)
-        return loss, concatenated([mb[r] for r in rows for mb in predictions])
+        parts = [micro[r] for r in rows for micro in predictions]
+        if len(parts) == 1:
+            return loss, parts[0]
+        return loss, tf.nest.map_structure(lambda *p: tf.concat(p, 0), *parts)
 
     def _call(self, stage, inputs, training):
         """A replica's outputs of `stage`, its sequence shards gathered."""
@@ -223,10 +240,13 @@ class TensorFlowStages(StagePrimitives):
         count = self.num_microbatches
         row = traced_batch_size(x) // self.data_parallel
         schedules.check_microbatches(row, count)
+        size = row // count
+        # Part `d * count + m`: micro-batch `m` of row `d`.
         parts = [
-            batch_part(x, d * count + m, row // count)
-            for d in range(self.data_parallel)
-            for m in range(count)
+            tf.nest.map_structure(
+                lambda a, i=i: a[i * size : (i + 1) * size], x
+            )
+            for i in range(self.data_parallel * count)
         ]
         return [
             [
@@ -312,21 +332,6 @@ class TensorFlowStages(StagePrimitives):
                 with tf.control_dependencies(done):
                     self._ends[stage, kind, m] = end = tf.timestamp()
                 self.times[-1].append(end)
-
-
-def batch_part(structure, index, size):
-    """Part `index` (of `size` samples) of every tensor in `structure`: a
-    replica's slice of a batch, or a micro-batch of that slice."""
-    return tf.nest.map_structure(
-        lambda a: a[index * size : (index + 1) * size], structure
-    )
-
-
-def concatenated(parts):
-    """The parts' structures put back together along the batch."""
-    if len(parts) == 1:
-        return parts[0]
-    return tf.nest.map_structure(lambda *p: tf.concat(p, axis=0), *parts)
 
 
 def traced_batch_size(x):

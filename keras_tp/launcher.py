@@ -10,6 +10,7 @@ calls the function: one notebook cell works on every backend.
 """
 
 import contextlib
+import functools
 import logging
 import os
 import pickle
@@ -190,20 +191,20 @@ def launch(
             elastic.check_collective_timeout(collective_timeout)
         )
     payload = _pickle_by_value((train_fn, args, kwargs))
-    rendezvous = (master_addr, master_port)
+    # Every attempt starts its ranks alike, but for their number.
+    attempt = functools.partial(
+        _run_attempt,
+        payload,
+        environment,
+        timeout,
+        (master_addr, master_port),
+        threads_per_rank,
+    )
     restart = 0
     while True:
         environment["TORCHELASTIC_RESTART_COUNT"] = str(restart)
         try:
-            return _run_attempt(
-                payload,
-                world_size,
-                environment,
-                timeout,
-                rendezvous,
-                threads_per_rank,
-                nproc_per_node or world_size,
-            )
+            return attempt(world_size, nproc_per_node or world_size)
         except AttemptFailed as failure:
             next_size = _next_world_size(sizes, world_size - len(failure.lost))
             if restart == max_restarts or next_size is None:
@@ -261,11 +262,11 @@ def _restart_refusal(world_size, lost, sizes):
 
 def _run_attempt(
     payload,
-    world_size,
     environment,
     timeout,
     rendezvous,
     threads_per_rank,
+    world_size,
     nproc_per_node,
 ):
     """Runs one attempt of the job; returns rank 0's result.

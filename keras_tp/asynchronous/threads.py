@@ -20,6 +20,11 @@ from keras_tp.asynchronous.servers import weighted_mean
 from keras_tp.asynchronous.staleness import StalenessBound
 from keras_tp.asynchronous.workers import worker_non_trainable_values
 
+# Keras layers are not written to be traced by two threads at once: the
+# backends take this lock only while they trace (`jax.jit`, `tf.function`),
+# not while their programs run.
+TRACING = threading.Lock()
+
 
 class InProcessServer:
     """One server: its variables' values and optimizer state on a device.
@@ -91,10 +96,10 @@ class ThreadedRunner:
         workers: the number of workers, one per device.
         servers: the number of servers.
         max_staleness: see `StalenessBound`.
-        ops: the backend's `DeviceOps`.
         device_ids: the devices to use, or `None` for all.
         pull_every: a worker pulls the parameters after every
             `pull_every` pushes.
+        ops: the backend's `DeviceOps`.
     """
 
     # The one process runs every worker, and shows the progress bar.
@@ -106,9 +111,9 @@ class ThreadedRunner:
         workers,
         servers,
         max_staleness,
-        ops,
         device_ids,
         pull_every,
+        ops,
     ):
         self._pull_every = pull_every
         devices = ops.devices(device_ids)
@@ -141,13 +146,7 @@ class ThreadedRunner:
             # every server.
             report = self._report if s == 0 else _ignore
             self.servers.append(
-                InProcessServer(
-                    indices,
-                    store,
-                    ops,
-                    max_staleness,
-                    report,
-                )
+                InProcessServer(indices, store, ops, max_staleness, report)
             )
         self._gradient = ops.gradient_function(model)
         self._non_trainable = None
@@ -280,21 +279,16 @@ def runner_factory(ops_class):
     """The `make_runner` of a backend whose workers are threads.
 
     Args:
-        ops_class: the backend's `DeviceOps` class.
+        ops_class: the backend's `DeviceOps` class. Its
+            `server_store(optimizer, variables, device)` makes a server's
+            store: its parameters and optimizer state on `device`, for the
+            model `variables` it holds, with a copy of the compiled
+            `optimizer` (`server_optimizer`).
     """
 
-    def make_runner(
-        model, workers, servers, max_staleness, device_ids, pull_every
-    ):
-        return ThreadedRunner(
-            model,
-            workers,
-            servers,
-            max_staleness,
-            ops_class(),
-            device_ids,
-            pull_every,
-        )
+    def make_runner(*arguments):
+        # `(model, workers, servers, max_staleness, device_ids, pull_every)`
+        return ThreadedRunner(*arguments, ops_class())
 
     return make_runner
 

@@ -33,16 +33,10 @@ def stateless_loss(
     mapping = list(zip(trainable, trainable_values)) + list(
         zip(non_trainable, non_trainable_values)
     )
+    data = {"x": x, "y": y, "sample_weight": sample_weight}
     with keras.StatelessScope(state_mapping=mapping) as scope:
         y_pred = model(x, training=True)
-        loss = compute_loss(
-            model,
-            x=x,
-            y=y,
-            y_pred=y_pred,
-            sample_weight=sample_weight,
-            training=True,
-        )
+        loss = compute_loss(model, y_pred=y_pred, training=True, **data)
     updated = []
     for variable, value in zip(non_trainable, non_trainable_values):
         new = scope.get_current_value(variable)

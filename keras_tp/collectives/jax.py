@@ -180,27 +180,34 @@ class JaxCollectiveAdapter(CollectiveAdapter):
             # cotangent of a replicated output is already equal on all ranks.
             return all_gather_invariant(x, axis, axis=gather_axis, tiled=True)
 
-        @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-        def scatter(x, scatter_axis):
-            return _local_slice(x, scatter_axis)
+        def gathering_gradient(forward, gradient=lambda whole: whole):
+            """`forward(x, axis)` whose gradient is all-gathered on `axis`
+            (then passed through `gradient`)."""
 
-        def scatter_fwd(x, scatter_axis):
-            return scatter(x, scatter_axis), None
+            @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+            def op(x, op_axis):
+                return forward(x, op_axis)
 
-        def scatter_bwd(scatter_axis, _, grad):
-            record("all_gather", grad, "backward", self._axis_size)
-            full = all_gather_invariant(
-                grad, axis, axis=scatter_axis, tiled=True
-            )
-            return (full,)
+            def op_fwd(x, op_axis):
+                return op(x, op_axis), None
 
-        scatter.defvjp(scatter_fwd, scatter_bwd)
+            def op_bwd(op_axis, _, grad):
+                record("all_gather", grad, "backward", self._axis_size)
+                whole = all_gather_invariant(
+                    grad, axis, axis=op_axis, tiled=True
+                )
+                return (gradient(whole),)
 
-        def _local_slice(x, scatter_axis):
+            op.defvjp(op_fwd, op_bwd)
+            return op
+
+        def local_slice(x, scatter_axis):
             local = x.shape[scatter_axis] // self._axis_size
             start = jax.lax.axis_index(axis) * local
             x = varying(x)
             return jax.lax.dynamic_slice_in_dim(x, start, local, scatter_axis)
+
+        scatter = gathering_gradient(local_slice)
 
         def scatter_to_parallel(x, scatter_axis=-1):
             return scatter(x, scatter_axis % x.ndim)
@@ -209,24 +216,11 @@ class JaxCollectiveAdapter(CollectiveAdapter):
         # the backward pass reduce-scatters it.
         gather_sequence = _gather_scattering_gradient(axis, record)
 
-        @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-        def reduce_scatter_sequence(x, sequence_axis):
-            return jax.lax.psum_scatter(
+        reduce_scatter_sequence = gathering_gradient(
+            lambda x, sequence_axis: jax.lax.psum_scatter(
                 x, axis, scatter_dimension=sequence_axis, tiled=True
-            )
-
-        def reduce_scatter_sequence_fwd(x, sequence_axis):
-            return reduce_scatter_sequence(x, sequence_axis), None
-
-        def reduce_scatter_sequence_bwd(sequence_axis, _, grad):
-            record("all_gather", grad, "backward", self._axis_size)
-            whole = all_gather_invariant(
-                grad, axis, axis=sequence_axis, tiled=True
-            )
-            return (varying(whole),)
-
-        reduce_scatter_sequence.defvjp(
-            reduce_scatter_sequence_fwd, reduce_scatter_sequence_bwd
+            ),
+            varying,
         )
 
         def gather_sequence_counted(x, sequence_axis=1):

@@ -109,32 +109,11 @@ def _matmul(
     grad_b=False,
     name=None,
 ):
-    flags = (
-        transpose_a,
-        transpose_b,
-        adjoint_a,
-        adjoint_b,
-        a_is_sparse,
-        b_is_sparse,
-        output_type,
-        grad_a,
-        grad_b,
-    )
-    if any(flags) or not _is_matrix(b):
-        return tf.matmul(
-            a.whole,
-            b,
-            transpose_a,
-            transpose_b,
-            adjoint_a,
-            adjoint_b,
-            a_is_sparse,
-            b_is_sparse,
-            output_type,
-            grad_a,
-            grad_b,
-            name,
-        )
+    # `tf.matmul`'s options, as passed: any set runs the product whole.
+    options = dict(locals())
+    del options["a"], options["b"], options["name"]
+    if any(options.values()) or not _is_matrix(b):
+        return tf.matmul(a.whole, b, name=name, **options)
     return _regathered_product(a, b, lambda x, w: tf.matmul(x, w, name=name))
 
 

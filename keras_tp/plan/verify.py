@@ -133,12 +133,7 @@ def expert_output_axis(call, handler, tensor_parallel):
         outputs = []
         for rank in range(tensor_parallel):
             weights = {
-                role: ops.convert_to_tensor(
-                    np.array_split(_numpy(v), tensor_parallel, axes[role])[
-                        rank
-                    ],
-                    dtype=v.dtype,
-                )
+                role: _slice_tensor(v, tensor_parallel, axes[role], rank)
                 for role, v in variables.items()
             }
             outputs.append(
@@ -237,19 +232,20 @@ class _Emulation:
         self.random_inputs = {}
 
     def run(self):
-        watched = {}
+        watched, self.local_weights = {}, {}
         for entry in self.entries.values():
-            for variable in entry.handler.variables(entry.layer).values():
+            variables = entry.handler.variables(entry.layer)
+            for variable in variables.values():
                 watched[id(variable)] = entry.layer.path
-        self.local_weights = {
-            id(entry.layer): {
-                role: self._local_slice(variable, entry.axes.get(role))
-                for role, variable in entry.handler.variables(
-                    entry.layer
-                ).items()
+            self.local_weights[id(entry.layer)] = {
+                role: _slice_tensor(
+                    v,
+                    self.plan.tensor_parallel,
+                    entry.axes.get(role),
+                    self.rank,
+                )
+                for role, v in variables.items()
             }
-            for entry in self.entries.values()
-        }
         watcher = _ReadWatcher(watched)
         specs = self._relax_row_specs()
         try:
@@ -260,7 +256,6 @@ class _Emulation:
                     tracing.flat_tensors(outputs),
                     tracing.flat_tensors(self.trace.outputs),
                     "the model's output",
-                    None,
                 )
         except Exception as error:  # noqa: BLE001 - any failure is a finding
             logger.debug("Rank %d's view failed", self.rank, exc_info=True)
@@ -326,7 +321,6 @@ class _Emulation:
                 tracing.flat_tensors(outputs),
                 reference.outputs,
                 f"the output of '{layer.path or layer.name}'",
-                None,
             )
         return outputs
 
@@ -338,10 +332,8 @@ class _Emulation:
         inputs = tracing.flat_tensors((args, kwargs))
         splits_input = isinstance(style, Row) and style.input_is_parallel
         if splits_input:
-            axis = entry.handler.input_axis(
-                layer, style, len(reference.inputs[0].shape)
-            )
             whole = _numpy(reference.inputs[0])
+            axis = entry.handler.input_axis(layer, style, whole.ndim)
             if inputs and tuple(inputs[0].shape) == whole.shape:
                 width = whole.shape[axis]
                 self.problems[group] = Problem(
@@ -352,9 +344,7 @@ class _Emulation:
                     "use Row(input_is_parallel=False) for a whole input",
                     False,
                 )
-            expected = np.array_split(whole, self.plan.tensor_parallel, axis)[
-                self.rank
-            ]
+            expected = self._rank_slice(whole, axis)
             self._compare(
                 inputs[:1], [expected], f"the input of '{layer.path}'", group
             )
@@ -392,10 +382,9 @@ class _Emulation:
                 False,
             )
             return reference.result
-        expected = np.array_split(whole, self.plan.tensor_parallel, split[0])
         self._compare(
             [local],
-            [expected[self.rank]],
+            [self._rank_slice(whole, split[0])],
             f"the input of '{layer.path}'",
             self.group_of[id(layer)],
         )
@@ -403,15 +392,11 @@ class _Emulation:
             layer, self.local_weights[id(layer)], args, kwargs
         )
 
-    def _local_slice(self, variable, axis):
-        value = _numpy(variable)
-        if axis is not None:
-            value = np.array_split(value, self.plan.tensor_parallel, axis)[
-                self.rank
-            ]
-        return ops.convert_to_tensor(value, dtype=variable.dtype)
+    def _rank_slice(self, value, axis):
+        """This rank's slice of a NumPy `value` on `axis`."""
+        return np.array_split(value, self.plan.tensor_parallel, axis)[self.rank]
 
-    def _compare(self, actual, expected, what, group):
+    def _compare(self, actual, expected, what, group=None):
         if self.problems:
             return
         for a, b in zip(actual, expected):
@@ -439,15 +424,22 @@ class _Emulation:
 
 
 def _numpy(x):
-    value = ops.convert_to_numpy(x)
-    return np.asarray(value)
+    return np.asarray(ops.convert_to_numpy(x))
+
+
+def _slice_tensor(variable, parts, axis, rank):
+    """Slice `rank` of `parts` of a variable on `axis` (all of it for
+    `None`), as a tensor of its dtype."""
+    value = _numpy(variable)
+    if axis is not None:
+        value = np.array_split(value, parts, axis)[rank]
+    return ops.convert_to_tensor(value, dtype=variable.dtype)
 
 
 def _close(a, b):
     if a.dtype.kind not in "fc":
         return np.array_equal(a, b)
-    a = a.astype("float64")
-    b = b.astype("float64")
+    a, b = a.astype("float64"), b.astype("float64")
     scale = max(1.0, float(np.max(np.abs(b), initial=0.0)))
     return bool(np.max(np.abs(a - b), initial=0.0) <= _TOLERANCE * scale)
 

@@ -5,68 +5,20 @@ are committed to; a server's update is the optimizer's `stateless_apply`,
 jitted and run on the server's device.
 """
 
-import threading
-
 import jax
 import keras
 import numpy as np
 
 from keras_tp.asynchronous.servers import server_optimizer
+from keras_tp.asynchronous.threads import TRACING
 from keras_tp.asynchronous.threads import runner_factory
 from keras_tp.asynchronous.workers import stateless_loss
 from keras_tp.runtime.base import select_devices
 from keras_tp.runtime.jax.devices import to_jax_device
 
-# Keras layers are not written to be traced by two threads at once; the
-# lock is taken only while jit traces, not while programs run.
-_TRACING = threading.Lock()
-
-
-class DeviceOps:
-    """What `ThreadedRunner` needs of JAX."""
-
-    def devices(self, device_ids):
-        names = select_devices(
-            "jax", keras.distribution.list_devices(), None, device_ids
-        )
-        return [to_jax_device(name) for name in names]
-
-    def put(self, values, device):
-        return [jax.device_put(value, device) for value in values]
-
-    def to_numpy(self, value):
-        return np.asarray(value)
-
-    def gradient_function(self, model):
-        def loss(trainable, non_trainable, x, y, sample_weight):
-            with _TRACING:
-                return stateless_loss(
-                    model, trainable, non_trainable, x, y, sample_weight
-                )
-
-        gradient = jax.jit(jax.value_and_grad(loss, has_aux=True))
-
-        def step(device, trainable, non_trainable, x, y, sample_weight):
-            x, y, sample_weight = jax.device_put((x, y, sample_weight), device)
-            (value, non_trainable), gradients = gradient(
-                trainable, non_trainable, x, y, sample_weight
-            )
-            return float(value), gradients, non_trainable
-
-        return step
-
-    def server_store(self, optimizer, variables, device):
-        return ServerStore(optimizer, variables, device)
-
 
 class ServerStore:
-    """A server's parameters and optimizer state: arrays on its device.
-
-    Args:
-        optimizer: the compiled optimizer, copied for this server.
-        variables: the model variables the server holds.
-        device: the server's device.
-    """
+    """A server's parameters and optimizer state: arrays on its device."""
 
     def __init__(self, optimizer, variables, device):
         self.device = device
@@ -90,6 +42,42 @@ class ServerStore:
         )
 
 
-# `make_runner(model, workers, servers, max_staleness, device_ids,
-# pull_every)`: the runner of `AsyncDataParallel`.
+class DeviceOps:
+    """What `ThreadedRunner` needs of JAX."""
+
+    def devices(self, device_ids):
+        names = select_devices(
+            "jax", keras.distribution.list_devices(), None, device_ids
+        )
+        return [to_jax_device(name) for name in names]
+
+    def put(self, values, device):
+        return [jax.device_put(value, device) for value in values]
+
+    def to_numpy(self, value):
+        return np.asarray(value)
+
+    def gradient_function(self, model):
+        def loss(trainable, non_trainable, x, y, sample_weight):
+            with TRACING:
+                return stateless_loss(
+                    model, trainable, non_trainable, x, y, sample_weight
+                )
+
+        gradient = jax.jit(jax.value_and_grad(loss, has_aux=True))
+
+        def step(device, trainable, non_trainable, x, y, sample_weight):
+            x, y, sample_weight = jax.device_put((x, y, sample_weight), device)
+            (value, non_trainable), gradients = gradient(
+                trainable, non_trainable, x, y, sample_weight
+            )
+            return float(value), gradients, non_trainable
+
+        return step
+
+    # A server's store (see `runner_factory`).
+    server_store = ServerStore
+
+
+# The runner of `AsyncDataParallel` (see `runner_factory`).
 make_runner = runner_factory(DeviceOps)

@@ -5,21 +5,51 @@ server's update is the optimizer's `stateless_apply` in a `tf.function`
 placed on the server's device.
 """
 
-import threading
-
 import keras
 import numpy as np
 import tensorflow as tf
 
 from keras_tp.asynchronous.servers import server_optimizer
+from keras_tp.asynchronous.threads import TRACING
 from keras_tp.asynchronous.threads import runner_factory
 from keras_tp.asynchronous.workers import stateless_loss
 from keras_tp.runtime.base import select_devices
 from keras_tp.runtime.tensorflow.devices import device_name
 
-# Keras layers are not written to be traced by two threads at once; the
-# lock is taken only while a `tf.function` traces, not while it runs.
-_TRACING = threading.Lock()
+
+class ServerStore:
+    """A server's parameters and optimizer state: variables on its device.
+
+    Keras' TensorFlow optimizers update variables, not values
+    (`stateless_apply` is refused there), so the server holds variables
+    of its own, created on its device with the optimizer's slots.
+    """
+
+    def __init__(self, optimizer, variables, device):
+        self.device = device
+        with tf.device(device):
+            self._variables = [
+                keras.Variable(
+                    np.zeros(v.shape, v.dtype), dtype=v.dtype, name=v.name
+                )
+                for v in variables
+            ]
+            self._optimizer = server_optimizer(optimizer, self._variables)
+
+    def load(self, values):
+        for variable, value in zip(self._variables, values):
+            variable.assign(value)
+
+    def params(self):
+        # Read now, under the server's lock: a worker copies them to its
+        # device after the lock is released, when an update may be running.
+        with tf.device(self.device):
+            return [tf.identity(variable.value) for variable in self._variables]
+
+    @tf.function
+    def apply(self, gradients):
+        with TRACING, tf.device(self.device):
+            self._optimizer.apply(gradients, self._variables)
 
 
 class DeviceOps:
@@ -41,7 +71,7 @@ class DeviceOps:
     def gradient_function(self, model):
         @tf.function
         def gradient(device, trainable, non_trainable, x, y, sample_weight):
-            with _TRACING, tf.device(device):
+            with TRACING, tf.device(device):
                 with tf.GradientTape() as tape:
                     tape.watch(trainable)
                     loss, non_trainable = stateless_loss(
@@ -57,52 +87,9 @@ class DeviceOps:
 
         return step
 
-    def server_store(self, optimizer, variables, device):
-        return ServerStore(optimizer, variables, device)
+    # A server's store (see `runner_factory`).
+    server_store = ServerStore
 
 
-class ServerStore:
-    """A server's parameters and optimizer state: variables on its device.
-
-    Keras' TensorFlow optimizers update variables, not values
-    (`stateless_apply` is refused there), so the server holds variables
-    of its own, created on its device with the optimizer's slots.
-
-    Args:
-        optimizer: the compiled optimizer, copied for this server.
-        variables: the model variables the server holds.
-        device: the server's device.
-    """
-
-    def __init__(self, optimizer, variables, device):
-        self.device = device
-        with tf.device(device):
-            self._variables = [
-                keras.Variable(
-                    np.zeros(v.shape, v.dtype),
-                    dtype=v.dtype,
-                    name=v.name,
-                )
-                for v in variables
-            ]
-            self._optimizer = server_optimizer(optimizer, self._variables)
-
-    def load(self, values):
-        for variable, value in zip(self._variables, values):
-            variable.assign(value)
-
-    def params(self):
-        # Read now, under the server's lock: a worker copies them to its
-        # device after the lock is released, when an update may be running.
-        with tf.device(self.device):
-            return [tf.identity(variable.value) for variable in self._variables]
-
-    @tf.function
-    def apply(self, gradients):
-        with _TRACING, tf.device(self.device):
-            self._optimizer.apply(gradients, self._variables)
-
-
-# `make_runner(model, workers, servers, max_staleness, device_ids,
-# pull_every)`: the runner of `AsyncDataParallel`.
+# The runner of `AsyncDataParallel` (see `runner_factory`).
 make_runner = runner_factory(DeviceOps)

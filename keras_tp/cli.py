@@ -104,16 +104,17 @@ def describe_backend(backend, reason):
 
 def build_parser():
     """The `argparse` parser of `keras-tp` and its subcommands."""
+    examples = _examples(
+        "keras-tp demo --save lm.keras",
+        "keras-tp plan lm.keras --world-size 8 --data-parallel 2 "
+        "--zero-stage 1",
+    )
     parser = argparse.ArgumentParser(
         prog="keras-tp",
         description="Tensor parallelism for Keras 3: inspect the plan of a "
         "saved model, or run the demo. Both run on the backend --backend "
         f"names, else $KERAS_BACKEND, else {DEFAULT_BACKEND}.",
-        epilog=_examples(
-            "keras-tp demo --save lm.keras",
-            "keras-tp plan lm.keras --world-size 8 --data-parallel 2 "
-            "--zero-stage 1",
-        ),
+        epilog=examples,
         formatter_class=_HelpFormatter,
     )
     parser.add_argument(
@@ -136,11 +137,7 @@ def build_parser():
         "device, then the bytes per device of parameters, gradients and "
         "Adam state (2 slots) for ZeRO stages 0 to 3. Runs on one CPU: "
         "nothing is placed on devices.",
-        epilog=_examples(
-            "keras-tp demo --save lm.keras",
-            "keras-tp plan lm.keras --world-size 8 --data-parallel 2 "
-            "--zero-stage 1",
-        ),
+        epilog=examples,
         formatter_class=_HelpFormatter,
     )
     plan.add_argument("model", metavar="MODEL.keras", help="a saved model")
@@ -353,10 +350,8 @@ def _check_divisible(model, plan, world_size):
     for entry in auto_plan(model, 1).layers:
         if entry.layer.path in split:
             continue
-        if isinstance(entry, ShardedUnit):
-            leaves = entry.projections.values()
-        else:
-            leaves = [entry]
+        unit = isinstance(entry, ShardedUnit)
+        leaves = entry.projections.values() if unit else [entry]
         try:
             for leaf in leaves:
                 check_shardable(

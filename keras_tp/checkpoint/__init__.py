@@ -127,10 +127,7 @@ def load_checkpoint(model, directory):
     _check_fit(state, saved, manifest, storage)
     reader = PieceReader(directory, manifest)
     try:
-        for key, variable in state:
-            entry = saved.get(key)
-            if entry is None:
-                continue
+        for variable, entry in _saved_entries(state, saved):
             dtype = numpy_dtype(keras.backend.standardize_dtype(variable.dtype))
             storage.assign_local_pieces(
                 variable,
@@ -149,6 +146,11 @@ def load_checkpoint(model, directory):
     }
 
 
+def _saved_entries(state, saved):
+    """`(variable, manifest entry)` of each variable `saved` holds."""
+    return [(variable, saved[key]) for key, variable in state if key in saved]
+
+
 def _has_optimizer(saved):
     return any(key.startswith("optimizer/") for key in saved)
 
@@ -156,14 +158,13 @@ def _has_optimizer(saved):
 def _check_fit(state, saved, manifest, storage):
     """Refuses a checkpoint of another model, naming what differs."""
     keys = {key for key, _ in state}
-    for prefix, what in (("model/", "model variables"),):
-        mine = sorted(k for k in keys if k.startswith(prefix))
-        theirs = sorted(k for k in saved if k.startswith(prefix))
-        if len(mine) != len(theirs):
-            raise CheckpointError(
-                f"The checkpoint has {len(theirs)} {what}, the model "
-                f"{len(mine)}: it was saved from another architecture."
-            )
+    mine = [k for k in keys if k.startswith("model/")]
+    theirs = [k for k in saved if k.startswith("model/")]
+    if len(mine) != len(theirs):
+        raise CheckpointError(
+            f"The checkpoint has {len(theirs)} model variables, the model "
+            f"{len(mine)}: it was saved from another architecture."
+        )
     mine = [k for k in keys if k.startswith("optimizer/")]
     theirs = [k for k in saved if k.startswith("optimizer/")]
     if mine and len(mine) != len(theirs):
@@ -173,10 +174,7 @@ def _check_fit(state, saved, manifest, storage):
             "compile with the optimizer the checkpoint was saved with, or "
             "load the weights alone into an uncompiled model."
         )
-    for key, variable in state:
-        entry = saved.get(key)
-        if entry is None:
-            continue
+    for variable, entry in _saved_entries(state, saved):
         shape = list(storage.full_shape(variable))
         if shape != entry["shape"]:
             raise CheckpointError(

@@ -9,6 +9,8 @@ their layers other automatic names; the manifest keeps the paths for
 error messages.
 """
 
+import itertools
+
 import keras
 import numpy as np
 
@@ -37,18 +39,70 @@ def checkpoint_state(model, build_optimizer=False):
         held = runtime.checkpoint_optimizer_state(optimizer)
         if held is not None:
             return state + held
+    inner = optimizer
     if isinstance(optimizer, CoordinatedOptimizer):
-        state += [
-            (f"optimizer/{i}", v)
-            for i, v in enumerate(optimizer.inner_optimizer.variables)
-        ]
-        inner_ids = {id(v) for v in optimizer.inner_optimizer.variables}
+        inner = optimizer.inner_optimizer
+    state += [(f"optimizer/{i}", v) for i, v in enumerate(inner.variables)]
+    if inner is not optimizer:
+        inner_ids = {id(v) for v in inner.variables}
         own = [v for v in optimizer.variables if id(v) not in inner_ids]
         state += [(f"coordinated/{i}", v) for i, v in enumerate(own)]
-    else:
-        state += [
-            (f"optimizer/{i}", v) for i, v in enumerate(optimizer.variables)
-        ]
+    return state
+
+
+def stage_slots(optimizer, references):
+    """Each variable's slots in a stage's own `optimizer` (a pipeline
+    stage's), by the id of the variable, in the order the optimizer made
+    them.
+
+    Args:
+        optimizer: a Keras optimizer built on the variables of a stage.
+        references: the stage's `Placement.references`.
+
+    Raises:
+        ValueError: unless the optimizer made each variable's slots one
+            after the other, as Keras' optimizers do: a checkpoint keys
+            them in that order (`one_device_keys`).
+    """
+    slots, order = {}, []
+    for variable in optimizer.variables:
+        reference = references.get(id(variable))
+        if reference is not None:
+            slots.setdefault(id(reference), []).append(variable)
+            order.append(id(reference))
+    runs = [key for key, _ in itertools.groupby(order)]
+    if len(runs) != len(set(runs)):
+        raise ValueError(
+            f"Optimizer '{optimizer.name}' does not make each variable's "
+            "slots one after the other, so a sharded checkpoint of a "
+            "pipeline whose stages hold optimizers of their own cannot key "
+            "them as one device's optimizer does. Use save() to write the "
+            "unsplit model, or an optimizer of Keras."
+        )
+    return slots
+
+
+def one_device_keys(trainable_variables, own, slots, slot_counts=None):
+    """`[(key, variable)]` of optimizer state held in stages' optimizers,
+    keyed `optimizer/i` as one device's optimizer built on
+    `trainable_variables` keys it: its own variables (step count, learning
+    rate) first, then each variable's slots, one variable after the other.
+
+    Args:
+        trainable_variables: the model's, in order.
+        own: the optimizer's own variables, in order.
+        slots: by variable id, the slots held here (`stage_slots`).
+        slot_counts: by position in `trainable_variables`, how many slots
+            each variable has, wherever they are held; `None`: all are
+            held here.
+    """
+    state = [(f"optimizer/{i}", v) for i, v in enumerate(own)]
+    index = len(own)
+    for position, variable in enumerate(trainable_variables):
+        held = slots.get(id(variable), [])
+        state += [(f"optimizer/{index + i}", s) for i, s in enumerate(held)]
+        counts = slot_counts
+        index += len(held) if counts is None else counts.get(position, 0)
     return state
 
 

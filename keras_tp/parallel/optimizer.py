@@ -30,6 +30,9 @@ from keras_tp.parallel.local_sgd import local_sgd
 from keras_tp.parallel.wrapping import WrappingOptimizer
 from keras_tp.parallel.zero import ZeroLayout
 
+# The default most megabytes of gradient per collective call.
+BUCKET_CAP_MB = 25
+
 
 class CoordinatedOptimizer(WrappingOptimizer):
     """Wraps a Keras optimizer for data parallelism, ZeRO and local SGD.
@@ -105,7 +108,7 @@ class CoordinatedOptimizer(WrappingOptimizer):
         self,
         optimizer,
         zero_stage=0,
-        bucket_cap_mb=25,
+        bucket_cap_mb=BUCKET_CAP_MB,
         gradient_accumulation_steps=1,
         compression=None,
         overlap=True,

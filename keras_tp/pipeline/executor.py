@@ -155,11 +155,3 @@ def run_forward(primitives, x):
             tensors = primitives.infer(stage, tensors)
         outputs.append(tensors)
     return outputs
-
-
-def peak_activations(order, num_stages):
-    """Per stage, the most micro-batches whose activations it holds at
-    once when it runs its actions of `order`."""
-    return schedules.peak_activations(
-        [[a for a in order if a.stage == s] for s in range(num_stages)]
-    )

@@ -7,7 +7,6 @@ Keras' steps with its trainer's signatures.
 """
 
 import copy
-import itertools
 
 import keras
 import numpy as np
@@ -159,12 +158,20 @@ class PipelineRuntime(Runtime):
             parts.append((part, runtime))
         return parts
 
+    # A function of no argument returning the index of the stage whose
+    # work is issued now (see `CallingStageRegions`); `None` where a rank
+    # runs one stage (torch), whose runtime is every entry of its
+    # `stage_runtimes`.
+    calling_stage = None
+
     def calling_stage_runtime(self, stages):
         """The runtime that runs the split layers that `stages` all call,
-        each call on the devices of the stage that makes it. By default
-        the first stage's: a torch rank runs one stage, whose runtime is
-        every entry of its `stage_runtimes`."""
-        return self.stage_runtimes[stages[0]]
+        each call on the devices of the stage that makes it (the first
+        stage's where a rank runs one stage)."""
+        if self.calling_stage is None:
+            return self.stage_runtimes[stages[0]]
+        runtimes = {s: self.stage_runtimes[s] for s in stages}
+        return CallingStageRegions(runtimes, self.calling_stage)
 
     def run_step(self, phase, step, *args, **kwargs):
         """Runs Keras' `phase` step as a pipeline (`step` is not called).
@@ -321,59 +328,6 @@ class _CallingStageAdapter:
 
     def __getattr__(self, name):
         return getattr(self._regions.calling_runtime().adapter, name)
-
-
-def stage_slots(optimizer, references):
-    """Each variable's slots in a stage's own `optimizer`, by the id of the
-    variable, in the order the optimizer made them.
-
-    Args:
-        optimizer: a Keras optimizer built on the variables of a stage.
-        references: the stage's `Placement.references`.
-
-    Raises:
-        ValueError: unless the optimizer made each variable's slots one
-            after the other, as Keras' optimizers do: a checkpoint keys
-            them in that order (`one_device_keys`).
-    """
-    slots, order = {}, []
-    for variable in optimizer.variables:
-        reference = references.get(id(variable))
-        if reference is not None:
-            slots.setdefault(id(reference), []).append(variable)
-            order.append(id(reference))
-    runs = [key for key, _ in itertools.groupby(order)]
-    if len(runs) != len(set(runs)):
-        raise ValueError(
-            f"Optimizer '{optimizer.name}' does not make each variable's "
-            "slots one after the other, so a sharded checkpoint of a "
-            "pipeline whose stages hold optimizers of their own cannot key "
-            "them as one device's optimizer does. Use save() to write the "
-            "unsplit model, or an optimizer of Keras."
-        )
-    return slots
-
-
-def one_device_keys(trainable_variables, own, slots, slot_counts):
-    """`[(key, variable)]` of optimizer state held in stages' optimizers,
-    keyed `optimizer/i` as one device's optimizer built on
-    `trainable_variables` keys it: its own variables (step count, learning
-    rate) first, then each variable's slots, one variable after the other.
-
-    Args:
-        trainable_variables: the model's, in order.
-        own: the optimizer's own variables, in order.
-        slots: by variable id, the slots held here (`stage_slots`).
-        slot_counts: by position in `trainable_variables`, how many slots
-            each variable has, wherever they are held.
-    """
-    state = [(f"optimizer/{i}", v) for i, v in enumerate(own)]
-    index = len(own)
-    for position, variable in enumerate(trainable_variables):
-        for ordinal, slot in enumerate(slots.get(id(variable), ())):
-            state.append((f"optimizer/{index + ordinal}", slot))
-        index += slot_counts.get(position, 0)
-    return state
 
 
 def _accept_split_inputs(stage_model):

@@ -19,6 +19,7 @@ that timeline.
 """
 
 import collections
+import itertools
 import math
 import numbers
 
@@ -297,19 +298,20 @@ def peak_activations(schedule):
     microbatches (GPipe: `M`; 1F1B: `min(P - s, M)` on stage `s`).
 
     Args:
-        schedule: a list of per-stage action lists.
+        schedule: a list of per-stage action lists, or every stage's
+            actions in one order (`issue_order`).
 
     Returns:
         A list of ints, one per stage.
     """
-    peaks = []
-    for actions in _normalized(schedule):
-        held = peak = 0
-        for action in actions:
-            held += 1 if action.kind == FORWARD else -1
-            peak = max(peak, held)
-        peaks.append(peak)
-    return peaks
+    if schedule and isinstance(schedule[0], Action):
+        stages = range(1 + max(a.stage for a in schedule))
+        schedule = [[a for a in schedule if a.stage == s] for s in stages]
+    steps = [
+        [1 if a.kind == FORWARD else -1 for a in actions]
+        for actions in _normalized(schedule)
+    ]
+    return [max(itertools.accumulate(held, initial=0)) for held in steps]
 
 
 def _dependencies(action, num_stages):

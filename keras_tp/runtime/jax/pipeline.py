@@ -13,12 +13,11 @@ from jax.sharding import NamedSharding
 
 from keras_tp.keras_internals import StatelessScope
 from keras_tp.keras_internals import jax_update_metrics
+from keras_tp.parallel.optimizer import BUCKET_CAP_MB
 from keras_tp.parallel.zero import ZeroLayout
 from keras_tp.pipeline import schedules
-from keras_tp.pipeline.executor import peak_activations
 from keras_tp.pipeline.executor import run_forward
 from keras_tp.pipeline.executor import run_schedule
-from keras_tp.pipeline.runtime import CallingStageRegions
 from keras_tp.pipeline.runtime import PipelineRuntime
 from keras_tp.runtime.jax import JaxRuntime
 from keras_tp.runtime.jax.stage_storage import StageStorage
@@ -32,10 +31,6 @@ from keras_tp.runtime.jax.stages import replica_rows
 from keras_tp.runtime.jax.stages import sent
 from keras_tp.runtime.jax.steps import is_concrete
 from keras_tp.runtime.jax.storage import placement_spec
-
-# The most megabytes of gradient per collective call of the replicas'
-# update, as `CoordinatedOptimizer`'s default.
-BUCKET_CAP_MB = 25
 
 
 class JaxPipelineRuntime(StageStorage, PipelineRuntime):
@@ -91,11 +86,8 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         self._trained = None
         self._updates.clear()
 
-    def calling_stage_runtime(self, stages):
-        # Each stage's program is traced under its index.
-        return CallingStageRegions(
-            {s: self.stage_runtimes[s] for s in stages}, TRACING_STAGE.get
-        )
+    # Each stage's program is traced under its index.
+    calling_stage = staticmethod(TRACING_STAGE.get)
 
     def measured_timeline(self):
         """The last training step's `schedules.Timeline`, from the times
@@ -112,7 +104,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         once in the last training step."""
         if self._trained is None:
             return []
-        return peak_activations(self._trained[1], self.pipeline_parallel)
+        return schedules.peak_activations(self._trained[1])
 
     def _programs(self, count, per_device=True):
         """The stages' compiled passes: for training steps of `count`
@@ -334,7 +326,7 @@ def over_replicas(update, runtime, variables, zero_stage):
     placement = runtime.placement
     adapter = runtime.data_adapter
     layout = ZeroLayout(placement, variables, zero_stage, BUCKET_CAP_MB * 2**20)
-    placed = [runtime._variable_spec(v) for v in variables]
+    placed = [runtime.variable_spec(v) for v in variables]
     partitioned = [
         placement_spec(
             len(placement.full_shapes[id(v)]),

@@ -224,7 +224,7 @@ class StagePrograms:
 
     def _specs(self, stage):
         """`(trainable, non_trainable, inputs, targets)` in-specs."""
-        spec = self.runtimes[stage]._variable_spec
+        spec = self.runtimes[stage].variable_spec
         model = self.stage_models[stage]
         return (
             [spec(v) for v in model.trainable_variables],
@@ -255,7 +255,8 @@ class StagePrograms:
             if not self.per_device:
                 yield
                 return
-            with local_shapes(placed, placement.local_shape), runtime._ranks():
+            shapes = local_shapes(placed, placement.local_shape)
+            with shapes, runtime.tracing_per_rank():
                 yield
         finally:
             TRACING_STAGE.reset(token)
@@ -418,9 +419,7 @@ class JaxStages(StagePrimitives):
 
 def replica_rows(runtime, variables):
     """Per variable, its placement with one row per replica first."""
-    return [
-        PartitionSpec("data", *runtime._variable_spec(v)) for v in variables
-    ]
+    return [PartitionSpec("data", *runtime.variable_spec(v)) for v in variables]
 
 
 def _floats(tree):

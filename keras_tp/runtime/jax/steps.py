@@ -54,7 +54,7 @@ class MeshSteps:
         if phase != "predict":
             groups.append(model.metrics_variables)
         state_specs = tuple(
-            [self._variable_spec(v) for v in group] for group in groups
+            [self.variable_spec(v) for v in group] for group in groups
         )
         per_replica = [
             [self.placement.is_per_replica(v) for v in group]
@@ -104,7 +104,7 @@ class MeshSteps:
     def run_on_ranks(self, fn, variables, phase):
         """Runs `fn()` on every device in a compiled `shard_map`, as a
         per-rank step runs, and writes back what it assigned."""
-        specs = [self._variable_spec(v) for v in variables]
+        specs = [self.variable_spec(v) for v in variables]
         per_replica = [self.placement.is_per_replica(v) for v in variables]
         placed = [v for v in variables if self.placement.is_placed(v)]
 

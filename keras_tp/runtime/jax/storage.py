@@ -74,7 +74,7 @@ class MeshStorage:
             value[None], (self.data_parallel,) + tuple(value.shape)
         )
         set_jax_layout(
-            variable, NamedSharding(self.mesh, self._variable_spec(variable))
+            variable, NamedSharding(self.mesh, self.variable_spec(variable))
         )
         set_reported_shape(variable, stacked.shape)
         direct_assign(variable, stacked)
@@ -102,7 +102,8 @@ class MeshStorage:
                 set_jax_layout(variable, replicated)
                 direct_assign(variable, variable.value)
 
-    def _variable_spec(self, variable):
+    def variable_spec(self, variable):
+        """The `PartitionSpec` of `variable`'s value on the mesh."""
         if id(variable) not in self.placement.full_shapes:
             return PartitionSpec()
         spec = placement_spec(

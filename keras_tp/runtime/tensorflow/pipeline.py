@@ -25,7 +25,6 @@ from keras_tp.collectives.tensorflow import ReplicaStats
 from keras_tp.keras_internals import place_slots_on_creation
 from keras_tp.keras_internals import update_loss_tracker
 from keras_tp.parallel import CoordinatedOptimizer
-from keras_tp.pipeline.runtime import CallingStageRegions
 from keras_tp.pipeline.runtime import PipelineRuntime
 from keras_tp.runtime.tensorflow import TensorFlowRuntime
 from keras_tp.runtime.tensorflow import devices as tf_devices
@@ -134,17 +133,16 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             return None
         return self._trained.measured_timeline()
 
-    def calling_stage_runtime(self, stages):
-        runtimes = {s: self.stage_runtimes[s] for s in stages}
-
-        def calling():
-            # The stage whose replicas run now.
-            return next(
-                (s for s, runtime in runtimes.items() if runtime._in_replica()),
-                None,
-            )
-
-        return CallingStageRegions(runtimes, calling)
+    def calling_stage(self):
+        """The stage whose replicas run now, or `None`."""
+        return next(
+            (
+                s
+                for s, runtime in enumerate(self.stage_runtimes)
+                if runtime._in_replica()
+            ),
+            None,
+        )
 
     def check_compiled(self, trainer):
         super().check_compiled(trainer)

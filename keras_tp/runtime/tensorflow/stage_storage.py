@@ -14,11 +14,11 @@ import contextlib
 import keras
 import tensorflow as tf
 
+from keras_tp.checkpoint.state import one_device_keys
+from keras_tp.checkpoint.state import stage_slots
 from keras_tp.keras_internals import set_stored_value
 from keras_tp.keras_internals import stored_value
 from keras_tp.parallel import CoordinatedOptimizer
-from keras_tp.pipeline.runtime import one_device_keys
-from keras_tp.pipeline.runtime import stage_slots
 from keras_tp.runtime.tensorflow.devices import device_name
 from keras_tp.tensors import nbytes
 
@@ -162,12 +162,7 @@ class StageStorage:
                 inner = inner.inner_optimizer
             slots.update(stage_slots(inner, runtime.placement.references))
         trainable = self.trainer.trainable_variables
-        counts = {
-            position: len(slots[id(v)])
-            for position, v in enumerate(trainable)
-            if id(v) in slots
-        }
-        return one_device_keys(trainable, optimizer.variables, slots, counts)
+        return one_device_keys(trainable, optimizer.variables, slots)
 
     def device_bytes(self, variables):
         """`{device: bytes}` of these variables, from every stage's

@@ -23,7 +23,6 @@ import tensorflow as tf
 
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.executor import StagePrimitives
-from keras_tp.pipeline.executor import peak_activations
 from keras_tp.pipeline.executor import run_forward
 from keras_tp.pipeline.executor import run_schedule
 from keras_tp.tensors import nbytes
@@ -101,7 +100,7 @@ class TensorFlowStages(StagePrimitives):
         self._previous = [[] for _ in self.stage_models]
         result = run_schedule(self, self.order, x, y)
         self.step_times.assign(tf.stack([tf.stack(t) for t in self.times]))
-        self.peak_activations = peak_activations(self.order, self.num_stages)
+        self.peak_activations = schedules.peak_activations(self.order)
         return result
 
     def measured_timeline(self):

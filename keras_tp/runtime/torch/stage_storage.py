@@ -14,9 +14,9 @@ import gc
 import torch
 import torch.distributed as dist
 
+from keras_tp.checkpoint.state import one_device_keys
+from keras_tp.checkpoint.state import stage_slots
 from keras_tp.keras_internals import own_optimizer_variables
-from keras_tp.pipeline.runtime import one_device_keys
-from keras_tp.pipeline.runtime import stage_slots
 from keras_tp.runtime.torch.storage import parameter_of
 from keras_tp.runtime.torch.storage import storage_bytes
 from keras_tp.runtime.torch.storage import swap_storage

@@ -258,19 +258,6 @@ class PipelineRuntime(Runtime):
                 "pipeline_parallel yet: pass (x, y) only."
             )
 
-    def stage_lists(self, variables, values):
-        """`values` (one per variable) grouped by stage, in stage order.
-
-        Each stage's list follows its stage model's order of the same kind
-        of variables, as `stateless_call` expects.
-        """
-        by_id = {id(v): value for v, value in zip(variables, values)}
-        grouped = []
-        for stage in self.stage_models:
-            members = [v for v in stage.variables if id(v) in by_id]
-            grouped.append([by_id[id(v)] for v in members])
-        return grouped
-
     def call_model(self, model, inputs, training):
         with self.stats.recording("call"):
             return self.split.run(inputs, training=training)

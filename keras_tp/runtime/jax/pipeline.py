@@ -206,19 +206,22 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         return [merged[id(v)] for v in variables]
 
     def stage_lists(self, variables, values):
-        """`values` grouped by stage (see `PipelineRuntime.stage_lists`),
+        """`values` (one per variable) grouped by stage, in stage order,
         each on its stage's devices: a stage that uses a weight of an
-        earlier stage receives a copy (counted on `"pipe"`)."""
-        grouped = super().stage_lists(variables, values)
-        listed = {id(v) for v in variables}
-        for stage, group in enumerate(grouped):
-            members = [
-                v for v in self.stage_models[stage].variables if id(v) in listed
+        earlier stage receives a copy (counted on `"pipe"`). Each stage's
+        list follows its stage model's order of the same kind of
+        variables, as `stateless_call` expects."""
+        by_id = dict(zip(map(id, variables), values))
+        return [
+            [
+                by_id[id(v)]
+                if self.stage_of[id(v)] == stage
+                else self._sent(by_id[id(v)], stage, "forward")
+                for v in model.variables
+                if id(v) in by_id
             ]
-            for i, variable in enumerate(members):
-                if self.stage_of[id(variable)] != stage:
-                    group[i] = self._sent(group[i], stage, "forward")
-        return grouped
+            for stage, model in enumerate(self.stage_models)
+        ]
 
     def _sent(self, value, stage, direction):
         mesh = self.stage_runtimes[stage].mesh

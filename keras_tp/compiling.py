@@ -2,10 +2,23 @@
 the wrapped model resolves them, and the optimizer coordinated over the
 data axis."""
 
+import inspect
+
 import keras
 
 from keras_tp.keras_internals import compile_arguments
+from keras_tp.keras_internals import place_slots_on_creation
 from keras_tp.parallel import CoordinatedOptimizer
+
+# `keras.Model.compile`'s parameters after `optimizer`.
+_COMPILE_PARAMETERS = list(inspect.signature(keras.Model.compile).parameters)[
+    2:
+]
+
+
+def by_name(args, kwargs):
+    """`compile`'s arguments after the optimizer, all by name."""
+    return {**dict(zip(_COMPILE_PARAMETERS, args)), **kwargs}
 
 
 def resolved_by_model(model, args, kwargs):
@@ -67,3 +80,10 @@ def coordinated(optimizer, runtime):
         return optimizer
     bound_to.bind_optimizer(optimizer)
     return optimizer
+
+
+def place_slots(optimizer, runtime):
+    """Splits the slots of a compiled plain optimizer like their variables
+    (a `CoordinatedOptimizer` places them with their ZeRO partitions)."""
+    if not isinstance(optimizer, CoordinatedOptimizer):
+        place_slots_on_creation(optimizer, runtime.placement.place_like)

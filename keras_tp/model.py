@@ -11,13 +11,13 @@ from keras_tp import reporting
 from keras_tp import weight_files
 from keras_tp.checkpoint.callbacks import prepare_callbacks
 from keras_tp.config import ParallelConfig
-from keras_tp.keras_internals import place_slots_on_creation
 from keras_tp.keras_internals import print_msg
-from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.parallel.reports import DataParallelReports
 from keras_tp.runtime import make_runtime
 from keras_tp.splitting import bind_plan
 from keras_tp.splitting import split_model
+from keras_tp.vocab_parallel import splitting_logits
+from keras_tp.vocab_parallel import with_split_logits
 
 _FIT_SIGNATURE = inspect.signature(keras.Model.fit)
 
@@ -156,6 +156,7 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
         self.model = model
         self._runtime = runtime
         self._plan = bind_plan(model, plan, runtime)
+        self._vocab_head = None
         split_model(model, self._plan, runtime, self)
         _WRAPPED_MODELS.add(model)
         self.built = True
@@ -216,17 +217,16 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
         self._compile(*args, **kwargs)
 
     def _compile(self, optimizer="rmsprop", *args, **kwargs):
+        kwargs = compiling.by_name(args, kwargs)
         kwargs.setdefault("jit_compile", self._runtime.jit_compile_default)
         optimizer = compiling.coordinated(optimizer, self._runtime)
+        kwargs, self._vocab_head = with_split_logits(
+            self.model, self._plan, self._runtime, kwargs
+        )
         with self._runtime.scope():
-            super().compile(optimizer, *args, **kwargs)
+            super().compile(optimizer, **kwargs)
         self._runtime.check_compiled(self)
-        if not isinstance(self.optimizer, CoordinatedOptimizer):
-            # Its slots are split like their variables (a CoordinatedOptimizer
-            # places them with their ZeRO partitions itself).
-            place_slots_on_creation(
-                self.optimizer, self._runtime.placement.place_like
-            )
+        compiling.place_slots(self.optimizer, self._runtime)
 
     def fit(self, *args, **kwargs):
         """Trains as `keras.Model.fit` does.
@@ -274,11 +274,13 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
 
     def train_step(self, *args, **kwargs):
         step = super().train_step
-        return self._runtime.run_step("train", step, *args, **kwargs)
+        with splitting_logits(self._vocab_head):
+            return self._runtime.run_step("train", step, *args, **kwargs)
 
     def test_step(self, *args, **kwargs):
         step = super().test_step
-        return self._runtime.run_step("test", step, *args, **kwargs)
+        with splitting_logits(self._vocab_head):
+            return self._runtime.run_step("test", step, *args, **kwargs)
 
     def predict_step(self, *args, **kwargs):
         step = super().predict_step
@@ -354,9 +356,13 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
             line), `devices`,
             `parameter_bytes_per_device` (measured from the arrays),
             `parameter_bytes_total` (unsplit), `sharded_layers` and
-            `replicated_layers` (path: reason).
+            `replicated_layers` (path: reason), `vocab_parallel_head`
+            (the LM head whose logits stay split by vocabulary in
+            training, or `None`; see `keras_tp.vocab_parallel`).
         """
-        return reporting.parallelism_info(self._runtime, self.model, self._plan)
+        info = reporting.parallelism_info(self._runtime, self.model, self._plan)
+        head = self._vocab_head
+        return {**info, "vocab_parallel_head": head and head.layer.path}
 
     def summary(self, print_fn=None, **kwargs):
         """Prints the plan: per layer, style, local shape and bytes/device.

@@ -21,6 +21,7 @@ from keras_tp.keras_internals import seed_generators
 from keras_tp.keras_internals import set_keras_mask
 from keras_tp.keras_internals import shifted_seed_draws
 from keras_tp.plan.attention import ATTENTION
+from keras_tp.plan.layers import logits_stay_split
 from keras_tp.plan.sharding_plan import ShardedUnit
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Row
@@ -238,6 +239,11 @@ def _member_call(member, adapter):
 def _leaf_output_axes(member):
     def output_axes(args, kwargs):
         style = member.style
+        if logits_stay_split(member.layer) and (
+            isinstance(style, Column) or kwargs.get("reverse")
+        ):
+            # An LM head's logits, split by vocabulary (`vocab_parallel`).
+            return len(args[0].shape) - 1
         if not isinstance(style, Column) or style.gather_output:
             return None
         shape = member.layer.compute_output_shape(tuple(args[0].shape))

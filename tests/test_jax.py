@@ -24,6 +24,7 @@ from keras import layers  # noqa: E402
 
 from tests import models  # noqa: E402
 from tests import random_cases  # noqa: E402
+from tests import vocab_cases  # noqa: E402
 from tests.models import loss_fn  # noqa: E402
 from tests.models import max_diff  # noqa: E402
 
@@ -116,6 +117,12 @@ def _count_hlo(text, op):
     return sum(operands.count("%") for operands in calls)
 
 
+@pytest.mark.parametrize("data_parallel", [1, 2])
+def test_vocab_parallel_loss_matches_one_device(data_parallel):
+    results = vocab_cases.runs(2 * data_parallel, data_parallel)
+    vocab_cases.check_runs(results)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_transformer_collectives_per_block(world_size):
     blocks = 2
@@ -127,17 +134,17 @@ def test_transformer_collectives_per_block(world_size):
     # Megatron's minimum: per block one all-reduce after attention and one
     # after the MLP forward, and one each for their input gradients
     # backward. Outside the blocks: the two vocab-parallel embeddings
-    # reduce forward, the LM head gathers its logits forward and reduces
-    # its input gradient backward.
-    assert stats["all_reduce"]["forward_calls"] == 2 * blocks + 2
+    # reduce forward, the LM head reduces its input gradient backward, and
+    # its logits stay split by vocabulary: the loss all-reduces one float
+    # per token twice (`keras_tp.vocab_parallel`), nothing is gathered.
+    assert stats["all_reduce"]["forward_calls"] == 2 * blocks + 4
     assert stats["all_reduce"]["backward_calls"] == 2 * blocks + 1
-    assert stats["all_gather"]["forward_calls"] == 1
-    assert stats["all_gather"]["backward_calls"] == 0
-    assert set(stats) == {"all_reduce", "all_gather"}
+    assert set(stats) == {"all_reduce"}
     activation_bytes = BATCH * 8 * 16 * 4  # batch x seq x dim, float32
     position_bytes = 8 * 16 * 4  # positions are looked up once per batch
+    loss_bytes = BATCH * 8 * (1 + 2) * 4  # the maximum, then two sums
     assert stats["all_reduce"]["forward_bytes"] == (
-        (2 * blocks + 1) * activation_bytes + position_bytes
+        (2 * blocks + 1) * activation_bytes + position_bytes + loss_bytes
     )
 
     state = (
@@ -156,7 +163,7 @@ def test_transformer_collectives_per_block(world_size):
     )
     hlo = lowered.compile().as_text()
     assert _count_hlo(hlo, "all-reduce") == stats["all_reduce"]["calls"]
-    assert _count_hlo(hlo, "all-gather") == stats["all_gather"]["calls"]
+    assert _count_hlo(hlo, "all-gather") == 0
     assert _count_hlo(hlo, "reduce-scatter") == 0
 
 

@@ -37,6 +37,7 @@ keras_tp.configure_virtual_devices(4)
 
 from tests import models  # noqa: E402
 from tests import random_cases  # noqa: E402
+from tests import vocab_cases  # noqa: E402
 
 TOLERANCE = 1e-5
 FIT_STEPS = 5
@@ -243,6 +244,12 @@ def test_bytes_per_device_within_bound(name, n):
         optimizer_measured,
         optimizer_bound,
     )
+
+
+def test_vocab_parallel_loss_is_refused_and_exact():
+    # TensorFlow's steps compute the loss outside the replicas, from whole
+    # logits: the head gathers them, and training stays exact.
+    vocab_cases.check_runs(vocab_cases.runs(2), split=False)
 
 
 def test_transformer_collectives_per_step():

@@ -32,6 +32,7 @@ from keras_tp.launcher import RemoteTraceback  # noqa: E402
 from keras_tp.launcher import launch  # noqa: E402
 from tests import models  # noqa: E402
 from tests import random_cases  # noqa: E402
+from tests import vocab_cases  # noqa: E402
 from tests.torch_scripts import rank_checks  # noqa: E402
 
 WORLD_SIZE = 2
@@ -142,16 +143,23 @@ def test_transformer_collectives_per_block():
         stats = rank["train_stats"]
         # Per block one all-reduce after attention and one after the MLP,
         # forward and backward; plus the token and position embeddings
-        # forward and the lm head's input backward.
-        assert stats["all_reduce"]["forward_calls"] == 2 * blocks + 2
+        # forward and the lm head's input backward. The lm head's logits
+        # stay split by vocabulary for the loss, which all-reduces one
+        # float per token twice; nothing is gathered.
+        assert stats["all_reduce"]["forward_calls"] == 2 * blocks + 4
         assert stats["all_reduce"]["backward_calls"] == 2 * blocks + 1
-        # The only gather: the lm head's logits, which the loss needs whole.
-        assert stats["all_gather"]["forward_calls"] == 1
-        assert stats["all_gather"]["backward_calls"] == 0
-        assert set(stats) == {"all_reduce", "all_gather"}
+        assert set(stats) == {"all_reduce"}
+        # A direct call returns the logits whole.
         call = rank["forward_call_stats"]
         assert call["all_reduce"]["forward_calls"] == 2 * blocks + 2
         assert call["all_reduce"]["backward_calls"] == 0
+        assert call["all_gather"]["forward_calls"] == 1
+
+
+def test_vocab_parallel_loss_matches_one_device(api_run):
+    _, ranks = api_run
+    for rank in ranks:
+        vocab_cases.check_runs(rank["vocab_parallel"])
 
 
 def test_get_weights_are_full_and_match(api_run):

@@ -42,24 +42,35 @@ TRANSFORMERS = (
 # ReversibleEmbedding (tied or not).
 DECODER_LMS = ("gemma", "gpt2", "llama", "mistral", "qwen3", "phi3")
 BLOCKS = 2
+# A keras-hub CausalLM compiles itself with an accuracy metric. From split
+# logits the loss all-reduces one float per token twice (the maximum, then
+# the sums of exponentials with the target's logit), and the accuracy twice
+# (the maximum, then the first index that holds it).
+LOSS_AND_ACCURACY_REDUCTIONS = 4
 
 
 def check_megatron(results):
     """A decoder LM's training step costs Megatron's minimum on `model`.
 
     Forward: one all-reduce per attention and per MLP (their Row layers)
-    and one for the vocabulary-parallel embedding, and one all-gather of
-    the logits. Backward: one all-reduce per attention and per MLP input
-    (their Column layers share it) and one for the LM head's input.
+    and one for the vocabulary-parallel embedding; then, where the logits
+    stay split by vocabulary, `LOSS_AND_ACCURACY_REDUCTIONS`, else one
+    all-gather of the logits. Backward: one all-reduce
+    per attention and per MLP input (their Column layers share it) and one
+    for the LM head's input.
     """
     rows = [s for s in results["plan"].values() if s == repr(_ROW)]
     assert len(rows) == 2 * BLOCKS, results["plan"]
     collectives = results["collectives"]
+    split = results["logits_split"]
     assert collectives["all_reduce"] == {
-        "forward": 2 * BLOCKS + 1,
+        "forward": 2 * BLOCKS
+        + 1
+        + (LOSS_AND_ACCURACY_REDUCTIONS if split else 0),
         "backward": 2 * BLOCKS + 1,
     }, collectives
-    assert collectives["all_gather"] == {"forward": 1, "backward": 0}
+    gathers = {"forward": 0 if split else 1, "backward": 0}
+    assert collectives.get("all_gather", gathers) == gathers, collectives
 
 
 def check_exact(results, tolerance=1e-5):
@@ -93,6 +104,7 @@ def sequence_parallel_results(name, world_size, **wrap_kwargs):
         "weights": _largest(tp.get_weights(), reference.get_weights()),
         "sequence": tp.communication_stats(axis="model"),
         "plain": plain.communication_stats(axis="model"),
+        "logits_split": _logits_split(tp),
         "whole_weights": sum(
             tp._runtime.placement.split_axis(v) is None
             for v in tp.trainable_variables
@@ -108,8 +120,9 @@ def check_sequence_parallel(results, whole_weight_reductions, regathered):
     Per block, the attention's and the MLP's input are all-gathered from
     their sequence shards and their Row outputs reduce-scattered; the
     embedding's lookup is reduce-scattered, the LM head's input gathered,
-    and its logits gathered over the vocabulary. Each backward pass is the
-    other collective.
+    and its logits gathered over the vocabulary unless they stay split for
+    the loss (whose all-reduces both runs make alike). Each backward pass
+    is the other collective.
 
     Args:
         results: `sequence_parallel_results`.
@@ -130,30 +143,42 @@ def check_sequence_parallel(results, whole_weight_reductions, regathered):
         if plain.get(kind) != entry
     }
     gathers = 2 * BLOCKS + 1
+    split = results["logits_split"]
+    loss_reductions = LOSS_AND_ACCURACY_REDUCTIONS if split else 0
+    logits_gathers = 0 if split else 1
     expected = {
         "reduce_scatter": (gathers, gathers),
-        "all_gather": (gathers + 1, gathers * (2 if regathered else 1)),
+        "all_gather": (
+            gathers + logits_gathers,
+            gathers * (2 if regathered else 1),
+        ),
     }
-    if whole_weight_reductions:
-        expected["all_reduce"] = (0, whole_weight_reductions)
+    if whole_weight_reductions or loss_reductions:
+        expected["all_reduce"] = (loss_reductions, whole_weight_reductions)
     assert calls == expected, calls
 
     def sent(entries, kind, direction):
         return entries.get(kind, {}).get(f"{direction}_bytes", 0)
 
+    # The loss's and accuracy's all-reduces are the same in both runs.
+    loss_bytes = sent(stats, "all_reduce", "forward")
+
+    def reduced(direction):
+        plain_bytes = sent(plain, "all_reduce", direction)
+        return plain_bytes - (loss_bytes if direction == "forward" else 0)
+
     # An all-reduce is a reduce-scatter and an all-gather of its buffer.
     for direction in ("forward", "backward"):
-        reduced = sent(plain, "all_reduce", direction)
-        assert sent(stats, "reduce_scatter", direction) == reduced
+        assert sent(stats, "reduce_scatter", direction) == reduced(direction)
 
     def gathered(direction):
         return sent(stats, "all_gather", direction) - sent(
             plain, "all_gather", direction
         )
 
-    assert gathered("forward") == sent(plain, "all_reduce", "backward")
+    assert gathered("forward") == reduced("backward")
     again = gathered("forward") if regathered else 0
-    assert gathered("backward") == sent(plain, "all_reduce", "forward") + again
+    assert gathered("backward") == reduced("forward") + again
 
 
 def dropout_difference(world_size):
@@ -220,7 +245,13 @@ def measure(name, world_size, **wrap_kwargs):
     }
     results["replicated"] = dict(tp.sharding_plan.replicated)
     results["fallbacks"] = dict(tp.sharding_plan.fallbacks)
+    results["logits_split"] = _logits_split(tp)
     return results
+
+
+def _logits_split(tp):
+    """Whether `tp` keeps its LM head's logits split in training."""
+    return tp.get_parallelism_info()["vocab_parallel_head"] is not None
 
 
 def _largest(a, b):

@@ -20,6 +20,7 @@ Everything is importable from the package itself:
 """
 
 from keras_tp.keras_internals.graphs import is_input_node
+from keras_tp.keras_internals.graphs import layer_call_nodes
 from keras_tp.keras_internals.graphs import node_call_arguments
 from keras_tp.keras_internals.graphs import node_filled_arguments
 from keras_tp.keras_internals.graphs import node_inputs
@@ -44,7 +45,10 @@ from keras_tp.keras_internals.models import compiled_loss
 from keras_tp.keras_internals.models import compute_loss
 from keras_tp.keras_internals.models import input_structure
 from keras_tp.keras_internals.models import jax_update_metrics
+from keras_tp.keras_internals.models import loss_function_arguments
+from keras_tp.keras_internals.models import metric_function
 from keras_tp.keras_internals.models import print_msg
+from keras_tp.keras_internals.models import set_metric_function
 from keras_tp.keras_internals.models import update_loss_tracker
 from keras_tp.keras_internals.optimizers import UpdatesThroughAssign
 from keras_tp.keras_internals.optimizers import (
@@ -85,7 +89,10 @@ __all__ = [
     "is_input_node",
     "jax_layout",
     "jax_update_metrics",
+    "layer_call_nodes",
+    "loss_function_arguments",
     "local_shapes",
+    "metric_function",
     "model_variables_of",
     "moving_average",
     "node_call_arguments",
@@ -103,6 +110,7 @@ __all__ = [
     "seed_generators",
     "set_jax_layout",
     "set_keras_mask",
+    "set_metric_function",
     "set_reported_shape",
     "set_stored_value",
     "shifted_seed_draws",

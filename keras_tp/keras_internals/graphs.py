@@ -13,6 +13,11 @@ def producer_node(tensor):
     return node, history.tensor_index
 
 
+def layer_call_nodes(layer):
+    """The nodes of every call of `layer` in the graphs it was built in."""
+    return list(layer._inbound_nodes)
+
+
 def node_operation(node):
     """The operation (layer or raw op) a node calls."""
     return node.operation

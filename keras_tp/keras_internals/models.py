@@ -50,3 +50,19 @@ def build_shapes(model):
     """`{argument name: shape}` that `model.build` was called with, or
     `None` for a model built otherwise."""
     return getattr(model, "_build_shapes_dict", None)
+
+
+def loss_function_arguments(loss):
+    """The keyword arguments a `LossFunctionWrapper` passes its function
+    (`from_logits`, `ignore_class`, ...); `{}` for another loss."""
+    return dict(getattr(loss, "_fn_kwargs", {}))
+
+
+def metric_function(metric):
+    """The function of `(y_true, y_pred)` a `MeanMetricWrapper` averages."""
+    return metric._fn
+
+
+def set_metric_function(metric, function):
+    """Makes `metric` (a `MeanMetricWrapper`) average `function`'s values."""
+    metric._fn = function

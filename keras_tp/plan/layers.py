@@ -5,6 +5,8 @@ embeddings each have a handler (see `keras_tp.plan.handler`); any other
 layer with weights of its own is handled by `OwnWeightsHandler`.
 """
 
+import contextlib
+
 import keras
 from keras import ops
 
@@ -15,6 +17,26 @@ from keras_tp.plan.own_weights import OwnWeightsHandler
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Row
 from keras_tp.plan.styles import Vocab
+
+# The LM heads whose logits stay split by vocabulary while a train or test
+# step is traced or run (`keras_tp.vocab_parallel`). A plain set, not a
+# context variable: TensorFlow's replicas run in threads of their own.
+_SPLIT_HEADS = set()
+
+
+def logits_stay_split(layer):
+    """Whether `layer`'s call returns its rank's logits, not all of them."""
+    return id(layer) in _SPLIT_HEADS
+
+
+@contextlib.contextmanager
+def logits_split(layer):
+    """Inside, the LM head `layer` leaves its logits split by vocabulary."""
+    _SPLIT_HEADS.add(id(layer))
+    try:
+        yield
+    finally:
+        _SPLIT_HEADS.discard(id(layer))
 
 
 def _finish(layer, style, adapter, x, bias, axis):
@@ -28,7 +50,11 @@ def _finish(layer, style, adapter, x, bias, axis):
         x = adapter.reduce_from_parallel(x)
     if bias is not None:
         x = ops.add(x, bias)
-    if isinstance(style, Column) and style.gather_output:
+    if (
+        isinstance(style, Column)
+        and style.gather_output
+        and not logits_stay_split(layer)
+    ):
         x = adapter.gather_from_parallel(x, axis)
     if layer.activation is not None:
         x = layer.activation(x)
@@ -263,7 +289,9 @@ class EmbeddingHandler(LayerHandler):
         if layer.reverse_dtype is not None:
             hidden = ops.cast(hidden, layer.reverse_dtype)
             kernel = ops.cast(kernel, layer.reverse_dtype)
-        logits = adapter.gather_from_parallel(ops.matmul(hidden, kernel), -1)
+        logits = ops.matmul(hidden, kernel)
+        if not logits_stay_split(layer):
+            logits = adapter.gather_from_parallel(logits, -1)
         if layer.logit_soft_cap is not None:
             cap = layer.logit_soft_cap
             logits = ops.multiply(ops.tanh(ops.divide(logits, cap)), cap)

@@ -19,6 +19,7 @@ from keras_tp import collectives
 from keras_tp.tensors import nbytes
 from tests import models
 from tests import random_cases
+from tests import vocab_cases
 
 
 def _loss():
@@ -284,6 +285,7 @@ def api_checks(save_path):
         )
     except ValueError as e:
         result["row_input_error"] = str(e)
+    result["vocab_parallel"] = vocab_cases.runs(world_size)
     return _all_ranks(result)
 
 

@@ -188,6 +188,23 @@ class MeshRegions:
             variable.assign(value)
         return outputs
 
+    def run_split_function(self, function, args, split_axes):
+        if self._inside_ranks:
+            return function(self.adapter, *args)
+        adapter = self.adapter
+
+        def local(*local_args):
+            with adapter.activated():
+                return function(adapter, *local_args)
+
+        return jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=tuple(spec(axis) for axis in split_axes),
+            out_specs=PartitionSpec(),
+            check_vma=True,
+        )(*args)
+
     def _copies_of(self, region, array):
         """How a replicated input enters a region: as one copy per device
         (Megatron `f`), or under sequence parallelism a sequence

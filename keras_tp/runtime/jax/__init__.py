@@ -37,9 +37,6 @@ class JaxRuntime(MeshDevices, MeshStorage, MeshSteps, MeshRegions, MeshRuntime):
     """Runs tensor parallelism on the devices of a `jax.sharding.Mesh`."""
 
     backend = "jax"
-    # Marks the tracing of a per-rank step (regions run on local values),
-    # as a pipeline stage's per-device passes are traced.
-    tracing_per_rank = MeshRegions._ranks
 
     def _build(self):
         self._build_mesh()

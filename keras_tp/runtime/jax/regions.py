@@ -44,7 +44,7 @@ class MeshRegions:
     """The `JaxRuntime`'s regions, and where they run (see the module)."""
 
     @contextlib.contextmanager
-    def _ranks(self):
+    def tracing_per_rank(self):
         """Marks the tracing of a per-rank step (regions run locally)."""
         token = TRACING_RANKS_OF.set(self)
         try:

@@ -69,7 +69,7 @@ class MeshSteps:
             state = tuple(map(_own_blocks, state, per_replica))
             with (
                 local_shapes(placed, self.placement.local_shape),
-                self._ranks(),
+                self.tracing_per_rank(),
             ):
                 if phase == "predict":
                     outputs, non_trainable = step(state, data)
@@ -112,7 +112,7 @@ class MeshSteps:
             mapping = list(zip(variables, _own_blocks(values, per_replica)))
             with (
                 local_shapes(placed, self.placement.local_shape),
-                self._ranks(),
+                self.tracing_per_rank(),
                 StatelessScope(state_mapping=mapping) as scope,
             ):
                 fn()

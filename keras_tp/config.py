@@ -87,7 +87,9 @@ class ParallelConfig:
             pipeline_parallel x tensor_parallel`; `None` takes as many as
             `device_ids` names, else, for a pipeline, one device per stage
             of each replica, else every device there is.
-        device_ids: device names to use, e.g. `["cpu:0", "cpu:1"]`.
+        device_ids: device names to use, e.g. `["cpu:0", "cpu:1"]`, or a
+            `keras.distribution.DeviceMesh`: its last axis is the model
+            axis, the one before it (if any) the data axis.
         data_parallel: the size of the data axis: replicas that each
             train on a slice of every batch.
         pipeline_parallel: the number of pipeline stages.
@@ -124,6 +126,8 @@ class ParallelConfig:
     backend: str = None
 
     def __post_init__(self):
+        if isinstance(self.device_ids, keras.distribution.DeviceMesh):
+            self._take_mesh(self.device_ids)
         # Lists given for these become tuples, so that a config is frozen.
         for name in ("device_ids", "pipeline_cuts"):
             value = getattr(self, name)
@@ -189,7 +193,43 @@ class ParallelConfig:
             )
         return f"{sizes}, {', '.join(options)} on {self.backend}"
 
+    def _take_mesh(self, mesh):
+        """Reads the sizes and devices of a `DeviceMesh` (`device_ids`)."""
+        shape = tuple(mesh.shape)
+        data = shape[0] if len(shape) == 2 else 1
+        if len(shape) > 2 or self.pipeline_parallel > 1:
+            raise ValueError(
+                f"device_ids is a DeviceMesh of shape {shape} (axes "
+                f"{mesh.axis_names}); keras_tp reads a 1-D mesh as the "
+                "model axis and a 2-D one as data x model. For a pipeline, "
+                "pass the device names and pipeline_parallel instead."
+            )
+        if self.data_parallel not in (1, data):
+            raise ValueError(
+                f"data_parallel={self.data_parallel} but the DeviceMesh's "
+                f"data axis ({mesh.axis_names[0]!r}) has {data} devices: "
+                "leave data_parallel out, the mesh gives it."
+            )
+        devices = [str(d) for d in mesh.devices.reshape(-1)]
+        if self.world_size not in (None, len(devices)):
+            raise ValueError(
+                f"world_size={self.world_size} but the DeviceMesh has "
+                f"{len(devices)} devices: leave world_size out."
+            )
+        object.__setattr__(self, "data_parallel", data)
+        object.__setattr__(self, "device_ids", devices)
+
     def _check_arguments(self):
+        if keras.distribution.distribution() is not None:
+            raise ValueError(
+                "A global keras.distribution is set "
+                f"({type(keras.distribution.distribution()).__name__}); "
+                "keras_tp places every variable itself, and the two would "
+                "split the model twice. Unset it (`keras.distribution."
+                "set_distribution(None)`) and pass its device_mesh as "
+                "TensorParallelKeras(model, device_ids=mesh) to use the same "
+                "devices."
+            )
         if self.zero_stage not in ZERO_STAGES:
             raise ValueError(
                 f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}."

@@ -49,7 +49,7 @@ class TensorParallelKeras(DataParallelReports, keras.Model):
     Args:
         model: a built `keras.Model` (Sequential, Functional or subclassed).
         world_size: total number of devices; defaults to all available.
-        device_ids: device names to use, e.g. `["cpu:0", "cpu:1"]`.
+        device_ids: names (`["cpu:0", "cpu:1"]`) or a Keras `DeviceMesh`.
         plan: `"auto"`, a `keras_tp.ShardingPlan`, or a dict
             `{regex on variable.path: style}`.
         data_parallel: size of the data axis; `world_size` must divide by

@@ -2,6 +2,7 @@
 the support matrix of each backend. Backend-neutral: each case names its
 backend."""
 
+import keras
 import pytest
 
 from keras_tp.config import SUPPORT
@@ -72,3 +73,24 @@ def test_sequence_parallelism_follows_the_matrix(
 def test_pipelines_take_zero_1_at_most():
     with pytest.raises(ValueError, match="Pass zero_stage=1, which partitions"):
         ParallelConfig(pipeline_parallel=2, data_parallel=2, zero_stage=2)
+
+
+def test_a_device_mesh_gives_the_devices_and_the_data_axis():
+    # A mesh names its devices; the config only reads the names.
+    devices = [f"cpu:{i}" for i in range(4)]
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], devices)
+    config = ParallelConfig(device_ids=mesh)
+    assert (config.data_parallel, config.tensor_parallel) == (2, 2)
+    assert config.device_ids == tuple(devices)
+    model_only = keras.distribution.DeviceMesh((4,), ["model"], devices)
+    assert ParallelConfig(device_ids=model_only).tensor_parallel == 4
+    with pytest.raises(ValueError, match="leave data_parallel out"):
+        ParallelConfig(device_ids=mesh, data_parallel=4)
+
+
+def test_a_global_distribution_is_refused_with_the_fix():
+    devices = keras.distribution.list_devices()[:1]
+    distribution = keras.distribution.DataParallel(devices=devices)
+    with distribution.scope():
+        with pytest.raises(ValueError, match="set_distribution.None"):
+            ParallelConfig(world_size=2)

@@ -1,6 +1,8 @@
 """How `TensorParallelKeras` splits a model it wraps: the plan bound to
 the model, its variables placed, its split layers' regions installed."""
 
+import keras
+
 from keras_tp import regions
 from keras_tp.parallel import zero3
 from keras_tp.plan.auto import auto_plan
@@ -9,10 +11,18 @@ from keras_tp.plan.verify import check_locally
 
 
 def bind_plan(model, plan, runtime):
-    """`plan` (`"auto"`, a `ShardingPlan`, a dict or a list of rules)
-    bound to `model` at the runtime's tensor-parallel size."""
+    """`plan` (`"auto"`, a `ShardingPlan`, a dict, a list of rules or a
+    `keras.distribution.LayoutMap`) bound to `model` at the runtime's
+    tensor-parallel size."""
     tensor_parallel = runtime.tensor_parallel
-    if isinstance(plan, str):
+    if isinstance(plan, keras.distribution.LayoutMap):
+        bound = auto_plan(
+            model,
+            tensor_parallel,
+            check_local=runtime.local_ranks,
+            layout_map=plan,
+        )
+    elif isinstance(plan, str):
         if plan != "auto":
             raise ValueError(
                 f"plan must be 'auto', a ShardingPlan or a dict, got {plan!r}."
@@ -28,7 +38,8 @@ def bind_plan(model, plan, runtime):
             check_locally(model, bound)
     else:
         raise TypeError(
-            f"plan must be 'auto', a ShardingPlan or a dict, got {type(plan)}."
+            "plan must be 'auto', a ShardingPlan, a dict or a "
+            f"keras.distribution.LayoutMap, got {type(plan)}."
         )
     if tensor_parallel == 1:
         # Splitting over one rank changes nothing but would still issue

@@ -877,3 +877,33 @@ def test_two_hosts_reduce_hierarchically(two_hosts):
 
     for process in two_hosts:
         hierarchy_cases.check_runs(process["hierarchical"])
+
+
+def test_a_layout_map_is_a_plan():
+    # A LayoutMap written for ModelParallel plans the same split; one that
+    # lists a single MLP splits just that pair, the rest whole.
+    mesh = keras.distribution.DeviceMesh(
+        (1, 2), ["batch", "model"], keras.distribution.list_devices()[:2]
+    )
+    auto = keras_tp.auto_plan(models.transformer_lm(), tensor_parallel=2)
+    tp = keras_tp.TensorParallelKeras(
+        models.transformer_lm(), world_size=2, plan=auto.to_layout_map(mesh)
+    )
+
+    def styles(plan):
+        return {e.layer.path: repr(e.style) for e in plan.leaf_layers()}
+
+    assert styles(tp.sharding_plan) == styles(auto)
+    partial = keras.distribution.LayoutMap(mesh)
+    partial["block0_mlp_up/kernel"] = (None, "model")
+    partial["block0_mlp_down/kernel"] = ("model", None)
+    tp = keras_tp.TensorParallelKeras(
+        models.transformer_lm(), world_size=2, plan=partial
+    )
+    assert styles(tp.sharding_plan) == {
+        "block0_mlp_up": repr(keras_tp.Column()),
+        "block0_mlp_down": repr(keras_tp.Row()),
+    }
+    assert "LayoutMap" in tp.sharding_plan.replicated["lm_head"]
+    x, _ = models.data_for("transformer_lm", batch=4)
+    assert max_diff([tp(x)], [models.transformer_lm()(x)]) < 1e-5

@@ -34,7 +34,13 @@ from keras_tp.plan.verify import random_on_split_values
 logger = logging.getLogger(__name__)
 
 
-def auto_plan(model, tensor_parallel=None, check_local=True, world_size=None):
+def auto_plan(
+    model,
+    tensor_parallel=None,
+    check_local=True,
+    world_size=None,
+    layout_map=None,
+):
     """Returns the plan `TensorParallelKeras(model, plan="auto")` applies.
 
     The planner runs the model once on a small probe batch and records
@@ -66,6 +72,10 @@ def auto_plan(model, tensor_parallel=None, check_local=True, world_size=None):
             own slices (see above). JAX without a data axis runs that code
             on global arrays and needs no check.
         world_size: the former name of `tensor_parallel`; deprecated.
+        layout_map: a `keras.distribution.LayoutMap` (as written for
+            `ModelParallel`) that decides which layers split: those it
+            splits on the `model` axis, with Megatron's styles; the rest
+            stay whole.
 
     Returns:
         A `ShardingPlan` bound to `model`.
@@ -97,7 +107,7 @@ def auto_plan(model, tensor_parallel=None, check_local=True, world_size=None):
             f"tensor_parallel must be >= 1, got {tensor_parallel}."
         )
     trace = tracing.trace_model(model)
-    planner = Planner(model, tensor_parallel, trace)
+    planner = Planner(model, tensor_parallel, trace, layout_map)
     decisions = planner.decide()
     fallbacks = {}
     if check_local and tensor_parallel > 1:

@@ -81,12 +81,16 @@ class Planner(MegatronPairing):
         model: the model.
         tensor_parallel: the number of ranks.
         trace: the model's `Trace` on the probe batch.
+        layout_map: a `keras.distribution.LayoutMap` given as the plan:
+            it decides every layer, and what it does not list stays whole.
+            `None`: the model's own map decides the layers it lists.
     """
 
-    def __init__(self, model, tensor_parallel, trace):
+    def __init__(self, model, tensor_parallel, trace, layout_map=None):
         self.model = model
         self.tensor_parallel = tensor_parallel
         self.trace = trace
+        self.layout_map = layout_map
         self.reasons = {}
         # Groups fed by a whole layer (key/value heads fewer than ranks).
         self.whole_inputs = {}
@@ -133,6 +137,8 @@ class Planner(MegatronPairing):
                 )
                 self.whole_inputs[key] = call.layer.path
         self._apply_layout_map(decisions, leaves)
+        if self.layout_map is not None:
+            self._keep_unlisted_whole(decisions, leaves)
         for layer in leaves:
             if id(layer) in decisions:
                 continue
@@ -189,9 +195,12 @@ class Planner(MegatronPairing):
         another axis of the same pair, which GSPMD reconciles with extra
         collectives), else the style of the axis the map names.
         """
-        layout_map = model_layout_map(self.model, self.tensor_parallel)
+        layout_map = self.layout_map or model_layout_map(
+            self.model, self.tensor_parallel
+        )
         if layout_map is None:
             return
+        source = "LayoutMap" if self.layout_map else "model layout map"
         for layer in leaves:
             handler = leaf_handler(layer)
             path = handler.primary_variable(layer).path
@@ -200,9 +209,8 @@ class Planner(MegatronPairing):
                 continue
             axis = _model_axis(layout.axes)
             decision = decisions.get(id(layer))
-            source = "model layout map"
             if axis is None:
-                self.reasons[layer.path] = "kept whole by the model layout map"
+                self.reasons[layer.path] = f"kept whole by the {source}"
                 decisions[id(layer)] = Decision(
                     layer, Replicate(), id(layer), source
                 )
@@ -210,15 +218,54 @@ class Planner(MegatronPairing):
                 decision.style, Replicate
             ):
                 split = handler.split_axes(layer, decision.style)
+                axis_note = ""
                 if split[handler.primary_role(layer)] != axis:
-                    source += " (Megatron axis)"
-                decisions[id(layer)] = decision._replace(source=source)
+                    axis_note = " (Megatron axis)"
+                decisions[id(layer)] = decision._replace(
+                    source=source + axis_note
+                )
             else:
                 style = self._style_of_axis(layer, axis)
                 if style is not None:
                     decisions[id(layer)] = Decision(
                         layer, style, id(layer), source
                     )
+
+    def _keep_unlisted_whole(self, decisions, leaves):
+        """Under a LayoutMap given as the plan, what it does not split on
+        the `model` axis stays whole, as under `ModelParallel` (an
+        attention layer by its query projection's entry); the rest of a
+        Megatron pair whose member stays whole gathers or slices alone."""
+        units = [
+            d.layer for d in decisions.values() if ATTENTION.matches(d.layer)
+        ]
+        broken = set()
+        for layer in leaves + units:
+            if ATTENTION.matches(layer):
+                query = next(iter(ATTENTION.projections(layer).values()))
+                variable = leaf_handler(query).primary_variable(query)
+            else:
+                variable = leaf_handler(layer).primary_variable(layer)
+            layout = self.layout_map[variable.path]
+            if layout is not None and _model_axis(layout.axes) is not None:
+                continue
+            if id(layer) in decisions and decisions[id(layer)].paired:
+                broken.add(decisions[id(layer)].group)
+            decisions[id(layer)] = Decision(
+                layer, Replicate(), id(layer), "LayoutMap"
+            )
+            self.reasons[layer.path] = (
+                f"not split on 'model' by the LayoutMap ({variable.path})"
+            )
+        for key, decision in list(decisions.items()):
+            if decision.paired and decision.group in broken:
+                style = self._fallback_style(decision.layer, ())
+                decisions[key] = Decision(
+                    decision.layer,
+                    style or Replicate(),
+                    key,
+                    "LayoutMap (its Megatron pair stays whole)",
+                )
 
     def _style_of_axis(self, layer, axis):
         """The unpaired style splitting `layer`'s main variable on `axis`."""

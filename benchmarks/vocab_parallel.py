@@ -122,7 +122,9 @@ def measure(tensor_parallel, vocab, length, batch):
         step_memory(compiled),
         compiled.as_text(),
     )
-    return {name: (memory, _shapes(hlo)) for name, (memory, hlo) in rows.items()}
+    return {
+        name: (memory, _shapes(hlo)) for name, (memory, hlo) in rows.items()
+    }
 
 
 def _shapes(hlo):

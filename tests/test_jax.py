@@ -117,10 +117,10 @@ def _count_hlo(text, op):
     return sum(operands.count("%") for operands in calls)
 
 
-@pytest.mark.parametrize("data_parallel", [1, 2])
-def test_vocab_parallel_loss_matches_one_device(data_parallel):
-    results = vocab_cases.runs(2 * data_parallel, data_parallel)
-    vocab_cases.check_runs(results)
+def test_vocab_parallel_loss_matches_one_device():
+    # Per-rank steps (a data axis); on global arrays the zoo's and the
+    # transformer's collective tests check the same loss.
+    vocab_cases.check_runs(vocab_cases.runs(4, data_parallel=2))
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

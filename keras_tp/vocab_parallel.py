@@ -94,9 +94,7 @@ def vocab_parallel_head(model, plan, runtime, loss, metrics):
     """
     head, reason = _output_head(model, plan)
     if head is not None:
-        reason = _runtime_refusal(runtime.config) or _loss_refusal(
-            loss, metrics
-        )
+        reason = runtime.whole_logits_reason or _loss_refusal(loss, metrics)
     if reason is not None:
         if head is not None:
             logger.info(
@@ -241,18 +239,6 @@ def _output_head(model, plan):
     ):
         return None, "its output is not a linear vocabulary-split head's"
     return layer, None
-
-
-def _runtime_refusal(config):
-    """Why the runtime of `config` cannot keep logits split, or `None`."""
-    if config.pipeline_parallel > 1:
-        return "a pipeline's last stage computes the loss from whole logits"
-    if config.backend == "tensorflow":
-        return (
-            "TensorFlow's steps compute the loss outside the replicas, "
-            "from whole logits"
-        )
-    return None
 
 
 def _loss_refusal(loss, metrics):

@@ -49,6 +49,9 @@ class PipelineRuntime(Runtime):
     """
 
     backend = None
+    whole_logits_reason = (
+        "a pipeline's last stage computes the loss from whole logits"
+    )
     local_ranks = False
     per_rank_steps = False
     # Python issues each stage's work in the schedule's order: the step as

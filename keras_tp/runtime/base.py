@@ -35,6 +35,9 @@ class Runtime(CheckpointPieces):
     """
 
     backend = None
+    # Why this runtime's loss needs an LM head's logits whole (see
+    # `keras_tp.vocab_parallel`), or `None` where it reads them split.
+    whole_logits_reason = None
     pipeline_parallel = 1
     # Whether each rank runs the code between split layers on its own
     # slices (so `auto_plan` must check the plan for that).

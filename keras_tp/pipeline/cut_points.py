@@ -1,10 +1,6 @@
-"""Where a pipeline's cuts may fall, and which of them `split_stages` takes.
-
-How many activations cross each position of a model's dataflow graph
-(`keras_tp.pipeline.graph`), the parameters of each node, which layers
-share a weight; and the cut positions chosen among the candidates, or
-given by name.
-"""
+"""Where a pipeline's cuts may fall, and which of them `split_stages` takes:
+from the activations crossing each position of a model's dataflow graph,
+each node's parameters and the weights layers share, or by name."""
 
 import difflib
 import logging
@@ -15,13 +11,8 @@ logger = logging.getLogger(__name__)
 
 
 def _activation_counts(graph):
-    """Per cut `k`, the crossing tensors that count against it.
-
-    Model inputs crossing a cut are carried wherever they are still read,
-    and a model output made earlier is carried to the end: they cross many
-    cuts alike and say nothing about where a block ends. The others are
-    the activations a cut must send.
-    """
+    """Per cut `k`, the crossing activations that count against it: not
+    model inputs nor early outputs, which cross many cuts alike."""
     counts = np.zeros(len(graph.nodes) + 1, dtype=np.int64)
     outputs = set(graph.outputs)
     for key, info in graph.tensors.items():
@@ -34,12 +25,7 @@ def _activation_counts(graph):
 def weight_uses(graph):
     """`(sizes, shared)`: the weight scalars of each node, a weight counted
     at its first use only; and `[(layers, path, first node, last node)]`
-    for the weights several nodes use.
-
-    A layer called twice (a tied embedding, also the LM head), or two
-    layers that share a variable, must have all those calls in one stage
-    (a stage owns its weights), unless `share_weights`.
-    """
+    for the weights several nodes use (a tied embedding)."""
     uses, sizes = {}, []
     for node in graph.nodes:
         size = 0
@@ -124,15 +110,9 @@ def automatic_cuts(graph, num_stages, sizes, owners, found):
 
 
 def _balanced(weights, candidates, num_stages):
-    """The cuts among `candidates` that balance `weights` best.
-
-    First the largest stage is made as small as possible (a pipeline runs
-    at the pace of its slowest stage), then, among the cuts that reach
-    it, the sum of squared stage weights is made smallest (the other
-    stages as even as they can be). Among equal choices a later cut wins,
-    so parameterless layers (activations, dropout) stay with the layer
-    before them.
-    """
+    """The cuts among `candidates` that make the largest stage smallest,
+    then the sum of squared stage weights smallest. Among equal choices a
+    later cut wins, so parameterless layers stay with the one before."""
     prefix = np.concatenate([[0], np.cumsum(weights)]).tolist()
     ends = [0] + list(candidates) + [len(weights)]
     m = len(ends)

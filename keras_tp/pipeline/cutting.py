@@ -42,45 +42,34 @@ def split_stages(
 ):
     """Cuts a Functional model into consecutive pipeline stages.
 
-    Each stage is a Functional model made of the user's own layer objects
-    (the same variables: nothing is copied or initialised again), so
-    training the stages trains `model`, and `model.get_weights()` sees it.
-    Run one after the other, the stages compute exactly what `model`
-    computes (`StageSplit.run`).
+    Each stage is a Functional model of the user's own layer objects (the
+    same variables), so training the stages trains `model`; run one after
+    the other, they compute what `model` computes (`StageSplit.run`).
 
-    The cut points are positions in a topological order of the model's
-    graph: its layer calls and raw-op calls (such as the `x + y` of a
-    residual add). Nested Functional and Sequential models called once
-    (the backbone of a keras-hub `CausalLM` or classifier) are opened up,
-    so a cut can fall between their layers; a nested model that cannot be
-    (called on a structure unlike its inputs, or with tensors in keyword
-    arguments) stays one node, whose layers then all go to one stage.
+    Cut points are positions in a topological order of the model's graph:
+    its layer calls and raw-op calls (the `x + y` of a residual add).
+    Nested Functional and Sequential models called once (the backbone of
+    a keras-hub task) are opened up, so a cut can fall inside; one that
+    cannot be (called on an unlike structure, or with tensors in keyword
+    arguments) stays one node.
 
-    Automatic cuts (`cut_points=None`): the candidates are the positions
-    where the fewest activations cross the cut, not counting the model
-    inputs a stage carries (keras-hub's `padding_mask`) nor model outputs
-    already made: between the blocks of a transformer, the residual
-    stream; between ResNet blocks, the block's output. Cuts that would put
-    the calls of one layer (or two layers sharing a weight) in different
-    stages are not candidates, unless `share_weights`. Among the
-    candidates, the `num_stages - 1` cuts are chosen that make the largest
-    stage smallest (by parameters), then the stages most even.
+    Automatic cuts (`cut_points=None`) choose among the positions where
+    the fewest activations cross, not counting carried model inputs
+    (keras-hub's `padding_mask`) and outputs: the `num_stages - 1` cuts
+    that make the largest stage smallest, then the stages most even.
+    Cuts that would put the calls of one layer (or of layers sharing a
+    weight) in different stages are excluded, unless `share_weights`.
 
     User cuts: `cut_points=["block_2", "block_4"]` starts a new stage *at*
-    each named layer: stage 0 runs up to, not including, `block_2`.
-    Names are layer or op names (`StageSplit.cut_points` and
-    `Stage.operation_names` list them), in the order the model runs them;
-    a layer inside a nested model may be named with or without the nested
-    model's name (`gpt2_backbone.transformer_layer_1`).
+    each named layer or op (`Stage.operation_names` lists them), in the
+    order the model runs them; a layer of a nested model may be named
+    with or without its prefix (`gpt2_backbone.transformer_layer_1`).
 
     Tensors made before a cut and read after it (skip connections, model
-    inputs read by every block) cross each cut up to their last reader:
-    they are outputs of the stages they pass through and inputs of the
-    next ones. `StageSplit.boundaries` lists them per cut. A tensor made
-    once and read by every block (T5's position bias, a long skip) thus
-    crosses every cut in between, and automatic cuts, which look for the
-    fewest crossing activations, then fall only outside that span: pass
-    `cut_points` there.
+    inputs) cross each cut up to their last reader
+    (`StageSplit.boundaries`); a tensor read by every block (T5's
+    position bias) thus crosses every cut in between, and automatic cuts
+    then fall outside that span: pass `cut_points` there.
 
     Args:
         model: a built Functional or Sequential Keras model (keras-hub
@@ -88,17 +77,15 @@ def split_stages(
         num_stages: number of stages, at least 1.
         cut_points: `None` for automatic cuts, or the names of the
             `num_stages - 1` layers at which a new stage starts.
-        balance: what automatic cuts balance: `"parameters"` (the number
-            of weight scalars per stage, a proxy for both compute and
-            memory), or `"time"`: the forward time of each stage, measured
-            on `sample` here, block by block between the candidate cuts
-            (the median of a few runs after a warm-up run).
+        balance: what automatic cuts balance: `"parameters"` (weight
+            scalars per stage), or `"time"`: each block's forward time
+            between candidate cuts, measured on `sample` (the median of a
+            few runs after a warm-up).
         sample: with `balance="time"`, a batch of the model's inputs.
         share_weights: whether cuts may separate the calls of one layer
             (or of layers sharing a weight): each stage that calls it
             then holds the weight (`StageSplit.shared_weights`), and the
-            pipeline must keep those copies equal, as Megatron-LM does
-            with the word embeddings of its first and last stages.
+            pipeline must keep the copies equal.
 
     Returns:
         A `StageSplit`.
@@ -106,10 +93,8 @@ def split_stages(
     Raises:
         NotImplementedError: for a subclassed model (its `call` is opaque).
         ValueError: for a bad `num_stages`, `cut_points` or `balance`; for
-            cuts that separate the calls of one layer, without
-            `share_weights` (keras-hub's `CausalLM`s use the token
-            embedding for the logits too); for layers that add losses in
-            `call`.
+            cuts that separate the calls of one layer without
+            `share_weights`; for layers that add losses in `call`.
 
     Example:
 
@@ -158,14 +143,9 @@ def split_stages(
 
 
 def _check_losses(model):
-    """Refuses layers that add losses in `call`: a stage cannot return them.
-
-    Activity regularizers are found from the layers' attributes; `add_loss`
-    in a layer's `call` from the source of the `call` that runs (a
-    mixture-of-experts router's auxiliary loss), or, where the call adds
-    it elsewhere, after the model has run eagerly (its losses are then
-    listed in `model.losses`).
-    """
+    """Refuses layers that add losses in `call`, which a stage cannot
+    return: activity regularizers, `add_loss` in the source of a layer's
+    `call`, or losses in `model.losses` after an eager run."""
     for layer in [model] + list(sublayers(model)):
         if getattr(layer, "activity_regularizer", None) is not None:
             raise ValueError(
@@ -209,13 +189,9 @@ def _adds_loss_in_call(layer):
 
 
 def block_seconds(graph, candidates, sample):
-    """Forward seconds per node: each block's between the candidate cuts,
-    measured on `sample`, counted at the block's first node.
-
-    The blocks run one after the other as the stages of a split at every
-    candidate, each on the previous one's outputs, as a pipeline would
-    run them.
-    """
+    """Forward seconds per node: each block's between the candidate cuts
+    (run as the stages of a split at every candidate), measured on
+    `sample`, counted at the block's first node."""
     blocks = _build(graph, list(candidates), None)
     seconds = [0.0] * len(graph.nodes)
     starts = [0] + list(candidates)
@@ -313,11 +289,7 @@ def _build(graph, positions, balance):
 
 
 def _batch_shape(shape):
-    """`shape` with its first dimension the (unknown) batch.
-
-    Keras infers a batch of 1 where a batch-less tensor is broadcast
-    against a batched one (`x + positions` with positions shaped
-    `(1, L, D)`); a stage receives whole microbatches.
-    """
+    """`shape` with an unknown batch first: Keras infers a batch of 1
+    where a batch-less tensor is broadcast against a batched one."""
     shape = tuple(shape)
     return (None,) + shape[1:] if shape else shape

@@ -1,12 +1,10 @@
 """The one executor of a pipeline schedule, over a backend's stage primitives.
 
-A schedule (`keras_tp.pipeline.schedules`) is data: a list of `Action`s
-`(stage, kind, microbatch)`. This module runs such a list, the same way on
-every backend, in the manner of torch's `_PipelineScheduleRuntime`: it
-routes each micro-batch's activations forward and their gradients back,
-collects the last stage's losses and outputs, and leaves every
-computation and every transfer to a `StagePrimitives` object that the
-backend supplies (a jitted pass on JAX, a replica step on TensorFlow).
+A schedule (`keras_tp.pipeline.schedules`) is a list of `Action`s `(stage,
+kind, microbatch)`. As torch's `_PipelineScheduleRuntime` does, this
+module runs it the same way on every backend: it routes activations
+forward and gradients back and collects the last stage's losses, leaving
+every computation and transfer to the backend's `StagePrimitives`.
 
 Example:
 
@@ -20,10 +18,9 @@ from keras_tp.pipeline import schedules
 
 
 class StagePrimitives:
-    """What a backend supplies for the executor to run a pipeline's actions.
-
-    Subclasses implement the passes of one stage on one micro-batch; the
-    executor decides which runs when and routes the values between them.
+    """What a backend supplies for the executor to run a pipeline's actions:
+    the passes of one stage on one micro-batch. The executor decides which
+    runs when and routes the values between them.
 
     Attributes:
         num_stages: the number of stages.
@@ -32,9 +29,9 @@ class StagePrimitives:
     num_stages = None
 
     def microbatches(self, x, y):
-        """`(inputs, targets)`: the first stage's inputs and the last
-        stage's targets of each micro-batch, in order (`y` may be `None`
-        for forward-only passes, then `targets` is too)."""
+        """`(inputs, targets)`: per micro-batch, in order, the first
+        stage's inputs and the last stage's targets (`None` without
+        `y`)."""
         raise NotImplementedError
 
     def forward(self, stage, m, inputs, target):
@@ -48,15 +45,15 @@ class StagePrimitives:
                 `None`.
 
         Returns:
-            `(outputs, predicted)`: what the stage sends on or, on the last
-            stage, its share of the batch's loss, with the stage's outputs
-            (`None` on other stages).
+            `(outputs, predicted)`: what the stage sends on (on the last
+            stage, its share of the batch's loss), and the last stage's
+            outputs (`None` elsewhere).
         """
         raise NotImplementedError
 
     def backward(self, stage, m, cotangent):
-        """Runs micro-batch `m`'s backward pass of `stage` and adds its
-        gradients to the stage's total for the step.
+        """Runs micro-batch `m`'s backward pass of `stage`, adding its
+        gradients to the stage's total.
 
         Args:
             stage: the stage's index.
@@ -65,22 +62,13 @@ class StagePrimitives:
                 (`None` on the last stage, whose output is the loss).
 
         Returns:
-            The gradients of the stage's inputs, for the previous stage.
+            The gradients of the stage's inputs.
         """
         raise NotImplementedError
 
     def send(self, value, stage, direction):
-        """Moves `value` to the devices of `stage` and counts it.
-
-        Args:
-            value: activations (`direction="forward"`) or their gradients
-                (`"backward"`).
-            stage: the index of the receiving stage.
-            direction: `"forward"` or `"backward"`.
-
-        Returns:
-            The value as the receiving stage reads it.
-        """
+        """`value` (activations, or their gradients with `direction=
+        "backward"`) moved to the devices of `stage`, and counted."""
         return value
 
     def infer(self, stage, inputs):

@@ -1,15 +1,10 @@
 """The dataflow graph of a Functional model, nested models flattened.
 
-A Keras Functional model is a graph of *nodes*, one per call of an
-operation: a layer, or a raw op such as the `x + y` of a residual add. The
-pipeline cuts this graph, so it needs every node, in an order that runs,
-with the tensors each one reads and writes, nested models (the backbone
-inside a keras-hub `CausalLM`) opened up so that a cut can fall inside.
-
-Keras keeps the graph in private structures: each `KerasTensor` records the
-call that produced it (`_keras_history`) and each operation the calls made
-of it (`_inbound_nodes`). The accessors of `keras_tp.keras_internals`
-(`producer_node`, `node_inputs`, ...) read them.
+A Functional model is a graph of *nodes*, one per call of a layer or a
+raw op (the `x + y` of a residual add). The pipeline cuts it, so it needs
+every node in an order that runs, with the tensors each reads and
+writes, nested models (a keras-hub backbone) opened up. Keras keeps the
+graph in private structures, read through `keras_tp.keras_internals`.
 """
 
 import collections
@@ -31,10 +26,9 @@ class TensorInfo:
     Attributes:
         key: its identity in the graph, `(scope, id(keras_tensor))`.
         tensor: the `KerasTensor` (for its shape and dtype).
-        name: a stable name: the graph input's name, or the producing
-            node's name (with `:i` for the i-th output of a node with
-            several).
-        producer: index of the node that produces it; `None` for a graph
+        name: the graph input's name, or the producing node's (with `:i`
+            for the i-th of several outputs).
+        producer: index of the node that produces it; `None` for an
             input.
         consumers: indices of the nodes that read it, in order.
         first, last: the cuts it crosses, `first <= k <= last` (see
@@ -62,10 +56,8 @@ class NodeInfo:
     Attributes:
         index: position in `Dataflow.nodes` (a topological order).
         operation: the layer or raw op called.
-        name: a stable name: the operation's name, prefixed by the names
-            of the nested models it sits in (`backbone.layer_norm`), with
-            `:i` for its i-th call (i >= 2) when the operation is called
-            more than once.
+        name: the operation's name, prefixed by its nested models'
+            (`backbone.layer_norm`), with `:i` for its i-th call (i >= 2).
         inputs: keys of the tensors it reads, in its arguments' order.
         outputs: keys of the tensors it writes.
     """
@@ -83,14 +75,8 @@ class NodeInfo:
         return isinstance(self.operation, keras.layers.Layer)
 
     def replay(self, values):
-        """Calls the operation again, on the given values of its inputs.
-
-        Args:
-            values: function `key -> value` giving each input tensor.
-
-        Returns:
-            The flat list of outputs, in the order of `self.outputs`.
-        """
+        """The flat outputs of the operation called again on `values`, a
+        function `key -> value` of its inputs."""
         tensors = node_inputs(self.node)
         filled = {id(t): values(key) for t, key in zip(tensors, self.inputs)}
         args, kwargs = node_filled_arguments(self.node, filled)
@@ -104,13 +90,9 @@ class Dataflow:
     """The nodes of a Functional or Sequential model in a topological order.
 
     The order is a depth-first walk from the outputs that visits a node's
-    arguments in their order: for the `x + f(x)` of a residual block it
-    places the chain that made `x` (the earlier blocks) before the branch
-    `f`, so blocks follow each other as in the code that built the model.
-
-    Nested graph models called once on one structure of tensors are opened
-    up (their nodes appear in place of the call); any other nested model
-    stays one node, as do subclassed layers.
+    arguments in their order, so blocks follow each other as in the code
+    that built the model. Nested graph models called once on one
+    structure of tensors are opened up; any other stays one node.
 
     Args:
         model: a built Functional or Sequential model.
@@ -148,9 +130,8 @@ class Dataflow:
                 self.inputs.append(key)
         self._walk(outputs)
         self.outputs = [self._resolve(0, tensor) for tensor in outputs]
-        # A stage model's inputs are InputLayers named after the tensors
-        # they receive; one may not share its name with a layer of the
-        # stage, which only a layer called more than once can.
+        # A stage's inputs are named after the tensors they receive, which
+        # may not share a layer's name (a layer called more than once).
         repeated = {
             node.operation.name
             for node in self.nodes
@@ -164,9 +145,8 @@ class Dataflow:
                 consumers = self.tensors[key].consumers
                 if not consumers or consumers[-1] != node.index:
                     consumers.append(node.index)
-        # A tensor crosses cut `k` (nodes `[0, k)` before it, `[k, n)`
-        # after) from its making up to its last reader, or to the end if
-        # it is a model output.
+        # A tensor crosses cut `k` (nodes `[0, k)` before it) from its
+        # making to its last reader, or to the end for a model output.
         outputs = set(self.outputs)
         for key, info in self.tensors.items():
             last = max(info.consumers, default=-1)
@@ -187,9 +167,8 @@ class Dataflow:
         return key
 
     def _walk(self, outputs):
-        # An explicit stack: deep models (hundreds of blocks) would pass
-        # Python's recursion limit. A node is emitted after the tensors it
-        # reads, which are pushed after it, so popped before it.
+        # An explicit stack, for deep models: a node is emitted after the
+        # tensors it reads, pushed after it, so popped before it.
         opened = set()
         tasks = [(0, t) for t in reversed(outputs)]
         while tasks:
@@ -290,12 +269,9 @@ def graph_endpoints(model):
 
 
 def _opens(operation, node):
-    """Whether a node's call of a nested model is opened up.
-
-    It is where the model is Functional or Sequential and was called with
-    one positional argument whose structure matches its inputs and no
-    tensor in keyword arguments; otherwise it stays one node.
-    """
+    """Whether a node's call of a nested model is opened up: a Functional
+    or Sequential model called with one positional argument whose
+    structure matches its inputs and no tensor in keyword arguments."""
     if not isinstance(operation, (keras.Function, keras.Sequential)):
         return False
     try:

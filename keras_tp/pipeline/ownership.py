@@ -1,11 +1,11 @@
 """Which stage of a pipeline owns each weight, and a shared weight's gradient.
 
-A weight belongs to the first stage that uses it: that stage stores it,
-with its optimizer slots, and updates it. A weight several stages use (a
-tied embedding, which also computes the logits) is read by the later
-stages from a copy, and their gradients of it are added to the owner's
-before the update, as Megatron-LM all-reduces its word embeddings'
-gradients between its first and last stages.
+A weight belongs to the first stage that uses it, which stores it, with
+its optimizer slots, and updates it. A weight several stages use (a tied
+embedding, which also computes the logits) is read by the later stages
+from a copy, and their gradients of it are added to the owner's before
+the update, as Megatron-LM all-reduces its word embeddings' gradients
+between its first and last stages.
 """
 
 
@@ -29,17 +29,16 @@ class WeightOwners:
 
     def __init__(self, stage_models, model):
         self.stage_models = list(stage_models)
-        self.stage_of = {}
-        self.shared_stages = {}
+        self.model = model
+        self.stage_of, self.shared_stages = {}, {}
         for index, stage in enumerate(self.stage_models):
             for variable in stage.variables:
                 key = id(variable)
                 if key not in self.stage_of:
                     self.stage_of[key] = index
                     continue
-                stages = self.shared_stages.setdefault(
-                    key, [self.stage_of[key]]
-                )
+                owner = self.stage_of[key]
+                stages = self.shared_stages.setdefault(key, [owner])
                 if index not in stages:
                     stages.append(index)
         strays = [v.path for v in model.variables if id(v) not in self.stage_of]
@@ -51,36 +50,41 @@ class WeightOwners:
             )
 
     def adopt(self, variable, reference):
-        """Gives `variable` (an optimizer slot) the stage of `reference`.
+        """Gives `variable` (an optimizer slot) the stages of `reference`.
 
         Returns:
-            That stage's index.
+            The owning stage's index.
         """
+        if id(reference) in self.shared_stages:
+            self.shared_stages[id(variable)] = self.shared_stages[id(reference)]
         self.stage_of[id(variable)] = self.stage_of[id(reference)]
         return self.stage_of[id(variable)]
 
+    def holds(self, stage, variable):
+        """Whether `stage` uses (and so holds) `variable`."""
+        owner = self.stage_of[id(variable)]
+        return stage in self.shared_stages.get(id(variable), [owner])
+
     def owned(self, stage):
-        """The trainable variables stage `stage` owns and updates, in its
-        model's order."""
+        """The trainable variables `stage` owns and updates, in its model's
+        order."""
         return [
             v
             for v in self.stage_models[stage].trainable_variables
             if self.stage_of[id(v)] == stage
         ]
 
-    def gradient_addends(self, gradients, moved):
-        """Each owned variable's gradients to add up for its update.
+    def owned_gradients(self, gradients, moved):
+        """Per stage, per variable it owns (`owned`), the sum of its
+        gradients over the stages that use it, where one process holds
+        every stage's.
 
         Args:
             gradients: per stage, the gradients of its model's trainable
                 variables, in that order.
-            moved: a function of `(gradient, stage, owner)` returning the
-                gradient of a shared weight that `stage` computed, moved
-                to (and counted as sent to) the owner's devices.
-
-        Returns:
-            Per owning stage, per variable it owns (`owned`), the list of
-            its gradients: the owner's first, then the later stages'.
+            moved: a function of `(gradient, stage, owner)` returning a
+                shared weight's gradient from `stage` on the owner's
+                devices (and counting it).
         """
         addends = {}
         for stage, grads in enumerate(gradients):
@@ -91,6 +95,21 @@ class WeightOwners:
                     grad = moved(grad, stage, owner)
                 addends.setdefault(id(variable), []).append(grad)
         return [
-            [addends[id(v)] for v in self.owned(stage)]
-            for stage in range(len(self.stage_models))
+            [sum(addends[id(v)][1:], addends[id(v)][0]) for v in self.owned(s)]
+            for s in range(len(self.stage_models))
+        ]
+
+    def shared_groups(self):
+        """The tuples of stages that share weights, sorted."""
+        return sorted(set(map(tuple, self.shared_stages.values())))
+
+    def summed_shared(self, stage, gradient_of, all_reduce):
+        """`[(variable, gradient)]` of the weights `stage` shares, where
+        each process holds one stage: `all_reduce(gradient_of(variable),
+        stages)` sums it over the processes of the `stages` that use it,
+        in the model's order (the same on every process)."""
+        return [
+            (v, all_reduce(gradient_of(v), tuple(self.shared_stages[id(v)])))
+            for v in self.model.trainable_variables
+            if stage in self.shared_stages.get(id(v), ())
         ]

@@ -1,9 +1,9 @@
 """`PipelineRuntime`: what `TensorParallelKeras(pipeline_parallel=P)` runs.
 
-The part every backend shares: the stages and their devices, the stage of
-each variable, the micro-batch count and the loss. Each backend's subclass
-(`keras_tp.runtime.<backend>.pipeline`) stores the variables and runs
-Keras' steps with its trainer's signatures.
+What every backend shares: the stages and their devices, the owner of
+each variable, the micro-batch count and the loss. Each backend's
+subclass (`keras_tp.runtime.<backend>.pipeline`) stores the variables and
+runs Keras' steps with its trainer's signatures.
 """
 
 import copy
@@ -29,23 +29,22 @@ class PipelineRuntime(Runtime):
     """The stages of a pipeline and how Keras' steps run them.
 
     A `Runtime` whose devices form a `data x pipe x model` grid: each
-    stage runs on the `MeshRuntime`s of its devices (`stage_runtimes`), and
-    Keras' steps run as a schedule of micro-batches through the backend's
-    stage primitives (`keras_tp.pipeline.executor`). Sharded checkpoints:
-    each variable's pieces are written and read by the devices of the stage
-    that owns it, and the backend's `local_pieces` and
-    `assign_local_pieces` say how.
+    stage runs on a `MeshRuntime` of its `data x model` devices
+    (`stage_runtimes`), which stores its variables and runs its split
+    layers, and Keras' steps run as a schedule of micro-batches through
+    the backend's stage primitives (`keras_tp.pipeline.executor`).
+    Sharded checkpoints read and write each variable on the devices of
+    the stage that owns it.
 
     Args:
         model: the built Functional model to cut.
-        config: the `keras_tp.ParallelConfig` of the pipeline: its
-            `pipeline_parallel` stages, `data_parallel` replicas of them,
-            each stage on `world_size / (pipeline_parallel x
-            data_parallel)` devices split by tensor parallelism; its
-            `zero_stage`, `schedule`, `num_microbatches` (`None` takes,
-            for each batch, the largest divisor of its size up to `4 *
-            pipeline_parallel`), `pipeline_cuts` (see `split_stages`) and
-            `sequence_parallel`.
+        config: the `keras_tp.ParallelConfig`: its `pipeline_parallel`
+            stages, `data_parallel` replicas of them, each stage on
+            `world_size / (pipeline_parallel x data_parallel)` devices
+            split by tensor parallelism; its `zero_stage`, `schedule`,
+            `num_microbatches` (`None` takes, for each batch, the largest
+            divisor of its size up to `4 * pipeline_parallel`),
+            `pipeline_cuts` (see `split_stages`) and `sequence_parallel`.
     """
 
     backend = None
@@ -57,47 +56,40 @@ class PipelineRuntime(Runtime):
     # Python issues each stage's work in the schedule's order: the step as
     # a whole is not one compiled program.
     jit_compile_default = False
-    # Whether stages may share a weight (a tied embedding, which also
-    # computes the logits): each stage using it holds a copy, and the
-    # backend keeps the copies equal (`shared_stages`).
-    shares_weights = False
+    # A function of no argument returning the index of the stage whose
+    # work is issued now (see `CallingStageRegions`); `None` where a rank
+    # runs one stage (torch).
+    calling_stage = None
+    # The actions of the last training step, in the order issued, where
+    # one process issues every stage's (JAX, TensorFlow).
+    trained_order = None
 
     def __init__(self, model, config):
         super().__init__(config)
-        config = self.config
-        devices = self.devices
-        data_parallel = self.data_parallel
         _check_layers(model)
-        self.pipeline_parallel = pipeline_parallel = config.pipeline_parallel
-        self.num_microbatches = config.num_microbatches
-        self.schedule = config.schedule
-        # The devices form a `data x pipe x model` grid; stage `s` runs on
-        # its `pipe` index `s`: `data` rows of `model` devices each.
-        grid = np.array(devices, dtype=object).reshape(
-            data_parallel, pipeline_parallel, self.tensor_parallel
-        )
-        self.stage_devices = [
-            list(grid[:, s, :].flat) for s in range(pipeline_parallel)
-        ]
+        self.pipeline_parallel = stages = self.config.pipeline_parallel
+        self.num_microbatches = self.config.num_microbatches
+        self.schedule = self.config.schedule
+        shape = (self.data_parallel, stages, self.tensor_parallel)
+        # Stage `s` runs on `pipe` index `s` of the grid.
+        grid = np.array(self.devices, dtype=object).reshape(shape)
+        self.stage_devices = [list(grid[:, s, :].flat) for s in range(stages)]
+        # Stages may share a weight (a tied embedding): each that uses it
+        # holds a copy, which the backend keeps equal.
         self.split = split_stages(
-            model,
-            pipeline_parallel,
-            config.pipeline_cuts,
-            share_weights=self.shares_weights,
+            model, stages, self.config.pipeline_cuts, share_weights=True
         )
         self.stage_models = [stage.model for stage in self.split.stages]
         if self.tensor_parallel > 1:
             for stage_model in self.stage_models[1:]:
                 _accept_split_inputs(stage_model)
         self.owners = WeightOwners(self.stage_models, model)
-        # By id, the owning stage of each variable, and the stages of each
-        # that several stages use (see `WeightOwners`).
         self.stage_of = self.owners.stage_of
         self.shared_stages = self.owners.shared_stages
         self.placement = Placement(self.tensor_parallel, 1, self)
         self.stats = CommunicationStats()
         self.device_mesh = keras.distribution.DeviceMesh(
-            shape=(data_parallel, pipeline_parallel, self.tensor_parallel),
+            shape=shape,
             axis_names=("data", "pipe", "model"),
             devices=list(self.devices),
         )
@@ -105,21 +97,21 @@ class PipelineRuntime(Runtime):
 
     def stage_runtimes_of(self, runtime_class):
         """A `runtime_class` runtime per stage, over the stage's devices
-        (its `data x model` mesh), whose collectives count in this
-        pipeline's `stats`."""
-        runtimes = []
-        for devices in self.stage_devices:
-            runtime = runtime_class(self.config.stage_config(devices))
-            for adapter in (
-                runtime.adapter,
-                runtime.data_adapter,
-                runtime.world_adapter,
-            ):
-                adapter.stats = self.stats
-            runtimes.append(runtime)
-        return runtimes
+        (its `data x model` mesh), counting in this pipeline's `stats`."""
+        return [
+            self.counted(runtime_class(self.config.stage_config(devices)))
+            for devices in self.stage_devices
+        ]
 
-    # What the model class calls --------------------------------------
+    def counted(self, runtime):
+        """`runtime`, its collectives counted in this pipeline's `stats`."""
+        for adapter in (
+            runtime.adapter,
+            runtime.data_adapter,
+            runtime.world_adapter,
+        ):
+            adapter.stats = self.stats
+        return runtime
 
     def prepare_trainer(self, trainer):
         """Keeps the `TensorParallelKeras` whose steps this runtime runs."""
@@ -127,77 +119,72 @@ class PipelineRuntime(Runtime):
 
     def stage_plans(self, plan):
         """`(part of plan, runtime)` pairs: each stage's split layers, with
-        the runtime of the stage's devices (`stage_runtimes`), which runs
-        them. A layer several stages call (a tied embedding) is run by
-        `calling_stage_runtime` of those stages."""
+        the runtime of the stage's devices; a layer several stages call (a
+        tied embedding) with `calling_stage_runtime` of those stages."""
         if not plan.layers and not plan.per_rank_random:
             return []
-        stages_of_layer = {}
+        stages_of = {}
         for index, stage in enumerate(self.stage_models):
             for layer in sublayers(stage):
-                stages = stages_of_layer.setdefault(id(layer), [])
+                stages = stages_of.setdefault(id(layer), [])
                 if index not in stages:
                     stages.append(index)
         parts = []
-        for stages in dict.fromkeys(map(tuple, stages_of_layer.values())):
+        for stages in dict.fromkeys(map(tuple, stages_of.values())):
             part = copy.copy(plan)
             part.layers = [
                 entry
                 for entry in plan.layers
-                if tuple(stages_of_layer[id(entry.layer)]) == stages
+                if tuple(stages_of[id(entry.layer)]) == stages
             ]
             part.per_rank_random = {
                 layer: calls
                 for layer, calls in plan.per_rank_random.items()
-                if tuple(stages_of_layer[id(layer)]) == stages
+                if tuple(stages_of[id(layer)]) == stages
             }
-            if not part.layers and not part.per_rank_random:
-                continue
-            runtime = (
-                self.stage_runtimes[stages[0]]
-                if len(stages) == 1
-                else self.calling_stage_runtime(stages)
-            )
-            parts.append((part, runtime))
+            if part.layers or part.per_rank_random:
+                parts.append((part, self.calling_stage_runtime(stages)))
         return parts
-
-    # A function of no argument returning the index of the stage whose
-    # work is issued now (see `CallingStageRegions`); `None` where a rank
-    # runs one stage (torch), whose runtime is every entry of its
-    # `stage_runtimes`.
-    calling_stage = None
 
     def calling_stage_runtime(self, stages):
         """The runtime that runs the split layers that `stages` all call,
         each call on the devices of the stage that makes it (the first
         stage's where a rank runs one stage)."""
-        if self.calling_stage is None:
+        if self.calling_stage is None or len(stages) == 1:
             return self.stage_runtimes[stages[0]]
         runtimes = {s: self.stage_runtimes[s] for s in stages}
         return CallingStageRegions(runtimes, self.calling_stage)
 
     def run_step(self, phase, step, *args, **kwargs):
-        """Runs Keras' `phase` step as a pipeline (`step` is not called).
-
-        Args:
-            phase: `"train"`, `"test"` or `"predict"`.
-            step: Keras' own step; a pipeline runs its own instead.
-            *args: the step's arguments in the backend trainer's
-                signature (`(state, data)` on JAX, `(data,)` elsewhere).
-        """
+        """Runs Keras' `phase` step (`"train"`, `"test"`, `"predict"`) as a
+        pipeline: its `*args` are the backend trainer's (`(state, data)`
+        on JAX, `(data,)` elsewhere); Keras' own `step` is not called."""
         with self.stats.recording(phase):
             return getattr(self, f"{phase}_step")(*args, **kwargs)
 
     def measured_timeline(self):
         """The last training step's measured `schedules.Timeline`, or
         `None` before the first."""
+        if self.trained_order is None:
+            return None
+        return schedules.timeline_of(self.trained_order, self.action_times())
+
+    def action_times(self):
+        """The measured `(start, end)` of each action of the last training
+        step, in `trained_order`."""
         raise NotImplementedError
 
-    def check_compiled(self, trainer):
-        """Refuses what a pipeline would compute differently from Keras.
+    @property
+    def peak_activations(self):
+        """Per stage, the most micro-batches whose activations it held at
+        once in the last training step."""
+        if self.trained_order is None:
+            return []
+        return schedules.peak_activations(self.trained_order)
 
-        Called when the model is compiled.
-        """
+    def check_compiled(self, trainer):
+        """Refuses, when the model is compiled, what a pipeline would
+        compute differently from Keras."""
         if trainer.jit_compile is True:
             raise ValueError(
                 "pipeline_parallel issues each stage's work from Python, so "
@@ -251,15 +238,18 @@ class PipelineRuntime(Runtime):
                 "A pipelined model trains and evaluates with the loss given "
                 "to compile(loss=...); it has none."
             )
-        return lambda y_true, y_pred: loss(y_true, y_pred)
+        return loss
 
     @staticmethod
-    def check_no_sample_weight(sample_weight):
+    def unpacked(data):
+        """`(x, y)` of a step's `data`; sample weights are refused."""
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if sample_weight is not None:
             raise ValueError(
                 "sample_weight (or class_weight) is not supported with "
                 "pipeline_parallel yet: pass (x, y) only."
             )
+        return x, y
 
     def call_model(self, model, inputs, training):
         with self.stats.recording("call"):
@@ -268,20 +258,17 @@ class PipelineRuntime(Runtime):
 
 class CallingStageRegions:
     """Runs the split layers that several stages call (a tied embedding
-    that also computes the logits) on the devices of the calling stage.
+    that also computes the logits) on the devices of the calling stage,
+    with its copy of the weights, split as its owner's.
 
-    A layer has one `call`, and its split math holds the collective
-    adapter it was installed with: here `adapter` is that of the runtime
-    of the stage whose work is issued now, and the region runs there,
-    with the stage's copy of the weights, split as its owner's.
+    A layer has one `call`, whose split math keeps the adapter it was
+    installed with: `adapter` reads that of the calling stage's runtime.
 
     Args:
-        runtimes: `{stage index: its runtime}` of the stages that call the
-            layers, the owner first.
+        runtimes: `{stage index: its runtime}`, the owner first.
         calling: a function returning the index of the stage whose work
-            is issued now, or `None` outside any (Keras' symbolic build of
-            the model, which reads shapes only; a direct call), where the
-            owner's runtime serves.
+            is issued now, or `None` outside any (Keras' symbolic build,
+            a direct call), where the owner's runtime serves.
     """
 
     def __init__(self, runtimes, calling):
@@ -311,7 +298,7 @@ class CallingStageRegions:
 
 class _CallingStageAdapter:
     """The collective adapter of the calling stage's runtime, read at each
-    use (a region's per-rank math keeps the adapter it was made with)."""
+    use."""
 
     def __init__(self, regions):
         self._regions = regions
@@ -323,12 +310,10 @@ class _CallingStageAdapter:
 def _accept_split_inputs(stage_model):
     """Lets a stage model take the tensors that cross its cut split.
 
-    Keras checks a Functional model's inputs against the shapes of its
-    `Input`s, which are the unsplit ones; a tensor that a stage leaves
-    split by tensor parallelism (a Column layer's output) arrives as each
-    rank's shard. Only the ranks of the inputs are checked here: the split
-    layers that consume such a tensor check its width themselves
-    (`ShardedRegion.check_input_widths`).
+    Keras checks a Functional model's inputs against its `Input`s' shapes,
+    the unsplit ones, but a tensor a stage leaves split (a Column layer's
+    output) arrives as each rank's shard: only ranks are checked here, and
+    the split layers check widths themselves.
     """
     if stage_model.input_spec is None:
         return

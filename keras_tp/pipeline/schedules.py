@@ -1,21 +1,13 @@
 """Pipeline schedules: the order each stage runs its microbatches in.
 
-A pipeline splits a batch into `M` microbatches and passes each through
-`P` stages, forward then backward. A *schedule* gives each stage its
-ordered list of actions; a stage runs one action at a time, and an action
-waits for the ones it needs: the forward of microbatch `m` on stage `s`
-needs it on stage `s - 1`, the backward needs it on stage `s + 1` and its
-own forward.
-
-GPipe (Huang et al., 2019) holds the activations of all `M` microbatches
-at its peak; 1F1B (PipeDream-Flush, Narayanan et al., 2021; Megatron-LM,
-`torch.distributed.pipelining.Schedule1F1B`) takes as long but holds at
-most `P - s` on stage `s`.
-
-Both idle for a fraction `(P - 1) / (M + P - 1)` of the step, the pipeline
-*bubble*, when every stage takes the same time. `simulate` runs a schedule
-on given action times and `bubble_fraction` measures the idle time from
-that timeline.
+A *schedule* gives each of `P` stages its ordered list of actions on `M`
+microbatches: the forward of microbatch `m` on stage `s` needs it on
+stage `s - 1`, the backward needs it on stage `s + 1` and its own
+forward. GPipe (Huang et al., 2019) holds all `M` microbatches'
+activations at its peak; 1F1B (PipeDream-Flush, Megatron-LM) at most
+`P - s` on stage `s`. Both idle for `(P - 1) / (M + P - 1)` of the step
+(the *bubble*) with equal stages; `simulate` runs a schedule on given
+action times and `bubble_fraction` measures the idle time.
 """
 
 import collections
@@ -59,11 +51,7 @@ def one_f_one_b(num_stages, num_microbatches):
 
     Stage `s` runs `min(P - s - 1, M)` warm-up forwards, then alternates
     one forward and one backward while forwards remain, then runs the
-    remaining backwards. It reaches that steady state only with
-    `M >= P`; with fewer microbatches it is still correct (every stage
-    warms up with all its forwards, which is GPipe's order), and the
-    bubble is the larger share of the step that `ideal_bubble` says.
-    Arguments and result as `gpipe`'s.
+    remaining backwards. Arguments and result as `gpipe`'s.
 
     Example:
 
@@ -80,9 +68,8 @@ def one_f_one_b(num_stages, num_microbatches):
 
 
 def _flushed(num_stages, num_microbatches, warmup):
-    """Stage `s` runs `warmup(s)` forwards, then one forward and one
-    backward while forwards remain, then the remaining backwards: GPipe
-    is the case where every stage warms up with all its forwards."""
+    """Stage `s`'s `warmup(s)` forwards, then one forward and one
+    backward while forwards remain, then the remaining backwards."""
     _check_sizes(num_stages, num_microbatches)
     schedule = []
     for s in range(num_stages):
@@ -108,10 +95,8 @@ class Timeline:
     Attributes:
         num_stages: number of stages.
         spans: for each stage, its `Span`s `(action, start, end)` in the
-            order it runs them; a stage-by-time plot draws one bar per
-            span.
-        makespan: when the last action ends (the step's duration; every
-            stage starts at 0).
+            order it runs them.
+        makespan: when the last action ends (every stage starts at 0).
     """
 
     def __init__(self, spans):
@@ -133,10 +118,9 @@ class Timeline:
         raise KeyError(f"{action} is not in this timeline.")
 
     def chart(self, unit=None):
-        """A text chart: one row per stage, one character per `unit`.
-
-        A forward shows its microbatch's digit (`0`-`9`, modulo 10), a
-        backward its letter (`a` for microbatch 0), idle time `.`.
+        """A text chart: one row per stage, one character per `unit`: a
+        forward's microbatch digit, a backward's letter (`a` for 0), idle
+        time `.`.
 
         Args:
             unit: time per character; by default the shortest action.
@@ -177,21 +161,16 @@ class Timeline:
 
 
 def simulate(schedule, forward_time=1.0, backward_time=2.0):
-    """Runs a schedule on given action times, each action as early as it can.
-
-    An action starts when its stage has finished the action before it in
-    the stage's list, and when the actions it needs have ended: the
-    forward of microbatch `m` on stage `s` needs that forward on stage
-    `s - 1`; the backward needs the backward on stage `s + 1` and its own
-    forward. Sending between stages takes no time here.
+    """Runs a schedule on given action times, each action as early as it can:
+    once its stage's previous action and the actions it needs have ended
+    (sending takes no time).
 
     Args:
         schedule: a list of per-stage action lists (`gpipe`,
             `one_f_one_b`, or one written by hand).
         forward_time: time of one forward: a number, or one per stage.
-        backward_time: time of one backward: a number, or one per stage.
-            Twice the forward is the usual rule (gradients with respect to
-            both the inputs and the weights).
+        backward_time: time of one backward: a number, or one per stage
+            (twice the forward is the usual rule).
 
     Returns:
         A `Timeline`.
@@ -261,6 +240,15 @@ def recorded_timeline(records):
     )
 
 
+def timeline_of(order, times):
+    """The `Timeline` of the actions `order` (see `issue_order`), from
+    the `(start, end)` of each, in order, on one clock."""
+    records = [[] for _ in range(1 + max(a.stage for a in order))]
+    for (stage, kind, m), (start, end) in zip(order, times):
+        records[stage].append((kind, m, float(start), float(end)))
+    return recorded_timeline(records)
+
+
 def bubble_fraction(timeline):
     """The fraction of the step each stage is idle, measured.
 
@@ -280,22 +268,16 @@ def bubble_fraction(timeline):
 
 
 def ideal_bubble(num_stages, num_microbatches):
-    """`(P - 1) / (M + P - 1)`: the idle share of GPipe and 1F1B.
-
-    With equal stages, every stage of either schedule idles for `P - 1`
-    forward-and-backward times out of `M + P - 1`, whatever the ratio of
-    backward to forward time.
-    """
+    """`(P - 1) / (M + P - 1)`: the idle share of GPipe and 1F1B with
+    equal stages, whatever the ratio of backward to forward time."""
     _check_sizes(num_stages, num_microbatches)
     return (num_stages - 1) / (num_microbatches + num_stages - 1)
 
 
 def peak_activations(schedule):
-    """Per stage, the most microbatches held between forward and backward.
-
-    A stage keeps a microbatch's activations from its forward until its
-    backward: this peak is the activation memory a schedule needs, in
-    microbatches (GPipe: `M`; 1F1B: `min(P - s, M)` on stage `s`).
+    """Per stage, the most microbatches held between forward and backward:
+    the activation memory a schedule needs (GPipe: `M`; 1F1B:
+    `min(P - s, M)` on stage `s`).
 
     Args:
         schedule: a list of per-stage action lists, or every stage's
@@ -353,12 +335,9 @@ def _per_stage(value, num_stages, name):
 
 
 def _normalized(schedule):
-    """The schedule as lists of `Action`s, checked.
-
-    Each stage's list holds only its own actions, each once; every stage
-    runs the forwards of the same microbatches and the backwards of the
-    same microbatches, and a backward only where its forward runs.
-    """
+    """The schedule as lists of `Action`s, checked: each stage's own
+    actions, each once, the same microbatches on every stage, a backward
+    only where its forward runs."""
     if not isinstance(schedule, (list, tuple)) or not schedule:
         raise ValueError(
             "A schedule is a non-empty list of per-stage action lists, "
@@ -415,12 +394,9 @@ def check_schedule_name(name):
 
 
 def issue_order(name, num_stages, num_microbatches):
-    """Every stage's actions of schedule `name`, in one order that works.
-
-    One thread that issues the actions of all stages (JAX's and
-    TensorFlow's runners) needs each action after the ones it waits for:
-    in the order of their starts in a simulation of the schedule, each
-    comes after the ones it needs, which end before it starts.
+    """Every stage's actions of schedule `name`, each after the ones it
+    needs (in the order of their starts in a simulation), for one thread
+    that issues every stage's work.
 
     Args:
         name: `"gpipe"` or `"1f1b"`.

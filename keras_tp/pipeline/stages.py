@@ -1,10 +1,6 @@
-"""The stages of a pipeline: what `split_stages` makes of a model.
-
-A `StageSplit` holds the `Stage`s a Functional model was cut into
-(`keras_tp.pipeline.cutting`), each a Functional model made of the user's
-own layers, and the `Boundary` of each cut: the tensors one stage sends
-the next.
-"""
+"""What `split_stages` makes of a model: a `StageSplit` of `Stage`s, each
+a Functional model of the user's own layers, and the `Boundary` of each
+cut (the tensors one stage sends the next)."""
 
 import dataclasses
 
@@ -22,9 +18,8 @@ class BoundaryTensor:
         shape: its shape; the first dimension is the batch, `None`, as
             are other unknown dimensions.
         dtype: its dtype, a string.
-        carried: whether the sending stage only passes it on (it received
-            it, or it is a model input or an early output): a skip
-            connection or an input such as a padding mask.
+        carried: whether the sending stage only passes it on (a skip
+            connection, or a model input such as a padding mask).
     """
 
     def __init__(self, name, shape, dtype, carried):
@@ -37,10 +32,10 @@ class BoundaryTensor:
         """Bytes of this tensor for a batch.
 
         Args:
-            batch_size: the batch (first) dimension, usually the size of a
-                microbatch.
-            sequence_length: the size to use for every other unknown
-                dimension (the sequence axis of a text model).
+            batch_size: the batch (first) dimension, usually a
+                microbatch's.
+            sequence_length: the size of every other unknown dimension
+                (the sequence axis of a text model).
 
         Returns:
             An int.
@@ -60,9 +55,8 @@ class BoundaryTensor:
         return tensors.nbytes(self, shape)
 
     def _filled_shape(self, batch_size, sequence_length):
-        """`(shape, unknown)`: the shape with an unknown batch dimension
-        `batch_size` and every other unknown one `sequence_length`, where
-        `unknown` of them, still unknown, are left out."""
+        """`(shape, unknown)`: the shape with its unknown dimensions
+        filled, less the `unknown` ones still unknown."""
         shape, unknown = [], 0
         for i, dim in enumerate(self.shape):
             if dim is None:
@@ -85,8 +79,8 @@ class Boundary:
 
     Attributes:
         index: the sending stage.
-        tensors: the `BoundaryTensor`s, in a fixed order (model inputs
-            first, then by the position of the node that made them).
+        tensors: the `BoundaryTensor`s: model inputs first, then in the
+            order of the nodes that made them.
     """
 
     def __init__(self, index, tensors):
@@ -112,20 +106,19 @@ class Stage:
     Attributes:
         index: its position, from 0.
         model: a Functional model of the user's own layers. Stage 0 takes
-            the original model's inputs; a later stage takes a dict of the
-            tensors it receives, by name. A stage other than the last
-            returns a dict of the tensors it sends, by name; the last
-            returns the original model's outputs.
-        layer_names: the names of the layers called in this stage, in
-            order (layers of nested models included, without prefix).
-        operation_names: the names of all nodes of this stage, raw ops
-            included (`add`, `cast_2`, ...), as `cut_points` accepts them.
-        input_names: names of the tensors it receives (stage 0: the
-            model's input names).
-        output_names: names of the tensors it sends (the last stage: the
-            model's output names).
-        parameter_count: number of scalars in its weights (trainable and
-            not), as `model.count_params()` counts them.
+            the original model's inputs, a later stage a dict of the
+            tensors it receives; each returns a dict of the tensors it
+            sends, the last the original model's outputs.
+        layer_names: the layers called in this stage, in order (those of
+            nested models without prefix).
+        operation_names: all its nodes, raw ops included (`add`, ...), as
+            `cut_points` accepts them.
+        input_names: the tensors it receives (stage 0: the model's
+            inputs).
+        output_names: the tensors it sends (the last stage: the model's
+            outputs).
+        parameter_count: the scalars of its weights, as
+            `model.count_params()` counts them.
     """
 
     index: int
@@ -150,18 +143,14 @@ class StageSplit:
         model: the original model.
         stages: the `Stage`s, in order.
         boundaries: the `Boundary` of each cut, `len(stages) - 1` of them.
-        cut_points: the name of the first node of each stage after the
-            first; `split_stages(model, n, cut_points=split.cut_points)`
-            makes the same split.
-        balance: what the automatic cuts balanced (`"parameters"`), or
-            `None` where the user gave the cut points.
-        candidate_cut_points: the names of the nodes at which automatic
-            cuts may start a stage (where the fewest activations cross),
-            in order; at most `len(candidate_cut_points) + 1` stages can
-            be cut automatically.
+        cut_points: the first node of each stage after the first;
+            `split_stages(model, n, cut_points=split.cut_points)` makes
+            the same split.
+        balance: what automatic cuts balanced, `None` for user cuts.
+        candidate_cut_points: the nodes at which automatic cuts may start
+            a stage (where the fewest activations cross), in order.
         shared_weights: `{weight path: [stage indices]}` of the weights
-            that several stages use (a tied embedding, which also
-            computes the logits), with `share_weights=True`.
+            several stages use (with `share_weights=True`).
     """
 
     def __init__(self, model, stages, boundaries, cut_points, balance):
@@ -190,16 +179,13 @@ class StageSplit:
         return [stage.parameter_count for stage in self.stages]
 
     def bytes_per_cut(self, batch_size, sequence_length=None):
-        """Bytes sent across each cut in one forward pass of a batch.
-
-        This is the pipeline's point-to-point traffic per microbatch: the
-        backward pass sends gradients of the same shapes back (integer and
-        boolean tensors, such as a padding mask, have none).
+        """Bytes sent across each cut in one forward pass of a batch (the
+        backward pass sends as many back, less integer tensors').
 
         Args:
-            batch_size: the batch of one send, usually the microbatch size.
+            batch_size: the batch of one send, usually a microbatch's.
             sequence_length: the size of every unknown dimension other
-                than the batch (the sequence axis of a text model).
+                than the batch.
 
         Returns:
             A list of ints, one per cut.
@@ -207,25 +193,17 @@ class StageSplit:
         return [b.nbytes(batch_size, sequence_length) for b in self.boundaries]
 
     def run(self, inputs, training=False):
-        """Runs the stages one after the other on one device.
-
-        The result is the original model's output (up to float rounding):
-        a check of the split, and the reference a pipeline is tested
-        against.
-        """
+        """Runs the stages one after the other on one device: the
+        original model's output, up to float rounding."""
         outputs = inputs
         for stage in self.stages:
             outputs = stage.model(outputs, training=training)
         return outputs
 
     def summary(self, sequence_length=None):
-        """A text table of the stages.
-
-        One row per stage: its layers (first, last, count), its
-        parameters, and what it sends to the next stage, with bytes per
-        sample. Where a boundary tensor has unknown dimensions besides the
-        batch and `sequence_length` is not given, bytes are shown per
-        unit of each (`512·L`).
+        """A text table of the stages: per stage, its layers, parameters
+        and what it sends on, with bytes per sample (`512·L` per unit of
+        an unknown dimension without `sequence_length`).
 
         Returns:
             A string.

@@ -1,6 +1,5 @@
 """JAX pipelines: Keras' steps run through each stage's compiled passes
-(`keras_tp.runtime.jax.stages`) and optimizer update, on its devices, and
-the clock that measures when each pass ran."""
+(`keras_tp.runtime.jax.stages`) and optimizer update, on its devices."""
 
 import collections
 import time
@@ -34,43 +33,33 @@ from keras_tp.runtime.jax.storage import placement_spec
 
 
 class JaxPipelineRuntime(StageStorage, PipelineRuntime):
-    """Runs Keras' JAX steps as a pipeline of stages, one per device.
+    """Runs Keras' JAX steps as a pipeline of stages.
 
-    Each stage's variables and optimizer slots are committed to its
-    devices. A training step runs the schedule (`JaxStages`), then one
-    compiled optimizer update per stage on its devices, in which the
-    stage's replicas combine their gradients (`over_replicas`);
-    evaluation and prediction send each micro-batch through the stages'
-    compiled forward passes, which JAX's asynchronous dispatch overlaps
-    across devices.
-    Keras' JAX trainer passes the state as values (`train_step(state,
-    data)`); the steps take and return them in its order.
+    A training step runs the schedule (`JaxStages`), then one compiled
+    optimizer update per stage on its devices, in which the stage's
+    replicas combine their gradients (`over_replicas`); evaluation and
+    prediction send each micro-batch through the stages' compiled forward
+    passes, which JAX's asynchronous dispatch overlaps across devices.
+    The steps take and return Keras' state as values, in its order.
     """
 
     backend = "jax"
-    # A weight several stages use (a tied embedding) lives on the first
-    # one's devices; the others receive a copy each step, and their
-    # gradients of it are added to the first's before its update.
-    shares_weights = True
+    # Each stage's programs are traced under its index.
+    calling_stage = staticmethod(TRACING_STAGE.get)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # Each stage's devices are a runtime of their own (a `data x model`
-        # mesh), which places the stage's variables and runs its split
-        # layers; all count into this runtime's stats.
         self.stage_runtimes = self.stage_runtimes_of(JaxRuntime)
         # `StagePrograms` by `(micro-batch count, or None for inference;
         # per device)`, and each stage's compiled optimizer update.
         self._compiled = {}
         self._updates = {}
-        # The programs and the order of actions of the last training step.
+        # The programs of the last training step.
         self._trained = None
 
     @property
     def local_ranks(self):
-        # With replicas each stage's passes run per device (a per-rank
-        # step), so `auto_plan` checks the plan for ranks that hold their
-        # own values.
+        # With replicas each stage's passes run per device.
         return self.stage_runtimes[0].local_ranks
 
     def _available_devices(self):
@@ -78,39 +67,21 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
 
     def check_compiled(self, trainer):
         super().check_compiled(trainer)
-        # The training programs and updates hold the loss and the optimizer
-        # of the last compile().
+        # The training programs and updates hold the last compile()'s loss
+        # and optimizer.
         self._compiled = {
             k: p for k, p in self._compiled.items() if k[0] is None
         }
-        self._trained = None
+        self._trained = self.trained_order = None
         self._updates.clear()
 
-    # Each stage's program is traced under its index.
-    calling_stage = staticmethod(TRACING_STAGE.get)
-
-    def measured_timeline(self):
-        """The last training step's `schedules.Timeline`, from the times
-        each stage's programs ran on its devices (see `StageClock`), or
-        `None` before the first step."""
-        if self._trained is None:
-            return None
-        programs, order = self._trained
-        return programs.clock.timeline(order)
-
-    @property
-    def peak_activations(self):
-        """Per stage, the most micro-batches whose activations it held at
-        once in the last training step."""
-        if self._trained is None:
-            return []
-        return schedules.peak_activations(self._trained[1])
+    def action_times(self):
+        return self._trained.clock.times(self.trained_order)
 
     def _programs(self, count, per_device=True):
         """The stages' compiled passes: for training steps of `count`
-        micro-batches, or for inference (`count=None`); per device with
-        replicas, unless `per_device=False` (whole arrays of any batch,
-        for direct calls `tp(x)`)."""
+        micro-batches, or inference (`count=None`); per device with
+        replicas, unless `per_device=False` (direct calls `tp(x)`)."""
         key = (count, per_device and self.data_parallel > 1)
         if key not in self._compiled:
             clock = StageClock(self.pipeline_parallel, count or 1)
@@ -128,10 +99,8 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         )
 
     def train_step(self, state, data):
-        trainer = self.trainer
         trainable, non_trainable, optimizer_values, metrics = state
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        self.check_no_sample_weight(sample_weight)
+        x, y = self.unpacked(data)
         batch = batch_size(x)
         self.check_batch_size(batch)
         count = self.microbatches(batch // self.data_parallel)
@@ -139,7 +108,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         order = schedules.issue_order(
             self.schedule, self.pipeline_parallel, count
         )
-        self._trained = (programs, order)
+        self._trained, self.trained_order = programs, order
         stages = self._stages(programs, trainable, non_trainable, count)
         loss, y_pred = run_schedule(stages, order, x, y)
         trainable, optimizer_values = self._apply(
@@ -147,18 +116,17 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         )
         non_trainable = self._merged(non_trainable, stages.non_trainable)
         logs, metrics = jax_update_metrics(
-            trainer, metrics, loss, x, y, y_pred, sample_weight
+            self.trainer, metrics, loss, x, y, y_pred, None
         )
         return logs, (trainable, non_trainable, optimizer_values, metrics)
 
     def test_step(self, state, data):
         trainable, non_trainable, metrics = state
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        self.check_no_sample_weight(sample_weight)
+        x, y = self.unpacked(data)
         y_pred, non_trainable = self._infer(trainable, non_trainable, x)
         loss = self.loss_function()(y, y_pred)
         logs, metrics = jax_update_metrics(
-            self.trainer, metrics, loss, x, y, y_pred, sample_weight
+            self.trainer, metrics, loss, x, y, y_pred, None
         )
         return logs, (trainable, non_trainable, metrics)
 
@@ -167,11 +135,8 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         return self._infer(*state, x)
 
     def call_model(self, model, inputs, training):
-        """A direct call `tp(x)` on arrays runs the stages on their devices.
-
-        A symbolic call (Keras building its metrics) runs the stages as a
-        graph, as on one device.
-        """
+        """A direct call `tp(x)` on arrays runs the stages on their
+        devices; a symbolic one (Keras building its metrics) as a graph."""
         if not all(map(is_concrete, jax.tree_util.tree_leaves(inputs))):
             return super().call_model(model, inputs, training)
         trainer = self.trainer
@@ -185,8 +150,8 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         return outputs
 
     def _infer(self, trainable, non_trainable, x, per_device=True):
-        """The stages' forward passes of `x`, micro-batch by micro-batch,
-        on Keras' values: `(outputs, new non-trainable values)`."""
+        """`(outputs, new non-trainable values)` of the stages' forward
+        passes of `x`, micro-batch by micro-batch, on Keras' values."""
         programs = self._programs(None, per_device)
         batch = batch_size(x)
         if programs.per_device:
@@ -206,43 +171,33 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         return [merged[id(v)] for v in variables]
 
     def stage_lists(self, variables, values):
-        """`values` (one per variable) grouped by stage, in stage order,
-        each on its stage's devices: a stage that uses a weight of an
-        earlier stage receives a copy (counted on `"pipe"`). Each stage's
-        list follows its stage model's order of the same kind of
-        variables, as `stateless_call` expects."""
+        """`values` (one per variable) grouped by stage, each on its
+        stage's devices, in its stage model's order of such variables (as
+        `stateless_call` expects): a stage that uses a weight of an
+        earlier stage receives a copy (counted on `"pipe"`)."""
         by_id = dict(zip(map(id, variables), values))
         return [
             [
                 by_id[id(v)]
                 if self.stage_of[id(v)] == stage
-                else self._sent(by_id[id(v)], stage, "forward")
+                else self.sent(by_id[id(v)], stage, "forward")
                 for v in model.variables
                 if id(v) in by_id
             ]
             for stage, model in enumerate(self.stage_models)
         ]
 
-    def _sent(self, value, stage, direction):
+    def sent(self, value, stage, direction):
+        """`value` sent to `stage`'s devices (see `stages.sent`)."""
         mesh = self.stage_runtimes[stage].mesh
         return sent(value, mesh, self.stats, direction)
 
-    def _owned_gradients(self, gradients):
-        """Per stage, the gradients of the trainable variables it owns: a
-        shared weight's gradients from every stage that uses it, added on
-        its owner's devices (see `WeightOwners`)."""
-        addends = self.owners.gradient_addends(
-            gradients,
-            lambda grad, _, owner: self._sent(grad, owner, "backward"),
-        )
-        return [[sum(a[1:], a[0]) for a in stage] for stage in addends]
-
     def _apply(self, trainable, optimizer_values, gradients):
-        """Each stage's optimizer update, compiled for its devices.
+        """Each stage's compiled optimizer update, on its devices.
 
         The optimizer's own variables (its step count, learning rate) are
-        copied to every stage; each stage's update advances the step count
-        alike, and the last stage's copy is kept.
+        copied to every stage; each stage's update advances them alike,
+        and the last stage's copy is kept.
         """
         trainer = self.trainer
         variables = trainer.trainable_variables
@@ -251,7 +206,10 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         values.update(zip(map(id, optimizer_variables), optimizer_values))
         shared = [v for v in optimizer_variables if id(v) not in self.stage_of]
         shared_values = [values[id(v)] for v in shared]
-        for stage, grads in enumerate(self._owned_gradients(gradients)):
+        owned = self.owners.owned_gradients(
+            gradients, lambda grad, _, owner: self.sent(grad, owner, "backward")
+        )
+        for stage, grads in enumerate(owned):
             if stage not in self._updates:
                 self._updates[stage] = self._update_of(stage, shared)
             update, own, slots = self._updates[stage]
@@ -270,10 +228,10 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         )
 
     def _update_of(self, stage, shared):
-        """`(update, variables, slots)` of a stage: its compiled optimizer
+        """`(update, variables, slots)`: a stage's compiled optimizer
         update, a function of `(values, slot values, shared values,
         gradients)` returning their new values, and the variables and
-        slots whose values it takes (`shared` are the optimizer's own)."""
+        slots it takes (`shared` are the optimizer's own)."""
         optimizer = self.trainer.optimizer
         own = self.owners.owned(stage)
         slots = [
@@ -304,27 +262,22 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
 
 
 def over_replicas(update, runtime, variables, zero_stage):
-    """A stage's optimizer `update` (see `_update_of`) with replicas,
-    which combine their gradients and updates.
+    """A stage's optimizer `update` (see `_update_of`) of the gradients'
+    rows, one per replica (`StagePrograms`).
 
-    Without ZeRO each replica's gradients are averaged over `data` (DDP);
+    Without ZeRO the replicas' gradients are averaged over `data` (DDP);
     with ZeRO-1 they are reduce-scattered, each device updates its
-    partition of the weights with its partition of the optimizer state
-    (the weights laid out as their partitions, so that the update
-    computes each device's only, without communication), and the updated
-    partitions are all-gathered. The collectives travel in the
-    `CoordinatedOptimizer`'s buckets (`ZeroLayout`) and count as the
+    partition of the weights (laid out as partitions, so the update
+    computes each device's only) with its partition of the optimizer
+    state, and the updated partitions are all-gathered: in the
+    `CoordinatedOptimizer`'s buckets (`ZeroLayout`), counted as the
     optimizer's communication.
 
     Args:
         update: the update of whole values.
-        runtime: the stage's `JaxRuntime` (a `data x model` mesh).
+        runtime: the stage's `JaxRuntime`.
         variables: the stage's trainable variables.
         zero_stage: 0 or 1.
-
-    Returns:
-        The update of the gradients' rows, one per replica
-        (`StagePrograms`), traced inside the stage's jitted update.
     """
     placement = runtime.placement
     adapter = runtime.data_adapter
@@ -379,13 +332,11 @@ def over_replicas(update, runtime, variables, zero_stage):
 class StageClock:
     """When each stage's programs ran on its devices.
 
-    Python issues a JAX pipeline's passes asynchronously, so when each one
-    ran is known on its devices only. Each training pass is stamped
-    (`stamped`) by two host callbacks in its program: one that its
-    computation waits for, once its inputs are there, and one once its
-    outputs are. A stage's programs run one after another on its devices,
-    in the order they were issued, so its stamps pair up with its actions
-    in the schedule's order (only the last step's are kept).
+    Python issues the passes asynchronously, so when each ran is known on
+    its devices only: each training pass is stamped (`stamped`) by a host
+    callback that its computation waits for, once its inputs are there,
+    and one once its outputs are. A stage's programs run in the order
+    they were issued, so its stamps pair up with its actions in order.
     """
 
     def __init__(self, num_stages, num_microbatches):
@@ -395,8 +346,7 @@ class StageClock:
         ]
 
     def stamped(self, function, stage):
-        """`function`, whose program stamps its start and end on `stage`'s
-        clock."""
+        """`function`, stamping its start and end on `stage`'s clock."""
 
         def stamped_function(*args):
             start = self._stamp(stage, args)
@@ -425,16 +375,12 @@ class StageClock:
             record, jax.ShapeDtypeStruct((), np.int32), *firsts
         )
 
-    def timeline(self, order):
-        """The `schedules.Timeline` of the last step whose actions were
-        `order`, once its programs have run."""
+    def times(self, order):
+        """The `(start, end)` of each action of the last step, whose
+        actions were `order`, once its programs have run."""
         jax.effects_barrier()
-        records = []
-        for stage, stamps in enumerate(self.stamps):
-            actions = [(kind, m) for s, kind, m in order if s == stage]
-            times = list(zip(*[iter(stamps)] * 2))
-            records.append([(*a, *t) for a, t in zip(actions, times)])
-        return schedules.recorded_timeline(records)
+        spans = [iter(zip(*[iter(stamps)] * 2)) for stamps in self.stamps]
+        return [next(spans[stage]) for stage, _, _ in order]
 
 
 PIPELINE_RUNTIME = JaxPipelineRuntime

@@ -1,23 +1,14 @@
-"""Where a JAX pipeline's variables live, and how they are read.
-
-Each stage's variables (and their optimizer slots) are placed on the
-stage's devices by the stage's `JaxRuntime`, split by its tensor
-parallelism and, with ZeRO-1, their slots partitioned over its replicas.
-A weight a later stage also uses (a tied embedding) lives on its owner's
-devices; the later stage borrows its placement and receives a copy each
-step. Sharded checkpoints read each variable from its owner.
-"""
+"""Where a JAX pipeline's variables live: each stage's `JaxRuntime` places
+the variables and slots its stage owns on its devices (with ZeRO-1 the
+slots partitioned over its replicas); a later stage that also uses a
+weight borrows its placement and receives a copy each step."""
 
 from keras_tp.runtime.jax.devices import to_jax_device
 
 
 class StageStorage:
     """Pipeline runtime mixin: each stage's variables on its runtime's
-    devices.
-
-    It reads the pipeline's `stage_runtimes`, `owners` (and its
-    `stage_of`, `shared_stages`), `devices` and `zero_stage`.
-    """
+    devices."""
 
     def place_variable(self, variable, axis):
         stage = self.stage_of[id(variable)]
@@ -42,7 +33,7 @@ class StageStorage:
 
     def place_variable_like(self, variable, reference, data_axis):
         """Places an optimizer slot on its reference's stage; with ZeRO-1
-        partitioned over the stage's replicas (`ReplicaGradients`)."""
+        partitioned over the stage's replicas."""
         stage = self.owners.adopt(variable, reference)
         placement = self.stage_runtimes[stage].placement
         partition_axis = (

@@ -1,13 +1,9 @@
 """The stage primitives of JAX pipelines: each stage's compiled passes.
 
 `StagePrograms` compiles each stage's passes for its devices; `JaxStages`
-serves them to the pipeline's executor (`keras_tp.pipeline.executor`) on
-one step's values. Python issues the passes in the schedule's order, and
-JAX's asynchronous dispatch lets the devices of different stages compute
-at the same time (an array sent to the next stage's devices is copied
-when it is ready). A micro-batch's residuals (the activations its
-backward pass needs) live from its forward pass to its backward pass, so
-a 1F1B order holds fewer of them than GPipe's.
+serves them to the executor on one step's values. Python issues them in
+the schedule's order, and JAX's asynchronous dispatch lets the devices of
+different stages compute at the same time.
 """
 
 import contextlib
@@ -32,14 +28,9 @@ DATA = PartitionSpec("data")
 
 
 def onto(tree, mesh, spec=None):
-    """The arrays of `tree` placed on `mesh`, split by `spec` or else each
-    keeping its split.
-
-    An activation split over the sending stage's `model` axis (a Column
-    layer's output) goes to the same split on the receiving stage: each
-    device sends its shard to its counterpart. Other arrays arrive whole
-    on every device of the stage.
-    """
+    """The arrays of `tree` placed on `mesh`, split by `spec` or else
+    as they are split (a Column layer's output goes shard to shard), or
+    whole on every device."""
 
     def put(array):
         sharding = getattr(array, "sharding", None)
@@ -107,28 +98,16 @@ def batch_size(tree):
 class StagePrograms:
     """Each stage's compiled passes: on whole arrays, or per device.
 
-    On whole arrays (`per_device=False`: stages without replicas, and
-    direct calls `tp(x)` on any batch) each pass is jitted on global
-    arrays, and the stage's split layers are `shard_map` regions.
-
-    Per device (`per_device=True`: stages with replicas) each pass runs
-    inside one `shard_map` over the stage's `data x model` mesh, as a
-    data-parallel step does (`keras_tp.runtime.jax.steps`). Replica `d`
-    (row `d` of every stage's mesh) trains on the `d`-th slice of each
-    batch, as a torch replica does: a micro-batch's arrays hold every
-    replica's slice, split over `data`. Values that cross between programs
-    (activations, their gradients, residuals) travel as one row per device
-    (`ROWS`), so no program needs to know how each is split; the gradients
-    leave with one row per replica (`"data"` on a new first axis), summed
-    over the micro-batches on their devices without communication, and
-    the replicas combine them once per step in the stage's update.
-
-    Both are built by the same code: on whole arrays the rows and the
-    `shard_map` are the identity. Residuals that are a pass's own inputs
-    (the weights, the incoming activations) are not copied out: the
-    backward pass takes those inputs again and puts them back in place.
-    A stage differentiates its float inputs only (an integer padding mask
-    passes through without a gradient).
+    On whole arrays (stages without replicas, direct calls `tp(x)`) each
+    pass is jitted on global arrays, its split layers `shard_map` regions.
+    Per device (stages with replicas) each pass runs inside one
+    `shard_map` over the stage's `data x model` mesh: replica `d` trains
+    on the `d`-th slice of each micro-batch, values that cross between
+    programs travel as one row per device (`ROWS`), and the gradients
+    leave with one row per replica, which the stage's update combines.
+    On whole arrays the rows and the `shard_map` are the identity.
+    Residuals that are a pass's own inputs (weights, activations
+    received) are not copied out: the backward pass takes them again.
 
     Args:
         pipeline: the `JaxPipelineRuntime` (its stage models, their
@@ -242,19 +221,18 @@ class StagePrograms:
 
     @contextlib.contextmanager
     def _traced(self, stage):
-        """Marks the tracing of `stage`'s program (a layer that several
-        stages call runs its split part on this stage's devices); per
-        device, its variables report their local shapes and its regions
+        """Marks the tracing of `stage`'s program (see `calling_stage`);
+        per device, its variables have their local shapes and its regions
         run on local values."""
         token = TRACING_STAGE.set(stage)
         runtime = self.runtimes[stage]
         placement = runtime.placement
-        variables = self.stage_models[stage].variables
-        placed = [v for v in variables if placement.is_placed(v)]
         try:
             if not self.per_device:
                 yield
                 return
+            variables = self.stage_models[stage].variables
+            placed = [v for v in variables if placement.is_placed(v)]
             shapes = local_shapes(placed, placement.local_shape)
             with shapes, runtime.tracing_per_rank():
                 yield

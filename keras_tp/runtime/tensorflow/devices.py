@@ -313,7 +313,8 @@ class ReplicaDevices:
         return self._traced(run)(*args)
 
     @staticmethod
-    def _replica_id():
+    def replica_id():
+        """The index of the replica running now, in a replica step."""
         replica_id = (
             tf.distribute.get_replica_context().replica_id_in_sync_group
         )

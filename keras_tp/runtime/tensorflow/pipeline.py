@@ -1,21 +1,11 @@
 """Pipelines on TensorFlow: every stage a `tf.distribute` runtime of its own.
 
-`TensorFlowPipelineRuntime` runs `TensorParallelKeras(world_size=W,
-pipeline_parallel=P, data_parallel=D)`: every stage is a
-`TensorFlowRuntime` over the stage's `D x T` devices (`T = W / (P x D)`,
-its `data x model` mesh). That runtime stores the stage's variables (split
-by tensor parallelism where `T > 1`), runs its split layers with the
-collectives of its `model` axis, and updates the stage with an optimizer
-of its own: a copy of the compiled one which, with replicas, a
-`CoordinatedOptimizer` wraps to average the gradients over the stage's
-`data` axis (and, with ZeRO-1, to partition the optimizer state there),
-as every backend's pipeline replicas do. The schedule runs as replica
-steps of the stages (`keras_tp.runtime.tensorflow.stages`), through the
-pipeline's one executor. A weight a later stage also uses (a tied
-embedding) is owned by the first stage that uses it; the later stage
-keeps a copy of its pieces on its own replicas, refreshed once a step,
-and its gradients join the owner's before the update
-(`keras_tp.runtime.tensorflow.stage_storage`).
+Stage `s` runs on a `TensorFlowRuntime` over its `D x T` devices (its
+`data x model` mesh), which stores its variables, runs its split layers
+and updates them with a copy of the compiled optimizer (wrapped, with
+replicas, by a `CoordinatedOptimizer` over the stage's `data` axis). The
+schedule runs as replica steps of the stages
+(`keras_tp.runtime.tensorflow.stages`) through the one executor.
 """
 
 import keras
@@ -39,28 +29,21 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
     """`PipelineRuntime` whose stages each run on a `TensorFlowRuntime`.
 
     Stage `s` of replica `d` runs on its `T` devices `stage_devices[s][d
-    * T : (d + 1) * T]`; the stage's runtime holds the `D x T` devices of
-    every replica. See the module docstring.
+    * T : (d + 1) * T]`. See the module docstring.
 
     Args: those of `PipelineRuntime`.
 
     Attributes:
         stage_runtimes: the `TensorFlowRuntime` of each stage.
-        stage_optimizers: each stage's optimizer, made from the compiled
-            one the first time the model trains (`build_optimizer`).
-        peak_activations: after a training step was traced, per stage, the
-            most micro-batches whose activations it held at once.
+        stage_optimizers: each stage's `_StageTrainer`, made the first
+            time the model trains (`build_optimizer`).
         last_num_microbatches: the micro-batch count of the last traced
             step, or `None` before any.
     """
 
     backend = "tensorflow"
-    # Each replica runs the code between the split layers on its own
-    # values, so `auto_plan` checks the plan for that.
+    # Each replica runs the code between the split layers on its own values.
     local_ranks = True
-    # A weight several stages use is owned by the first; the later ones
-    # keep a copy, refreshed once a step (`StageStorage.refresh_copies`).
-    shares_weights = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -72,15 +55,11 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         # The compiled optimizer the stage optimizers were made from.
         self._optimizers_of = None
         # By `(stage, id(variable))`, `(variable, copy)`: a later stage's
-        # copy of a weight an earlier stage owns (a tied embedding),
-        # stored on its replicas.
+        # copy of a weight an earlier stage owns, on its replicas.
         self._copies = {}
-        # The stage primitives per micro-batch count: a batch of another
-        # size may take another count.
+        # The stage primitives per micro-batch count, and the last step's.
         self._stages = {}
-        # Those of the last training step.
         self._trained = None
-        self.peak_activations = []
         self.last_num_microbatches = None
 
     def _available_devices(self):
@@ -93,8 +72,8 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         return tf_devices.local_devices()
 
     def _stages_of(self, x):
-        """The stage primitives for the batch `x`: the size of each
-        replica's slice picks the micro-batch count."""
+        """The stage primitives for the batch `x`, whose replica slices'
+        size picks the micro-batch count."""
         batch = traced_batch_size(x)
         if batch is None:
             raise ValueError(
@@ -109,29 +88,12 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         self.check_batch_size(batch)
         count = self.microbatches(batch // self.data_parallel)
         if count not in self._stages:
-            self._stages[count] = TensorFlowStages(
-                self.stage_models,
-                self.stage_runtimes,
-                self._loss,
-                self.schedule,
-                count,
-                self.stats,
-                self.reading_copies if self._copies else None,
-            )
+            self._stages[count] = TensorFlowStages(self, count)
         self.last_num_microbatches = count
         return self._stages[count]
 
-    def _loss(self, y_true, y_pred):
-        # Read when a step is traced: `predict` needs no compiled loss,
-        # and a model compiled again uses its new loss.
-        return self.loss_function()(y_true, y_pred)
-
-    def measured_timeline(self):
-        """The last training step's `schedules.Timeline` (see
-        `TensorFlowStages.measured_timeline`), `None` before the first."""
-        if self._trained is None:
-            return None
-        return self._trained.measured_timeline()
+    def action_times(self):
+        return self._trained.step_times.numpy()
 
     def calling_stage(self):
         """The stage whose replicas run now, or `None`."""
@@ -139,16 +101,15 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             (
                 s
                 for s, runtime in enumerate(self.stage_runtimes)
-                if runtime._in_replica()
+                if runtime.holds_local_values()
             ),
             None,
         )
 
     def check_compiled(self, trainer):
         super().check_compiled(trainer)
-        # Each stage updates its variables with a copy of this optimizer
-        # (`build_optimizer`): built on no variable, it keeps the step
-        # count and holds no slot.
+        # Built on no variable, the compiled optimizer keeps the step count
+        # that each stage's copy takes (`build_optimizer`).
         if not trainer.optimizer.built:
             trainer.optimizer.build([])
 
@@ -159,8 +120,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         optimizer = trainer.optimizer
         if self._optimizers_of is optimizer:
             return
-        # The first step may make them while Keras traces it: they are
-        # made eagerly, to outlive the trace.
+        # Made eagerly, to outlive the trace of the first step.
         with tf.init_scope():
             if not optimizer.built:
                 optimizer.build([])
@@ -188,61 +148,41 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
 
     def _traced(self, step, phase, *args, **kwargs):
         """`step(*args)`, counted in `phase`. The collective groups of a
-        stage's `data` axis run in graphs only: an eager step
-        (`run_eagerly=True`, a direct call) is traced anew."""
+        stage's `data` axis run in graphs only: an eager step is traced."""
         if tf.executing_eagerly():
             step = tf.function(step)
         with self.stats.recording(phase):
             return step(*args, **kwargs)
 
     def train_step(self, data):
-        """Keras' train step: the schedule over the stages' replicas, then
-        each stage's update on its replicas."""
-        x, y = self._batch(data)
+        x, y = self.unpacked(data)
         self.build_optimizer(self.trainer)
         stages = self._stages_of(x)
         self.refresh_copies()
         loss, y_pred = stages.step(x, y)
-        self._trained = stages
-        self.peak_activations = list(stages.peak_activations)
-        addends = self._owned_gradients(stages.gradients)
+        self._trained, self.trained_order = stages, stages.order
+        owned = self._owned_gradients(stages.gradients)
         for stage in range(self.pipeline_parallel):
-            self._update(stage, addends)
+            self._update(stage, owned)
         self.trainer.optimizer.iterations.assign_add(1)
         return self._logs(x, y, loss, y_pred)
 
     def test_step(self, data):
-        """Keras' test step: each replica's stages' forward passes of its
-        slice, then the loss and the metrics of the whole batch."""
-        x, y = self._batch(data)
+        x, y = self.unpacked(data)
         y_pred = self._forward(x)
-        return self._logs(x, y, self._loss(y, y_pred), y_pred)
+        return self._logs(x, y, self.loss_function()(y, y_pred), y_pred)
 
     def predict_step(self, data):
-        """Keras' predict step: each replica's stages' forward passes of
-        its slice; the model's outputs of the batch, in its order."""
         return self._forward(keras.utils.unpack_x_y_sample_weight(data)[0])
 
-    def _batch(self, data):
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        self.check_no_sample_weight(sample_weight)
-        return x, y
-
     def _logs(self, x, y, loss, y_pred):
-        """The metrics' logs, as Keras' steps return them."""
         update_loss_tracker(self.trainer, loss, traced_batch_size(x))
         return self.trainer.compute_metrics(x, y, y_pred, None)
 
     def _owned_gradients(self, gradients):
-        """By `(stage, replica)`, per variable the stage owns, the
-        gradients to add up for its update: its own and, for a weight
-        later stages also use (a tied embedding), theirs, sent from their
-        replica `(d, t)` to the owner's (counted on `"pipe"`; see
-        `WeightOwners`).
-
-        Args:
-            gradients: `TensorFlowStages.gradients`.
-        """
+        """By replica, `WeightOwners.owned_gradients` of the replica's
+        `TensorFlowStages.gradients`: a shared weight's gradient goes from
+        replica `(d, t)` of a later stage to the owner's (counted)."""
 
         def moved(grad, stage, owner):
             self.stats.record("send", nbytes(grad), "backward", "pipe")
@@ -250,27 +190,18 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
 
         replicas = sorted({replica for _, replica in gradients})
         return {
-            (owner, replica): addends
-            for replica in replicas
-            for owner, addends in enumerate(
-                self.owners.gradient_addends(
-                    [
-                        gradients[stage, replica]
-                        for stage in range(self.pipeline_parallel)
-                    ],
-                    moved,
-                )
+            replica: self.owners.owned_gradients(
+                [gradients[s, replica] for s in range(self.pipeline_parallel)],
+                moved,
             )
+            for replica in replicas
         }
 
-    def _update(self, index, addends):
-        """Stage `index`'s update on each of its replicas, from the sums of
-        the replica's gradients (`_owned_gradients`), made there.
-
-        The stage's optimizer first takes the compiled one's step count
-        and learning rate: a callback (`ReduceLROnPlateau`) or a load sets
-        those of the compiled optimizer.
-        """
+    def _update(self, index, owned):
+        """Stage `index`'s update on each of its replicas, of the
+        replica's gradients (`_owned_gradients`), after taking the
+        compiled optimizer's step count and learning rate (which a
+        callback or a load sets)."""
         runtime = self.stage_runtimes[index]
         stage = self.stage_optimizers[index]
         compiled = self.trainer.optimizer
@@ -279,14 +210,13 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             optimizer = optimizer.inner_optimizer
 
         def update():
-            replica = runtime._replica_id()
             optimizer.iterations.assign(compiled.iterations)
             # A schedule computes the rate from the step count.
             if isinstance(compiled.learning_rate, keras.Variable):
                 optimizer.learning_rate.assign(compiled.learning_rate)
             runtime.apply_on_replica(
                 stage.optimizer,
-                [tf.add_n(grads) for grads in addends[index, replica]],
+                owned[runtime.replica_id()][index],
                 stage.trainable_variables,
                 stage,
             )
@@ -310,11 +240,9 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
 
 
 class _StageTrainer:
-    """What a stage's `TensorFlowRuntime` reads of the model it trains
-    (`prepare_optimizer`, the local shapes of a replica, the statistics
-    averaged over `data`): the stage's model and variables, its own
-    optimizer, and the trainable variables it owns (`owned`), which that
-    optimizer updates."""
+    """What a stage's `TensorFlowRuntime` reads of the model it trains: the
+    stage's model and variables, its own optimizer, and the trainable
+    variables it owns, which that optimizer updates."""
 
     def __init__(self, model, optimizer, owned):
         self.model = model

@@ -1,12 +1,10 @@
 """Where a TensorFlow pipeline's variables live, and how they are read.
 
-Each stage's variables (and their optimizer slots) are stored by the
-stage's `TensorFlowRuntime`, on the stage's replicas. A weight a later
-stage also uses (a tied embedding) is owned by the first stage that uses
-it; the later stage keeps a copy of its pieces on its own replicas,
-refreshed from its counterparts once a step (`refresh_copies`), and its
-replica steps read that copy (`reading_copies`). Full values, sharded
-checkpoints and `save()` read each variable from its owner.
+Each stage's `TensorFlowRuntime` stores the variables (and slots) the
+stage owns on its replicas. A later stage that also uses a weight (a
+tied embedding) keeps a copy of its pieces on its own replicas,
+refreshed once a step (`refresh_copies`), which its replica steps read
+(`reading_copies`). Everything else reads each variable from its owner.
 """
 
 import contextlib
@@ -25,11 +23,7 @@ from keras_tp.tensors import nbytes
 
 class StageStorage:
     """Pipeline runtime mixin: each stage's variables on its runtime, a
-    shared weight's copies on the later stages that use it.
-
-    It reads the pipeline's `stage_runtimes`, `stage_models`, `owners`
-    and `_copies`.
-    """
+    shared weight's copies on the later stages that use it (`_copies`)."""
 
     def place_variable(self, variable, axis):
         """Places `variable` on its owner's replicas; the later stages
@@ -41,7 +35,7 @@ class StageStorage:
                 runtime.placement.borrow(variable, axis)
                 copy = runtime.storage_copy(variable, axis)
                 self._copies[stage, id(variable)] = (variable, copy)
-        self._owner(variable).placement.place(variable, axis)
+        self._runtime_of(variable).placement.place(variable, axis)
 
     @contextlib.contextmanager
     def reading_copies(self, stage):
@@ -70,7 +64,7 @@ class StageStorage:
             runtime = self.stage_runtimes[stage]
 
             def refresh(copy=copy, owned=owned, runtime=runtime):
-                copy.assign(owned[runtime._replica_id()].read_value())
+                copy.assign(owned[runtime.replica_id()].read_value())
                 # `strategy.run` needs a result to return.
                 return tf.zeros(())
 
@@ -80,17 +74,17 @@ class StageStorage:
 
     def place_variable_like(self, variable, reference, data_axis):
         self.owners.adopt(variable, reference)
-        self._owner(variable).placement.place_like(
+        self._runtime_of(variable).placement.place_like(
             variable, reference, data_axis
         )
 
     def full_value(self, variable):
-        return self._owner(variable).full_value(variable)
+        return self._runtime_of(variable).full_value(variable)
 
     def assign_full_value(self, variable, value):
-        self._owner(variable).assign_full_value(variable, value)
+        self._runtime_of(variable).assign_full_value(variable, value)
 
-    def _storing_runtime(self, variable):
+    def _runtime_of(self, variable):
         """The stage runtime that stores `variable` (a model variable, or
         a slot of a stage's optimizer); `None` for the compiled
         optimizer's own variables, whole on the host."""
@@ -105,7 +99,7 @@ class StageStorage:
     def local_pieces(self, variable):
         """The pieces of `variable` its stage's replicas hold, each in
         the file of its stage and replica."""
-        runtime = self._storing_runtime(variable)
+        runtime = self._runtime_of(variable)
         if runtime is None:
             # The compiled optimizer's own: with the first replica's.
             whole = tuple((0, int(n)) for n in variable.shape)
@@ -120,7 +114,7 @@ class StageStorage:
     def assign_local_pieces(self, variable, read):
         """Assigns the pieces of `variable` its stage's replicas hold (a
         shared weight's copies follow at the next step)."""
-        runtime = self._storing_runtime(variable)
+        runtime = self._runtime_of(variable)
         if runtime is None:
             variable.assign(read(tuple((0, int(n)) for n in variable.shape)))
         else:
@@ -136,29 +130,20 @@ class StageStorage:
                     for v in model.variables
                     if self.stage_of.get(id(v)) == stage
                 ]
-                assembled.enter_context(runtime._assembled(owned))
+                assembled.enter_context(runtime.assembled(owned))
             model.save(filepath, **kwargs)
 
     def checkpoint_optimizer_state(self, optimizer):
         """`[(key, variable)]` of the optimizer state, keyed as one
-        device's optimizer keys it (`optimizer/i`), so that a checkpoint
-        loads at any layout: the compiled optimizer's own variables (its
-        step count and learning rate, which every stage's optimizer takes
-        each step), then each trainable variable's slots, from the stage
-        that owns it, in the model's order of the trainable variables.
-
-        Raises:
-            ValueError: for an optimizer that does not make each variable's
-                slots one after the other (`stage_slots`).
-        """
+        device's optimizer keys it (`one_device_keys`): the compiled
+        optimizer's own variables, which every stage's takes each step,
+        then each trainable variable's slots, from its owner's."""
         self.build_optimizer(self.trainer)
         slots = {}
         for stage, runtime in zip(self.stage_optimizers, self.stage_runtimes):
             inner = stage.optimizer
             if isinstance(inner, CoordinatedOptimizer):
-                # The pipeline's CoordinatedOptimizers keep no state of
-                # their own: the step count and the learning rate are the
-                # inner optimizer's.
+                # Which keeps no state of its own here.
                 inner = inner.inner_optimizer
             slots.update(stage_slots(inner, runtime.placement.references))
         trainable = self.trainer.trainable_variables
@@ -183,6 +168,3 @@ class StageStorage:
             for piece in copy.values if key in wanted else ():
                 totals[device_name(piece.device)] += nbytes(piece)
         return totals
-
-    def _owner(self, variable):
-        return self.stage_runtimes[self.stage_of[id(variable)]]

@@ -1,20 +1,13 @@
 """The stage primitives of TensorFlow pipelines: replica steps of stages.
 
-Every stage of a pipeline is a `TensorFlowRuntime` of its own, a
-`tf.distribute` strategy over the stage's `D x T` devices (its `data x
-model` mesh; one device where neither splits it). `TensorFlowStages`
-runs each action of a schedule as one `strategy.run` of its stage, in
-one traced step: replica `(d, t)` of a stage receives its inputs from
-replica `(d, t)` of the previous stage (its copy of an activation, or its
-shard of one a split layer leaves split), as Megatron-LM's stages do, and
-sends back their gradients. A forward pass records a `GradientTape` per
-replica, which the matching backward pass asks for the stage's gradients
-and for those of the tensors it received. Control dependencies chain
-each stage's actions in the schedule's order, so a stage runs one
-micro-batch at a time and a 1F1B order bounds the activations it holds;
-TensorFlow's executor runs the actions of different stages at the same
-time where the data allows. Under sequence parallelism each stage
-gathers its outputs' sequence shards at its end.
+`TensorFlowStages` runs each action of a schedule as one `strategy.run`
+of its stage's `TensorFlowRuntime`, in one traced step: replica `(d, t)`
+of a stage receives its inputs from replica `(d, t)` of the previous one
+(its copy of an activation, or its shard of a split one) and sends back
+their gradients. A forward pass records a `GradientTape` per replica,
+which the matching backward pass asks for the gradients. Control
+dependencies chain each stage's actions in the schedule's order, so a
+1F1B order bounds the activations a stage holds.
 """
 
 import contextlib
@@ -30,62 +23,38 @@ from keras_tp.tensors import nbytes
 
 class TensorFlowStages(StagePrimitives):
     """The stage primitives of a pipeline whose stages each run on the
-    replicas of a `TensorFlowRuntime`.
+    replicas of a `TensorFlowRuntime`, issued inside a `tf.function`.
 
-    Its steps are plain Python that issues TensorFlow operations: call
-    them inside a `tf.function` (Keras' traced step), where they are
-    traced once. Every value that crosses a cut is a list with one
-    structure per replica of the stage, in replica order (`d * T + t`); so
-    are the losses and outputs of the last stage. Each action is issued
-    after its stage's previous action and timed on the stage's first
-    device (`_issued`).
+    Every value that crosses a cut is a list with one structure per
+    replica of the stage, in replica order (`d * T + t`); so are the
+    losses and outputs of the last stage.
 
     Args:
-        stage_models: the Keras model of each stage.
-        runtimes: the `TensorFlowRuntime` of each stage's devices.
-        loss: the last stage's loss of `(y_true, y_pred)`, a mean.
-        schedule: `"gpipe"` or `"1f1b"`.
+        pipeline: the `TensorFlowPipelineRuntime`: its stage models and
+            runtimes, schedule, loss, `stats` and `reading_copies`.
         num_microbatches: micro-batches per batch.
-        stats: where what the stages send each other counts (`"pipe"`).
-        reading_copies: a function of a stage's index returning the
-            context in which its replicas read their copies of the weights
-            it shares with an earlier stage; `None`: no stage shares any.
 
     Attributes:
         order: the schedule's actions in the order they are issued.
-        peak_activations: after a training step was traced, per stage, the
-            most micro-batches whose activations it held at once.
         gradients: after a training step was traced, by `(stage,
             replica)`, the replica's gradients of the stage's trainable
             variables, summed over the micro-batches (`_accumulate`).
-        times: after a training step was traced, the start and end
-            timestamps of each action, in `order` (see `_issued`), which
-            the step writes to `step_times` as it runs.
+        step_times: the start and end of each action of the last step,
+            in `order`, as it ran (see `_issued`).
     """
 
-    def __init__(
-        self,
-        stage_models,
-        runtimes,
-        loss,
-        schedule,
-        num_microbatches,
-        stats,
-        reading_copies=None,
-    ):
-        self.stage_models = list(stage_models)
-        self.num_stages = len(stage_models)
-        self.runtimes = runtimes
-        self.loss = loss
+    def __init__(self, pipeline, num_microbatches):
+        self.pipeline = pipeline
+        self.stage_models = pipeline.stage_models
+        self.num_stages = len(self.stage_models)
+        self.runtimes = pipeline.stage_runtimes
         self.num_microbatches = num_microbatches
-        self.stats = stats
-        self.reading_copies = reading_copies
-        self.tensor_parallel = runtimes[0].tensor_parallel
-        self.data_parallel = runtimes[0].data_parallel
+        self.stats = pipeline.stats
+        self.tensor_parallel = pipeline.tensor_parallel
+        self.data_parallel = pipeline.data_parallel
         self.order = schedules.issue_order(
-            schedule, self.num_stages, num_microbatches
+            pipeline.schedule, self.num_stages, num_microbatches
         )
-        self.peak_activations = []
         self._training = False
         # Made eagerly, to outlive the trace of the first step.
         with tf.init_scope():
@@ -100,17 +69,7 @@ class TensorFlowStages(StagePrimitives):
         self._previous = [[] for _ in self.stage_models]
         result = run_schedule(self, self.order, x, y)
         self.step_times.assign(tf.stack([tf.stack(t) for t in self.times]))
-        self.peak_activations = schedules.peak_activations(self.order)
         return result
-
-    def measured_timeline(self):
-        """The `schedules.Timeline` of the last training step, as it ran."""
-        records = [[] for _ in range(self.num_stages)]
-        for (stage, kind, m), (start, end) in zip(
-            self.order, self.step_times.numpy()
-        ):
-            records[stage].append((kind, m, float(start), float(end)))
-        return schedules.recorded_timeline(records)
 
     def predict(self, x, training=False):
         """The last stage's outputs of the batch `x`, one micro-batch
@@ -131,7 +90,7 @@ class TensorFlowStages(StagePrimitives):
             started = self.times[-1][0]
 
             def forward():
-                replica = runtime._replica_id()
+                replica = runtime.replica_id()
                 with tf.control_dependencies([started]):
                     received = tf.nest.map_structure(
                         tf.identity, inputs[replica]
@@ -160,7 +119,7 @@ class TensorFlowStages(StagePrimitives):
                 cotangent = self._loss_cotangents.pop(m)
 
             def backward():
-                replica = runtime._replica_id()
+                replica = runtime.replica_id()
                 tape, inputs, outputs = self._tapes.pop((stage, m, replica))
                 sources = floating(inputs) if stage else []
                 with tf.control_dependencies([started]):
@@ -195,7 +154,7 @@ class TensorFlowStages(StagePrimitives):
         return self._replica_results(
             stage,
             lambda: self._call(
-                stage, inputs[runtime._replica_id()], self._training
+                stage, inputs[runtime.replica_id()], self._training
             ),
         )
 
@@ -225,10 +184,7 @@ class TensorFlowStages(StagePrimitives):
     def _replica_results(self, stage, fn):
         """`fn` run on each replica of `stage`, which reads its copies of
         the weights it shares with an earlier stage."""
-        reading = contextlib.nullcontext()
-        if self.reading_copies:
-            reading = self.reading_copies(stage)
-        with reading:
+        with self.pipeline.reading_copies(stage):
             return self.runtimes[stage].replica_results(
                 fn, self.stage_models[stage]
             )
@@ -266,7 +222,10 @@ class TensorFlowStages(StagePrimitives):
             predicted = floating(outputs[first])
             with tf.GradientTape() as tape:
                 tape.watch(predicted)
-                loss = self.loss(target[first], outputs[first])
+                # Read when traced: a model compiled again uses its new loss.
+                loss = self.pipeline.loss_function()(
+                    target[first], outputs[first]
+                )
                 loss = loss / self.num_microbatches
             losses.append(loss)
             cotangents.append(
@@ -283,12 +242,8 @@ class TensorFlowStages(StagePrimitives):
 
     def _accumulate(self, key, variables, grads):
         """Adds a micro-batch's gradients of `variables` (the first of
-        `grads`) to `gradients[key]`, dense.
-
-        A stage may hold a weight it does not read: a layer called in
-        several stages (keras-hub's ReversibleEmbedding with untied logits)
-        has all its weights in each; its gradient is zero.
-        """
+        `grads`) to `gradients[key]`, dense; zero for a weight the stage
+        holds but does not read (a layer several stages call)."""
         dense = [
             tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
             for v, g in zip(variables, grads)
@@ -300,19 +255,15 @@ class TensorFlowStages(StagePrimitives):
 
     @contextlib.contextmanager
     def _issued(self, stage, kind, m, inputs):
-        """Issues the action `(stage, kind, m)` on its stage's first
-        device, after the stage's previous action, and times it there;
-        the caller adds the tensors the action ends with to the list it
-        is given.
+        """Issues the action `(stage, kind, m)` after its stage's previous
+        one and times it on the stage's first device; the caller adds the
+        tensors the action ends with to the list it is given.
 
-        The start is a `tf.timestamp` that runs once the action's inputs,
-        the end of the action that sent them and the stage's previous
-        action are done; the action's operations wait for it (each
-        replica's work explicitly, from `times[-1][0]`: replicas run in
-        threads of their own, which the control dependencies of the
-        issuing thread do not reach). The end is a timestamp after the
-        tensors it ends with. So the times are the executor's, as the step
-        runs, not the trace's.
+        The start is a `tf.timestamp` run once the action's inputs, the
+        action that sent them and the stage's previous action are done;
+        the action's operations wait for it (each replica's explicitly,
+        from `times[-1][0]`: replicas run in threads of their own). The
+        end is a timestamp after the tensors it ends with.
         """
         sender = stage - 1 if kind == schedules.FORWARD else stage + 1
         sent = self._ends.get((sender, kind, m))

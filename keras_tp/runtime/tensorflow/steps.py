@@ -118,7 +118,7 @@ class ReplicaSteps:
                 return self.whole_outputs(model(x, training=training))
 
         def forward(x):
-            replica = self._replica_id()
+            replica = self.replica_id()
             local_x = self._row_slice(x, replica // self.tensor_parallel)
             if tapes is None:
                 return call(local_x)
@@ -226,7 +226,7 @@ class ReplicaSteps:
         ]
 
         def backward_and_update(row_gradients):
-            replica = self._replica_id()
+            replica = self.replica_id()
             tape, local_y_pred = tapes.pop(replica)
             variables = model.trainable_variables
             gradients = tape.gradient(

@@ -165,14 +165,14 @@ class ReplicaStorage:
     def _write_unsplit(self, model, variables, write):
         """Writes with every variable assembled on the host; on several
         workers only the chief writes."""
-        with self._assembled(variables):
+        with self.assembled(variables):
             if self._is_chief():
                 write()
             else:
                 logger.info("Worker is not the chief: nothing written.")
 
     @contextlib.contextmanager
-    def _assembled(self, variables):
+    def assembled(self, variables):
         """Gives each placed variable a plain, full storage on the host."""
         storages = {}
         try:

@@ -1,11 +1,6 @@
-"""Pipelines on torch: a rank's stage, its storage and its steps.
-
-Each rank runs its tensor-parallel shard of one stage of one replica
-(`TorchPipelineRuntime`), through the stage primitives of
-`keras_tp.runtime.torch.stages` (`torch.distributed.pipelining` running
-keras_tp's schedules), and stores its variables
-(`keras_tp.runtime.torch.stage_storage`).
-"""
+"""Pipelines on torch: each rank runs its shard of one stage of one
+replica, through `keras_tp.runtime.torch.stages`, and stores its
+variables (`keras_tp.runtime.torch.stage_storage`)."""
 
 import itertools
 
@@ -33,17 +28,10 @@ from keras_tp.tensors import nbytes
 
 
 class TorchStageRuntime(TorchRuntime):
-    """The tensor-parallel runtime of this rank's pipeline stage.
-
-    A `TorchRuntime` on the ranks of one stage, a `data x model` mesh of
-    its own inside the pipeline's `data x pipe x model` one: its `model`
-    axis is this rank's tensor-parallel group `{(d, p, t')}` and its
-    `data` axis the stage's replicas `{(d', p, t)}` (`groups`: those and
-    both, see `TorchRuntime._axis_groups`). It places the stage's
-    variables (this rank's shards), runs the stage's split layers over
-    its group, and gathers their full values; the pipeline runs the
-    steps.
-    """
+    """The `TorchRuntime` of this rank's stage: a `data x model` mesh
+    inside the pipeline's `data x pipe x model` one, over the process
+    `groups` of its `model` axis `{(d, p, t')}`, its `data` axis
+    `{(d', p, t)}` and both (see `TorchRuntime._axis_groups`)."""
 
     def __init__(self, config, groups):
         self._groups = groups
@@ -58,28 +46,17 @@ class TorchStageRuntime(TorchRuntime):
 class TorchPipelineRuntime(StageStorage, PipelineRuntime):
     """Runs Keras' torch steps as pipelines, one stage shard per rank.
 
-    `TensorParallelKeras(model, pipeline_parallel=P, data_parallel=D,
-    world_size=D * P * T)`: D replicas of the pipeline, each training on
-    its slice of every batch. The ranks form a `data x pipe x model` mesh,
-    row-major: rank `d * P * T + p * T + t` runs the `t`-th
-    tensor-parallel shard of stage `p` of replica `d`. Every rank builds
-    the whole model (same seed), then keeps its own stage only, split by
-    the model's plan over the stage's `T` ranks (`TorchStageRuntime`);
-    the other stages' variables become "meta" tensors, which keep their
-    shapes (Keras' symbolic builds read them) and hold no memory. A
-    training step runs this rank's part of its replica's schedule
-    (`TorchPipeline`) on the replica's slice of the batch, exchanging
-    activations and their gradients (its own copy, or its shard of a split
-    one, as Megatron-LM without its scatter-gather) with its counterparts
-    `(d, p +/- 1, t)`; then it updates its own shard: with replicas, a
-    `CoordinatedOptimizer` bound to the stage's runtime averages the
-    gradients over them first (DDP's all-reduce, or ZeRO-1's
-    reduce-scatter, update of this rank's partition and all-gather). The
-    last stage of each replica, which has the loss and the outputs (whole
-    on each of its ranks), updates the metrics; their updates are summed
-    over the replicas, and the metric variables, and the outputs of a
-    prediction, are then broadcast from it, so every rank logs and
-    returns the same numbers.
+    The ranks form a `data x pipe x model` mesh, row-major: rank `d * P *
+    T + p * T + t` runs the `t`-th tensor-parallel shard of stage `p` of
+    replica `d`, which trains on the `d`-th slice of every batch. Every
+    rank builds the whole model, then keeps its own stage only; the other
+    stages' variables become "meta" tensors, shaped but without memory. A
+    training step runs this rank's part of the schedule (`TorchPipeline`),
+    exchanging activations and their gradients with ranks `(d, p +/- 1,
+    t)`, then updates its shard (with replicas, through a
+    `CoordinatedOptimizer` over the stage's `data` axis). The last stage
+    of each replica updates the metrics, summed over the replicas, and
+    broadcasts them, and a prediction's outputs, to every rank.
 
     Attributes:
         timeline: this rank's `(kind, micro_batch, start, end)` spans of
@@ -89,9 +66,6 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
     backend = "torch"
     # Each rank runs the code between split layers on its own tensors.
     local_ranks = True
-    # Each stage that uses a weight holds a copy; their gradients are
-    # summed over those stages (`_sum_shared_gradients`).
-    shares_weights = True
 
     def __init__(self, model, config):
         needed = config.requested_world_size
@@ -112,8 +86,6 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
                 f"{needed}) or torchrun --nproc-per-node {needed}) or pass "
                 f"world_size={ranks}."
             )
-        # This rank's number and torch device, as tensor parallelism
-        # names them.
         self.rank = dist.get_rank()
         self.device = this_device()
         super().__init__(model, config)
@@ -129,20 +101,14 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
         model_group, self.pipe_group, data_group, stage_group = mesh_groups(
             shape, "model", "pipe", "data", ("data", "model")
         )
-        self.stage_runtime = TorchStageRuntime(
-            self.config.stage_config(self.stage_devices[self.stage_index]),
-            (model_group, data_group, stage_group),
+        self.stage_runtime = self.counted(
+            TorchStageRuntime(
+                self.config.stage_config(self.stage_devices[self.stage_index]),
+                (model_group, data_group, stage_group),
+            )
         )
-        for adapter in (
-            self.stage_runtime.adapter,
-            self.stage_runtime.data_adapter,
-            self.stage_runtime.world_adapter,
-        ):
-            adapter.stats = self.stats
         # Every stage's split layers run with this rank's stage runtime:
-        # the rank computes its own stage only, and runs the others in
-        # Keras' symbolic builds alone, on "meta" tensors, where no
-        # collective runs and the shapes are those of its model rank.
+        # the others run only in Keras' symbolic builds, on "meta" tensors.
         self.stage_runtimes = [self.stage_runtime] * pipeline_parallel
         self.stage_model = self.stage_models[self.stage_index]
         self._shared_adapters = self._shared_weight_adapters()
@@ -155,24 +121,17 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
             self.stage_runtime.data_adapter if data_parallel > 1 else None
         )
         self.timeline = []
-        # One `TorchPipeline` per micro-batch count and input shapes: a
-        # torch stage fixes the shapes it sends and receives on its first
-        # run.
+        # `TorchPipeline`s by micro-batch count and input shapes, which a
+        # torch stage fixes on its first run.
         self._pipelines = {}
 
     def _shared_weight_adapters(self):
-        """`{id(variable): adapter}` over the ranks whose stages hold a
-        copy of a shared weight (a tied embedding), for this rank's
-        stage's shared weights.
-
-        Every rank creates every group, in the same order, as
-        `torch.distributed.new_group` requires: one per set of stages
-        sharing weights, replica and tensor-parallel rank. The copies'
-        shards match, for every stage splits them alike.
-        """
+        """`{stages: adapter}` over this rank's counterparts in the stages
+        that share weights (`WeightOwners.shared_groups`). Every rank
+        creates every group, in one order, as `dist.new_group` requires."""
         adapters = {}
         for stages, d, t in itertools.product(
-            sorted(set(map(tuple, self.shared_stages.values()))),
+            self.owners.shared_groups(),
             range(self.data_parallel),
             range(self.tensor_parallel),
         ):
@@ -181,14 +140,7 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
             if self.rank in ranks:
                 adapters[stages] = TorchCollectiveAdapter(group, "pipe")
                 adapters[stages].stats = self.stats
-        # In the model's order, the same on every rank: each group's
-        # ranks must all-reduce its weights in one order.
-        return {
-            id(variable): adapters[tuple(stages)]
-            for variable in self.split.model.trainable_variables
-            if self.stage_index
-            in (stages := self.shared_stages.get(id(variable), ()))
-        }
+        return adapters
 
     def _available_devices(self):
         return rank_devices()
@@ -220,17 +172,13 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
     @property
     def peak_activations(self):
         """The most micro-batches whose activations this rank's stage held
-        at once in the last training step (each rank measures its own)."""
-        in_flight = peak = 0
-        for kind, *_ in self.timeline:
-            in_flight += 1 if kind == "forward" else -1
-            peak = max(peak, in_flight)
-        return peak
+        at once in the last training step."""
+        actions = [schedules.Action(0, k, m) for k, m, *_ in self.timeline]
+        return schedules.peak_activations([actions])[0]
 
     def measured_timeline(self):
-        """The last training step's `schedules.Timeline`: every stage's
-        spans, gathered from the ranks of this rank's pipeline (a
-        collective: every rank calls it)."""
+        """The last training step's `schedules.Timeline`, gathered from
+        the ranks of this rank's pipeline (a collective)."""
         records = [None] * self.pipeline_parallel
         dist.all_gather_object(records, self.timeline, group=self.pipe_group)
         if not all(records):
@@ -238,10 +186,9 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
         return schedules.recorded_timeline(records)
 
     def build_optimizer(self, trainer):
-        """Builds the optimizer's slots as one device does, in the same
-        order on every rank (a checkpoint names them by position): those
-        of other stages' variables are made on the meta device, without
-        memory (`place_variable_like`). A `CoordinatedOptimizer` over the
+        """Builds the optimizer's slots in one device's order on every
+        rank (a checkpoint names them by position), those of other stages'
+        variables on the meta device; a `CoordinatedOptimizer` over the
         stage's replicas builds this stage's slots only."""
         held = self.stage_model if self.optimizer_runtime else trainer
         trainer.optimizer.build(held.trainable_variables)
@@ -267,61 +214,52 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
             )
         return self._pipelines[key]
 
-    def _batch(self, data):
-        """`(x, y, sample_weight)` of this replica's slice of a global
-        batch, as torch tensors (`train_on_batch` passes NumPy arrays on);
-        a `ValueError` if it does not split evenly over the replicas."""
+    def _sliced(self, data):
+        """This replica's slice of a global batch, as torch tensors
+        (`train_on_batch` passes NumPy arrays on)."""
         data = keras.tree.map_structure(
             lambda t: t if t is None else keras.ops.convert_to_tensor(t), data
         )
         if self.data_adapter is not None:
             slice_of = self.stage_runtime.batch_slice
             data = keras.tree.map_structure(slice_of, data)
-        return keras.utils.unpack_x_y_sample_weight(data)
+        return data
 
     def train_step(self, data):
-        x, y, sample_weight = self._batch(data)
-        self.check_no_sample_weight(sample_weight)
+        x, y = self.unpacked(self._sliced(data))
         pipeline = self._pipeline(x)
         variables = self.stage_model.trainable_variables
         for variable in variables:
             variable.value.grad = None
         loss, y_pred = pipeline.step(x, y)
         self.timeline = pipeline.stage.timeline
-        self._sum_shared_gradients(variables)
-        # Each replica's gradients are the mean over its slice of the
-        # batch, and the slices are equal: the CoordinatedOptimizer's mean
-        # over the replicas is the whole batch's.
+        # Every copy of a shared weight takes the same update, the sum of
+        # the stages' gradients, and stays equal.
+        adapters = self._shared_adapters
+        with self.stats.labelled("optimizer"):
+            for variable, gradient in self.owners.summed_shared(
+                self.stage_index,
+                _gradient,
+                lambda grad, stages: adapters[stages].all_reduce(grad),
+            ):
+                variable.value.grad = gradient
+        # The replicas' slices are equal: the CoordinatedOptimizer's mean
+        # of their gradients is the whole batch's.
         with torch.no_grad():
             self.trainer.optimizer.apply(
                 [variable.value.grad for variable in variables], variables
             )
         return self._logs(pipeline, x, y, loss, y_pred)
 
-    def _sum_shared_gradients(self, variables):
-        """Sums each shared weight's gradients over the stages holding a
-        copy, as Megatron-LM all-reduces the word embeddings' gradients
-        between its first and last stages: every copy then takes the same
-        update and stays equal. (`WeightOwners.gradient_addends` needs
-        every stage's gradients in one process; a rank has its own.)"""
-        held = {id(variable): variable for variable in variables}
-        for key, adapter in self._shared_adapters.items():
-            parameter = held[key].value
-            gradient = parameter.grad
-            if gradient is None:
-                gradient = torch.zeros_like(parameter)
-            with self.stats.labelled("optimizer"):
-                parameter.grad = adapter.all_reduce(gradient)
-
     def test_step(self, data):
-        x, y, sample_weight = self._batch(data)
-        self.check_no_sample_weight(sample_weight)
+        x, y = self.unpacked(self._sliced(data))
         pipeline = self._pipeline(x)
         loss, y_pred = pipeline.forward(x, y)
         return self._logs(pipeline, x, y, loss, y_pred)
 
     def predict_step(self, data):
-        y_pred = self._last_stage_outputs(self._batch(data)[0])
+        x = keras.utils.unpack_x_y_sample_weight(self._sliced(data))[0]
+        y_pred = self._last_stage_outputs(x)
         if self.data_adapter is None:
             return y_pred
         # Every rank returns the whole batch's outputs: the replicas'
@@ -331,13 +269,9 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
         )
 
     def _logs(self, pipeline, x, y, loss, y_pred):
-        """The step's logs, alike on every rank.
-
-        The last stage of each replica adds its slice's loss and outputs to
-        the metrics, and the replicas' updates are summed over `data`;
-        every rank then takes its metric variables from its replica's last
-        stage.
-        """
+        """The step's logs, alike on every rank: the last stage of each
+        replica updates the metrics with its slice (the replicas' updates
+        summed over `data`) and broadcasts them to its replica's ranks."""
         trainer = self.trainer
         variables = trainer.metrics_variables
         if pipeline.is_last:
@@ -386,18 +320,22 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
 
     def call_model(self, model, inputs, training):
         """A direct call `tp(x)` runs the stages' forward passes on their
-        ranks, without gradients (train with `fit()`); every rank returns
-        the outputs.
-
-        Each replica runs the whole call, so that inputs of any size work.
-        A symbolic call (Keras building its metrics on "meta" tensors) runs
-        the stages as a graph, as on one device.
-        """
+        ranks, without gradients, each replica on all of `x`; every rank
+        returns the outputs. A symbolic call (Keras building its metrics)
+        runs the stages as a graph."""
         if is_symbolic(keras.tree.flatten(inputs)[0]):
             return super().call_model(model, inputs, training)
         inputs = keras.tree.map_structure(keras.ops.convert_to_tensor, inputs)
         with self.stats.recording("call"):
             return self._last_stage_outputs(inputs, bool(training))
+
+
+def _gradient(variable):
+    """The gradient of `variable`'s parameter, zeros where it has none."""
+    parameter = variable.value
+    if parameter.grad is None:
+        return torch.zeros_like(parameter)
+    return parameter.grad
 
 
 PIPELINE_RUNTIME = TorchPipelineRuntime

@@ -1,11 +1,10 @@
 """Where a torch pipeline's variables live, and how they are read.
 
-Each rank stores its shard of its own stage's variables (and their
-optimizer slots), through its stage's `TorchRuntime`; the other stages'
-variables are meta tensors here, shaped like their shards, without
-memory. A weight several stages use (a tied embedding) has a copy on
-every stage that uses it. Full values, `save()` and sharded checkpoints
-are assembled by each variable's stage in the first replica.
+Each rank stores its shard of its own stage's variables and slots (a
+weight several stages use, on each of them); the other stages' are meta
+tensors here, shaped like their shards, without memory. Full values,
+`save()` and sharded checkpoints are assembled by each variable's stage
+in the first replica.
 """
 
 import dataclasses
@@ -26,18 +25,7 @@ from keras_tp.runtime.torch.storage import write_on_rank_zero
 
 class StageStorage:
     """Pipeline runtime mixin: this rank's stage's variables on its
-    stage runtime, the other stages' on the meta device.
-
-    It reads the pipeline's `stage_runtime`, `stage_index`, `owners`,
-    `placement` and its mesh coordinates (`_rank_of`).
-    """
-
-    def _holds(self, variable):
-        """Whether this rank's stage uses (and so holds) `variable`."""
-        stages = self.shared_stages.get(
-            id(variable), [self.stage_of[id(variable)]]
-        )
-        return self.stage_index in stages
+    stage runtime, the other stages' on the meta device."""
 
     def full_shape(self, variable):
         """The unsplit shape of `variable`: as this rank's stage placed
@@ -66,18 +54,18 @@ class StageStorage:
         stage's, a shared weight's copy, the optimizer's own."""
         if isinstance(variable, SlotOfAnotherStage):
             return
-        if id(variable) not in self.stage_of or self._holds(variable):
+        if id(variable) not in self.stage_of or self.owners.holds(
+            self.stage_index, variable
+        ):
             self.stage_runtime.assign_local_pieces(variable, read)
 
     def checkpoint_optimizer_state(self, optimizer):
-        """With replicas, the state of this rank's `CoordinatedOptimizer`,
-        built on its stage's variables, keyed as one device's optimizer
-        keys its own (`one_device_keys`). Every rank lists every key, as
-        the checkpoint code expects: the ranks of a pipeline tell each
-        other their slots (a collective: every rank calls it), and the
-        slots of other stages stand as `SlotOfAnotherStage`s. Without
-        replicas the optimizer is built in one device's order
-        (`build_optimizer`), and keyed so."""
+        """With replicas, the state of this rank's `CoordinatedOptimizer`
+        keyed as one device's optimizer keys its own (`one_device_keys`):
+        the ranks of a pipeline tell each other their slots (a
+        collective), and other stages' stand as `SlotOfAnotherStage`s.
+        Without replicas `None`: the optimizer is built in one device's
+        order (`build_optimizer`)."""
         if self.optimizer_runtime is None:
             return None
         inner = optimizer.inner_optimizer
@@ -110,14 +98,12 @@ class StageStorage:
 
     def place_variable(self, variable, axis):
         """Keeps this rank's shard of its own stage's variables; the other
-        stages' variables keep the shape of their shard on the meta
-        device, without memory."""
-        # The planner's trace of the model, just made, leaves dead autograd
-        # graphs that still hold the variables; they are young, and
-        # collecting the young generations frees them in a fraction of the
-        # full collection `swap_storage` falls back to.
+        stages' keep their shard's shape on the meta device."""
+        # The planner's trace leaves dead autograd graphs holding the
+        # variables; collecting the young generations frees them faster
+        # than the full collection `swap_storage` falls back to.
         gc.collect(1)
-        if self._holds(variable):
+        if self.owners.holds(self.stage_index, variable):
             self.stage_runtime.placement.place(variable, axis)
         else:
             _to_meta(variable, self.placement.model_shard_shape(variable))
@@ -126,9 +112,7 @@ class StageStorage:
         """Places an optimizer slot with its reference: Keras makes it in
         the reference's shape on this rank's device, its shard already."""
         self.owners.adopt(variable, reference)
-        if id(reference) in self.shared_stages:
-            self.shared_stages[id(variable)] = self.shared_stages[id(reference)]
-        if self._holds(reference):
+        if self.owners.holds(self.stage_index, reference):
             self.stage_runtime.placement.place_like(variable, reference)
         else:
             _to_meta(variable, tuple(variable.shape))
@@ -148,14 +132,10 @@ class StageStorage:
 
     def _assembled(self, variable):
         """The unsplit value of `variable` on its stage's ranks in the
-        first replica, `None` on the other ranks.
-
-        Those ranks gather the shards of a split variable over their
-        model group (every rank of the group takes part).
-        """
+        first replica (gathered over their groups), `None` elsewhere."""
         if self.data_index or self.stage_of[id(variable)] != self.stage_index:
             return None
-        full = self.stage_runtime._unsplit(
+        full = self.stage_runtime.unsplit(
             variable, parameter_of(variable).detach()
         )
         # A copy: the array returned must not change with training.
@@ -175,7 +155,7 @@ class StageStorage:
 
         Every rank passes the same `value`, as in any SPMD program.
         """
-        if self._holds(variable):
+        if self.owners.holds(self.stage_index, variable):
             self.stage_runtime.assign_full_value(variable, value)
 
     def save_model(self, model, filepath, **kwargs):

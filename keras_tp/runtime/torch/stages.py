@@ -1,15 +1,10 @@
 """The stage primitives of torch pipelines: `torch.distributed.pipelining`.
 
-Each rank runs (its shard of) one stage: a Keras model made of the
-user's own layers (`keras_tp.pipeline.split_stages`), wrapped as the
-`nn.Module` that a `PipelineStage` runs (`KerasStageModule`). torch's
-schedule runtime runs keras_tp's own action lists
-(`keras_tp.pipeline.schedules`): it splits the batch into micro-batches,
-sends the activations and their gradients between neighbouring ranks,
-and leaves each stage's gradients, averaged over the micro-batches, in
-its parameters' `.grad`. The stage also times each micro-batch's forward
-and backward pass, and counts the bytes it sends to its neighbours
-(`RecordedPipelineStage`).
+Each rank runs (its shard of) one stage model, wrapped as the `nn.Module`
+of a `PipelineStage` (`KerasStageModule`). torch's schedule runtime runs
+keras_tp's own action lists: it splits the batch into micro-batches,
+sends activations and gradients between neighbouring ranks, and leaves
+the stage's gradients, averaged over the micro-batches, in `.grad`.
 """
 
 import time
@@ -33,15 +28,9 @@ _COMPUTATIONS = {
 
 
 class KerasStageModule(torch.nn.Module):
-    """A Keras stage model as the `nn.Module` of a `PipelineStage`.
-
-    A `PipelineStage` passes each tensor it receives as a positional
-    argument and sends each tensor the module returns. A stage `model` of
-    `keras_tp.pipeline.split_stages` takes and returns dicts of named
-    tensors, which travel in the order of their names
-    (`flatten_named`). Keras layers on torch are `nn.Module`s, so the
-    stage's parameters are this module's.
-    """
+    """A Keras stage model as the `nn.Module` of a `PipelineStage`, which
+    passes tensors positionally: a stage's dicts of named tensors travel
+    in the order of their names (`flatten_named`)."""
 
     def __init__(self, model):
         super().__init__()
@@ -51,9 +40,8 @@ class KerasStageModule(torch.nn.Module):
         # The `training` argument of the stage's calls: forward-only
         # passes (evaluation, prediction) run with `False`.
         self.training_call = True
-        # The bytes of the gradients a backward pass of this stage sends
-        # back: one per floating-point input (integer inputs, such as a
-        # carried padding mask, have none).
+        # The bytes of the gradients a backward pass sends back: those of
+        # the floating-point inputs.
         self.input_gradient_bytes = 0
 
     def forward(self, *tensors):
@@ -85,11 +73,8 @@ class RecordedPipelineStage(PipelineStage):
     """A `PipelineStage` that times each micro-batch and counts its sends.
 
     `timeline` holds `(kind, micro_batch, start, end)` of the last step,
-    in `time.perf_counter()` seconds, which on Linux is one clock for
-    every process of the machine. Each micro-batch's activations sent
-    forward and gradients sent back are recorded in `stats` (the
-    `CommunicationStats` given after the `KerasStageModule`) on the axis
-    `"pipe"`.
+    in `time.perf_counter()` seconds (one clock for every process of a
+    Linux machine); the bytes sent count in `stats` on the axis `"pipe"`.
     """
 
     def __init__(self, module, stats, *args, **kwargs):
@@ -99,10 +84,8 @@ class RecordedPipelineStage(PipelineStage):
         self.generators = seed_generators(module.model)
 
     def _forward_metadata_inference(self, *args, **kwargs):
-        # torch infers a stage's shapes by running it once before its
-        # first step. One device draws no dropout mask there, and a run
-        # resumed from a checkpoint makes its pipeline again: the draw
-        # must leave the dropouts' random streams where they were.
+        # torch runs a stage once to infer its shapes: that run must leave
+        # the dropouts' random streams where they were.
         states = [g.state.value.clone() for g in self.generators]
         try:
             return super()._forward_metadata_inference(*args, **kwargs)
@@ -111,10 +94,8 @@ class RecordedPipelineStage(PipelineStage):
                 generator.state.assign(state)
 
     def _to_tensor(self, arg):
-        # torch infers a stage's shapes by running it once on tensors made
-        # from the metadata it receives, left uninitialised; a stage that
-        # looks up received token ids (a seq2seq decoder's embedding, in a
-        # later stage) would index with garbage. Integer ones start at 0.
+        # The shape inference runs on uninitialised tensors: integer ones
+        # (token ids a later stage looks up) start at 0.
         tensor = super()._to_tensor(arg)
         if isinstance(arg, torch.Tensor) or tensor.is_floating_point():
             return tensor
@@ -147,11 +128,9 @@ class RecordedPipelineStage(PipelineStage):
 
 
 class TorchPipeline:
-    """This rank's stage of a pipeline, and the schedule that runs it:
-    torch's schedule runtime (`_PipelineScheduleRuntime`), which runs a
-    schedule given as per-rank action lists and adds the sends and
-    receives between the stages, running keras_tp's own, so GPipe and 1F1B
-    come from `keras_tp.pipeline.schedules` on torch as on every backend.
+    """This rank's stage of a pipeline, run by torch's schedule runtime
+    (`_PipelineScheduleRuntime`) on the action lists of
+    `keras_tp.pipeline.schedules`, to which it adds the sends and receives.
 
     Args:
         stage_model: the Keras model of this rank's stage.
@@ -160,12 +139,9 @@ class TorchPipeline:
         num_stages: the number of stages (ranks of `group`).
         num_microbatches: micro-batches per batch.
         schedule: `"gpipe"` or `"1f1b"`.
-        loss: the last stage's loss, a function of `(y_true, y_pred)`
-            that averages over the micro-batch; `None` for a pipeline
-            that only runs `forward` without targets (torch's schedules
-            compute the loss whenever they have one).
-        stats: the `CommunicationStats` that count the point-to-point
-            traffic (axis `"pipe"`).
+        loss: the last stage's loss of `(y_true, y_pred)`, a mean; `None`
+            for a pipeline that only runs `forward` without targets.
+        stats: the `CommunicationStats` of the sends (axis `"pipe"`).
         device: this rank's torch device.
         group: the process group of the pipeline's ranks.
     """

@@ -146,7 +146,7 @@ class ProcessStorage:
         value = parameter_of(variable).detach()
         swap_storage(variable, self.data_adapter.local_slice(value, data_axis))
 
-    def _unsplit(self, variable, tensor):
+    def unsplit(self, variable, tensor):
         """Gathers `tensor`, a rank's part of `variable`, over both axes."""
         data_axis = self.placement.data_axis(variable)
         if data_axis is not None:
@@ -157,7 +157,7 @@ class ProcessStorage:
         return tensor
 
     def full_value(self, variable):
-        value = self._unsplit(variable, parameter_of(variable).detach())
+        value = self.unsplit(variable, parameter_of(variable).detach())
         return keras.ops.convert_to_numpy(value)
 
     def assign_full_value(self, variable, value):
@@ -190,7 +190,7 @@ class ProcessStorage:
         ]
         write_on_rank_zero(
             self.rank,
-            ((v, self._unsplit(v, parameter_of(v).detach())) for v in split),
+            ((v, self.unsplit(v, parameter_of(v).detach())) for v in split),
             write,
         )
 

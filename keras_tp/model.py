@@ -11,6 +11,7 @@ from keras_tp import reporting
 from keras_tp import weight_files
 from keras_tp.checkpoint.callbacks import prepare_callbacks
 from keras_tp.config import ParallelConfig
+from keras_tp.generation import Generation
 from keras_tp.keras_internals import print_msg
 from keras_tp.parallel.reports import DataParallelReports
 from keras_tp.runtime import make_runtime
@@ -25,7 +26,7 @@ _FIT_SIGNATURE = inspect.signature(keras.Model.fit)
 _WRAPPED_MODELS = weakref.WeakSet()
 
 
-class TensorParallelKeras(DataParallelReports, keras.Model):
+class TensorParallelKeras(DataParallelReports, Generation, keras.Model):
     """Runs a built Keras model with its layers split across devices.
 
     Dense, EinsumDense, convolution, embedding and attention layers are

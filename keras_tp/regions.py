@@ -10,8 +10,6 @@ touches backend details.
 
 import contextlib
 import contextvars
-import functools
-import inspect
 
 import keras
 
@@ -21,6 +19,9 @@ from keras_tp.keras_internals import seed_generators
 from keras_tp.keras_internals import set_keras_mask
 from keras_tp.keras_internals import shifted_seed_draws
 from keras_tp.plan.attention import ATTENTION
+from keras_tp.plan.attention import call_argument
+from keras_tp.plan.attention import call_arguments
+from keras_tp.plan.attention import split_cache
 from keras_tp.plan.layers import logits_stay_split
 from keras_tp.plan.sharding_plan import ShardedUnit
 from keras_tp.plan.styles import Column
@@ -66,18 +67,31 @@ class ShardedRegion:
         """Whether replicated inputs must pass `copy_to_parallel`."""
         return any(m.handler.parallel_input(m.style) for m in self.members)
 
-    @functools.cached_property
-    def _first_argument(self):
-        # The class's `call`: the instance's is replaced by the region's.
-        parameters = list(inspect.signature(type(self.layer).call).parameters)
-        return parameters[1] if len(parameters) > 1 else None
-
     def main_input(self, args, kwargs):
         """The layer's first call argument, passed by position or by name
         (keras-hub's attention layers take `hidden_states=`)."""
         if args:
             return args[0]
-        return kwargs.get(self._first_argument)
+        names = call_arguments(self.layer)
+        return call_argument(self.layer, names[0], args, kwargs)
+
+    def cache_axis(self, args, kwargs):
+        """`(cache, axis)`: the key/value cache an attention layer takes in
+        generation, and the axis its heads are split on (`None`: whole);
+        `(None, None)` without a cache."""
+        return split_cache(self.layer, self.members, args, kwargs)
+
+    def split_inputs(self, args, kwargs):
+        """`{id(tensor): axis}` of the inputs that arrive split: the first
+        input of a Row layer, the key/value cache of split heads."""
+        split = {}
+        axis = self.input_axis(args)
+        if axis is not None:
+            split[id(args[0])] = axis
+        cache, axis = self.cache_axis(args, kwargs)
+        if axis is not None:
+            split[id(cache)] = axis
+        return split
 
     def input_axis(self, args):
         """Axis on which the first positional input arrives split."""
@@ -184,11 +198,11 @@ def copy_replicated_inputs(region, enter, args, kwargs, is_float):
     Returns:
         `(args, kwargs)` with the copies in place of the inputs.
     """
-    split_input = args[0] if region.input_axis(args) is not None else None
+    split = region.split_inputs(args, kwargs)
     local = {}
 
     def copy(x):
-        if x is split_input or not is_float(x):
+        if id(x) in split or not is_float(x):
             return x
         return shared_value(x, enter, local)
 
@@ -254,6 +268,14 @@ def _leaf_output_axes(member):
     return output_axes
 
 
+def _unit_output_axes(unit, members):
+    def output_axes(args, kwargs):
+        _, cache_axis = split_cache(unit, members, args, kwargs)
+        return ATTENTION.output_axes(unit, kwargs, cache_axis)
+
+    return output_axes
+
+
 def install(plan, runtime):
     """Replaces the `call` of every region layer of a bound `plan`.
 
@@ -271,9 +293,7 @@ def install(plan, runtime):
                 unit,
                 members,
                 per_rank_draws(seed_generators(unit), unit.call, adapter),
-                lambda args, kwargs, unit=unit: ATTENTION.output_axes(
-                    unit, kwargs
-                ),
+                _unit_output_axes(unit, members),
             )
         elif not entry.handler.needs_region(entry.style):
             # It runs unchanged on each rank's values, which arrive split.

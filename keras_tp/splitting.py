@@ -3,6 +3,7 @@ the model, its variables placed, its split layers' regions installed."""
 
 import keras
 
+from keras_tp import generation
 from keras_tp import regions
 from keras_tp.parallel import zero3
 from keras_tp.plan.auto import auto_plan
@@ -68,6 +69,9 @@ def split_model(model, plan, runtime, trainer):
         for part, part_runtime in runtime.stage_plans(plan)
         for region in regions.install(part, part_runtime)
     ]
+    if runtime.pipeline_parallel == 1:
+        # Pipelines do not generate (`generation.generate` says why).
+        generation.install_caches(model, plan, runtime)
     runtime.prepare_model(model)
     runtime.prepare_trainer(trainer)
     if runtime.zero_stage == 3:

@@ -22,6 +22,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from keras import layers  # noqa: E402
 
+from tests import generation_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests import random_cases  # noqa: E402
 from tests import vocab_cases  # noqa: E402
@@ -115,6 +116,13 @@ def _count_hlo(text, op):
     """
     calls = re.findall(rf"\s{op}(?:-start)?\(([^)]*)\)", text)
     return sum(operands.count("%") for operands in calls)
+
+
+def test_generation_matches_one_device():
+    # The cache is filled by a compiled call: eagerly, each region's
+    # shard_map would be compiled on its own.
+    results = generation_cases.runs(2, compiled=jax.jit)
+    generation_cases.check_runs(results, 2)
 
 
 def test_vocab_parallel_loss_matches_one_device():

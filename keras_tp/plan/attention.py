@@ -1,4 +1,6 @@
-"""Attention layers split by heads, as one region."""
+"""Attention layers split by heads, as one region, and their caches."""
+
+import inspect
 
 import keras
 
@@ -40,11 +42,81 @@ class AttentionUnit:
         """The style of projection `name` when the unit is sharded."""
         return Row() if name == ATTENTION_OUTPUT_PROJECTION else Column()
 
-    def output_axes(self, layer, kwargs):
-        """Output axes: the scores, if returned, stay split on heads."""
+    def output_axes(self, layer, kwargs, cache_axis=None):
+        """Output axes: the scores, if returned, stay split on heads, and
+        so does a key/value cache split on `cache_axis` (see
+        `key_value_cache_axis`), which comes last."""
+        axes = [None]
         if kwargs.get("return_attention_scores"):
-            return (None, 1)
-        return None
+            axes.append(1)
+        if kwargs.get(CACHE_ARGUMENT) is not None:
+            axes.append(cache_axis)
+        return tuple(axes) if len(axes) > 1 else None
 
 
 ATTENTION = AttentionUnit()
+
+# The call argument through which keras-hub's attention layers take their
+# key/value cache in generation; they return the updated cache last.
+CACHE_ARGUMENT = "cache"
+
+
+def takes_cache(layer):
+    """Whether `layer`'s call takes a key/value cache (`CACHE_ARGUMENT`)."""
+    return CACHE_ARGUMENT in inspect.signature(type(layer).call).parameters
+
+
+def key_value_cache_axis(projections, cache_shape):
+    """The axis on which an attention layer's whole key/value cache splits.
+
+    A cache holds the key and value projections' outputs, so its heads sit
+    where theirs do, counted from the end (`(batch, 2, length, heads,
+    head_dim)` in keras-hub). A projection split by heads whose head count
+    the cache has there produced it. Where none did, the cache stays whole
+    (key/value heads fewer than the ranks stay whole while the query heads
+    are split), or it is one rank's share already (a rank's own update).
+
+    Args:
+        projections: the layer's split sublayers (`ShardedLayer`s).
+        cache_shape: the shape of the cache the layer receives.
+
+    Returns:
+        The axis, or `None` where there is nothing to split.
+    """
+    for member in projections:
+        if not isinstance(member.style, Column):
+            continue
+        axis = member.handler.output_axis(
+            member.layer, member.style, len(cache_shape)
+        )
+        heads = member.handler.split_size(member.layer, member.style)
+        if axis is not None and cache_shape[axis] == heads:
+            return axis
+    return None
+
+
+def call_arguments(layer):
+    """The names of `layer`'s call arguments, from its class's `call` (an
+    instance's is replaced by its region's)."""
+    parameters = inspect.signature(type(layer).call).parameters
+    return list(parameters)[1:]
+
+
+def call_argument(layer, name, args, kwargs):
+    """A call argument of `layer`, passed by position or by name."""
+    names = call_arguments(layer)
+    if name not in names:
+        return None
+    index = names.index(name)
+    return args[index] if index < len(args) else kwargs.get(name)
+
+
+def split_cache(layer, projections, args, kwargs):
+    """`(cache, axis)`: the key/value cache an attention `layer` takes in
+    generation, and the axis it is split on with the heads of its split
+    `projections` (`None`: whole, see `key_value_cache_axis`); `(None,
+    None)` without a cache."""
+    cache = call_argument(layer, CACHE_ARGUMENT, args, kwargs)
+    if cache is None:
+        return None, None
+    return cache, key_value_cache_axis(projections, tuple(cache.shape))

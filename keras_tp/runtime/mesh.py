@@ -344,6 +344,17 @@ class MeshRuntime(Runtime):
         """This rank's value of `variable` where ranks hold their own."""
         return variable.value
 
+    def run_generation(self, generate):
+        """Runs `generate()`, a task's generation, where the ranks exist:
+        by default here (the regions run on the ranks)."""
+        return generate()
+
+    def split_on_model(self, value, axis):
+        """A whole tensor, split on `axis` over the model ranks as they
+        hold it: here a rank's own slice (a generation's key/value cache,
+        made whole by the task, enters its layer so)."""
+        return self.adapter.scatter_to_parallel(value, axis)
+
     def run_local_region(self, region, args, kwargs, enter=None):
         """Runs a region's per-rank math where the values are already local.
 

@@ -12,6 +12,7 @@ import functools
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 from keras_tp.collectives.sequence import SEQUENCE_AXIS
@@ -94,18 +95,14 @@ class MeshRegions:
         leaves, treedef = jax.tree_util.tree_flatten(
             (args, kwargs), is_leaf=lambda x: x is None
         )
-        first_input = args[0] if args else None
         array_index = {}
         arrays = []
         for leaf in leaves:
             if is_array(leaf) and id(leaf) not in array_index:
                 array_index[id(leaf)] = len(arrays)
                 arrays.append(leaf)
-        input_axis = region.input_axis(args)
-        array_specs = [
-            spec(input_axis) if a is first_input else PartitionSpec()
-            for a in arrays
-        ]
+        split = region.split_inputs(args, kwargs)
+        array_specs = [spec(split.get(id(a))) for a in arrays]
         # Replicated float inputs of a region with split weights enter as
         # one copy per device, shared by every region that reads them in
         # this call, so their gradient is all-reduced once (Megatron `f`).
@@ -187,6 +184,17 @@ class MeshRegions:
         for variable, value in zip(state, new_state):
             variable.assign(value)
         return outputs
+
+    def split_on_model(self, value, axis):
+        """Outside per-rank steps, a global array laid out split on `axis`
+        over `model`, so each device holds its part (a constraint on a
+        traced value)."""
+        if self._inside_ranks:
+            return super().split_on_model(value, axis)
+        sharding = NamedSharding(self.mesh, spec(axis))
+        if isinstance(value, jax.core.Tracer):
+            return jax.lax.with_sharding_constraint(value, sharding)
+        return jax.device_put(value, sharding)
 
     def run_split_function(self, function, args, split_axes):
         if self._inside_ranks:

@@ -79,7 +79,9 @@ def _split_cache_call(layer, projections, runtime):
     call = layer.call
 
     def call_with_split_cache(*args, **kwargs):
-        cache, axis = split_cache(layer, projections, args, kwargs)
+        cache, axis = split_cache(
+            layer, projections, args, kwargs, runtime.full_shape
+        )
         if axis is None:
             # No cache, a whole one that stays whole, or a rank's own.
             return call(*args, **kwargs)
@@ -100,7 +102,9 @@ def _split_cache_call(layer, projections, runtime):
         *rest, new_cache = outputs
         # A global array (JAX) comes back whole-shaped: it stays laid out
         # split; a rank's own slice is its share already.
-        new_axis = key_value_cache_axis(projections, tuple(new_cache.shape))
+        new_axis = key_value_cache_axis(
+            projections, tuple(new_cache.shape), runtime.full_shape
+        )
         if new_axis is not None:
             new_cache = runtime.split_on_model(new_cache, new_axis)
         return type(outputs)([*rest, new_cache])

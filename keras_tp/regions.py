@@ -45,13 +45,15 @@ class ShardedRegion:
         compute: the per-rank function, called with the layer's arguments.
         output_axes: function of `(args, kwargs)` giving, for each output,
             the axis it leaves split on (`None`: replicated).
+        full_shape: function giving a variable's unsplit shape.
     """
 
-    def __init__(self, layer, members, compute, output_axes):
+    def __init__(self, layer, members, compute, output_axes, full_shape):
         self.layer = layer
         self.members = members
         self.compute = compute
         self.output_axes = output_axes
+        self.full_shape = full_shape
 
     def variables(self):
         """`[(variable, axis)]` of every member weight (axis may be None)."""
@@ -79,7 +81,9 @@ class ShardedRegion:
         """`(cache, axis)`: the key/value cache an attention layer takes in
         generation, and the axis its heads are split on (`None`: whole);
         `(None, None)` without a cache."""
-        return split_cache(self.layer, self.members, args, kwargs)
+        return split_cache(
+            self.layer, self.members, args, kwargs, self.full_shape
+        )
 
     def split_inputs(self, args, kwargs):
         """`{id(tensor): axis}` of the inputs that arrive split: the first
@@ -268,9 +272,9 @@ def _leaf_output_axes(member):
     return output_axes
 
 
-def _unit_output_axes(unit, members):
+def _unit_output_axes(unit, members, full_shape):
     def output_axes(args, kwargs):
-        _, cache_axis = split_cache(unit, members, args, kwargs)
+        _, cache_axis = split_cache(unit, members, args, kwargs, full_shape)
         return ATTENTION.output_axes(unit, kwargs, cache_axis)
 
     return output_axes
@@ -293,7 +297,8 @@ def install(plan, runtime):
                 unit,
                 members,
                 per_rank_draws(seed_generators(unit), unit.call, adapter),
-                _unit_output_axes(unit, members),
+                _unit_output_axes(unit, members, runtime.full_shape),
+                runtime.full_shape,
             )
         elif not entry.handler.needs_region(entry.style):
             # It runs unchanged on each rank's values, which arrive split.
@@ -306,6 +311,7 @@ def install(plan, runtime):
                 [entry],
                 _member_call(entry, adapter),
                 _leaf_output_axes(entry),
+                runtime.full_shape,
             )
         set_call(region.layer, _region_call(region, runtime))
         for member in region.members:

@@ -30,6 +30,7 @@ from keras_tp.launcher import RankError  # noqa: E402
 from keras_tp.launcher import RankTimeoutError  # noqa: E402
 from keras_tp.launcher import RemoteTraceback  # noqa: E402
 from keras_tp.launcher import launch  # noqa: E402
+from tests import generation_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests import random_cases  # noqa: E402
 from tests import vocab_cases  # noqa: E402
@@ -160,6 +161,12 @@ def test_vocab_parallel_loss_matches_one_device(api_run):
     _, ranks = api_run
     for rank in ranks:
         vocab_cases.check_runs(rank["vocab_parallel"])
+
+
+def test_generation_matches_one_device(api_run):
+    _, ranks = api_run
+    for rank in ranks:
+        generation_cases.check_runs(rank["generation"], WORLD_SIZE)
 
 
 def test_get_weights_are_full_and_match(api_run):

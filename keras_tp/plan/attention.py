@@ -66,19 +66,22 @@ def takes_cache(layer):
     return CACHE_ARGUMENT in inspect.signature(type(layer).call).parameters
 
 
-def key_value_cache_axis(projections, cache_shape):
+def key_value_cache_axis(projections, cache_shape, full_shape):
     """The axis on which an attention layer's whole key/value cache splits.
 
     A cache holds the key and value projections' outputs, so its heads sit
     where theirs do, counted from the end (`(batch, 2, length, heads,
-    head_dim)` in keras-hub). A projection split by heads whose head count
-    the cache has there produced it. Where none did, the cache stays whole
-    (key/value heads fewer than the ranks stay whole while the query heads
-    are split), or it is one rank's share already (a rank's own update).
+    head_dim)` in keras-hub). A projection split by heads whose full head
+    count the cache has there produced it. Where none did, the cache stays
+    whole (key/value heads fewer than the ranks stay whole while the query
+    heads are split), or it is one rank's share already (a rank's own
+    update).
 
     Args:
         projections: the layer's split sublayers (`ShardedLayer`s).
         cache_shape: the shape of the cache the layer receives.
+        full_shape: function giving a variable's unsplit shape (a rank
+            may hold its slice only).
 
     Returns:
         The axis, or `None` where there is nothing to split.
@@ -89,7 +92,9 @@ def key_value_cache_axis(projections, cache_shape):
         axis = member.handler.output_axis(
             member.layer, member.style, len(cache_shape)
         )
-        heads = member.handler.split_size(member.layer, member.style)
+        role = member.handler.primary_role(member.layer)
+        variable = member.handler.variables(member.layer)[role]
+        heads = full_shape(variable)[member.axes[role]]
         if axis is not None and cache_shape[axis] == heads:
             return axis
     return None
@@ -111,12 +116,13 @@ def call_argument(layer, name, args, kwargs):
     return args[index] if index < len(args) else kwargs.get(name)
 
 
-def split_cache(layer, projections, args, kwargs):
+def split_cache(layer, projections, args, kwargs, full_shape):
     """`(cache, axis)`: the key/value cache an attention `layer` takes in
     generation, and the axis it is split on with the heads of its split
-    `projections` (`None`: whole, see `key_value_cache_axis`); `(None,
-    None)` without a cache."""
+    `projections` (`None`: nothing to split, see `key_value_cache_axis`);
+    `(None, None)` without a cache."""
     cache = call_argument(layer, CACHE_ARGUMENT, args, kwargs)
     if cache is None:
         return None, None
-    return cache, key_value_cache_axis(projections, tuple(cache.shape))
+    axis = key_value_cache_axis(projections, tuple(cache.shape), full_shape)
+    return cache, axis

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import keras_tp
 from keras_tp import collectives
 from keras_tp.tensors import nbytes
+from tests import generation_cases
 from tests import models
 from tests import random_cases
 from tests import vocab_cases
@@ -286,6 +287,7 @@ def api_checks(save_path):
     except ValueError as e:
         result["row_input_error"] = str(e)
     result["vocab_parallel"] = vocab_cases.runs(world_size)
+    result["generation"] = generation_cases.runs(world_size)
     return _all_ranks(result)
 
 

@@ -142,17 +142,23 @@ def generate(model, runtime, inputs, max_length, stop_token_ids, strip_prompt):
             "the pipeline's stage programs. Wrap the model with tensor "
             "parallelism alone (pipeline_parallel=1) to generate."
         )
+    if runtime.sequence_parallel:
+        raise ValueError(
+            "generate() is not supported with sequence_parallel=True: the "
+            "task feeds one token at a time, which cannot be split on the "
+            "sequence. Wrap the model with sequence_parallel=False to "
+            "generate."
+        )
     if model not in _READY:
         model.generate_function = None
         _READY.add(model)
-    return runtime.run_generation(
-        lambda: model.generate(
+    with runtime.generating(model):
+        return model.generate(
             inputs,
             max_length=max_length,
             stop_token_ids=stop_token_ids,
             strip_prompt=strip_prompt,
         )
-    )
 
 
 class Generation:

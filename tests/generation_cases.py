@@ -56,10 +56,15 @@ def prompt():
 
 
 def bytes_per_device(x):
-    """The bytes of `x` one device holds, read from the array."""
+    """The most bytes of `x` one device holds, read from the arrays: a JAX
+    array's shards, a TensorFlow per-replica value's components, a torch
+    rank's tensor."""
     shards = getattr(x, "addressable_shards", None)
     if shards:
         return max(shard.data.nbytes for shard in shards)
+    components = getattr(x, "values", None)
+    if isinstance(components, tuple):
+        return max(nbytes(component) for component in components)
     return nbytes(x)
 
 
@@ -109,7 +114,8 @@ def run(family, world_size, sampled=False, cache=False, compiled=None):
 
         if compiled is not None:
             fill = compiled(fill)
-        split = fill(ids, whole)
+        with tp._runtime.generating(model):
+            split = fill(ids, whole)
         result["cache_bytes"] = bytes_per_device(split)
         result["one_device_cache_bytes"] = bytes_per_device(whole)
     return result

@@ -35,6 +35,7 @@ from keras_tp.runtime.tensorflow import TensorFlowRuntime  # noqa: E402
 
 keras_tp.configure_virtual_devices(4)
 
+from tests import generation_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests import random_cases  # noqa: E402
 from tests import vocab_cases  # noqa: E402
@@ -244,6 +245,13 @@ def test_bytes_per_device_within_bound(name, n):
         optimizer_measured,
         optimizer_bound,
     )
+
+
+def test_generation_matches_one_device():
+    # The cache is filled in a tf.function: eagerly, MirroredStrategy
+    # runs each replica step op by op.
+    results = generation_cases.runs(2, compiled=tf.function)
+    generation_cases.check_runs(results, 2)
 
 
 def test_vocab_parallel_loss_is_refused_and_exact():

@@ -344,10 +344,11 @@ class MeshRuntime(Runtime):
         """This rank's value of `variable` where ranks hold their own."""
         return variable.value
 
-    def run_generation(self, generate):
-        """Runs `generate()`, a task's generation, where the ranks exist:
-        by default here (the regions run on the ranks)."""
-        return generate()
+    @contextlib.contextmanager
+    def generating(self, model):
+        """Inside, the task `model` generates on the ranks: by default as
+        it is (its regions run on the ranks)."""
+        yield
 
     def split_on_model(self, value, axis):
         """A whole tensor, split on `axis` over the model ranks as they

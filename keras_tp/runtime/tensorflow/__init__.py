@@ -28,6 +28,7 @@ from keras_tp.runtime.mesh import MeshRuntime
 from keras_tp.runtime.tensorflow.devices import ReplicaDevices
 from keras_tp.runtime.tensorflow.devices import configure_multi_worker
 from keras_tp.runtime.tensorflow.devices import configure_virtual_devices
+from keras_tp.runtime.tensorflow.generation import ReplicaGeneration
 from keras_tp.runtime.tensorflow.optimizer import TensorParallelOptimizer
 from keras_tp.runtime.tensorflow.optimizer import tensor_parallel_class
 from keras_tp.runtime.tensorflow.regions import ReplicaRegions
@@ -46,7 +47,12 @@ __all__ = [
 
 
 class TensorFlowRuntime(
-    ReplicaDevices, ReplicaStorage, ReplicaSteps, ReplicaRegions, MeshRuntime
+    ReplicaDevices,
+    ReplicaStorage,
+    ReplicaSteps,
+    ReplicaRegions,
+    ReplicaGeneration,
+    MeshRuntime,
 ):
     """Runs tensor parallelism, DDP and ZeRO on `tf.distribute` replicas.
 

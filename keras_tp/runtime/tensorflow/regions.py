@@ -90,23 +90,29 @@ class ReplicaRegions:
     def local_value(self, variable):
         return local_read(variable)
 
+    def split_on_model(self, value, axis):
+        """In a replica, its slice; outside the replicas, where each region
+        runs as its own replica step and gathers its outputs, the tensor
+        stays whole (a region that takes it split scatters it)."""
+        if not self._in_replica():
+            return value
+        return super().split_on_model(value, axis)
+
     def _region_outside_replicas(self, region, args, kwargs):
         """Runs the region as its own replica step and gathers its outputs."""
         leaves = tf.nest.flatten((args, kwargs))
         tensor_positions = [
             i for i, leaf in enumerate(leaves) if tf.is_tensor(leaf)
         ]
-        first_input = args[0] if args else None
-        input_axis = region.input_axis(args)
+        split = region.split_inputs(args, kwargs)
         output_axes = region.output_axes(args, kwargs)
 
         def replica_step(*tensors):
             local = list(leaves)
             for position, tensor in zip(tensor_positions, tensors):
-                if leaves[position] is first_input and input_axis is not None:
-                    tensor = self.adapter.scatter_to_parallel(
-                        tensor, input_axis
-                    )
+                axis = split.get(id(leaves[position]))
+                if axis is not None:
+                    tensor = self.adapter.scatter_to_parallel(tensor, axis)
                 local[position] = tensor
             local_args, local_kwargs = tf.nest.pack_sequence_as(
                 (args, kwargs), local

@@ -13,8 +13,10 @@ import subprocess
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-# Item 1 on JAX: one worker process, timing, HLO and memory analysis.
-BUDGET_SECONDS = 60
+# Item 1 on JAX: one worker process, timing, HLO and memory analysis. It
+# takes about 30 s alone; the limit only catches a hung worker, with room
+# for a CI machine that runs two test workers on two cores.
+BUDGET_SECONDS = 300
 
 
 def test_quick_suite_writes_json_and_markdown(tmp_path):

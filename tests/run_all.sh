@@ -19,16 +19,13 @@ run() {
 # Tests that time collectives run alone: torch's (rank processes of their
 # own, heartbeats, timeouts) and TensorFlow's multi-worker timeouts.
 parallel="-n 2 --dist loadfile"
-# Tests build the same models again and again, in many processes (two
-# workers, notebook kernels, rank and example subprocesses), and JAX
-# compiles each one's programs anew; its persistent compilation cache, fresh
-# for this run, compiles each program once. Every program is kept: a tiny
-# model's build alone compiles one random initializer per weight shape, at
-# half a second each (a keras-hub model's first build: 12 s, 2 s cached). A
-# size limit turns on its file lock, which the processes share.
+# Tests build the same models again and again, and JAX compiles each one's
+# programs anew; its persistent compilation cache, fresh for this run,
+# compiles each program once. A size limit turns on its file lock, which
+# the two workers share.
 JAX_COMPILATION_CACHE_DIR=$(mktemp -d)
 export JAX_COMPILATION_CACHE_DIR
-export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
 export JAX_COMPILATION_CACHE_MAX_SIZE=$((2 * 1024 * 1024 * 1024))
 trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
 timed=tests/test_tensorflow_multiworker_timeout.py

@@ -51,9 +51,20 @@ def arguments_of(model):
     return arguments
 
 
-def coordinated(optimizer, runtime):
+def coordinated(optimizer, runtime, trainer):
     """`optimizer` as `runtime` runs it: a `CoordinatedOptimizer` bound to
-    it where its steps run per rank, else as given."""
+    it where its steps run per rank, else as given.
+
+    Args:
+        optimizer: the optimizer given to `compile()` (or its name).
+        runtime: the runtime of the model being compiled.
+        trainer: the `TensorParallelKeras` being compiled; its current
+            optimizer may be compiled again, built.
+
+    Returns:
+        The optimizer to compile with.
+    """
+    check_unbuilt(optimizer, own=getattr(trainer, "optimizer", None))
     bound_to = runtime.optimizer_runtime
     if isinstance(optimizer, CoordinatedOptimizer):
         if runtime.pipeline_parallel > 1:
@@ -80,6 +91,32 @@ def coordinated(optimizer, runtime):
         return optimizer
     bound_to.bind_optimizer(optimizer)
     return optimizer
+
+
+def check_unbuilt(optimizer, own=None):
+    """Refuses an optimizer already built, unless it is `own`.
+
+    A built optimizer holds the state (moments, step count) of the
+    variables it was built on: compiled with another model, it would
+    silently apply that state to this model's variables.
+
+    Args:
+        optimizer: the optimizer to compile with, or its name.
+        own: the model's current optimizer, which may be compiled again.
+
+    Raises:
+        ValueError: if `optimizer` is built and is not `own`.
+    """
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        return
+    if optimizer.built and optimizer is not own:
+        raise ValueError(
+            f"Optimizer '{optimizer.name}' is already built on other "
+            "variables, and would carry their state (moments, step count) "
+            "over. Give TensorParallelKeras.compile() a new optimizer, such "
+            f"as `keras.optimizers.{type(optimizer).__name__}.from_config("
+            "optimizer.get_config())`."
+        )
 
 
 def place_slots(optimizer, runtime):

@@ -220,7 +220,7 @@ class TensorParallelKeras(DataParallelReports, Generation, keras.Model):
     def _compile(self, optimizer="rmsprop", *args, **kwargs):
         kwargs = compiling.by_name(args, kwargs)
         kwargs.setdefault("jit_compile", self._runtime.jit_compile_default)
-        optimizer = compiling.coordinated(optimizer, self._runtime)
+        optimizer = compiling.coordinated(optimizer, self._runtime, self)
         kwargs, self._vocab_head = with_split_logits(
             self.model, self._plan, self._runtime, kwargs
         )

@@ -592,6 +592,24 @@ def test_bad_inputs_have_clear_errors():
     keras_tp.configure_virtual_devices(4)  # same count again: a no-op
 
 
+def test_an_optimizer_built_on_another_model_is_refused():
+    """Its moments and step count are the other model's: refused at
+    compile, as on TensorFlow; the model's own optimizer compiles again."""
+    x, y = models.data_for("mlp", batch=8)
+    other = models.mlp(seed=1)
+    other.compile(optimizer=keras.optimizers.Adam(name="used"), loss=loss_fn())
+    other.train_on_batch(x, y)
+    tp = keras_tp.TensorParallelKeras(models.mlp(), world_size=2)
+    with pytest.raises(ValueError) as caught:
+        tp.compile(optimizer=other.optimizer, loss=loss_fn())
+    assert "Optimizer 'used' is already built" in str(caught.value)
+    assert "keras.optimizers.Adam.from_config(" in str(caught.value)
+    tp.compile(optimizer=keras.optimizers.Adam(), loss=loss_fn())
+    tp.train_on_batch(x, y)
+    tp.compile(optimizer=tp.optimizer, loss=loss_fn())
+    assert int(tp.optimizer.iterations) == 1
+
+
 def test_explicit_devices_and_default_world_size():
     reference = models.mlp()
     tp = keras_tp.TensorParallelKeras(

@@ -48,3 +48,16 @@ def test_more_workers_than_devices_is_refused():
     with pytest.raises(ValueError, match="needs a device per worker"):
         trainer.fit(x, y, verbose=0)
     assert len(jax.devices()) == 4
+
+
+def test_a_dataset_is_refused_with_the_fix():
+    import tensorflow as tf
+
+    trainer = keras_tp.AsyncDataParallel(models.mlp(), workers=2)
+    trainer.compile(optimizer="sgd", loss=models.loss_fn())
+    x, y = async_cases.data()
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    with pytest.raises(TypeError, match="takes x as arrays") as caught:
+        trainer.fit(dataset, verbose=0)
+    assert "_BatchDataset" in str(caught.value)
+    assert "zip(*dataset.as_numpy_iterator())" in str(caught.value)

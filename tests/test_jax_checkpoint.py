@@ -190,6 +190,21 @@ def test_damaged_or_foreign_checkpoints_are_refused(saved_at_tp4, tmp_path):
         keras_tp.load_checkpoint(other, directory)
 
 
+def test_paths_that_are_no_checkpoint_are_named(tmp_path):
+    tp = cases.parallel("mlp", 2)
+    file = tmp_path / "model.weights.h5"
+    file.write_bytes(b"")
+    with pytest.raises(keras_tp.CheckpointError) as caught:
+        tp.save_weights(str(file))
+    assert f"'{file}' is a file" in str(caught.value)
+    assert "Pass another path" in str(caught.value)
+    missing = tmp_path / "never_saved"
+    with pytest.raises(keras_tp.CheckpointError) as caught:
+        keras_tp.load_checkpoint(tp, str(missing))
+    assert f"'{missing}': the path does not exist" in str(caught.value)
+    assert "Check the path" in str(caught.value)
+
+
 def _save_in_subprocess(backend, directory, world_size, *mesh):
     command = [
         sys.executable,

@@ -104,3 +104,15 @@ def test_refusals_name_the_fix():
     x, _ = models.backbone_data(2, length=6)
     with pytest.raises(ValueError, match="must divide by 4"):
         tp(x)
+
+
+def test_a_model_without_a_sequence_axis_warns_with_the_fix():
+    with pytest.warns(UserWarning) as caught:
+        keras_tp.TensorParallelKeras(
+            models.mlp(), world_size=2, sequence_parallel=True
+        )
+    (warning,) = [w for w in caught if "sequence_parallel" in str(w.message)]
+    assert "model 'mlp'" in str(warning.message)
+    assert "[(None, 16)]" in str(warning.message)
+    assert "pass sequence_parallel=False" in str(warning.message)
+    assert warning.filename == __file__  # the wrapping line, not keras_tp

@@ -32,19 +32,11 @@ def as_arrays(x, y, sample_weight):
         TypeError: for data that is not arrays (a dataset, a generator).
         ValueError: for arrays of different lengths.
     """
-    arrays = []
-    for name, value in (("x", x), ("y", y), ("sample_weight", sample_weight)):
-        if value is None:
-            arrays.append(None)
-            continue
-        try:
-            arrays.append(keras.tree.map_structure(np.asarray, value))
-        except Exception as error:
-            raise TypeError(
-                f"AsyncDataParallel.fit() takes {name} as arrays (NumPy or "
-                "backend tensors, or a list or dict of them); got "
-                f"{type(value).__name__}. Convert a dataset to arrays first."
-            ) from error
+    names = ("x", "y", "sample_weight")
+    arrays = [
+        None if value is None else _as_array(name, value)
+        for name, value in zip(names, (x, y, sample_weight))
+    ]
     lengths = {
         len(leaf)
         for value in arrays
@@ -55,6 +47,31 @@ def as_arrays(x, y, sample_weight):
         raise ValueError(
             "AsyncDataParallel.fit(): x, y and sample_weight must have the "
             f"same number of samples; got lengths {sorted(lengths)}."
+        )
+    return arrays
+
+
+def _as_array(name, value):
+    """`value` (an array or a structure of them) as NumPy arrays.
+
+    `np.asarray` of a dataset or a generator succeeds too, as a 0-d object
+    array: a leaf without a sample axis is what tells them apart.
+    """
+    try:
+        arrays = keras.tree.map_structure(np.asarray, value)
+    except Exception:
+        arrays = None
+    if arrays is None or any(
+        leaf.ndim == 0 for leaf in keras.tree.flatten(arrays)
+    ):
+        raise TypeError(
+            f"AsyncDataParallel.fit() takes {name} as arrays (NumPy or "
+            "backend tensors, or a list or dict of them); got "
+            f"{type(value).__name__}. Read a dataset into arrays first: for "
+            "a batched tf.data.Dataset of (x, y) pairs, `x, y = "
+            "(np.concatenate(part) for part in "
+            "zip(*dataset.as_numpy_iterator()))`, then fit(x, y, "
+            "batch_size=...)."
         )
     return arrays
 

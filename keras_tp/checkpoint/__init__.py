@@ -54,6 +54,9 @@ def save_checkpoint(model, directory, epoch=None):
     Returns:
         The manifest, as a dict.
 
+    Raises:
+        CheckpointError: if `directory` is a file.
+
     Example:
 
     ```python
@@ -64,6 +67,12 @@ def save_checkpoint(model, directory, epoch=None):
     tp2.fit(x, y, initial_epoch=info["epoch"], epochs=4)
     ```
     """
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise CheckpointError(
+            f"save_checkpoint(): '{directory}' is a file, and a checkpoint "
+            "is a directory of files. Pass another path, or delete the file "
+            "first."
+        )
     storage = storage_of(model)
     state = checkpoint_state(model)
     os.makedirs(directory, exist_ok=True)

@@ -24,6 +24,12 @@ FORMAT = "keras_tp.checkpoint"
 FORMAT_VERSION = 1
 # Bytes read at a time while hashing: one buffer, whatever the file size.
 _HASH_CHUNK = 1 << 24
+# What to do about a damaged or missing file: the files of a save are only
+# valid together, and the previous save's were deleted when it finished.
+_REMEDY = (
+    "Copy the whole checkpoint directory again from where it was saved, or "
+    "load another checkpoint."
+)
 
 
 def write_pieces(directory, name, pieces):
@@ -71,18 +77,39 @@ def write_manifest(directory, manifest):
 
 
 def read_manifest(directory):
-    """The manifest of the checkpoint in `directory`, checked."""
+    """The manifest of the checkpoint in `directory`, checked.
+
+    Raises:
+        CheckpointError: if `directory` is not a directory, has no
+            manifest, or its manifest is damaged; the message says which
+            and what to do.
+    """
+    if not os.path.isdir(directory):
+        what = "is a file" if os.path.exists(directory) else "does not exist"
+        raise CheckpointError(
+            f"No checkpoint in '{directory}': the path {what}, and a "
+            "checkpoint is a directory. Check the path (relative paths start "
+            f"in '{os.getcwd()}')."
+        )
     path = os.path.join(directory, MANIFEST)
     if not os.path.isfile(path):
         raise CheckpointError(
-            f"No checkpoint in '{directory}': it has no {MANIFEST} (a save "
-            "that never finished leaves none)."
+            f"No checkpoint in '{directory}': it has no {MANIFEST}, so no "
+            "save into it finished (a save killed midway leaves none). Check "
+            "the path, or start training from the beginning."
         )
     try:
         with open(path) as f:
             manifest = json.load(f)
     except (OSError, ValueError) as error:
-        raise CheckpointError(f"Checkpoint file '{path}' is damaged: {error}")
+        raise CheckpointError(
+            f"Checkpoint file '{path}' is damaged: {error}. {_REMEDY}"
+        )
+    if not isinstance(manifest, dict):
+        raise CheckpointError(
+            f"Checkpoint file '{path}' is damaged: it holds a JSON "
+            f"{type(manifest).__name__}, not the manifest's object. {_REMEDY}"
+        )
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"'{path}' is not a keras_tp checkpoint.")
     if manifest.get("format_version", 0) > FORMAT_VERSION:
@@ -130,20 +157,20 @@ class PieceReader:
             if not os.path.isfile(path):
                 raise CheckpointError(
                     f"Checkpoint file '{path}' is missing; the checkpoint in "
-                    f"'{self.directory}' cannot be loaded."
+                    f"'{self.directory}' cannot be loaded. {_REMEDY}"
                 )
             if file_sha256(path) != expected["sha256"]:
                 raise CheckpointError(
                     f"Checkpoint file '{path}' is damaged (truncated or "
-                    "changed): its SHA-256 differs from the manifest's. "
-                    "Load an earlier checkpoint."
+                    f"changed): its SHA-256 differs from the manifest's. "
+                    f"{_REMEDY}"
                 )
             try:
                 handle = safe_open(path, framework="numpy")
                 self._open[name] = handle.__enter__()
             except (SafetensorError, OSError) as error:
                 raise CheckpointError(
-                    f"Checkpoint file '{path}' is damaged: {error}"
+                    f"Checkpoint file '{path}' is damaged: {error}. {_REMEDY}"
                 )
         return self._open[name]
 
@@ -189,7 +216,7 @@ class PieceReader:
             raise CheckpointError(
                 f"Checkpoint variable '{entry['path']}' does not cover region "
                 f"{index} of its shape {entry['shape']}: the checkpoint is "
-                "incomplete."
+                f"incomplete. {_REMEDY}"
             )
         if out is None:
             out = np.empty(shape, numpy_dtype(entry["dtype"]))

@@ -23,10 +23,12 @@ reduces its output whole.
 
 import contextlib
 import contextvars
+import warnings
 
 import keras
 
 from keras_tp.collectives.base import CollectiveAdapter
+from keras_tp.plan.trace import probe_inputs
 
 # Activations of shape (batch, sequence, features) are split on axis 1.
 SEQUENCE_AXIS = 1
@@ -44,6 +46,36 @@ def is_sequence(x):
     return len(x.shape) == SEQUENCE_RANK
 
 
+def has_sequence_axis(x):
+    """Whether axis 1 of `x` is a sequence: `(batch, sequence, ...)`
+    activations, or `(batch, sequence)` integer token ids."""
+    if not hasattr(x, "shape"):
+        return False
+    rank = len(x.shape)
+    dtype = keras.backend.standardize_dtype(x.dtype)
+    return rank >= SEQUENCE_RANK or (rank == 2 and "int" in dtype)
+
+
+def warn_without_sequence_axis(model):
+    """Warns that sequence parallelism leaves `model` as it is: none of its
+    inputs has a sequence axis, so no activation between its split layers
+    is split (a model that makes one inside, by a reshape, is split)."""
+    try:
+        inputs = keras.tree.flatten(probe_inputs(model, batch=1))
+    except ValueError:
+        return  # No known input shape: nothing to tell from.
+    if any(has_sequence_axis(x) for x in inputs):
+        return
+    shapes = [(None, *x.shape[1:]) for x in inputs]
+    warnings.warn(
+        "sequence_parallel=True splits (batch, sequence, ...) activations "
+        f"on their sequence axis, but the inputs of model '{model.name}' "
+        f"have none: shapes {shapes}. Unless the model makes one inside (a "
+        "Reshape), it splits nothing: pass sequence_parallel=False.",
+        stacklevel=4,
+    )
+
+
 @contextlib.contextmanager
 def region_inputs(main):
     """The context of a region's per-rank call whose main input (its
@@ -56,11 +88,8 @@ def region_inputs(main):
     over the sequence.
     """
     sizes = None
-    if main is not None and hasattr(main, "shape"):
-        rank = len(main.shape)
-        dtype = keras.backend.standardize_dtype(main.dtype)
-        if rank >= SEQUENCE_RANK or (rank == 2 and "int" in dtype):
-            sizes = tuple(main.shape[:2])
+    if main is not None and has_sequence_axis(main):
+        sizes = tuple(main.shape[:2])
     token = _REGION_SEQUENCE.set(sizes)
     try:
         yield

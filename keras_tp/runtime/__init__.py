@@ -11,6 +11,8 @@ import importlib
 
 import keras
 
+from keras_tp.collectives.sequence import warn_without_sequence_axis
+
 _MODULES = {
     "jax": "keras_tp.runtime.jax",
     "torch": "keras_tp.runtime.torch",
@@ -41,6 +43,8 @@ def make_runtime(model, config):
         `config.pipeline_parallel > 1`.
     """
     module = backend_module()
+    if config.sequence_parallel:
+        warn_without_sequence_axis(model)
     if config.pipeline_parallel == 1:
         return module.RUNTIME(config)
     pipeline = importlib.import_module(f"{module.__name__}.pipeline")

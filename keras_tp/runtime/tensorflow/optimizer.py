@@ -10,6 +10,7 @@ import concurrent.futures
 import keras
 import tensorflow as tf
 
+from keras_tp.compiling import check_unbuilt
 from keras_tp.keras_internals import UpdatesThroughAssign
 from keras_tp.keras_internals import backend_free_add_variable_from_reference
 from keras_tp.keras_internals import get_stateless_scope
@@ -36,12 +37,8 @@ def prepare_optimizer(runtime, model):
     optimizer = model.optimizer
     if not isinstance(optimizer, TensorParallelOptimizer):
         _check_optimizer_supported(optimizer, model, runtime)
-        if optimizer.built:
-            raise ValueError(
-                f"Optimizer '{optimizer.name}' is already built on other "
-                "variables. Give TensorParallelKeras.compile() a new "
-                "optimizer."
-            )
+        # Built before its first step: on another model's variables.
+        check_unbuilt(optimizer)
         wrapped = [optimizer]
         if isinstance(optimizer, CoordinatedOptimizer):
             wrapped += optimizer.wrapped_optimizers

@@ -59,11 +59,9 @@ def split_model(model, plan, runtime, trainer):
     """Places `model`'s variables as the bound `plan` splits them, runs
     its split layers through the runtime, and prepares `trainer` (the
     `TensorParallelKeras`) to run the steps."""
-    axes = plan.variable_axes()
+    axes = {id(variable): axis for variable, axis in plan.split_variables()}
     for variable in model.variables:
-        entry = axes.get(variable.path)
-        axis = entry[1] if entry is not None and entry[0] is variable else None
-        runtime.placement.place(variable, axis)
+        runtime.placement.place(variable, axes.get(id(variable)))
     installed = [
         region
         for part, part_runtime in runtime.stage_plans(plan)

@@ -933,3 +933,30 @@ def test_a_layout_map_is_a_plan():
     assert "LayoutMap" in tp.sharding_plan.replicated["lm_head"]
     x, _ = models.data_for("transformer_lm", batch=4)
     assert max_diff([tp(x)], [models.transformer_lm()(x)]) < 1e-5
+
+
+def test_layers_sharing_variable_paths_split_alike():
+    # Two sub-models whose layers have the same names give their variables
+    # the same paths (CLIP's encoders do). A plan maps paths to styles, so
+    # such layers split alike: here one MLP's widths divide by 4 and the
+    # other's do not, and both stay whole, saying why.
+    def branch(width):
+        inputs = keras.Input((8,))
+        hidden = keras.layers.Dense(width, activation="relu", name="up")(inputs)
+        return keras.Model(inputs, keras.layers.Dense(8, name="down")(hidden))
+
+    keras.utils.set_random_seed(0)
+    wide, narrow = branch(16), branch(6)
+    inputs = keras.Input((8,))
+    model = keras.Model(
+        inputs, keras.layers.Add()([wide(inputs), narrow(inputs)])
+    )
+    assert wide.layers[1].kernel.path == narrow.layers[1].kernel.path
+    tp = keras_tp.TensorParallelKeras(model, world_size=4)
+    plan = tp.sharding_plan
+    assert all(
+        isinstance(style, keras_tp.Replicate) for _, style in plan.rules
+    ), plan
+    assert "same paths" in plan.fallbacks["up"], plan.fallbacks
+    x = np.random.default_rng(0).normal(size=(4, 8)).astype("float32")
+    assert max_diff([tp(x)], [model(x)]) < 1e-6

@@ -470,6 +470,48 @@ def vit(seed=0):
     return model, x, y
 
 
+def clip(seed=0):
+    """A tiny `CLIPBackbone`: a vision and a text encoder, 4 heads each.
+
+    The two encoders name their layers alike, so their variables share
+    paths (`encoder_block_0/attention/query/kernel`, ...). The vision
+    encoder's 32x32 images in 8x8 patches give 17 positions (with the class
+    token), the text encoder's 8. The labels pair image `i` with text `i`:
+    CLIP's contrastive loss is the cross-entropy of both similarity
+    matrices against their diagonals.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple; `x` holds `images` and `token_ids`, and
+        `y` the diagonal labels of both outputs.
+    """
+    keras.utils.set_random_seed(seed)
+    vision = keras_hub.models.CLIPVisionEncoder(
+        patch_size=8,
+        hidden_dim=32,
+        num_layers=2,
+        num_heads=4,
+        intermediate_dim=64,
+        image_shape=IMAGE_SHAPE,
+    )
+    text = keras_hub.models.CLIPTextEncoder(
+        vocabulary_size=VOCAB,
+        embedding_dim=32,
+        hidden_dim=32,
+        num_layers=2,
+        num_heads=4,
+        intermediate_dim=64,
+        max_sequence_length=SEQ_LEN,
+    )
+    model = keras_hub.models.CLIPBackbone(vision, text, projection_dim=32)
+    images, _ = _image_data(seed)
+    x = {"images": images, "token_ids": _token_ids(seed)}
+    diagonal = np.arange(BATCH, dtype="int32")
+    return model, x, {"vision_logits": diagonal, "text_logits": diagonal}
+
+
 def bart(seed=0):
     """A tiny `BartSeq2SeqLM`: encoder-decoder, 4 heads, tied embeddings.
 
@@ -628,6 +670,7 @@ ZOO = {
     "vit": vit,
     "bart": bart,
     "t5": t5,
+    "clip": clip,
     "resnet50": resnet50,
     "efficientnetb0": efficientnetb0,
 }

@@ -37,6 +37,7 @@ TRANSFORMERS = (
     "vit",
     "bart",
     "t5",
+    "clip",
 )
 # Decoder-only LMs of the zoo: 2 blocks, token embedding and LM head in one
 # ReversibleEmbedding (tied or not).

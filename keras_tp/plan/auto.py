@@ -28,6 +28,7 @@ from keras_tp.plan.layers import leaf_handler
 from keras_tp.plan.planner import Planner
 from keras_tp.plan.sharding_plan import ShardingPlan
 from keras_tp.plan.styles import Replicate
+from keras_tp.plan.verify import Problem
 from keras_tp.plan.verify import local_problems
 from keras_tp.plan.verify import random_on_split_values
 
@@ -110,6 +111,7 @@ def auto_plan(
     planner = Planner(model, tensor_parallel, trace, layout_map)
     decisions = planner.decide()
     fallbacks = {}
+    _keep_shared_paths_alike(planner, decisions, fallbacks)
     if check_local and tensor_parallel > 1:
         planner.demote_whole_key_values(decisions, fallbacks)
         random_inputs = {}
@@ -130,8 +132,10 @@ def auto_plan(
     return _emit(model, tensor_parallel, decisions, fallbacks, planner.reasons)
 
 
-def _emit(model, tensor_parallel, decisions, fallbacks, reasons):
-    rules = {}
+def _styles(decisions):
+    """`[(variable path, style, decision), ...]` of every leaf layer the
+    decisions split or keep whole, attention projections included."""
+    styles = []
     for decision in decisions.values():
         layer = decision.layer
         if ATTENTION.matches(layer):
@@ -141,9 +145,43 @@ def _emit(model, tensor_parallel, decisions, fallbacks, reasons):
                     if isinstance(decision.style, Replicate)
                     else ATTENTION.projection_style(name)
                 )
-                rules[_primary_path(sub)] = style
+                styles.append((_primary_path(sub), style, decision))
         else:
-            rules[_primary_path(layer)] = decision.style
+            styles.append((_primary_path(layer), decision.style, decision))
+    return styles
+
+
+def _keep_shared_paths_alike(planner, decisions, fallbacks):
+    """Keeps whole the layers whose variable path another layer shares
+    with another style.
+
+    A plan maps variable paths to styles, and two sub-models whose layers
+    have the same names (CLIP's vision and text encoders) give their
+    variables the same paths: such layers must be split alike, or the plan
+    would apply one's style to both.
+    """
+    problem = Problem(
+        "another layer's variables have the same paths and another split, "
+        "and a plan maps paths to styles",
+        False,
+    )
+    for _ in range(len(decisions) + 1):
+        seen = {}
+        groups = set()
+        for path, style, decision in _styles(decisions):
+            other_style, other = seen.setdefault(path, (repr(style), decision))
+            if other_style != repr(style):
+                groups.update((decision.group, other.group))
+        if not groups:
+            return
+        # A group falls back to gathering Columns and slicing Rows, then,
+        # if its twin still differs, stays whole.
+        for group in groups:
+            planner.demote(decisions, group, problem, fallbacks)
+
+
+def _emit(model, tensor_parallel, decisions, fallbacks, reasons):
+    rules = {path: style for path, style, _ in _styles(decisions)}
     plan = ShardingPlan(rules).bind(model, tensor_parallel)
     plan.sources = {
         d.layer.path: d.source

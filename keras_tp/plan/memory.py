@@ -75,8 +75,7 @@ class PlanReport:
         self.plan = plan
         self.data_parallel = data_parallel
         self.split_axes = {
-            id(variable): axis
-            for variable, axis in plan.variable_axes().values()
+            id(variable): axis for variable, axis in plan.split_variables()
         }
 
     def local_shape(self, variable):

@@ -147,16 +147,26 @@ class ShardingPlan:
                 return source
         return ""
 
-    def variable_axes(self):
-        """`{variable_path: (variable, axis)}` of every split variable."""
-        axes = {}
+    def split_variables(self):
+        """`[(variable, axis), ...]`: every split variable and its axis.
+
+        Two variables can share a path (two sub-models whose layers have
+        the same names, as CLIP's vision and text encoders do), so code
+        that places variables goes by this list, not by path.
+        """
+        split = []
         for entry in self.leaf_layers():
             variables = entry.handler.variables(entry.layer)
             for role, axis in entry.axes.items():
                 if axis is not None and role in variables:
-                    variable = variables[role]
-                    axes[variable.path] = (variable, axis)
-        return axes
+                    split.append((variables[role], axis))
+        return split
+
+    def variable_axes(self):
+        """`{variable_path: (variable, axis)}` of every split variable
+        (one of the variables where several share a path; see
+        `split_variables`)."""
+        return {v.path: (v, axis) for v, axis in self.split_variables()}
 
     def leaf_layers(self):
         """Every `ShardedLayer`, the projections of units included."""

@@ -196,7 +196,7 @@ def test_paths_that_are_no_checkpoint_are_named(tmp_path):
     file.write_bytes(b"")
     with pytest.raises(keras_tp.CheckpointError) as caught:
         tp.save_weights(str(file))
-    assert f"'{file}' is a file" in str(caught.value)
+    assert f"'{file}': it is a file" in str(caught.value)
     assert "Pass another path" in str(caught.value)
     missing = tmp_path / "never_saved"
     with pytest.raises(keras_tp.CheckpointError) as caught:

@@ -69,9 +69,9 @@ def save_checkpoint(model, directory, epoch=None):
     """
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise CheckpointError(
-            f"save_checkpoint(): '{directory}' is a file, and a checkpoint "
-            "is a directory of files. Pass another path, or delete the file "
-            "first."
+            f"Cannot save a checkpoint to '{directory}': it is a file, and a "
+            "checkpoint is a directory of files. Pass another path, or "
+            "delete the file first."
         )
     storage = storage_of(model)
     state = checkpoint_state(model)

@@ -7,10 +7,8 @@ is decided on the model's dataflow graph (`graph`, `cut_points`).
 
 import inspect
 import logging
-import time
 
 import keras
-import numpy as np
 
 from keras_tp.keras_internals import sublayers
 from keras_tp.pipeline.cut_points import automatic_cuts
@@ -23,6 +21,7 @@ from keras_tp.pipeline.stages import Boundary
 from keras_tp.pipeline.stages import BoundaryTensor
 from keras_tp.pipeline.stages import Stage
 from keras_tp.pipeline.stages import StageSplit
+from keras_tp.runtime.base import median_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -198,14 +197,14 @@ def block_seconds(graph, candidates, sample):
     # Converted once, so that the first block's times do not include it.
     inputs = keras.tree.map_structure(keras.ops.convert_to_tensor, sample)
     for start, stage in zip(starts, blocks.stages):
-        outputs = _wait(stage.model(inputs))
-        runs = []
-        for _ in range(TIMED_RUNS):
-            began = time.perf_counter()
-            _wait(stage.model(inputs))
-            runs.append(time.perf_counter() - began)
-        seconds[start] = float(np.median(runs))
-        inputs = outputs
+        outputs = []
+
+        def run(model=stage.model, inputs=inputs, outputs=outputs):
+            outputs.append(_wait(model(inputs)))
+
+        # The warm-up run's outputs feed the next block.
+        seconds[start] = median_seconds(run, TIMED_RUNS)
+        inputs = outputs[0]
     return seconds
 
 

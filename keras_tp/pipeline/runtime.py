@@ -113,6 +113,20 @@ class PipelineRuntime(Runtime):
             adapter.stats = self.stats
         return runtime
 
+    def place_variable(self, variable, axis):
+        """Places `variable` on its owner's devices; each later stage that
+        uses it (a tied embedding) borrows the split (see `keep_copy`)."""
+        owner = self.stage_of[id(variable)]
+        for stage in self.shared_stages.get(id(variable), ()):
+            if stage != owner:
+                self.stage_runtimes[stage].placement.borrow(variable, axis)
+                self.keep_copy(variable, axis, stage)
+        self.stage_runtimes[owner].placement.place(variable, axis)
+
+    def keep_copy(self, variable, axis, stage):
+        """Stores `stage`'s copy of a weight an earlier stage owns, split on
+        `axis`; by default none: the stage receives one each step."""
+
     def prepare_trainer(self, trainer):
         """Keeps the `TensorParallelKeras` whose steps this runtime runs."""
         self.trainer = trainer
@@ -280,6 +294,10 @@ class CallingStageRegions:
     def calling_runtime(self):
         """The runtime of the stage whose work is issued now."""
         return self.runtimes.get(self._stage(), self._owner)
+
+    def full_shape(self, variable):
+        """The unsplit shape of `variable`, the same on every stage."""
+        return self._owner.full_shape(variable)
 
     def prepare_local_layer(self, layer):
         for runtime in self.runtimes.values():

@@ -263,15 +263,10 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
 
 def over_replicas(update, runtime, variables, zero_stage):
     """A stage's optimizer `update` (see `_update_of`) of the gradients'
-    rows, one per replica (`StagePrograms`).
-
-    Without ZeRO the replicas' gradients are averaged over `data` (DDP);
-    with ZeRO-1 they are reduce-scattered, each device updates its
-    partition of the weights (laid out as partitions, so the update
-    computes each device's only) with its partition of the optimizer
-    state, and the updated partitions are all-gathered: in the
-    `CoordinatedOptimizer`'s buckets (`ZeroLayout`), counted as the
-    optimizer's communication.
+    rows, one per replica: averaged over `data` (DDP) or, with ZeRO-1,
+    reduce-scattered, each device updating its partition, and the updated
+    partitions all-gathered, in the `CoordinatedOptimizer`'s buckets
+    (`ZeroLayout`), counted as the optimizer's communication.
 
     Args:
         update: the update of whole values.

@@ -10,14 +10,6 @@ class StageStorage:
     """Pipeline runtime mixin: each stage's variables on its runtime's
     devices."""
 
-    def place_variable(self, variable, axis):
-        stage = self.stage_of[id(variable)]
-        self.stage_runtimes[stage].placement.place(variable, axis)
-        # The other stages that use it read a copy split alike.
-        for other in self.shared_stages.get(id(variable), ()):
-            if other != stage:
-                self.stage_runtimes[other].placement.borrow(variable, axis)
-
     def _owner_runtime(self, variable):
         """The runtime of the stage that stores `variable` (the first
         stage for the optimizer's own variables, which every stage's

@@ -25,23 +25,15 @@ class StageStorage:
     """Pipeline runtime mixin: each stage's variables on its runtime, a
     shared weight's copies on the later stages that use it (`_copies`)."""
 
-    def place_variable(self, variable, axis):
-        """Places `variable` on its owner's replicas; the later stages
-        that use it get a copy of its pieces on theirs."""
-        owner = self.stage_of[id(variable)]
-        for stage in self.shared_stages.get(id(variable), ()):
-            if stage != owner:
-                runtime = self.stage_runtimes[stage]
-                runtime.placement.borrow(variable, axis)
-                copy = runtime.storage_copy(variable, axis)
-                self._copies[stage, id(variable)] = (variable, copy)
-        self._runtime_of(variable).placement.place(variable, axis)
+    def keep_copy(self, variable, axis, stage):
+        """A copy of the weight's pieces on `stage`'s replicas."""
+        copy = self.stage_runtimes[stage].storage_copy(variable, axis)
+        self._copies[stage, id(variable)] = (variable, copy)
 
     @contextlib.contextmanager
     def reading_copies(self, stage):
-        """Makes the weights `stage` uses but does not own read its copies
-        of them (see `refresh_copies`), for the replica steps issued
-        inside: their reads, and the gradients of those reads."""
+        """Makes the replica steps of `stage` issued inside read its copies
+        of the weights it uses but does not own (`refresh_copies`)."""
         swapped = [
             (variable, stored_value(variable))
             for variable in self.stage_models[stage].weights
@@ -57,8 +49,7 @@ class StageStorage:
 
     def refresh_copies(self):
         """Copies each shared weight's pieces from its owner's replicas to
-        the stages that also use it, replica `(d, t)` to replica `(d, t)`,
-        once a step (counted as sent on `"pipe"`)."""
+        the later stages' copies, replica `(d, t)` to `(d, t)` (counted)."""
         for (stage, _), (variable, copy) in self._copies.items():
             owned = stored_value(variable).values
             runtime = self.stage_runtimes[stage]
@@ -85,9 +76,8 @@ class StageStorage:
         self._runtime_of(variable).assign_full_value(variable, value)
 
     def _runtime_of(self, variable):
-        """The stage runtime that stores `variable` (a model variable, or
-        a slot of a stage's optimizer); `None` for the compiled
-        optimizer's own variables, whole on the host."""
+        """The stage runtime that stores `variable`; `None` for the
+        compiled optimizer's own variables, whole on the host."""
         stage = self.stage_of.get(id(variable))
         if stage is not None:
             return self.stage_runtimes[stage]
@@ -97,8 +87,8 @@ class StageStorage:
         )
 
     def local_pieces(self, variable):
-        """The pieces of `variable` its stage's replicas hold, each in
-        the file of its stage and replica."""
+        """The pieces of `variable` its stage's replicas hold, in the
+        file of their stage and replica."""
         runtime = self._runtime_of(variable)
         if runtime is None:
             # The compiled optimizer's own: with the first replica's.
@@ -112,8 +102,8 @@ class StageStorage:
         ]
 
     def assign_local_pieces(self, variable, read):
-        """Assigns the pieces of `variable` its stage's replicas hold (a
-        shared weight's copies follow at the next step)."""
+        """Assigns the pieces its stage's replicas hold (a shared weight's
+        copies follow at the next step)."""
         runtime = self._runtime_of(variable)
         if runtime is None:
             variable.assign(read(tuple((0, int(n)) for n in variable.shape)))
@@ -150,9 +140,8 @@ class StageStorage:
         return one_device_keys(trainable, optimizer.variables, slots)
 
     def device_bytes(self, variables):
-        """`{device: bytes}` of these variables, from every stage's
-        runtime (each reads the variables it owns), and of the later
-        stages' copies of shared weights."""
+        """`{device: bytes}` of these variables on their owners' devices,
+        and of the later stages' copies of shared weights."""
         totals = dict.fromkeys(self.devices, 0)
         for stage, runtime in enumerate(self.stage_runtimes):
             placed = [

@@ -35,10 +35,9 @@ class StageStorage:
         return super().full_shape(variable)
 
     def local_pieces(self, variable):
-        """This rank's pieces of its stage's variables. A weight several
-        stages share, and its slots, are written by the first of them;
-        the optimizer's own variables (its iteration count), alike on
-        every rank, by the first rank."""
+        """This rank's pieces of its stage's variables: a shared weight
+        and its slots written by its owner, the optimizer's own variables
+        by the first rank."""
         if isinstance(variable, SlotOfAnotherStage):
             return []
         stage_of = self.stage_of
@@ -150,22 +149,15 @@ class StageStorage:
         )
 
     def assign_full_value(self, variable, value):
-        """Assigns this rank's part of `value` on the ranks of the
-        variable's stage, its shard on each tensor-parallel rank.
-
-        Every rank passes the same `value`, as in any SPMD program.
-        """
+        """Assigns this rank's part of `value` (the same on every rank)
+        on the ranks of the variable's stage."""
         if self.owners.holds(self.stage_index, variable):
             self.stage_runtime.assign_full_value(variable, value)
 
     def save_model(self, model, filepath, **kwargs):
-        """Rank 0 writes the unsplit model; each variable's stage in the
-        first replica assembles it and sends it to rank 0, which holds it
-        only while writing.
-
-        Every rank returns once the file is written, and raises if rank 0
-        failed to write it.
-        """
+        """Rank 0 writes the unsplit model, each variable assembled by its
+        stage in the first replica and sent to rank 0 for the write. Every
+        rank returns once it is written, and raises if rank 0 failed."""
 
         def gathered():
             for variable in model.variables:
@@ -189,10 +181,8 @@ class StageStorage:
         )
 
     def device_bytes(self, variables):
-        """`{this rank's device: bytes}` of its tensors, each storage once.
-
-        The other stages' variables, meta tensors here, hold no memory.
-        """
+        """`{this rank's device: bytes}` of its tensors, each storage once
+        (the other stages' meta tensors hold none)."""
         own = [v for v in variables if parameter_of(v).device.type != "meta"]
         return {self.devices[self.rank]: storage_bytes(own)}
 

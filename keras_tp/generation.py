@@ -88,9 +88,7 @@ def _split_cache_call(layer, projections, runtime):
         split = runtime.split_on_model(cache, axis)
         args, kwargs = _with_cache(layer, split, args, kwargs)
         outputs = call(*args, **kwargs)
-        if not isinstance(outputs, (tuple, list)) or len(outputs[-1].shape) != (
-            len(cache.shape)
-        ):
+        if not _returns_cache(outputs, cache):
             raise ValueError(
                 f"Layer '{layer.path}' takes a key/value cache (its call "
                 f"argument `{CACHE_ARGUMENT}`) but does not return the "
@@ -110,6 +108,13 @@ def _split_cache_call(layer, projections, runtime):
         return type(outputs)([*rest, new_cache])
 
     return call_with_split_cache
+
+
+def _returns_cache(outputs, cache):
+    """Whether a layer's `outputs` end with a cache shaped like `cache`."""
+    if not isinstance(outputs, (tuple, list)):
+        return False
+    return len(outputs[-1].shape) == len(cache.shape)
 
 
 def _with_cache(layer, cache, args, kwargs):

@@ -274,8 +274,8 @@ def _leaf_output_axes(member):
 
 def _unit_output_axes(unit, members, full_shape):
     def output_axes(args, kwargs):
-        _, cache_axis = split_cache(unit, members, args, kwargs, full_shape)
-        return ATTENTION.output_axes(unit, kwargs, cache_axis)
+        cache, axis = split_cache(unit, members, args, kwargs, full_shape)
+        return ATTENTION.output_axes(unit, kwargs, cache, axis)
 
     return output_axes
 

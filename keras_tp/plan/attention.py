@@ -42,14 +42,14 @@ class AttentionUnit:
         """The style of projection `name` when the unit is sharded."""
         return Row() if name == ATTENTION_OUTPUT_PROJECTION else Column()
 
-    def output_axes(self, layer, kwargs, cache_axis=None):
+    def output_axes(self, layer, kwargs, cache=None, cache_axis=None):
         """Output axes: the scores, if returned, stay split on heads, and
-        so does a key/value cache split on `cache_axis` (see
-        `key_value_cache_axis`), which comes last."""
+        a key/value `cache`, if given, comes last, split on `cache_axis`
+        (see `key_value_cache_axis`)."""
         axes = [None]
         if kwargs.get("return_attention_scores"):
             axes.append(1)
-        if kwargs.get(CACHE_ARGUMENT) is not None:
+        if cache is not None:
             axes.append(cache_axis)
         return tuple(axes) if len(axes) > 1 else None
 

@@ -162,8 +162,7 @@ class TensorParallelKeras(DataParallelReports, Generation, keras.Model):
         _WRAPPED_MODELS.add(model)
         self.built = True
         if getattr(model, "compiled", False):
-            # keras-hub tasks compile themselves when made, and a model
-            # compiled before it is wrapped trains as it was compiled.
+            # A keras-hub task, or a model compiled before, trains as such.
             self._compile(**compiling.arguments_of(model))
 
     @property

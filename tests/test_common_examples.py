@@ -175,6 +175,25 @@ PYTHON_SETUP = {
         "tp.fit(x, keras.ops.one_hot(y, 64), epochs=1, verbose=0)\n"
     ),
 }
+# The names the generation example of docs/models.md leaves to the reader:
+# a tiny Llama backbone, its training data, and prompts padded to length 8.
+PYTHON_SETUP[
+    (
+        "docs/models.md",
+        "causal_lm = keras_hub.models.LlamaCausalLM(backbone, "
+        "preprocessor=None)",
+    )
+] = (
+    "import keras_hub\n"
+    "import numpy as np\n"
+    "backbone = keras_hub.models.LlamaBackbone(vocabulary_size=64, "
+    "num_layers=2, num_query_heads=4, num_key_value_heads=2, hidden_dim=16, "
+    "intermediate_dim=32)\n"
+    "ids = np.random.default_rng(0).integers(1, 64, (2, 8)).astype('int32')\n"
+    "mask = np.arange(8) < np.array([[3], [5]])\n"
+    "x = {'token_ids': ids, 'padding_mask': np.ones_like(mask)}\n"
+    "y = ids\n"
+)
 # Commands that end with an error on purpose, and their exit status.
 FAILING_COMMANDS = {"keras-tp plan lm.keras --world-size 3": 1}
 

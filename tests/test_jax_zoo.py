@@ -35,7 +35,12 @@ def measure(name, world_size):
     return _runs[name, world_size]
 
 
-@pytest.mark.parametrize("name", zoo_cases.TRANSFORMERS)
+# CLIP runs on the backends whose ranks hold their own slices (torch,
+# TensorFlow), where its twin variable paths once went wrong; JAX's global
+# arrays were exact, and `test_jax.py` checks the planner's rule for them.
+@pytest.mark.parametrize(
+    "name", [n for n in zoo_cases.TRANSFORMERS if n != "clip"]
+)
 def test_transformer_families_exact_at_two_ranks(name):
     results = measure(name, 2)
     zoo_cases.check_exact(results)

@@ -1,12 +1,13 @@
 """`launch`: run a training function on every rank, from a notebook or script.
 
-On the torch backend each rank is a process: `launch` spawns them with
-`torch.multiprocessing`, points them at a rendezvous on loopback, and
-brings rank 0's result (or a rank's exception) back to the caller. With
-`max_restarts`, a job that loses ranks starts again on the ranks that are
-left, as torchrun's elastic agent does when a node leaves. JAX and
-TensorFlow put ranks on devices of one process, so there `launch` simply
-calls the function: one notebook cell works on every backend.
+On the torch backend each rank is a process: `launch` starts them with
+`torch.multiprocessing` (forked from a server that imported keras once),
+points them at a rendezvous on loopback, and brings rank 0's result (or a
+rank's exception) back to the caller. With `max_restarts`, a job that
+loses ranks starts again on the ranks that are left, as torchrun's elastic
+agent does when a node leaves. JAX and TensorFlow put ranks on devices of
+one process, so there `launch` simply calls the function: one notebook
+cell works on every backend.
 """
 
 import contextlib
@@ -60,10 +61,11 @@ def launch(
     """Runs `train_fn(*args, **kwargs)` on `world_size` ranks.
 
     On the torch backend, each rank is a fresh process started with
-    `torch.multiprocessing` (spawn), with `RANK`, `LOCAL_RANK`,
-    `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` set as torchrun sets
-    them, so `keras_tp.TensorParallelKeras(model, world_size=world_size)`
-    inside `train_fn` joins the process group. On GPUs rank `r` uses
+    `torch.multiprocessing` (forkserver), with the caller's environment
+    and `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR` and
+    `MASTER_PORT` set as torchrun sets them, so
+    `keras_tp.TensorParallelKeras(model, world_size=world_size)` inside
+    `train_fn` joins the process group. On GPUs rank `r` uses
     `cuda:r`. `train_fn` may be defined in a script's `__main__` (guard the
     script's top level with `if __name__ == "__main__":`) or in a notebook
     cell: it is sent to the ranks by value with cloudpickle.
@@ -297,24 +299,27 @@ def _run_attempt(
     master_addr, master_port = rendezvous
     port = master_port or _free_port(master_addr)
     with tempfile.TemporaryDirectory(prefix="keras_tp_launch_") as workdir:
-        # Ranks import keras (through keras_tp) and torch before anything
-        # else runs: they must start with this process' backend and with
-        # their share of the cores.
-        with _environment(OMP_NUM_THREADS=str(threads), **environment):
-            context = mp.start_processes(
-                rank_processes.run_rank,
-                args=(
-                    world_size,
-                    nproc_per_node,
-                    master_addr,
-                    port,
-                    payload,
-                    workdir,
-                ),
-                nprocs=world_size,
-                join=False,
-                start_method="spawn",
-            )
+        rank_environment = {
+            **os.environ,
+            **environment,
+            "OMP_NUM_THREADS": str(threads),
+        }
+        _start_forkserver()
+        context = mp.start_processes(
+            rank_processes.run_rank,
+            args=(
+                world_size,
+                nproc_per_node,
+                master_addr,
+                port,
+                payload,
+                workdir,
+                rank_environment,
+            ),
+            nprocs=world_size,
+            join=False,
+            start_method="forkserver",
+        )
         try:
             rank_processes.wait(context.processes, timeout, workdir)
         finally:
@@ -331,6 +336,22 @@ def _run_attempt(
                 "Rank 0 exited without returning from train_fn (did it call "
                 "sys.exit?)."
             ) from None
+
+
+def _start_forkserver():
+    """Starts the process that the ranks are forked from, once.
+
+    Importing keras and torch takes a rank about 8 s of CPU; the fork
+    server imports them once, and every rank of every later `launch` of
+    this process starts from its copy. It imports nothing else and runs no
+    torch code, so it holds no threads, process group or device.
+    """
+    import multiprocessing.forkserver as forkserver
+
+    # Only the first call starts the server: later ones find it running.
+    forkserver.set_forkserver_preload(list(rank_processes.RANK_MODULES))
+    with _environment(KERAS_BACKEND="torch"):
+        forkserver.ensure_running()
 
 
 def _has_gpus():

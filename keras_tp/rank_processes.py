@@ -26,17 +26,38 @@ from keras_tp.errors import RemoteTraceback
 # another rank failed.
 _GRACE_SECONDS = 3.0
 
+# What every rank imports before `train_fn` runs, in the order the fork
+# server imports them for the ranks (`launcher._start_forkserver`).
+RANK_MODULES = (
+    "torch",
+    "torch.distributed",
+    "keras",
+    "keras_tp.collectives.torch",
+    "keras_tp.runtime.torch.liveness",
+)
+
 
 def run_rank(
-    rank, world_size, nproc_per_node, master_addr, master_port, payload, workdir
+    rank,
+    world_size,
+    nproc_per_node,
+    master_addr,
+    master_port,
+    payload,
+    workdir,
+    environment,
 ):
-    """The body of one rank's process (top level, so spawn can import it).
+    """The body of one rank's process (top level, so the fork server can
+    import it).
 
-    The ranks are numbered as torchrun numbers them on nodes of
-    `nproc_per_node` ranks each.
+    The rank runs with `environment` (the launching process' at launch
+    time) as its own, as a spawned process would. The ranks are numbered
+    as torchrun numbers them on nodes of `nproc_per_node` ranks each.
     """
     node, local_rank = divmod(rank, nproc_per_node)
     ranks_on_node = min(nproc_per_node, world_size - node * nproc_per_node)
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(local_rank),
@@ -52,6 +73,8 @@ def run_rank(
     from keras_tp.collectives.torch import TorchCollectiveAdapter
     from keras_tp.runtime.torch import liveness
 
+    # The fork server imported torch before this rank's OMP_NUM_THREADS.
+    torch.set_num_threads(int(environment["OMP_NUM_THREADS"]))
     if torch.cuda.is_available():
         torch.cuda.set_device(rank)
     with open(_stack_path(workdir, rank), "w") as stack_file:

@@ -53,6 +53,31 @@ class RankLostError(RankError):
         return type(self), (self.args[0], self.ranks, self.rank)
 
 
+class RankStuckError(RankError):
+    """A collective timed out because other ranks, alive, never entered it.
+
+    Raised on the rank whose collective waited `KERAS_TP_COLLECTIVE_TIMEOUT`
+    seconds, in place of the backend's own "Timed out waiting" error
+    (its `__cause__`), when every rank's heartbeat still beats: the
+    message names the ranks that never entered the collective, the last
+    collective each entered and its Python stack. Unlike a `RankLostError`,
+    the stuck ranks are not lost: `launch(max_restarts=...)` restarts the
+    job at the same size.
+
+    Attributes:
+        ranks: the ranks that never entered the collective.
+        rank: the rank that raised.
+    """
+
+    def __init__(self, message, ranks=(), rank=None):
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+        self.rank = rank
+
+    def __reduce__(self):
+        return type(self), (self.args[0], self.ranks, self.rank)
+
+
 class RemoteTraceback(Exception):
     """The traceback of an exception raised on another rank, as text."""
 

@@ -26,6 +26,7 @@ from keras_tp import rank_processes
 from keras_tp.errors import AttemptFailed
 from keras_tp.errors import RankError
 from keras_tp.errors import RankLostError
+from keras_tp.errors import RankStuckError
 from keras_tp.errors import RankTimeoutError
 from keras_tp.errors import RemoteTraceback
 
@@ -34,6 +35,7 @@ from keras_tp.errors import RemoteTraceback
 __all__ = [
     "RankError",
     "RankLostError",
+    "RankStuckError",
     "RankTimeoutError",
     "RemoteTraceback",
     "launch",
@@ -94,7 +96,11 @@ def launch(
     **Collective timeout.** `collective_timeout` sets
     `KERAS_TP_COLLECTIVE_TIMEOUT` in the ranks: a collective that waits
     longer for another rank fails, and the surviving ranks raise a
-    `RankLostError` that names the lost rank instead of hanging.
+    `RankLostError` that names the lost rank instead of hanging. When
+    every rank is alive but some never entered the collective (a hung data
+    loader, a deadlock), the error is a `RankStuckError` naming them, with
+    the last collective each entered and its Python stack; stuck ranks are
+    not lost, so a restart keeps the job's size.
 
     On the JAX and TensorFlow backends ranks are devices of this process,
     so `train_fn` is simply called here.
@@ -141,6 +147,8 @@ def launch(
             have fewer ranks than `min_world_size` allows.
         RankLostError: if a collective failed because a rank stopped
             responding; it names the rank.
+        RankStuckError: if a collective timed out because live ranks
+            never entered it; it names them and shows their stacks.
         RankTimeoutError: if ranks were still running after `timeout`.
 
     Example:

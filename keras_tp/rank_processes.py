@@ -19,6 +19,7 @@ import traceback
 from keras_tp.errors import AttemptFailed
 from keras_tp.errors import RankError
 from keras_tp.errors import RankLostError
+from keras_tp.errors import RankStuckError
 from keras_tp.errors import RankTimeoutError
 from keras_tp.errors import RemoteTraceback
 
@@ -89,14 +90,14 @@ def run_rank(
                 with open(os.path.join(workdir, "result.pkl"), "wb") as f:
                     pickle.dump(result, f)
         except Exception as e:
-            # A collective that failed for a lost rank says which rank.
-            lost = liveness.rank_lost_error(e)
-            if lost is None:
+            # A collective that failed for a lost or stuck rank says which.
+            named = liveness.rank_lost_error(e)
+            if named is None:
                 _write_error(workdir, rank, e)
                 raise
-            lost.__cause__ = e
-            _write_error(workdir, rank, lost)
-            raise lost from e
+            named.__cause__ = e
+            _write_error(workdir, rank, named)
+            raise named from e
         finally:
             liveness.stop_watching()
             if dist.is_initialized():
@@ -108,7 +109,8 @@ def wait(processes, timeout, workdir):
 
     On the first failure, the other ranks get `_GRACE_SECONDS` to end by
     themselves (they usually raise about the lost rank, which names it),
-    then are stopped.
+    then are stopped; ranks that a `RankStuckError` named as stuck are
+    stopped at once.
 
     Raises:
         AttemptFailed: if a rank failed.
@@ -128,7 +130,9 @@ def wait(processes, timeout, workdir):
         )
     if not failed:
         return
-    _join_all(processes, _GRACE_SECONDS)
+    running = {r for r, p in enumerate(processes) if p.is_alive()}
+    if not running <= _named_stuck(workdir, failed):
+        _join_all(processes, _GRACE_SECONDS)
     stopped = [r for r, p in enumerate(processes) if p.is_alive()]
     for rank in stopped:
         processes[rank].terminate()
@@ -138,6 +142,16 @@ def wait(processes, timeout, workdir):
             processes[rank].kill()
         processes[rank].join()
     raise _failure(processes, failed, stopped, workdir)
+
+
+def _named_stuck(workdir, failed):
+    """The ranks that the `RankStuckError`s of ranks `failed` name."""
+    named = set()
+    for blob, _, _ in _read_errors(workdir, max(failed) + 1).values():
+        error = pickle.loads(blob) if blob is not None else None
+        if isinstance(error, RankStuckError):
+            named.update(error.ranks)
+    return named
 
 
 def _join_all(processes, seconds):

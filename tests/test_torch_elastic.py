@@ -1,8 +1,9 @@
 """Elastic restarts and no hangs on a lost rank, under launch and torchrun.
 
-Each test kills, freezes or hangs rank 1 of a two-rank job before step 3
-of `tests/torch_scripts/elastic_train.py` and checks that the survivor
-raises within the collective timeout, naming rank 1, and that a restarted
+Each test kills, freezes, hangs or puts to sleep rank 1 of a two-rank job
+before step 3 of `tests/torch_scripts/elastic_train.py` and checks that
+the survivor raises within the collective timeout, naming rank 1 (and,
+for a rank that sleeps, where it is), and that a restarted
 job resumes: its losses are the uninterrupted one-device run's.
 
 Run with `KERAS_BACKEND=torch python -m pytest tests/test_torch_elastic.py`.
@@ -27,11 +28,17 @@ if keras.backend.backend() != "torch":
 import keras_tp  # noqa: E402
 from keras_tp import elastic  # noqa: E402
 from keras_tp import launcher  # noqa: E402
+from keras_tp.collectives import recorder  # noqa: E402
+from keras_tp.errors import RankStuckError  # noqa: E402
+from keras_tp.runtime.torch import stuck  # noqa: E402
 from tests.torch_scripts import elastic_train  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAIL_AT = 3
 TIMEOUT = 10
+# A stuck rank is named after this collective timeout: short, since
+# nothing else waits for it.
+STUCK_TIMEOUT = 5
 # The diagnosis of a hung rank waits for three missed heartbeats.
 DIAGNOSIS = 3
 
@@ -95,6 +102,78 @@ def test_launch_names_a_frozen_rank_within_the_collective_timeout(tmp_path):
     # gloo gave up after the timeout, not before and not much after.
     assert TIMEOUT - 1 <= raised - failed <= TIMEOUT + 5
     assert elapsed < 120
+
+
+def test_launch_names_a_stuck_rank_with_its_stack(tmp_path):
+    # Rank 1 sleeps with its heartbeat beating, as in a hung data loader:
+    # nothing is lost, and the error says which rank never came.
+    with pytest.raises(RankStuckError) as error:
+        keras_tp.launch(
+            elastic_train.train,
+            world_size=2,
+            args=(str(tmp_path), FAIL_AT, "sleep"),
+            collective_timeout=STUCK_TIMEOUT,
+            timeout=300,
+        )
+    ended = time.time()
+    message = str(error.value)
+    assert message.startswith(
+        f"Rank 0: a collective timed out after {STUCK_TIMEOUT} s "
+        "(KERAS_TP_COLLECTIVE_TIMEOUT), and rank(s) 1 never entered it: "
+        "rank 0 waited in "
+    )
+    assert error.value.ranks == (1,)
+    assert not isinstance(error.value, launcher.RankLostError)
+    assert "Rank 1 last entered all_gather #" in message
+    # Its stack shows where it is.
+    assert "in _fail\n    time.sleep(3600)" in message
+    failed = _read(tmp_path / "failed.json")["time"]
+    assert ended - failed <= STUCK_TIMEOUT + 10
+
+
+def test_a_rank_waiting_for_a_stuck_rank_is_followed_to_it(monkeypatch):
+    # 2 x 2 mesh: rank 0 waits in data all-reduce #3 over [0, 2]; rank 2
+    # never came, because it waits in model all-reduce #5 over [2, 3],
+    # which rank 3, stuck elsewhere, never entered.
+    monkeypatch.setenv(elastic.COLLECTIVE_TIMEOUT_VARIABLE, "5")
+
+    def report(counts, group, number, in_collective):
+        last = {
+            "group": group,
+            "number": number,
+            "kind": "all_reduce",
+            "shape": [4],
+            "dtype": "float32",
+            "axis": None,
+            "phase": "train",
+            "direction": None,
+            "time": 0.0,
+        }
+        return {
+            "recorder": {"counts": counts, "last": last},
+            "stack": f"stack of a rank in {group}",
+            "in_collective": in_collective,
+        }
+
+    recorder.reset()
+    for _ in range(3):
+        recorder.enter("0,2", "all_reduce", (4,), "float32", "data", "train")
+    reports = {
+        1: report({"0,1": 5, "1,3": 3}, "1,3", 3, True),
+        2: report({"0,2": 2, "2,3": 5}, "2,3", 5, True),
+        3: report({"1,3": 2, "2,3": 4}, "2,3", 4, False),
+    }
+    error = stuck.stuck_error(0, RuntimeError("x"), "x", reports, 10.0)
+    recorder.reset()
+    assert error.ranks == (3,)
+    message = str(error)
+    assert "and rank(s) 2 never entered it: rank 0 waited in all_reduce #3" in (
+        message
+    )
+    assert "Rank 2 waits in all_reduce #5 over ranks [2, 3]" in message
+    assert "for rank(s) 3, which never entered it." in message
+    assert "Rank 3 last entered all_reduce #4 over ranks [2, 3]" in message
+    assert "stack of a rank in 2,3" in message
 
 
 def test_torchrun_names_a_hung_rank_then_restarts_and_resumes(tmp_path):

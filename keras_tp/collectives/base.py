@@ -3,6 +3,7 @@
 import contextlib
 import contextvars
 
+from keras_tp.collectives import recorder
 from keras_tp.stats import CommunicationStats
 from keras_tp.tensors import nbytes
 
@@ -153,6 +154,31 @@ class CollectiveAdapter:
         """Counts one call; `scale` turns the input's bytes into the call's
         (an all-gather moves `size()` times its input)."""
         self.stats.record(kind, nbytes(x) * scale, direction, self.stats_axis)
+
+    def _enter(self, kind, x, direction=None):
+        """Records that this rank enters a collective of `kind` on `x`.
+
+        Adapters whose ranks are processes (torch) call it right before
+        every collective they issue, counted in `stats` or not, so that a
+        collective that times out can name the ranks that never entered it
+        (`keras_tp.collectives.recorder`). Compiled backends (JAX,
+        TensorFlow) issue theirs inside a program, and do not.
+        """
+        axis = self.stats_axis
+        recorder.enter(
+            self.group_key(),
+            kind,
+            tuple(x.shape),
+            str(x.dtype).removeprefix("torch."),
+            axis="/".join(axis) if isinstance(axis, tuple) else axis,
+            phase=self.stats.active_phase,
+            direction=direction,
+        )
+
+    def group_key(self):
+        """The global ranks of this adapter's group, as "0,1" (for the
+        records of `_enter`)."""
+        raise NotImplementedError
 
     @contextlib.contextmanager
     def activated(self):

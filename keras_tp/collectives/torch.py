@@ -78,7 +78,15 @@ class TorchCollectiveAdapter(TorchSequenceCollectives, CollectiveAdapter):
         return dist.get_world_size(self.group)
 
     def barrier(self):
+        self._enter("barrier", torch.empty(0))
         dist.barrier(group=self.group)
+
+    def group_key(self):
+        key = getattr(self, "_group_key", None)
+        if key is None:
+            ranks = dist.get_process_group_ranks(self.group or dist.group.WORLD)
+            key = self._group_key = ",".join(map(str, ranks))
+        return key
 
     def _record(self, kind, x, direction=None, scale=1):
         # A symbolic trace moves no data; count only real collectives.
@@ -88,6 +96,7 @@ class TorchCollectiveAdapter(TorchSequenceCollectives, CollectiveAdapter):
     def _all_reduce(self, x, op):
         out = _detached_copy(x, "all_reduce")
         if not is_symbolic(out):
+            self._enter("all_reduce", out)
             dist.all_reduce(out, op=_TORCH_REDUCE_OPS[op], group=self.group)
         return out / self.size() if op == "mean" else out
 
@@ -95,6 +104,7 @@ class TorchCollectiveAdapter(TorchSequenceCollectives, CollectiveAdapter):
         out = _detached_copy(x, "all_reduce")
         if is_symbolic(out):
             return lambda: out
+        self._enter("all_reduce", out)
         work = dist.all_reduce(
             out, op=_TORCH_REDUCE_OPS[op], group=self.group, async_op=True
         )
@@ -117,6 +127,7 @@ class TorchCollectiveAdapter(TorchSequenceCollectives, CollectiveAdapter):
         full = x.detach().movedim(axis, 0).contiguous()
         local = full.new_empty((full.shape[0] // self.size(), *full.shape[1:]))
         if not is_symbolic(full):
+            self._enter("reduce_scatter", full)
             dist.reduce_scatter_single(
                 local, full, op=dist.ReduceOp.SUM, group=self.group
             )
@@ -127,6 +138,7 @@ class TorchCollectiveAdapter(TorchSequenceCollectives, CollectiveAdapter):
         out = _detached_copy(x, "broadcast")
         if not is_symbolic(out):
             source = dist.get_global_rank(self.group or dist.group.WORLD, root)
+            self._enter("broadcast", out)
             dist.broadcast(out, src=source, group=self.group)
         return out
 
@@ -136,6 +148,7 @@ class TorchCollectiveAdapter(TorchSequenceCollectives, CollectiveAdapter):
         if is_symbolic(x):
             return torch.cat([x] * self.size(), dim=axis)
         parts = [torch.empty_like(x) for _ in range(self.size())]
+        self._enter("all_gather", x)
         dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=axis)
 
@@ -153,6 +166,7 @@ class TorchCollectiveAdapter(TorchSequenceCollectives, CollectiveAdapter):
     def sum_in_place(self, x):
         """Sums `x` over the ranks in place (not counted; symbolic: no-op)."""
         if not is_symbolic(x):
+            self._enter("all_reduce", x)
             dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
         return x
 

@@ -94,6 +94,7 @@ class TorchSequenceCollectives:
         in_backward = torch._C._current_graph_task_id() >= 0
         direction = "backward" if in_backward else "forward"
         self._record(kind, x, direction, scale)
+        self._enter(kind, x, direction)
 
     def _gather_uneven(self, local, axis, shape):
         # DTensor shards as `torch.chunk` does: the last ranks' shards may

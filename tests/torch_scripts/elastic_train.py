@@ -5,7 +5,8 @@ weights after every step (all-gathered, rank 0 writes them with NumPy)
 and, on rank 0, the losses so far. On the first attempt only, rank 1
 fails before step `fail_at` (`how`: "kill" is SIGKILL, "freeze" is
 SIGSTOP, "hang" stops its heartbeat and sleeps, as a process stuck in
-native code holding Python's lock would). A restarted attempt runs at
+native code holding Python's lock would, "sleep" only sleeps, as a rank
+stuck in a hung data loader would). A restarted attempt runs at
 `keras_tp.elastic_world_size()` and loads the last save. Under
 `keras_tp.launch(train, ..., max_restarts=1)` (tests/test_torch_elastic.py)
 or under torchrun:
@@ -43,7 +44,7 @@ def train(directory, fail_at=None, how="kill"):
     Args:
         directory: where the checkpoint and the losses live.
         fail_at: the step before which rank 1 fails on the first attempt.
-        how: "kill" (SIGKILL), "freeze" (SIGSTOP) or "hang".
+        how: "kill" (SIGKILL), "freeze" (SIGSTOP), "hang" or "sleep".
 
     Returns:
         `[{"step", "loss", "world_size", "restart"}]` of every step, the
@@ -132,10 +133,11 @@ def _fail(directory, how):
         os.path.join(directory, "failed.json"),
         {"time": time.time(), "pid": os.getpid(), "how": how},
     )
-    if how == "hang":
-        from keras_tp.runtime.torch import liveness
+    if how in ("hang", "sleep"):
+        if how == "hang":
+            from keras_tp.runtime.torch import liveness
 
-        liveness.stop_watching()
+            liveness.stop_watching()
         time.sleep(3600)
     os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
 

@@ -14,7 +14,11 @@ second. When a collective fails, the rank that saw it asks:
 - the store itself: does it still answer? If not, the process that
   hosted it is gone (rank 0 under `launch`, the agent under torchrun).
 
-and raises a `RankLostError` naming what it found.
+and raises a `RankLostError` naming what it found. When nothing is lost
+but the collective timed out, the ranks are alive but stuck: the rank asks
+every rank for a report (which collectives it entered, and its Python
+stack; its heartbeat thread answers) and raises a `RankStuckError` naming
+the ranks that never entered the collective (`stuck`).
 """
 
 import datetime
@@ -29,7 +33,9 @@ import time
 import torch.distributed as dist
 
 from keras_tp import elastic
+from keras_tp.collectives import recorder
 from keras_tp.errors import RankLostError
+from keras_tp.runtime.torch import stuck
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +54,8 @@ _COLLECTIVE_FAILURES = (
     "Broken pipe",
     "Timed out waiting",
 )
+# Text of a collective's error when it waited out its timeout.
+_TIMEOUTS = ("Timed out", "timed out", "Timeout", "timeout")
 
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -88,26 +96,34 @@ def stop_watching():
     if _WATCH is not None:
         _WATCH.stop()
         _WATCH = None
+    recorder.reset()
 
 
 def rank_lost_error(error):
-    """A `RankLostError` naming the ranks that made `error` happen.
+    """The error naming the ranks that made collective `error` happen.
 
     Args:
         error: an exception raised in this rank.
 
     Returns:
         A `RankLostError` (not raised) if `error` is a failed collective and
-        some rank is gone or stopped responding; else `None`.
+        some rank is gone or stopped responding; a `RankStuckError` if it
+        timed out while every rank is alive, naming the ranks that never
+        entered it; else `None`.
     """
     if _WATCH is None or not _is_collective_failure(error):
         return None
-    lost = _WATCH.lost_ranks()
-    if not lost:
-        return None
+    timed_out = any(marker in str(error) for marker in _TIMEOUTS)
+    lost = _WATCH.lost_ranks(ask_reports=timed_out)
     me = _WATCH.rank
-    names = "; ".join(f"rank {r} {why}" for r, why in sorted(lost.items()))
     reported = _reported_line(error).rstrip(".")
+    if not lost:
+        if not timed_out:
+            return None
+        return stuck.stuck_error(
+            me, error, reported, _WATCH.reports, time.time()
+        )
+    names = "; ".join(f"rank {r} {why}" for r, why in sorted(lost.items()))
     timeout = elastic.collective_timeout()
     waited = (
         f"{timeout:g} s ({elastic.COLLECTIVE_TIMEOUT_VARIABLE})"
@@ -179,6 +195,10 @@ class _RankWatch:
             json.dumps({"pid": os.getpid(), "host": self.host}),
         )
         self._store.add(self._key("beats", rank), 1)
+        # The last request for reports this rank answered, and the reports
+        # of the other ranks its last diagnosis received.
+        self._answered = 0
+        self.reports = {}
         self._stopping = threading.Event()
         self._thread = threading.Thread(
             target=self._beat, name="keras_tp-heartbeat", daemon=True
@@ -204,18 +224,46 @@ class _RankWatch:
         while not self._stopping.wait(HEARTBEAT_SECONDS):
             try:
                 self._store.add(self._key("beats", self.rank), 1)
+                self._answer()
             except Exception:
                 # The store's host left (the job is ending, or it died):
                 # the diagnosis reports it when a collective fails.
                 return
 
+    def _answer(self):
+        """Sends this rank's report if a failed collective asked for one
+        since the last beat (`stuck.report`)."""
+        request = self._store.add(self._key("request", "all"), 0)
+        if request > self._answered:
+            self._answered = request
+            self._store.set(
+                self._key("report", self.rank),
+                json.dumps(stuck.report(request)),
+            )
+
+    def _reports(self, store, ranks, request):
+        """`{rank: report}` of the ranks that answered `request`."""
+        reports = {}
+        for rank in ranks:
+            key = self._key("report", rank)
+            if store.check([key]):
+                answer = json.loads(store.get(key))
+                if answer["request"] >= request:
+                    reports[rank] = answer
+        return reports
+
     def stop(self):
         self._stopping.set()
         self._thread.join(timeout=_STORE_SECONDS)
 
-    def lost_ranks(self):
-        """`{rank: why}` of the ranks that are gone or not responding."""
+    def lost_ranks(self, ask_reports=False):
+        """`{rank: why}` of the ranks that are gone or not responding.
+
+        With `ask_reports`, the ranks that still beat are also asked for
+        their reports, which land in `self.reports`.
+        """
         others = [r for r in range(self.world_size) if r != self.rank]
+        self.reports = {}
         try:
             store = self._connect()
             records = {}
@@ -232,10 +280,14 @@ class _RankWatch:
             if lost:
                 return lost
             # Ranks elsewhere, or alive here but stuck: do their
-            # heartbeats still move?
+            # heartbeats still move? Their reports come in meanwhile.
+            if ask_reports:
+                request = store.add(self._key("request", "all"), 1)
             before = {r: store.add(self._key("beats", r), 0) for r in others}
             time.sleep(MISSED_HEARTBEATS * HEARTBEAT_SECONDS)
             after = {r: store.add(self._key("beats", r), 0) for r in others}
+            if ask_reports:
+                self.reports = self._reports(store, others, request)
         except Exception as e:
             return self._store_gone(e)
         for rank in others:

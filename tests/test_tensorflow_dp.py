@@ -35,8 +35,10 @@ from tests import models  # noqa: E402
 from tests.dp_cases import BATCH  # noqa: E402
 from tests.dp_cases import STEPS  # noqa: E402
 from tests.dp_cases import accumulation_buffer_bytes  # noqa: E402
+from tests.dp_cases import any_sample_count  # noqa: E402
 from tests.dp_cases import batchnorm_after_one_step  # noqa: E402
 from tests.dp_cases import check_accumulation_buffers  # noqa: E402
+from tests.dp_cases import check_any_sample_count  # noqa: E402
 from tests.dp_cases import check_data_traffic  # noqa: E402
 from tests.dp_cases import check_gradient_accumulation  # noqa: E402
 from tests.dp_cases import check_link_probe  # noqa: E402
@@ -240,6 +242,8 @@ def test_evaluate_and_predict_are_global():
     tp_logs = tp.evaluate(x, y, batch_size=8, verbose=0)
     np.testing.assert_allclose(tp_logs, ref_logs, rtol=1e-5)
     assert max_diff([reference.predict(x, verbose=0)], [tp.predict(x)]) <= 1e-5
+    # Batches that do not divide by data_parallel are padded, not refused.
+    check_any_sample_count(any_sample_count(reference, tp))
 
 
 def test_mesh_follows_tensorflow_rank_order():

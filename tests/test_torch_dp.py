@@ -24,6 +24,7 @@ from tests import hierarchy_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests.dp_cases import STEPS  # noqa: E402
 from tests.dp_cases import check_accumulation_buffers  # noqa: E402
+from tests.dp_cases import check_any_sample_count  # noqa: E402
 from tests.dp_cases import check_link_probe  # noqa: E402
 from tests.dp_cases import check_local_sgd_runs  # noqa: E402
 from tests.dp_cases import check_zero_memory  # noqa: E402
@@ -243,6 +244,7 @@ def test_evaluate_and_predict_are_global(two_ranks):
         tp_logs, reference_logs = rank["evaluate"]
         np.testing.assert_allclose(tp_logs, reference_logs, rtol=1e-5)
         assert rank["predict"] <= 1e-5
+        check_any_sample_count(rank["any_sample_count"])
 
 
 def test_errors(two_ranks):

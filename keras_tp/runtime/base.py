@@ -121,14 +121,30 @@ class Runtime(CheckpointPieces):
         write()
 
     def check_batch_size(self, size):
-        """Raises unless a global batch of `size` splits over the data axis."""
-        if size % self.data_parallel:
+        """Raises unless a global batch of `size` splits over the data axis.
+
+        Training needs it; `predict()` and `evaluate()` pad such a batch
+        instead (`keras_tp.runtime.padding`), but for pipelines.
+        """
+        if not size % self.data_parallel:
+            return
+        parts = self.data_parallel
+        if self.pipeline_parallel > 1:
             raise ValueError(
-                f"A batch of {size} samples cannot be split evenly "
-                f"over data_parallel={self.data_parallel} ranks. Use a batch "
-                "size (and a dataset size, or `drop_remainder=True`) that "
-                f"divides by {self.data_parallel}."
+                f"A batch of {size} samples cannot be split evenly over "
+                f"data_parallel={parts} pipeline replicas. Pipelines split "
+                "each batch over the replicas without padding it, in "
+                "predict() and evaluate() too: use a batch size and a "
+                f"number of samples that divide by {parts} (or pad your "
+                "inputs to such a number and drop the extra predictions)."
             )
+        raise ValueError(
+            f"A batch of {size} samples cannot be split evenly "
+            f"over data_parallel={parts} ranks for training (predict() and "
+            "evaluate() pad such a batch; training on padded rows would "
+            "change the gradients). Use a batch size (and a dataset size, "
+            f"or `drop_remainder=True`) that divides by {parts}."
+        )
 
     def device_bytes(self, variables):
         """`{device: bytes}` these variables occupy, read from the arrays."""

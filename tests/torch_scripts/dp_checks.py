@@ -73,6 +73,7 @@ def api_checks(configurations, save_path):
         [tp.predict(x, batch_size=8, verbose=0)],
         [reference.predict(x, batch_size=8, verbose=0)],
     )
+    result["any_sample_count"] = dp_cases.any_sample_count(reference, tp)
     tp.save(save_path)
     result["weights"] = [w.tolist() for w in tp.get_weights()]
     result["shapes_after_save"] = [

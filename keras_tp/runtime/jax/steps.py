@@ -12,12 +12,15 @@ rank's own block, and a direct call as replica 0's.
 import functools
 
 import jax
+import keras
 import numpy as np
 from jax.sharding import PartitionSpec
 
 from keras_tp.keras_internals import StatelessScope
 from keras_tp.keras_internals import bind_values
+from keras_tp.keras_internals import jax_update_metrics
 from keras_tp.keras_internals import local_shapes
+from keras_tp.runtime import padding
 from keras_tp.runtime.jax.regions import is_array
 
 
@@ -36,8 +39,51 @@ class MeshSteps:
             return super().run_step(phase, step, *args, **kwargs)
         state, data = args
         model = step.__self__
+        extra = padding.rows_to_add(data, self.data_parallel)
         with self.adapter.stats.recording(phase):
+            if extra and phase != "train":
+                with padding.whole_logits():
+                    return self._padded_step(phase, model, state, data, extra)
             return self._per_rank_step(phase, model, step, state, data)
+
+    def _padded_step(self, phase, model, state, data, extra):
+        """A predict or test step on a batch that needed `extra` rows to
+        split over `data` (see `keras_tp.runtime.padding`).
+
+        Every device predicts its slice of the padded batch; the padded
+        rows are dropped from the outputs, and a test step computes the
+        loss and the metrics on the real rows of the global batch.
+        """
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        size = padding.batch_size(x)
+        predict = keras.Model.predict_step.__get__(model)
+        trainable, non_trainable = state[0], state[1]
+        outputs, non_trainable = self._per_rank_step(
+            "predict",
+            model,
+            predict,
+            (trainable, non_trainable),
+            (padding.padded(x, extra),),
+        )
+        y_pred = padding.dropped(outputs, size)
+        if phase == "predict":
+            return y_pred, non_trainable
+        loss, (trainable, non_trainable, metrics) = (
+            model.stateless_compute_loss(
+                trainable,
+                non_trainable,
+                state[2],
+                x=x,
+                y=y,
+                y_pred=y_pred,
+                sample_weight=sample_weight,
+                training=False,
+            )
+        )
+        logs, metrics = jax_update_metrics(
+            model, metrics, loss, x, y, y_pred, sample_weight
+        )
+        return logs, (trainable, non_trainable, metrics)
 
     def _per_rank_step(self, phase, model, step, state, data):
         """Runs Keras' step on every device, on that device's values.

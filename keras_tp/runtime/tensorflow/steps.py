@@ -350,14 +350,32 @@ class ReplicaSteps:
 
     def _test_step(self, model, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        y_pred = self._rows_together(self._forward(model, x, training=False))
+        y_pred = self._padded_forward(model, x)
         _check_no_extra_losses(model)
         _tracked_loss(model, x, y, y_pred, sample_weight, False)
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _predict_step(self, model, data):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        return self._rows_together(self._forward(model, x, training=False))
+        return self._padded_forward(model, x)
+
+    def _padded_forward(self, model, x):
+        """The outputs of an inference pass on a batch of any size: with a
+        data axis, its last row repeated up to a multiple of
+        `data_parallel`, then dropped (`keras_tp.runtime.padding`)."""
+        size, parts = _batch_size(x), self.data_parallel
+
+        def pad(leaf):
+            if parts == 1 or not tf.is_tensor(leaf) or leaf.shape.rank == 0:
+                return leaf
+            rows = tf.shape(leaf)[0]
+            indices = tf.range(rows + tf.math.floormod(-rows, parts))
+            return tf.gather(leaf, tf.minimum(indices, rows - 1))
+
+        rows = self._forward(model, tf.nest.map_structure(pad, x), False)
+        return tf.nest.map_structure(
+            lambda y: y[:size] if y.shape.rank else y, self._rows_together(rows)
+        )
 
     def call_model(self, model, inputs, training):
         """A direct call of the wrapped model (`tp(x)`).

@@ -12,8 +12,11 @@ import keras
 import numpy as np
 import torch
 
+from keras_tp.keras_internals import compute_loss
+from keras_tp.keras_internals import update_loss_tracker
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.parallel.overlap import BackwardOverlap
+from keras_tp.runtime import padding
 from keras_tp.runtime.torch.saved_tensors import DetachedSavedTensors
 from keras_tp.runtime.torch.storage import parameter_of
 
@@ -28,23 +31,25 @@ class ProcessSteps:
         updates are summed over `data` and its float non-trainable state
         averaged (one all-reduce), so the logs are the global batch's; the
         predictions of the slices are gathered into the global batch's.
+        `predict` and `evaluate` pad a batch that does not split
+        (`keras_tp.runtime.padding`).
         """
         if not self.per_rank_steps:
             with self._step_context():
                 return super().run_step(phase, step, *args, **kwargs)
         (data,) = args
         model = step.__self__
+        extra = padding.rows_to_add(data, self.data_parallel)
         with self.adapter.stats.recording(phase), self._step_context():
+            if phase == "test" and extra:
+                with padding.whole_logits():
+                    return self._padded_test_step(model, data, extra)
+            size = padding.batch_size(data)
+            if phase == "predict" and extra:
+                data = padding.padded(data, extra)
             data = keras.tree.map_structure(self.batch_slice, data)
             if phase == "predict":
-                return keras.tree.map_structure(
-                    lambda y: (
-                        self.data_adapter.all_gather(y, 0)
-                        if torch.is_tensor(y)
-                        else y
-                    ),
-                    step(data),
-                )
+                return padding.dropped(self._gathered(step(data)), size)
             metrics = model.metrics_variables
             before = [v.value.detach().clone() for v in metrics]
             if phase == "train":
@@ -62,6 +67,42 @@ class ProcessSteps:
             ):
                 variable.assign(value)
             return model.get_metrics_result()
+
+    def _gathered(self, outputs):
+        """The global batch's outputs from every data rank's."""
+        return keras.tree.map_structure(
+            lambda y: (
+                self.data_adapter.all_gather(y, 0) if torch.is_tensor(y) else y
+            ),
+            outputs,
+        )
+
+    def _padded_test_step(self, model, data, extra):
+        """Keras' test step on a batch that needed `extra` rows to split.
+
+        Each data rank runs the model on its slice of the padded batch;
+        the loss and the metrics are computed on every rank alike, on the
+        real rows of the global batch's outputs (see
+        `keras_tp.runtime.padding`), so no metric counts a padded row.
+        """
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        size = padding.batch_size(x)
+        x_slice = keras.tree.map_structure(
+            self.batch_slice, padding.padded(x, extra)
+        )
+        y_pred = padding.dropped(
+            self._gathered(model(x_slice, training=False)), size
+        )
+        loss = compute_loss(
+            model,
+            x=x,
+            y=y,
+            y_pred=y_pred,
+            sample_weight=sample_weight,
+            training=False,
+        )
+        update_loss_tracker(model, loss, size)
+        return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def run_on_ranks(self, fn, variables, phase):
         """Runs `fn()` in this rank's process, without autograd, as Keras'

@@ -134,9 +134,10 @@ class Runtime(CheckpointPieces):
                 f"A batch of {size} samples cannot be split evenly over "
                 f"data_parallel={parts} pipeline replicas. Pipelines split "
                 "each batch over the replicas without padding it, in "
-                "predict() and evaluate() too: use a batch size and a "
-                f"number of samples that divide by {parts} (or pad your "
-                "inputs to such a number and drop the extra predictions)."
+                "predict() and evaluate() too: use a batch size that "
+                f"divides by {parts}, and a number of samples that the "
+                "batch size divides (or pad your inputs to such a number "
+                "and drop the extra predictions)."
             )
         raise ValueError(
             f"A batch of {size} samples cannot be split evenly "

@@ -14,6 +14,8 @@ loss, y_pred = run_schedule(primitives, order, x, y)
 ```
 """
 
+import keras
+
 from keras_tp.pipeline import schedules
 
 
@@ -77,7 +79,8 @@ class StagePrimitives:
 
     def joined(self, losses, predictions):
         """`(loss, y_pred)` of the batch from each micro-batch's loss share
-        and outputs, in micro-batch order."""
+        (none, and no loss, without targets) and outputs, in micro-batch
+        order."""
         raise NotImplementedError
 
 
@@ -133,7 +136,7 @@ def run_forward(primitives, x):
         x: the batch's inputs.
 
     Returns:
-        The last stage's outputs of each micro-batch, in order.
+        The batch's outputs, as `primitives.joined` makes them.
     """
     outputs = []
     for tensors in primitives.microbatches(x, None)[0]:
@@ -142,4 +145,37 @@ def run_forward(primitives, x):
                 tensors = primitives.send(tensors, stage, schedules.FORWARD)
             tensors = primitives.infer(stage, tensors)
         outputs.append(tensors)
-    return outputs
+    return primitives.joined([], outputs)[1]
+
+
+def split_rows(x, rows, count):
+    """The batch `x` cut into `rows` equal data-parallel rows, each cut
+    into `count` equal micro-batches.
+
+    Returns:
+        Per micro-batch, per row, a structure like `x`.
+    """
+    size = keras.tree.flatten(x)[0].shape[0] // (rows * count)
+
+    def part(row, m):
+        start = (row * count + m) * size
+        return keras.tree.map_structure(lambda a: a[start : start + size], x)
+
+    return [[part(row, m) for row in range(rows)] for m in range(count)]
+
+
+def join_rows(parts):
+    """The batch whose `split_rows` are `parts` (per micro-batch, per
+    row): row by row, each row's micro-batches in order."""
+    return concatenated(
+        [micro[row] for row in range(len(parts[0])) for micro in parts]
+    )
+
+
+def concatenated(structures):
+    """Like structures concatenated along their first (batch) axis."""
+    if len(structures) == 1:
+        return structures[0]
+    return keras.tree.map_structure(
+        lambda *parts: keras.ops.concatenate(parts, 0), *structures
+    )

@@ -27,7 +27,6 @@ from keras_tp.runtime.jax.stages import batch_size
 from keras_tp.runtime.jax.stages import counted_jit
 from keras_tp.runtime.jax.stages import onto
 from keras_tp.runtime.jax.stages import replica_rows
-from keras_tp.runtime.jax.stages import sent
 from keras_tp.runtime.jax.steps import is_concrete
 from keras_tp.runtime.jax.storage import placement_spec
 
@@ -158,7 +157,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             self.check_batch_size(batch)
         count = self.microbatches(batch // programs.replicas)
         stages = self._stages(programs, trainable, non_trainable, count)
-        outputs = programs.join_batch(run_forward(stages, x))
+        outputs = run_forward(stages, x)
         return outputs, self._merged(non_trainable, stages.non_trainable)
 
     def _merged(self, values, stage_values):
@@ -187,10 +186,16 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             for stage, model in enumerate(self.stage_models)
         ]
 
-    def sent(self, value, stage, direction):
-        """`value` sent to `stage`'s devices (see `stages.sent`)."""
-        mesh = self.stage_runtimes[stage].mesh
-        return sent(value, mesh, self.stats, direction)
+    def sent(self, tree, stage, direction):
+        """`tree` placed on `stage`'s devices (`onto`), counted as received
+        there on `"pipe"`, one call per array: each device its own shard or
+        copy. Integer inputs' `float0` gradients carry no data."""
+        tree = onto(tree, self.stage_runtimes[stage].mesh)
+        for leaf in jax.tree.leaves(tree):
+            if leaf.dtype != jax.dtypes.float0:
+                received = sum(s.data.nbytes for s in leaf.addressable_shards)
+                self.stats.record("send", received, direction, "pipe")
+        return tree
 
     def _apply(self, trainable, optimizer_values, gradients):
         """Each stage's compiled optimizer update, on its devices.

@@ -34,10 +34,9 @@ class StageStorage:
         placement.place_like(variable, reference, partition_axis)
 
     def device_bytes(self, variables):
-        """`{device: bytes}` of these variables, read from their arrays."""
-        names = {to_jax_device(name): name for name in self.devices}
-        totals = dict.fromkeys(self.devices, 0)
-        for variable in variables:
-            for shard in variable.value.addressable_shards:
-                totals[names[shard.device]] += shard.data.nbytes
-        return totals
+        """`{device: bytes}` of these variables, each stage runtime reading
+        their arrays' shards on its own devices."""
+        totals = {}
+        for runtime in self.stage_runtimes:
+            totals.update(runtime.device_bytes(variables))
+        return {name: totals[str(to_jax_device(name))] for name in self.devices}

@@ -16,6 +16,9 @@ from jax.sharding import PartitionSpec
 
 from keras_tp.keras_internals import local_shapes
 from keras_tp.pipeline.executor import StagePrimitives
+from keras_tp.pipeline.executor import concatenated
+from keras_tp.pipeline.executor import join_rows
+from keras_tp.pipeline.executor import split_rows
 from keras_tp.tensors import is_float
 
 # The index of the stage whose program is being traced in this context.
@@ -43,18 +46,6 @@ def onto(tree, mesh, spec=None):
         return jax.device_put(array, NamedSharding(mesh, split))
 
     return jax.tree.map(put, tree)
-
-
-def sent(tree, mesh, stats, direction):
-    """`tree` placed on `mesh` (`onto`), counted as received there on
-    `"pipe"`, one call per array: each device its own shard or copy.
-    Integer inputs' `float0` gradients carry no data."""
-    tree = onto(tree, mesh)
-    for leaf in jax.tree.leaves(tree):
-        if leaf.dtype != jax.dtypes.float0:
-            received = sum(s.data.nbytes for s in leaf.addressable_shards)
-            stats.record("send", received, direction, "pipe")
-    return tree
 
 
 def counted_jit(function, stats):
@@ -111,7 +102,7 @@ class StagePrograms:
 
     Args:
         pipeline: the `JaxPipelineRuntime` (its stage models, their
-            runtimes, its stats and loss).
+            runtimes, its stats, loss and sends).
         per_device: whether the passes run per device (see above).
         num_microbatches: micro-batches per batch of a training step, or
             `None` for programs that only run inference.
@@ -120,6 +111,7 @@ class StagePrograms:
     """
 
     def __init__(self, pipeline, per_device, num_microbatches, clock):
+        self.pipeline = pipeline
         self.stage_models = pipeline.stage_models
         self.runtimes = pipeline.stage_runtimes
         self.stats = pipeline.stats
@@ -134,33 +126,6 @@ class StagePrograms:
         # How to rebuild a forward pass's VJP from its kept residuals, by
         # stage and the signature of the pass's arguments on each device.
         self._layouts = {}
-
-    def split_batch(self, tree, count):
-        """The batch's `count` micro-batches: micro-batch `m` holds the
-        `m`-th slice of each replica's part of the batch, replica by
-        replica."""
-        replicas = self.replicas
-        size = batch_size(tree) // (replicas * count)
-
-        def part(array, m):
-            array = array.reshape((replicas, count, size) + array.shape[1:])
-            return array[:, m].reshape((replicas * size,) + array.shape[3:])
-
-        return [jax.tree.map(lambda a: part(a, m), tree) for m in range(count)]
-
-    def join_batch(self, parts):
-        """The micro-batches' outputs as the batch's (see `split_batch`)."""
-        replicas = self.replicas
-
-        def whole(*leaves):
-            stacked = jax.numpy.stack(leaves)
-            count, rows = stacked.shape[:2]
-            stacked = stacked.reshape(
-                (count, replicas, rows // replicas) + stacked.shape[2:]
-            ).swapaxes(0, 1)
-            return stacked.reshape((count * rows,) + stacked.shape[3:])
-
-        return jax.tree.map(whole, *parts)
 
     def place(self, stage, tree):
         """A stage's input arrays, placed on its devices: the first
@@ -351,9 +316,13 @@ class JaxStages(StagePrimitives):
         self._residuals = {}
 
     def microbatches(self, x, y):
-        split = self.programs.split_batch
-        targets = None if y is None else split(y, self.count)
-        return split(x, self.count), targets
+        # Micro-batch `m` holds the `m`-th slice of each replica's part of
+        # the batch, replica by replica.
+        def split(tree):
+            rows = split_rows(tree, self.programs.replicas, self.count)
+            return [concatenated(micro) for micro in rows]
+
+        return split(x), None if y is None else split(y)
 
     def _values(self, stage, inputs):
         placed = self.programs.place(stage, inputs)
@@ -379,8 +348,7 @@ class JaxStages(StagePrimitives):
         return input_grads
 
     def send(self, value, stage, direction):
-        mesh = self.programs.runtimes[stage].mesh
-        return sent(value, mesh, self.programs.stats, direction)
+        return self.programs.pipeline.sent(value, stage, direction)
 
     def infer(self, stage, inputs):
         program = self.programs.program("infer", stage)
@@ -391,8 +359,10 @@ class JaxStages(StagePrimitives):
 
     def joined(self, losses, predictions):
         # Each replica's loss is its slice's; the batch's is their mean.
-        loss = jax.numpy.mean(sum(losses[1:], losses[0]))
-        return loss, self.programs.join_batch(predictions)
+        loss = jax.numpy.mean(sum(losses[1:], losses[0])) if losses else None
+        replicas = self.programs.replicas
+        rows = [split_rows(part, replicas, 1)[0] for part in predictions]
+        return loss, join_rows(rows)
 
 
 def replica_rows(runtime, variables):

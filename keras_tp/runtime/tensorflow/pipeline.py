@@ -205,9 +205,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         runtime = self.stage_runtimes[index]
         stage = self.stage_optimizers[index]
         compiled = self.trainer.optimizer
-        optimizer = stage.optimizer
-        if isinstance(optimizer, CoordinatedOptimizer):
-            optimizer = optimizer.inner_optimizer
+        optimizer = stage.inner_optimizer
 
         def update():
             optimizer.iterations.assign(compiled.iterations)
@@ -248,6 +246,14 @@ class _StageTrainer:
         self.model = model
         self.optimizer = optimizer
         self.trainable_variables = owned
+
+    @property
+    def inner_optimizer(self):
+        """The optimizer holding the stage's step count and slots: its own,
+        or the one its `CoordinatedOptimizer` (stateless here) wraps."""
+        if isinstance(self.optimizer, CoordinatedOptimizer):
+            return self.optimizer.inner_optimizer
+        return self.optimizer
 
     @property
     def variables(self):

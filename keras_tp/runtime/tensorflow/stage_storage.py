@@ -16,7 +16,6 @@ from keras_tp.checkpoint.state import one_device_keys
 from keras_tp.checkpoint.state import stage_slots
 from keras_tp.keras_internals import set_stored_value
 from keras_tp.keras_internals import stored_value
-from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.runtime.tensorflow.devices import device_name
 from keras_tp.tensors import nbytes
 
@@ -131,10 +130,7 @@ class StageStorage:
         self.build_optimizer(self.trainer)
         slots = {}
         for stage, runtime in zip(self.stage_optimizers, self.stage_runtimes):
-            inner = stage.optimizer
-            if isinstance(inner, CoordinatedOptimizer):
-                # Which keeps no state of its own here.
-                inner = inner.inner_optimizer
+            inner = stage.inner_optimizer
             slots.update(stage_slots(inner, runtime.placement.references))
         trainable = self.trainer.trainable_variables
         return one_device_keys(trainable, optimizer.variables, slots)

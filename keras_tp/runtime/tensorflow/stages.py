@@ -16,8 +16,10 @@ import tensorflow as tf
 
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.executor import StagePrimitives
+from keras_tp.pipeline.executor import join_rows
 from keras_tp.pipeline.executor import run_forward
 from keras_tp.pipeline.executor import run_schedule
+from keras_tp.pipeline.executor import split_rows
 from keras_tp.tensors import nbytes
 
 
@@ -75,7 +77,7 @@ class TensorFlowStages(StagePrimitives):
         """The last stage's outputs of the batch `x`, one micro-batch
         after the other; `training` is that of the stages' calls."""
         self._training = training
-        return self.joined([], run_forward(self, x))[1]
+        return run_forward(self, x)
 
     def microbatches(self, x, y):
         # Per micro-batch, the last stage's replicas' gradients of the
@@ -165,13 +167,9 @@ class TensorFlowStages(StagePrimitives):
         if losses:
             loss = tf.add_n([row for micro in losses for row in micro])
             loss = loss / self.data_parallel
-        # The batch's outputs: row by row (from its first replica), each
-        # row's micro-batches in order.
-        rows = range(0, len(predictions[0]), self.tensor_parallel)
-        parts = [micro[r] for r in rows for micro in predictions]
-        if len(parts) == 1:
-            return loss, parts[0]
-        return loss, tf.nest.map_structure(lambda *p: tf.concat(p, 0), *parts)
+        # The batch's outputs, from the first replica of each row.
+        rows = [micro[:: self.tensor_parallel] for micro in predictions]
+        return loss, join_rows(rows)
 
     def _call(self, stage, inputs, training):
         """A replica's outputs of `stage`, its sequence shards gathered."""
@@ -192,23 +190,12 @@ class TensorFlowStages(StagePrimitives):
     def _per_replica(self, x):
         """Per micro-batch, per replica, micro-batch `m` of the replica's
         data-parallel row of `x`."""
-        count = self.num_microbatches
-        row = traced_batch_size(x) // self.data_parallel
-        schedules.check_microbatches(row, count)
-        size = row // count
-        # Part `d * count + m`: micro-batch `m` of row `d`.
-        parts = [
-            tf.nest.map_structure(
-                lambda a, i=i: a[i * size : (i + 1) * size], x
-            )
-            for i in range(self.data_parallel * count)
-        ]
+        rows, count = self.data_parallel, self.num_microbatches
+        schedules.check_microbatches(traced_batch_size(x) // rows, count)
+        replicas = range(rows * self.tensor_parallel)
         return [
-            [
-                parts[(r // self.tensor_parallel) * count + m]
-                for r in range(self.data_parallel * self.tensor_parallel)
-            ]
-            for m in range(count)
+            [micro[r // self.tensor_parallel] for r in replicas]
+            for micro in split_rows(x, rows, count)
         ]
 
     def _row_losses(self, m, outputs, target):

@@ -32,6 +32,9 @@ trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
 # them. XLA's lowest optimization level compiles about 30% faster; the
 # parity checks compare programs compiled alike.
 export XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# Two test processes share the two cores: TensorFlow's default of a thread
+# per core for each op's own work oversubscribes them (20% slower).
+export TF_NUM_INTRAOP_THREADS=1
 timed=tests/test_tensorflow_multiworker_timeout.py
 # A worker process keeps the virtual devices its first file configured;
 # the 3-D pipeline tests need 8 (data x pipe x model), the others 4.

@@ -1,7 +1,8 @@
 """Runs every notebook in notebooks/ top to bottom; any error fails.
 
 Each notebook sets its own backend and devices in its first code cell, and
-runs in its own kernel (python3, via ipykernel) with this checkout first on
+runs in its own kernel (python3, via ipykernel), in a fresh directory, with
+this checkout's `keras_tp` (and nothing else of the checkout) first on
 `PYTHONPATH`. Run alone: `python -m pytest tests/test_common_notebooks.py`.
 """
 
@@ -24,14 +25,19 @@ def test_there_are_notebooks():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda path: path.stem)
-def test_notebook_runs(path, monkeypatch):
+def test_notebook_runs(path, monkeypatch, tmp_path):
     notebook = nbformat.read(path, as_version=4)
     intro = notebook.cells[0]
     assert intro.cell_type == "markdown" and "Backend:" in intro.source
     # The kernel inherits this environment: make it import this checkout's
-    # keras_tp, and keep TensorFlow's C++ logs out of the outputs.
+    # keras_tp and nothing else of the checkout (`benchmarks`, `tests`), as
+    # after the documented install, and keep TensorFlow's C++ logs out of
+    # the outputs. It runs in a fresh directory.
+    package_only = tmp_path / "path"
+    package_only.mkdir()
+    (package_only / "keras_tp").symlink_to(REPO / "keras_tp")
     pythonpath = os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p
+        p for p in (str(package_only), os.environ.get("PYTHONPATH")) if p
     )
     monkeypatch.setenv("PYTHONPATH", pythonpath)
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -39,6 +45,6 @@ def test_notebook_runs(path, monkeypatch):
         notebook,
         kernel_name="python3",
         timeout=600,
-        resources={"metadata": {"path": str(path.parent)}},
+        resources={"metadata": {"path": str(tmp_path)}},
     )
     client.execute()  # raises CellExecutionError on the first failing cell

@@ -19,6 +19,7 @@ _EXPORTS = {
     "ExpertParallel": "keras_tp.plan",
     "ParallelConfig": "keras_tp.config",
     "RankLostError": "keras_tp.errors",
+    "RankStuckError": "keras_tp.errors",
     "Replicate": "keras_tp.plan",
     "Row": "keras_tp.plan",
     "ShardingError": "keras_tp.errors",

@@ -29,7 +29,20 @@ class RankTimeoutError(RankError, TimeoutError):
     """Ranks were still running when `launch`'s timeout expired."""
 
 
-class RankLostError(RankError):
+class _RanksNamedError(RankError):
+    """A rank's error that names other ranks (`ranks`) and itself (`rank`)."""
+
+    def __init__(self, message, ranks=(), rank=None):
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+        self.rank = rank
+
+    def __reduce__(self):
+        # Pickled from a rank to the caller of `launch`.
+        return type(self), (self.args[0], self.ranks, self.rank)
+
+
+class RankLostError(_RanksNamedError):
     """A collective failed because other ranks died or stopped responding.
 
     Raised on a surviving rank, in place of the backend's own error (a
@@ -43,17 +56,8 @@ class RankLostError(RankError):
         rank: the rank or worker that raised.
     """
 
-    def __init__(self, message, ranks=(), rank=None):
-        super().__init__(message)
-        self.ranks = tuple(ranks)
-        self.rank = rank
 
-    def __reduce__(self):
-        # Pickled from a rank to the caller of `launch`.
-        return type(self), (self.args[0], self.ranks, self.rank)
-
-
-class RankStuckError(RankError):
+class RankStuckError(_RanksNamedError):
     """A collective timed out because other ranks, alive, never entered it.
 
     Raised on the rank whose collective waited `KERAS_TP_COLLECTIVE_TIMEOUT`
@@ -68,14 +72,6 @@ class RankStuckError(RankError):
         ranks: the ranks that never entered the collective.
         rank: the rank that raised.
     """
-
-    def __init__(self, message, ranks=(), rank=None):
-        super().__init__(message)
-        self.ranks = tuple(ranks)
-        self.rank = rank
-
-    def __reduce__(self):
-        return type(self), (self.args[0], self.ranks, self.rank)
 
 
 class RemoteTraceback(Exception):

@@ -39,6 +39,19 @@ def logits_split(layer):
         _SPLIT_HEADS.discard(id(layer))
 
 
+@contextlib.contextmanager
+def whole_logits():
+    """Inside, every LM head gathers its logits whole, even in a step that
+    would keep them split (a padded batch's loss is computed on the global
+    batch's outputs, outside the ranks: `keras_tp.runtime.padding`)."""
+    split = set(_SPLIT_HEADS)
+    _SPLIT_HEADS.clear()
+    try:
+        yield
+    finally:
+        _SPLIT_HEADS.update(split)
+
+
 def _finish(layer, style, adapter, x, bias, axis):
     """Adds the bias and applies the activation around the collective.
 

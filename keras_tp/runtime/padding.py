@@ -17,13 +17,9 @@ JAX's traced ones; TensorFlow's steps, whose batch size may be unknown
 when traced, pad with TensorFlow's ops (`runtime/tensorflow/steps.py`).
 """
 
-import contextlib
-
 import keras
 import numpy as np
 from keras import ops
-
-from keras_tp.plan import layers
 
 
 def batch_size(data):
@@ -64,22 +60,6 @@ def dropped(outputs, size):
     return keras.tree.map_structure(
         lambda y: y[:size] if _batched(y) else y, outputs
     )
-
-
-@contextlib.contextmanager
-def whole_logits():
-    """Inside, LM heads gather their logits whole, even in a test step.
-
-    A padded batch's loss is computed outside the ranks, on the global
-    batch's outputs, so a vocabulary-parallel head must not keep its
-    logits split for it (`keras_tp.vocab_parallel`).
-    """
-    split = set(layers._SPLIT_HEADS)
-    layers._SPLIT_HEADS.clear()
-    try:
-        yield
-    finally:
-        layers._SPLIT_HEADS.update(split)
 
 
 def _batched(leaf):

@@ -16,6 +16,7 @@ from keras_tp.keras_internals import compute_loss
 from keras_tp.keras_internals import update_loss_tracker
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.parallel.overlap import BackwardOverlap
+from keras_tp.plan import layers
 from keras_tp.runtime import padding
 from keras_tp.runtime.torch.saved_tensors import DetachedSavedTensors
 from keras_tp.runtime.torch.storage import parameter_of
@@ -42,7 +43,7 @@ class ProcessSteps:
         extra = padding.rows_to_add(data, self.data_parallel)
         with self.adapter.stats.recording(phase), self._step_context():
             if phase == "test" and extra:
-                with padding.whole_logits():
+                with layers.whole_logits():
                     return self._padded_test_step(model, data, extra)
             size = padding.batch_size(data)
             if phase == "predict" and extra:

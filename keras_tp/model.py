@@ -1,7 +1,6 @@
 """`TensorParallelKeras`: a `keras.Model` split across devices."""
 
 import inspect
-import weakref
 
 import keras
 
@@ -16,14 +15,12 @@ from keras_tp.keras_internals import print_msg
 from keras_tp.parallel.reports import DataParallelReports
 from keras_tp.runtime import make_runtime
 from keras_tp.splitting import bind_plan
+from keras_tp.splitting import check_wrappable
 from keras_tp.splitting import split_model
 from keras_tp.vocab_parallel import splitting_logits
 from keras_tp.vocab_parallel import with_split_logits
 
 _FIT_SIGNATURE = inspect.signature(keras.Model.fit)
-
-# Models whose layers were converted in place, so they are not split twice.
-_WRAPPED_MODELS = weakref.WeakSet()
 
 
 class TensorParallelKeras(DataParallelReports, Generation, keras.Model):
@@ -85,6 +82,10 @@ class TensorParallelKeras(DataParallelReports, Generation, keras.Model):
             sequence length divides by the tensor-parallel size; which
             data axes, ZeRO stages and pipelines each backend runs it
             with is `keras_tp.config.SUPPORT` (the table in the docs).
+        sample_batch: a few rows of the model's inputs, which the planner
+            runs the model on once to trace it and check the plan; by
+            default a probe batch made from its input shapes (unknown
+            dimensions 8). Pass one when the model needs other sizes.
 
     Example:
 
@@ -122,6 +123,7 @@ class TensorParallelKeras(DataParallelReports, Generation, keras.Model):
         schedule="1f1b",
         pipeline_cuts=None,
         sequence_parallel=False,
+        sample_batch=None,
         **kwargs,
     ):
         config = ParallelConfig(
@@ -135,31 +137,16 @@ class TensorParallelKeras(DataParallelReports, Generation, keras.Model):
             num_microbatches=num_microbatches,
             pipeline_cuts=pipeline_cuts,
         )
-        if not isinstance(model, keras.Model):
-            raise TypeError(
-                f"TensorParallelKeras wraps a keras.Model, got {type(model)}."
-            )
-        if model in _WRAPPED_MODELS:
-            raise ValueError(
-                f"Model '{model.name}' is already split by a "
-                "TensorParallelKeras. Wrap each model once; to change the "
-                "plan, rebuild the model (or load its saved copy)."
-            )
-        if not model.built:
-            raise ValueError(
-                f"Model '{model.name}' is not built. Call "
-                "`model.build(input_shape)` or run it once on a batch first."
-            )
+        check_wrappable(model)
         runtime = make_runtime(model, config)
         name = kwargs.pop("name", f"tensor_parallel_{model.name}")
         with runtime.scope():
             super().__init__(name=name, **kwargs)
         self.model = model
         self._runtime = runtime
-        self._plan = bind_plan(model, plan, runtime)
+        self._plan = bind_plan(model, plan, runtime, sample_batch)
         self._vocab_head = None
         split_model(model, self._plan, runtime, self)
-        _WRAPPED_MODELS.add(model)
         self.built = True
         if getattr(model, "compiled", False):
             # A keras-hub task, or a model compiled before, trains as such.

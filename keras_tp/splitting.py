@@ -1,6 +1,8 @@
 """How `TensorParallelKeras` splits a model it wraps: the plan bound to
 the model, its variables placed, its split layers' regions installed."""
 
+import weakref
+
 import keras
 
 from keras_tp import generation
@@ -10,11 +12,33 @@ from keras_tp.plan.auto import auto_plan
 from keras_tp.plan.sharding_plan import ShardingPlan
 from keras_tp.plan.verify import check_locally
 
+# Models whose layers were converted in place, so they are not split twice.
+_WRAPPED_MODELS = weakref.WeakSet()
 
-def bind_plan(model, plan, runtime):
+
+def check_wrappable(model):
+    """Raises if `model` is not a built `keras.Model` not yet split."""
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"TensorParallelKeras wraps a keras.Model, got {type(model)}."
+        )
+    if model in _WRAPPED_MODELS:
+        raise ValueError(
+            f"Model '{model.name}' is already split by a "
+            "TensorParallelKeras. Wrap each model once; to change the "
+            "plan, rebuild the model (or load its saved copy)."
+        )
+    if not model.built:
+        raise ValueError(
+            f"Model '{model.name}' is not built. Call "
+            "`model.build(input_shape)` or run it once on a batch first."
+        )
+
+
+def bind_plan(model, plan, runtime, sample_batch=None):
     """`plan` (`"auto"`, a `ShardingPlan`, a dict, a list of rules or a
     `keras.distribution.LayoutMap`) bound to `model` at the runtime's
-    tensor-parallel size."""
+    tensor-parallel size, traced on `sample_batch` (or a probe batch)."""
     tensor_parallel = runtime.tensor_parallel
     if isinstance(plan, keras.distribution.LayoutMap):
         bound = auto_plan(
@@ -22,6 +46,7 @@ def bind_plan(model, plan, runtime):
             tensor_parallel,
             check_local=runtime.local_ranks,
             layout_map=plan,
+            sample_batch=sample_batch,
         )
     elif isinstance(plan, str):
         if plan != "auto":
@@ -29,14 +54,17 @@ def bind_plan(model, plan, runtime):
                 f"plan must be 'auto', a ShardingPlan or a dict, got {plan!r}."
             )
         bound = auto_plan(
-            model, tensor_parallel, check_local=runtime.local_ranks
+            model,
+            tensor_parallel,
+            check_local=runtime.local_ranks,
+            sample_batch=sample_batch,
         )
     elif isinstance(plan, (ShardingPlan, dict, list, tuple)):
         rules = plan.rules if isinstance(plan, ShardingPlan) else plan
         bound = ShardingPlan(rules).bind(model, tensor_parallel)
         bound.sources = {e.layer.path: "user plan" for e in bound.layers}
         if runtime.local_ranks and tensor_parallel > 1:
-            check_locally(model, bound)
+            check_locally(model, bound, sample_batch)
     else:
         raise TypeError(
             "plan must be 'auto', a ShardingPlan, a dict or a "
@@ -78,3 +106,4 @@ def split_model(model, plan, runtime, trainer):
             if axis is not None:
                 runtime.placement.partition(variable, axis)
         zero3.install_gathers(model, installed, runtime)
+    _WRAPPED_MODELS.add(model)

@@ -199,3 +199,21 @@ def test_a_keras_hub_task_trains_as_it_compiled_itself():
     assert tp.evaluate(x, y, return_dict=True, verbose=0) == pytest.approx(
         reference.evaluate(x, y, return_dict=True, verbose=0)
     )
+
+
+def test_a_model_that_needs_real_sizes_is_traced_on_a_sample_batch():
+    model, x = zoo.moonshine()
+    with pytest.raises(ValueError) as caught:
+        keras_tp.TensorParallelKeras(model, world_size=2)
+    assert "pass sample_batch=" in "".join(caught.value.__notes__)
+    reference, x = zoo.moonshine()
+    tp = keras_tp.TensorParallelKeras(
+        zoo.moonshine()[0], world_size=2, sample_batch=x
+    )
+    assert tp.sharding_plan.leaf_layers()
+
+    # The backbone returns its padding masks too: compare the features.
+    def features(outputs):
+        return [o for o in keras.tree.flatten(outputs) if o.dtype != "bool"]
+
+    assert models.max_diff(features(tp(x)), features(reference(x))) < 1e-5

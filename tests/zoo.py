@@ -512,6 +512,41 @@ def clip(seed=0):
     return model, x, {"vision_logits": diagonal, "text_logits": diagonal}
 
 
+def moonshine(seed=0):
+    """A tiny `MoonshineBackbone` (speech to text) and a batch for it.
+
+    Its audio encoder starts with a convolution 127 samples wide and
+    strides 64, then two more: the audio must be at least 895 samples
+    long, so a probe batch with unknown dimensions of 8 cannot run it.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x)` tuple; `x` holds 1,024 audio samples and 8 decoder
+        tokens per row.
+    """
+    keras.utils.set_random_seed(seed)
+    model = keras_hub.models.MoonshineBackbone(
+        vocabulary_size=VOCAB,
+        filter_dim=32,
+        encoder_num_layers=1,
+        decoder_num_layers=1,
+        hidden_dim=32,
+        intermediate_dim=64,
+        encoder_num_heads=2,
+        decoder_num_heads=2,
+    )
+    audio = _rng(seed).normal(size=(BATCH, 1024, 1)).astype("float32")
+    x = {
+        "encoder_input_values": audio,
+        "encoder_padding_mask": np.ones((BATCH, 1024), "bool"),
+        "decoder_token_ids": _token_ids(seed),
+        "decoder_padding_mask": np.ones((BATCH, SEQ_LEN), "bool"),
+    }
+    return model, x
+
+
 def bart(seed=0):
     """A tiny `BartSeq2SeqLM`: encoder-decoder, 4 heads, tied embeddings.
 

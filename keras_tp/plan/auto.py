@@ -41,6 +41,7 @@ def auto_plan(
     check_local=True,
     world_size=None,
     layout_map=None,
+    sample_batch=None,
 ):
     """Returns the plan `TensorParallelKeras(model, plan="auto")` applies.
 
@@ -77,6 +78,11 @@ def auto_plan(
             `ModelParallel`) that decides which layers split: those it
             splits on the `model` axis, with Megatron's styles; the rest
             stay whole.
+        sample_batch: a few rows of the model's inputs to trace it on;
+            default: a probe batch made from its input shapes, with every
+            unknown dimension 8. Pass one when the model needs other
+            sizes (a wide audio convolution, a text length the model
+            fixes).
 
     Returns:
         A `ShardingPlan` bound to `model`.
@@ -107,7 +113,7 @@ def auto_plan(
         raise ValueError(
             f"tensor_parallel must be >= 1, got {tensor_parallel}."
         )
-    trace = tracing.trace_model(model)
+    trace = tracing.trace_model(model, sample_batch)
     planner = Planner(model, tensor_parallel, trace, layout_map)
     decisions = planner.decide()
     fallbacks = {}

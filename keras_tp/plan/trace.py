@@ -101,7 +101,8 @@ def trace_model(model, inputs=None):
     Returns:
         A `Trace`.
     """
-    if inputs is None:
+    probing = inputs is None
+    if probing:
         inputs = probe_inputs(model)
     calls = []
     stack = []
@@ -130,7 +131,21 @@ def trace_model(model, inputs=None):
         return recording_call
 
     with instrumented(model, wrap):
-        outputs = model(inputs, training=False)
+        try:
+            outputs = model(inputs, training=False)
+        except Exception as e:
+            if probing:
+                shapes = keras.tree.map_structure(
+                    lambda t: tuple(t.shape), inputs
+                )
+                e.add_note(
+                    f"keras_tp traced model '{model.name}' on a probe batch "
+                    f"made from its input shapes, {shapes} (unknown "
+                    "dimensions 8). If the model needs other sizes, pass "
+                    "sample_batch= (a few rows of real inputs) to "
+                    "TensorParallelKeras or keras_tp.auto_plan."
+                )
+            raise
     # A call that raised leaves no record; nothing else can be missing.
     return Trace([c for c in calls if c is not None], inputs, outputs)
 

@@ -83,7 +83,7 @@ class _ReadWatcher(StatelessScope):
         return None
 
 
-def check_locally(model, plan):
+def check_locally(model, plan, sample_batch=None):
     """Raises a `ShardingError` if a rank holding its slices would be wrong.
 
     For a plan given by the user: the same check `auto_plan` runs, with
@@ -92,11 +92,17 @@ def check_locally(model, plan):
     Args:
         model: the model `plan` is bound to (not yet split).
         plan: a bound `ShardingPlan`.
+        sample_batch: the inputs to trace `model` on; default: a probe
+            batch (see `keras_tp.auto_plan`).
     """
     group_of = {id(e.layer): e.layer.path for e in plan.leaf_layers()}
     random_inputs = {}
     problems = local_problems(
-        model, plan, tracing.trace_model(model), group_of, random_inputs
+        model,
+        plan,
+        tracing.trace_model(model, sample_batch),
+        group_of,
+        random_inputs,
     )
     if problems:
         listing = "; ".join(

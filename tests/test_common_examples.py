@@ -169,6 +169,11 @@ PYTHON_SETUP = {
         "docs/guides/jax.md",
         "tp = keras_tp.TensorParallelKeras(model, world_size=4, plan={",
     ): MODEL,
+    (
+        "docs/troubleshooting.md",
+        "tp = keras_tp.TensorParallelKeras(model, world_size=2, "
+        "sample_batch=x[:2])",
+    ): MODEL,
     ("docs/guides/jax.md", "tp.summary()"): (
         MODEL + "tp = keras_tp.TensorParallelKeras(model, world_size=4)\n"
         "tp.compile(optimizer='adam', loss='mse')\n"

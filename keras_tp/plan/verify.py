@@ -97,13 +97,8 @@ def check_locally(model, plan, sample_batch=None):
     """
     group_of = {id(e.layer): e.layer.path for e in plan.leaf_layers()}
     random_inputs = {}
-    problems = local_problems(
-        model,
-        plan,
-        tracing.trace_model(model, sample_batch),
-        group_of,
-        random_inputs,
-    )
+    trace = tracing.trace_model(model, sample_batch)
+    problems = local_problems(model, plan, trace, group_of, random_inputs)
     if problems:
         listing = "; ".join(
             f"'{path}': {problem.reason}" for path, problem in problems.items()

@@ -49,6 +49,7 @@ from keras_tp.keras_internals.models import loss_function_arguments
 from keras_tp.keras_internals.models import metric_function
 from keras_tp.keras_internals.models import print_msg
 from keras_tp.keras_internals.models import set_metric_function
+from keras_tp.keras_internals.models import tracked_loss
 from keras_tp.keras_internals.models import update_loss_tracker
 from keras_tp.keras_internals.optimizers import UpdatesThroughAssign
 from keras_tp.keras_internals.optimizers import (
@@ -111,6 +112,7 @@ __all__ = [
     "set_jax_layout",
     "set_keras_mask",
     "set_metric_function",
+    "tracked_loss",
     "set_reported_shape",
     "set_stored_value",
     "shifted_seed_draws",

@@ -39,6 +39,21 @@ def update_loss_tracker(model, loss, sample_weight):
     model._loss_tracker.update_state(loss, sample_weight=sample_weight)
 
 
+def tracked_loss(model, x, y, y_pred, sample_weight, training, batch_size):
+    """A batch's loss, computed as Keras computes it and added (weighted by
+    `batch_size`) to the mean loss `fit()` reports."""
+    loss = compute_loss(
+        model,
+        x=x,
+        y=y,
+        y_pred=y_pred,
+        sample_weight=sample_weight,
+        training=training,
+    )
+    update_loss_tracker(model, loss, batch_size)
+    return loss
+
+
 def input_structure(model):
     """The symbolic inputs a Functional model was built on, in the
     structure its `call` takes (a dict, a list, one tensor); `None` for a

@@ -29,9 +29,8 @@ import warnings
 import keras
 import tensorflow as tf
 
-from keras_tp.keras_internals import compute_loss
 from keras_tp.keras_internals import local_shapes
-from keras_tp.keras_internals import update_loss_tracker
+from keras_tp.keras_internals import tracked_loss
 from keras_tp.regions import forward_pass
 from keras_tp.runtime.tensorflow.optimizer import prepare_optimizer
 from keras_tp.runtime.tensorflow.storage import local_read
@@ -405,16 +404,9 @@ class ReplicaSteps:
 
 def _tracked_loss(model, x, y, y_pred, sample_weight, training):
     """The global batch's loss, added to the mean loss `fit()` reports."""
-    loss = compute_loss(
-        model,
-        x=x,
-        y=y,
-        y_pred=y_pred,
-        sample_weight=sample_weight,
-        training=training,
+    return tracked_loss(
+        model, x, y, y_pred, sample_weight, training, _batch_size(x)
     )
-    update_loss_tracker(model, loss, _batch_size(x))
-    return loss
 
 
 def _dense(gradients):

@@ -12,8 +12,7 @@ import keras
 import numpy as np
 import torch
 
-from keras_tp.keras_internals import compute_loss
-from keras_tp.keras_internals import update_loss_tracker
+from keras_tp.keras_internals import tracked_loss
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.parallel.overlap import BackwardOverlap
 from keras_tp.plan import layers
@@ -94,15 +93,7 @@ class ProcessSteps:
         y_pred = padding.dropped(
             self._gathered(model(x_slice, training=False)), size
         )
-        loss = compute_loss(
-            model,
-            x=x,
-            y=y,
-            y_pred=y_pred,
-            sample_weight=sample_weight,
-            training=False,
-        )
-        update_loss_tracker(model, loss, size)
+        tracked_loss(model, x, y, y_pred, sample_weight, False, size)
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def run_on_ranks(self, fn, variables, phase):

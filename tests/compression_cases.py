@@ -12,6 +12,7 @@ import keras
 import numpy as np
 
 import keras_tp
+from keras_tp.parallel.compression import WARMUP_STEPS
 from tests import models
 from tests.models import loss_fn
 from tests.models import max_diff
@@ -28,14 +29,19 @@ MLP_SHAPES = [(16, 32), (32,), (32, 32), (32,), (32, 8), (8,)]
 CAST_TOLERANCE = 2e-4
 
 
-def compression_of(kind):
-    """The `compression` argument a run of `kind` uses."""
+def compression_of(kind, warmup_steps=0):
+    """The `compression` argument a run of `kind` uses: compressed from
+    the first step unless a warm-up is asked for."""
     if kind == "powersgd":
-        return keras_tp.Compression("powersgd", rank=POWERSGD_RANK)
+        return keras_tp.Compression(
+            "powersgd", rank=POWERSGD_RANK, warmup_steps=warmup_steps
+        )
+    if kind == "sign":
+        return keras_tp.Compression("sign", warmup_steps=warmup_steps)
     return kind
 
 
-def parallel(kind, world_size, data_parallel, zero_stage):
+def parallel(kind, world_size, data_parallel, zero_stage, warmup_steps=0):
     """The MLP on a `data x model` mesh, compiled with SGD and `kind`."""
     tp = keras_tp.TensorParallelKeras(
         models.mlp(),
@@ -46,7 +52,7 @@ def parallel(kind, world_size, data_parallel, zero_stage):
     optimizer = keras_tp.CoordinatedOptimizer(
         keras.optimizers.SGD(0.05),
         zero_stage=zero_stage,
-        compression=compression_of(kind),
+        compression=compression_of(kind, warmup_steps),
     )
     tp.compile(optimizer=optimizer, loss=loss_fn())
     return tp
@@ -108,6 +114,57 @@ def expected_traffic(kind, data_parallel, zero_stage):
     words = math.ceil(sum(sizes) / 32)
     signs = data_parallel * (4 * words + 4 * len(MLP_SHAPES))
     return {"all_gather": signs + gathered.get("all_gather", 0)}
+
+
+def warmup_run(kind, warmup_steps=2, layout=(2, 2, 0)):
+    """`kind` after a warm-up, one `fit()` per step, against uncompressed.
+
+    Returns:
+        Per step: `(sent, at_start, same_weights)`, the optimizer bytes
+        of the step over `data` by collective, whether the compression
+        state (errors, `Q`s) is still its first value, and whether the
+        weights equal those of uncompressed training.
+    """
+    tp = parallel(kind, *layout, warmup_steps=warmup_steps)
+    plain = parallel(None, *layout)
+    x, y = data(STEPS * BATCH)
+    first_state = None
+    steps = []
+    for step in range(STEPS):
+        batch = slice(step * BATCH, (step + 1) * BATCH)
+        for model in (tp, plain):
+            model.fit(x[batch], y[batch], batch_size=BATCH, verbose=0)
+        state = [
+            tp._runtime.placement.full_value(v)
+            for v in tp.optimizer.compression_variables
+        ]
+        if first_state is None:
+            first_state = [
+                np.zeros_like(v) if "error" in variable.name else v
+                for v, variable in zip(
+                    state, tp.optimizer.compression_variables
+                )
+            ]
+        sent = {
+            collective: entry["optimizer_bytes"]
+            for collective, entry in tp.communication_stats(axis="data").items()
+            if entry["optimizer_bytes"]
+        }
+        at_start = max_diff(state, first_state) == 0
+        same = max_diff(tp.get_weights(), plain.get_weights()) <= 1e-6
+        steps.append((sent, at_start, same))
+    return steps
+
+
+def check_warmup(kind, steps, warmup_steps=2, data_parallel=2):
+    """The warm-up sends uncompressed and keeps the state at its start;
+    the steps after it send compressed and move the state."""
+    for number, (sent, at_start, same) in enumerate(steps, start=1):
+        warming = number <= warmup_steps
+        expected = expected_traffic(None if warming else kind, data_parallel, 0)
+        assert sent == expected, (kind, number, sent, expected)
+        assert at_start == warming, (kind, number, at_start)
+        assert same == warming, (kind, number, same)
 
 
 def next_losses(tp):
@@ -185,9 +242,12 @@ def check_config_round_trip():
         "rank": 3,
         "min_compression_rate": 2.0,
         "seed": 7,
+        "warmup_steps": WARMUP_STEPS,
     }
     again = keras_tp.CoordinatedOptimizer.from_config(config)
     assert again.compression.get_config() == config["compression"]
+    sign = keras_tp.Compression.get({"kind": "sign", "warmup_steps": 5})
+    assert sign.get_config() == {"kind": "sign", "warmup_steps": 5}
     plain = keras_tp.CoordinatedOptimizer(keras.optimizers.SGD(0.1))
     assert plain.get_config()["compression"] is None
 
@@ -231,6 +291,8 @@ def rank_checks(layouts, directory):
                 if (each, layout) not in runs:
                     runs[(each, layout)] = train(each, layout)
     check_traffic_and_closeness(runs)
+    for kind in ("powersgd", "sign"):
+        check_warmup(kind, warmup_run(kind))
     resumed = {
         kind: resume_run(
             kind,

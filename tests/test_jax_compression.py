@@ -64,3 +64,8 @@ def test_loss_after_training_is_close_to_uncompressed():
 def test_zero3_is_refused_and_config_round_trips():
     cases.check_zero3_message(cases.zero3_refused())
     cases.check_config_round_trip()
+
+
+@pytest.mark.parametrize("kind", ["powersgd", "sign"])
+def test_warmup_sends_uncompressed_then_compressed(kind):
+    cases.check_warmup(kind, cases.warmup_run(kind))

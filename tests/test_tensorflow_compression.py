@@ -52,3 +52,8 @@ def test_state_resumes_from_checkpoint(tmp_path):
 
 def test_zero3_is_refused():
     cases.check_zero3_message(cases.zero3_refused())
+
+
+def test_warmup_sends_uncompressed_then_compressed():
+    for kind in ("powersgd", "sign"):
+        cases.check_warmup(kind, cases.warmup_run(kind))

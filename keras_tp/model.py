@@ -10,6 +10,7 @@ from keras_tp import reporting
 from keras_tp import weight_files
 from keras_tp.checkpoint.callbacks import prepare_callbacks
 from keras_tp.config import ParallelConfig
+from keras_tp.first_process import FirstProcessSpeaks
 from keras_tp.generation import Generation
 from keras_tp.keras_internals import print_msg
 from keras_tp.parallel.reports import DataParallelReports
@@ -23,7 +24,9 @@ from keras_tp.vocab_parallel import with_split_logits
 _FIT_SIGNATURE = inspect.signature(keras.Model.fit)
 
 
-class TensorParallelKeras(DataParallelReports, Generation, keras.Model):
+class TensorParallelKeras(
+    DataParallelReports, Generation, FirstProcessSpeaks, keras.Model
+):
     """Runs a built Keras model with its layers split across devices.
 
     Dense, EinsumDense, convolution, embedding and attention layers are
@@ -222,7 +225,8 @@ class TensorParallelKeras(DataParallelReports, Generation, keras.Model):
         needs it, so callbacks that restore it at the start of training
         (`keras.callbacks.BackupAndRestore`) find it in place. In a job of
         several processes, `BackupAndRestore` and `ModelCheckpoint` work
-        in every process (see `keras_tp.checkpoint.callbacks`).
+        in every process (see `keras_tp.checkpoint.callbacks`), and the
+        first process speaks for the job (`keras_tp.first_process`).
         """
         arguments = _FIT_SIGNATURE.bind_partial(self, *args, **kwargs)
         prepare_callbacks(arguments.arguments.get("callbacks"), self._runtime)

@@ -88,6 +88,7 @@ def split_model(model, plan, runtime, trainer):
     its split layers through the runtime, and prepares `trainer` (the
     `TensorParallelKeras`) to run the steps."""
     axes = {id(variable): axis for variable, axis in plan.split_variables()}
+    runtime.equalize_values(model.variables)
     for variable in model.variables:
         runtime.placement.place(variable, axes.get(id(variable)))
     installed = [

@@ -896,6 +896,12 @@ def test_two_hosts_gather_weights_and_save(two_hosts):
     assert results[0]["saved"] == 0.0
 
 
+def test_two_hosts_start_alike_and_the_first_speaks(two_hosts):
+    from tests import speaker_cases
+
+    speaker_cases.check_one_speaker([p["one_speaker"] for p in two_hosts])
+
+
 def test_two_hosts_reduce_hierarchically(two_hosts):
     """A data axis of 4 over two processes of two devices each: within
     each host first (tests/hierarchy_cases.py)."""

@@ -38,6 +38,7 @@ keras_tp.configure_virtual_devices(4)
 from tests import generation_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests import random_cases  # noqa: E402
+from tests import speaker_cases  # noqa: E402
 from tests import vocab_cases  # noqa: E402
 
 TOLERANCE = 1e-5
@@ -614,6 +615,9 @@ def test_multi_worker_mirrored_strategy_matches_one_device(tmp_path):
         ]
         assert result["checkpoint_plain_diff"] == 0.0
         assert result["checkpoint_reload_diff"] == 0.0
+    speaker_cases.check_one_speaker(
+        [json.loads(out.read_text())["one_speaker"] for _, out, _ in workers]
+    )
 
 
 @pytest.mark.parametrize("data_parallel", [1, 2])

@@ -291,3 +291,33 @@ def test_hierarchical_reduction_on_two_nodes():
         timeout=LAUNCH_TIMEOUT,
     )
     hierarchy_cases.check_runs(results)
+
+
+def _one_speaker_on_this_rank(directory):
+    import os
+
+    import torch.distributed as dist
+
+    from tests import speaker_cases
+
+    # Before the model is wrapped, the process group is not joined yet.
+    result = speaker_cases.one_speaker(
+        directory, int(os.environ["RANK"]), world_size=2, data_parallel=2
+    )
+    results = [None] * dist.get_world_size()
+    dist.all_gather_object(results, result)
+    return results
+
+
+def test_the_first_rank_speaks_for_the_job(tmp_path):
+    # Rank 1 builds other weights than rank 0; both train from rank 0's,
+    # and only rank 0 prints progress and writes the CSV log.
+    from tests import speaker_cases
+
+    ranks = launch(
+        _one_speaker_on_this_rank,
+        world_size=2,
+        args=(str(tmp_path),),
+        timeout=LAUNCH_TIMEOUT,
+    )
+    speaker_cases.check_one_speaker(ranks)

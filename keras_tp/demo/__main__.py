@@ -98,7 +98,6 @@ def train_and_compare(devices, epochs, samples, save):
         batch_size=32,
         epochs=epochs,
         shuffle=False,
-        verbose=1 if chief else 0,
     )
     if not chief:
         parallel.fit(**fit_args)

@@ -93,6 +93,12 @@ class CheckpointPieces:
     def wait_for_processes(self):
         """Returns once every process of the job has reached this call."""
 
+    def equalize_values(self, variables):
+        """Gives `variables`, before they are split, the first process's
+        values in every process: processes seeded differently start from
+        the same weights, as torch DDP's broadcast from rank 0 makes them.
+        A job of one process has nothing to do."""
+
     def build_optimizer(self, model):
         """Builds the compiled optimizer's state, as the first step would."""
         model.optimizer.build(model.trainable_variables)

@@ -4,7 +4,8 @@ Two processes with two virtual CPU devices each, over `jax.distributed`
 (gloo). They run TP=4: train the demo LM next to the same model on one
 local device, gather the weights, save on process 0 and record the
 largest differences; then `tests/hierarchy_cases.py` on a data axis of 4
-over the 2 hosts. Each process writes both results as JSON:
+over the 2 hosts, and `tests/speaker_cases.py`. Each process writes the
+results as JSON:
 
     python tests/jax_scripts/multihost.py PORT PROCESS_ID OUT_DIR
 """
@@ -70,6 +71,15 @@ def hierarchical():
 
 if __name__ == "__main__":
     # One start of jax.distributed runs both: starting it is the slow part.
-    results = {"tensor_parallel": main(), "hierarchical": hierarchical()}
+    from tests import speaker_cases
+
+    results = {
+        "tensor_parallel": main(),
+        "hierarchical": hierarchical(),
+        # predict() cannot fetch outputs that span both hosts' devices.
+        "one_speaker": speaker_cases.one_speaker(
+            out_dir, process_id, predict=False, world_size=4, data_parallel=2
+        ),
+    }
     with open(os.path.join(out_dir, f"process{process_id}.json"), "w") as f:
         json.dump(results, f)

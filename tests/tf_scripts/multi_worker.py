@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 
 import keras_tp  # noqa: E402
 from tests import models  # noqa: E402
+from tests import speaker_cases  # noqa: E402
 
 
 def main(out_path):
@@ -88,6 +89,9 @@ def main(out_path):
         "output_diff": output_diff,
         "parameter_bytes_per_device": tp.parameter_bytes_per_device(),
     }
+    result["one_speaker"] = speaker_cases.one_speaker(
+        os.path.dirname(out_path), task
+    )
     with open(out_path, "w") as f:
         json.dump(result, f)
 

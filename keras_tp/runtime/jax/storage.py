@@ -251,6 +251,15 @@ class MeshStorage:
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("keras_tp: checkpoint")
 
+    def equalize_values(self, variables):
+        if jax.process_count() == 1:
+            return
+        values = multihost_utils.broadcast_one_to_all(
+            [np.asarray(variable.value) for variable in variables]
+        )
+        for variable, value in zip(variables, values):
+            variable.assign(value)
+
 
 def _index(slices, shape):
     """A shard's `index` (slices, open-ended or missing) as `(start, stop)`s."""

@@ -226,6 +226,35 @@ class ReplicaStorage:
 
         tf.function(lambda: self.strategy.run(one))()
 
+    def equalize_values(self, variables):
+        """One all-reduce of every value, as float64 (exact for the
+        integers of seed states), where only the first process's first
+        replica adds its own: on several workers every worker then holds
+        the first's values."""
+        if len(self._local_replicas) == self.world_size or not variables:
+            return
+        own = tf.concat(
+            [tf.reshape(tf.cast(v.value, tf.float64), [-1]) for v in variables],
+            0,
+        )
+        if not self.is_first_process():
+            own = tf.zeros_like(own)
+
+        def first_only():
+            context = tf.distribute.get_replica_context()
+            first = tf.equal(context.replica_id_in_sync_group, 0)
+            return context.all_reduce(
+                "sum", tf.where(first, own, tf.zeros_like(own))
+            )
+
+        reduced = self.strategy.run(tf.function(first_only))
+        total = self.strategy.experimental_local_results(reduced)[0]
+        sizes = [int(np.prod(v.shape)) for v in variables]
+        for variable, part in zip(variables, tf.split(total, sizes)):
+            variable.assign(
+                tf.cast(tf.reshape(part, variable.shape), variable.dtype)
+            )
+
     def device_bytes(self, variables):
         totals = {device: 0 for device in self.devices}
         for variable in variables:

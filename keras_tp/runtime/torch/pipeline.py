@@ -24,6 +24,7 @@ from keras_tp.runtime.torch.devices import rank_devices
 from keras_tp.runtime.torch.devices import this_device
 from keras_tp.runtime.torch.stage_storage import StageStorage
 from keras_tp.runtime.torch.stages import TorchPipeline
+from keras_tp.runtime.torch.storage import broadcast_from_rank_zero
 from keras_tp.tensors import nbytes
 
 
@@ -150,6 +151,9 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
 
     def wait_for_processes(self):
         dist.barrier()
+
+    def equalize_values(self, variables):
+        broadcast_from_rank_zero(variables)
 
     @property
     def optimizer_runtime(self):

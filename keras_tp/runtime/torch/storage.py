@@ -68,6 +68,18 @@ def swap_storage(variable, value):
     return value
 
 
+def broadcast_from_rank_zero(variables):
+    """Sets `variables` to rank 0's values on every rank of the process
+    group, in place: one broadcast per variable, before it is split."""
+    if dist.get_world_size() == 1:
+        return
+    for variable in variables:
+        tensor = parameter_of(variable).data
+        if tensor.dtype == torch.bool:
+            tensor = tensor.view(torch.uint8)
+        dist.broadcast(tensor, src=0)
+
+
 def write_on_rank_zero(rank, full_values, write):
     """Runs `write` on rank 0 while its variables hold full values.
 
@@ -241,6 +253,9 @@ class ProcessStorage:
 
     def wait_for_processes(self):
         dist.barrier()
+
+    def equalize_values(self, variables):
+        broadcast_from_rank_zero(variables)
 
     def device_bytes(self, variables):
         """`{this rank's device: bytes}`, each torch storage counted once."""

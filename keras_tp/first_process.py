@@ -1,0 +1,83 @@
+"""In a job of several processes, the first process speaks for the job.
+
+Every process runs `fit()`, `evaluate()` and `predict()`, but only the
+first shows Keras' progress bar and writes the logs of `TensorBoard`,
+`CSVLogger` and any `ProgbarLogger` given. The other processes run the
+remaining callbacks quietly (`verbose=0`): those the whole job needs on
+every rank, such as `ModelCheckpoint` and `BackupAndRestore`, which save
+each rank's pieces (`keras_tp.checkpoint.callbacks`), and those that
+change training, such as `EarlyStopping`, which must stop every rank
+alike. The weights every process starts from are the first process's
+(`Runtime.equalize_values`), whatever each process was seeded with.
+
+Example:
+
+```python
+# On every rank of `torchrun --nproc-per-node 2 train.py`: one progress
+# bar and one CSV file, written by rank 0.
+tp.fit(x, y, epochs=3, callbacks=[keras.callbacks.CSVLogger("log.csv")])
+```
+"""
+
+import inspect
+
+import keras
+
+# Callbacks that only report: one process writes them for the job.
+LOG_WRITERS = (
+    keras.callbacks.TensorBoard,
+    keras.callbacks.CSVLogger,
+    keras.callbacks.ProgbarLogger,
+)
+
+
+def arguments_here(method, runtime, args, kwargs):
+    """The arguments of Keras' `method` for this process of the job.
+
+    Args:
+        method: `keras.Model.fit`, `evaluate` or `predict`.
+        runtime: the model's runtime (which process this is).
+        args: the positional arguments given, after `self`.
+        kwargs: the keyword arguments given.
+
+    Returns:
+        `(args, kwargs)`: as given on the first process; on the others
+        with `verbose=0` and without the callbacks of `LOG_WRITERS`, the
+        kept ones made quiet.
+    """
+    if runtime.is_first_process():
+        return args, kwargs
+    bound = inspect.signature(method).bind(None, *args, **kwargs)
+    bound.arguments["verbose"] = 0
+    callbacks = bound.arguments.get("callbacks")
+    if callbacks:
+        kept = [c for c in callbacks if not isinstance(c, LOG_WRITERS)]
+        for callback in kept:
+            if hasattr(callback, "verbose"):
+                callback.verbose = 0
+        bound.arguments["callbacks"] = kept
+    return bound.args[1:], bound.kwargs
+
+
+class FirstProcessSpeaks:
+    """A `keras.Model` mixin: `fit`, `evaluate` and `predict` with the
+    arguments of this process (`arguments_here`), from the runtime
+    `self._runtime`."""
+
+    def fit(self, *args, **kwargs):
+        args, kwargs = arguments_here(
+            keras.Model.fit, self._runtime, args, kwargs
+        )
+        return super().fit(*args, **kwargs)
+
+    def evaluate(self, *args, **kwargs):
+        args, kwargs = arguments_here(
+            keras.Model.evaluate, self._runtime, args, kwargs
+        )
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        args, kwargs = arguments_here(
+            keras.Model.predict, self._runtime, args, kwargs
+        )
+        return super().predict(*args, **kwargs)

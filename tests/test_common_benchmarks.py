@@ -62,3 +62,52 @@ def test_quick_suite_writes_json_and_markdown(tmp_path):
     assert "| # | what | against | measured |" in text
     assert "keras_tp TP=2: training step" in text
     assert "| 1, 2, 3, 5 | on a GPU |" in text
+
+
+# `benchmarks.gpu --cpu-smoke` on JAX: one worker process runs the four
+# JAX measurements at tiny sizes (about 160 s on 2 shared cores, most of it
+# compiling eight small models), then the JSON and Markdown records.
+GPU_SMOKE_SECONDS = 600
+
+
+def test_gpu_benchmark_cpu_smoke_writes_json_and_markdown(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.gpu",
+            "--cpu-smoke",
+            "--backends",
+            "jax",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=GPU_SMOKE_SECONDS,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    (record,) = tmp_path.glob("*-smoke.json")
+    (table,) = tmp_path.glob("*-smoke.md")
+    assert record.stem == table.stem
+    doc = json.loads(record.read_text())
+    assert doc["smoke"] is True and doc["gpu_seen_by"] == {"jax": None}
+    (task,) = doc["tasks"]
+    assert task["status"] == "ok"
+    parts = {row["part"] for row in task["rows"]}
+    assert parts == {
+        "world_size=1 vs plain fit",
+        "mixed_bfloat16 vs float32",
+        "GPT2 model FLOPs utilisation",
+        "keras_tp vs ModelParallel, TP=1",
+    }
+    for row in task["rows"]:
+        assert row["median"] > 0, row
+    gpt2 = task["data"]["GPT2 model FLOPs utilisation"]
+    assert gpt2["flops_per_step"] > 6 * gpt2["parameters"] * 2 * 16
+    text = table.read_text()
+    assert "CPU smoke sizes: not a measurement." in text
+    assert "| mixed_bfloat16 vs float32 | jax: mixed_bfloat16" in text

@@ -34,14 +34,6 @@ logger = logging.getLogger(__name__)
 DATA_PARALLEL = 4
 BATCH = 32
 SAMPLES = 1024
-KINDS = [
-    ("none", None),
-    ("bf16", "bf16"),
-    ("fp16", "fp16"),
-    ("powersgd rank 1", keras_tp.Compression("powersgd", rank=1)),
-    ("powersgd rank 4", keras_tp.Compression("powersgd", rank=4)),
-    ("sign", "sign"),
-]
 
 
 def train(steps, dim, **options):

@@ -7,12 +7,14 @@ processes ended, into the one failure `launch` raises (`AttemptFailed`),
 and stops ranks that outlive the timeout after asking each for its stack.
 """
 
+import ast
 import contextlib
 import faulthandler
 import multiprocessing.connection
 import os
 import pickle
 import signal
+import sys
 import time
 import traceback
 
@@ -160,6 +162,22 @@ def _join_all(processes, seconds):
         process.join(max(0.0, deadline - time.monotonic()))
 
 
+def _unguarded_script():
+    """The path of the script Python runs, when it has no `if __name__ ==
+    "__main__":` block at its top level; `None` in a notebook, under
+    `python -c` or `-m`, and for a guarded script."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path or not path.endswith(".py") or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        test = node.test if isinstance(node, ast.If) else None
+        if isinstance(test, ast.Compare) and "__main__" in ast.dump(test):
+            return None
+    return path
+
+
 def _failure(processes, first_failed, stopped, workdir):
     """The `AttemptFailed` of an attempt whose ranks `first_failed` failed.
 
@@ -189,6 +207,16 @@ def _failure(processes, first_failed, stopped, workdir):
             f"exception: process {rank} terminated with {how}. The other "
             "ranks were stopped."
         )
+        script = _unguarded_script()
+        if script:
+            error.add_note(
+                f'The script {script} has no `if __name__ == "__main__":` '
+                "block: each rank imports the script when it starts "
+                "(Python's rule for processes that are not forked), so its "
+                "top level, the call of keras_tp.launch included, runs "
+                "again in every rank and fails there. Put the script's "
+                'top-level calls under `if __name__ == "__main__":`.'
+            )
         return AttemptFailed(error, None, lost, f"rank {rank} died ({how})")
     rank = min(errors, key=lambda r: errors[r][2])
     blob, text, _ = errors[rank]

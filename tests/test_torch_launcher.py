@@ -45,3 +45,26 @@ def test_threads_per_rank_decides_over_the_cores(monkeypatch):
 def test_nproc_per_node_must_be_a_positive_integer():
     with pytest.raises(ValueError, match="nproc_per_node must be an integer"):
         launcher.launch(torch.get_num_threads, world_size=2, nproc_per_node=0)
+
+
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import keras_tp\n\n"
+        "def train():\n"
+        "    return 1\n\n"
+        "keras_tp.launch(train, world_size=2, timeout=120)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env={**os.environ, "KERAS_BACKEND": "torch"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode != 0
+    assert f"The script {script} has no `if __name__" in result.stderr

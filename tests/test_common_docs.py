@@ -101,3 +101,22 @@ def test_support_matrix_is_the_one_config_writes():
     ):
         assert config.support_text(feature) in page
         assert config.fixes_text(feature) in page
+
+
+def test_kubernetes_manifest_runs_train_py_through_torchrun():
+    import yaml
+
+    manifest = yaml.safe_load(
+        (REPO / "docs" / "examples" / "trainjob.yaml").read_text()
+    )
+    assert manifest["apiVersion"] == "trainer.kubeflow.org/v1alpha1"
+    assert manifest["kind"] == "TrainJob"
+    assert manifest["spec"]["runtimeRef"]["name"] == "torch-distributed"
+    trainer = manifest["spec"]["trainer"]
+    assert trainer["command"] == ["torchrun", "train.py"]
+    assert {"name": "KERAS_BACKEND", "value": "torch"} in trainer["env"]
+    gpus = trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"]
+    assert trainer["numProcPerNode"] == gpus
+    # The SLURM recipe runs the same script.
+    recipe = (REPO / "docs" / "examples" / "slurm_torch.sbatch").read_text()
+    assert recipe.rstrip().endswith("train.py")

@@ -93,6 +93,14 @@ NOT_RUN = {
         "two processes and a coordinator port; tests/test_jax.py runs the "
         "same flow in tests/jax_scripts/multihost.py"
     ),
+    ("docs/guides/clusters.md", "import keras"): (
+        "needs a cluster's ranks; tests/test_torch_launcher.py trains this "
+        "way under the SLURM recipe's command"
+    ),
+    ("docs/guides/clusters.md", '--8<-- "docs/examples/slurm_torch.sbatch"'): (
+        "srun and scontrol need a SLURM cluster; tests/test_torch_launcher.py "
+        "runs the srun command on one node"
+    ),
     ("docs/guides/jax.md", "keras_tp.configure_virtual_devices(4)"): (
         "DDP and ZeRO on JAX: tests/test_jax_dp.py and notebook 03 make these "
         "calls"

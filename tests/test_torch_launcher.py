@@ -68,3 +68,57 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
     )
     assert result.returncode != 0
     assert f"The script {script} has no `if __name__" in result.stderr
+
+
+SLURM_TRAIN = """
+import keras
+import numpy as np
+
+import keras_tp
+from tests import models
+
+tp = keras_tp.TensorParallelKeras(
+    models.mlp(), world_size=keras_tp.elastic_world_size(), data_parallel=2
+)
+tp.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+x, y = models.data_for("mlp", batch=16)
+tp.fit(x, y, batch_size=8, epochs=1)
+print("trained on", tp.get_parallelism_info()["world_size"], "ranks")
+"""
+
+
+def test_the_slurm_recipe_trains_on_one_node(tmp_path):
+    # docs/examples/slurm_torch.sbatch's srun command, run as srun runs
+    # it on the job's one node: with the variables SLURM sets there.
+    import pathlib
+    import socket
+    import subprocess
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    recipe = (repo / "docs/examples/slurm_torch.sbatch").read_text()
+    command = recipe.replace("\\\n", " ").split("\nsrun ", 1)[1].split("\n")[0]
+    (tmp_path / "train.py").write_text(SLURM_TRAIN)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    slurm = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_NNODES": "1",
+        "SLURM_GPUS_ON_NODE": "2",
+        "head_node": "127.0.0.1",
+        "KERAS_BACKEND": "torch",
+        "PYTHONPATH": str(repo),
+    }
+    result = subprocess.run(
+        ["bash", "-c", command.replace(":29500", f":{port}")],
+        cwd=tmp_path,
+        env={**os.environ, **slurm},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert result.stdout.count("trained on 2 ranks") == 2
+    # Rank 0 speaks for the job: one progress bar.
+    assert result.stdout.count("2/2") == 1, result.stdout

@@ -2,9 +2,10 @@
 
 Two workers of a `MultiWorkerMirroredStrategy` (one CPU replica each, on
 loopback ports) train with a collective timeout; one is killed or frozen
-mid-training (`tests/tf_scripts/multi_worker_timeout.py`). The survivor
-must end with a `keras_tp.RankLostError` naming the lost worker, within the
-timeout and a margin.
+mid-training (`tests/tf_scripts/multi_worker_timeout.py`), or sleeps
+outside the step while alive. The survivor must end with a
+`keras_tp.RankLostError` naming the lost worker (a `RankStuckError` naming
+the sleeping one, with its stack), within the timeout and a margin.
 
 Run with `KERAS_BACKEND=tensorflow python -m pytest
 tests/test_tensorflow_multiworker_timeout.py`.
@@ -30,6 +31,8 @@ SCRIPT = os.path.join(
     os.path.dirname(__file__), "tf_scripts", "multi_worker_timeout.py"
 )
 TIMEOUT = 10
+# The stuck worker's case waits for the whole collective timeout: short.
+STUCK_TIMEOUT = 5
 # Seconds for a worker to start, build the strategy and train to the
 # failure, or to leave after its error.
 MARGIN = 60
@@ -41,7 +44,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _run_workers(tmp_path, victim, how):
+def _run_workers(tmp_path, victim, how, timeout=TIMEOUT):
     """Starts both workers; returns the survivor's log and its timings."""
     cluster = {"worker": [f"localhost:{_free_port()}" for _ in range(2)]}
     workers = []
@@ -55,7 +58,7 @@ def _run_workers(tmp_path, victim, how):
         )
         log = open(tmp_path / f"worker{index}.log", "w")
         process = subprocess.Popen(
-            [sys.executable, SCRIPT, str(tmp_path), str(TIMEOUT), victim, how],
+            [sys.executable, SCRIPT, str(tmp_path), str(timeout), victim, how],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -63,7 +66,7 @@ def _run_workers(tmp_path, victim, how):
         workers.append((process, log))
     survivor = 1 - int(victim)
     try:
-        workers[survivor][0].wait(timeout=MARGIN + TIMEOUT)
+        workers[survivor][0].wait(timeout=MARGIN + timeout)
         exited = time.time()
     finally:
         for process, log in workers:
@@ -120,3 +123,40 @@ def test_frozen_worker_is_named_by_its_missed_heartbeats(tmp_path):
     # Declared dead after half the timeout, before the collective's own.
     assert raised < TIMEOUT
     assert exited < TIMEOUT + 10
+
+
+def test_sleeping_worker_is_named_with_its_stack(tmp_path):
+    # Alive, its heartbeats arriving, but asleep outside the step: only
+    # the collective's own timeout ends the wait, and the survivor asks
+    # the other worker where it is through the coordination service.
+    for attempt in range(2):
+        run_dir = tmp_path / f"attempt{attempt}"
+        run_dir.mkdir()
+        try:
+            status, log, raised, _ = _run_workers(
+                run_dir, "1", "sleep", timeout=STUCK_TIMEOUT
+            )
+            break
+        except (FileNotFoundError, subprocess.TimeoutExpired):
+            # TensorFlow 2.21's abort of a timed-out ring all-reduce now
+            # and then corrupts a mutex ("RAW: ... Mutex corrupt") and the
+            # survivor dies or hangs before Python sees the error (before
+            # keras_tp's diagnosis runs): one more try.
+            log = (run_dir / "worker0.log").read_text()
+            assert "RAW:" in log and "mutex.cc" in log, log[-3000:]
+    else:
+        pytest.fail(f"TensorFlow's abort crashed twice: {log[-3000:]}")
+    assert status != 0
+    assert (
+        "keras_tp.errors.RankStuckError: Worker 0: a collective timed out "
+        f"after {STUCK_TIMEOUT} s while every worker's heartbeats arrived, "
+        "and worker 1 never reached it" in log
+    ), log[-3000:]
+    assert "Worker 1 (localhost:" in log
+    # Its stack, innermost last, ends in the callback's sleep.
+    stack = log.split("is outside the step; its Python stack")[1]
+    assert "in on_train_batch_end\n    time.sleep(3 * float(TIMEOUT))" in (
+        stack
+    ), stack[:3000]
+    assert "Find what holds worker 1 there" in log
+    assert raised <= STUCK_TIMEOUT + 3

@@ -3,9 +3,11 @@
 Trains the test MLP with `TensorParallelKeras` over a
 `MultiWorkerMirroredStrategy` built with a collective timeout. Worker
 `VICTIM` fails after its fifth step (`HOW`: "kill" is SIGKILL, "freeze" is
-SIGSTOP), writing the time to `OUT_DIR/failed.json` first; the surviving
-worker must end with a `keras_tp.RankLostError` naming it, and writes the
-time it ended to `OUT_DIR/ended<task>.json`.
+SIGSTOP, "sleep" keeps the process alive, heartbeats and all, but sleeps
+in a callback for three collective timeouts), writing the time to
+`OUT_DIR/failed.json` first; the surviving worker must end with a
+`keras_tp.RankLostError` (or `RankStuckError`, for "sleep") naming it, and
+writes the time it ended to `OUT_DIR/ended<task>.json`.
 `tests/test_tensorflow_multiworker_timeout.py` starts two workers on
 loopback ports; by hand, in two shells (ports of your choice):
 
@@ -57,10 +59,13 @@ class FailAfterFiveSteps(keras.callbacks.Callback):
                 os.path.join(OUT, "failed.json"),
                 {"time": time.time(), "pid": os.getpid()},
             )
-            os.kill(
-                os.getpid(),
-                signal.SIGKILL if HOW == "kill" else signal.SIGSTOP,
-            )
+            if HOW == "sleep":
+                time.sleep(3 * float(TIMEOUT))
+            else:
+                os.kill(
+                    os.getpid(),
+                    signal.SIGKILL if HOW == "kill" else signal.SIGSTOP,
+                )
 
 
 if __name__ == "__main__":

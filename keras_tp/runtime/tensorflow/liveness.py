@@ -12,16 +12,36 @@ out while every heartbeat arrived ("Collective has timed out"). Here the
 first is named (the leader), and the heartbeat timeout is set below the
 collective timeout (`detect_dead_workers_within`), so that a dead worker
 is named before its collective times out.
+
+The second is a worker that is alive but stuck outside the step (a hung
+data loader, a long callback, code that runs on one worker only). The
+worker whose collective timed out asks the others where they are through
+the coordination service's key-value store: a thread of each worker waits
+for that request and answers with its main thread's Python stack and
+whether that thread is inside a traced step (`keras_tp.runtime.stuck`).
+The workers outside it are named in a `RankStuckError`. TensorFlow runs
+the collectives inside the traced step, so no worker counts the ones it
+entered at run time (`keras_tp.collectives.recorder` holds what torch
+ranks enter): the stack says where a stuck worker is.
 """
 
 import importlib
+import json
 import logging
 import re
+import threading
+import time
 
 import tensorflow as tf
 
+# Private: the coordination service's key-value store and configuration
+# have no public API.
+from tensorflow.python.eager import context
+
 from keras_tp import elastic
 from keras_tp.errors import RankLostError
+from keras_tp.errors import RankStuckError
+from keras_tp.runtime import stuck
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +63,22 @@ _GONE = (
     "Socket closed",
     "failed to connect",
 )
+_TIMED_OUT = "Collective has timed out"
+# The jobs whose tasks TensorFlow's coordination service coordinates.
+_COORDINATED_JOBS = ("chief", "worker")
+# The coordination service's keys of the stuck-worker diagnosis.
+_REQUEST_KEY = "keras_tp/stuck/request"
+_REPORT_KEY = "keras_tp/stuck/report/{job}/{task}"
+# How long the diagnosis waits for the other workers' reports in all.
+REPORT_SECONDS = 5.0
+# A worker's thread looks for a request this often, each look a short
+# read: a read that waited long would hold the service's client, which
+# TensorFlow's own abort of a failed collective needs (a worker hung so).
+_POLL_SECONDS = 0.5
+_READ_MS = 20
+# A main thread among whose innermost frames one of these files is runs a
+# traced step, whose collectives run inside it.
+_STEP_FILES = ("tensorflow/python/eager/",)
 
 
 def prepare(collective_timeout):
@@ -68,7 +104,10 @@ def watch(strategy):
     """Explains this worker's failed collectives, once `strategy` exists.
 
     An uncaught collective failure then ends the worker's program with a
-    `RankLostError` naming the lost workers (`rank_lost_error`).
+    `RankLostError` naming the lost workers (`rank_lost_error`), or a
+    `RankStuckError` naming live workers stuck outside the step
+    (`stuck_worker_error`), which a thread started here answers for this
+    worker.
 
     Args:
         strategy: the `MultiWorkerMirroredStrategy` whose collectives fail.
@@ -76,6 +115,13 @@ def watch(strategy):
     global _STRATEGY
     _STRATEGY = strategy
     elastic.install_failure_hook(rank_lost_error)
+    resolver = strategy.cluster_resolver
+    threading.Thread(
+        target=_answer_request,
+        args=(resolver.task_type, resolver.task_id),
+        name="keras_tp-stuck-report",
+        daemon=True,
+    ).start()
 
 
 def detect_dead_workers_within(seconds):
@@ -92,7 +138,6 @@ def detect_dead_workers_within(seconds):
     # Private modules: the heartbeat timeout has no public setting, and
     # the strategy configures the service only when nobody did before.
     from tensorflow.python.distribute import multi_worker_util
-    from tensorflow.python.eager import context
 
     try:
         config_pb2 = importlib.import_module(_COORDINATION_CONFIG)
@@ -105,7 +150,7 @@ def detect_dead_workers_within(seconds):
         return
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     cluster = multi_worker_util.normalize_cluster_spec(resolver.cluster_spec())
-    coordinated = [job for job in ("chief", "worker") if job in cluster.jobs]
+    coordinated = [job for job in _COORDINATED_JOBS if job in cluster.jobs]
     if resolver.task_type not in coordinated:
         return
     context.context().configure_coordination_service(
@@ -155,6 +200,8 @@ def rank_lost_error(error):
             "stopped answering: it runs TensorFlow's coordination service, "
             "and heartbeats to it timed out"
         )
+    if not lost and _TIMED_OUT in text:
+        return stuck_worker_error(error, strategy)
     if not lost:
         return None
     names = "; ".join(
@@ -177,6 +224,132 @@ def rank_lost_error(error):
         ranks=sorted(task for _, task in lost),
         rank=resolver.task_id,
     )
+
+
+def stuck_worker_error(error, strategy):
+    """A `RankStuckError` naming the workers outside the step, or `None`.
+
+    For a collective that timed out while every worker's heartbeats
+    arrived: asks every other worker for its report through the
+    coordination service and names those whose main thread is not inside
+    a traced step.
+
+    Args:
+        error: the collective's timeout error, raised in this worker.
+        strategy: its `MultiWorkerMirroredStrategy`.
+    """
+    resolver = strategy.cluster_resolver
+    cluster = resolver.cluster_spec()
+    me = (resolver.task_type, resolver.task_id)
+    others = [
+        (job, task)
+        for job in _COORDINATED_JOBS
+        if job in cluster.jobs
+        for task in cluster.task_indices(job)
+        if (job, task) != me
+    ]
+    reports = {}
+    # In a thread of its own, so that a store that stopped answering
+    # leaves the original error to be shown after `REPORT_SECONDS`.
+    reader = threading.Thread(
+        target=_ask_for_reports, args=(me, others, reports), daemon=True
+    )
+    reader.start()
+    reader.join(REPORT_SECONDS + 1)
+    reports = dict(reports)
+    outside = sorted(
+        w for w, rep in reports.items() if not rep["in_collective"]
+    )
+    if not outside:
+        return None
+    names = ", ".join(_worker_name(*w) for w in outside)
+    timeout = _TIMEOUT
+    waited = f"after {timeout:g} s" if timeout else "after TensorFlow's limit"
+    lines = [
+        f"{_worker_name(*me).capitalize()}: a collective timed out {waited} "
+        f"while every worker's heartbeats arrived, and {names} never "
+        "reached it: alive, but stuck outside the training step. "
+        "TensorFlow runs the collectives inside its traced step, so the "
+        "workers report where they are, not which collective they entered."
+    ]
+    for job, task in outside:
+        lines.append(
+            f"{_worker_name(job, task).capitalize()} "
+            f"({cluster.task_address(job, task)}) is outside the step; its "
+            f"Python stack (innermost last):\n"
+            f"{stuck.stack_text(reports[(job, task)])}"
+        )
+    silent = [_worker_name(*w) for w in others if w not in reports]
+    if silent:
+        lines.append(
+            f"{', '.join(silent).capitalize()} did not report where they are "
+            "in time."
+        )
+    lines.append(
+        stuck.advice(
+            names,
+            "worker",
+            "configure_multi_worker(collective_timeout=...) or "
+            f"{elastic.COLLECTIVE_TIMEOUT_VARIABLE}",
+            error,
+            next(
+                line.strip().rstrip(".")
+                for line in str(error).splitlines()
+                if _TIMED_OUT in line
+            ),
+        )
+    )
+    return RankStuckError(
+        "\n\n".join(lines),
+        ranks=[task for _, task in outside],
+        rank=resolver.task_id,
+    )
+
+
+def _ask_for_reports(me, workers, reports):
+    """Asks every worker for its report through the coordination service;
+    fills `reports` with those of `workers` that come within
+    `REPORT_SECONDS` in all."""
+    store = context.context()
+    try:
+        store.set_config_key_value(
+            _REQUEST_KEY, json.dumps({"from": list(me), "time": time.time()})
+        )
+    except tf.errors.AlreadyExistsError:
+        pass  # Another worker asked first: the answers are the same.
+    deadline = time.monotonic() + REPORT_SECONDS
+    for job, task in workers:
+        wait = max(0.1, deadline - time.monotonic())
+        key = _REPORT_KEY.format(job=job, task=task)
+        try:
+            reports[(job, task)] = json.loads(
+                store.get_config_key_value(key, int(wait * 1000))
+            )
+        except tf.errors.OpError:
+            continue  # Silent: named in the error.
+
+
+def _answer_request(job, task):
+    """A worker's thread: waits for a stuck-worker request, then publishes
+    this worker's report (`keras_tp.runtime.stuck.report`) once."""
+    store = context.context()
+    while True:
+        time.sleep(_POLL_SECONDS)
+        try:
+            request = store.get_config_key_value(_REQUEST_KEY, _READ_MS)
+        except tf.errors.DeadlineExceededError:
+            continue
+        except Exception:
+            return  # The service is gone: the job is ending.
+        try:
+            store.set_config_key_value(
+                _REPORT_KEY.format(job=job, task=task),
+                json.dumps(stuck.report(json.loads(request), _STEP_FILES)),
+            )
+        except Exception:
+            # The asking worker reads a missing report as silence.
+            logger.debug("Could not publish the stuck-worker report.")
+        return
 
 
 def _coordination_leader(cluster):

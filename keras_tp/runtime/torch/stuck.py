@@ -1,44 +1,27 @@
-"""Which ranks a timed-out collective waited for, and where they are.
+"""Which ranks a timed-out torch collective waited for, and where they are.
 
-A rank that is alive but stuck (a hung data loader, a deadlock, a long
-computation on one rank only) keeps its heartbeat beating, so `liveness`
+A rank that is alive but stuck keeps its heartbeat beating, so `liveness`
 finds nothing lost when a collective times out. Every rank counts the
 collectives it enters, per process group (`keras_tp.collectives.recorder`);
-the rank whose collective timed out asks every rank for a report (its
-counts, its last collective and its main thread's Python stack, sent by
-its heartbeat thread, which runs while the main thread waits or sleeps)
-and names the ranks of the collective's group whose count is lower: they
-never entered it. A rank that itself waits in a collective of another
-group for ranks that never entered that one is followed to them.
+the rank whose collective timed out asks every rank for a report
+(`keras_tp.runtime.stuck.report`, sent by its heartbeat thread, which runs
+while the main thread waits or sleeps) and names the ranks of the
+collective's group whose count is lower: they never entered it. A rank
+that itself waits in a collective of another group for ranks that never
+entered that one is followed to them.
 """
-
-import sys
-import threading
-import traceback
 
 from keras_tp import elastic
 from keras_tp.collectives import recorder
 from keras_tp.errors import RankStuckError
+from keras_tp.runtime import stuck as shared
 
-# The innermost frames of a stack that a report carries.
-STACK_FRAMES = 20
 _COLLECTIVE_FILES = ("torch/distributed/", "keras_tp/collectives/")
 
 
 def report(request):
-    """This rank's answer to `request`: counts, last collective, stack."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
-    frames = traceback.extract_stack(frame) if frame is not None else []
-    files = [f.filename.replace("\\", "/") for f in frames[-3:]]
-    return {
-        "request": request,
-        "recorder": recorder.snapshot(),
-        "stack": "".join(traceback.format_list(frames[-STACK_FRAMES:])),
-        # Whether the main thread waits in a collective now.
-        "in_collective": any(
-            marker in name for name in files for marker in _COLLECTIVE_FILES
-        ),
-    }
+    """This rank's answer to `request` (`keras_tp.runtime.stuck.report`)."""
+    return shared.report(request, _COLLECTIVE_FILES)
 
 
 def stuck_error(me, error, reported_line, reports, now):
@@ -78,8 +61,8 @@ def stuck_error(me, error, reported_line, reports, now):
     )
     if waiting:
         cause = (
-            f"rank(s) {_names(waiting)} never entered it: rank {me} waited "
-            f"in {recorder.describe(mine)}"
+            f"rank(s) {shared.names(waiting)} never entered it: rank {me} "
+            f"waited in {recorder.describe(mine)}"
         )
     else:
         cause = (
@@ -95,28 +78,30 @@ def stuck_error(me, error, reported_line, reports, now):
         lines.append(
             f"Rank {rank} waits in "
             f"{recorder.describe(reports[rank]['recorder']['last'], now)} "
-            f"for rank(s) {_names(waits_for)}, which never entered it."
+            f"for rank(s) {shared.names(waits_for)}, which never entered it."
         )
     for rank in stuck:
         rep = reports[rank]
         last = recorder.describe(rep["recorder"]["last"], now)
         lines.append(
             f"Rank {rank} last entered {last}; its Python stack (innermost "
-            f"last):\n{rep.get('stack', '').rstrip()}"
+            f"last):\n{shared.stack_text(rep)}"
         )
     silent = [r for r in _members(mine) if r not in reports]
     if silent:
         lines.append(
-            f"Rank(s) {_names(silent)} beat but did not report where they "
-            "are in time."
+            f"Rank(s) {shared.names(silent)} beat but did not report where "
+            "they are in time."
         )
     lines.append(
-        f"Find what holds rank(s) {_names(stuck) or '(none named)'} there (a "
-        "data loader, a lock, code that runs on some ranks only): every "
-        "rank must issue the same collectives in the same order. If they "
-        "only take longer, raise launch(collective_timeout=...) or "
-        f"{elastic.COLLECTIVE_TIMEOUT_VARIABLE}. The collective's error: "
-        f"{type(error).__name__}: {reported_line}."
+        shared.advice(
+            f"rank(s) {shared.names(stuck) or '(none named)'}",
+            "rank",
+            "launch(collective_timeout=...) or "
+            f"{elastic.COLLECTIVE_TIMEOUT_VARIABLE}",
+            error,
+            reported_line,
+        )
     )
     return RankStuckError("\n\n".join(lines), ranks=stuck, rank=me)
 
@@ -160,7 +145,3 @@ def _follow(waiting, reports):
         else:
             stuck.append(rank)
     return sorted(stuck), chain
-
-
-def _names(ranks):
-    return ", ".join(map(str, sorted(ranks)))

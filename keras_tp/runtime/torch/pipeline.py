@@ -24,7 +24,7 @@ from keras_tp.runtime.torch.devices import rank_devices
 from keras_tp.runtime.torch.devices import this_device
 from keras_tp.runtime.torch.stage_storage import StageStorage
 from keras_tp.runtime.torch.stages import TorchPipeline
-from keras_tp.runtime.torch.storage import broadcast_from_rank_zero
+from keras_tp.runtime.torch.storage import RankProcess
 from keras_tp.tensors import nbytes
 
 
@@ -44,7 +44,7 @@ class TorchStageRuntime(TorchRuntime):
         return self._groups
 
 
-class TorchPipelineRuntime(StageStorage, PipelineRuntime):
+class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
     """Runs Keras' torch steps as pipelines, one stage shard per rank.
 
     The ranks form a `data x pipe x model` mesh, row-major: rank `d * P *
@@ -145,15 +145,6 @@ class TorchPipelineRuntime(StageStorage, PipelineRuntime):
 
     def _available_devices(self):
         return rank_devices()
-
-    def process_index(self):
-        return self.rank
-
-    def wait_for_processes(self):
-        dist.barrier()
-
-    def equalize_values(self, variables):
-        broadcast_from_rank_zero(variables)
 
     @property
     def optimizer_runtime(self):

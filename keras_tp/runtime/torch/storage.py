@@ -130,7 +130,21 @@ def storage_bytes(variables):
     return total
 
 
-class ProcessStorage:
+class RankProcess:
+    """Runtime mixin: this process is rank `self.rank` of the torch job's
+    process group (`TorchRuntime`, and `TorchPipelineRuntime` too)."""
+
+    def process_index(self):
+        return self.rank
+
+    def wait_for_processes(self):
+        dist.barrier()
+
+    def equalize_values(self, variables):
+        broadcast_from_rank_zero(variables)
+
+
+class ProcessStorage(RankProcess):
     """The `TorchRuntime`'s variables, each holding this rank's part."""
 
     def place_variable(self, variable, axis):
@@ -247,15 +261,6 @@ class ProcessStorage:
 
     def _write_piece(self, variable, position, value):
         parameter_of(variable).data.copy_(from_numpy(value))
-
-    def process_index(self):
-        return self.rank
-
-    def wait_for_processes(self):
-        dist.barrier()
-
-    def equalize_values(self, variables):
-        broadcast_from_rank_zero(variables)
 
     def device_bytes(self, variables):
         """`{this rank's device: bytes}`, each torch storage counted once."""

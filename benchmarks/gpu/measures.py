@@ -87,6 +87,31 @@ def epoch_seconds(model, x, y, batch):
     return (time.perf_counter() - start) / (len(y) // batch)
 
 
+def first_loss_and_times(trained, x, y, batch, repeats, progress, warmup=0):
+    """Each of `trained`'s models' first-epoch loss, then its seconds per
+    step, timed in interleaved rounds (`timing.interleaved`).
+
+    Returns:
+        `(first losses, times)`, both by the names of `trained`.
+    """
+    first = {
+        name: model.fit(
+            x, y, batch_size=batch, shuffle=False, verbose=0
+        ).history["loss"][0]
+        for name, model in trained.items()
+    }
+    times = interleaved(
+        {
+            name: (lambda m=model: epoch_seconds(m, x, y, batch))
+            for name, model in trained.items()
+        },
+        repeats,
+        warmup=warmup,
+        progress=progress,
+    )
+    return first, times
+
+
 def one_rank_lm(shape, policy):
     """The suite's LM in `TensorParallelKeras(world_size=1)`, compiled,
     its layers built under the dtype policy `policy`."""
@@ -108,20 +133,8 @@ def mixed_precision(progress, lm, batch, steps, repeats):
     """
     x, y = models.language_data(batch * steps, lm["seq_len"], lm["vocab"])
     trained = {p: one_rank_lm(lm, p) for p in ("float32", "mixed_bfloat16")}
-    first = {
-        policy: model.fit(
-            x, y, batch_size=batch, shuffle=False, verbose=0
-        ).history["loss"][0]
-        for policy, model in trained.items()
-    }
-    times = interleaved(
-        {
-            policy: (lambda m=model: epoch_seconds(m, x, y, batch))
-            for policy, model in trained.items()
-        },
-        repeats,
-        warmup=1,
-        progress=progress,
+    first, times = first_loss_and_times(
+        trained, x, y, batch, repeats, progress, warmup=1
     )
     backend = keras.backend.backend()
     return {
@@ -257,20 +270,7 @@ def tensorflow_logical_tp(progress, lm, batch, steps, repeats, memory_limit_mb):
             )
         ),
     }
-    first = {
-        name: model.fit(
-            x, y, batch_size=batch, shuffle=False, verbose=0
-        ).history["loss"][0]
-        for name, model in trained.items()
-    }
-    times = interleaved(
-        {
-            name: (lambda m=model: epoch_seconds(m, x, y, batch))
-            for name, model in trained.items()
-        },
-        repeats,
-        progress=progress,
-    )
+    first, times = first_loss_and_times(trained, x, y, batch, repeats, progress)
     return {
         "rows": [
             comparison(

@@ -8,14 +8,10 @@ guide lists it.
 """
 
 import contextlib
-import functools
-import logging
 
 import keras
 from keras import ops
 
-from keras_tp.collectives.hierarchy import HierarchicalAdapter
-from keras_tp.collectives.hierarchy import host_groups
 from keras_tp.collectives.sequence import SequenceParallelAdapter
 from keras_tp.collectives.sequence import region_inputs
 from keras_tp.keras_internals import bind_values
@@ -23,13 +19,12 @@ from keras_tp.placement import Placement
 from keras_tp.regions import copy_replicated_inputs
 from keras_tp.regions import forward_pass
 from keras_tp.runtime.base import Runtime
+from keras_tp.runtime.data_axis import DataAxisLevels
 from keras_tp.tensors import collect_flat
 from keras_tp.tensors import is_float
 
-logger = logging.getLogger(__name__)
 
-
-class MeshRuntime(Runtime):
+class MeshRuntime(DataAxisLevels, Runtime):
     """A runtime over a `data x model` mesh of devices (or ranks).
 
     It owns the collective adapters of the mesh's axes, stores each
@@ -102,72 +97,6 @@ class MeshRuntime(Runtime):
 
         Returns:
             `(model_adapter, data_adapter, world_adapter)`.
-        """
-        raise NotImplementedError
-
-    @functools.cached_property
-    def hierarchical_data_adapter(self):
-        """The `data` axis' collectives, within each host first.
-
-        For `CoordinatedOptimizer(hierarchical=True)`. Where every data
-        rank is on one host, or each on its own, there is no hierarchy and
-        this is `data_adapter`.
-
-        Raises:
-            ValueError: if the hosts hold different numbers of data ranks,
-                not consecutive ones, or group them differently for
-                different tensor-parallel shards.
-        """
-        hosts = self._rank_hosts()
-        model = self.tensor_parallel
-        groupings = {
-            str(host_groups(hosts[column::model])) for column in range(model)
-        }
-        within, across = host_groups(hosts[::model])
-        if len(groupings) > 1:
-            raise ValueError(
-                "hierarchical=True needs the data ranks of every "
-                "tensor-parallel shard grouped alike into hosts, but the "
-                f"hosts of the ranks are {hosts} (data x model mesh, "
-                "row-major). Put whole tensor-parallel groups on each host."
-            )
-        if len(within) == 1 or len(across) == 1:
-            logger.info(
-                "hierarchical=True: the %d data ranks sit on %d host(s), so "
-                "the data axis is reduced in one level.",
-                self.data_parallel,
-                len(within),
-            )
-            return self.data_adapter
-        adapter = HierarchicalAdapter(*self._level_adapters(within, across))
-        adapter.stats = self.adapter.stats
-        return adapter
-
-    def time_data_all_reduce(self, nbytes, repeats):
-        """Median seconds of an all-reduce of `nbytes` over `data`.
-
-        For `bucket_cap_mb="auto"` (`keras_tp.parallel.bucket_probe`).
-        Every rank returns the same number, so all choose alike.
-
-        Args:
-            nbytes: the size of each rank's float32 buffer, in bytes.
-            repeats: timed calls, after one untimed warm-up call.
-        """
-        raise NotImplementedError
-
-    def _rank_hosts(self):
-        """The host of every rank, in mesh order (data-major)."""
-        return [0] * self.world_size
-
-    def _level_adapters(self, within, across):
-        """Adapters of the data axis' groups within and across hosts.
-
-        Args:
-            within: lists of data ranks, one per host.
-            across: lists of data ranks, one per place on a host.
-
-        Returns:
-            `(within_adapter, across_adapter)` for this rank's groups.
         """
         raise NotImplementedError
 

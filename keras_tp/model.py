@@ -12,6 +12,7 @@ from keras_tp.checkpoint.callbacks import prepare_callbacks
 from keras_tp.config import ParallelConfig
 from keras_tp.first_process import FirstProcessSpeaks
 from keras_tp.generation import Generation
+from keras_tp.keras_internals import attach_trainer_state
 from keras_tp.keras_internals import print_msg
 from keras_tp.parallel.reports import DataParallelReports
 from keras_tp.runtime import make_runtime
@@ -297,6 +298,7 @@ class TensorParallelKeras(
             are the gradient synchronisation and parameter gathering of a
             `CoordinatedOptimizer`.
         """
+        attach_trainer_state(self)
         return self._runtime.stats.summary(phase, axis)
 
     def pipeline_timeline(self):
@@ -374,6 +376,7 @@ class TensorParallelKeras(
 
     def get_weights(self):
         """The original model's weights, unsplit, as NumPy arrays."""
+        attach_trainer_state(self)
         return [self._runtime.full_value(v) for v in self.model.weights]
 
     def set_weights(self, weights):

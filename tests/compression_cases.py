@@ -117,7 +117,12 @@ def expected_traffic(kind, data_parallel, zero_stage):
 
 
 def warmup_run(kind, warmup_steps=2, layout=(2, 2, 0)):
-    """`kind` after a warm-up, one `fit()` per step, against uncompressed.
+    """`kind` after a warm-up, read step by step against uncompressed.
+
+    One `fit()` runs every step; a callback reads the stats, the
+    compression state and the weights after each, mid-epoch, as a user's
+    callback would (Keras' JAX trainer keeps the state apart there), and
+    trains the uncompressed model one step.
 
     Returns:
         Per step: `(sent, at_start, same_weights)`, the optimizer bytes
@@ -128,31 +133,39 @@ def warmup_run(kind, warmup_steps=2, layout=(2, 2, 0)):
     tp = parallel(kind, *layout, warmup_steps=warmup_steps)
     plain = parallel(None, *layout)
     x, y = data(STEPS * BATCH)
-    first_state = None
     steps = []
-    for step in range(STEPS):
-        batch = slice(step * BATCH, (step + 1) * BATCH)
-        for model in (tp, plain):
-            model.fit(x[batch], y[batch], batch_size=BATCH, verbose=0)
-        state = [
-            tp._runtime.placement.full_value(v)
-            for v in tp.optimizer.compression_variables
-        ]
-        if first_state is None:
-            first_state = [
-                np.zeros_like(v) if "error" in variable.name else v
-                for v, variable in zip(
-                    state, tp.optimizer.compression_variables
+    first_state = []
+
+    class EveryStep(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            rows = slice(batch * BATCH, (batch + 1) * BATCH)
+            plain.train_on_batch(x[rows], y[rows])
+            sent = {
+                collective: entry["optimizer_bytes"]
+                for collective, entry in tp.communication_stats(
+                    axis="data"
+                ).items()
+                if entry["optimizer_bytes"]
+            }
+            same = max_diff(tp.get_weights(), plain.get_weights()) <= 1e-6
+            compression = tp.optimizer.compression_variables
+            state = [tp._runtime.placement.full_value(v) for v in compression]
+            if not first_state:
+                first_state.extend(
+                    np.zeros_like(v) if "error" in variable.name else v
+                    for v, variable in zip(state, compression)
                 )
-            ]
-        sent = {
-            collective: entry["optimizer_bytes"]
-            for collective, entry in tp.communication_stats(axis="data").items()
-            if entry["optimizer_bytes"]
-        }
-        at_start = max_diff(state, first_state) == 0
-        same = max_diff(tp.get_weights(), plain.get_weights()) <= 1e-6
-        steps.append((sent, at_start, same))
+            at_start = max_diff(state, first_state) == 0
+            steps.append((sent, at_start, same))
+
+    tp.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        shuffle=False,
+        verbose=0,
+        callbacks=[EveryStep()],
+    )
     return steps
 
 

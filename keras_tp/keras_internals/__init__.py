@@ -39,6 +39,7 @@ from keras_tp.keras_internals.layers import set_keras_mask
 from keras_tp.keras_internals.layers import shifted_seed_draws
 from keras_tp.keras_internals.layers import stored_kernel
 from keras_tp.keras_internals.layers import sublayers
+from keras_tp.keras_internals.models import attach_trainer_state
 from keras_tp.keras_internals.models import build_shapes
 from keras_tp.keras_internals.models import compile_arguments
 from keras_tp.keras_internals.models import compiled_loss
@@ -75,6 +76,7 @@ __all__ = [
     "ATTENTION_OUTPUT_PROJECTION",
     "StatelessScope",
     "UpdatesThroughAssign",
+    "attach_trainer_state",
     "attention_projections",
     "backend_free_add_variable_from_reference",
     "bind_values",

@@ -81,3 +81,17 @@ def metric_function(metric):
 def set_metric_function(metric, function):
     """Makes `metric` (a `MeanMetricWrapper`) average `function`'s values."""
     metric._fn = function
+
+
+def attach_trainer_state(model):
+    """Puts the values Keras' JAX trainer holds apart mid-`fit()` back
+    into `model`'s variables, as a Keras callback's `self.model` does.
+
+    In the middle of an epoch the JAX trainer keeps the step's state in
+    arrays of its own and leaves the variables without values; code that
+    reads them from a callback (the stats' conditions, `get_weights`)
+    must sync first. Other backends keep no such state.
+    """
+    sync = getattr(model, "jax_state_sync", None)
+    if sync is not None:
+        sync()

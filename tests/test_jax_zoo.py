@@ -62,6 +62,10 @@ def test_resnet_pairs_convolutions_through_batchnorm():
     zoo_cases.check_resnet(zoo_cases.cnn_checks("resnet50", 2))
 
 
+def test_separable_convolutions_pair_through_batchnorm():
+    zoo_cases.check_separable(zoo_cases.measure("separable_cnn", 2))
+
+
 @pytest.mark.parametrize("name", ["gpt2", "qwen3", "mixtral"])
 def test_four_ranks(name):
     results = measure(name, 4)

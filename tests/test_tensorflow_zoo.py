@@ -60,6 +60,10 @@ def test_resnet_pairs_convolutions_through_batchnorm():
     zoo_cases.check_resnet(zoo_cases.cnn_checks("resnet50", 2))
 
 
+def test_separable_convolutions_pair_through_batchnorm():
+    zoo_cases.check_separable(zoo_cases.measure("separable_cnn", 2))
+
+
 def test_a_task_that_holds_its_optimizer_saves(tmp_path):
     # A keras-hub task compiled by its own compile() holds the optimizer,
     # whose state Keras writes with the model: it is assembled whole too.

@@ -68,6 +68,11 @@ def test_mixed_bfloat16_trains_at_parity(ranks):
         zoo_cases.check_mixed_precision(*rank["mixed_bfloat16"])
 
 
+def test_separable_convolutions_pair_through_batchnorm(ranks):
+    for rank in ranks:
+        zoo_cases.check_separable(rank["separable_cnn"])
+
+
 def test_cnns_forward_exact_and_batchnorm_local(ranks):
     for rank in ranks:
         zoo_cases.check_resnet(rank["cnns"]["resnet50"])

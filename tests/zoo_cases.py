@@ -344,3 +344,20 @@ def check_resnet(results):
     assert results["forward"] <= 1e-5, results
     assert results["channelwise"] == results["pairs"] == 16, results
     assert not results["fallbacks"], results["fallbacks"]
+
+
+def check_separable(results):
+    """Xception's block pairs its separable convolutions through its BN.
+
+    The first SeparableConv2D splits its pointwise filters (Column; its
+    depthwise kernel stays whole), its BatchNormalization its channels
+    (Channelwise), and the second SeparableConv2D its input channels
+    (Row), in both kernels. Training matches one device, and the
+    separable kernels are split in memory.
+    """
+    check_exact(results)
+    plan = results["plan"]
+    assert plan["sepconv1"] == repr(keras_tp.Column(gather_output=False))
+    assert plan["sepconv1_bn"] == repr(keras_tp.Channelwise()), plan
+    assert plan["sepconv2"] == repr(keras_tp.Row(input_is_parallel=True))
+    assert not results["fallbacks"], results["fallbacks"]

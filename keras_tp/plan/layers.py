@@ -1,8 +1,9 @@
 """The handlers of Keras' own splittable layers, and the handler registry.
 
-Dense, EinsumDense (attention projections included), convolutions and
-embeddings each have a handler (see `keras_tp.plan.handler`); any other
-layer with weights of its own is handled by `OwnWeightsHandler`.
+Dense, EinsumDense (attention projections included), convolutions
+(separable ones included) and embeddings each have a handler (see
+`keras_tp.plan.handler`); any other layer with weights of its own is
+handled by `OwnWeightsHandler`.
 """
 
 import contextlib
@@ -245,6 +246,81 @@ class ConvHandler(LayerHandler):
         return _finish(layer, style, adapter, x, bias, axis)
 
 
+class SeparableConvHandler(ConvHandler):
+    """SeparableConv1D/2D: a depthwise then a pointwise (1x1) convolution.
+
+    Column splits the pointwise filters: the depthwise kernel stays whole
+    and is read through `copy_to_parallel`, since each rank's filters give
+    only part of its gradient. Row splits the input channels, of both
+    kernels: each rank filters its channels depthwise, and its pointwise
+    product is a partial sum of the output.
+    """
+
+    layer_types = (
+        keras.layers.SeparableConv1D,
+        keras.layers.SeparableConv2D,
+    )
+    primary = "pointwise_kernel"
+
+    def unsupported_reason(self, layer):
+        return LayerHandler.unsupported_reason(self, layer)
+
+    def variables(self, layer):
+        roles = {
+            "depthwise_kernel": layer.depthwise_kernel,
+            "pointwise_kernel": layer.pointwise_kernel,
+        }
+        if layer.bias is not None:
+            roles["bias"] = layer.bias
+        return roles
+
+    def split_axes(self, layer, style):
+        # Both kernels keep their channel axes second to last; depthwise
+        # outputs of a channel are consecutive, so a block of input
+        # channels is a block of the pointwise kernel's inputs.
+        axis = len(layer.pointwise_kernel.shape) - 2
+        if isinstance(style, Column):
+            return {
+                "depthwise_kernel": None,
+                "pointwise_kernel": axis + 1,
+                "bias": 0,
+            }
+        return {
+            "depthwise_kernel": axis,
+            "pointwise_kernel": axis,
+            "bias": None,
+        }
+
+    def split_size(self, layer, style):
+        if isinstance(style, Column):
+            return layer.filters
+        return layer.depthwise_kernel.shape[-2]
+
+    def local_call(self, layer, style, adapter, weights, inputs, **kwargs):
+        x = inputs
+        axis = self._channel_axis(layer, len(x.shape))
+        depthwise = weights["depthwise_kernel"]
+        if isinstance(style, Column):
+            depthwise = adapter.copy_to_parallel(depthwise)
+        elif not style.input_is_parallel:
+            x = adapter.scatter_to_parallel(x, axis)
+        x = ops.separable_conv(
+            x,
+            depthwise,
+            weights["pointwise_kernel"],
+            strides=layer.strides,
+            padding=layer.padding,
+            dilation_rate=layer.dilation_rate,
+            data_format=layer.data_format,
+        )
+        bias = weights.get("bias")
+        if bias is not None:
+            shape = [1] * len(x.shape)
+            shape[axis] = bias.shape[0]
+            bias = ops.reshape(bias, shape)
+        return _finish(layer, style, adapter, x, bias, axis)
+
+
 class EmbeddingHandler(LayerHandler):
     """Embedding: Vocab splits the table's rows; ids outside are masked.
 
@@ -315,6 +391,7 @@ LEAF_HANDLERS = (
     DenseHandler(),
     EinsumDenseHandler(),
     ConvHandler(),
+    SeparableConvHandler(),
     EmbeddingHandler(),
     OwnWeightsHandler(),
 )

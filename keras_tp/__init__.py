@@ -34,6 +34,7 @@ _EXPORTS = {
     "initialize_distributed": "keras_tp.runtime.distributed",
     "launch": "keras_tp.launcher",
     "pipeline": "keras_tp.pipeline",
+    "ray": "keras_tp.ray",
     "load_checkpoint": "keras_tp.checkpoint",
     "restart_count": "keras_tp.elastic",
     "save_checkpoint": "keras_tp.checkpoint",
@@ -48,7 +49,9 @@ def __getattr__(name):
     module = importlib.import_module(_EXPORTS[name])
     # Subpackages are exported whole.
     value = (
-        module if name in ("collectives", "pipeline") else getattr(module, name)
+        module
+        if name in ("collectives", "pipeline", "ray")
+        else getattr(module, name)
     )
     globals()[name] = value
     return value

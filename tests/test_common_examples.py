@@ -97,6 +97,10 @@ NOT_RUN = {
         "needs a cluster's ranks; tests/test_torch_launcher.py trains this "
         "way under the SLURM recipe's command"
     ),
+    ("docs/guides/clusters.md", "import ray.train"): (
+        "a Ray cluster of torch workers; tests/test_torch_ray.py runs this "
+        "training function and callback under TorchTrainer"
+    ),
     ("docs/guides/clusters.md", '--8<-- "docs/examples/slurm_torch.sbatch"'): (
         "srun and scontrol need a SLURM cluster; tests/test_torch_launcher.py "
         "runs the srun command on one node"

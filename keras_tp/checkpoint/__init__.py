@@ -97,15 +97,33 @@ def save_checkpoint(model, directory, epoch=None):
             for key, _, pieces in entries
         },
     }
-    _write_json(os.path.join(directory, _sidecar_name(save, storage)), sidecar)
-    storage.wait_for_processes()
+    # Processes that can send one another objects (torch's) need no
+    # shared directory: each may save into a local one of its own, and
+    # only the first holds the manifest (as Ray Train merges them).
+    sidecars = storage.gather_objects(sidecar)
+    if sidecars is None:
+        _write_json(
+            os.path.join(directory, _sidecar_name(save, storage)), sidecar
+        )
+        storage.wait_for_processes()
+    manifest = None
     if storage.is_first_process():
-        manifest = _manifest(model, storage, state, directory, save, epoch)
+        manifest = _manifest(
+            model,
+            storage,
+            state,
+            sidecars or _read_sidecars(directory, save),
+            save,
+            epoch,
+        )
         write_manifest(directory, manifest)
         remove_unlisted(directory, manifest)
         for name in os.listdir(directory):
             if name.startswith(f"save{save}-") and name.endswith(".json"):
                 os.remove(os.path.join(directory, name))
+    shared = storage.gather_objects(manifest)
+    if shared is not None:
+        return shared[0]
     storage.wait_for_processes()
     return read_manifest(directory)
 
@@ -238,17 +256,24 @@ def _write_json(path, content):
     os.replace(path + ".partial", path)
 
 
-def _manifest(model, storage, state, directory, save, epoch):
-    """The manifest, from every process's sidecar file of this save."""
-    files = {}
-    pieces = {}
+def _read_sidecars(directory, save):
+    """Every process's sidecar of save number `save`, from its file."""
+    sidecars = []
     for name in sorted(os.listdir(directory)):
         if name.startswith(f"save{save}-") and name.endswith(".json"):
             with open(os.path.join(directory, name)) as f:
-                sidecar = json.load(f)
-            files.update(sidecar["files"])
-            for key, listed in sidecar["pieces"].items():
-                pieces.setdefault(key, []).extend(listed)
+                sidecars.append(json.load(f))
+    return sidecars
+
+
+def _manifest(model, storage, state, sidecars, save, epoch):
+    """The manifest, from every process's sidecar of this save."""
+    files = {}
+    pieces = {}
+    for sidecar in sidecars:
+        files.update(sidecar["files"])
+        for key, listed in sidecar["pieces"].items():
+            pieces.setdefault(key, []).extend(listed)
     variables = []
     for key, variable in state:
         shape = [int(d) for d in storage.full_shape(variable)]

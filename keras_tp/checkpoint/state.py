@@ -134,6 +134,7 @@ class _ParallelStorage:
         self.full_shape = self.runtime.full_shape
         self.is_first_process = self.runtime.is_first_process
         self.wait_for_processes = self.runtime.wait_for_processes
+        self.gather_objects = self.runtime.gather_objects
         self.process_index = self.runtime.process_index
 
     def build_optimizer(self, model):
@@ -178,6 +179,9 @@ class _OneDeviceStorage:
 
     def wait_for_processes(self):
         """One process: nothing to wait for."""
+
+    def gather_objects(self, value):
+        return [value]
 
     def process_index(self):
         return 0

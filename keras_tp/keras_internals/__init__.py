@@ -49,6 +49,7 @@ from keras_tp.keras_internals.models import jax_update_metrics
 from keras_tp.keras_internals.models import loss_function_arguments
 from keras_tp.keras_internals.models import metric_function
 from keras_tp.keras_internals.models import print_msg
+from keras_tp.keras_internals.models import set_initial_epoch
 from keras_tp.keras_internals.models import set_metric_function
 from keras_tp.keras_internals.models import tracked_loss
 from keras_tp.keras_internals.models import update_loss_tracker
@@ -109,6 +110,7 @@ __all__ = [
     "own_variables",
     "place_slots_on_creation",
     "print_msg",
+    "set_initial_epoch",
     "producer_node",
     "seed_generators",
     "set_jax_layout",

@@ -95,3 +95,9 @@ def attach_trainer_state(model):
     sync = getattr(model, "jax_state_sync", None)
     if sync is not None:
         sync()
+
+
+def set_initial_epoch(model, epoch):
+    """Makes the running `fit()` of `model` continue at `epoch`, as Keras'
+    `BackupAndRestore` does from `on_train_begin`."""
+    model._initial_epoch = epoch

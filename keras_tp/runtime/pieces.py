@@ -93,6 +93,13 @@ class CheckpointPieces:
     def wait_for_processes(self):
         """Returns once every process of the job has reached this call."""
 
+    def gather_objects(self, value):
+        """Every process's `value` (JSON-like), in process order, where the
+        processes send Python objects to one another (torch's process
+        group); `None` where they meet through files in a shared
+        directory instead (JAX and TensorFlow hosts)."""
+        return None
+
     def equalize_values(self, variables):
         """Gives `variables`, before they are split, the first process's
         values in every process: processes seeded differently start from

@@ -140,6 +140,11 @@ class RankProcess:
     def wait_for_processes(self):
         dist.barrier()
 
+    def gather_objects(self, value):
+        values = [None] * dist.get_world_size()
+        dist.all_gather_object(values, value)
+        return values
+
     def equalize_values(self, variables):
         broadcast_from_rank_zero(variables)
 

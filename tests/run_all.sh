@@ -16,8 +16,8 @@ run() {
 }
 # Most tests spend their time in compilers and in waiting for replicas, one
 # core at a time: two worker processes (pytest-xdist) take a test file each.
-# Tests that time collectives run alone: torch's (rank processes of their
-# own, heartbeats, timeouts) and TensorFlow's multi-worker timeouts.
+# torch's tests run in one process, beside the others: each starts rank
+# processes of its own.
 parallel="-n 2 --dist loadfile"
 # Tests build the same models again and again, and JAX compiles each one's
 # programs anew; its persistent compilation cache, fresh for this run,
@@ -27,7 +27,6 @@ JAX_COMPILATION_CACHE_DIR=$(mktemp -d)
 export JAX_COMPILATION_CACHE_DIR
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
 export JAX_COMPILATION_CACHE_MAX_SIZE=$((2 * 1024 * 1024 * 1024))
-trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
 # The tests' programs are tiny: compiling them costs more than running
 # them. XLA's lowest optimization level compiles about 30% faster, and
 # its older CPU emitters (no fusion emitters) another 30%; the parity
@@ -36,27 +35,60 @@ export XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensiv
 # Two test processes share the two cores: TensorFlow's default of a thread
 # per core for each op's own work oversubscribes them (20% slower).
 export TF_NUM_INTRAOP_THREADS=1
-timed=tests/test_tensorflow_multiworker_timeout.py
+# Files go to the two workers one at a time, in the order given: the
+# longest go first, so that no worker is left with one long file at the end.
+ordered() {
+  local first=$1 pattern=$2 seen=""
+  shift 2
+  for file in $first $(ls $pattern 2>/dev/null); do
+    [ -e "$file" ] || continue
+    case " $* $seen " in *" $file "*) continue ;; esac
+    seen="$seen $file"
+    echo "$file"
+  done
+}
 # A worker process keeps the virtual devices its first file configured;
 # the 3-D pipeline tests need 8 (data x pipe x model), the others 4.
-eight_devices=tests/test_jax_pipeline.py
-tensorflow_eight_devices=tests/test_tensorflow_pipeline_3d.py
-run jax "$parallel" $(ls tests/test_jax*.py tests/test_common*.py 2>/dev/null \
-  | grep -vx "$eight_devices") || status=1
-# The two 8-device files run at the same time, one core each mostly; each
-# one's output is shown once it is done.
+jax_eight=tests/test_jax_pipeline.py
+tensorflow_eight=tests/test_tensorflow_pipeline_3d.py
+# These time a hung, stuck or slow rank against a clock: they run last,
+# with nothing else on the cores.
+torch_timed="tests/test_torch_elastic.py tests/test_torch_straggler.py"
+tensorflow_timed=tests/test_tensorflow_multiworker_timeout.py
 logs=$(mktemp -d)
-run jax "" $(ls "$eight_devices" 2>/dev/null) > "$logs/jax" 2>&1 &
-jax_eight=$!
-run tensorflow "" $(ls "$tensorflow_eight_devices" 2>/dev/null) \
-  > "$logs/tensorflow" 2>&1 &
-tensorflow_eight=$!
-wait $jax_eight || status=1
-wait $tensorflow_eight || status=1
-cat "$logs/jax" "$logs/tensorflow"
-rm -rf "$logs"
-run torch "" $(ls tests/test_torch*.py 2>/dev/null) || status=1
-run tensorflow "$parallel" $(ls tests/test_tensorflow*.py 2>/dev/null \
-  | grep -vx -e "$timed" -e "$tensorflow_eight_devices") || status=1
-run tensorflow "" $(ls "$timed" 2>/dev/null) || status=1
+trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR" "$logs"' EXIT
+# Starts a backend's tests in the background, its output kept for `shown`.
+started() {
+  local name=$1
+  shift
+  run "$@" > "$logs/$name" 2>&1 &
+  echo $! > "$logs/$name.pid"
+}
+# Waits for a background run, then shows its output.
+shown() {
+  wait "$(cat "$logs/$1.pid")" || status=1
+  cat "$logs/$1"
+}
+# torch's tests mostly wait (for rank processes to start and meet, for
+# collectives and timeouts): alone they keep 0.4 of a core busy for 10
+# minutes. They run beside the JAX and TensorFlow phases.
+started torch torch "" $(ordered "" "tests/test_torch*.py" $torch_timed)
+run jax "$parallel" $(ordered "tests/test_jax_zoo.py \
+  tests/test_common_notebooks.py tests/test_jax.py \
+  tests/test_common_examples.py tests/test_jax_checkpoint.py" \
+  "tests/test_jax*.py tests/test_common*.py" $jax_eight) || status=1
+# The two 8-device files run at the same time, one core each mostly.
+started jax_eight jax "" $(ls $jax_eight 2>/dev/null)
+started tensorflow_eight tensorflow "" $(ls $tensorflow_eight 2>/dev/null)
+shown jax_eight
+shown tensorflow_eight
+run tensorflow "$parallel" $(ordered "tests/test_tensorflow_pipeline.py \
+  tests/test_tensorflow_sequence_parallel.py \
+  tests/test_tensorflow_checkpoint.py tests/test_tensorflow_zoo.py" \
+  "tests/test_tensorflow*.py" $tensorflow_eight $tensorflow_timed) \
+  || status=1
+shown torch
+started tensorflow_timed tensorflow "" $(ls $tensorflow_timed 2>/dev/null)
+run torch "" $(ls $torch_timed 2>/dev/null) || status=1
+shown tensorflow_timed
 exit $status

@@ -220,6 +220,16 @@ class ConvHandler(LayerHandler):
     def _channel_axis(layer, ndim):
         return ndim - 1 if layer.data_format == "channels_last" else 1
 
+    @staticmethod
+    def _finish_channels(layer, style, adapter, weights, x, axis):
+        """`_finish` with the bias broadcast along the channel `axis`."""
+        bias = weights.get("bias")
+        if bias is not None:
+            shape = [1] * len(x.shape)
+            shape[axis] = bias.shape[0]
+            bias = ops.reshape(bias, shape)
+        return _finish(layer, style, adapter, x, bias, axis)
+
     def input_axis(self, layer, style, ndim):
         if isinstance(style, Row) and style.input_is_parallel:
             return self._channel_axis(layer, ndim)
@@ -238,12 +248,7 @@ class ConvHandler(LayerHandler):
         x = layer.convolution_op(
             x, self.local_kernel(layer, style, adapter, weights)
         )
-        bias = weights.get("bias")
-        if bias is not None:
-            shape = [1] * len(x.shape)
-            shape[axis] = bias.shape[0]
-            bias = ops.reshape(bias, shape)
-        return _finish(layer, style, adapter, x, bias, axis)
+        return self._finish_channels(layer, style, adapter, weights, x, axis)
 
 
 class SeparableConvHandler(ConvHandler):
@@ -313,12 +318,7 @@ class SeparableConvHandler(ConvHandler):
             dilation_rate=layer.dilation_rate,
             data_format=layer.data_format,
         )
-        bias = weights.get("bias")
-        if bias is not None:
-            shape = [1] * len(x.shape)
-            shape[axis] = bias.shape[0]
-            bias = ops.reshape(bias, shape)
-        return _finish(layer, style, adapter, x, bias, axis)
+        return self._finish_channels(layer, style, adapter, weights, x, axis)
 
 
 class EmbeddingHandler(LayerHandler):

@@ -41,7 +41,6 @@ import importlib
 import tempfile
 
 import keras
-import numpy as np
 
 from keras_tp.checkpoint import load_checkpoint
 from keras_tp.checkpoint import save_checkpoint
@@ -107,7 +106,8 @@ class ReportCheckpoint(keras.callbacks.Callback):
         last = epoch + 1 == self.params.get("epochs")
         if (epoch + 1) % self.frequency and not last:
             return
-        metrics = {name: _plain(value) for name, value in (logs or {}).items()}
+        # Keras' CallbackList has made the logs Python numbers already.
+        metrics = dict(logs or {})
         metrics["epoch"] = epoch + 1
         if not self.checkpoint:
             self._train.report(metrics)
@@ -118,9 +118,3 @@ class ReportCheckpoint(keras.callbacks.Callback):
                 metrics,
                 checkpoint=self._train.Checkpoint.from_directory(directory),
             )
-
-
-def _plain(value):
-    """A log value as a Python number, which Ray stores."""
-    array = np.asarray(keras.ops.convert_to_numpy(value))
-    return array.item() if array.size == 1 else array.tolist()

@@ -203,8 +203,9 @@ class ConvHandler(LayerHandler):
 
     def unsupported_reason(self, layer):
         reason = super().unsupported_reason(layer)
-        if reason is None and layer.groups != 1:
-            reason = f"grouped convolution (groups={layer.groups})"
+        groups = getattr(layer, "groups", 1)  # separable ones have none
+        if reason is None and groups != 1:
+            reason = f"grouped convolution (groups={groups})"
         return reason
 
     def split_axes(self, layer, style):
@@ -266,9 +267,6 @@ class SeparableConvHandler(ConvHandler):
         keras.layers.SeparableConv2D,
     )
     primary = "pointwise_kernel"
-
-    def unsupported_reason(self, layer):
-        return LayerHandler.unsupported_reason(self, layer)
 
     def variables(self, layer):
         roles = {

@@ -21,8 +21,9 @@ from keras_tp.pipeline import schedules
 
 class StagePrimitives:
     """What a backend supplies for the executor to run a pipeline's actions:
-    the passes of one stage on one micro-batch. The executor decides which
-    runs when and routes the values between them.
+    the passes of one stage on one micro-batch (`stage` and `m` are their
+    indices). The executor decides which runs when and routes the values
+    between them.
 
     Attributes:
         num_stages: the number of stages.
@@ -37,14 +38,9 @@ class StagePrimitives:
         raise NotImplementedError
 
     def forward(self, stage, m, inputs, target):
-        """Runs micro-batch `m`'s forward pass of `stage` for training.
-
-        Args:
-            stage: the stage's index.
-            m: the micro-batch's index.
-            inputs: what the stage received (see `send`).
-            target: the micro-batch's targets on the last stage, else
-                `None`.
+        """Runs micro-batch `m`'s training forward pass of `stage` on what
+        it received (`send`), with the targets on the last stage (else
+        `None`).
 
         Returns:
             `(outputs, predicted)`: what the stage sends on (on the last
@@ -54,14 +50,9 @@ class StagePrimitives:
         raise NotImplementedError
 
     def backward(self, stage, m, cotangent):
-        """Runs micro-batch `m`'s backward pass of `stage`, adding its
-        gradients to the stage's total.
-
-        Args:
-            stage: the stage's index.
-            m: the micro-batch's index.
-            cotangent: the gradients of the stage's outputs, as received
-                (`None` on the last stage, whose output is the loss).
+        """Runs micro-batch `m`'s backward pass of `stage` from the
+        gradients of its outputs (`None` on the last stage, whose output
+        is the loss), adding its gradients to the stage's total.
 
         Returns:
             The gradients of the stage's inputs.

@@ -1,10 +1,6 @@
-"""`PipelineRuntime`: what `TensorParallelKeras(pipeline_parallel=P)` runs.
-
-What every backend shares: the stages and their devices, the owner of
-each variable, the micro-batch count and the loss. Each backend's
-subclass (`keras_tp.runtime.<backend>.pipeline`) stores the variables and
-runs Keras' steps with its trainer's signatures.
-"""
+"""`PipelineRuntime`: what `TensorParallelKeras(pipeline_parallel=P)` runs,
+as far as every backend's (`keras_tp.runtime.<backend>.pipeline`) shares
+it."""
 
 import copy
 
@@ -30,11 +26,9 @@ class PipelineRuntime(Runtime):
 
     A `Runtime` whose devices form a `data x pipe x model` grid: each
     stage runs on a `MeshRuntime` of its `data x model` devices
-    (`stage_runtimes`), which stores its variables and runs its split
-    layers, and Keras' steps run as a schedule of micro-batches through
-    the backend's stage primitives (`keras_tp.pipeline.executor`).
-    Sharded checkpoints read and write each variable on the devices of
-    the stage that owns it.
+    (`stage_runtimes`), which stores the variables its stage owns and
+    runs its split layers; Keras' steps run as a schedule of micro-batches
+    through the backend's stage primitives (`keras_tp.pipeline.executor`).
 
     Args:
         model: the built Functional model to cut.
@@ -170,22 +164,19 @@ class PipelineRuntime(Runtime):
         return CallingStageRegions(runtimes, self.calling_stage)
 
     def run_step(self, phase, step, *args, **kwargs):
-        """Runs Keras' `phase` step (`"train"`, `"test"`, `"predict"`) as a
-        pipeline: its `*args` are the backend trainer's (`(state, data)`
-        on JAX, `(data,)` elsewhere); Keras' own `step` is not called."""
+        """Runs Keras' `phase` step as this runtime's `{phase}_step(*args)`
+        (the backend trainer's arguments), not Keras' own `step`."""
         with self.stats.recording(phase):
             return getattr(self, f"{phase}_step")(*args, **kwargs)
 
     def measured_timeline(self):
-        """The last training step's measured `schedules.Timeline`, or
-        `None` before the first."""
+        """The last training step's measured `schedules.Timeline`."""
         if self.trained_order is None:
             return None
         return schedules.timeline_of(self.trained_order, self.action_times())
 
     def action_times(self):
-        """The measured `(start, end)` of each action of the last training
-        step, in `trained_order`."""
+        """The measured `(start, end)` of each action of `trained_order`."""
         raise NotImplementedError
 
     @property
@@ -273,16 +264,15 @@ class PipelineRuntime(Runtime):
 class CallingStageRegions:
     """Runs the split layers that several stages call (a tied embedding
     that also computes the logits) on the devices of the calling stage,
-    with its copy of the weights, split as its owner's.
-
-    A layer has one `call`, whose split math keeps the adapter it was
-    installed with: `adapter` reads that of the calling stage's runtime.
+    with its copy of the weights, split as its owner's; `adapter` reads
+    the calling stage's runtime's, as a layer's split math keeps the
+    adapter it was installed with.
 
     Args:
         runtimes: `{stage index: its runtime}`, the owner first.
         calling: a function returning the index of the stage whose work
-            is issued now, or `None` outside any (Keras' symbolic build,
-            a direct call), where the owner's runtime serves.
+            is issued now, or `None` (Keras' symbolic build, a direct
+            call), where the owner's runtime serves.
     """
 
     def __init__(self, runtimes, calling):
@@ -296,7 +286,6 @@ class CallingStageRegions:
         return self.runtimes.get(self._stage(), self._owner)
 
     def full_shape(self, variable):
-        """The unsplit shape of `variable`, the same on every stage."""
         return self._owner.full_shape(variable)
 
     def prepare_local_layer(self, layer):
@@ -326,13 +315,9 @@ class _CallingStageAdapter:
 
 
 def _accept_split_inputs(stage_model):
-    """Lets a stage model take the tensors that cross its cut split.
-
-    Keras checks a Functional model's inputs against its `Input`s' shapes,
-    the unsplit ones, but a tensor a stage leaves split (a Column layer's
-    output) arrives as each rank's shard: only ranks are checked here, and
-    the split layers check widths themselves.
-    """
+    """Lets a stage model take the tensors that cross its cut split (a
+    Column layer's output arrives as each rank's shard): Keras checks
+    only their ranks, and the split layers check widths themselves."""
     if stage_model.input_spec is None:
         return
     stage_model.input_spec = [

@@ -32,15 +32,10 @@ from keras_tp.runtime.jax.storage import placement_spec
 
 
 class JaxPipelineRuntime(StageStorage, PipelineRuntime):
-    """Runs Keras' JAX steps as a pipeline of stages.
-
-    A training step runs the schedule (`JaxStages`), then one compiled
-    optimizer update per stage on its devices, in which the stage's
-    replicas combine their gradients (`over_replicas`); evaluation and
-    prediction send each micro-batch through the stages' compiled forward
-    passes, which JAX's asynchronous dispatch overlaps across devices.
-    The steps take and return Keras' state as values, in its order.
-    """
+    """Runs Keras' JAX steps, which take and return Keras' state as
+    values, as a pipeline of stages: a training step runs the schedule
+    (`JaxStages`), then one compiled optimizer update per stage on its
+    devices (`over_replicas` with replicas)."""
 
     backend = "jax"
     # Each stage's programs are traced under its index.
@@ -78,9 +73,9 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         return self._trained.clock.times(self.trained_order)
 
     def _programs(self, count, per_device=True):
-        """The stages' compiled passes: for training steps of `count`
-        micro-batches, or inference (`count=None`); per device with
-        replicas, unless `per_device=False` (direct calls `tp(x)`)."""
+        """The `StagePrograms` of training steps of `count` micro-batches,
+        or of inference (`None`); per device with replicas, unless
+        `per_device=False` (direct calls `tp(x)`)."""
         key = (count, per_device and self.data_parallel > 1)
         if key not in self._compiled:
             clock = StageClock(self.pipeline_parallel, count or 1)
@@ -88,7 +83,6 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         return self._compiled[key]
 
     def _stages(self, programs, trainable, non_trainable, count):
-        """The `JaxStages` of `programs` on Keras' values of a step."""
         trainer = self.trainer
         return JaxStages(
             programs,
@@ -149,8 +143,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         return outputs
 
     def _infer(self, trainable, non_trainable, x, per_device=True):
-        """`(outputs, new non-trainable values)` of the stages' forward
-        passes of `x`, micro-batch by micro-batch, on Keras' values."""
+        """`(outputs, new non-trainable values)` of the stages on `x`."""
         programs = self._programs(None, per_device)
         batch = batch_size(x)
         if programs.per_device:
@@ -161,8 +154,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         return outputs, self._merged(non_trainable, stages.non_trainable)
 
     def _merged(self, values, stage_values):
-        """Keras' non-trainable `values` with each stage's new ones written
-        over them."""
+        """Keras' non-trainable `values`, each stage's new ones written in."""
         variables = self.trainer.non_trainable_variables
         merged = dict(zip(map(id, variables), values))
         for stage, new in zip(self.stage_models, stage_values):
@@ -170,10 +162,9 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         return [merged[id(v)] for v in variables]
 
     def stage_lists(self, variables, values):
-        """`values` (one per variable) grouped by stage, each on its
-        stage's devices, in its stage model's order of such variables (as
-        `stateless_call` expects): a stage that uses a weight of an
-        earlier stage receives a copy (counted on `"pipe"`)."""
+        """`values` (one per variable) grouped by stage in its model's order
+        (as `stateless_call` expects); a stage that uses an earlier
+        stage's weight receives a copy (`sent`)."""
         by_id = dict(zip(map(id, variables), values))
         return [
             [
@@ -187,9 +178,8 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         ]
 
     def sent(self, tree, stage, direction):
-        """`tree` placed on `stage`'s devices (`onto`), counted as received
-        there on `"pipe"`, one call per array: each device its own shard or
-        copy. Integer inputs' `float0` gradients carry no data."""
+        """`tree` placed on `stage`'s devices (`onto`), each array's shards
+        counted as received there (`float0` gradients carry no data)."""
         tree = onto(tree, self.stage_runtimes[stage].mesh)
         for leaf in jax.tree.leaves(tree):
             if leaf.dtype != jax.dtypes.float0:
@@ -198,12 +188,9 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         return tree
 
     def _apply(self, trainable, optimizer_values, gradients):
-        """Each stage's compiled optimizer update, on its devices.
-
-        The optimizer's own variables (its step count, learning rate) are
-        copied to every stage; each stage's update advances them alike,
-        and the last stage's copy is kept.
-        """
+        """Each stage's compiled optimizer update, on its devices. Every
+        stage advances a copy of the optimizer's own variables (its step
+        count) alike; the last stage's is kept."""
         trainer = self.trainer
         variables = trainer.trainable_variables
         optimizer_variables = trainer.optimizer.variables
@@ -233,10 +220,9 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         )
 
     def _update_of(self, stage, shared):
-        """`(update, variables, slots)`: a stage's compiled optimizer
-        update, a function of `(values, slot values, shared values,
-        gradients)` returning their new values, and the variables and
-        slots it takes (`shared` are the optimizer's own)."""
+        """`(update, variables, slots)`: a stage's compiled optimizer update
+        of `(values, slot values, shared values, gradients)` to the new
+        values, and the variables and slots it takes."""
         optimizer = self.trainer.optimizer
         own = self.owners.owned(stage)
         slots = [
@@ -267,17 +253,10 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
 
 
 def over_replicas(update, runtime, variables, zero_stage):
-    """A stage's optimizer `update` (see `_update_of`) of the gradients'
-    rows, one per replica: averaged over `data` (DDP) or, with ZeRO-1,
-    reduce-scattered, each device updating its partition, and the updated
-    partitions all-gathered, in the `CoordinatedOptimizer`'s buckets
-    (`ZeroLayout`), counted as the optimizer's communication.
-
-    Args:
-        update: the update of whole values.
-        runtime: the stage's `JaxRuntime`.
-        variables: the stage's trainable variables.
-        zero_stage: 0 or 1.
+    """A stage's optimizer `update` (`_update_of`) of the gradients' rows,
+    one per replica, on its `runtime`: averaged over `data` (DDP) or, with
+    ZeRO-1, reduce-scattered, each device updating its partition, then
+    all-gathered, in the `CoordinatedOptimizer`'s buckets (`ZeroLayout`).
     """
     placement = runtime.placement
     adapter = runtime.data_adapter
@@ -330,14 +309,10 @@ def over_replicas(update, runtime, variables, zero_stage):
 
 
 class StageClock:
-    """When each stage's programs ran on its devices.
-
-    Python issues the passes asynchronously, so when each ran is known on
-    its devices only: each training pass is stamped (`stamped`) by a host
-    callback that its computation waits for, once its inputs are there,
-    and one once its outputs are. A stage's programs run in the order
-    they were issued, so its stamps pair up with its actions in order.
-    """
+    """When each stage's programs ran on its devices: a training pass
+    (`stamped`) calls the host once its inputs are there and once its
+    outputs are. A stage runs its programs in the order issued, so its
+    stamps pair up with its actions in order."""
 
     def __init__(self, num_stages, num_microbatches):
         self.stamps = [
@@ -376,8 +351,7 @@ class StageClock:
         )
 
     def times(self, order):
-        """The `(start, end)` of each action of the last step, whose
-        actions were `order`, once its programs have run."""
+        """The `(start, end)` of each action of the last step's `order`."""
         jax.effects_barrier()
         spans = [iter(zip(*[iter(stamps)] * 2)) for stamps in self.stamps]
         return [next(spans[stage]) for stage, _, _ in order]

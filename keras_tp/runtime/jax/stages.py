@@ -1,10 +1,6 @@
-"""The stage primitives of JAX pipelines: each stage's compiled passes.
-
-`StagePrograms` compiles each stage's passes for its devices; `JaxStages`
-serves them to the executor on one step's values. Python issues them in
-the schedule's order, and JAX's asynchronous dispatch lets the devices of
-different stages compute at the same time.
-"""
+"""The stage primitives of JAX pipelines: `StagePrograms` compiles each
+stage's passes for its devices, `JaxStages` serves them to the executor on
+one step's values, and JAX's asynchronous dispatch overlaps the stages."""
 
 import contextlib
 import contextvars
@@ -49,11 +45,8 @@ def onto(tree, mesh, spec=None):
 
 
 def counted_jit(function, stats):
-    """`jax.jit(function)` whose collectives count at every call.
-
-    A region's collectives are recorded while the function is traced,
-    once per input signature; each later call records them again.
-    """
+    """`jax.jit(function)` whose collectives, recorded while it is traced
+    (once per input signature), count again at every call."""
     records = {}
 
     def traced(*args):
@@ -89,25 +82,21 @@ def batch_size(tree):
 class StagePrograms:
     """Each stage's compiled passes: on whole arrays, or per device.
 
-    On whole arrays (stages without replicas, direct calls `tp(x)`) each
-    pass is jitted on global arrays, its split layers `shard_map` regions.
-    Per device (stages with replicas) each pass runs inside one
-    `shard_map` over the stage's `data x model` mesh: replica `d` trains
-    on the `d`-th slice of each micro-batch, values that cross between
-    programs travel as one row per device (`ROWS`), and the gradients
-    leave with one row per replica, which the stage's update combines.
-    On whole arrays the rows and the `shard_map` are the identity.
-    Residuals that are a pass's own inputs (weights, activations
-    received) are not copied out: the backward pass takes them again.
+    On whole arrays (no replicas, direct calls `tp(x)`) each pass is
+    jitted on global arrays, its split layers `shard_map` regions. Per
+    device each pass runs inside one `shard_map` over the stage's `data x
+    model` mesh: replica `d` trains on the `d`-th slice of each
+    micro-batch, values cross between programs as one row per device
+    (`ROWS`), and gradients leave with one row per replica. Residuals
+    that are a pass's own inputs are not copied out: the backward pass
+    takes them again.
 
     Args:
-        pipeline: the `JaxPipelineRuntime` (its stage models, their
-            runtimes, its stats, loss and sends).
-        per_device: whether the passes run per device (see above).
-        num_microbatches: micro-batches per batch of a training step, or
-            `None` for programs that only run inference.
-        clock: the `StageClock` on which the training passes stamp when
-            they ran.
+        pipeline: the `JaxPipelineRuntime`.
+        per_device: whether the passes run per device.
+        num_microbatches: micro-batches per training batch, or `None` for
+            inference only.
+        clock: the `StageClock` the training passes stamp.
     """
 
     def __init__(self, pipeline, per_device, num_microbatches, clock):
@@ -128,15 +117,14 @@ class StagePrograms:
         self._layouts = {}
 
     def place(self, stage, tree):
-        """A stage's input arrays, placed on its devices: the first
-        stage's split over its replicas when per device."""
+        """A stage's input arrays on its devices (the first stage's split
+        over its replicas when per device)."""
         first = self.per_device and not stage
         return onto(tree, self.runtimes[stage].mesh, DATA if first else None)
 
     def program(self, kind, stage):
-        """A stage's compiled pass, made once: `"infer"`, or the training
-        passes `"forward"` and `"backward"`, which stamp when they ran on
-        its devices."""
+        """A stage's compiled pass, made once: `"infer"`, `"forward"` or
+        `"backward"` (which stamp the clock)."""
         if (kind, stage) not in self._programs:
             if kind == "infer":
                 function = self._forward_of(stage, training=False)
@@ -147,7 +135,6 @@ class StagePrograms:
         return self._programs[kind, stage]
 
     def _mapped(self, stage, local, in_specs, out_specs):
-        """`local` per device on the stage's mesh; whole, as it is."""
         if not self.per_device:
             return local
         return jax.shard_map(
@@ -167,7 +154,7 @@ class StagePrograms:
         return jax.tree.map(lambda a: a[0], tree) if self.per_device else tree
 
     def _specs(self, stage):
-        """`(trainable, non_trainable, inputs, targets)` in-specs."""
+        # Of `(trainable, non_trainable, inputs, targets)`.
         spec = self.runtimes[stage].variable_spec
         model = self.stage_models[stage]
         return (
@@ -179,16 +166,15 @@ class StagePrograms:
 
     def _arguments(self, stage, trainable, non_trainable, inputs, targets):
         """`(inputs, leaves)`: a pass's inputs as the stage reads them, and
-        the leaves of all its arguments, where residuals are looked up."""
+        the leaves of all its arguments (where residuals are looked up)."""
         inputs = self._from_rows(inputs) if stage else inputs
         leaves = (trainable, non_trainable, inputs, targets)
         return inputs, jax.tree.leaves(leaves)
 
     @contextlib.contextmanager
     def _traced(self, stage):
-        """Marks the tracing of `stage`'s program (see `calling_stage`);
-        per device, its variables have their local shapes and its regions
-        run on local values."""
+        """Marks the tracing of `stage`'s program (`calling_stage`); per
+        device, with its variables' local shapes and local regions."""
         token = TRACING_STAGE.set(stage)
         runtime = self.runtimes[stage]
         placement = runtime.placement
@@ -205,10 +191,10 @@ class StagePrograms:
             TRACING_STAGE.reset(token)
 
     def _forward_of(self, index, training=True):
-        """Stage `index`'s forward pass: for inference, `(outputs, new
-        non-trainable values)`; for training, `(outputs or, on the last
-        stage, its share of the loss; kept residuals; new non-trainable
-        values; predictions on the last stage)`."""
+        """Stage `index`'s forward pass: `(outputs, new non-trainable
+        values)` for inference; for training `(outputs, or the last stage's
+        share of the loss; kept residuals; new non-trainable values; the
+        last stage's predictions)`."""
         model = self.stage_models[index]
         last = index == self.last
 
@@ -262,8 +248,7 @@ class StagePrograms:
 
     def _backward_of(self, index):
         """Stage `index`'s backward pass: `(gradients, input gradients)`
-        from the forward pass's arguments, kept residuals and the gradient
-        of its outputs (`None` on the last stage)."""
+        from the forward's arguments, residuals and output gradients."""
         last = index == self.last
 
         def local(trainable, non_trainable, inputs, targets, kept, cotangent):
@@ -290,20 +275,13 @@ class StagePrograms:
 
 
 class JaxStages(StagePrimitives):
-    """The stage primitives of a JAX pipeline: its compiled passes
-    (`StagePrograms`) on the values of one step.
-
-    Args:
-        programs: the stages' `StagePrograms`.
-        trainable: each stage's trainable values, on its devices.
-        non_trainable: each stage's non-trainable values; `non_trainable`
-            then holds their new values.
-        count: the number of micro-batches.
+    """The stage primitives of a JAX pipeline: its `programs` on the
+    values of one step, per stage on its devices (`non_trainable` then
+    holds the new ones), in `count` micro-batches.
 
     Attributes:
         gradients: after `run_schedule`, each stage's gradients summed over
-            the micro-batches (of the mean loss; one row per replica with
-            replicas).
+            the micro-batches (one row per replica with replicas).
     """
 
     def __init__(self, programs, trainable, non_trainable, count):
@@ -372,7 +350,7 @@ def replica_rows(runtime, variables):
 
 def _floats(tree):
     """`(float leaves, rebuild)`: a tree's differentiable leaves, and the
-    function that puts new ones back among its other leaves."""
+    function that puts new ones back."""
     leaves, treedef = jax.tree.flatten(tree)
     floats = [is_float(leaf) for leaf in leaves]
 

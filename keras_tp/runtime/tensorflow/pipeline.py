@@ -1,12 +1,5 @@
-"""Pipelines on TensorFlow: every stage a `tf.distribute` runtime of its own.
-
-Stage `s` runs on a `TensorFlowRuntime` over its `D x T` devices (its
-`data x model` mesh), which stores its variables, runs its split layers
-and updates them with a copy of the compiled optimizer (wrapped, with
-replicas, by a `CoordinatedOptimizer` over the stage's `data` axis). The
-schedule runs as replica steps of the stages
-(`keras_tp.runtime.tensorflow.stages`) through the one executor.
-"""
+"""Pipelines on TensorFlow: every stage a `tf.distribute` runtime of its own,
+the schedule replica steps of the stages (`.stages`)."""
 
 import keras
 import tensorflow as tf
@@ -26,15 +19,12 @@ from keras_tp.tensors import nbytes
 
 
 class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
-    """`PipelineRuntime` whose stages each run on a `TensorFlowRuntime`.
-
-    Stage `s` of replica `d` runs on its `T` devices `stage_devices[s][d
-    * T : (d + 1) * T]`. See the module docstring.
-
-    Args: those of `PipelineRuntime`.
+    """`PipelineRuntime` whose stages each run on a `TensorFlowRuntime` of
+    their `data x model` devices, which stores the stage's variables, runs
+    its split layers and updates them with a copy of the compiled
+    optimizer (wrapped, with replicas, by a `CoordinatedOptimizer`).
 
     Attributes:
-        stage_runtimes: the `TensorFlowRuntime` of each stage.
         stage_optimizers: each stage's `_StageTrainer`, made the first
             time the model trains (`build_optimizer`).
         last_num_microbatches: the micro-batch count of the last traced
@@ -72,8 +62,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         return tf_devices.local_devices()
 
     def _stages_of(self, x):
-        """The stage primitives for the batch `x`, whose replica slices'
-        size picks the micro-batch count."""
+        """The `TensorFlowStages` of the batch `x`."""
         batch = traced_batch_size(x)
         if batch is None:
             raise ValueError(
@@ -114,9 +103,8 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             trainer.optimizer.build([])
 
     def build_optimizer(self, trainer):
-        """Makes each stage's optimizer, once per compile: a copy of the
-        compiled one (wrapped by a `CoordinatedOptimizer` with replicas),
-        whose slots are built with the stage's variables."""
+        """Makes each stage's copy of the compiled optimizer, once per
+        compile."""
         optimizer = trainer.optimizer
         if self._optimizers_of is optimizer:
             return
@@ -147,8 +135,8 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         return self._traced(step, phase, *args, **kwargs)
 
     def _traced(self, step, phase, *args, **kwargs):
-        """`step(*args)`, counted in `phase`. The collective groups of a
-        stage's `data` axis run in graphs only: an eager step is traced."""
+        """`step(*args)`, counted in `phase`, traced: the collective groups
+        of a stage's `data` axis run in graphs only."""
         if tf.executing_eagerly():
             step = tf.function(step)
         with self.stats.recording(phase):
@@ -180,9 +168,9 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         return self.trainer.compute_metrics(x, y, y_pred, None)
 
     def _owned_gradients(self, gradients):
-        """By replica, `WeightOwners.owned_gradients` of the replica's
-        `TensorFlowStages.gradients`: a shared weight's gradient goes from
-        replica `(d, t)` of a later stage to the owner's (counted)."""
+        """By replica, `WeightOwners.owned_gradients` of its gradients: a
+        shared weight's goes from replica `(d, t)` of a later stage to the
+        owner's."""
 
         def moved(grad, stage, owner):
             self.stats.record("send", nbytes(grad), "backward", "pipe")
@@ -198,10 +186,9 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         }
 
     def _update(self, index, owned):
-        """Stage `index`'s update on each of its replicas, of the
-        replica's gradients (`_owned_gradients`), after taking the
-        compiled optimizer's step count and learning rate (which a
-        callback or a load sets)."""
+        """Stage `index`'s update on each of its replicas, with the compiled
+        optimizer's step count and learning rate (which a callback or a
+        load sets)."""
         runtime = self.stage_runtimes[index]
         stage = self.stage_optimizers[index]
         compiled = self.trainer.optimizer
@@ -229,18 +216,16 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         return stages.predict(x, training)
 
     def call_model(self, model, inputs, training):
-        """A direct call (`tp(x)`); under sequence parallelism it runs as
-        `predict`'s steps do, since sequence shards exist only in the
-        stages' replica steps."""
+        """A direct call (`tp(x)`); under sequence parallelism as `predict`
+        runs, since sequence shards exist only in replica steps."""
         if not self.sequence_parallel:
             return super().call_model(model, inputs, training)
         return self._traced(self._forward, "call", inputs, bool(training))
 
 
 class _StageTrainer:
-    """What a stage's `TensorFlowRuntime` reads of the model it trains: the
-    stage's model and variables, its own optimizer, and the trainable
-    variables it owns, which that optimizer updates."""
+    """What a stage's `TensorFlowRuntime` reads of the model it trains: its
+    model, its optimizer, and the trainable variables it owns."""
 
     def __init__(self, model, optimizer, owned):
         self.model = model
@@ -249,8 +234,7 @@ class _StageTrainer:
 
     @property
     def inner_optimizer(self):
-        """The optimizer holding the stage's step count and slots: its own,
-        or the one its `CoordinatedOptimizer` (stateless here) wraps."""
+        """The optimizer holding the stage's step count and slots."""
         if isinstance(self.optimizer, CoordinatedOptimizer):
             return self.optimizer.inner_optimizer
         return self.optimizer

@@ -1,11 +1,6 @@
-"""Where a TensorFlow pipeline's variables live, and how they are read.
-
-Each stage's `TensorFlowRuntime` stores the variables (and slots) the
-stage owns on its replicas. A later stage that also uses a weight (a
-tied embedding) keeps a copy of its pieces on its own replicas,
-refreshed once a step (`refresh_copies`), which its replica steps read
-(`reading_copies`). Everything else reads each variable from its owner.
-"""
+"""Where a TensorFlow pipeline's variables live: on the replicas of the
+stage that owns them, and a shared weight's copy on each later stage that
+uses it (a tied embedding), refreshed once a step."""
 
 import contextlib
 
@@ -22,17 +17,15 @@ from keras_tp.tensors import nbytes
 
 class StageStorage:
     """Pipeline runtime mixin: each stage's variables on its runtime, a
-    shared weight's copies on the later stages that use it (`_copies`)."""
+    shared weight's copies on later stages (`_copies`)."""
 
     def keep_copy(self, variable, axis, stage):
-        """A copy of the weight's pieces on `stage`'s replicas."""
         copy = self.stage_runtimes[stage].storage_copy(variable, axis)
         self._copies[stage, id(variable)] = (variable, copy)
 
     @contextlib.contextmanager
     def reading_copies(self, stage):
-        """Makes the replica steps of `stage` issued inside read its copies
-        of the weights it uses but does not own (`refresh_copies`)."""
+        """Makes `stage`'s replica steps read its copies of shared weights."""
         swapped = [
             (variable, stored_value(variable))
             for variable in self.stage_models[stage].weights
@@ -48,7 +41,7 @@ class StageStorage:
 
     def refresh_copies(self):
         """Copies each shared weight's pieces from its owner's replicas to
-        the later stages' copies, replica `(d, t)` to `(d, t)` (counted)."""
+        the later stages' copies, replica `(d, t)` to `(d, t)`."""
         for (stage, _), (variable, copy) in self._copies.items():
             owned = stored_value(variable).values
             runtime = self.stage_runtimes[stage]
@@ -86,8 +79,8 @@ class StageStorage:
         )
 
     def local_pieces(self, variable):
-        """The pieces of `variable` its stage's replicas hold, in the
-        file of their stage and replica."""
+        """The pieces of `variable` its stage's replicas hold, in files
+        named by stage and replica."""
         runtime = self._runtime_of(variable)
         if runtime is None:
             # The compiled optimizer's own: with the first replica's.
@@ -101,8 +94,7 @@ class StageStorage:
         ]
 
     def assign_local_pieces(self, variable, read):
-        """Assigns the pieces its stage's replicas hold (a shared weight's
-        copies follow at the next step)."""
+        # A shared weight's copies follow at the next step.
         runtime = self._runtime_of(variable)
         if runtime is None:
             variable.assign(read(tuple((0, int(n)) for n in variable.shape)))
@@ -110,8 +102,7 @@ class StageStorage:
             runtime.assign_local_pieces(variable, read)
 
     def save_model(self, model, filepath, **kwargs):
-        """Writes the unsplit `model` (Keras' own save) with each stage's
-        variables assembled on the host for the time of the write."""
+        """Keras' save of `model`, each stage's variables assembled."""
         with contextlib.ExitStack() as assembled:
             for stage, runtime in enumerate(self.stage_runtimes):
                 owned = [
@@ -124,9 +115,8 @@ class StageStorage:
 
     def checkpoint_optimizer_state(self, optimizer):
         """`[(key, variable)]` of the optimizer state, keyed as one
-        device's optimizer keys it (`one_device_keys`): the compiled
-        optimizer's own variables, which every stage's takes each step,
-        then each trainable variable's slots, from its owner's."""
+        device's (`one_device_keys`): the compiled optimizer's own
+        variables, then each trainable variable's slots, its owner's."""
         self.build_optimizer(self.trainer)
         slots = {}
         for stage, runtime in zip(self.stage_optimizers, self.stage_runtimes):
@@ -136,8 +126,8 @@ class StageStorage:
         return one_device_keys(trainable, optimizer.variables, slots)
 
     def device_bytes(self, variables):
-        """`{device: bytes}` of these variables on their owners' devices,
-        and of the later stages' copies of shared weights."""
+        """`{device: bytes}` of these variables on their owners' devices
+        and of shared weights' copies."""
         totals = dict.fromkeys(self.devices, 0)
         for stage, runtime in enumerate(self.stage_runtimes):
             placed = [

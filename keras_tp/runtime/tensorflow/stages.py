@@ -1,14 +1,4 @@
-"""The stage primitives of TensorFlow pipelines: replica steps of stages.
-
-`TensorFlowStages` runs each action of a schedule as one `strategy.run`
-of its stage's `TensorFlowRuntime`, in one traced step: replica `(d, t)`
-of a stage receives its inputs from replica `(d, t)` of the previous one
-(its copy of an activation, or its shard of a split one) and sends back
-their gradients. A forward pass records a `GradientTape` per replica,
-which the matching backward pass asks for the gradients. Control
-dependencies chain each stage's actions in the schedule's order, so a
-1F1B order bounds the activations a stage holds.
-"""
+"""The stage primitives of TensorFlow pipelines: replica steps of stages."""
 
 import contextlib
 
@@ -24,16 +14,19 @@ from keras_tp.tensors import nbytes
 
 
 class TensorFlowStages(StagePrimitives):
-    """The stage primitives of a pipeline whose stages each run on the
-    replicas of a `TensorFlowRuntime`, issued inside a `tf.function`.
+    """The stage primitives of a `TensorFlowPipelineRuntime`: each action
+    one `strategy.run` of its stage's runtime, in one traced step.
 
-    Every value that crosses a cut is a list with one structure per
-    replica of the stage, in replica order (`d * T + t`); so are the
-    losses and outputs of the last stage.
+    Replica `(d, t)` of a stage receives its inputs from replica `(d, t)`
+    of the previous one and sends back their gradients: every value that
+    crosses a cut (and the last stage's losses and outputs) is a list of
+    one structure per replica, in order `d * T + t`. A forward pass keeps
+    a `GradientTape` per replica for its backward pass. Control
+    dependencies chain each stage's actions in the schedule's order, so
+    1F1B bounds the activations a stage holds.
 
     Args:
-        pipeline: the `TensorFlowPipelineRuntime`: its stage models and
-            runtimes, schedule, loss, `stats` and `reading_copies`.
+        pipeline: the `TensorFlowPipelineRuntime`.
         num_microbatches: micro-batches per batch.
 
     Attributes:
@@ -65,8 +58,7 @@ class TensorFlowStages(StagePrimitives):
             )
 
     def step(self, x, y):
-        """`(loss, y_pred)` of one batch's forward and backward passes (`x`
-        of a known batch size); `gradients` then holds the stages'."""
+        """`(loss, y_pred)` of `run_schedule` on one batch."""
         self._tapes, self.gradients, self._ends, self.times = {}, {}, {}, []
         self._previous = [[] for _ in self.stage_models]
         result = run_schedule(self, self.order, x, y)
@@ -74,8 +66,8 @@ class TensorFlowStages(StagePrimitives):
         return result
 
     def predict(self, x, training=False):
-        """The last stage's outputs of the batch `x`, one micro-batch
-        after the other; `training` is that of the stages' calls."""
+        """`run_forward` of the batch `x`, the stages called with
+        `training`."""
         self._training = training
         return run_forward(self, x)
 
@@ -144,14 +136,12 @@ class TensorFlowStages(StagePrimitives):
         return [sent for sent, _ in results]
 
     def send(self, value, stage, direction):
-        """Counts `value` as sent to a neighbouring stage: the receiving
-        stage's operations, under its device, copy it there."""
+        """Counts `value`; the receiving stage's operations copy it."""
         for tensor in tf.nest.flatten(value):
             self.stats.record("send", nbytes(tensor), direction, "pipe")
         return value
 
     def infer(self, stage, inputs):
-        """Each replica's outputs of `stage` on its structure of `inputs`."""
         runtime = self.runtimes[stage]
         return self._replica_results(
             stage,
@@ -180,16 +170,14 @@ class TensorFlowStages(StagePrimitives):
             )
 
     def _replica_results(self, stage, fn):
-        """`fn` run on each replica of `stage`, which reads its copies of
-        the weights it shares with an earlier stage."""
+        """`fn` run on each replica of `stage` (`reading_copies`)."""
         with self.pipeline.reading_copies(stage):
             return self.runtimes[stage].replica_results(
                 fn, self.stage_models[stage]
             )
 
     def _per_replica(self, x):
-        """Per micro-batch, per replica, micro-batch `m` of the replica's
-        data-parallel row of `x`."""
+        """Per micro-batch, per replica, its part of `x`."""
         rows, count = self.data_parallel, self.num_microbatches
         schedules.check_microbatches(traced_batch_size(x) // rows, count)
         replicas = range(rows * self.tensor_parallel)
@@ -199,11 +187,9 @@ class TensorFlowStages(StagePrimitives):
         ]
 
     def _row_losses(self, m, outputs, target):
-        """Each data-parallel row's share of the batch's loss from its
-        outputs of micro-batch `m`, computed outside the replicas (where
-        Keras would divide a loss by their number); the gradient of each
-        row's loss with respect to its outputs is kept for the backward
-        passes of the row's replicas."""
+        """Each data-parallel row's share of the batch's loss, computed
+        outside the replicas (where Keras would divide a loss by their
+        number); its gradient is kept for the row's backward passes."""
         losses, cotangents = [], []
         for first in range(0, len(outputs), self.tensor_parallel):
             predicted = floating(outputs[first])
@@ -228,9 +214,9 @@ class TensorFlowStages(StagePrimitives):
         return losses
 
     def _accumulate(self, key, variables, grads):
-        """Adds a micro-batch's gradients of `variables` (the first of
-        `grads`) to `gradients[key]`, dense; zero for a weight the stage
-        holds but does not read (a layer several stages call)."""
+        """Adds the gradients of `variables` (the first of `grads`) to
+        `gradients[key]`, dense (zero for a weight the stage holds but
+        does not read)."""
         dense = [
             tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
             for v, g in zip(variables, grads)
@@ -243,15 +229,11 @@ class TensorFlowStages(StagePrimitives):
     @contextlib.contextmanager
     def _issued(self, stage, kind, m, inputs):
         """Issues the action `(stage, kind, m)` after its stage's previous
-        one and times it on the stage's first device; the caller adds the
-        tensors the action ends with to the list it is given.
-
-        The start is a `tf.timestamp` run once the action's inputs, the
-        action that sent them and the stage's previous action are done;
-        the action's operations wait for it (each replica's explicitly,
-        from `times[-1][0]`: replicas run in threads of their own). The
-        end is a timestamp after the tensors it ends with.
-        """
+        one, timed on the stage's first device between a `tf.timestamp`
+        after its inputs, their sender and that action, which its
+        operations wait for (each replica's explicitly, from
+        `times[-1][0]`), and one after the tensors the caller adds to the
+        list it is given."""
         sender = stage - 1 if kind == schedules.FORWARD else stage + 1
         sent = self._ends.get((sender, kind, m))
         waits = tf.nest.flatten(inputs) + ([sent] if sent is not None else [])
@@ -277,6 +259,5 @@ def traced_batch_size(x):
 
 
 def floating(structure):
-    """The floating-point tensors of `structure`, in `tf.nest` order (the
-    same on both sides of a cut)."""
+    """The floating-point tensors of `structure`, in `tf.nest` order."""
     return [t for t in tf.nest.flatten(structure) if t.dtype.is_floating]

@@ -1,6 +1,5 @@
 """Pipelines on torch: each rank runs its shard of one stage of one
-replica, through `keras_tp.runtime.torch.stages`, and stores its
-variables (`keras_tp.runtime.torch.stage_storage`)."""
+replica."""
 
 import itertools
 
@@ -29,10 +28,8 @@ from keras_tp.tensors import nbytes
 
 
 class TorchStageRuntime(TorchRuntime):
-    """The `TorchRuntime` of this rank's stage: a `data x model` mesh
-    inside the pipeline's `data x pipe x model` one, over the process
-    `groups` of its `model` axis `{(d, p, t')}`, its `data` axis
-    `{(d', p, t)}` and both (see `TorchRuntime._axis_groups`)."""
+    """The `TorchRuntime` of this rank's stage, over the process `groups`
+    of its `model` axis, its `data` axis and both (`_axis_groups`)."""
 
     def __init__(self, config, groups):
         self._groups = groups
@@ -47,16 +44,12 @@ class TorchStageRuntime(TorchRuntime):
 class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
     """Runs Keras' torch steps as pipelines, one stage shard per rank.
 
-    The ranks form a `data x pipe x model` mesh, row-major: rank `d * P *
-    T + p * T + t` runs the `t`-th tensor-parallel shard of stage `p` of
-    replica `d`, which trains on the `d`-th slice of every batch. Every
-    rank builds the whole model, then keeps its own stage only; the other
-    stages' variables become "meta" tensors, shaped but without memory. A
-    training step runs this rank's part of the schedule (`TorchPipeline`),
-    exchanging activations and their gradients with ranks `(d, p +/- 1,
-    t)`, then updates its shard (with replicas, through a
-    `CoordinatedOptimizer` over the stage's `data` axis). The last stage
-    of each replica updates the metrics, summed over the replicas, and
+    The ranks form a `data x pipe x model` mesh, row-major: rank `(d, p,
+    t)` runs the `t`-th tensor-parallel shard of stage `p` of replica `d`,
+    which trains on the `d`-th slice of every batch, and holds the other
+    stages' variables as "meta" tensors (`StageStorage`). A training step
+    runs this rank's part of the schedule (`TorchPipeline`), then updates
+    its shard. The last stage of each replica updates the metrics and
     broadcasts them, and a prediction's outputs, to every rank.
 
     Attributes:
@@ -128,8 +121,8 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
 
     def _shared_weight_adapters(self):
         """`{stages: adapter}` over this rank's counterparts in the stages
-        that share weights (`WeightOwners.shared_groups`). Every rank
-        creates every group, in one order, as `dist.new_group` requires."""
+        that share weights. Every rank creates every group, in one order,
+        as `dist.new_group` requires."""
         adapters = {}
         for stages, d, t in itertools.product(
             self.owners.shared_groups(),
@@ -148,13 +141,11 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
 
     @property
     def optimizer_runtime(self):
-        """With replicas, the stage's runtime: a `CoordinatedOptimizer`
-        over its `data` axis combines the replicas' gradients."""
+        # With replicas, a `CoordinatedOptimizer` over the stage's `data`
+        # axis combines their gradients.
         return self.stage_runtime if self.data_parallel > 1 else None
 
     def _rank_of(self, data_index, stage_index, model_index):
-        """The global rank at these indices of the `data x pipe x model`
-        mesh."""
         index = (data_index, stage_index, model_index)
         return int(np.ravel_multi_index(index, self._mesh_shape))
 
@@ -166,14 +157,13 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
 
     @property
     def peak_activations(self):
-        """The most micro-batches whose activations this rank's stage held
-        at once in the last training step."""
+        """The peak of this rank's stage alone (an int)."""
         actions = [schedules.Action(0, k, m) for k, m, *_ in self.timeline]
         return schedules.peak_activations([actions])[0]
 
     def measured_timeline(self):
         """The last training step's `schedules.Timeline`, gathered from
-        the ranks of this rank's pipeline (a collective)."""
+        this rank's pipeline (a collective)."""
         records = [None] * self.pipeline_parallel
         dist.all_gather_object(records, self.timeline, group=self.pipe_group)
         if not all(records):
@@ -182,15 +172,14 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
 
     def build_optimizer(self, trainer):
         """Builds the optimizer's slots in one device's order on every
-        rank (a checkpoint names them by position), those of other stages'
-        variables on the meta device; a `CoordinatedOptimizer` over the
-        stage's replicas builds this stage's slots only."""
+        rank (a checkpoint names them by position); a
+        `CoordinatedOptimizer` builds this stage's only."""
         held = self.stage_model if self.optimizer_runtime else trainer
         trainer.optimizer.build(held.trainable_variables)
 
     def _pipeline(self, x, with_loss=True):
-        """This rank's `TorchPipeline` for this replica's inputs `x`: with
-        the loss (training, evaluation) or without (prediction)."""
+        """This rank's `TorchPipeline` for this replica's inputs `x`, with
+        or without the loss."""
         leaves = keras.tree.flatten(x)
         count = self.microbatches(len(leaves[0]))
         shapes = tuple((tuple(t.shape), t.dtype) for t in leaves)
@@ -210,8 +199,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         return self._pipelines[key]
 
     def _sliced(self, data):
-        """This replica's slice of a global batch, as torch tensors
-        (`train_on_batch` passes NumPy arrays on)."""
+        """This replica's slice of a global batch, as torch tensors."""
         data = keras.tree.map_structure(
             lambda t: t if t is None else keras.ops.convert_to_tensor(t), data
         )
@@ -265,8 +253,8 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
 
     def _logs(self, pipeline, x, y, loss, y_pred):
         """The step's logs, alike on every rank: the last stage of each
-        replica updates the metrics with its slice (the replicas' updates
-        summed over `data`) and broadcasts them to its replica's ranks."""
+        replica updates the metrics (summed over `data`) and broadcasts
+        them."""
         trainer = self.trainer
         variables = trainer.metrics_variables
         if pipeline.is_last:
@@ -292,8 +280,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         return trainer.get_metrics_result()
 
     def _last_stage_outputs(self, x, training=False):
-        """The stages' outputs of `x`, without gradients, broadcast from
-        the last stage to every rank of its replica."""
+        """The stages' outputs of `x`, broadcast from the last stage."""
         _, outputs = self._pipeline(x, with_loss=False).forward(
             x, None, training
         )
@@ -314,10 +301,8 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         return keras.tree.pack_sequence_as(self.stage_models[-1].output, leaves)
 
     def call_model(self, model, inputs, training):
-        """A direct call `tp(x)` runs the stages' forward passes on their
-        ranks, without gradients, each replica on all of `x`; every rank
-        returns the outputs. A symbolic call (Keras building its metrics)
-        runs the stages as a graph."""
+        """A direct call `tp(x)`: each replica's stages on all of `x`;
+        a symbolic one (Keras building its metrics) as a graph."""
         if is_symbolic(keras.tree.flatten(inputs)[0]):
             return super().call_model(model, inputs, training)
         inputs = keras.tree.map_structure(keras.ops.convert_to_tensor, inputs)

@@ -1,11 +1,7 @@
-"""Where a torch pipeline's variables live, and how they are read.
-
-Each rank stores its shard of its own stage's variables and slots (a
-weight several stages use, on each of them); the other stages' are meta
-tensors here, shaped like their shards, without memory. Full values,
-`save()` and sharded checkpoints are assembled by each variable's stage
-in the first replica.
-"""
+"""Where a torch pipeline's variables live: each rank stores its shard of
+its own stage's variables and slots, the other stages' as meta tensors,
+shaped but without memory; each variable's stage in the first replica
+assembles its full values."""
 
 import dataclasses
 import gc
@@ -28,16 +24,15 @@ class StageStorage:
     stage runtime, the other stages' on the meta device."""
 
     def full_shape(self, variable):
-        """The unsplit shape of `variable`: as this rank's stage placed
-        it (a ZeRO partition's slot), or as the model was placed."""
+        # As this rank's stage placed it (a ZeRO partition's slot), or as
+        # the model was placed.
         if self.stage_runtime.placement.is_placed(variable):
             return self.stage_runtime.full_shape(variable)
         return super().full_shape(variable)
 
     def local_pieces(self, variable):
-        """This rank's pieces of its stage's variables: a shared weight
-        and its slots written by its owner, the optimizer's own variables
-        by the first rank."""
+        """This rank's pieces of its stage's variables: a shared weight's
+        written by its owner, the optimizer's own by the first stage."""
         if isinstance(variable, SlotOfAnotherStage):
             return []
         stage_of = self.stage_of
@@ -49,8 +44,8 @@ class StageStorage:
         return self.stage_runtime.local_pieces(variable)
 
     def assign_local_pieces(self, variable, read):
-        """Assigns this rank's pieces of every variable it holds: its
-        stage's, a shared weight's copy, the optimizer's own."""
+        # Of every variable it holds: its stage's, a shared weight's copy,
+        # the optimizer's own.
         if isinstance(variable, SlotOfAnotherStage):
             return
         if id(variable) not in self.stage_of or self.owners.holds(
@@ -60,11 +55,9 @@ class StageStorage:
 
     def checkpoint_optimizer_state(self, optimizer):
         """With replicas, the state of this rank's `CoordinatedOptimizer`
-        keyed as one device's optimizer keys its own (`one_device_keys`):
-        the ranks of a pipeline tell each other their slots (a
-        collective), and other stages' stand as `SlotOfAnotherStage`s.
-        Without replicas `None`: the optimizer is built in one device's
-        order (`build_optimizer`)."""
+        keyed as one device's (`one_device_keys`), other stages' slots
+        (told by a collective) as `SlotOfAnotherStage`s; else `None`, as
+        `build_optimizer` keeps one device's order."""
         if self.optimizer_runtime is None:
             return None
         inner = optimizer.inner_optimizer
@@ -97,7 +90,7 @@ class StageStorage:
 
     def place_variable(self, variable, axis):
         """Keeps this rank's shard of its own stage's variables; the other
-        stages' keep their shard's shape on the meta device."""
+        stages' on the meta device."""
         # The planner's trace leaves dead autograd graphs holding the
         # variables; collecting the young generations frees them faster
         # than the full collection `swap_storage` falls back to.
@@ -108,8 +101,7 @@ class StageStorage:
             _to_meta(variable, self.placement.model_shard_shape(variable))
 
     def place_variable_like(self, variable, reference, data_axis):
-        """Places an optimizer slot with its reference: Keras makes it in
-        the reference's shape on this rank's device, its shard already."""
+        # Keras makes a slot in its reference's shape, its shard already.
         self.owners.adopt(variable, reference)
         if self.owners.holds(self.stage_index, reference):
             self.stage_runtime.placement.place_like(variable, reference)
@@ -117,8 +109,7 @@ class StageStorage:
             _to_meta(variable, tuple(variable.shape))
 
     def full_value(self, variable):
-        """The variable's unsplit value, assembled by its stage's ranks in
-        the first replica and broadcast from the first of them."""
+        """The unsplit value, broadcast from `_assembler`."""
         full = self._assembled(variable)
         if full is None:
             full = self._empty_full(variable)
@@ -131,7 +122,7 @@ class StageStorage:
 
     def _assembled(self, variable):
         """The unsplit value of `variable` on its stage's ranks in the
-        first replica (gathered over their groups), `None` elsewhere."""
+        first replica, `None` elsewhere."""
         if self.data_index or self.stage_of[id(variable)] != self.stage_index:
             return None
         full = self.stage_runtime.unsplit(
@@ -141,7 +132,6 @@ class StageStorage:
         return full.clone()
 
     def _empty_full(self, variable):
-        """An uninitialised tensor of `variable`'s unsplit shape."""
         return torch.empty(
             self.placement.full_shapes[id(variable)],
             dtype=parameter_of(variable).dtype,
@@ -149,15 +139,12 @@ class StageStorage:
         )
 
     def assign_full_value(self, variable, value):
-        """Assigns this rank's part of `value` (the same on every rank)
-        on the ranks of the variable's stage."""
         if self.owners.holds(self.stage_index, variable):
             self.stage_runtime.assign_full_value(variable, value)
 
     def save_model(self, model, filepath, **kwargs):
-        """Rank 0 writes the unsplit model, each variable assembled by its
-        stage in the first replica and sent to rank 0 for the write. Every
-        rank returns once it is written, and raises if rank 0 failed."""
+        """Rank 0 writes the unsplit model, each variable sent by its
+        `_assembler`; every rank raises if rank 0 failed."""
 
         def gathered():
             for variable in model.variables:
@@ -181,8 +168,8 @@ class StageStorage:
         )
 
     def device_bytes(self, variables):
-        """`{this rank's device: bytes}` of its tensors, each storage once
-        (the other stages' meta tensors hold none)."""
+        """`{this rank's device: bytes}` of its tensors (meta ones hold
+        none)."""
         own = [v for v in variables if parameter_of(v).device.type != "meta"]
         return {self.devices[self.rank]: storage_bytes(own)}
 
@@ -199,9 +186,8 @@ class SlotOfAnotherStage:
 
 
 def _to_meta(variable, shape):
-    """Makes `variable` a "meta" tensor of `shape`: a variable of another
-    stage, which no rank of this stage computes, keeps the shape of its
-    shard for Keras' symbolic builds and holds no memory."""
+    """Makes `variable` (another stage's) a "meta" tensor of `shape`, for
+    Keras' symbolic builds."""
     parameter = parameter_of(variable)
     swap_storage(
         variable, torch.empty(shape, dtype=parameter.dtype, device="meta")

@@ -1,11 +1,5 @@
-"""The stage primitives of torch pipelines: `torch.distributed.pipelining`.
-
-Each rank runs (its shard of) one stage model, wrapped as the `nn.Module`
-of a `PipelineStage` (`KerasStageModule`). torch's schedule runtime runs
-keras_tp's own action lists: it splits the batch into micro-batches,
-sends activations and gradients between neighbouring ranks, and leaves
-the stage's gradients, averaged over the micro-batches, in `.grad`.
-"""
+"""The stage primitives of torch pipelines: `torch.distributed.pipelining`,
+whose schedule runtime runs keras_tp's action lists over the ranks."""
 
 import time
 
@@ -55,8 +49,7 @@ class KerasStageModule(torch.nn.Module):
         return flatten_named(self.model(inputs, training=self.training_call))
 
     def structured(self, outputs):
-        """The stage model's `outputs` (as `forward` returned them, or the
-        schedule merged them) in its own structure again."""
+        """The stage model's flat `outputs` in its own structure again."""
         if isinstance(self.model.output, dict):
             return dict(zip(sorted(self.model.output), outputs))
         return outputs
@@ -70,12 +63,10 @@ def flatten_named(value):
 
 
 class RecordedPipelineStage(PipelineStage):
-    """A `PipelineStage` that times each micro-batch and counts its sends.
-
-    `timeline` holds `(kind, micro_batch, start, end)` of the last step,
-    in `time.perf_counter()` seconds (one clock for every process of a
-    Linux machine); the bytes sent count in `stats` on the axis `"pipe"`.
-    """
+    """A `PipelineStage` that counts its sends in `stats` and times each
+    micro-batch: `timeline` holds `(kind, micro_batch, start, end)` of the
+    last step, in `time.perf_counter()` seconds (one clock for every
+    process of a Linux machine)."""
 
     def __init__(self, module, stats, *args, **kwargs):
         super().__init__(module, *args, **kwargs)
@@ -130,7 +121,9 @@ class RecordedPipelineStage(PipelineStage):
 class TorchPipeline:
     """This rank's stage of a pipeline, run by torch's schedule runtime
     (`_PipelineScheduleRuntime`) on the action lists of
-    `keras_tp.pipeline.schedules`, to which it adds the sends and receives.
+    `keras_tp.pipeline.schedules`, to which it adds the sends and receives;
+    it leaves the stage's gradients, averaged over the micro-batches, in
+    `.grad`.
 
     Args:
         stage_model: the Keras model of this rank's stage.
@@ -199,14 +192,12 @@ class TorchPipeline:
         return self._run(self.schedule.step, x, y, training=True)
 
     def forward(self, x, y=None, training=False):
-        """As `step`, the forward passes only, without gradients; without
-        targets `y`, the loss returned is `None`. `training` is the
-        argument of the stages' calls."""
+        """As `step`, the forward passes only, without gradients (and
+        without loss without `y`), the stages called with `training`."""
         with torch.no_grad():
             return self._run(self.schedule.eval, x, y, training)
 
     def _run(self, run, x, y, training):
-        """Runs the schedule's `run` (`step` or `eval`) on this stage."""
         schedules.check_microbatches(
             len(keras.tree.flatten(x)[0]), self.num_microbatches
         )

@@ -45,14 +45,9 @@ def weight_uses(graph):
 
 
 def candidate_cuts(graph, owners):
-    """Where automatic cuts may go.
-
-    Returns:
-        `(candidates, fewest, splitting)`: the cuts where the fewest
-        activations cross, that number, and `{cut: owner}` (an entry of
-        `owners`, from `weight_uses`) for the cuts excluded because they
-        would separate the calls of a shared weight's layers.
-    """
+    """`(candidates, fewest, splitting)`: the cuts where the fewest
+    activations cross, that number, and `{cut: owner}` (an entry of
+    `owners`) for the cuts that would separate a shared weight's calls."""
     n = len(graph.nodes)
     counts = _activation_counts(graph)
     splitting = {}

@@ -1,9 +1,5 @@
-"""Cutting a Functional model into pipeline stages: `split_stages`.
-
-The stages are Functional models built from the user's own layer objects,
-so that training the stages trains the user's model; where the cuts fall
-is decided on the model's dataflow graph (`graph`, `cut_points`).
-"""
+"""Cutting a Functional model into pipeline stages: `split_stages`, on the
+model's dataflow graph (`graph`, `cut_points`)."""
 
 import inspect
 import logging
@@ -16,7 +12,7 @@ from keras_tp.pipeline.cut_points import candidate_cuts
 from keras_tp.pipeline.cut_points import user_cuts
 from keras_tp.pipeline.cut_points import weight_uses
 from keras_tp.pipeline.graph import Dataflow
-from keras_tp.pipeline.schedules import check_count
+from keras_tp.pipeline.schedules import check_counts
 from keras_tp.pipeline.stages import Boundary
 from keras_tp.pipeline.stages import BoundaryTensor
 from keras_tp.pipeline.stages import Stage
@@ -45,37 +41,26 @@ def split_stages(
     same variables), so training the stages trains `model`; run one after
     the other, they compute what `model` computes (`StageSplit.run`).
 
-    Cut points are positions in a topological order of the model's graph:
-    its layer calls and raw-op calls (the `x + y` of a residual add).
-    Nested Functional and Sequential models called once (the backbone of
-    a keras-hub task) are opened up, so a cut can fall inside; one that
-    cannot be (called on an unlike structure, or with tensors in keyword
-    arguments) stays one node.
-
-    Automatic cuts (`cut_points=None`) choose among the positions where
-    the fewest activations cross, not counting carried model inputs
-    (keras-hub's `padding_mask`) and outputs: the `num_stages - 1` cuts
-    that make the largest stage smallest, then the stages most even.
-    Cuts that would put the calls of one layer (or of layers sharing a
-    weight) in different stages are excluded, unless `share_weights`.
-
-    User cuts: `cut_points=["block_2", "block_4"]` starts a new stage *at*
-    each named layer or op (`Stage.operation_names` lists them), in the
-    order the model runs them; a layer of a nested model may be named
-    with or without its prefix (`gpt2_backbone.transformer_layer_1`).
-
-    Tensors made before a cut and read after it (skip connections, model
-    inputs) cross each cut up to their last reader
-    (`StageSplit.boundaries`); a tensor read by every block (T5's
-    position bias) thus crosses every cut in between, and automatic cuts
-    then fall outside that span: pass `cut_points` there.
+    Cut points are positions in a topological order of the model's layer
+    and raw-op calls (the `x + y` of a residual add), nested Functional
+    and Sequential models called once (a keras-hub backbone) opened up.
+    Automatic cuts choose among the positions where the fewest
+    activations cross (carried model inputs and outputs not counted) the
+    `num_stages - 1` that make the largest stage smallest, then the
+    stages most even, and never separate the calls of one layer (or of
+    layers sharing a weight) unless `share_weights`. Tensors made before
+    a cut and read after it cross each cut up to their last reader: one
+    that every block reads (T5's position bias) keeps automatic cuts
+    outside its span; pass `cut_points` there.
 
     Args:
         model: a built Functional or Sequential Keras model (keras-hub
             backbones and task models, `keras.applications` models).
         num_stages: number of stages, at least 1.
         cut_points: `None` for automatic cuts, or the names of the
-            `num_stages - 1` layers at which a new stage starts.
+            `num_stages - 1` layers (or ops, as `Stage.operation_names`
+            lists them, a nested model's with or without its prefix) at
+            which a new stage starts, in the order the model runs them.
         balance: what automatic cuts balance: `"parameters"` (weight
             scalars per stage), or `"time"`: each block's forward time
             between candidate cuts, measured on `sample` (the median of a
@@ -108,7 +93,7 @@ def split_stages(
     # carried, and the residual stream after block 5.
     ```
     """
-    check_count("num_stages", num_stages)
+    check_counts(num_stages=num_stages)
     if balance not in BALANCES:
         raise ValueError(
             f"Unknown balance {balance!r}; supported: "
@@ -143,8 +128,7 @@ def split_stages(
 
 def _check_losses(model):
     """Refuses layers that add losses in `call`, which a stage cannot
-    return: activity regularizers, `add_loss` in the source of a layer's
-    `call`, or losses in `model.losses` after an eager run."""
+    return."""
     for layer in [model] + list(sublayers(model)):
         if getattr(layer, "activity_regularizer", None) is not None:
             raise ValueError(
@@ -188,9 +172,8 @@ def _adds_loss_in_call(layer):
 
 
 def block_seconds(graph, candidates, sample):
-    """Forward seconds per node: each block's between the candidate cuts
-    (run as the stages of a split at every candidate), measured on
-    `sample`, counted at the block's first node."""
+    """Forward seconds per node: each block's between the candidate cuts,
+    measured on `sample`, counted at the block's first node."""
     blocks = _build(graph, list(candidates), None)
     seconds = [0.0] * len(graph.nodes)
     starts = [0] + list(candidates)
@@ -288,7 +271,7 @@ def _build(graph, positions, balance):
 
 
 def _batch_shape(shape):
-    """`shape` with an unknown batch first: Keras infers a batch of 1
-    where a batch-less tensor is broadcast against a batched one."""
+    # Keras infers a batch of 1 where a batch-less tensor is broadcast
+    # against a batched one.
     shape = tuple(shape)
     return (None,) + shape[1:] if shape else shape

@@ -1,17 +1,9 @@
 """The one executor of a pipeline schedule, over a backend's stage primitives.
 
-A schedule (`keras_tp.pipeline.schedules`) is a list of `Action`s `(stage,
-kind, microbatch)`. As torch's `_PipelineScheduleRuntime` does, this
-module runs it the same way on every backend: it routes activations
-forward and gradients back and collects the last stage's losses, leaving
-every computation and transfer to the backend's `StagePrimitives`.
-
-Example:
-
-```python
-order = schedules.issue_order("1f1b", num_stages=2, num_microbatches=4)
-loss, y_pred = run_schedule(primitives, order, x, y)
-```
+As torch's `_PipelineScheduleRuntime` does, it runs a list of `Action`s
+(`keras_tp.pipeline.schedules`) the same way on every backend: it routes
+activations forward and gradients back and collects the last stage's
+losses, leaving every computation and transfer to the `StagePrimitives`.
 """
 
 import keras
@@ -76,14 +68,8 @@ class StagePrimitives:
 
 
 def run_schedule(primitives, order, x, y):
-    """Runs one batch's forward and backward passes in the order given.
-
-    Args:
-        primitives: the backend's `StagePrimitives`.
-        order: the `Action`s to run, each after the ones it needs
-            (`schedules.issue_order`).
-        x: the batch's inputs.
-        y: the batch's targets.
+    """Runs one batch's forward and backward passes through `primitives`
+    in the `order` of the actions (`schedules.issue_order`).
 
     Returns:
         `(loss, y_pred)` of the batch, as `primitives.joined` makes them;
@@ -119,16 +105,9 @@ def run_schedule(primitives, order, x, y):
 
 
 def run_forward(primitives, x):
-    """The stages' outputs of a batch, one micro-batch after the other,
-    without gradients (evaluation, prediction, direct calls).
-
-    Args:
-        primitives: the backend's `StagePrimitives`.
-        x: the batch's inputs.
-
-    Returns:
-        The batch's outputs, as `primitives.joined` makes them.
-    """
+    """The outputs of the batch `x`, as `primitives.joined` makes them, one
+    micro-batch after the other, without gradients (evaluation,
+    prediction, direct calls)."""
     outputs = []
     for tensors in primitives.microbatches(x, None)[0]:
         for stage in range(primitives.num_stages):
@@ -141,11 +120,7 @@ def run_forward(primitives, x):
 
 def split_rows(x, rows, count):
     """The batch `x` cut into `rows` equal data-parallel rows, each cut
-    into `count` equal micro-batches.
-
-    Returns:
-        Per micro-batch, per row, a structure like `x`.
-    """
+    into `count` equal micro-batches: per micro-batch, per row."""
     size = keras.tree.flatten(x)[0].shape[0] // (rows * count)
 
     def part(row, m):

@@ -1,11 +1,7 @@
-"""The dataflow graph of a Functional model, nested models flattened.
-
-A Functional model is a graph of *nodes*, one per call of a layer or a
-raw op (the `x + y` of a residual add). The pipeline cuts it, so it needs
-every node in an order that runs, with the tensors each reads and
-writes, nested models (a keras-hub backbone) opened up. Keras keeps the
-graph in private structures, read through `keras_tp.keras_internals`.
-"""
+"""The dataflow graph of a Functional model, nested models flattened: a
+node per call of a layer or raw op (the `x + y` of a residual add), in an
+order that runs, with the tensors each reads and writes, read from Keras'
+private structures through `keras_tp.keras_internals`."""
 
 import collections
 
@@ -21,10 +17,9 @@ from keras_tp.keras_internals import producer_node
 
 
 class TensorInfo:
-    """One tensor of the flattened graph.
+    """One tensor of the flattened graph, keyed by `(scope, id(tensor))`.
 
     Attributes:
-        key: its identity in the graph, `(scope, id(keras_tensor))`.
         tensor: the `KerasTensor` (for its shape and dtype).
         name: the graph input's name, or the producing node's (with `:i`
             for the i-th of several outputs).
@@ -35,8 +30,7 @@ class TensorInfo:
             `Dataflow.crossing`).
     """
 
-    def __init__(self, key, tensor, name, producer):
-        self.key = key
+    def __init__(self, tensor, name, producer):
         self.tensor = tensor
         self.name = name
         self.producer = producer
@@ -87,12 +81,11 @@ class NodeInfo:
 
 
 class Dataflow:
-    """The nodes of a Functional or Sequential model in a topological order.
-
-    The order is a depth-first walk from the outputs that visits a node's
-    arguments in their order, so blocks follow each other as in the code
-    that built the model. Nested graph models called once on one
-    structure of tensors are opened up; any other stays one node.
+    """The nodes of a Functional or Sequential model in a topological order:
+    a depth-first walk from the outputs that visits a node's arguments in
+    their order, so blocks follow each other as in the code that built the
+    model. Nested graph models called once on one structure of tensors are
+    opened up; any other stays one node.
 
     Args:
         model: a built Functional or Sequential model.
@@ -126,7 +119,7 @@ class Dataflow:
         for tensor in inputs:
             key = (0, id(tensor))
             if key not in self.tensors:
-                self.tensors[key] = TensorInfo(key, tensor, tensor.name, None)
+                self.tensors[key] = TensorInfo(tensor, tensor.name, None)
                 self.inputs.append(key)
         self._walk(outputs)
         self.outputs = [self._resolve(0, tensor) for tensor in outputs]
@@ -226,18 +219,13 @@ class Dataflow:
             if key in self.tensors:
                 continue  # an op that returned a tensor it was given
             tensor_name = name if len(produced) == 1 else f"{name}:{i}"
-            self.tensors[key] = TensorInfo(key, tensor, tensor_name, index)
+            self.tensors[key] = TensorInfo(tensor, tensor_name, index)
         self.nodes.append(NodeInfo(index, node, name, inputs, outputs))
 
 
 def graph_endpoints(model):
-    """`(flat inputs, flat outputs, input structure, output structure)`.
-
-    Raises:
-        NotImplementedError: for a subclassed model.
-        ValueError: for a Sequential model that was never built on an
-            input shape.
-    """
+    """`(flat inputs, flat outputs, input structure, output structure)` of
+    a Functional model, or a Sequential one built on an input shape."""
     if isinstance(model, keras.Function):
         return (
             list(model.inputs),
@@ -269,9 +257,9 @@ def graph_endpoints(model):
 
 
 def _opens(operation, node):
-    """Whether a node's call of a nested model is opened up: a Functional
-    or Sequential model called with one positional argument whose
-    structure matches its inputs and no tensor in keyword arguments."""
+    """Whether a node's call of a nested Functional or Sequential model is
+    opened up: one positional argument like its inputs, no tensor in
+    keyword arguments."""
     if not isinstance(operation, (keras.Function, keras.Sequential)):
         return False
     try:

@@ -1,11 +1,10 @@
 """Which stage of a pipeline owns each weight, and a shared weight's gradient.
 
-A weight belongs to the first stage that uses it, which stores it, with
-its optimizer slots, and updates it. A weight several stages use (a tied
-embedding, which also computes the logits) is read by the later stages
-from a copy, and their gradients of it are added to the owner's before
-the update, as Megatron-LM all-reduces its word embeddings' gradients
-between its first and last stages.
+A weight belongs to the first stage that uses it, which stores and updates
+it. Later stages that use it (a tied embedding, which also computes the
+logits) read a copy, and their gradients of it are added to the owner's,
+as Megatron-LM all-reduces its word embeddings' gradients between its
+first and last stages.
 """
 
 
@@ -14,8 +13,7 @@ class WeightOwners:
 
     Args:
         stage_models: each stage's Keras model, in order.
-        model: the model the stages were cut from; every variable of it
-            must belong to some stage.
+        model: the model the stages were cut from.
 
     Attributes:
         stage_of: the owning stage of each variable, by id; optimizer slots
@@ -50,11 +48,8 @@ class WeightOwners:
             )
 
     def adopt(self, variable, reference):
-        """Gives `variable` (an optimizer slot) the stages of `reference`.
-
-        Returns:
-            The owning stage's index.
-        """
+        """Gives `variable` (an optimizer slot) the stages of `reference`;
+        returns the owner's index."""
         if id(reference) in self.shared_stages:
             self.shared_stages[id(variable)] = self.shared_stages[id(reference)]
         self.stage_of[id(variable)] = self.stage_of[id(reference)]
@@ -77,15 +72,9 @@ class WeightOwners:
     def owned_gradients(self, gradients, moved):
         """Per stage, per variable it owns (`owned`), the sum of its
         gradients over the stages that use it, where one process holds
-        every stage's.
-
-        Args:
-            gradients: per stage, the gradients of its model's trainable
-                variables, in that order.
-            moved: a function of `(gradient, stage, owner)` returning a
-                shared weight's gradient from `stage` on the owner's
-                devices (and counting it).
-        """
+        each stage's `gradients` (of its trainable variables, in order);
+        `moved(gradient, stage, owner)` moves a later stage's to the
+        owner's devices."""
         addends = {}
         for stage, grads in enumerate(gradients):
             variables = self.stage_models[stage].trainable_variables

@@ -32,13 +32,8 @@ class PipelineRuntime(Runtime):
 
     Args:
         model: the built Functional model to cut.
-        config: the `keras_tp.ParallelConfig`: its `pipeline_parallel`
-            stages, `data_parallel` replicas of them, each stage on
-            `world_size / (pipeline_parallel x data_parallel)` devices
-            split by tensor parallelism; its `zero_stage`, `schedule`,
-            `num_microbatches` (`None` takes, for each batch, the largest
-            divisor of its size up to `4 * pipeline_parallel`),
-            `pipeline_cuts` (see `split_stages`) and `sequence_parallel`.
+        config: the `keras_tp.ParallelConfig` (its pipeline options are
+            `TensorParallelKeras`' arguments of those names).
     """
 
     backend = None
@@ -46,7 +41,6 @@ class PipelineRuntime(Runtime):
         "a pipeline's last stage computes the loss from whole logits"
     )
     local_ranks = False
-    per_rank_steps = False
     # Python issues each stage's work in the schedule's order: the step as
     # a whole is not one compiled program.
     jit_compile_default = False
@@ -134,21 +128,19 @@ class PipelineRuntime(Runtime):
         stages_of = {}
         for index, stage in enumerate(self.stage_models):
             for layer in sublayers(stage):
-                stages = stages_of.setdefault(id(layer), [])
-                if index not in stages:
-                    stages.append(index)
+                stages_of[id(layer)] = stages_of.get(id(layer), ()) + (index,)
         parts = []
-        for stages in dict.fromkeys(map(tuple, stages_of.values())):
+        for stages in dict.fromkeys(stages_of.values()):
             part = copy.copy(plan)
             part.layers = [
                 entry
                 for entry in plan.layers
-                if tuple(stages_of[id(entry.layer)]) == stages
+                if stages_of[id(entry.layer)] == stages
             ]
             part.per_rank_random = {
                 layer: calls
                 for layer, calls in plan.per_rank_random.items()
-                if tuple(stages_of[id(layer)]) == stages
+                if stages_of[id(layer)] == stages
             }
             if part.layers or part.per_rank_random:
                 parts.append((part, self.calling_stage_runtime(stages)))
@@ -264,9 +256,9 @@ class PipelineRuntime(Runtime):
 class CallingStageRegions:
     """Runs the split layers that several stages call (a tied embedding
     that also computes the logits) on the devices of the calling stage,
-    with its copy of the weights, split as its owner's; `adapter` reads
-    the calling stage's runtime's, as a layer's split math keeps the
-    adapter it was installed with.
+    with its copy of the weights, split as its owner's: what a region
+    reads of its runtime is the calling stage's runtime's, its `adapter`
+    too (a layer's split math keeps the adapter it was installed with).
 
     Args:
         runtimes: `{stage index: its runtime}`, the owner first.
@@ -285,9 +277,6 @@ class CallingStageRegions:
         """The runtime of the stage whose work is issued now."""
         return self.runtimes.get(self._stage(), self._owner)
 
-    def full_shape(self, variable):
-        return self._owner.full_shape(variable)
-
     def prepare_local_layer(self, layer):
         for runtime in self.runtimes.values():
             runtime.prepare_local_layer(layer)
@@ -296,11 +285,9 @@ class CallingStageRegions:
         for runtime in self.runtimes.values():
             runtime.prepare_region(region)
 
-    def run_region(self, region, args, kwargs):
-        return self.calling_runtime().run_region(region, args, kwargs)
-
-    def holds_local_values(self):
-        return self.calling_runtime().holds_local_values()
+    def __getattr__(self, name):
+        # What else a region reads of its runtime is the calling stage's.
+        return getattr(self.calling_runtime(), name)
 
 
 class _CallingStageAdapter:

@@ -1,13 +1,6 @@
-"""Pipeline schedules: the order each stage runs its microbatches in.
-
-A *schedule* gives each of `P` stages its ordered list of actions on `M`
-microbatches: the forward of microbatch `m` on stage `s` needs it on
-stage `s - 1`, the backward needs it on stage `s + 1` and its own
-forward. GPipe (Huang et al., 2019) holds all `M` microbatches'
-activations at its peak; 1F1B (PipeDream-Flush, Megatron-LM) at most
-`P - s` on stage `s`. Both idle for `(P - 1) / (M + P - 1)` of the step
-(the *bubble*) with equal stages; `simulate` runs a schedule on given
-action times and `bubble_fraction` measures the idle time.
+"""Pipeline schedules: each of `P` stages' ordered list of actions on `M`
+microbatches. The forward of microbatch `m` on stage `s` needs it on stage
+`s - 1`, the backward needs it on stage `s + 1` and its own forward.
 """
 
 import collections
@@ -24,7 +17,8 @@ Action.__doc__ = """One step of a schedule: stage `stage` runs the `kind`
 
 
 def gpipe(num_stages, num_microbatches):
-    """The GPipe schedule: all forwards, then all backwards.
+    """The GPipe schedule (Huang et al., 2019): all forwards, then all
+    backwards; it holds all `M` microbatches' activations at its peak.
 
     Args:
         num_stages: number of pipeline stages `P`, at least 1.
@@ -68,9 +62,8 @@ def one_f_one_b(num_stages, num_microbatches):
 
 
 def _flushed(num_stages, num_microbatches, warmup):
-    """Stage `s`'s `warmup(s)` forwards, then one forward and one
-    backward while forwards remain, then the remaining backwards."""
-    _check_sizes(num_stages, num_microbatches)
+    # As `one_f_one_b`, with `warmup(s)` warm-up forwards on stage `s`.
+    check_counts(num_stages=num_stages, num_microbatches=num_microbatches)
     schedule = []
     for s in range(num_stages):
         first = warmup(s)
@@ -111,7 +104,6 @@ class Timeline:
         return sum(span.end - span.start for span in self.spans[stage])
 
     def span_of(self, action):
-        """The `Span` of `action`."""
         for span in self.spans[action.stage]:
             if span.action == action:
                 return span
@@ -219,15 +211,8 @@ def simulate(schedule, forward_time=1.0, backward_time=2.0):
 
 
 def recorded_timeline(records):
-    """The `Timeline` of a run whose stages recorded their own spans.
-
-    Args:
-        records: per stage, its `(kind, microbatch, start, end)` tuples,
-            on one clock for every stage.
-
-    Returns:
-        A `Timeline`, moved so that the first start is at 0.
-    """
+    """The `Timeline` of per-stage `(kind, microbatch, start, end)` records
+    on one clock, moved so that the first start is at 0."""
     origin = min(start for spans in records for _, _, start, _ in spans)
     return Timeline(
         [
@@ -241,8 +226,8 @@ def recorded_timeline(records):
 
 
 def timeline_of(order, times):
-    """The `Timeline` of the actions `order` (see `issue_order`), from
-    the `(start, end)` of each, in order, on one clock."""
+    """The `Timeline` of the actions `order` from the `(start, end)` of
+    each."""
     records = [[] for _ in range(1 + max(a.stage for a in order))]
     for (stage, kind, m), (start, end) in zip(order, times):
         records[stage].append((kind, m, float(start), float(end)))
@@ -270,7 +255,7 @@ def bubble_fraction(timeline):
 def ideal_bubble(num_stages, num_microbatches):
     """`(P - 1) / (M + P - 1)`: the idle share of GPipe and 1F1B with
     equal stages, whatever the ratio of backward to forward time."""
-    _check_sizes(num_stages, num_microbatches)
+    check_counts(num_stages=num_stages, num_microbatches=num_microbatches)
     return (num_stages - 1) / (num_microbatches + num_stages - 1)
 
 
@@ -306,17 +291,13 @@ def _dependencies(action, num_stages):
     return needs
 
 
-def _check_sizes(num_stages, num_microbatches):
-    check_count("num_stages", num_stages)
-    check_count("num_microbatches", num_microbatches)
-
-
-def check_count(name, value):
-    """Raises unless `value` is an int (NumPy's too) of at least 1."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r}.")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}.")
+def check_counts(**counts):
+    """Raises unless each of `counts` is an int (NumPy's too) >= 1."""
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {value!r}.")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}.")
 
 
 def _per_stage(value, num_stages, name):
@@ -335,9 +316,7 @@ def _per_stage(value, num_stages, name):
 
 
 def _normalized(schedule):
-    """The schedule as lists of `Action`s, checked: each stage's own
-    actions, each once, the same microbatches on every stage, a backward
-    only where its forward runs."""
+    """The schedule as lists of `Action`s, checked."""
     if not isinstance(schedule, (list, tuple)) or not schedule:
         raise ValueError(
             "A schedule is a non-empty list of per-stage action lists, "
@@ -386,7 +365,6 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 
 def check_schedule_name(name):
-    """Raises a `ValueError` unless `name` is a schedule of `SCHEDULES`."""
     if name not in SCHEDULES:
         raise ValueError(
             f"schedule must be one of {sorted(SCHEDULES)}, got {name!r}."
@@ -394,18 +372,9 @@ def check_schedule_name(name):
 
 
 def issue_order(name, num_stages, num_microbatches):
-    """Every stage's actions of schedule `name`, each after the ones it
-    needs (in the order of their starts in a simulation), for one thread
-    that issues every stage's work.
-
-    Args:
-        name: `"gpipe"` or `"1f1b"`.
-        num_stages: the number of stages.
-        num_microbatches: the number of micro-batches.
-
-    Returns:
-        A list of `Action`s.
-    """
+    """Every stage's actions of schedule `name` (`"gpipe"`, `"1f1b"`) in
+    one list, each after the ones it needs (by their starts in a
+    simulation), for one thread that issues every stage's work."""
     check_schedule_name(name)
     plan = SCHEDULES[name](num_stages, num_microbatches)
     timeline = simulate(plan)
@@ -416,7 +385,6 @@ def issue_order(name, num_stages, num_microbatches):
 
 
 def check_microbatches(batch_size, num_microbatches):
-    """Raises a `ValueError` unless the batch splits into equal parts."""
     if batch_size % num_microbatches:
         raise ValueError(
             f"A batch of {batch_size} samples cannot be split into "

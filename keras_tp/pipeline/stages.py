@@ -180,16 +180,8 @@ class StageSplit:
 
     def bytes_per_cut(self, batch_size, sequence_length=None):
         """Bytes sent across each cut in one forward pass of a batch (the
-        backward pass sends as many back, less integer tensors').
-
-        Args:
-            batch_size: the batch of one send, usually a microbatch's.
-            sequence_length: the size of every unknown dimension other
-                than the batch.
-
-        Returns:
-            A list of ints, one per cut.
-        """
+        backward pass sends as many back, less integer tensors'), a list
+        of ints; the arguments are `BoundaryTensor.nbytes`'."""
         return [b.nbytes(batch_size, sequence_length) for b in self.boundaries]
 
     def run(self, inputs, training=False):

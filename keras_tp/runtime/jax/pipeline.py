@@ -23,12 +23,12 @@ from keras_tp.runtime.jax.stage_storage import StageStorage
 from keras_tp.runtime.jax.stages import TRACING_STAGE
 from keras_tp.runtime.jax.stages import JaxStages
 from keras_tp.runtime.jax.stages import StagePrograms
-from keras_tp.runtime.jax.stages import batch_size
 from keras_tp.runtime.jax.stages import counted_jit
 from keras_tp.runtime.jax.stages import onto
 from keras_tp.runtime.jax.stages import replica_rows
 from keras_tp.runtime.jax.steps import is_concrete
 from keras_tp.runtime.jax.storage import placement_spec
+from keras_tp.runtime.padding import batch_size
 
 
 class JaxPipelineRuntime(StageStorage, PipelineRuntime):
@@ -45,7 +45,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         super().__init__(*args, **kwargs)
         self.stage_runtimes = self.stage_runtimes_of(JaxRuntime)
         # `StagePrograms` by `(micro-batch count, or None for inference;
-        # per device)`, and each stage's compiled optimizer update.
+        # per device)` (see `_stages`), and each stage's optimizer update.
         self._compiled = {}
         self._updates = {}
         # The programs of the last training step.
@@ -72,20 +72,23 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
     def action_times(self):
         return self._trained.clock.times(self.trained_order)
 
-    def _programs(self, count, per_device=True):
-        """The `StagePrograms` of training steps of `count` micro-batches,
-        or of inference (`None`); per device with replicas, unless
-        `per_device=False` (direct calls `tp(x)`)."""
-        key = (count, per_device and self.data_parallel > 1)
+    def _stages(self, x, trainable, non_trainable, training, per_device=True):
+        """The `JaxStages` of a step on the batch `x` and Keras' values; per
+        device with replicas, unless `per_device=False` (direct calls)."""
+        per_device = per_device and self.data_parallel > 1
+        replicas = self.data_parallel if per_device else 1
+        batch = batch_size(x)
+        if per_device:
+            self.check_batch_size(batch)
+        count = self.microbatches(batch // replicas)
+        # Inference programs serve every micro-batch count.
+        key = (count if training else None, per_device)
         if key not in self._compiled:
-            clock = StageClock(self.pipeline_parallel, count or 1)
-            self._compiled[key] = StagePrograms(self, key[1], count, clock)
-        return self._compiled[key]
-
-    def _stages(self, programs, trainable, non_trainable, count):
+            clock = StageClock(self.pipeline_parallel, key[0] or 1)
+            self._compiled[key] = StagePrograms(self, per_device, key[0], clock)
         trainer = self.trainer
         return JaxStages(
-            programs,
+            self._compiled[key],
             self.stage_lists(trainer.trainable_variables, trainable),
             self.stage_lists(trainer.non_trainable_variables, non_trainable),
             count,
@@ -94,15 +97,11 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
     def train_step(self, state, data):
         trainable, non_trainable, optimizer_values, metrics = state
         x, y = self.unpacked(data)
-        batch = batch_size(x)
-        self.check_batch_size(batch)
-        count = self.microbatches(batch // self.data_parallel)
-        programs = self._programs(count)
+        stages = self._stages(x, trainable, non_trainable, training=True)
         order = schedules.issue_order(
-            self.schedule, self.pipeline_parallel, count
+            self.schedule, self.pipeline_parallel, stages.count
         )
-        self._trained, self.trained_order = programs, order
-        stages = self._stages(programs, trainable, non_trainable, count)
+        self._trained, self.trained_order = stages.programs, order
         loss, y_pred = run_schedule(stages, order, x, y)
         trainable, optimizer_values = self._apply(
             trainable, optimizer_values, stages.gradients
@@ -144,12 +143,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
 
     def _infer(self, trainable, non_trainable, x, per_device=True):
         """`(outputs, new non-trainable values)` of the stages on `x`."""
-        programs = self._programs(None, per_device)
-        batch = batch_size(x)
-        if programs.per_device:
-            self.check_batch_size(batch)
-        count = self.microbatches(batch // programs.replicas)
-        stages = self._stages(programs, trainable, non_trainable, count)
+        stages = self._stages(x, trainable, non_trainable, False, per_device)
         outputs = run_forward(stages, x)
         return outputs, self._merged(non_trainable, stages.non_trainable)
 

@@ -75,10 +75,6 @@ def signature(tree):
     )
 
 
-def batch_size(tree):
-    return len(jax.tree.leaves(tree)[0])
-
-
 class StagePrograms:
     """Each stage's compiled passes: on whole arrays, or per device.
 

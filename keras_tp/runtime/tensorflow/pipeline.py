@@ -229,23 +229,14 @@ class _StageTrainer:
 
     def __init__(self, model, optimizer, owned):
         self.model = model
-        self.optimizer = optimizer
+        self.variables = model.variables
+        self.non_trainable_variables = model.non_trainable_variables
         self.trainable_variables = owned
-
-    @property
-    def inner_optimizer(self):
-        """The optimizer holding the stage's step count and slots."""
-        if isinstance(self.optimizer, CoordinatedOptimizer):
-            return self.optimizer.inner_optimizer
-        return self.optimizer
-
-    @property
-    def variables(self):
-        return self.model.variables
-
-    @property
-    def non_trainable_variables(self):
-        return self.model.non_trainable_variables
+        self.optimizer = optimizer
+        # The optimizer holding the stage's step count and slots.
+        self.inner_optimizer = optimizer
+        if isinstance(optimizer, CoordinatedOptimizer):
+            self.inner_optimizer = optimizer.inner_optimizer
 
 
 PIPELINE_RUNTIME = TensorFlowPipelineRuntime

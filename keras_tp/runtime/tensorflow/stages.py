@@ -142,12 +142,10 @@ class TensorFlowStages(StagePrimitives):
         return value
 
     def infer(self, stage, inputs):
-        runtime = self.runtimes[stage]
+        replica_id = self.runtimes[stage].replica_id
         return self._replica_results(
             stage,
-            lambda: self._call(
-                stage, inputs[runtime.replica_id()], self._training
-            ),
+            lambda: self._call(stage, inputs[replica_id()], self._training),
         )
 
     def joined(self, losses, predictions):
@@ -232,8 +230,8 @@ class TensorFlowStages(StagePrimitives):
         one, timed on the stage's first device between a `tf.timestamp`
         after its inputs, their sender and that action, which its
         operations wait for (each replica's explicitly, from
-        `times[-1][0]`), and one after the tensors the caller adds to the
-        list it is given."""
+        `times[-1][0]`: replicas run in threads of their own), and one
+        after the tensors the caller adds to the list it is given."""
         sender = stage - 1 if kind == schedules.FORWARD else stage + 1
         sent = self._ends.get((sender, kind, m))
         waits = tf.nest.flatten(inputs) + ([sent] if sent is not None else [])

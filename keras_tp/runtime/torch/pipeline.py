@@ -232,13 +232,12 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
             self.trainer.optimizer.apply(
                 [variable.value.grad for variable in variables], variables
             )
-        return self._logs(pipeline, x, y, loss, y_pred)
+        return self._logs(x, y, loss, y_pred)
 
     def test_step(self, data):
         x, y = self.unpacked(self._sliced(data))
-        pipeline = self._pipeline(x)
-        loss, y_pred = pipeline.forward(x, y)
-        return self._logs(pipeline, x, y, loss, y_pred)
+        loss, y_pred = self._pipeline(x).forward(x, y)
+        return self._logs(x, y, loss, y_pred)
 
     def predict_step(self, data):
         x = keras.utils.unpack_x_y_sample_weight(self._sliced(data))[0]
@@ -251,13 +250,13 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
             lambda y: self.data_adapter.all_gather(y, 0), y_pred
         )
 
-    def _logs(self, pipeline, x, y, loss, y_pred):
+    def _logs(self, x, y, loss, y_pred):
         """The step's logs, alike on every rank: the last stage of each
         replica updates the metrics (summed over `data`) and broadcasts
         them."""
         trainer = self.trainer
         variables = trainer.metrics_variables
-        if pipeline.is_last:
+        if self.rank == self.last_rank:
             before = [v.value.detach().clone() for v in variables]
             update_loss_tracker(trainer, loss, len(keras.tree.flatten(x)[0]))
             with torch.no_grad():

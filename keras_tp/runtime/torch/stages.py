@@ -177,10 +177,6 @@ class TorchPipeline:
         )
         self.num_microbatches = num_microbatches
 
-    @property
-    def is_last(self):
-        return self.stage.is_last
-
     def step(self, x, y):
         """Runs the forward and backward passes of one batch: `x` is read
         by the first stage only, `y` by the last.
@@ -207,7 +203,7 @@ class TorchPipeline:
         if self.stage.is_first:
             inputs = flatten_named(x)
             inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-        if not self.is_last:
+        if not self.stage.is_last:
             run(*inputs)
             return None, None
         losses = None if y is None else []

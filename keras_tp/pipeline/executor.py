@@ -1,10 +1,8 @@
 """The one executor of a pipeline schedule, over a backend's stage primitives.
 
 As torch's `_PipelineScheduleRuntime` does, it runs a list of `Action`s
-(`keras_tp.pipeline.schedules`) the same way on every backend: it routes
-activations forward and gradients back and collects the last stage's
-losses, leaving every computation and transfer to the `StagePrimitives`.
-"""
+the same way on every backend, leaving every computation and transfer to
+the `StagePrimitives`."""
 
 import keras
 
@@ -15,11 +13,7 @@ class StagePrimitives:
     """What a backend supplies for the executor to run a pipeline's actions:
     the passes of one stage on one micro-batch (`stage` and `m` are their
     indices). The executor decides which runs when and routes the values
-    between them.
-
-    Attributes:
-        num_stages: the number of stages.
-    """
+    between them."""
 
     num_stages = None
 

@@ -17,17 +17,9 @@ from keras_tp.keras_internals import producer_node
 
 
 class TensorInfo:
-    """One tensor of the flattened graph, keyed by `(scope, id(tensor))`.
-
-    Attributes:
-        tensor: the `KerasTensor` (for its shape and dtype).
-        name: the graph input's name, or the producing node's (with `:i`
-            for the i-th of several outputs).
-        producer: index of the node that produces it; `None` for an
-            input.
-        consumers: indices of the nodes that read it, in order.
-        first, last: the cuts it crosses, `first <= k <= last` (see
-            `Dataflow.crossing`).
+    """One tensor of the flattened graph, keyed by `(scope, id(tensor))`:
+    named as the graph input or its producing node (with `:i` for the
+    i-th of several outputs); it crosses the cuts `first <= k <= last`.
     """
 
     def __init__(self, tensor, name, producer):
@@ -45,16 +37,9 @@ class TensorInfo:
 
 
 class NodeInfo:
-    """One call of an operation in the flattened graph.
-
-    Attributes:
-        index: position in `Dataflow.nodes` (a topological order).
-        operation: the layer or raw op called.
-        name: the operation's name, prefixed by its nested models'
-            (`backbone.layer_norm`), with `:i` for its i-th call (i >= 2).
-        inputs: keys of the tensors it reads, in its arguments' order.
-        outputs: keys of the tensors it writes.
-    """
+    """One call of an operation in the flattened graph, named as the
+    operation prefixed by its nested models' (`backbone.layer_norm`), with
+    `:i` for its i-th call (i >= 2)."""
 
     def __init__(self, index, node, name, inputs, outputs):
         self.index = index
@@ -85,21 +70,9 @@ class Dataflow:
     a depth-first walk from the outputs that visits a node's arguments in
     their order, so blocks follow each other as in the code that built the
     model. Nested graph models called once on one structure of tensors are
-    opened up; any other stays one node.
-
-    Args:
-        model: a built Functional or Sequential model.
-
-    Attributes:
-        model: the model.
-        nodes: the `NodeInfo`s in topological order.
-        tensors: `{key: TensorInfo}`: the graph inputs, then the tensors
-            in the order of the nodes that make them.
-        inputs: keys of the graph inputs, in `model.inputs` order.
-        outputs: keys of the graph outputs, in `model.outputs` order.
-        input_structure: the model's input structure (`model.input`).
-        output_structure: the model's output structure (`model.output`).
-        opaque: names of the nested models kept as one node.
+    opened up; any other stays one node (`opaque` names them). `tensors`
+    holds the graph inputs, then the tensors in the order of the nodes
+    that make them.
     """
 
     def __init__(self, model):

@@ -9,20 +9,11 @@ first and last stages.
 
 
 class WeightOwners:
-    """The owning stage of every variable of a pipeline's stages.
-
-    Args:
-        stage_models: each stage's Keras model, in order.
-        model: the model the stages were cut from.
-
-    Attributes:
-        stage_of: the owning stage of each variable, by id; optimizer slots
-            join their variable's stage when they are made (`adopt`).
-        shared_stages: the stages of each variable that several stages
-            use, by id, the owner first.
-
-    Raises:
-        ValueError: for a variable of `model` that no stage uses.
+    """The owning stage of every variable of a pipeline's stages, by id
+    (`stage_of`; optimizer slots join their variable's when made), and
+    the stages of each variable several use, the owner first
+    (`shared_stages`). Raises `ValueError` for a variable of `model`
+    that no stage uses.
     """
 
     def __init__(self, stage_models, model):

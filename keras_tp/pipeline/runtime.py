@@ -29,11 +29,6 @@ class PipelineRuntime(Runtime):
     (`stage_runtimes`), which stores the variables its stage owns and
     runs its split layers; Keras' steps run as a schedule of micro-batches
     through the backend's stage primitives (`keras_tp.pipeline.executor`).
-
-    Args:
-        model: the built Functional model to cut.
-        config: the `keras_tp.ParallelConfig` (its pipeline options are
-            `TensorParallelKeras`' arguments of those names).
     """
 
     backend = None
@@ -259,12 +254,9 @@ class CallingStageRegions:
     with its copy of the weights, split as its owner's: what a region
     reads of its runtime is the calling stage's runtime's, its `adapter`
     too (a layer's split math keeps the adapter it was installed with).
-
-    Args:
-        runtimes: `{stage index: its runtime}`, the owner first.
-        calling: a function returning the index of the stage whose work
-            is issued now, or `None` (Keras' symbolic build, a direct
-            call), where the owner's runtime serves.
+    `runtimes` maps stage indices to runtimes, the owner first, which
+    serves where `calling()` is `None` (Keras' symbolic build, a direct
+    call).
     """
 
     def __init__(self, runtimes, calling):

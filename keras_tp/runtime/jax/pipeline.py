@@ -33,9 +33,8 @@ from keras_tp.runtime.padding import batch_size
 
 class JaxPipelineRuntime(StageStorage, PipelineRuntime):
     """Runs Keras' JAX steps, which take and return Keras' state as
-    values, as a pipeline of stages: a training step runs the schedule
-    (`JaxStages`), then one compiled optimizer update per stage on its
-    devices (`over_replicas` with replicas)."""
+    values, as a pipeline of stages (`JaxStages`), then one compiled
+    optimizer update per stage on its devices."""
 
     backend = "jax"
     # Each stage's programs are traced under its index.
@@ -74,7 +73,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
 
     def _stages(self, x, trainable, non_trainable, training, per_device=True):
         """The `JaxStages` of a step on the batch `x` and Keras' values; per
-        device with replicas, unless `per_device=False` (direct calls)."""
+        device with replicas unless `per_device=False`."""
         per_device = per_device and self.data_parallel > 1
         replicas = self.data_parallel if per_device else 1
         batch = batch_size(x)
@@ -305,8 +304,7 @@ def over_replicas(update, runtime, variables, zero_stage):
 class StageClock:
     """When each stage's programs ran on its devices: a training pass
     (`stamped`) calls the host once its inputs are there and once its
-    outputs are. A stage runs its programs in the order issued, so its
-    stamps pair up with its actions in order."""
+    outputs are, so a stage's stamps pair up with its actions in order."""
 
     def __init__(self, num_stages, num_microbatches):
         self.stamps = [

@@ -76,7 +76,7 @@ def signature(tree):
 
 
 class StagePrograms:
-    """Each stage's compiled passes: on whole arrays, or per device.
+    """Each stage's compiled passes: on whole arrays, or `per_device`.
 
     On whole arrays (no replicas, direct calls `tp(x)`) each pass is
     jitted on global arrays, its split layers `shard_map` regions. Per
@@ -85,14 +85,7 @@ class StagePrograms:
     micro-batch, values cross between programs as one row per device
     (`ROWS`), and gradients leave with one row per replica. Residuals
     that are a pass's own inputs are not copied out: the backward pass
-    takes them again.
-
-    Args:
-        pipeline: the `JaxPipelineRuntime`.
-        per_device: whether the passes run per device.
-        num_microbatches: micro-batches per training batch, or `None` for
-            inference only.
-        clock: the `StageClock` the training passes stamp.
+    takes them again. `num_microbatches` is `None` for inference only.
     """
 
     def __init__(self, pipeline, per_device, num_microbatches, clock):
@@ -273,12 +266,8 @@ class StagePrograms:
 class JaxStages(StagePrimitives):
     """The stage primitives of a JAX pipeline: its `programs` on the
     values of one step, per stage on its devices (`non_trainable` then
-    holds the new ones), in `count` micro-batches.
-
-    Attributes:
-        gradients: after `run_schedule`, each stage's gradients summed over
-            the micro-batches (one row per replica with replicas).
-    """
+    holds the new ones, `gradients` the sums over the micro-batches, one
+    row per replica with replicas), in `count` micro-batches."""
 
     def __init__(self, programs, trainable, non_trainable, count):
         self.programs = programs

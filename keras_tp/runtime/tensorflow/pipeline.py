@@ -22,14 +22,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
     """`PipelineRuntime` whose stages each run on a `TensorFlowRuntime` of
     their `data x model` devices, which stores the stage's variables, runs
     its split layers and updates them with a copy of the compiled
-    optimizer (wrapped, with replicas, by a `CoordinatedOptimizer`).
-
-    Attributes:
-        stage_optimizers: each stage's `_StageTrainer`, made the first
-            time the model trains (`build_optimizer`).
-        last_num_microbatches: the micro-batch count of the last traced
-            step, or `None` before any.
-    """
+    optimizer (wrapped, with replicas, by a `CoordinatedOptimizer`)."""
 
     backend = "tensorflow"
     # Each replica runs the code between the split layers on its own values.
@@ -41,6 +34,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         # counted once, by the stage's first replica.
         self.stats = ReplicaStats()
         self.stage_runtimes = self.stage_runtimes_of(TensorFlowRuntime)
+        # Each stage's `_StageTrainer` (`build_optimizer`).
         self.stage_optimizers = []
         # The compiled optimizer the stage optimizers were made from.
         self._optimizers_of = None
@@ -103,8 +97,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             trainer.optimizer.build([])
 
     def build_optimizer(self, trainer):
-        """Makes each stage's copy of the compiled optimizer, once per
-        compile."""
+        """Makes each stage's copy of the compiled optimizer, once."""
         optimizer = trainer.optimizer
         if self._optimizers_of is optimizer:
             return
@@ -135,8 +128,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         return self._traced(step, phase, *args, **kwargs)
 
     def _traced(self, step, phase, *args, **kwargs):
-        """`step(*args)`, counted in `phase`, traced: the collective groups
-        of a stage's `data` axis run in graphs only."""
+        # The collective groups of a stage's `data` axis run in graphs only.
         if tf.executing_eagerly():
             step = tf.function(step)
         with self.stats.recording(phase):
@@ -224,8 +216,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
 
 
 class _StageTrainer:
-    """What a stage's `TensorFlowRuntime` reads of the model it trains: its
-    model, its optimizer, and the trainable variables it owns."""
+    """What a stage's `TensorFlowRuntime` reads of the model it trains."""
 
     def __init__(self, model, optimizer, owned):
         self.model = model

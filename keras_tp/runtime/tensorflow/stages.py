@@ -20,22 +20,12 @@ class TensorFlowStages(StagePrimitives):
     Replica `(d, t)` of a stage receives its inputs from replica `(d, t)`
     of the previous one and sends back their gradients: every value that
     crosses a cut (and the last stage's losses and outputs) is a list of
-    one structure per replica, in order `d * T + t`. A forward pass keeps
-    a `GradientTape` per replica for its backward pass. Control
-    dependencies chain each stage's actions in the schedule's order, so
-    1F1B bounds the activations a stage holds.
-
-    Args:
-        pipeline: the `TensorFlowPipelineRuntime`.
-        num_microbatches: micro-batches per batch.
-
-    Attributes:
-        order: the schedule's actions in the order they are issued.
-        gradients: after a training step was traced, by `(stage,
-            replica)`, the replica's gradients of the stage's trainable
-            variables, summed over the micro-batches (`_accumulate`).
-        step_times: the start and end of each action of the last step,
-            in `order`, as it ran (see `_issued`).
+    one structure per replica, in order `d * T + t`. Control dependencies
+    chain each stage's actions in the schedule's order, so 1F1B bounds
+    the activations a stage holds. After a traced training step,
+    `gradients[stage, replica]` holds the replica's gradients summed over
+    the micro-batches, and `step_times` each action's `(start, end)` in
+    `order` (`_issued`).
     """
 
     def __init__(self, pipeline, num_microbatches):
@@ -66,8 +56,7 @@ class TensorFlowStages(StagePrimitives):
         return result
 
     def predict(self, x, training=False):
-        """`run_forward` of the batch `x`, the stages called with
-        `training`."""
+        """`run_forward` of the batch `x`."""
         self._training = training
         return run_forward(self, x)
 
@@ -212,9 +201,8 @@ class TensorFlowStages(StagePrimitives):
         return losses
 
     def _accumulate(self, key, variables, grads):
-        """Adds the gradients of `variables` (the first of `grads`) to
-        `gradients[key]`, dense (zero for a weight the stage holds but
-        does not read)."""
+        """Adds `grads` of `variables` to `gradients[key]`, dense (zero for
+        a weight the stage holds but does not read)."""
         dense = [
             tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
             for v, g in zip(variables, grads)

@@ -46,15 +46,9 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
 
     The ranks form a `data x pipe x model` mesh, row-major: rank `(d, p,
     t)` runs the `t`-th tensor-parallel shard of stage `p` of replica `d`,
-    which trains on the `d`-th slice of every batch, and holds the other
-    stages' variables as "meta" tensors (`StageStorage`). A training step
-    runs this rank's part of the schedule (`TorchPipeline`), then updates
-    its shard. The last stage of each replica updates the metrics and
-    broadcasts them, and a prediction's outputs, to every rank.
-
-    Attributes:
-        timeline: this rank's `(kind, micro_batch, start, end)` spans of
-            the last training step (see `RecordedPipelineStage`).
+    which trains on the `d`-th slice of every batch. The last stage of
+    each replica updates the metrics and broadcasts them, and a
+    prediction's outputs, to every rank.
     """
 
     backend = "torch"
@@ -114,6 +108,8 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         self.data_adapter = (
             self.stage_runtime.data_adapter if data_parallel > 1 else None
         )
+        # This rank's `(kind, micro_batch, start, end)` spans of the last
+        # training step (`RecordedPipelineStage`).
         self.timeline = []
         # `TorchPipeline`s by micro-batch count and input shapes, which a
         # torch stage fixes on its first run.
@@ -178,8 +174,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         trainer.optimizer.build(held.trainable_variables)
 
     def _pipeline(self, x, with_loss=True):
-        """This rank's `TorchPipeline` for this replica's inputs `x`, with
-        or without the loss."""
+        """This rank's `TorchPipeline` for this replica's inputs `x`."""
         leaves = keras.tree.flatten(x)
         count = self.microbatches(len(leaves[0]))
         shapes = tuple((tuple(t.shape), t.dtype) for t in leaves)

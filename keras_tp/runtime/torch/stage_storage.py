@@ -176,9 +176,8 @@ class StageStorage:
 
 @dataclasses.dataclass(eq=False)
 class SlotOfAnotherStage:
-    """What a checkpoint lists of an optimizer slot another stage's rank
-    holds: its path, unsplit shape (a tuple) and dtype. This rank writes
-    and reads none of it."""
+    """An optimizer slot another stage's rank holds, as a checkpoint lists
+    it (`shape` unsplit); this rank writes and reads none of it."""
 
     path: str
     shape: tuple

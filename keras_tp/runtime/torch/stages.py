@@ -123,20 +123,8 @@ class TorchPipeline:
     (`_PipelineScheduleRuntime`) on the action lists of
     `keras_tp.pipeline.schedules`, to which it adds the sends and receives;
     it leaves the stage's gradients, averaged over the micro-batches, in
-    `.grad`.
-
-    Args:
-        stage_model: the Keras model of this rank's stage.
-        stage_index: the stage's place in the pipeline, and this rank's
-            in `group`.
-        num_stages: the number of stages (ranks of `group`).
-        num_microbatches: micro-batches per batch.
-        schedule: `"gpipe"` or `"1f1b"`.
-        loss: the last stage's loss of `(y_true, y_pred)`, a mean; `None`
-            for a pipeline that only runs `forward` without targets.
-        stats: the `CommunicationStats` of the sends (axis `"pipe"`).
-        device: this rank's torch device.
-        group: the process group of the pipeline's ranks.
+    `.grad`. `loss` is `None` for a pipeline that only runs `forward`
+    without targets; `stage_index` is also this rank's in `group`.
     """
 
     def __init__(
@@ -178,13 +166,10 @@ class TorchPipeline:
         self.num_microbatches = num_microbatches
 
     def step(self, x, y):
-        """Runs the forward and backward passes of one batch: `x` is read
-        by the first stage only, `y` by the last.
-
-        Returns:
-            On the last stage, `(mean loss of the micro-batches, the
-            batch's outputs)`; elsewhere `(None, None)`.
-        """
+        """Runs the forward and backward passes of one batch (`x` read by
+        the first stage only, `y` by the last): on the last stage `(mean
+        loss of the micro-batches, the batch's outputs)`, elsewhere
+        `(None, None)`."""
         return self._run(self.schedule.step, x, y, training=True)
 
     def forward(self, x, y=None, training=False):

@@ -38,8 +38,8 @@ def split_stages(
     """Cuts a Functional model into consecutive pipeline stages.
 
     Each stage is a Functional model of the user's own layer objects (the
-    same variables), so training the stages trains `model`; run one after
-    the other, they compute what `model` computes (`StageSplit.run`).
+    same variables); run one after the other, they compute what `model`
+    computes (`StageSplit.run`).
 
     Cut points are positions in a topological order of the model's layer
     and raw-op calls (the `x + y` of a residual add), nested Functional
@@ -47,24 +47,20 @@ def split_stages(
     Automatic cuts choose among the positions where the fewest
     activations cross (carried model inputs and outputs not counted) the
     `num_stages - 1` that make the largest stage smallest, then the
-    stages most even, and never separate the calls of one layer (or of
-    layers sharing a weight) unless `share_weights`. Tensors made before
-    a cut and read after it cross each cut up to their last reader: one
-    that every block reads (T5's position bias) keeps automatic cuts
-    outside its span; pass `cut_points` there.
+    stages most even. A tensor that every block reads (T5's position
+    bias) crosses every cut up to its last reader and so keeps automatic
+    cuts outside its span; pass `cut_points` there.
 
     Args:
-        model: a built Functional or Sequential Keras model (keras-hub
-            backbones and task models, `keras.applications` models).
+        model: a built Functional or Sequential Keras model.
         num_stages: number of stages, at least 1.
         cut_points: `None` for automatic cuts, or the names of the
             `num_stages - 1` layers (or ops, as `Stage.operation_names`
-            lists them, a nested model's with or without its prefix) at
-            which a new stage starts, in the order the model runs them.
+            lists them) at which a new stage starts, in the order the
+            model runs them.
         balance: what automatic cuts balance: `"parameters"` (weight
-            scalars per stage), or `"time"`: each block's forward time
-            between candidate cuts, measured on `sample` (the median of a
-            few runs after a warm-up).
+            scalars per stage), or `"time"` (each block's forward time on
+            `sample`: the median of a few runs after a warm-up).
         sample: with `balance="time"`, a batch of the model's inputs.
         share_weights: whether cuts may separate the calls of one layer
             (or of layers sharing a weight): each stage that calls it
@@ -76,9 +72,9 @@ def split_stages(
 
     Raises:
         NotImplementedError: for a subclassed model (its `call` is opaque).
-        ValueError: for a bad `num_stages`, `cut_points` or `balance`; for
-            cuts that separate the calls of one layer without
-            `share_weights`; for layers that add losses in `call`.
+        ValueError: for bad arguments, cuts that separate the calls of one
+            layer without `share_weights`, or layers that add losses in
+            `call`.
 
     Example:
 

@@ -104,21 +104,15 @@ class Stage:
     """One stage of a pipeline.
 
     Attributes:
-        index: its position, from 0.
         model: a Functional model of the user's own layers. Stage 0 takes
             the original model's inputs, a later stage a dict of the
-            tensors it receives; each returns a dict of the tensors it
-            sends, the last the original model's outputs.
+            tensors it receives (`input_names`); each returns a dict of
+            the tensors it sends (`output_names`), the last the original
+            model's outputs.
         layer_names: the layers called in this stage, in order (those of
             nested models without prefix).
         operation_names: all its nodes, raw ops included (`add`, ...), as
             `cut_points` accepts them.
-        input_names: the tensors it receives (stage 0: the model's
-            inputs).
-        output_names: the tensors it sends (the last stage: the model's
-            outputs).
-        parameter_count: the scalars of its weights, as
-            `model.count_params()` counts them.
     """
 
     index: int
@@ -140,8 +134,6 @@ class StageSplit:
     """A model cut into pipeline stages: what `split_stages` returns.
 
     Attributes:
-        model: the original model.
-        stages: the `Stage`s, in order.
         boundaries: the `Boundary` of each cut, `len(stages) - 1` of them.
         cut_points: the first node of each stage after the first;
             `split_stages(model, n, cut_points=split.cut_points)` makes

@@ -42,14 +42,10 @@ class TorchStageRuntime(TorchRuntime):
 
 
 class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
-    """Runs Keras' torch steps as pipelines, one stage shard per rank.
-
-    The ranks form a `data x pipe x model` mesh, row-major: rank `(d, p,
-    t)` runs the `t`-th tensor-parallel shard of stage `p` of replica `d`,
-    which trains on the `d`-th slice of every batch. The last stage of
-    each replica updates the metrics and broadcasts them, and a
-    prediction's outputs, to every rank.
-    """
+    """Runs Keras' torch steps as pipelines on a row-major `data x pipe x
+    model` mesh of ranks: rank `(d, p, t)` runs the `t`-th tensor-parallel
+    shard of stage `p` of replica `d`, which trains on the `d`-th slice of
+    every batch."""
 
     backend = "torch"
     # Each rank runs the code between split layers on its own tensors.
@@ -180,17 +176,8 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         shapes = tuple((tuple(t.shape), t.dtype) for t in leaves)
         key = (count, shapes, with_loss)
         if key not in self._pipelines:
-            self._pipelines[key] = TorchPipeline(
-                self.stage_model,
-                self.stage_index,
-                self.pipeline_parallel,
-                count,
-                self.schedule,
-                self.loss_function() if with_loss else None,
-                self.stats,
-                self.device,
-                group=self.pipe_group,
-            )
+            loss = self.loss_function() if with_loss else None
+            self._pipelines[key] = TorchPipeline(self, count, loss)
         return self._pipelines[key]
 
     def _sliced(self, data):

@@ -119,30 +119,23 @@ class RecordedPipelineStage(PipelineStage):
 
 
 class TorchPipeline:
-    """This rank's stage of a pipeline, run by torch's schedule runtime
-    (`_PipelineScheduleRuntime`) on the action lists of
-    `keras_tp.pipeline.schedules`, to which it adds the sends and receives;
-    it leaves the stage's gradients, averaged over the micro-batches, in
-    `.grad`. `loss` is `None` for a pipeline that only runs `forward`
-    without targets; `stage_index` is also this rank's in `group`.
-    """
+    """This rank's stage of a pipeline, run by torch's schedule runtime on
+    keras_tp's action lists, which leaves the stage's gradients, averaged
+    over the micro-batches, in `.grad`. Without a `loss` it only runs
+    `forward` without targets."""
 
-    def __init__(
-        self,
-        stage_model,
-        stage_index,
-        num_stages,
-        num_microbatches,
-        schedule,
-        loss,
-        stats,
-        device,
-        group=None,
-    ):
-        schedules.check_schedule_name(schedule)
-        module = KerasStageModule(stage_model)
+    def __init__(self, pipeline, num_microbatches, loss):
+        # The stage of the `TorchPipelineRuntime` `pipeline`'s rank, which
+        # is the stage's rank in `pipe_group`.
+        module = KerasStageModule(pipeline.stage_model)
+        num_stages = pipeline.pipeline_parallel
         self.stage = RecordedPipelineStage(
-            module, stats, stage_index, num_stages, device, group=group
+            module,
+            pipeline.stats,
+            pipeline.stage_index,
+            num_stages,
+            pipeline.device,
+            group=pipeline.pipe_group,
         )
         loss_fn = None
         if loss is not None:
@@ -153,7 +146,8 @@ class TorchPipeline:
         self.schedule = _PipelineScheduleRuntime(
             [self.stage], num_microbatches, loss_fn=loss_fn
         )
-        actions = schedules.SCHEDULES[schedule](num_stages, num_microbatches)
+        schedule = schedules.SCHEDULES[pipeline.schedule]
+        actions = schedule(num_stages, num_microbatches)
         self.schedule._prepare_schedule_with_comms(
             {
                 index: [

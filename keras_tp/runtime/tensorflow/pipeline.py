@@ -80,14 +80,8 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
 
     def calling_stage(self):
         """The stage whose replicas run now, or `None`."""
-        return next(
-            (
-                s
-                for s, runtime in enumerate(self.stage_runtimes)
-                if runtime.holds_local_values()
-            ),
-            None,
-        )
+        running = [r.holds_local_values() for r in self.stage_runtimes]
+        return running.index(True) if True in running else None
 
     def check_compiled(self, trainer):
         super().check_compiled(trainer)

@@ -15,17 +15,12 @@ from keras_tp.tensors import nbytes
 
 class TensorFlowStages(StagePrimitives):
     """The stage primitives of a `TensorFlowPipelineRuntime`: each action
-    one `strategy.run` of its stage's runtime, in one traced step.
-
-    Replica `(d, t)` of a stage receives its inputs from replica `(d, t)`
-    of the previous one and sends back their gradients: every value that
-    crosses a cut (and the last stage's losses and outputs) is a list of
-    one structure per replica, in order `d * T + t`. Control dependencies
-    chain each stage's actions in the schedule's order, so 1F1B bounds
-    the activations a stage holds. After a traced training step,
-    `gradients[stage, replica]` holds the replica's gradients summed over
-    the micro-batches, and `step_times` each action's `(start, end)` in
-    `order` (`_issued`).
+    one `strategy.run` of its stage's runtime, in one traced step, chained
+    to its stage's previous one (so 1F1B bounds the activations a stage
+    holds). Replica `(d, t)` of a stage exchanges values with replica `(d,
+    t)` of the next: every value that crosses a cut is a list of one
+    structure per replica, in order `d * T + t`. A traced training step
+    leaves `gradients[stage, replica]`, summed over the micro-batches.
     """
 
     def __init__(self, pipeline, num_microbatches):
@@ -166,7 +161,6 @@ class TensorFlowStages(StagePrimitives):
     def _per_replica(self, x):
         """Per micro-batch, per replica, its part of `x`."""
         rows, count = self.data_parallel, self.num_microbatches
-        schedules.check_microbatches(traced_batch_size(x) // rows, count)
         replicas = range(rows * self.tensor_parallel)
         return [
             [micro[r // self.tensor_parallel] for r in replicas]
@@ -215,11 +209,10 @@ class TensorFlowStages(StagePrimitives):
     @contextlib.contextmanager
     def _issued(self, stage, kind, m, inputs):
         """Issues the action `(stage, kind, m)` after its stage's previous
-        one, timed on the stage's first device between a `tf.timestamp`
-        after its inputs, their sender and that action, which its
-        operations wait for (each replica's explicitly, from
-        `times[-1][0]`: replicas run in threads of their own), and one
-        after the tensors the caller adds to the list it is given."""
+        one, timed between a `tf.timestamp` after its inputs and their
+        sender's action, which its operations wait for (each replica's
+        explicitly, from `times[-1][0]`: replicas run in threads of their
+        own), and one after the tensors the caller adds to `done`."""
         sender = stage - 1 if kind == schedules.FORWARD else stage + 1
         sent = self._ends.get((sender, kind, m))
         waits = tf.nest.flatten(inputs) + ([sent] if sent is not None else [])

@@ -7,8 +7,7 @@ from keras_tp.runtime.jax.devices import to_jax_device
 
 
 class StageStorage:
-    """Pipeline runtime mixin: each stage's variables on its runtime's
-    devices."""
+    """Pipeline runtime mixin: the storage the module docstring tells."""
 
     def _owner_runtime(self, variable):
         """The runtime of the stage that stores `variable` (the first

@@ -76,16 +76,14 @@ def signature(tree):
 
 
 class StagePrograms:
-    """Each stage's compiled passes: on whole arrays, or `per_device`.
-
-    On whole arrays (no replicas, direct calls `tp(x)`) each pass is
-    jitted on global arrays, its split layers `shard_map` regions. Per
-    device each pass runs inside one `shard_map` over the stage's `data x
-    model` mesh: replica `d` trains on the `d`-th slice of each
+    """Each stage's compiled passes (`num_microbatches` is `None` for
+    inference only): jitted on whole arrays (no replicas, direct calls),
+    or `per_device` inside one `shard_map` over the stage's `data x model`
+    mesh, where replica `d` trains on the `d`-th slice of each
     micro-batch, values cross between programs as one row per device
     (`ROWS`), and gradients leave with one row per replica. Residuals
     that are a pass's own inputs are not copied out: the backward pass
-    takes them again. `num_microbatches` is `None` for inference only.
+    takes them again.
     """
 
     def __init__(self, pipeline, per_device, num_microbatches, clock):
@@ -302,12 +300,9 @@ class JaxStages(StagePrimitives):
         args, kept = self._residuals.pop((stage, m))
         program = self.programs.program("backward", stage)
         grads, input_grads = program(*args, kept, cotangent)
-        total = self.gradients[stage]
-        self.gradients[stage] = (
-            grads
-            if total is None
-            else jax.tree.map(jax.numpy.add, total, grads)
-        )
+        if self.gradients[stage] is not None:
+            grads = jax.tree.map(jax.numpy.add, self.gradients[stage], grads)
+        self.gradients[stage] = grads
         return input_grads
 
     def send(self, value, stage, direction):

@@ -202,7 +202,6 @@ def _build(graph, positions, balance):
         nodes = graph.nodes[start:stop]
         values = {}
         if index == 0:
-            flat = []
             for key in graph.inputs:
                 tensor = graph.tensors[key].tensor
                 values[key] = keras.Input(
@@ -211,7 +210,7 @@ def _build(graph, positions, balance):
                     sparse=getattr(tensor, "sparse", False),
                     name=tensor.name,
                 )
-                flat.append(values[key])
+            flat = [values[key] for key in graph.inputs]
             inputs = keras.tree.pack_sequence_as(graph.input_structure, flat)
             input_names = [graph.tensors[key].name for key in graph.inputs]
         else:

@@ -26,23 +26,15 @@ class StagePrimitives:
     def forward(self, stage, m, inputs, target):
         """Runs micro-batch `m`'s training forward pass of `stage` on what
         it received (`send`), with the targets on the last stage (else
-        `None`).
-
-        Returns:
-            `(outputs, predicted)`: what the stage sends on (on the last
-            stage, its share of the batch's loss), and the last stage's
-            outputs (`None` elsewhere).
-        """
+        `None`): `(what it sends on, or the last stage's share of the
+        batch's loss; the last stage's outputs, else None)`."""
         raise NotImplementedError
 
     def backward(self, stage, m, cotangent):
         """Runs micro-batch `m`'s backward pass of `stage` from the
         gradients of its outputs (`None` on the last stage, whose output
-        is the loss), adding its gradients to the stage's total.
-
-        Returns:
-            The gradients of the stage's inputs.
-        """
+        is the loss), adding its gradients to the stage's total; returns
+        the gradients of the stage's inputs."""
         raise NotImplementedError
 
     def send(self, value, stage, direction):
@@ -63,12 +55,9 @@ class StagePrimitives:
 
 def run_schedule(primitives, order, x, y):
     """Runs one batch's forward and backward passes through `primitives`
-    in the `order` of the actions (`schedules.issue_order`).
-
-    Returns:
-        `(loss, y_pred)` of the batch, as `primitives.joined` makes them;
-        each stage's gradients are then held by `primitives`.
-    """
+    in the `order` of the actions (`schedules.issue_order`): `(loss,
+    y_pred)` of the batch, as `primitives.joined` makes them; each stage's
+    gradients are then held by `primitives`."""
     last = primitives.num_stages - 1
     inputs, targets = primitives.microbatches(x, y)
     received = {(0, m): part for m, part in enumerate(inputs)}

@@ -70,10 +70,7 @@ class Dataflow:
     a depth-first walk from the outputs that visits a node's arguments in
     their order, so blocks follow each other as in the code that built the
     model. Nested graph models called once on one structure of tensors are
-    opened up; any other stays one node (`opaque` names them). `tensors`
-    holds the graph inputs, then the tensors in the order of the nodes
-    that make them.
-    """
+    opened up; any other stays one node (`opaque` names them)."""
 
     def __init__(self, model):
         self.model = model

@@ -62,10 +62,9 @@ class WeightOwners:
 
     def owned_gradients(self, gradients, moved):
         """Per stage, per variable it owns (`owned`), the sum of its
-        gradients over the stages that use it, where one process holds
-        each stage's `gradients` (of its trainable variables, in order);
-        `moved(gradient, stage, owner)` moves a later stage's to the
-        owner's devices."""
+        gradients over the stages that use it, from each stage's
+        `gradients`; `moved(gradient, stage, owner)` moves a later
+        stage's to the owner's devices."""
         addends = {}
         for stage, grads in enumerate(gradients):
             variables = self.stage_models[stage].trainable_variables

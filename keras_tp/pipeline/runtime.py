@@ -22,14 +22,10 @@ _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 
 class PipelineRuntime(Runtime):
-    """The stages of a pipeline and how Keras' steps run them.
-
-    A `Runtime` whose devices form a `data x pipe x model` grid: each
-    stage runs on a `MeshRuntime` of its `data x model` devices
-    (`stage_runtimes`), which stores the variables its stage owns and
-    runs its split layers; Keras' steps run as a schedule of micro-batches
-    through the backend's stage primitives (`keras_tp.pipeline.executor`).
-    """
+    """A `Runtime` on a `data x pipe x model` grid of devices: each stage
+    runs on a `MeshRuntime` of its `data x model` devices, which stores
+    the variables its stage owns and runs its split layers; Keras' steps
+    run as a schedule of micro-batches (`keras_tp.pipeline.executor`)."""
 
     backend = None
     whole_logits_reason = (
@@ -79,8 +75,7 @@ class PipelineRuntime(Runtime):
         self.trainer = None
 
     def stage_runtimes_of(self, runtime_class):
-        """A `runtime_class` runtime per stage, over the stage's devices
-        (its `data x model` mesh), counting in this pipeline's `stats`."""
+        """A `runtime_class` runtime per stage, on its `data x model` mesh."""
         return [
             self.counted(runtime_class(self.config.stage_config(devices)))
             for devices in self.stage_devices
@@ -88,12 +83,8 @@ class PipelineRuntime(Runtime):
 
     def counted(self, runtime):
         """`runtime`, its collectives counted in this pipeline's `stats`."""
-        for adapter in (
-            runtime.adapter,
-            runtime.data_adapter,
-            runtime.world_adapter,
-        ):
-            adapter.stats = self.stats
+        for name in ("adapter", "data_adapter", "world_adapter"):
+            getattr(runtime, name).stats = self.stats
         return runtime
 
     def place_variable(self, variable, axis):
@@ -249,15 +240,12 @@ class PipelineRuntime(Runtime):
 
 
 class CallingStageRegions:
-    """Runs the split layers that several stages call (a tied embedding
-    that also computes the logits) on the devices of the calling stage,
-    with its copy of the weights, split as its owner's: what a region
-    reads of its runtime is the calling stage's runtime's, its `adapter`
-    too (a layer's split math keeps the adapter it was installed with).
-    `runtimes` maps stage indices to runtimes, the owner first, which
-    serves where `calling()` is `None` (Keras' symbolic build, a direct
-    call).
-    """
+    """Runs the split layers that several stages call (a tied embedding)
+    on the devices of the calling stage, with its copy of the weights:
+    what a region reads of its runtime, its `adapter` too (a layer's split
+    math keeps the adapter it was installed with), is the calling stage's
+    runtime's; the owner's (first in `runtimes`) where `calling()` is
+    `None` (Keras' symbolic build, a direct call)."""
 
     def __init__(self, runtimes, calling):
         self.runtimes = runtimes

@@ -16,8 +16,7 @@ from keras_tp.tensors import nbytes
 
 
 class StageStorage:
-    """Pipeline runtime mixin: each stage's variables on its runtime, a
-    shared weight's copies on later stages (`_copies`)."""
+    """Pipeline runtime mixin: the storage the module docstring tells."""
 
     def keep_copy(self, variable, axis, stage):
         copy = self.stage_runtimes[stage].storage_copy(variable, axis)

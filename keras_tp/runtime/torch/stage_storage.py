@@ -20,8 +20,7 @@ from keras_tp.runtime.torch.storage import write_on_rank_zero
 
 
 class StageStorage:
-    """Pipeline runtime mixin: this rank's stage's variables on its
-    stage runtime, the other stages' on the meta device."""
+    """Pipeline runtime mixin: the storage the module docstring tells."""
 
     def full_shape(self, variable):
         # As this rank's stage placed it (a ZeRO partition's slot), or as

@@ -157,7 +157,6 @@ class TorchPipeline:
                 for index, stage_actions in enumerate(actions)
             }
         )
-        self.num_microbatches = num_microbatches
 
     def step(self, x, y):
         """Runs the forward and backward passes of one batch (`x` read by
@@ -173,9 +172,6 @@ class TorchPipeline:
             return self._run(self.schedule.eval, x, y, training)
 
     def _run(self, run, x, y, training):
-        schedules.check_microbatches(
-            len(keras.tree.flatten(x)[0]), self.num_microbatches
-        )
         self.stage.timeline = []
         self.stage.submod.training_call = training
         inputs = ()

@@ -79,6 +79,20 @@ def test_fit_evaluate_predict_match_one_device(schedule):
         assert [_device(v) for v in slots] == [DEVICES[stage]] * 2
 
 
+def test_training_traces_the_step_once():
+    # A variable made while Keras traces the first step (a stage's copy
+    # of the optimizer, the step's timings) makes TensorFlow trace the
+    # whole pipeline a second time.
+    tp = _pipelined(models.mlp(), num_microbatches=MICROBATCHES)
+    tp.compile(optimizer="adam", loss=models.loss_fn())
+    traced = []
+    train_step = tp._runtime.train_step
+    tp._runtime.train_step = lambda data: traced.append(1) or train_step(data)
+    x, y = models.data_for("mlp", batch=4 * BATCH)
+    tp.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
+    assert len(traced) == 1
+
+
 def test_a_keras_hub_backbone_carries_its_padding_mask():
     """GPT2's blocks all read the padding mask: stage 0 passes it on, as
     an integer tensor without a gradient. On 2 replicas: the second runs

@@ -41,9 +41,16 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         # By `(stage, id(variable))`, `(variable, copy)`: a later stage's
         # copy of a weight an earlier stage owns, on its replicas.
         self._copies = {}
-        # The stage primitives per micro-batch count, and the last step's.
+        # The stage primitives per micro-batch count.
         self._stages = {}
-        self._trained = None
+        # The last training step's `(start, end)` of each action, made
+        # before any step is traced: a variable made while Keras traces
+        # the first step makes TensorFlow trace it a second time.
+        self.step_times = tf.Variable(
+            tf.zeros((0, 2), "float64"),
+            shape=tf.TensorShape([None, 2]),
+            trainable=False,
+        )
         self.last_num_microbatches = None
 
     def _available_devices(self):
@@ -76,7 +83,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         return self._stages[count]
 
     def action_times(self):
-        return self._trained.step_times.numpy()
+        return self.step_times.numpy()
 
     def calling_stage(self):
         """The stage whose replicas run now, or `None`."""
@@ -89,6 +96,9 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         # that each stage's copy takes (`build_optimizer`).
         if not trainer.optimizer.built:
             trainer.optimizer.build([])
+        # Made now rather than in the first step's trace, which would be
+        # traced again for the variables it made.
+        self.build_optimizer(trainer)
 
     def build_optimizer(self, trainer):
         """Makes each stage's copy of the compiled optimizer, once."""
@@ -97,8 +107,6 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             return
         # Made eagerly, to outlive the trace of the first step.
         with tf.init_scope():
-            if not optimizer.built:
-                optimizer.build([])
             config, trainers = optimizer.get_config(), []
             for stage, runtime in enumerate(self.stage_runtimes):
                 copy = type(optimizer).from_config(config)
@@ -134,7 +142,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         stages = self._stages_of(x)
         self.refresh_copies()
         loss, y_pred = stages.step(x, y)
-        self._trained, self.trained_order = stages, stages.order
+        self.trained_order = stages.order
         owned = self._owned_gradients(stages.gradients)
         for stage in range(self.pipeline_parallel):
             self._update(stage, owned)

@@ -36,18 +36,15 @@ class TensorFlowStages(StagePrimitives):
             pipeline.schedule, self.num_stages, num_microbatches
         )
         self._training = False
-        # Made eagerly, to outlive the trace of the first step.
-        with tf.init_scope():
-            self.step_times = tf.Variable(
-                tf.zeros((len(self.order), 2), "float64"), trainable=False
-            )
 
     def step(self, x, y):
         """`(loss, y_pred)` of `run_schedule` on one batch."""
         self._tapes, self.gradients, self._ends, self.times = {}, {}, {}, []
         self._previous = [[] for _ in self.stage_models]
         result = run_schedule(self, self.order, x, y)
-        self.step_times.assign(tf.stack([tf.stack(t) for t in self.times]))
+        self.pipeline.step_times.assign(
+            tf.stack([tf.stack(t) for t in self.times])
+        )
         return result
 
     def predict(self, x, training=False):

@@ -9,7 +9,8 @@ run() {
   shift 2
   [ "$#" -gt 0 ] || return 0
   echo "=== KERAS_BACKEND=$backend: $*"
-  # The slowest tests are listed: the suite must stay under CI's limit.
+  # The slowest tests are listed: the suite must stay under CI's limit
+  # (`tests/cpu_times.py` records every test's CPU time).
   # shellcheck disable=SC2086  # options are several words
   KERAS_BACKEND=$backend python -m pytest -q -p no:cacheprovider \
     --durations=15 $options "$@"

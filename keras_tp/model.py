@@ -12,6 +12,7 @@ from keras_tp.checkpoint.callbacks import prepare_callbacks
 from keras_tp.config import ParallelConfig
 from keras_tp.first_process import FirstProcessSpeaks
 from keras_tp.generation import Generation
+from keras_tp.keras_internals import BuildsBeforeTracing
 from keras_tp.keras_internals import attach_trainer_state
 from keras_tp.keras_internals import print_msg
 from keras_tp.parallel.reports import DataParallelReports
@@ -26,7 +27,11 @@ _FIT_SIGNATURE = inspect.signature(keras.Model.fit)
 
 
 class TensorParallelKeras(
-    DataParallelReports, Generation, FirstProcessSpeaks, keras.Model
+    DataParallelReports,
+    Generation,
+    FirstProcessSpeaks,
+    BuildsBeforeTracing,
+    keras.Model,
 ):
     """Runs a built Keras model with its layers split across devices.
 

@@ -81,10 +81,10 @@ def test_fit_evaluate_predict_match_one_device(schedule):
 
 def test_training_traces_the_step_once():
     # A variable made while Keras traces the first step (a stage's copy
-    # of the optimizer, the step's timings) makes TensorFlow trace the
-    # whole pipeline a second time.
+    # of the optimizer, the step's timings, a metric's total) makes
+    # TensorFlow trace the whole pipeline a second time.
     tp = _pipelined(models.mlp(), num_microbatches=MICROBATCHES)
-    tp.compile(optimizer="adam", loss=models.loss_fn())
+    tp.compile(optimizer="adam", loss=models.loss_fn(), metrics=["accuracy"])
     traced = []
     train_step = tp._runtime.train_step
     tp._runtime.train_step = lambda data: traced.append(1) or train_step(data)

@@ -39,6 +39,7 @@ from keras_tp.keras_internals.layers import set_keras_mask
 from keras_tp.keras_internals.layers import shifted_seed_draws
 from keras_tp.keras_internals.layers import stored_kernel
 from keras_tp.keras_internals.layers import sublayers
+from keras_tp.keras_internals.models import BuildsBeforeTracing
 from keras_tp.keras_internals.models import attach_trainer_state
 from keras_tp.keras_internals.models import build_shapes
 from keras_tp.keras_internals.models import compile_arguments

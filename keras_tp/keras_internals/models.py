@@ -1,8 +1,39 @@
 """A compiled Keras model: its loss, metrics and compile arguments."""
 
+import logging
+
 from keras.src.utils.io_utils import print_msg
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["print_msg"]
+
+
+class BuildsBeforeTracing:
+    """Model mixin: on TensorFlow, the compiled metrics and loss are built
+    before the first step is traced, as on JAX and torch.
+
+    Keras' TensorFlow trainer builds them symbolically only under a
+    `tf.distribute` strategy, and otherwise inside the first traced step.
+    A variable made while `tf.function` traces (a metric's total and
+    count) makes it trace the whole step again, which for a step that
+    runs every replica's forward and backward pass doubles the cost of
+    the first step. The model builds its optimizer its own way first
+    (`_build_optimizer`). Building costs a symbolic forward pass, which
+    only metrics repay: a single output's loss makes no variable.
+    """
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        metrics = self._compile_metrics
+        if metrics is None or metrics.built:
+            return
+        self._build_optimizer()
+        try:
+            self._symbolic_build(iterator=iterator, data_batch=data_batch)
+        except Exception as error:
+            # Building early only saves a trace; the step builds whatever
+            # is left, and reports a real error with its own context.
+            logger.debug("Building before the first step failed: %s", error)
 
 
 def compute_loss(model, **kwargs):

@@ -120,5 +120,7 @@ def test_the_slurm_recipe_trains_on_one_node(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert result.stdout.count("trained on 2 ranks") == 2
-    # Rank 0 speaks for the job: one progress bar.
-    assert result.stdout.count("2/2") == 1, result.stdout
+    # Rank 0 speaks for the job: one progress bar. Keras shows a bar's
+    # first step always, its last once or twice (at the step, if 50 ms
+    # have passed since the last display, and when the epoch ends).
+    assert result.stdout.count("1/2") == 1, result.stdout

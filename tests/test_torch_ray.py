@@ -80,13 +80,14 @@ def one_device_losses():
 def test_a_restarted_run_resumes_from_the_reported_checkpoint(run):
     result, starts = run
     # Attempt 0 started from scratch and was lost after epoch 2; Ray
-    # restarted both workers, which resumed from epoch 2's checkpoint.
-    assert starts == {
-        "attempt0-rank0": 0,
-        "attempt0-rank1": 0,
-        "attempt1-rank0": 2,
-        "attempt1-rank1": 2,
-    }
+    # restarted both workers, which resumed from the last checkpoint its
+    # controller had registered: epoch 2's, or epoch 1's when the worker
+    # died before the controller took epoch 2's report (seen once in CI,
+    # on a loaded machine). Either way both resume from the same epoch.
+    assert starts["attempt0-rank0"] == starts["attempt0-rank1"] == 0
+    assert starts["attempt1-rank0"] == starts["attempt1-rank1"]
+    assert starts["attempt1-rank0"] in (1, 2), starts
+    assert len(starts) == 4, starts
     assert result.metrics["epoch"] == ray_train.EPOCHS
     # The loss curve continues: the last epoch's loss is one device's.
     expected = one_device_losses()[-1]

@@ -10,8 +10,9 @@ __all__ = ["print_msg"]
 
 
 class BuildsBeforeTracing:
-    """Model mixin: on TensorFlow, the compiled metrics and loss are built
-    before the first step is traced, as on JAX and torch.
+    """Model mixin: on TensorFlow, compiled metrics (and with them the
+    compiled loss) are built before the first step is traced, as on JAX
+    and torch.
 
     Keras' TensorFlow trainer builds them symbolically only under a
     `tf.distribute` strategy, and otherwise inside the first traced step.

@@ -429,12 +429,19 @@ def test_collectives_and_their_gradients():
 
 
 def test_the_first_steps_are_traced_once():
-    # Keras on TensorFlow builds a model's metrics inside its first traced
-    # step unless a tf.distribute strategy is set; their variables, made
-    # while tracing, would make TensorFlow trace every replica's forward
-    # and backward pass a second time.
-    tp = keras_tp.TensorParallelKeras(models.mlp(), world_size=2)
-    _compile(tp, metrics=["accuracy"])
+    # Keras on TensorFlow builds a model's metrics and its outputs' loss
+    # trackers inside its first traced step unless a tf.distribute
+    # strategy is set; their variables, made while tracing, would make
+    # TensorFlow trace every replica's forward and backward pass a second
+    # time. A model of two outputs has a loss tracker per output (the
+    # pipeline's trace test compiles with metrics).
+    inputs = keras.Input((16,))
+    hidden = keras.layers.Dense(32, activation="relu", name="up")(inputs)
+    outputs = [keras.layers.Dense(8, name=f"head{i}")(hidden) for i in (0, 1)]
+    tp = keras_tp.TensorParallelKeras(
+        keras.Model(inputs, outputs), world_size=2
+    )
+    _compile(tp)
     traced = []
     for phase in ("_train_step", "_test_step"):
         step = getattr(tp._runtime, phase)
@@ -446,9 +453,11 @@ def test_the_first_steps_are_traced_once():
             ),
         )
     x, y = models.data_for("mlp", batch=4 * BATCH)
-    tp.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
-    tp.evaluate(x, y, batch_size=BATCH, verbose=0)
+    tp.fit(x, (y, y), batch_size=BATCH, epochs=2, verbose=0)
+    logs = tp.evaluate(x, (y, y), batch_size=BATCH, verbose=0, return_dict=True)
     assert traced == ["_train_step", "_test_step"]
+    # The outputs' loss trackers exist: what the early build made.
+    assert any(name.endswith("_loss") for name in logs)
 
 
 def test_metrics_are_computed_once():

@@ -2,6 +2,7 @@
 
 import logging
 
+import keras
 from keras.src.utils.io_utils import print_msg
 
 logger = logging.getLogger(__name__)
@@ -10,23 +11,25 @@ __all__ = ["print_msg"]
 
 
 class BuildsBeforeTracing:
-    """Model mixin: on TensorFlow, compiled metrics (and with them the
-    compiled loss) are built before the first step is traced, as on JAX
+    """Model mixin: on TensorFlow, compiled metrics and a compiled loss of
+    several outputs are built before the first step is traced, as on JAX
     and torch.
 
     Keras' TensorFlow trainer builds them symbolically only under a
     `tf.distribute` strategy, and otherwise inside the first traced step.
     A variable made while `tf.function` traces (a metric's total and
-    count) makes it trace the whole step again, which for a step that
-    runs every replica's forward and backward pass doubles the cost of
-    the first step. The model builds its optimizer its own way first
-    (`_build_optimizer`). Building costs a symbolic forward pass, which
-    only metrics repay: a single output's loss makes no variable.
+    count, the mean tracker of each output's loss) makes it trace the
+    whole step again, which for a step that runs every replica's forward
+    and backward pass doubles the cost of the first step. The model builds
+    its optimizer its own way first (`_build_optimizer`). Building costs a
+    symbolic forward pass, which only such variables repay: a single
+    output's loss makes none.
     """
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         metrics = self._compile_metrics
-        if metrics is None or metrics.built:
+        unbuilt_metrics = metrics is not None and not metrics.built
+        if not (unbuilt_metrics or self._tracks_several_losses()):
             return
         self._build_optimizer()
         try:
@@ -35,6 +38,18 @@ class BuildsBeforeTracing:
             # Building early only saves a trace; the step builds whatever
             # is left, and reports a real error with its own context.
             logger.debug("Building before the first step failed: %s", error)
+
+    def _tracks_several_losses(self):
+        """Whether the unbuilt compiled loss will track each output's
+        loss: a loss per output, or one loss for a model of several."""
+        loss = self._compile_loss
+        if loss is None or loss.built:
+            return False
+        if keras.tree.is_nested(loss._user_loss):
+            return len(keras.tree.flatten(loss._user_loss)) > 1
+        # The wrapped model's outputs; a subclassed model's are unknown.
+        outputs = getattr(self.model, "outputs", None) or []
+        return len(keras.tree.flatten(outputs)) > 1
 
 
 def compute_loss(model, **kwargs):

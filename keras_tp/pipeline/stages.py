@@ -9,6 +9,7 @@ import keras
 from keras_tp import tensors
 
 
+@dataclasses.dataclass(eq=False)
 class BoundaryTensor:
     """One tensor sent from a stage to the next.
 
@@ -22,11 +23,14 @@ class BoundaryTensor:
             connection, or a model input such as a padding mask).
     """
 
-    def __init__(self, name, shape, dtype, carried):
-        self.name = name
-        self.shape = tuple(shape)
-        self.dtype = keras.backend.standardize_dtype(dtype)
-        self.carried = carried
+    name: str
+    shape: tuple
+    dtype: str
+    carried: bool
+
+    def __post_init__(self):
+        self.shape = tuple(self.shape)
+        self.dtype = keras.backend.standardize_dtype(self.dtype)
 
     def nbytes(self, batch_size, sequence_length=None):
         """Bytes of this tensor for a batch.
@@ -57,23 +61,15 @@ class BoundaryTensor:
     def _filled_shape(self, batch_size, sequence_length):
         """`(shape, unknown)`: the shape with its unknown dimensions
         filled, less the `unknown` ones still unknown."""
-        shape, unknown = [], 0
-        for i, dim in enumerate(self.shape):
-            if dim is None:
-                dim = batch_size if i == 0 else sequence_length
-            if dim is None:
-                unknown += 1
-            else:
-                shape.append(dim)
-        return shape, unknown
-
-    def __repr__(self):
-        return (
-            f"BoundaryTensor({self.name!r}, shape={self.shape}, "
-            f"dtype={self.dtype!r}, carried={self.carried})"
-        )
+        filled = [
+            dim if dim is not None else sequence_length if i else batch_size
+            for i, dim in enumerate(self.shape)
+        ]
+        known = [dim for dim in filled if dim is not None]
+        return known, len(filled) - len(known)
 
 
+@dataclasses.dataclass(eq=False, repr=False)
 class Boundary:
     """A cut: the tensors stage `index` sends to stage `index + 1`.
 
@@ -83,9 +79,8 @@ class Boundary:
             order of the nodes that made them.
     """
 
-    def __init__(self, index, tensors):
-        self.index = index
-        self.tensors = list(tensors)
+    index: int
+    tensors: list
 
     @property
     def names(self):

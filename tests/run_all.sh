@@ -5,7 +5,7 @@ set -u
 cd "$(dirname "$0")/.."
 status=0
 run() {
-  local backend=$1 options=$2
+  local backend=$1 options=$2 start=$SECONDS
   shift 2
   [ "$#" -gt 0 ] || return 0
   echo "=== KERAS_BACKEND=$backend: $*"
@@ -14,11 +14,14 @@ run() {
   # shellcheck disable=SC2086  # options are several words
   KERAS_BACKEND=$backend python -m pytest -q -p no:cacheprovider \
     --durations=15 $options "$@"
+  local code=$?
+  echo "=== KERAS_BACKEND=$backend: $(( (SECONDS - start) / 60 ))m$(( (SECONDS - start) % 60 ))s"
+  return $code
 }
 # Most tests spend their time in compilers and in waiting for replicas, one
 # core at a time: two worker processes (pytest-xdist) take a test file each.
-# torch's tests run in one process, beside the others: each starts rank
-# processes of its own.
+# torch's tests run in one process: each starts rank processes of its own,
+# which keep 1.5 of the 2 cores busy.
 parallel="-n 2 --dist loadfile"
 # Tests build the same models again and again, and JAX compiles each one's
 # programs anew; its persistent compilation cache, fresh for this run,
@@ -70,10 +73,9 @@ shown() {
   wait "$(cat "$logs/$1.pid")" || status=1
   cat "$logs/$1"
 }
-# torch's tests mostly wait (for rank processes to start and meet, for
-# collectives and timeouts): alone they keep 0.4 of a core busy for 10
-# minutes. They run beside the JAX and TensorFlow phases.
-started torch torch "" $(ordered "" "tests/test_torch*.py" $torch_timed)
+# The phases run one after another. Beside another phase, torch's rank
+# processes wait for their turn on the cores, and each step waits for its
+# slowest rank.
 run jax "$parallel" $(ordered "tests/test_jax_zoo.py \
   tests/test_common_notebooks.py tests/test_jax.py \
   tests/test_common_examples.py tests/test_jax_checkpoint.py" \
@@ -88,7 +90,7 @@ run tensorflow "$parallel" $(ordered "tests/test_tensorflow_pipeline.py \
   tests/test_tensorflow_checkpoint.py tests/test_tensorflow_zoo.py" \
   "tests/test_tensorflow*.py" $tensorflow_eight $tensorflow_timed) \
   || status=1
-shown torch
+run torch "" $(ordered "" "tests/test_torch*.py" $torch_timed) || status=1
 started tensorflow_timed tensorflow "" $(ls $tensorflow_timed 2>/dev/null)
 run torch "" $(ls $torch_timed 2>/dev/null) || status=1
 shown tensorflow_timed

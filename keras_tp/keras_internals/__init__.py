@@ -76,6 +76,7 @@ from keras_tp.keras_internals.variables import stored_value
 
 __all__ = [
     "ATTENTION_OUTPUT_PROJECTION",
+    "BuildsBeforeTracing",
     "StatelessScope",
     "UpdatesThroughAssign",
     "attach_trainer_state",

@@ -4,6 +4,7 @@ order that runs, with the tensors each reads and writes, read from Keras'
 private structures through `keras_tp.keras_internals`."""
 
 import collections
+import dataclasses
 
 import keras
 
@@ -16,38 +17,36 @@ from keras_tp.keras_internals import node_outputs
 from keras_tp.keras_internals import producer_node
 
 
+@dataclasses.dataclass(eq=False)
 class TensorInfo:
     """One tensor of the flattened graph, keyed by `(scope, id(tensor))`:
     named as the graph input or its producing node (with `:i` for the
     i-th of several outputs); it crosses the cuts `first <= k <= last`.
     """
 
-    def __init__(self, tensor, name, producer):
-        self.tensor = tensor
-        self.name = name
-        self.producer = producer
-        self.consumers = []
-        self.first = 0 if producer is None else producer + 1
+    tensor: keras.KerasTensor = dataclasses.field(repr=False)
+    name: str
+    producer: int
+    consumers: list = dataclasses.field(default_factory=list, repr=False)
 
-    def __repr__(self):
-        return (
-            f"<TensorInfo {self.name} shape={self.tensor.shape} "
-            f"dtype={self.tensor.dtype}>"
-        )
+    def __post_init__(self):
+        self.first = 0 if self.producer is None else self.producer + 1
 
 
+@dataclasses.dataclass(eq=False)
 class NodeInfo:
     """One call of an operation in the flattened graph, named as the
     operation prefixed by its nested models' (`backbone.layer_norm`), with
     `:i` for its i-th call (i >= 2)."""
 
-    def __init__(self, index, node, name, inputs, outputs):
-        self.index = index
-        self.node = node
-        self.operation = node_operation(node)
-        self.name = name
-        self.inputs = inputs
-        self.outputs = outputs
+    index: int
+    node: object = dataclasses.field(repr=False)
+    name: str
+    inputs: list = dataclasses.field(repr=False)
+    outputs: list = dataclasses.field(repr=False)
+
+    def __post_init__(self):
+        self.operation = node_operation(self.node)
 
     @property
     def is_layer(self):
@@ -60,9 +59,6 @@ class NodeInfo:
         filled = {id(t): values(key) for t, key in zip(tensors, self.inputs)}
         args, kwargs = node_filled_arguments(self.node, filled)
         return keras.tree.flatten(self.operation(*args, **kwargs))
-
-    def __repr__(self):
-        return f"<NodeInfo {self.index} {self.name}>"
 
 
 class Dataflow:
@@ -197,12 +193,8 @@ def graph_endpoints(model):
     """`(flat inputs, flat outputs, input structure, output structure)` of
     a Functional model, or a Sequential one built on an input shape."""
     if isinstance(model, keras.Function):
-        return (
-            list(model.inputs),
-            list(model.outputs),
-            model.input,
-            model.output,
-        )
+        inputs, outputs = list(model.inputs), list(model.outputs)
+        return inputs, outputs, model.input, model.output
     if isinstance(model, keras.Sequential):
         try:
             inputs, outputs = list(model.inputs), list(model.outputs)

@@ -21,7 +21,9 @@ What each input becomes:
   NumPy arrays: every process reads the whole global batch and its steps
   slice it. A `PyDataset`'s `__getitem__` returns a whole batch; giving
   each row whole batches of its own would change which samples make a
-  step's batch, so the results would not be one device's.
+  step's batch, so the results would not be one device's. Keras shuffles
+  a `PyDataset`'s batches with Python's `random`, which is seeded with the
+  first process's seed, so that every process reads the same batches.
 
 Example:
 
@@ -36,6 +38,7 @@ tp.fit(loader, epochs=3)  # each process reads 32 samples of each batch
 
 import inspect
 import logging
+import random
 
 import keras
 
@@ -91,6 +94,9 @@ def _torch_share(data, place, runtime):
     elif _is_tf_dataset(data):
         return data_shares.shared_tf_dataset(data, row, rows)
     elif isinstance(data, keras.utils.PyDataset):
+        # Keras shuffles a PyDataset's batches with Python's `random`:
+        # every process draws the first process's order.
+        random.seed(runtime.gather_objects(random.getrandbits(62))[0])
         _log_whole_batches("a PyDataset returns whole batches")
     return None
 

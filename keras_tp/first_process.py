@@ -52,7 +52,9 @@ def arguments_here(method, runtime, args, kwargs):
     bound = inspect.signature(method).bind(None, *args, **kwargs)
     bound.arguments["verbose"] = 0
     callbacks = bound.arguments.get("callbacks")
-    if callbacks:
+    # A CallbackList comes from `fit()`'s own validation `evaluate()`: the
+    # list `fit()` was given here, already without the log writers.
+    if callbacks and not isinstance(callbacks, keras.callbacks.CallbackList):
         kept = [c for c in callbacks if not isinstance(c, LOG_WRITERS)]
         for callback in kept:
             if hasattr(callback, "verbose"):

@@ -6,11 +6,13 @@ same model on one device, trained in the same process on the same global
 batches.
 """
 
+import os
+import random
+
 import keras
 import numpy as np
 import tensorflow as tf
 import torch
-import torch.distributed as dist
 
 import keras_tp
 from tests import models
@@ -70,7 +72,7 @@ def _loader(dataset, **options):
 def shares():
     """Samples read per process, and losses against one device."""
     # Processes seeded apart: a shuffle must still be alike everywhere.
-    torch.manual_seed(dist.get_rank())
+    torch.manual_seed(int(os.environ["RANK"]))
     x, y = models.data_for("mlp", batch=SAMPLES)
     result = {}
 
@@ -82,11 +84,12 @@ def shares():
         epochs=1,
         verbose=0,
     )
+    one_device_data = CountingDataset(x, y)
     expected = reference.fit(
-        x, y, batch_size=BATCH, shuffle=False, validation_data=(x, y),
-        epochs=1, verbose=0,
+        _loader(one_device_data), validation_data=(x, y), epochs=1, verbose=0
     )
     result["fit_reads"] = data.read
+    result["one_device_fit_reads"] = one_device_data.read
     result["losses"] = [history.history["loss"], expected.history["loss"]]
     result["val_losses"] = [
         history.history["val_loss"],
@@ -95,14 +98,14 @@ def shares():
     result["weights"] = models.max_diff(
         reference.get_weights(), tp.get_weights()
     )
-    data.read = []
+    data = CountingDataset(x, y)
     predictions = tp.predict(_loader(data), verbose=0)
     result["predict_reads"] = data.read
     result["predictions"] = float(
         np.max(np.abs(predictions - reference.predict(x, verbose=0)))
     )
     result["evaluate"] = [
-        tp.evaluate(_loader(data), verbose=0),
+        tp.evaluate(_loader(CountingDataset(x, y)), verbose=0),
         reference.evaluate(x, y, batch_size=BATCH, verbose=0),
     ]
 
@@ -120,11 +123,16 @@ def shares():
     reference, tp = _pair()
     batches = CountingPyDataset(x, y)
     result["py_dataset_losses"] = [
-        tp.fit(batches, epochs=1, verbose=0).history["loss"],
-        reference.fit(CountingPyDataset(x, y), epochs=1, verbose=0).history[
-            "loss"
-        ],
+        tp.fit(batches, epochs=1, shuffle=False, verbose=0).history["loss"],
+        reference.fit(
+            CountingPyDataset(x, y), epochs=1, shuffle=False, verbose=0
+        ).history["loss"],
     ]
+    # Python's `random`, which Keras shuffles a PyDataset's batches with,
+    # seeded apart: the processes still read the same batches.
+    random.seed(int(os.environ["RANK"]))
+    batches.read = []
+    tp.fit(batches, epochs=2, verbose=0)
     result["py_dataset_reads"] = batches.read
 
     try:

@@ -13,10 +13,15 @@ What each input becomes:
 
 - `torch.utils.data.DataLoader` (over a map-style dataset, batched): the
   dataset's `__getitem__` runs only for this row's samples; the shuffle
-  is the first process's everywhere. Each batch, the last included, must
-  divide by `D`.
-- `tf.data.Dataset`: each process keeps its row's slice of each batch,
-  but still runs the whole pipeline (a `tf.data` batch is read whole).
+  is the first process's everywhere. For training each batch, the last
+  included, must divide by `D`; `predict()` and `evaluate()` read a
+  loader whose batches do not divide whole, and pad them.
+- `tf.data.Dataset`: in `fit()` each process keeps its row's slice of
+  each batch, so only the slice becomes torch tensors, but it still runs
+  the whole pipeline: a `tf.data` batch is read whole. `predict()` and
+  `evaluate()` take every batch whole, and pad one that does not divide.
+  A shuffled dataset must be seeded alike on every process
+  (`shuffle(buffer, seed=...)`), as for Keras' `distribute_dataset`.
 - `keras.utils.PyDataset`, an `IterableDataset`, a DataLoader subclass,
   NumPy arrays: every process reads the whole global batch and its steps
   slice it. A `PyDataset`'s `__getitem__` returns a whole batch; giving
@@ -68,30 +73,41 @@ def shares_here(method, runtime, args, kwargs):
         return args, kwargs, False
     bound = inspect.signature(method).bind(None, *args, **kwargs)
     shares = False
+    training = method.__name__ == "fit"
     for name in _BATCH_ARGUMENTS.get(method.__name__, ("x",)):
         data = bound.arguments.get(name)
-        shared = _torch_share(data, place, runtime)
+        shared = _torch_share(data, place, runtime, training and name == "x")
         if shared is not None:
             bound.arguments[name] = shared
             shares = shares or name == "x"
     return bound.args[1:], bound.kwargs, shares
 
 
-def _torch_share(data, place, runtime):
-    """`data`'s share for this process's row on torch, or `None`."""
+def _torch_share(data, place, runtime, training):
+    """`data`'s share for this process's row on torch, or `None`.
+
+    A DataLoader whose batches do not split over the rows is read whole
+    for `predict()` and `evaluate()`, which pad such a batch
+    (`keras_tp.runtime.padding`), and refused for training. A
+    `tf.data.Dataset` is shared for training only: it is read whole
+    either way.
+    """
     from keras_tp.runtime.torch import data_shares
 
     row, rows = place
     if data_shares.is_shared(data):
         return data
     if _is_torch_loader(data):
-        reason = data_shares.unshareable_reason(data)
+        size = data_shares.indivisible_size(data, rows)
+        if training and size is not None:
+            raise data_shares.indivisible_batch(size, rows)
+        reason = data_shares.unshareable_reason(data, rows)
         if reason is None:
             return data_shares.shared_loader(
                 data, row, rows, lambda seed: runtime.gather_objects(seed)[0]
             )
         _log_whole_batches(reason)
-    elif _is_tf_dataset(data):
+    elif _is_tf_dataset(data) and training:
         return data_shares.shared_tf_dataset(data, row, rows)
     elif isinstance(data, keras.utils.PyDataset):
         # Keras shuffles a PyDataset's batches with Python's `random`:

@@ -135,8 +135,15 @@ def shares():
     tp.fit(batches, epochs=2, verbose=0)
     result["py_dataset_reads"] = batches.read
 
+    odd = _loader(CountingDataset(x[:29], y[:29]))
     try:
-        tp.fit(_loader(CountingDataset(x[:29], y[:29])), verbose=0)
+        tp.fit(odd, verbose=0)
     except ValueError as error:
         result["indivisible"] = str(error)
+    reference.set_weights(tp.get_weights())
+    predictions = tp.predict(odd, verbose=0)
+    result["odd_predictions"] = [
+        len(predictions),
+        float(np.max(np.abs(predictions - reference.predict(x[:29], verbose=0)))),
+    ]
     return _all_ranks(result)

@@ -66,14 +66,34 @@ def is_shared(data):
     return getattr(data, "_keras_tp_row_share", False)
 
 
-def unshareable_reason(loader):
-    """Why `loader` cannot be read by shares, or `None` where it can."""
+def unshareable_reason(loader, rows):
+    """Why `loader` cannot be read by shares over `rows` rows, or `None`
+    where it can."""
     if type(loader) is not torch_data.DataLoader:
         return f"{type(loader).__name__} is not a plain DataLoader"
     if isinstance(loader.dataset, torch_data.IterableDataset):
         return "an IterableDataset has no indices to share"
     if loader.batch_sampler is None:
         return "the DataLoader does not batch (batch_size=None)"
+    size = indivisible_size(loader, rows)
+    if size is not None:
+        return f"a batch of {size} samples does not split over {rows} rows"
+    return None
+
+
+def indivisible_size(loader, rows):
+    """The size of a batch of `loader` that does not split over `rows`
+    rows, where a `BatchSampler` tells it before the batch is read; else
+    `None`."""
+    batch_sampler = loader.batch_sampler
+    if not isinstance(batch_sampler, torch_data.BatchSampler):
+        return None
+    size = batch_sampler.batch_size
+    if size % rows:
+        return size
+    last = len(batch_sampler.sampler) % size
+    if last % rows and not batch_sampler.drop_last:
+        return last
     return None
 
 
@@ -101,8 +121,6 @@ def shared_loader(loader, row, rows, first_process_seed):
             "is the global batch."
         )
     batch_sampler = _alike_everywhere(loader, first_process_seed)
-    if isinstance(batch_sampler, torch_data.BatchSampler):
-        _check_sizes(batch_sampler, rows)
     return torch_data.DataLoader(
         loader.dataset,
         batch_sampler=RowShareBatchSampler(batch_sampler, row, rows),
@@ -141,17 +159,6 @@ def _alike_everywhere(loader, first_process_seed):
     batch_sampler = copy.copy(batch_sampler)
     batch_sampler.sampler = sampler
     return batch_sampler
-
-
-def _check_sizes(batch_sampler, rows):
-    """Raises before the first epoch where a `BatchSampler`'s full or last
-    batch would not split over `rows` rows."""
-    size = batch_sampler.batch_size
-    if size % rows:
-        raise indivisible_batch(size, rows)
-    last = len(batch_sampler.sampler) % size
-    if last % rows and not batch_sampler.drop_last:
-        raise indivisible_batch(last, rows)
 
 
 def shared_tf_dataset(dataset, row, rows):

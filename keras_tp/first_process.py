@@ -78,7 +78,9 @@ class FirstProcessSpeaks:
         )
 
     def predict(self, *args, **kwargs):
-        return self._run_here(keras.Model.predict, super().predict, args, kwargs)
+        return self._run_here(
+            keras.Model.predict, super().predict, args, kwargs
+        )
 
     def _run_here(self, method, run, args, kwargs):
         runtime = self._runtime

@@ -1,6 +1,7 @@
 """Each data-parallel row reads only its share of each global batch (torch).
 
-Run alone: `KERAS_BACKEND=torch python -m pytest tests/test_torch_data_shares.py`.
+Run alone:
+`KERAS_BACKEND=torch python -m pytest tests/test_torch_data_shares.py`.
 One launch of 2 processes (data_parallel=2); the datasets count what each
 process reads, and every run is checked against one device trained on the
 same global batches.

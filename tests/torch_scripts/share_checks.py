@@ -61,7 +61,9 @@ def _pair():
         models.mlp(), world_size=2, data_parallel=2
     )
     for model in (reference, tp):
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=models.loss_fn())
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1), loss=models.loss_fn()
+        )
     return reference, tp
 
 
@@ -144,6 +146,6 @@ def shares():
     predictions = tp.predict(odd, verbose=0)
     result["odd_predictions"] = [
         len(predictions),
-        float(np.max(np.abs(predictions - reference.predict(x[:29], verbose=0)))),
+        models.max_diff([predictions], [reference.predict(x[:29], verbose=0)]),
     ]
     return _all_ranks(result)

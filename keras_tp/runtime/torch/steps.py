@@ -27,9 +27,9 @@ class ProcessSteps:
     def run_step(self, phase, step, *args, **kwargs):
         """Runs Keras' step; with a data axis, on this rank's batch slice.
 
-        Each data rank trains on its slice of the global batch: the one
-        the step gets where the batches are this row's shares
-        (`batches_are_shares`), else the one it cuts from the global batch. Its metric
+        Each data rank trains on its slice of the global batch: the batch
+        the step gets, where it is this row's share (`batches_are_shares`),
+        else the slice it cuts from the global batch. Its metric
         updates are summed over `data` and its float non-trainable state
         averaged (one all-reduce), so the logs are the global batch's; the
         predictions of the slices are gathered into the global batch's.

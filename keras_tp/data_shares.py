@@ -97,7 +97,8 @@ def _torch_share(data, place, runtime, training):
     row, rows = place
     if data_shares.is_shared(data):
         return data
-    if _is_torch_loader(data):
+    if isinstance(data, data_shares.DataLoader):
+        data_shares.check_not_sampled_per_process(data, rows)
         size = data_shares.indivisible_size(data, rows)
         if training and size is not None:
             raise data_shares.indivisible_batch(size, rows)
@@ -122,14 +123,6 @@ def _log_whole_batches(reason):
         "Every process reads the whole global batch (%s); each "
         "data-parallel row trains on its slice of it.",
         reason,
-    )
-
-
-def _is_torch_loader(data):
-    return any(
-        cls.__module__ == "torch.utils.data.dataloader"
-        and cls.__name__ == "DataLoader"
-        for cls in type(data).__mro__
     )
 
 

@@ -100,3 +100,6 @@ def test_an_indivisible_batch_names_the_sizes_and_the_fix(processes):
     assert "A batch of 5 samples" in message
     assert "data_parallel=2" in message
     assert "drop_last=True" in message
+    message = processes[0]["distributed_sampler"]
+    assert "DistributedSampler" in message
+    assert "Give every process the same DataLoader" in message

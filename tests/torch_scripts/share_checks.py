@@ -142,6 +142,17 @@ def shares():
         tp.fit(odd, verbose=0)
     except ValueError as error:
         result["indivisible"] = str(error)
+    per_process = CountingDataset(x, y)
+    try:
+        tp.fit(
+            _loader(
+                per_process,
+                sampler=torch.utils.data.DistributedSampler(per_process),
+            ),
+            verbose=0,
+        )
+    except ValueError as error:
+        result["distributed_sampler"] = str(error)
     reference.set_weights(tp.get_weights())
     predictions = tp.predict(odd, verbose=0)
     result["odd_predictions"] = [

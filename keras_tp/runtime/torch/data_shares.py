@@ -14,12 +14,10 @@ is converted for torch, but each process still runs the whole pipeline.
 """
 
 import copy
-import logging
 
 import torch
 from torch.utils import data as torch_data
-
-logger = logging.getLogger(__name__)
+from torch.utils.data import DataLoader
 
 
 def indivisible_batch(size, rows):
@@ -61,15 +59,27 @@ class RowShareBatchSampler(torch_data.Sampler):
 
 def is_shared(data):
     """Whether `data` is already one row's share (`shared_loader`)."""
-    if isinstance(data, torch_data.DataLoader):
+    if isinstance(data, DataLoader):
         return isinstance(data.batch_sampler, RowShareBatchSampler)
     return getattr(data, "_keras_tp_row_share", False)
+
+
+def check_not_sampled_per_process(loader, rows):
+    """Raises where `loader` already gives each process its own samples."""
+    if isinstance(loader.sampler, torch_data.DistributedSampler):
+        raise ValueError(
+            "A DataLoader with a DistributedSampler was given to a model "
+            f"with data_parallel={rows}: keras_tp shares each global batch "
+            "between the data-parallel rows itself. Give every process the "
+            "same DataLoader, without a DistributedSampler; its batch_size "
+            "is the global batch."
+        )
 
 
 def unshareable_reason(loader, rows):
     """Why `loader` cannot be read by shares over `rows` rows, or `None`
     where it can."""
-    if type(loader) is not torch_data.DataLoader:
+    if type(loader) is not DataLoader:
         return f"{type(loader).__name__} is not a plain DataLoader"
     if isinstance(loader.dataset, torch_data.IterableDataset):
         return "an IterableDataset has no indices to share"
@@ -101,7 +111,7 @@ def shared_loader(loader, row, rows, first_process_seed):
     """`loader` rebuilt to read row `row`'s share of each global batch.
 
     Args:
-        loader: a `torch.utils.data.DataLoader` of global batches, which
+        loader: a `DataLoader` of global batches, which
             `unshareable_reason` accepts.
         row: this process's data-parallel row.
         rows: the number of rows, `data_parallel`.
@@ -112,16 +122,8 @@ def shared_loader(loader, row, rows, first_process_seed):
         A new `DataLoader` over the same dataset, with the same workers,
         collation and memory pinning, whose batches are this row's shares.
     """
-    if isinstance(loader.sampler, torch_data.DistributedSampler):
-        raise ValueError(
-            "A DataLoader with a DistributedSampler was given to a model "
-            f"with data_parallel={rows}: keras_tp shares each global batch "
-            "between the data-parallel rows itself. Give every process the "
-            "same DataLoader, without a DistributedSampler; its batch_size "
-            "is the global batch."
-        )
     batch_sampler = _alike_everywhere(loader, first_process_seed)
-    return torch_data.DataLoader(
+    return DataLoader(
         loader.dataset,
         batch_sampler=RowShareBatchSampler(batch_sampler, row, rows),
         num_workers=loader.num_workers,

@@ -23,6 +23,8 @@ import inspect
 
 import keras
 
+from keras_tp.data_shares import shares_here
+
 # Callbacks that only report: one process writes them for the job.
 LOG_WRITERS = (
     keras.callbacks.TensorBoard,
@@ -50,7 +52,9 @@ def arguments_here(method, runtime, args, kwargs):
     bound = inspect.signature(method).bind(None, *args, **kwargs)
     bound.arguments["verbose"] = 0
     callbacks = bound.arguments.get("callbacks")
-    if callbacks:
+    # A CallbackList comes from `fit()`'s own validation `evaluate()`: the
+    # list `fit()` was given here, already without the log writers.
+    if callbacks and not isinstance(callbacks, keras.callbacks.CallbackList):
         kept = [c for c in callbacks if not isinstance(c, LOG_WRITERS)]
         for callback in kept:
             if hasattr(callback, "verbose"):
@@ -61,23 +65,26 @@ def arguments_here(method, runtime, args, kwargs):
 
 class FirstProcessSpeaks:
     """A `keras.Model` mixin: `fit`, `evaluate` and `predict` with the
-    arguments of this process (`arguments_here`), from the runtime
-    `self._runtime`."""
+    arguments of this process (`arguments_here`), and each data-parallel
+    row reading its share of the batches (`keras_tp.data_shares`), from
+    the runtime `self._runtime`."""
 
     def fit(self, *args, **kwargs):
-        args, kwargs = arguments_here(
-            keras.Model.fit, self._runtime, args, kwargs
-        )
-        return super().fit(*args, **kwargs)
+        return self._run_here(keras.Model.fit, super().fit, args, kwargs)
 
     def evaluate(self, *args, **kwargs):
-        args, kwargs = arguments_here(
-            keras.Model.evaluate, self._runtime, args, kwargs
+        return self._run_here(
+            keras.Model.evaluate, super().evaluate, args, kwargs
         )
-        return super().evaluate(*args, **kwargs)
 
     def predict(self, *args, **kwargs):
-        args, kwargs = arguments_here(
-            keras.Model.predict, self._runtime, args, kwargs
+        return self._run_here(
+            keras.Model.predict, super().predict, args, kwargs
         )
-        return super().predict(*args, **kwargs)
+
+    def _run_here(self, method, run, args, kwargs):
+        runtime = self._runtime
+        args, kwargs, shares = shares_here(method, runtime, args, kwargs)
+        args, kwargs = arguments_here(method, runtime, args, kwargs)
+        with runtime.reading_shares(shares):
+            return run(*args, **kwargs)

@@ -48,6 +48,9 @@ class Runtime(CheckpointPieces):
     # The runtime a `CoordinatedOptimizer` binds to, or `None` where the
     # plain optimizer updates the placed variables.
     optimizer_runtime = None
+    # Whether the batches Keras' steps get are this process's share of
+    # each global batch (`keras_tp.data_shares`), not the global batch.
+    batches_are_shares = False
 
     def __init__(self, config):
         devices = select_devices(
@@ -146,6 +149,23 @@ class Runtime(CheckpointPieces):
             "change the gradients). Use a batch size (and a dataset size, "
             f"or `drop_remainder=True`) that divides by {parts}."
         )
+
+    def data_row(self):
+        """`(row, rows)`: this process's data-parallel row and the number of
+        rows, where each process feeds only its row; `None` (the default)
+        where a process feeds every row of its devices."""
+        return None
+
+    @contextlib.contextmanager
+    def reading_shares(self, shares):
+        """Context in which Keras' steps get this process's share of each
+        global batch (`shares=True`) or the global batch, to slice."""
+        before = self.batches_are_shares
+        self.batches_are_shares = shares
+        try:
+            yield
+        finally:
+            self.batches_are_shares = before
 
     def device_bytes(self, variables):
         """`{device: bytes}` these variables occupy, read from the arrays."""

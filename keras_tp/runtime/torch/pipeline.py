@@ -180,12 +180,18 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
             self._pipelines[key] = TorchPipeline(self, count, loss)
         return self._pipelines[key]
 
+    def data_row(self):
+        if self.data_adapter is None:
+            return None
+        return self.data_index, self.data_parallel
+
     def _sliced(self, data):
-        """This replica's slice of a global batch, as torch tensors."""
+        """This replica's slice of a global batch (the batch itself where
+        it is this replica's share), as torch tensors."""
         data = keras.tree.map_structure(
             lambda t: t if t is None else keras.ops.convert_to_tensor(t), data
         )
-        if self.data_adapter is not None:
+        if self.data_adapter is not None and not self.batches_are_shares:
             slice_of = self.stage_runtime.batch_slice
             data = keras.tree.map_structure(slice_of, data)
         return data

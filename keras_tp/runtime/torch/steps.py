@@ -27,7 +27,9 @@ class ProcessSteps:
     def run_step(self, phase, step, *args, **kwargs):
         """Runs Keras' step; with a data axis, on this rank's batch slice.
 
-        Each data rank trains on its slice of the global batch. Its metric
+        Each data rank trains on its slice of the global batch: the batch
+        the step gets, where it is this row's share (`batches_are_shares`),
+        else the slice it cuts from the global batch. Its metric
         updates are summed over `data` and its float non-trainable state
         averaged (one all-reduce), so the logs are the global batch's; the
         predictions of the slices are gathered into the global batch's.
@@ -39,7 +41,8 @@ class ProcessSteps:
                 return super().run_step(phase, step, *args, **kwargs)
         (data,) = args
         model = step.__self__
-        extra = padding.rows_to_add(data, self.data_parallel)
+        shares = self.batches_are_shares
+        extra = 0 if shares else padding.rows_to_add(data, self.data_parallel)
         with self.adapter.stats.recording(phase), self._step_context():
             if phase == "test" and extra:
                 with layers.whole_logits():
@@ -47,9 +50,11 @@ class ProcessSteps:
             size = padding.batch_size(data)
             if phase == "predict" and extra:
                 data = padding.padded(data, extra)
-            data = keras.tree.map_structure(self.batch_slice, data)
+            if not shares:
+                data = keras.tree.map_structure(self.batch_slice, data)
             if phase == "predict":
-                return padding.dropped(self._gathered(step(data)), size)
+                outputs = self._gathered(step(data))
+                return outputs if shares else padding.dropped(outputs, size)
             metrics = model.metrics_variables
             before = [v.value.detach().clone() for v in metrics]
             if phase == "train":
@@ -130,6 +135,11 @@ class ProcessSteps:
                 )
             optimizer.backward_overlap = overlap
         optimizer.backward_overlap.start_step()
+
+    def data_row(self):
+        if self.data_parallel == 1:
+            return None
+        return self.data_adapter.rank(), self.data_parallel
 
     def batch_slice(self, tensor):
         """This data rank's slice of a global batch tensor."""

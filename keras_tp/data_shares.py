@@ -42,12 +42,6 @@ tp.fit(loader, epochs=3)  # each process reads 32 samples of each batch
 """
 
 import inspect
-import logging
-import random
-
-import keras
-
-logger = logging.getLogger(__name__)
 
 # The arguments of each method that carry batches.
 _BATCH_ARGUMENTS = {"fit": ("x", "validation_data")}
@@ -58,7 +52,7 @@ def shares_here(method, runtime, args, kwargs):
 
     Args:
         method: `keras.Model.fit`, `evaluate` or `predict`.
-        runtime: the model's runtime (`Runtime.data_row`).
+        runtime: the model's runtime (`Runtime.data_share`).
         args: the positional arguments given, after `self`.
         kwargs: the keyword arguments given.
 
@@ -68,67 +62,13 @@ def shares_here(method, runtime, args, kwargs):
         replaced by its row's share; `shares` says whether `x`'s batches
         are this row's shares (for `Runtime.reading_shares`).
     """
-    place = runtime.data_row()
-    if place is None or runtime.backend != "torch":
-        return args, kwargs, False
     bound = inspect.signature(method).bind(None, *args, **kwargs)
     shares = False
     training = method.__name__ == "fit"
     for name in _BATCH_ARGUMENTS.get(method.__name__, ("x",)):
         data = bound.arguments.get(name)
-        shared = _torch_share(data, place, runtime, training and name == "x")
+        shared = runtime.data_share(data, training and name == "x")
         if shared is not None:
             bound.arguments[name] = shared
             shares = shares or name == "x"
     return bound.args[1:], bound.kwargs, shares
-
-
-def _torch_share(data, place, runtime, training):
-    """`data`'s share for this process's row on torch, or `None`.
-
-    A DataLoader whose batches do not split over the rows is read whole
-    for `predict()` and `evaluate()`, which pad such a batch
-    (`keras_tp.runtime.padding`), and refused for training. A
-    `tf.data.Dataset` is shared for training only: it is read whole
-    either way.
-    """
-    from keras_tp.runtime.torch import data_shares
-
-    row, rows = place
-    if data_shares.is_shared(data):
-        return data
-    if isinstance(data, data_shares.DataLoader):
-        data_shares.check_not_sampled_per_process(data, rows)
-        size = data_shares.indivisible_size(data, rows)
-        if training and size is not None:
-            raise data_shares.indivisible_batch(size, rows)
-        reason = data_shares.unshareable_reason(data, rows)
-        if reason is None:
-            return data_shares.shared_loader(
-                data, row, rows, lambda seed: runtime.gather_objects(seed)[0]
-            )
-        _log_whole_batches(reason)
-    elif _is_tf_dataset(data) and training:
-        return data_shares.shared_tf_dataset(data, row, rows)
-    elif isinstance(data, keras.utils.PyDataset):
-        # Keras shuffles a PyDataset's batches with Python's `random`:
-        # every process draws the first process's order.
-        random.seed(runtime.gather_objects(random.getrandbits(62))[0])
-        _log_whole_batches("a PyDataset returns whole batches")
-    return None
-
-
-def _log_whole_batches(reason):
-    logger.info(
-        "Every process reads the whole global batch (%s); each "
-        "data-parallel row trains on its slice of it.",
-        reason,
-    )
-
-
-def _is_tf_dataset(data):
-    return any(
-        cls.__module__.startswith("tensorflow.python.data.ops")
-        and cls.__name__ == "DatasetV2"
-        for cls in type(data).__mro__
-    )

@@ -150,10 +150,16 @@ class Runtime(CheckpointPieces):
             f"or `drop_remainder=True`) that divides by {parts}."
         )
 
-    def data_row(self):
-        """`(row, rows)`: this process's data-parallel row and the number of
-        rows, where each process feeds only its row; `None` (the default)
-        where a process feeds every row of its devices."""
+    def data_share(self, data, training):
+        """`data` (a `fit()`, `evaluate()` or `predict()` input) rebuilt to
+        read only this process's data-parallel row's share of each global
+        batch, or `None` (the default) where the process reads it whole
+        (`keras_tp.data_shares`).
+
+        Args:
+            data: the input, of any kind Keras takes.
+            training: whether `fit()` trains on it.
+        """
         return None
 
     @contextlib.contextmanager

@@ -14,10 +14,69 @@ is converted for torch, but each process still runs the whole pipeline.
 """
 
 import copy
+import logging
+import random
 
+import keras
 import torch
 from torch.utils import data as torch_data
 from torch.utils.data import DataLoader
+
+logger = logging.getLogger(__name__)
+
+
+def share_of(runtime, data, training):
+    """`data`'s share for this process's data-parallel row, or `None`
+    where the process reads it whole (see `Runtime.data_share`).
+
+    A DataLoader whose batches do not split over the rows is read whole
+    for `predict()` and `evaluate()`, which pad such a batch
+    (`keras_tp.runtime.padding`), and refused for training. A
+    `tf.data.Dataset` is shared for training only: it is read whole
+    either way. A `PyDataset` is read whole, in the same order on every
+    process.
+    """
+    place = runtime.data_row()
+    if place is None:
+        return None
+    row, rows = place
+    if is_shared(data):
+        return data
+    if isinstance(data, DataLoader):
+        check_not_sampled_per_process(data, rows)
+        size = indivisible_size(data, rows)
+        if training and size is not None:
+            raise indivisible_batch(size, rows)
+        reason = unshareable_reason(data, rows)
+        if reason is None:
+            return shared_loader(
+                data, row, rows, lambda seed: runtime.gather_objects(seed)[0]
+            )
+        _log_whole_batches(reason)
+    elif _is_tf_dataset(data) and training:
+        return shared_tf_dataset(data, row, rows)
+    elif isinstance(data, keras.utils.PyDataset):
+        # Keras shuffles a PyDataset's batches with Python's `random`:
+        # every process draws the first process's order.
+        random.seed(runtime.gather_objects(random.getrandbits(62))[0])
+        _log_whole_batches("a PyDataset returns whole batches")
+    return None
+
+
+def _log_whole_batches(reason):
+    logger.info(
+        "Every process reads the whole global batch (%s); each "
+        "data-parallel row trains on its slice of it.",
+        reason,
+    )
+
+
+def _is_tf_dataset(data):
+    return any(
+        cls.__module__.startswith("tensorflow.python.data.ops")
+        and cls.__name__ == "DatasetV2"
+        for cls in type(data).__mro__
+    )
 
 
 def indivisible_batch(size, rows):

@@ -259,7 +259,7 @@ def test_generation_matches_one_device():
 def test_vocab_parallel_loss_is_refused_and_exact():
     # TensorFlow's steps compute the loss outside the replicas, from whole
     # logits: the head gathers them, and training stays exact.
-    vocab_cases.check_runs(vocab_cases.runs(2), split=False)
+    vocab_cases.check_runs(vocab_cases.runs(2, split=False), split=False)
 
 
 def test_transformer_collectives_per_step():

@@ -64,16 +64,18 @@ def _run(world_size, data_parallel, metrics):
     }
 
 
-def runs(world_size, data_parallel=1):
+def runs(world_size, data_parallel=1, split=True):
     """`{"split": ..., "whole": ...}`: the accuracy metric (split logits),
-    and top-5 accuracy, which needs the logits whole."""
+    and top-5 accuracy, which needs the logits whole. Where the backend
+    keeps no logits split (`split=False`), both are one run of both
+    metrics: the logits are gathered once for the loss and both."""
+    top_5 = keras.metrics.SparseTopKCategoricalAccuracy
+    if not split:
+        both = _run(world_size, data_parallel, lambda: ["accuracy", top_5(5)])
+        return {"split": both, "whole": both}
     return {
         "split": _run(world_size, data_parallel, lambda: ["accuracy"]),
-        "whole": _run(
-            world_size,
-            data_parallel,
-            lambda: [keras.metrics.SparseTopKCategoricalAccuracy(5)],
-        ),
+        "whole": _run(world_size, data_parallel, lambda: [top_5(5)]),
     }
 
 

@@ -210,28 +210,15 @@ def simulate(schedule, forward_time=1.0, backward_time=2.0):
     return Timeline(spans)
 
 
-def recorded_timeline(records):
-    """The `Timeline` of per-stage `(kind, microbatch, start, end)` records
-    on one clock, moved so that the first start is at 0."""
-    origin = min(start for spans in records for _, _, start, _ in spans)
-    return Timeline(
-        [
-            [
-                Span(Action(stage, kind, m), start - origin, end - origin)
-                for kind, m, start, end in spans
-            ]
-            for stage, spans in enumerate(records)
-        ]
-    )
-
-
 def timeline_of(order, times):
     """The `Timeline` of the actions `order` from the `(start, end)` of
-    each."""
-    records = [[] for _ in range(1 + max(a.stage for a in order))]
-    for (stage, kind, m), (start, end) in zip(order, times):
-        records[stage].append((kind, m, float(start), float(end)))
-    return recorded_timeline(records)
+    each on one clock, moved so that the first start is at 0."""
+    origin = float(min(start for start, _ in times))
+    spans = [[] for _ in range(1 + max(action.stage for action in order))]
+    for action, (start, end) in zip(order, times):
+        span = Span(Action(*action), float(start) - origin, float(end) - origin)
+        spans[action.stage].append(span)
+    return Timeline(spans)
 
 
 def bubble_fraction(timeline):

@@ -160,7 +160,13 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         dist.all_gather_object(records, self.timeline, group=self.pipe_group)
         if not all(records):
             return None
-        return schedules.recorded_timeline(records)
+        order = [
+            schedules.Action(stage, kind, m)
+            for stage, spans in enumerate(records)
+            for kind, m, _, _ in spans
+        ]
+        times = [(start, end) for spans in records for *_, start, end in spans]
+        return schedules.timeline_of(order, times)
 
     def build_optimizer(self, trainer):
         """Builds the optimizer's slots in one device's order on every

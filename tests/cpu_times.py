@@ -5,9 +5,10 @@ the suite slow on few cores (where CPU, not waiting, sets its length).
         PYTEST_ADDOPTS="-p tests.cpu_times" bash tests/run_all.sh
 
 Each test appends one JSON line to the file: its id, its backend, the
-xdist worker that ran it, when it started, its wall seconds, the CPU seconds of its test process (every thread, JAX's
-and XLA's included) and of the child processes it waited for
-(subprocesses, notebook kernels, TensorFlow's worker scripts). The
+xdist worker that ran it, when it started, its wall seconds, the CPU
+seconds of its test process (every thread, JAX's and XLA's included) and
+of the child processes it waited for (subprocesses, notebook kernels,
+TensorFlow's worker scripts). The
 processes that `keras_tp.launch` forks for torch's ranks belong to the
 fork server, and Ray's to Ray's daemons: neither is counted.
 """

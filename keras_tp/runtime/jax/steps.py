@@ -111,6 +111,10 @@ class MeshSteps:
         placed = [
             v for group in groups for v in group if self.placement.is_placed(v)
         ]
+        # In a job of several processes, outputs split over `data` span
+        # devices no one process can read (Keras reads `predict()`'s as
+        # NumPy): every device gathers the whole batch's outputs.
+        gathered = phase == "predict" and jax.process_count() > 1
 
         def per_rank(state, data):
             state = tuple(map(_own_blocks, state, per_replica))
@@ -120,6 +124,11 @@ class MeshSteps:
             ):
                 if phase == "predict":
                     outputs, non_trainable = step(state, data)
+                    if gathered:
+                        outputs = jax.tree.map(
+                            lambda y: self.data_adapter.all_gather(y, 0),
+                            outputs,
+                        )
                     return outputs, _as_blocks(non_trainable, per_replica[1])
                 logs, new_state = step(state, data)
                 new_state = list(new_state)
@@ -135,7 +144,7 @@ class MeshSteps:
         # Keras' predict step returns the outputs, split over `data`, and
         # the non-trainable state (dropout seeds), placed as it entered.
         out_specs = (
-            (PartitionSpec("data"), state_specs[1])
+            (PartitionSpec(*([] if gathered else ["data"])), state_specs[1])
             if phase == "predict"
             else (PartitionSpec(), state_specs)
         )

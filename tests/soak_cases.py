@@ -45,7 +45,8 @@ PYTHON_OBJECT_SLACK = 32
 # above what the backends keep on their own (`benchmarks/soak.py`, 1,000
 # steps): each TensorFlow collective call
 # draws a new instance key, and TensorFlow keeps about 1 KiB per instance
-# (5 to 10 KiB a step here); torch's heap grows 1 to 4 KiB a step. A leak
+# (5 to 10 KiB a step here); torch's heap grows 1 to 4 KiB a step in its
+# first 500 to 1,000 steps, then stays flat (3,000 steps). A leak
 # of 16 KiB a step (this MLP's batch of activations 16 times over, a
 # traced graph) fails.
 HOST_BYTES_PER_STEP = 16 * 1024

@@ -351,13 +351,20 @@ def _start_forkserver():
 
     Importing keras and torch takes a rank about 8 s of CPU; the fork
     server imports them once, and every rank of every later `launch` of
-    this process starts from its copy. It imports nothing else and runs no
-    torch code, so it holds no threads, process group or device.
+    this process starts from its copy. Where TensorFlow is installed it
+    imports it too: Keras does in every rank that seeds
+    (`keras.utils.set_random_seed` seeds TensorFlow's generator) or reads
+    a `tf.data` input, 3 s of CPU each. It runs no torch or TensorFlow
+    code, so it holds no threads, process group or device.
     """
+    import importlib.util
     import multiprocessing.forkserver as forkserver
 
+    modules = list(rank_processes.RANK_MODULES)
+    if importlib.util.find_spec("tensorflow") is not None:
+        modules.append("tensorflow")
     # Only the first call starts the server: later ones find it running.
-    forkserver.set_forkserver_preload(list(rank_processes.RANK_MODULES))
+    forkserver.set_forkserver_preload(modules)
     with _environment(KERAS_BACKEND="torch"):
         forkserver.ensure_running()
 

@@ -76,8 +76,8 @@ shown() {
 # The phases run one after another. Beside another phase, torch's rank
 # processes wait for their turn on the cores, and each step waits for its
 # slowest rank: with torch beside JAX and TensorFlow the suite took 41
-# minutes, one after another 24.5 (JAX 7:05, 8 devices 1:44, TensorFlow
-# 7:46, torch 6:12, timed 1:48).
+# minutes, one after another 24 (JAX 7:09, 8 devices 1:41, TensorFlow
+# 8:21, torch 5:05, timed 1:41).
 run jax "$parallel" $(ordered "tests/test_jax_zoo.py \
   tests/test_common_notebooks.py tests/test_jax.py \
   tests/test_common_examples.py tests/test_jax_checkpoint.py" \

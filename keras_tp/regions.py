@@ -22,6 +22,7 @@ from keras_tp.plan.attention import ATTENTION
 from keras_tp.plan.attention import call_argument
 from keras_tp.plan.attention import call_arguments
 from keras_tp.plan.attention import split_cache
+from keras_tp.plan.head_counts import call_with_local_counts
 from keras_tp.plan.layers import logits_stay_split
 from keras_tp.plan.sharding_plan import ShardedUnit
 from keras_tp.plan.styles import Column
@@ -320,6 +321,8 @@ def install(plan, runtime):
         regions.append(region)
     for layer, split_calls in plan.per_rank_random.items():
         set_call(layer, _split_random_call(layer, split_calls, runtime))
+    for layer, counts in plan.per_rank_counts.items():
+        set_call(layer, call_with_local_counts(layer, counts, runtime))
     return regions
 
 
@@ -361,7 +364,7 @@ def _split_random_call(layer, split_calls, runtime):
     Args:
         layer: the layer.
         split_calls: for each of its calls in a forward pass, whether its
-            input is split (see `verify.random_on_split_values`).
+            input is split (see `local_check.random_on_split_values`).
         runtime: the runtime. Where it holds global values (JAX without a
             data axis) the layer runs on the whole tensor and draws one
             mask, as on one device.

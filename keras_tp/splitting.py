@@ -6,11 +6,12 @@ import weakref
 import keras
 
 from keras_tp import generation
+from keras_tp import partial_gradients
 from keras_tp import regions
 from keras_tp.parallel import zero3
 from keras_tp.plan.auto import auto_plan
+from keras_tp.plan.local_check import check_locally
 from keras_tp.plan.sharding_plan import ShardingPlan
-from keras_tp.plan.verify import check_locally
 
 # Models whose layers were converted in place, so they are not split twice.
 _WRAPPED_MODELS = weakref.WeakSet()
@@ -91,11 +92,10 @@ def split_model(model, plan, runtime, trainer):
     runtime.equalize_values(model.variables)
     for variable in model.variables:
         runtime.placement.place(variable, axes.get(id(variable)))
-    installed = [
-        region
-        for part, part_runtime in runtime.stage_plans(plan)
-        for region in regions.install(part, part_runtime)
-    ]
+    installed = []
+    for part, part_runtime in runtime.stage_plans(plan):
+        installed += regions.install(part, part_runtime)
+        partial_gradients.install(part, part_runtime)
     if runtime.pipeline_parallel == 1:
         # Pipelines do not generate (`generation.generate` says why).
         generation.install_caches(model, plan, runtime)

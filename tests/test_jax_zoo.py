@@ -221,3 +221,17 @@ def test_a_model_that_needs_real_sizes_is_traced_on_a_sample_batch():
         return [o for o in keras.tree.flatten(outputs) if o.dtype != "bool"]
 
     assert models.max_diff(features(tp(x)), features(reference(x))) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["gemma", "qwen3"])
+def test_each_device_runs_its_heads_with_a_data_axis(name):
+    # With a data axis each device runs the code between regions on its
+    # own slices, as torch's ranks do: Gemma's attention reads its own
+    # head counts, and the whole weights computing on its heads (Gemma's
+    # key/value head, Qwen3's per-head norms) sum their gradients.
+    reference, tp = zoo_cases.trained(name, 4, data_parallel=2)
+    assert not tp.sharding_plan.fallbacks, tp.sharding_plan.fallbacks
+    assert models.max_diff(tp.get_weights(), reference.get_weights()) < 1e-5
+    stats = tp.communication_stats("train", axis="model")["all_reduce"]
+    summed = zoo_cases.BLOCKS * zoo_cases.SUMMED_PER_BLOCK[name]
+    assert stats["backward_calls"] == 2 * zoo_cases.BLOCKS + 1 + summed

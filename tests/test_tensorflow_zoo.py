@@ -44,11 +44,14 @@ def test_losses_added_in_the_forward_pass_are_refused():
         measure("mixtral")
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma", "qwen3"])
 def test_megatron_minimum(name):
+    # Gemma and Qwen3: see test_torch_zoo.py.
     results = measure(name)
     assert not results["fallbacks"], results["fallbacks"]
-    zoo_cases.check_megatron(results)
+    zoo_cases.check_megatron(
+        results, zoo_cases.BLOCKS * zoo_cases.SUMMED_PER_BLOCK.get(name, 0)
+    )
 
 
 def test_experts_split_in_inference():

@@ -42,6 +42,11 @@ TRANSFORMERS = (
 # Decoder-only LMs of the zoo: 2 blocks, token embedding and LM head in one
 # ReversibleEmbedding (tied or not).
 DECODER_LMS = ("gemma", "gpt2", "llama", "mistral", "qwen3", "phi3")
+# Where ranks hold their own slices, the whole layers of each of these
+# LMs' blocks that compute on a rank's heads: Gemma's single key/value
+# head (key and value), Qwen3's per-head query and key norms. The ranks
+# sum their gradients, one all-reduce each.
+SUMMED_PER_BLOCK = {"gemma": 2, "qwen3": 2}
 BLOCKS = 2
 # A keras-hub CausalLM compiles itself with an accuracy metric. From split
 # logits the loss all-reduces one float per token twice (the maximum, then
@@ -50,15 +55,17 @@ BLOCKS = 2
 LOSS_AND_ACCURACY_REDUCTIONS = 4
 
 
-def check_megatron(results):
+def check_megatron(results, summed_weights=0):
     """A decoder LM's training step costs Megatron's minimum on `model`.
 
     Forward: one all-reduce per attention and per MLP (their Row layers)
     and one for the vocabulary-parallel embedding; then, where the logits
     stay split by vocabulary, `LOSS_AND_ACCURACY_REDUCTIONS`, else one
     all-gather of the logits. Backward: one all-reduce
-    per attention and per MLP input (their Column layers share it) and one
-    for the LM head's input.
+    per attention and per MLP input (their Column layers share it), one
+    for the LM head's input, and one for each of `summed_weights` whole
+    layers computing on a rank's heads (a per-head norm, key/value heads
+    fewer than ranks), where ranks hold their own slices.
     """
     rows = [s for s in results["plan"].values() if s == repr(_ROW)]
     assert len(rows) == 2 * BLOCKS, results["plan"]
@@ -68,7 +75,7 @@ def check_megatron(results):
         "forward": 2 * BLOCKS
         + 1
         + (LOSS_AND_ACCURACY_REDUCTIONS if split else 0),
-        "backward": 2 * BLOCKS + 1,
+        "backward": 2 * BLOCKS + 1 + summed_weights,
     }, collectives
     gathers = {"forward": 0 if split else 1, "backward": 0}
     assert collectives.get("all_gather", gathers) == gathers, collectives

@@ -19,6 +19,8 @@ from keras_tp.stats import CommunicationStats
 # Loss reductions whose per-micro-batch values, each weighted by 1/M,
 # add up to the value over the whole batch.
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+# What a plan says of single layers, which each stage keeps of its own.
+_PER_LAYER = ("per_rank_random", "per_rank_counts", "summed_gradients")
 
 
 class PipelineRuntime(Runtime):
@@ -123,11 +125,16 @@ class PipelineRuntime(Runtime):
                 for entry in plan.layers
                 if stages_of[id(entry.layer)] == stages
             ]
-            part.per_rank_random = {
-                layer: calls
-                for layer, calls in plan.per_rank_random.items()
-                if stages_of[id(layer)] == stages
-            }
+            for name in _PER_LAYER:
+                setattr(
+                    part,
+                    name,
+                    {
+                        layer: value
+                        for layer, value in getattr(plan, name).items()
+                        if stages_of[id(layer)] == stages
+                    },
+                )
             if part.layers or part.per_rank_random:
                 parts.append((part, self.calling_stage_runtime(stages)))
         return parts

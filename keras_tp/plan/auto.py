@@ -25,12 +25,13 @@ import warnings
 from keras_tp.plan import trace as tracing
 from keras_tp.plan.attention import ATTENTION
 from keras_tp.plan.layers import leaf_handler
+from keras_tp.plan.local_check import keep_needed_counts
+from keras_tp.plan.local_check import random_on_split_values
 from keras_tp.plan.planner import Planner
 from keras_tp.plan.sharding_plan import ShardingPlan
 from keras_tp.plan.styles import Replicate
 from keras_tp.plan.verify import Problem
 from keras_tp.plan.verify import local_problems
-from keras_tp.plan.verify import random_on_split_values
 
 logger = logging.getLogger(__name__)
 
@@ -119,19 +120,21 @@ def auto_plan(
     fallbacks = {}
     _keep_shared_paths_alike(planner, decisions, fallbacks)
     if check_local and tensor_parallel > 1:
-        planner.demote_whole_key_values(decisions, fallbacks)
         random_inputs = {}
         for _ in range(len(decisions) + 1):
             plan = _emit(
                 model, tensor_parallel, decisions, fallbacks, planner.reasons
             )
+            plan.summed_gradients = planner.whole_key_values(decisions)
+            group_of = _group_of(decisions)
             problems = local_problems(
-                model, plan, trace, _group_of(decisions), random_inputs
+                model, plan, trace, group_of, random_inputs
             )
             if not problems:
                 plan.per_rank_random = random_on_split_values(
                     plan, random_inputs
                 )
+                keep_needed_counts(model, plan, trace, group_of)
                 return plan
             for key, problem in problems.items():
                 planner.demote(decisions, key, problem, fallbacks)

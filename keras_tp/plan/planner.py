@@ -23,7 +23,6 @@ from keras_tp.plan.styles import ExpertParallel
 from keras_tp.plan.styles import Replicate
 from keras_tp.plan.styles import Row
 from keras_tp.plan.styles import Vocab
-from keras_tp.plan.verify import Problem
 from keras_tp.plan.verify import expert_output_axis
 
 logger = logging.getLogger(__name__)
@@ -135,7 +134,7 @@ class Planner(MegatronPairing):
                 decisions[id(call.layer)] = Decision(
                     call.layer, Replicate(), id(call.layer), "auto: whole"
                 )
-                self.whole_inputs[key] = call.layer.path
+                self.whole_inputs.setdefault(key, []).append(call.layer)
         self._apply_layout_map(decisions, leaves)
         if self.layout_map is not None:
             self._keep_unlisted_whole(decisions, leaves)
@@ -328,28 +327,17 @@ class Planner(MegatronPairing):
 
     # Falling back -----------------------------------------------------
 
-    def demote_whole_key_values(self, decisions, fallbacks):
-        """Falls back the groups fed by whole key/value projections.
-
-        Where ranks hold their own slices, a rank holding some query heads
-        would compute only part of the gradient of a whole key/value
-        projection; the local check sees forward values, not that.
-        """
-        for key in self.whole_inputs:
-            if not any(d.group == key and d.paired for d in decisions.values()):
-                continue  # fell back with a group of the same shape
-            self.demote(
-                decisions,
-                key,
-                Problem(
-                    "its key/value projections stay whole (fewer heads than "
-                    "ranks) and meet its split query heads through raw ops: "
-                    "a rank holding some query heads would compute a partial "
-                    "gradient for them",
-                    False,
-                ),
-                fallbacks,
-            )
+    def whole_key_values(self, decisions):
+        """`{layer: ()}`: the whole key/value projections (fewer heads than
+        ranks) that feed split query heads. Where ranks hold their own
+        slices, each rank's gradient of their weights and inputs is a
+        partial sum (see `partial_gradients`); their inputs are whole."""
+        return {
+            layer: ()
+            for key, layers in self.whole_inputs.items()
+            if any(d.group == key and d.paired for d in decisions.values())
+            for layer in layers
+        }
 
     def demote(self, decisions, key, problem, fallbacks):
         """Falls back the group `key` (or the layer path `key`) names.

@@ -10,6 +10,7 @@ from keras_tp.keras_internals import own_variables
 from keras_tp.keras_internals import sublayers
 from keras_tp.plan.attention import ATTENTION
 from keras_tp.plan.handler import is_elementwise
+from keras_tp.plan.head_counts import per_rank_counts
 from keras_tp.plan.layers import leaf_handler
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Replicate
@@ -85,6 +86,12 @@ class ShardingPlan:
         # the local-execution check: each rank draws its own there.
         # `{layer: (split, ...)}`, per call in a forward pass.
         self.per_rank_random = {}
+        # The head counts layers read from their config, per rank
+        # (`head_counts.per_rank_counts`): `{layer: {attribute: count}}`.
+        self.per_rank_counts = {}
+        # Whole layers computing on split activations, whose gradients the
+        # ranks sum (`partial_gradients`): `{layer: (input split, ...)}`.
+        self.summed_gradients = {}
 
     def __repr__(self):
         lines = [
@@ -136,6 +143,7 @@ class ShardingPlan:
                 "`[v.path for v in model.weights]`."
             )
         bound.replicated = replicated_layers(model, bound)
+        bound.per_rank_counts = per_rank_counts(model, bound)
         return bound
 
     def source_of(self, entry):

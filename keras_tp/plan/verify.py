@@ -28,13 +28,12 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_tp.errors import ShardingError
 from keras_tp.keras_internals import StatelessScope
 from keras_tp.keras_internals import own_seed_generators
 from keras_tp.keras_internals import own_trainable_variables
-from keras_tp.keras_internals import sublayers
+from keras_tp.keras_internals import own_variables
 from keras_tp.plan import trace as tracing
-from keras_tp.plan.sharding_plan import ShardedUnit
+from keras_tp.plan.head_counts import local_counts
 from keras_tp.plan.styles import Channelwise
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import ExpertParallel
@@ -81,34 +80,6 @@ class _ReadWatcher(StatelessScope):
         if id(variable) in self.watched:
             self.read.append(self.watched[id(variable)])
         return None
-
-
-def check_locally(model, plan, sample_batch=None):
-    """Raises a `ShardingError` if a rank holding its slices would be wrong.
-
-    For a plan given by the user: the same check `auto_plan` runs, with
-    each failing layer named.
-
-    Args:
-        model: the model `plan` is bound to (not yet split).
-        plan: a bound `ShardingPlan`.
-        sample_batch: the inputs to trace `model` on; default: a probe
-            batch (see `keras_tp.auto_plan`).
-    """
-    group_of = {id(e.layer): e.layer.path for e in plan.leaf_layers()}
-    random_inputs = {}
-    trace = tracing.trace_model(model, sample_batch)
-    problems = local_problems(model, plan, trace, group_of, random_inputs)
-    if problems:
-        listing = "; ".join(
-            f"'{path}': {problem.reason}" for path, problem in problems.items()
-        )
-        raise ShardingError(
-            f"The plan cannot run with each rank holding its own slices: "
-            f"{listing}. Map these layers to Replicate(), or let "
-            'plan="auto" choose.'
-        )
-    plan.per_rank_random = random_on_split_values(plan, random_inputs)
 
 
 def expert_output_axis(call, handler, tensor_parallel):
@@ -187,38 +158,6 @@ def local_problems(model, plan, trace, group_of, random_inputs=None):
     return {}
 
 
-def random_on_split_values(plan, random_inputs):
-    """The layers whose random draws act on split activations.
-
-    A Dropout between a Column layer and its Row partner sees one rank's
-    features; each rank must draw its own mask there, where a Dropout on a
-    whole activation must draw the same mask on every rank. One layer may
-    be called on both (keras-hub's ViT MLP applies one Dropout after each
-    of its two Dense layers), so what is recorded is, per call in a
-    forward pass, whether its input is split. The layers inside a split
-    attention layer are left out: the whole region draws per rank.
-
-    Args:
-        plan: the bound plan that was checked.
-        random_inputs: what `local_problems` recorded.
-
-    Returns:
-        `{layer: (split, ...)}`: for each layer that draws on split
-        activations, whether each of its calls in a forward pass does.
-    """
-    inside = {
-        id(sub)
-        for entry in plan.layers
-        if isinstance(entry, ShardedUnit)
-        for sub in sublayers(entry.layer)
-    }
-    return {
-        layer: tuple(calls)
-        for layer, calls in random_inputs.items()
-        if id(layer) not in inside and any(calls)
-    }
-
-
 class _Emulation:
     def __init__(self, model, plan, trace, group_of, rank):
         self.model = model
@@ -291,13 +230,15 @@ class _Emulation:
 
     def _wrap(self, layer, call):
         entry = self.entries.get(id(layer))
+        counts = self.plan.per_rank_counts.get(layer, {})
 
         def emulated(*args, **kwargs):
             index = self.counters[id(layer)]
             self.counters[id(layer)] += 1
             reference = self.trace.calls_of[id(layer)][index]
             if entry is None:
-                return self._run_whole(layer, call, reference, args, kwargs)
+                with local_counts(layer, counts):
+                    return self._run_whole(layer, call, reference, args, kwargs)
             return self._run_split(entry, reference, args, kwargs)
 
         return emulated
@@ -312,11 +253,7 @@ class _Emulation:
             self.random_inputs.setdefault(layer, []).append(local)
         own = own_trainable_variables(layer)
         if local and own and self.active:
-            self._blame_active(
-                f"layer '{layer.path}' runs on split activations with "
-                f"weights of its own ({own[0].path}), whose gradient would "
-                "be partial on each rank"
-            )
+            self._sum_gradients(layer, inputs, reference.inputs)
         elif not local:
             self._compare(
                 tracing.flat_tensors(outputs),
@@ -324,6 +261,27 @@ class _Emulation:
                 f"the output of '{layer.path or layer.name}'",
             )
         return outputs
+
+    def _sum_gradients(self, layer, inputs, whole_inputs):
+        """A layer with weights of its own on split activations (a norm of
+        each head): each rank's gradient of its weights is a partial sum,
+        so the ranks sum it (`partial_gradients`). Its output is checked
+        where it meets whole values again."""
+        split = tuple(
+            tuple(a.shape) != tuple(b.shape)
+            for a, b in zip(inputs, whole_inputs)
+        )
+        if len(own_variables(layer)) > len(own_trainable_variables(layer)):
+            self._blame_active(
+                f"layer '{layer.path}' runs on split activations with "
+                "state of its own, which each rank would update from its "
+                "part alone"
+            )
+        elif self.plan.summed_gradients.setdefault(layer, split) != split:
+            self._blame_active(
+                f"layer '{layer.path}' runs on split and on whole "
+                "activations with weights of its own"
+            )
 
     def _run_split(self, entry, reference, args, kwargs):
         layer, style = entry.layer, entry.style

@@ -49,8 +49,9 @@ def test_llama_trains_exactly_with_megatron_sp_collectives():
 @pytest.mark.parametrize("name", ["gpt2", "gemma", "qwen3"])
 def test_decoder_lms_train_exactly(name):
     # GPT2 adds a position table to the shards, Gemma keeps its single
-    # key/value head whole and Qwen3 its attention's projections: what
-    # meets a shard whole is sliced or gathered, and stays exact.
+    # key/value head whole and Qwen3 normalises each head with whole
+    # weights: what meets a shard whole is sliced or gathered, what
+    # computes on a replica's heads sums its gradients, and stays exact.
     reference, tp = zoo_cases.trained(name, 2, sequence_parallel=True)
     assert models.max_diff(tp.get_weights(), reference.get_weights()) < 1e-5
 

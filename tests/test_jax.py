@@ -893,8 +893,12 @@ def test_two_hosts_gather_weights_and_save(two_hosts):
     for result in results:
         assert len(result["devices"]) == 4  # 2 local + 2 remote devices
         assert result["weights"] <= ATOL
-        # Whole on every process: Keras reads it as NumPy.
-        assert result["predicted"] <= ATOL
+        # Whole on every process: Keras reads it as NumPy. After 4 epochs
+        # of SGD(0.1) the logits' float32 noise floor is above ATOL: the
+        # same TP=4 model in one process predicts 1.6e-5 away from one
+        # device, and 1.3e-5 to 1.6e-5 across the two hosts; a wrong
+        # gather is off by the logits themselves (about 2).
+        assert result["predicted"] <= 1e-4
     assert results[0]["saved"] == 0.0
 
 

@@ -223,15 +223,28 @@ def test_a_model_that_needs_real_sizes_is_traced_on_a_sample_batch():
     assert models.max_diff(features(tp(x)), features(reference(x))) < 1e-5
 
 
-@pytest.mark.parametrize("name", ["gemma", "qwen3"])
-def test_each_device_runs_its_heads_with_a_data_axis(name):
+# Gemma's attention alone, split by a user's plan: its single key/value
+# head stays whole, as the plan leaves it.
+GEMMA_ATTENTION = {
+    "attention/query/kernel": keras_tp.Column(),
+    "attention/attention_output/kernel": keras_tp.Row(),
+}
+
+
+@pytest.mark.parametrize("plan", ["auto", "user"])
+def test_each_device_runs_its_heads_with_a_data_axis(plan):
     # With a data axis each device runs the code between regions on its
     # own slices, as torch's ranks do: Gemma's attention reads its own
-    # head counts, and the whole weights computing on its heads (Gemma's
-    # key/value head, Qwen3's per-head norms) sum their gradients.
-    reference, tp = zoo_cases.trained(name, 4, data_parallel=2)
+    # head counts, and its whole key/value head sums its gradients over
+    # the ranks, found for a user's plan too (it was silently partial).
+    wrap = {} if plan == "auto" else {"plan": GEMMA_ATTENTION}
+    reference, tp = zoo_cases.trained("gemma", 4, data_parallel=2, **wrap)
     assert not tp.sharding_plan.fallbacks, tp.sharding_plan.fallbacks
     assert models.max_diff(tp.get_weights(), reference.get_weights()) < 1e-5
     stats = tp.communication_stats("train", axis="model")["all_reduce"]
-    summed = zoo_cases.BLOCKS * zoo_cases.SUMMED_PER_BLOCK[name]
-    assert stats["backward_calls"] == 2 * zoo_cases.BLOCKS + 1 + summed
+    summed = zoo_cases.BLOCKS * zoo_cases.SUMMED_PER_BLOCK["gemma"]
+    assert len(tp.sharding_plan.summed_gradients) == summed
+    # Auto: Megatron's pairs, the LM head's input and the summed layers;
+    # the user's plan splits only each block's attention.
+    pairs = 2 * zoo_cases.BLOCKS + 1 if plan == "auto" else zoo_cases.BLOCKS
+    assert stats["backward_calls"] == pairs + summed

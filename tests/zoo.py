@@ -604,6 +604,46 @@ def t5(seed=0):
     return model, x, y
 
 
+def t5gemma(seed=0):
+    """A tiny `T5GemmaSeq2SeqLM`: grouped-query attention (4 query and 2
+    key/value heads), tied embeddings.
+
+    Its attention returns its key/value cache in training too, split on
+    the heads of a rank that holds its own slices.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple, as `t5`'s.
+    """
+    keras.utils.set_random_seed(seed)
+    sizes = {
+        "hidden_dim": 32,
+        "intermediate_dim": 64,
+        "num_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "layer_types": ["full_attention"] * 2,
+    }
+    backbone = keras_hub.models.T5GemmaBackbone(
+        vocabulary_size=VOCAB,
+        **{
+            f"{part}_{k}": v
+            for part in ("encoder", "decoder")
+            for k, v in sizes.items()
+        },
+        dropout_rate=0.0,
+        dtype=None,
+    )
+    model = keras_hub.models.T5GemmaSeq2SeqLM(
+        backbone=backbone, preprocessor=None
+    )
+    x, y = _seq2seq_data(seed)
+    return model, x, y
+
+
 def _zero_dropout(model):
     """Sets the rate of every `Dropout` layer of `model` to 0.
 
@@ -741,6 +781,7 @@ ZOO = {
     "vit": vit,
     "bart": bart,
     "t5": t5,
+    "t5gemma": t5gemma,
     "clip": clip,
     "resnet50": resnet50,
     "efficientnetb0": efficientnetb0,

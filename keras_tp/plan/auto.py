@@ -25,13 +25,13 @@ import warnings
 from keras_tp.plan import trace as tracing
 from keras_tp.plan.attention import ATTENTION
 from keras_tp.plan.layers import leaf_handler
+from keras_tp.plan.local_check import counted_problems
 from keras_tp.plan.local_check import keep_needed_counts
 from keras_tp.plan.local_check import random_on_split_values
 from keras_tp.plan.planner import Planner
 from keras_tp.plan.sharding_plan import ShardingPlan
 from keras_tp.plan.styles import Replicate
 from keras_tp.plan.verify import Problem
-from keras_tp.plan.verify import local_problems
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def auto_plan(
             )
             plan.summed_gradients = planner.whole_key_values(decisions)
             group_of = _group_of(decisions)
-            problems = local_problems(
+            problems = counted_problems(
                 model, plan, trace, group_of, random_inputs
             )
             if not problems:

@@ -3,13 +3,16 @@
 `verify.local_problems` runs every rank's view of a plan on one device.
 This module runs it for a plan given by the user (`check_locally`), and
 turns what it finds into what the runtime needs: the layers that draw
-random numbers per rank, and the head counts each rank reads.
+random numbers per rank, the head counts each rank reads, and the whole
+layers whose gradients the ranks sum.
 """
 
 from keras_tp.errors import ShardingError
 from keras_tp.keras_internals import sublayers
 from keras_tp.plan import trace as tracing
+from keras_tp.plan.planner import Planner
 from keras_tp.plan.sharding_plan import ShardedUnit
+from keras_tp.plan.styles import Row
 from keras_tp.plan.verify import local_problems
 
 
@@ -28,7 +31,8 @@ def check_locally(model, plan, sample_batch=None):
     group_of = {id(e.layer): e.layer.path for e in plan.leaf_layers()}
     random_inputs = {}
     trace = tracing.trace_model(model, sample_batch)
-    problems = local_problems(model, plan, trace, group_of, random_inputs)
+    plan.summed_gradients = _whole_key_values(model, plan, trace)
+    problems = counted_problems(model, plan, trace, group_of, random_inputs)
     if problems:
         listing = "; ".join(
             f"'{path}': {problem.reason}" for path, problem in problems.items()
@@ -74,6 +78,46 @@ def random_on_split_values(plan, random_inputs):
     }
 
 
+def _whole_key_values(model, plan, trace):
+    """`{layer: ()}`: the layers a plan keeps whole that feed, through raw
+    ops, the split heads of a Row it splits: key/value projections with
+    fewer heads than ranks, found by `auto_plan`'s pairing walk. Their
+    forward values are right on every rank, but each rank's gradient is a
+    partial sum (see `Planner.whole_key_values`)."""
+    planner = Planner(model, plan.tensor_parallel, trace)
+    planner.decide()
+    split = {id(entry.layer): entry.style for entry in plan.leaf_layers()}
+    return {
+        layer: ()
+        for key, layers in planner.whole_inputs.items()
+        if isinstance(split.get(key), Row)
+        for layer in layers
+        if id(layer) not in split
+    }
+
+
+def counted_problems(model, plan, trace, group_of, random_inputs=None):
+    """`verify.local_problems`, where an attribute's per-rank count may be
+    the problem.
+
+    An attribute can equal a heads count and still need its whole value:
+    T5Gemma's `num_key_value_groups` (query heads per key/value head) is 2
+    beside 2 key/value heads. Where the check fails with every count, each
+    attribute name is left whole in turn; the first plan that passes so is
+    kept. Arguments and result as `local_problems`'.
+    """
+    problems = local_problems(model, plan, trace, group_of, random_inputs)
+    if not problems:
+        return problems
+    kept = plan.per_rank_counts
+    for name in sorted(_count_names(plan)):
+        plan.per_rank_counts = _without(kept, name)
+        if not local_problems(model, plan, trace, group_of, random_inputs):
+            return {}
+    plan.per_rank_counts = kept
+    return problems
+
+
 def keep_needed_counts(model, plan, trace, group_of):
     """Keeps only the per-rank head counts that the check needs.
 
@@ -90,15 +134,20 @@ def keep_needed_counts(model, plan, trace, group_of):
         trace: the `Trace` of `model`.
         group_of: `{id(layer): group key}`, as for `local_problems`.
     """
-    names = {
-        name for counts in plan.per_rank_counts.values() for name in counts
-    }
-    for name in sorted(names):
+    for name in sorted(_count_names(plan)):
         kept = plan.per_rank_counts
-        plan.per_rank_counts = {
-            layer: {n: count for n, count in counts.items() if n != name}
-            for layer, counts in kept.items()
-            if set(counts) != {name}
-        }
+        plan.per_rank_counts = _without(kept, name)
         if local_problems(model, plan, trace, group_of):
             plan.per_rank_counts = kept
+
+
+def _count_names(plan):
+    return {name for counts in plan.per_rank_counts.values() for name in counts}
+
+
+def _without(per_rank_counts, name):
+    return {
+        layer: {n: count for n, count in counts.items() if n != name}
+        for layer, counts in per_rank_counts.items()
+        if set(counts) != {name}
+    }

@@ -71,6 +71,8 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
 
 
 SLURM_TRAIN = """
+import os
+
 import keras
 import numpy as np
 
@@ -83,7 +85,11 @@ tp = keras_tp.TensorParallelKeras(
 tp.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
 x, y = models.data_for("mlp", batch=16)
 tp.fit(x, y, batch_size=8, epochs=1)
-print("trained on", tp.get_parallelism_info()["world_size"], "ranks")
+# One file per rank: the ranks share one stdout, where their lines
+# may interleave.
+world_size = tp.get_parallelism_info()["world_size"]
+with open(f"rank{os.environ['RANK']}.txt", "w") as report:
+    report.write(f"trained on {world_size} ranks")
 """
 
 
@@ -119,7 +125,9 @@ def test_the_slurm_recipe_trains_on_one_node(tmp_path):
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert result.stdout.count("trained on 2 ranks") == 2
+    reports = sorted(tmp_path.glob("rank*.txt"))
+    assert [r.name for r in reports] == ["rank0.txt", "rank1.txt"]
+    assert {r.read_text() for r in reports} == {"trained on 2 ranks"}
     # Rank 0 speaks for the job: one progress bar. Keras shows a bar's
     # first step always, its last once or twice (at the step, if 50 ms
     # have passed since the last display, and when the epoch ends).

@@ -20,8 +20,9 @@ from tests import zoo_cases  # noqa: E402
 from tests.torch_scripts import zoo_checks  # noqa: E402
 
 # T5Gemma's attention returns its key/value cache in training too: on a
-# rank that holds its own slices, the cache of its heads.
-NAMES = list(zoo_cases.TRANSFORMERS) + ["t5gemma"]
+# rank that holds its own slices, the cache of its heads. GPT-OSS's
+# attention holds a weight of its own per head (its sinks).
+NAMES = list(zoo_cases.TRANSFORMERS) + ["t5gemma", "gpt_oss"]
 WORLD_SIZE = 2
 
 
@@ -60,6 +61,16 @@ def test_attention_returning_its_split_cache_pairs(ranks):
     results = ranks[0]["t5gemma"]
     assert not results["fallbacks"], results["fallbacks"]
     assert results["bytes_ratio"] <= 1.05, results["bytes_ratio"]
+
+
+def test_attention_with_a_weight_per_head_pairs(ranks):
+    # Each rank reads its heads' sinks; their gradient is gathered whole
+    # from the ranks' slices, one all-gather per block.
+    results = ranks[0]["gpt_oss"]
+    assert not results["fallbacks"], results["fallbacks"]
+    assert results["bytes_ratio"] <= 1.05, results["bytes_ratio"]
+    gathers = results["collectives"]["all_gather"]["backward"]
+    assert gathers == zoo_cases.BLOCKS, results["collectives"]
 
 
 def test_mixed_bfloat16_trains_at_parity(ranks):

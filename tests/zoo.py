@@ -344,6 +344,39 @@ def mixtral(seed=0):
     return model, x, y
 
 
+def gpt_oss(seed=0):
+    """A tiny `GptOssCausalLM`: attention sinks, 4 experts, top 2.
+
+    4 query heads share 2 key/value heads (head_dim 8); each attention
+    layer holds a weight of its own with one value per query head (its
+    sinks).
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GptOssBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+        num_experts=4,
+        top_k=2,
+        head_dim=8,
+        dtype=None,
+    )
+    model = keras_hub.models.GptOssCausalLM(
+        backbone=backbone, preprocessor=None
+    )
+    x, y = _lm_data(seed)
+    return model, x, y
+
+
 def distilbert(seed=0):
     """A tiny `DistilBertTextClassifier` with 3 classes and 4 heads.
 
@@ -782,6 +815,7 @@ ZOO = {
     "bart": bart,
     "t5": t5,
     "t5gemma": t5gemma,
+    "gpt_oss": gpt_oss,
     "clip": clip,
     "resnet50": resnet50,
     "efficientnetb0": efficientnetb0,

@@ -7,7 +7,9 @@ num_key_value_heads, head_dim)`. Where ranks hold their own slices
 (torch, TensorFlow, JAX with a data axis) a rank holds `heads / T` of
 those heads, so while it runs such a layer's code, the layer's integer
 attributes that equal the full length of a heads axis its split
-sublayers divide read the rank's count instead. The planner's local
+sublayers divide read the rank's count instead. A weight of the layer's
+own with one value per head (GPT-OSS's attention sinks) stays whole, and
+the rank reads its heads' slice of it (`HeadAxis`). The planner's local
 check (`verify`) runs the layer the same way and falls back where its
 code still disagrees with one device.
 """
@@ -15,6 +17,9 @@ code still disagrees with one device.
 import contextlib
 import threading
 
+import keras
+
+from keras_tp.keras_internals import bind_values
 from keras_tp.keras_internals import sublayers
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Row
@@ -24,6 +29,13 @@ from keras_tp.plan.styles import Row
 # restores them.
 _LOCK = threading.Lock()
 _ENTERED = {}
+
+
+class HeadAxis(int):
+    """The axis of a per-head weight, which a rank reads its slice of."""
+
+    def __repr__(self):
+        return f"HeadAxis({int(self)})"
 
 
 def per_rank_counts(model, plan):
@@ -42,7 +54,9 @@ def per_rank_counts(model, plan):
 
     Returns:
         For each layer whose direct sublayers split heads, its integer
-        attributes equal to a full heads count, with the per-rank count.
+        attributes equal to a full heads count, with the per-rank count,
+        and its trainable weights with one axis of that length, with the
+        `HeadAxis`.
     """
     entries = {id(entry.layer): entry for entry in plan.leaf_layers()}
     regions = {id(entry.layer) for entry in plan.layers}
@@ -54,11 +68,14 @@ def per_rank_counts(model, plan):
         for sub in sublayers(layer, recursive=False):
             if id(sub) in entries:
                 heads.update(_split_heads(entries[id(sub)]))
-        own = {
-            name: value // plan.tensor_parallel
-            for name, value in vars(layer).items()
-            if type(value) is int and value in heads
-        }
+        own = {}
+        for name, value in vars(layer).items():
+            if type(value) is int and value in heads:
+                own[name] = value // plan.tensor_parallel
+            elif isinstance(value, keras.Variable) and value.trainable:
+                axes = [i for i, n in enumerate(value.shape) if n in heads]
+                if len(axes) == 1:
+                    own[name] = HeadAxis(axes[0])
         if own:
             counts[layer] = own
     return counts
@@ -81,8 +98,28 @@ def _split_heads(entry):
 
 
 @contextlib.contextmanager
-def local_counts(layer, counts):
-    """Inside, `layer`'s attributes read `counts` (`{name: count}`)."""
+def local_counts(layer, counts, head_slice):
+    """Inside, `layer`'s attributes read `counts` (`{name: count}`), and
+    its per-head weights (a `HeadAxis` in `counts`) `head_slice(weight,
+    axis)`."""
+    weights = [
+        (getattr(layer, name), axis)
+        for name, axis in counts.items()
+        if isinstance(axis, HeadAxis)
+    ]
+    counts = {
+        name: count
+        for name, count in counts.items()
+        if not isinstance(count, HeadAxis)
+    }
+    with _assigned(layer, counts), bind_values(
+        (weight, head_slice(weight, int(axis))) for weight, axis in weights
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def _assigned(layer, counts):
     with _LOCK:
         entered = _ENTERED.setdefault(id(layer), [0, {}])
         if entered[0] == 0:
@@ -101,13 +138,19 @@ def local_counts(layer, counts):
 
 def call_with_local_counts(layer, counts, runtime):
     """`layer`'s call, reading `counts` where the runtime's ranks hold
-    their own slices (JAX without a data axis runs it on whole heads)."""
+    their own slices (JAX without a data axis runs it on whole heads). A
+    per-head weight is read through `scatter_to_parallel`: each rank's
+    slice forward, its gradient gathered whole from the ranks' slices."""
     call = layer.call
+
+    def head_slice(weight, axis):
+        value = runtime.local_value(weight)
+        return runtime.adapter.scatter_to_parallel(value, axis)
 
     def counted_call(*args, **kwargs):
         if not runtime.holds_local_values():
             return call(*args, **kwargs)
-        with local_counts(layer, counts):
+        with local_counts(layer, counts, head_slice):
             return call(*args, **kwargs)
 
     return counted_call

@@ -237,7 +237,7 @@ class _Emulation:
             self.counters[id(layer)] += 1
             reference = self.trace.calls_of[id(layer)][index]
             if entry is None:
-                with local_counts(layer, counts):
+                with local_counts(layer, counts, self._head_slice):
                     return self._run_whole(layer, call, reference, args, kwargs)
             return self._run_split(entry, reference, args, kwargs)
 
@@ -351,6 +351,9 @@ class _Emulation:
         return entry.handler.run_local(
             layer, self.local_weights[id(layer)], args, kwargs
         )
+
+    def _head_slice(self, weight, axis):
+        return _slice_tensor(weight, self.plan.tensor_parallel, axis, self.rank)
 
     def _rank_slice(self, value, axis):
         """This rank's slice of a NumPy `value` on `axis`."""

@@ -21,8 +21,9 @@ from tests.torch_scripts import zoo_checks  # noqa: E402
 
 # T5Gemma's attention returns its key/value cache in training too: on a
 # rank that holds its own slices, the cache of its heads. GPT-OSS's
-# attention holds a weight of its own per head (its sinks).
-NAMES = list(zoo_cases.TRANSFORMERS) + ["t5gemma", "gpt_oss"]
+# attention holds a weight of its own per head (its sinks), and
+# RoFormer-v2's projects with Dense layers, heads folded into features.
+NAMES = list(zoo_cases.TRANSFORMERS) + ["t5gemma", "gpt_oss", "roformer_v2"]
 WORLD_SIZE = 2
 
 
@@ -71,6 +72,18 @@ def test_attention_with_a_weight_per_head_pairs(ranks):
     assert results["bytes_ratio"] <= 1.05, results["bytes_ratio"]
     gathers = results["collectives"]["all_gather"]["backward"]
     assert gathers == zoo_cases.BLOCKS, results["collectives"]
+
+
+def test_attention_reshaping_dense_projections_pairs(ranks):
+    # RoFormer-v2 reshapes its Dense projections to its `heads`, which a
+    # rank reads as its own count: every block's attention and MLP pair.
+    results = ranks[0]["roformer_v2"]
+    assert not results["fallbacks"], results["fallbacks"]
+    assert results["bytes_ratio"] <= 1.05, results["bytes_ratio"]
+    rows = [s for s in results["plan"].values() if s.startswith("Row")]
+    assert len(rows) == 2 * zoo_cases.BLOCKS, results["plan"]
+    backward = results["collectives"]["all_reduce"]["backward"]
+    assert backward == 2 * zoo_cases.BLOCKS + 1, results["collectives"]
 
 
 def test_mixed_bfloat16_trains_at_parity(ranks):

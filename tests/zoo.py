@@ -470,6 +470,40 @@ def bert(seed=0):
     return model, x, y
 
 
+def roformer_v2(seed=0):
+    """A tiny `RoformerV2TextClassifier`: 4 heads of size 8.
+
+    Its attention projects with `Dense` layers, whose kernels fold heads
+    and head size into one axis, and reshapes to its `heads` attribute.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.RoformerV2Backbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_heads=4,
+        hidden_dim=32,
+        intermediate_dim=64,
+        head_size=8,
+        dropout=0.0,
+        dtype=None,
+    )
+    model = keras_hub.models.RoformerV2TextClassifier(
+        backbone=backbone,
+        num_classes=NUM_CLASSES,
+        preprocessor=None,
+        dropout=0.0,
+    )
+    x, y = _classifier_data(seed, segment_ids=True)
+    del x["padding_mask"]  # it masks the padding token id itself
+    return model, x, y
+
+
 def vit(seed=0):
     """A tiny `ViTImageClassifier`: 32x32 images, 8x8 patches, 3 classes.
 
@@ -816,6 +850,7 @@ ZOO = {
     "t5": t5,
     "t5gemma": t5gemma,
     "gpt_oss": gpt_oss,
+    "roformer_v2": roformer_v2,
     "clip": clip,
     "resnet50": resnet50,
     "efficientnetb0": efficientnetb0,

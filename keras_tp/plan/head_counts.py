@@ -45,8 +45,12 @@ def per_rank_counts(model, plan):
     axis (the head size) follows inside the heads' features: an
     `EinsumDense` query `(hidden, heads, head_dim)` split as a Column, or
     its output projection `(heads, head_dim, hidden)` split as a Row. A
-    Column that gathers its output, or a Row that slices its input, hands
-    the layer whole heads and counts nothing.
+    `Dense` projection folds heads and head size into one split axis of
+    width `W`: there a heads count is an integer attribute `n` of the
+    layer, divisible by the ranks, with `W // n` another attribute (the
+    head size; RoFormer's `heads` and `head_size`). A Column that gathers
+    its output, or a Row that slices its input, hands the layer whole
+    heads and counts nothing.
 
     Args:
         model: the model `plan` is bound to, its variables unsplit.
@@ -64,10 +68,22 @@ def per_rank_counts(model, plan):
     for layer in [model, *sublayers(model)]:
         if id(layer) in regions:
             continue  # an attention region's call runs on its heads already
-        heads = set()
+        heads, widths = set(), set()
         for sub in sublayers(layer, recursive=False):
             if id(sub) in entries:
-                heads.update(_split_heads(entries[id(sub)]))
+                axis_heads, axis_widths = _split_heads(entries[id(sub)])
+                heads.update(axis_heads)
+                widths.update(axis_widths)
+        values = {v for v in vars(layer).values() if type(v) is int}
+        heads.update(
+            n
+            for n in values
+            for width in widths
+            if 0 < n < width
+            and width % n == 0
+            and n % plan.tensor_parallel == 0
+            and width // n in values
+        )
         own = {}
         for name, value in vars(layer).items():
             if type(value) is int and value in heads:
@@ -82,19 +98,24 @@ def per_rank_counts(model, plan):
 
 
 def _split_heads(entry):
+    """`(heads, widths)`: the full length of the heads axis a split
+    kernel divides, or the width of its split axis where that folds heads
+    and head size into one (a `Dense`'s)."""
     style = entry.style
     if isinstance(style, Column) and not style.gather_output:
         features_after = 1  # the head size
     elif isinstance(style, Row) and style.input_is_parallel:
         features_after = 2  # the head size, then the output features
     else:
-        return ()
+        return (), ()
     role = entry.handler.primary_role(entry.layer)
     axis = entry.axes.get(role)
     shape = tuple(entry.handler.variables(entry.layer)[role].shape)
-    if axis is None or axis >= len(shape) - features_after:
-        return ()
-    return (shape[axis],)
+    if axis is None or axis > len(shape) - features_after:
+        return (), ()
+    if axis == len(shape) - features_after:
+        return (), (shape[axis],)
+    return (shape[axis],), ()
 
 
 @contextlib.contextmanager
@@ -112,8 +133,11 @@ def local_counts(layer, counts, head_slice):
         for name, count in counts.items()
         if not isinstance(count, HeadAxis)
     }
-    with _assigned(layer, counts), bind_values(
-        (weight, head_slice(weight, int(axis))) for weight, axis in weights
+    with (
+        _assigned(layer, counts),
+        bind_values(
+            (weight, head_slice(weight, int(axis))) for weight, axis in weights
+        ),
     ):
         yield
 

@@ -59,6 +59,10 @@ tensorflow_eight=tests/test_tensorflow_pipeline_3d.py
 # with nothing else on the cores.
 torch_timed="tests/test_torch_elastic.py tests/test_torch_straggler.py"
 tensorflow_timed=tests/test_tensorflow_multiworker_timeout.py
+# Ray Train's run mostly waits (for its cluster, its workers, a restart):
+# it runs beside torch's other tests, which leave a quarter of the cores
+# idle while their ranks wait for one another.
+torch_ray=tests/test_torch_ray.py
 logs=$(mktemp -d)
 trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR" "$logs"' EXIT
 # Starts a backend's tests in the background, its output kept for `shown`.
@@ -92,7 +96,10 @@ run tensorflow "$parallel" $(ordered "tests/test_tensorflow_pipeline.py \
   tests/test_tensorflow_checkpoint.py tests/test_tensorflow_zoo.py" \
   "tests/test_tensorflow*.py" $tensorflow_eight $tensorflow_timed) \
   || status=1
-run torch "" $(ordered "" "tests/test_torch*.py" $torch_timed) || status=1
+started torch_ray torch "" $(ls $torch_ray 2>/dev/null)
+run torch "" $(ordered "" "tests/test_torch*.py" $torch_timed $torch_ray) \
+  || status=1
+shown torch_ray
 started tensorflow_timed tensorflow "" $(ls $tensorflow_timed 2>/dev/null)
 run torch "" $(ls $torch_timed 2>/dev/null) || status=1
 shown tensorflow_timed

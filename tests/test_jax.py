@@ -506,6 +506,42 @@ def test_tied_embeddings_split_on_global_arrays_whole_on_local_ranks():
         )
 
 
+class WindowedAttention(keras.layers.Layer):
+    """Attention through `Dense` projections, reshaped to `heads`, beside
+    two attributes whose values divide its width by chance and which its
+    call reads whole."""
+
+    def __init__(self, heads=4, head_size=8, window=16, groups=2, **kwargs):
+        super().__init__(**kwargs)
+        self.heads, self.head_size = heads, head_size
+        self.window, self.groups = window, groups
+        width = heads * head_size
+        self.projections = [layers.Dense(width) for _ in range(3)]
+        self.output_dense = layers.Dense(width)
+
+    def call(self, x):
+        batch, length = x.shape[0], x.shape[1]
+        shape = (batch, length, self.heads, self.head_size)
+        q, k, v = (keras.ops.reshape(p(x), shape) for p in self.projections)
+        attended = keras.ops.dot_product_attention(q, k, v)
+        out = self.output_dense(
+            keras.ops.reshape(attended, (batch, length, -1))
+        )
+        windowed = keras.ops.mean(x[..., : self.window], -1, keepdims=True)
+        return out + windowed * self.groups
+
+
+def test_head_counts_are_found_among_chance_divisors():
+    # heads, head_size, window and groups all divide the projections'
+    # width by another attribute; only heads is read as the rank's count.
+    inputs = keras.Input((8, 32), batch_size=2)
+    model = keras.Model(inputs, WindowedAttention(name="attention")(inputs))
+    plan = keras_tp.auto_plan(model, 2, check_local=True)
+    assert not plan.fallbacks, plan.fallbacks
+    counts = {layer.name: c for layer, c in plan.per_rank_counts.items()}
+    assert counts == {"attention": {"heads": 2}}
+
+
 def test_indivisible_dimensions():
     def build():
         keras.utils.set_random_seed(0)

@@ -103,15 +103,22 @@ def counted_problems(model, plan, trace, group_of, random_inputs=None):
     An attribute can equal a heads count and still need its whole value:
     T5Gemma's `num_key_value_groups` (query heads per key/value head) is 2
     beside 2 key/value heads. Where the check fails with every count, each
-    attribute name is left whole in turn; the first plan that passes so is
-    kept. Arguments and result as `local_problems`'.
+    attribute name is left whole in turn, then each is counted alone; the
+    first plan that passes so is kept. Arguments and result as
+    `local_problems`'.
     """
     problems = local_problems(model, plan, trace, group_of, random_inputs)
     if not problems:
         return problems
     kept = plan.per_rank_counts
-    for name in sorted(_count_names(plan)):
-        plan.per_rank_counts = _without(kept, name)
+    names = sorted(_count_names(plan))
+    trials = [_without(kept, [name]) for name in names]
+    if len(names) > 2:
+        trials += [
+            _without(kept, [n for n in names if n != name]) for name in names
+        ]
+    for counts in trials:
+        plan.per_rank_counts = counts
         if not local_problems(model, plan, trace, group_of, random_inputs):
             return {}
     plan.per_rank_counts = kept
@@ -136,7 +143,7 @@ def keep_needed_counts(model, plan, trace, group_of):
     """
     for name in sorted(_count_names(plan)):
         kept = plan.per_rank_counts
-        plan.per_rank_counts = _without(kept, name)
+        plan.per_rank_counts = _without(kept, [name])
         if local_problems(model, plan, trace, group_of):
             plan.per_rank_counts = kept
 
@@ -145,9 +152,9 @@ def _count_names(plan):
     return {name for counts in plan.per_rank_counts.values() for name in counts}
 
 
-def _without(per_rank_counts, name):
-    return {
-        layer: {n: count for n, count in counts.items() if n != name}
+def _without(per_rank_counts, names):
+    kept = {
+        layer: {n: count for n, count in counts.items() if n not in names}
         for layer, counts in per_rank_counts.items()
-        if set(counts) != {name}
     }
+    return {layer: counts for layer, counts in kept.items() if counts}

@@ -86,10 +86,17 @@ class MegatronPairing:
             if all(self._width(call) == width for call, _ in direct):
                 return direct
             return []
-        producer = row.inputs and self.trace.producer.get(id(row.inputs[0]))
+        source = row.inputs[0] if row.inputs else None
+        producer = row.inputs and self.trace.producer.get(id(source))
         if producer and not _opaque(producer.layer):
             return []  # its input comes from a recorded, unpaired layer
-        opaque = [(c, s) for c, s in open_columns if not s]
+        # A tensor that a Column reads (the parent's own input, which no
+        # recorded call made) is not made from that Column's output.
+        opaque = [
+            (c, s)
+            for c, s in open_columns
+            if not s and not any(t is source for t in c.inputs)
+        ]
         if any(self._width(call) == width for call, _ in opaque):
             return opaque
         return []

@@ -54,10 +54,6 @@ ordered() {
 # A worker process keeps the virtual devices its first file configured;
 # the 3-D pipeline tests need 8 (data x pipe x model), the others 4.
 jax_eight=tests/test_jax_pipeline.py
-# The documentation's examples run in a subprocess of their own, about as
-# long as the 8-device files: a third process beside them, which leave a
-# core idle at times.
-examples=tests/test_common_examples.py
 tensorflow_eight=tests/test_tensorflow_pipeline_3d.py
 # These time a hung, stuck or slow rank against a clock: they run last,
 # with nothing else on the cores.
@@ -88,16 +84,12 @@ shown() {
 # 8:21, torch 5:05, timed 1:41).
 run jax "$parallel" $(ordered "tests/test_jax_zoo.py \
   tests/test_common_notebooks.py tests/test_jax.py \
-  tests/test_jax_checkpoint.py" \
-  "tests/test_jax*.py tests/test_common*.py" $jax_eight $examples) \
-  || status=1
-# The two 8-device files run at the same time, one core each mostly,
-# with the examples beside them.
+  tests/test_common_examples.py tests/test_jax_checkpoint.py" \
+  "tests/test_jax*.py tests/test_common*.py" $jax_eight) || status=1
+# The two 8-device files run at the same time, one core each mostly.
 started jax_eight jax "" $(ls $jax_eight 2>/dev/null)
-started examples jax "" $(ls $examples 2>/dev/null)
 started tensorflow_eight tensorflow "" $(ls $tensorflow_eight 2>/dev/null)
 shown jax_eight
-shown examples
 shown tensorflow_eight
 run tensorflow "$parallel" $(ordered "tests/test_tensorflow_pipeline.py \
   tests/test_tensorflow_sequence_parallel.py \

@@ -71,8 +71,6 @@ class TensorFlowRuntime(
     jit_compile_default = False
 
     def _build(self):
-        # Whether a layer reads split variables outside regions.
-        self._local_layers = False
         self._local_shapes = ReplicaShapes(self.placement)
         self._build_strategy()
 

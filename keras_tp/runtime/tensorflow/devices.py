@@ -215,16 +215,15 @@ class ReplicaDevices:
                 strategy.extended.worker_devices
             )
         else:
-            if self.data_parallel > 1:
-                # TensorFlow ranks the members of a collective group by
-                # device name. A mesh in that order makes each replica's
-                # place in its row and in its column its rank there.
-                self.devices = sorted(self.devices, key=_full_device_name)
-                self.device_mesh = keras.distribution.DeviceMesh(
-                    shape=(self.data_parallel, self.tensor_parallel),
-                    axis_names=("data", "model"),
-                    devices=self.devices,
-                )
+            # TensorFlow ranks the members of a collective group by device
+            # name. A mesh in that order makes each replica's place in its
+            # row and in its column its rank there.
+            self.devices = sorted(self.devices, key=_full_device_name)
+            self.device_mesh = keras.distribution.DeviceMesh(
+                shape=(self.data_parallel, self.tensor_parallel),
+                axis_names=("data", "model"),
+                devices=self.devices,
+            )
             strategy = _MirroredStrategy(
                 [_full_device_name(d) for d in self.devices]
             )
@@ -238,16 +237,19 @@ class ReplicaDevices:
     def _axis_adapters(self):
         """The collectives of the `model`, `data` and both axes.
 
-        Without a data axis the model axis is every replica and uses the
-        strategy's `ReplicaContext`; with one, each axis gets collective
-        groups of its own: the rows for `model`, the columns for `data`.
+        Across workers (tensor parallelism only) the model axis is every
+        replica and uses the strategy's `ReplicaContext`. On one host each
+        axis gets collective groups of its own: the rows for `model`, the
+        columns for `data`. Their gathers are one collective op, where the
+        `ReplicaContext`'s gather its pieces' sizes first, then pads them,
+        and takes 50 times as long to trace.
         """
         size, data, model = (
             self.world_size,
             self.data_parallel,
             self.tensor_parallel,
         )
-        if data == 1:
+        if _MULTI_WORKER_STRATEGY is not None:
             return (
                 TensorFlowCollectiveAdapter(model),
                 TensorFlowCollectiveAdapter(1, "data"),
@@ -294,12 +296,12 @@ class ReplicaDevices:
     def _traced(self, fn):
         """`fn`, traced when it would run eagerly and needs a graph.
 
-        The collective groups of a data axis only run in graphs (see
+        The collective groups of the mesh axes only run in graphs (see
         `ReplicaGroups`); an eager caller (`run_eagerly=True`, a direct
         call) gets `fn` traced anew on every call, so the collectives of
         every call are recorded.
         """
-        if self.data_parallel > 1 and tf.executing_eagerly():
+        if _MULTI_WORKER_STRATEGY is None and tf.executing_eagerly():
             return tf.function(fn)
         return fn
 

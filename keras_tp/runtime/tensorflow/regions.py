@@ -1,8 +1,9 @@
 """Sharded regions of the TensorFlow runtime, in and outside the replicas.
 
 Inside a replica a sharded layer runs on the local weights with the
-collectives of `TensorFlowCollectiveAdapter`. Called outside a step (a
-direct `model(x)`), each sharded layer runs as its own small replica step
+collectives of `TensorFlowCollectiveAdapter`. `TensorParallelKeras` runs
+its direct calls in the replicas too. A sharded layer called outside them
+(the wrapped model called itself, say) runs as its own small replica step,
 and its split outputs are gathered (these gathers are counted in the
 `"call"` phase); this path gives exact outputs but no gradients.
 """
@@ -24,10 +25,6 @@ class ReplicaRegions:
     def prepare_region(self, region):
         """Lets the region's Row layers take their input split."""
         region.accept_split_input()
-
-    def prepare_local_layer(self, layer):
-        # Its split variables can only be read inside a replica.
-        self._local_layers = True
 
     def holds_local_values(self):
         return self._in_replica()

@@ -379,20 +379,16 @@ class ReplicaSteps:
     def call_model(self, model, inputs, training):
         """A direct call of the wrapped model (`tp(x)`).
 
-        With a data axis or ZeRO the whole call runs in every replica, as
-        in a step, since the mesh axes' collectives and ZeRO-3's gathers
-        exist there only; each row computes the whole batch. So it does
-        when a layer reads its split variables outside any region.
+        The whole call runs in every replica, traced, as a step does: the
+        mesh axes' collectives, ZeRO-3's gathers and the split variables of
+        layers outside any region exist there only. Each data-parallel row
+        computes the whole batch.
         """
         if self._in_replica():
             # A custom loop's replica step: values are the replica's own.
             with self._local_shapes(model), self.sequence_shards():
                 outputs = super().call_model(model, inputs, training)
                 return self.whole_outputs(outputs)
-        if not (
-            self.per_rank_steps or self._local_layers or self.sequence_parallel
-        ):
-            return super().call_model(model, inputs, training)
 
         def call_on_replica(inputs):
             with forward_pass(), self.sequence_shards():

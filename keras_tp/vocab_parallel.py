@@ -43,6 +43,9 @@ from keras_tp.plan.styles import Vocab
 
 logger = logging.getLogger(__name__)
 
+# The heads inside whose `splitting()` the program runs, innermost last.
+_ACTIVE_HEADS = []
+
 _ACCURACY_NAMES = ("accuracy", "acc", "sparse_categorical_accuracy")
 
 
@@ -57,14 +60,24 @@ class VocabParallelHead:
     def __init__(self, layer, runtime):
         self.layer = layer
         self.runtime = runtime
+        # What the loss and the metrics compute from split logits.
+        self.split_functions = []
 
+    @contextlib.contextmanager
     def splitting(self):
         """A context inside which the head leaves its logits split."""
-        return logits_split(self.layer)
+        with logits_split(self.layer):
+            _ACTIVE_HEADS.append(self)
+            try:
+                yield
+            finally:
+                _ACTIVE_HEADS.pop()
 
     def split_aware(self, whole_fn, split_fn):
         """`whole_fn(y_true, y_pred, **kwargs)`, or `split_fn` run on every
         model rank's logits while the head's logits are split."""
+        if split_fn not in self.split_functions:
+            self.split_functions.append(split_fn)
 
         def function(y_true, y_pred, **kwargs):
             if not logits_stay_split(self.layer):
@@ -74,6 +87,45 @@ class VocabParallelHead:
             )
 
         return function
+
+    def per_token(self, adapter, labels, logits):
+        """Each of `split_functions` computed on this rank's logits.
+
+        For runtimes whose steps compute the loss outside the ranks
+        (TensorFlow's): each rank computes these per-token values, and
+        they stand for the logits where the loss and metrics read them
+        (`column`). Their gradient flows back to the rank's logits.
+
+        Args:
+            adapter: the `model`-axis collective adapter.
+            labels: the target ids of the rank's batch, whole.
+            logits: this rank's logits, its rows of the vocabulary last.
+
+        Returns:
+            The values stacked on a last axis, one per split function, in
+            float32; at least two, since Keras' losses squeeze a last
+            axis of 1 away where the labels have none.
+        """
+        values = [
+            ops.cast(function(adapter, labels, logits), "float32")
+            for function in self.split_functions
+        ]
+        if len(values) == 1:
+            values.append(ops.zeros_like(values[0]))
+        return ops.stack(values, -1)
+
+    def column(self, function, values):
+        """`function`'s values among `per_token`'s."""
+        return values[..., self.split_functions.index(function)]
+
+
+def split_head():
+    """The `VocabParallelHead` whose logits stay split now (inside a train
+    or test step that keeps them split), or `None`."""
+    for head in reversed(_ACTIVE_HEADS):
+        if logits_stay_split(head.layer):
+            return head
+    return None
 
 
 def splitting_logits(head):

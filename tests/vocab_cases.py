@@ -16,15 +16,19 @@ from tests.models import max_diff
 BATCH = 8
 
 
-def _compile(model, metrics):
+def adam():
+    return keras.optimizers.Adam(1e-2)
+
+
+def _compile(model, metrics, optimizer):
     model.compile(
-        optimizer=keras.optimizers.Adam(1e-2),
+        optimizer=optimizer(),
         loss=models.loss_fn(),
         weighted_metrics=metrics,
     )
 
 
-def _run(world_size, data_parallel, metrics):
+def _run(world_size, data_parallel, metrics, optimizer):
     x, y = models.data_for("transformer_lm", batch=2 * BATCH)
     weights = (np.random.default_rng(3).random(y.shape) > 0.3).astype("f4")
     reference = models.transformer_lm()
@@ -35,7 +39,7 @@ def _run(world_size, data_parallel, metrics):
     )
     histories = []
     for model in (reference, tp):
-        _compile(model, metrics())
+        _compile(model, metrics(), optimizer)
         fit = model.fit(
             x,
             y,
@@ -64,18 +68,26 @@ def _run(world_size, data_parallel, metrics):
     }
 
 
-def runs(world_size, data_parallel=1, split=True):
+def runs(world_size, data_parallel=1, split=True, optimizer=adam):
     """`{"split": ..., "whole": ...}`: the accuracy metric (split logits),
     and top-5 accuracy, which needs the logits whole. Where the backend
     keeps no logits split (`split=False`), both are one run of both
-    metrics: the logits are gathered once for the loss and both."""
+    metrics: the logits are gathered once for the loss and both.
+    `optimizer` makes each model's optimizer."""
     top_5 = keras.metrics.SparseTopKCategoricalAccuracy
     if not split:
-        both = _run(world_size, data_parallel, lambda: ["accuracy", top_5(5)])
+        both = _run(
+            world_size,
+            data_parallel,
+            lambda: ["accuracy", top_5(5)],
+            optimizer,
+        )
         return {"split": both, "whole": both}
     return {
-        "split": _run(world_size, data_parallel, lambda: ["accuracy"]),
-        "whole": _run(world_size, data_parallel, lambda: [top_5(5)]),
+        "split": _run(
+            world_size, data_parallel, lambda: ["accuracy"], optimizer
+        ),
+        "whole": _run(world_size, data_parallel, lambda: [top_5(5)], optimizer),
     }
 
 

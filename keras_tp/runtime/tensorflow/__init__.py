@@ -62,10 +62,6 @@ class TensorFlowRuntime(
     """
 
     backend = "tensorflow"
-    whole_logits_reason = (
-        "TensorFlow's steps compute the loss outside the replicas, from "
-        "whole logits"
-    )
     # The replicas run under tf.distribute, which XLA cannot compile as one
     # program (see `run_step`).
     jit_compile_default = False

@@ -20,7 +20,13 @@ put back together, so they are those of the global batch; each row receives
 `D` times the gradient of the global loss with respect to its output (the
 gradient of its own mean loss), and the `CoordinatedOptimizer` averages the
 parameter gradients over the data axis, reduce-scatters them or gathers
-partitions according to the ZeRO stage. Steps with a data axis are always
+partitions according to the ZeRO stage.
+
+Where an LM head's logits stay split by vocabulary (`keras_tp.vocab_parallel`),
+each replica computes the loss and accuracy of every token from its rows of
+the vocabulary, and these per-token values stand for the output: the loss
+outside the replicas reduces them, and its gradient with respect to them
+flows back to each replica's logits. Steps with a data axis are always
 traced, since the collective groups of the mesh axes only run in graphs.
 """
 
@@ -36,6 +42,7 @@ from keras_tp.runtime.tensorflow.optimizer import prepare_optimizer
 from keras_tp.runtime.tensorflow.storage import local_read
 from keras_tp.tensors import collect_flat
 from keras_tp.tensors import is_float
+from keras_tp.vocab_parallel import split_head
 
 
 class ReplicaSteps:
@@ -96,39 +103,50 @@ class ReplicaSteps:
             leaves[position] = tensor
         return tf.nest.pack_sequence_as(data, leaves)
 
-    def _forward(self, model, x, training, tapes=None):
+    def _forward(self, model, x, y, training, tapes=None):
         """Runs the model on every replica, each row on its slice of `x`.
 
         Args:
             model: the `TensorParallelKeras` model.
             x: the global batch of inputs.
+            y: the global batch of targets, read where the logits stay
+                split by vocabulary.
             training: the `training` argument of the call.
             tapes: if given, each replica records its forward pass on a
                 gradient tape kept here under its replica id.
 
         Returns:
             The output of each data-parallel row (that of its first model
-            rank; the others hold the same), in row order.
+            rank; the others hold the same), in row order: where an LM
+            head's logits stay split, its per-token loss and metric values
+            (`VocabParallelHead.per_token`).
         """
         x = self._checked_split(x)
+        head = split_head()
 
-        def call(x):
+        def call(x, y):
             with self.sequence_shards():
-                return self.whole_outputs(model(x, training=training))
+                outputs = self.whole_outputs(model(x, training=training))
+            if head is None:
+                return outputs
+            return head.per_token(self.adapter, y, outputs)
 
-        def forward(x):
+        def forward(x, y):
             replica = self.replica_id()
-            local_x = self._row_slice(x, replica // self.tensor_parallel)
+            row = replica // self.tensor_parallel
+            local_x, local_y = self._row_slice((x, y), row)
             if tapes is None:
-                return call(local_x)
+                return call(local_x, local_y)
             tape = tf.GradientTape()
             with tape:
-                y_pred = call(local_x)
+                y_pred = call(local_x, local_y)
             tapes[replica] = (tape, y_pred)
             return y_pred
 
+        if head is None:
+            y = None
         with self._local_shapes(model):
-            results = self.strategy.run(forward, args=(x,))
+            results = self.strategy.run(forward, args=(x, y))
         local = self.strategy.experimental_local_results(results)
         return [
             local[row * self.tensor_parallel]
@@ -200,7 +218,7 @@ class ReplicaSteps:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         # Each replica's forward tape, kept for its backward pass.
         tapes = {}
-        rows = self._forward(model, x, training=True, tapes=tapes)
+        rows = self._forward(model, x, y, training=True, tapes=tapes)
         _check_no_extra_losses(model)
         # The loss is computed once, outside the replicas, on the global
         # batch, so Keras neither divides it by the number of replicas nor
@@ -347,9 +365,16 @@ class ReplicaSteps:
         ):
             self._on_replicas(on_replica)
 
+    def run_split_function(self, function, args, split_axes):
+        """`function`'s per-token values, which the replicas computed from
+        their logits in the step's forward pass (see `_forward`): the
+        output the loss and metrics read holds them in place of the
+        logits."""
+        return split_head().column(function, args[1])
+
     def _test_step(self, model, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        y_pred = self._padded_forward(model, x)
+        y_pred = self._padded_forward(model, x, y)
         _check_no_extra_losses(model)
         _tracked_loss(model, x, y, y_pred, sample_weight, False)
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
@@ -358,7 +383,7 @@ class ReplicaSteps:
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         return self._padded_forward(model, x)
 
-    def _padded_forward(self, model, x):
+    def _padded_forward(self, model, x, y=None):
         """The outputs of an inference pass on a batch of any size: with a
         data axis, its last row repeated up to a multiple of
         `data_parallel`, then dropped (`keras_tp.runtime.padding`)."""
@@ -371,9 +396,11 @@ class ReplicaSteps:
             indices = tf.range(rows + tf.math.floormod(-rows, parts))
             return tf.gather(leaf, tf.minimum(indices, rows - 1))
 
-        rows = self._forward(model, tf.nest.map_structure(pad, x), False)
+        x, y = tf.nest.map_structure(pad, (x, y))
+        rows = self._forward(model, x, y, False)
         return tf.nest.map_structure(
-            lambda y: y[:size] if y.shape.rank else y, self._rows_together(rows)
+            lambda out: out[:size] if out.shape.rank else out,
+            self._rows_together(rows),
         )
 
     def call_model(self, model, inputs, training):

@@ -16,6 +16,7 @@ from keras_tp.collectives.tensorflow_sequence import SequenceShard
 from keras_tp.collectives.tensorflow_sequence import gathered
 from keras_tp.collectives.tensorflow_sequence import shards_of
 from keras_tp.collectives.tensorflow_sequence import whole_tensors
+from keras_tp.regions import forward_pass
 from keras_tp.runtime.tensorflow.storage import local_read
 
 
@@ -28,6 +29,27 @@ class ReplicaRegions:
 
     def holds_local_values(self):
         return self._in_replica()
+
+    def call_model(self, model, inputs, training):
+        """A direct call of the wrapped model (`tp(x)`).
+
+        The whole call runs in every replica, traced, as a step does: the
+        mesh axes' collectives, ZeRO-3's gathers and the split variables of
+        layers outside any region exist there only. Each data-parallel row
+        computes the whole batch.
+        """
+        if self._in_replica():
+            # A custom loop's replica step: values are the replica's own.
+            with self._local_shapes(model), self.sequence_shards():
+                outputs = super().call_model(model, inputs, training)
+                return self.whole_outputs(outputs)
+
+        def call_on_replica(inputs):
+            with forward_pass(), self.sequence_shards():
+                return self.whole_outputs(model(inputs, training=training))
+
+        with self.recording_call():
+            return self._on_replicas(call_on_replica, inputs)
 
     def run_region(self, region, args, kwargs):
         if not self._in_replica():

@@ -37,7 +37,6 @@ import tensorflow as tf
 
 from keras_tp.keras_internals import local_shapes
 from keras_tp.keras_internals import tracked_loss
-from keras_tp.regions import forward_pass
 from keras_tp.runtime.tensorflow.optimizer import prepare_optimizer
 from keras_tp.runtime.tensorflow.storage import local_read
 from keras_tp.tensors import collect_flat
@@ -402,27 +401,6 @@ class ReplicaSteps:
             lambda out: out[:size] if out.shape.rank else out,
             self._rows_together(rows),
         )
-
-    def call_model(self, model, inputs, training):
-        """A direct call of the wrapped model (`tp(x)`).
-
-        The whole call runs in every replica, traced, as a step does: the
-        mesh axes' collectives, ZeRO-3's gathers and the split variables of
-        layers outside any region exist there only. Each data-parallel row
-        computes the whole batch.
-        """
-        if self._in_replica():
-            # A custom loop's replica step: values are the replica's own.
-            with self._local_shapes(model), self.sequence_shards():
-                outputs = super().call_model(model, inputs, training)
-                return self.whole_outputs(outputs)
-
-        def call_on_replica(inputs):
-            with forward_pass(), self.sequence_shards():
-                return self.whole_outputs(model(inputs, training=training))
-
-        with self.recording_call():
-            return self._on_replicas(call_on_replica, inputs)
 
 
 def _tracked_loss(model, x, y, y_pred, sample_weight, training):

@@ -10,6 +10,7 @@ import keras
 import numpy as np
 from jax.sharding import NamedSharding
 
+from keras_tp.collectives.jax import counted_jit
 from keras_tp.keras_internals import StatelessScope
 from keras_tp.keras_internals import jax_update_metrics
 from keras_tp.parallel.optimizer import BUCKET_CAP_MB
@@ -23,11 +24,10 @@ from keras_tp.runtime.jax.stage_storage import StageStorage
 from keras_tp.runtime.jax.stages import TRACING_STAGE
 from keras_tp.runtime.jax.stages import JaxStages
 from keras_tp.runtime.jax.stages import StagePrograms
-from keras_tp.runtime.jax.stages import counted_jit
-from keras_tp.runtime.jax.stages import onto
-from keras_tp.runtime.jax.stages import replica_rows
 from keras_tp.runtime.jax.steps import is_concrete
+from keras_tp.runtime.jax.storage import onto
 from keras_tp.runtime.jax.storage import placement_spec
+from keras_tp.runtime.jax.storage import replica_rows
 from keras_tp.runtime.padding import batch_size
 
 

@@ -7,14 +7,17 @@ import contextvars
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
+from keras_tp.collectives.jax import counted_jit
+from keras_tp.collectives.jax import signature
 from keras_tp.keras_internals import local_shapes
 from keras_tp.pipeline.executor import StagePrimitives
 from keras_tp.pipeline.executor import concatenated
 from keras_tp.pipeline.executor import join_rows
 from keras_tp.pipeline.executor import split_rows
+from keras_tp.runtime.jax.storage import onto
+from keras_tp.runtime.jax.storage import replica_rows
 from keras_tp.tensors import is_float
 
 # The index of the stage whose program is being traced in this context.
@@ -24,55 +27,6 @@ TRACING_STAGE = contextvars.ContextVar("keras_tp_tracing_stage", default=None)
 # (d, t) of the next.
 ROWS = PartitionSpec(("data", "model"))
 DATA = PartitionSpec("data")
-
-
-def onto(tree, mesh, spec=None):
-    """The arrays of `tree` placed on `mesh`, split by `spec` or else
-    as they are split (a Column layer's output goes shard to shard), or
-    whole on every device."""
-
-    def put(array):
-        sharding = getattr(array, "sharding", None)
-        if spec is not None:
-            split = spec
-        elif isinstance(sharding, NamedSharding):
-            split = sharding.spec
-        else:
-            split = PartitionSpec()
-        return jax.device_put(array, NamedSharding(mesh, split))
-
-    return jax.tree.map(put, tree)
-
-
-def counted_jit(function, stats):
-    """`jax.jit(function)` whose collectives, recorded while it is traced
-    (once per input signature), count again at every call."""
-    records = {}
-
-    def traced(*args):
-        with stats.capturing() as added:
-            outputs = function(*args)
-        records[signature(args)] = added
-        return outputs
-
-    compiled = jax.jit(traced)
-
-    def call(*args):
-        seen = records.get(signature(args))
-        outputs = compiled(*args)
-        if seen is not None:
-            stats.replay(seen)
-        return outputs
-
-    return call
-
-
-def signature(tree):
-    """The shapes and dtypes of a tree's leaves: what a trace depends on."""
-    return tuple(
-        (getattr(leaf, "shape", None), str(getattr(leaf, "dtype", type(leaf))))
-        for leaf in jax.tree.leaves(tree)
-    )
 
 
 class StagePrograms:
@@ -321,11 +275,6 @@ class JaxStages(StagePrimitives):
         replicas = self.programs.replicas
         rows = [split_rows(part, replicas, 1)[0] for part in predictions]
         return loss, join_rows(rows)
-
-
-def replica_rows(runtime, variables):
-    """Per variable, its placement with one row per replica first."""
-    return [PartitionSpec("data", *runtime.variable_spec(v)) for v in variables]
 
 
 def _floats(tree):

@@ -38,6 +38,29 @@ def placement_spec(ndim, axis, data_axis):
     return PartitionSpec(*spec)
 
 
+def onto(tree, mesh, spec=None):
+    """The arrays of `tree` placed on `mesh`, split by `spec` or else
+    as they are split (a Column layer's output goes shard to shard), or
+    whole on every device."""
+
+    def put(array):
+        sharding = getattr(array, "sharding", None)
+        if spec is not None:
+            split = spec
+        elif isinstance(sharding, NamedSharding):
+            split = sharding.spec
+        else:
+            split = PartitionSpec()
+        return jax.device_put(array, NamedSharding(mesh, split))
+
+    return jax.tree.map(put, tree)
+
+
+def replica_rows(runtime, variables):
+    """Per variable, its placement with one row per replica first."""
+    return [PartitionSpec("data", *runtime.variable_spec(v)) for v in variables]
+
+
 class MeshStorage:
     """The `JaxRuntime`'s variables as global arrays (see the module)."""
 

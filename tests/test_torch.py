@@ -161,6 +161,9 @@ def test_vocab_parallel_loss_matches_one_device(api_run):
     _, ranks = api_run
     for rank in ranks:
         vocab_cases.check_runs(rank["vocab_parallel"])
+        # Measured from the tensors each rank's step creates
+        # (`benchmarks/vocab_parallel.py --backend torch`).
+        vocab_cases.check_step_memory(rank["vocab_memory"], WORLD_SIZE)
 
 
 def test_generation_matches_one_device(api_run):

@@ -125,3 +125,41 @@ def check_runs(results):
             - results["whole"][phase]["all_reduce"]["forward_calls"]
         )
         assert extra == 4, (phase, extra)
+
+
+def step_memory(world_size, measured):
+    """`{"split": (peak, largest), "whole": ..., "logits": bytes}`: one
+    training step's tensors on this device, `measured(step)` (the backend's
+    measure of what `step()` creates), with the accuracy metric (the
+    logits stay split) and with top-5 accuracy (they are gathered), on an
+    LM whose logits are its largest tensors (a 4,096-token vocabulary,
+    width 16)."""
+    vocab, length = 4096, 8
+    x, y = models.data_for("transformer_lm", batch=BATCH)
+    y = (y * 61) % vocab  # targets all over the vocabulary
+    metrics = {
+        "split": "accuracy",
+        "whole": keras.metrics.SparseTopKCategoricalAccuracy(5),
+    }
+    results = {"logits": BATCH * length * vocab * 4}
+    for name, metric in metrics.items():
+        tp = keras_tp.TensorParallelKeras(
+            models.transformer_lm(vocab=vocab), world_size=world_size
+        )
+        tp.compile(optimizer="sgd", loss=models.loss_fn(), metrics=[metric])
+        tp.train_on_batch(x, y)
+        results[name] = measured(lambda: tp.train_on_batch(x, y))
+    return results
+
+
+def check_step_memory(results, world_size):
+    """Split logits: no tensor of the step is as large as the whole
+    logits, and the step's peak is lower by at least the logits' bytes
+    that the gather makes (the gathered logits and their gradient on
+    this device, less its own share)."""
+    split_peak, split_largest = results["split"]
+    whole_peak, whole_largest = results["whole"]
+    logits = results["logits"]
+    assert whole_largest == logits, results
+    assert split_largest == logits // world_size, results
+    assert whole_peak - split_peak >= logits - logits // world_size, results

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import keras_tp
+from benchmarks.vocab_parallel import torch_step_memory
 from keras_tp import collectives
 from keras_tp.tensors import nbytes
 from tests import generation_cases
@@ -287,6 +288,9 @@ def api_checks(save_path):
     except ValueError as e:
         result["row_input_error"] = str(e)
     result["vocab_parallel"] = vocab_cases.runs(world_size)
+    result["vocab_memory"] = vocab_cases.step_memory(
+        world_size, torch_step_memory
+    )
     result["generation"] = generation_cases.runs(world_size)
     return _all_ranks(result)
 

@@ -84,13 +84,16 @@ shown() {
 # slowest rank: with torch beside JAX and TensorFlow the suite took 41
 # minutes, one after another 24 (JAX 7:09, 8 devices 1:41, TensorFlow
 # 8:21, torch 5:05, timed 1:41).
+# The two 8-device files run beside JAX's other files, in processes of
+# their own: on their own, the two of them left a core idle for the last
+# fifth of their phase, and each phase's start (imports, collection)
+# keeps one core busy at a time.
+started jax_eight jax "" $(ls $jax_eight 2>/dev/null)
+started tensorflow_eight tensorflow "" $(ls $tensorflow_eight 2>/dev/null)
 run jax "$parallel" $(ordered "tests/test_jax_zoo.py \
   tests/test_common_notebooks.py tests/test_jax.py \
   tests/test_common_examples.py tests/test_jax_checkpoint.py" \
   "tests/test_jax*.py tests/test_common*.py" $jax_eight) || status=1
-# The two 8-device files run at the same time, one core each mostly.
-started jax_eight jax "" $(ls $jax_eight 2>/dev/null)
-started tensorflow_eight tensorflow "" $(ls $tensorflow_eight 2>/dev/null)
 shown jax_eight
 shown tensorflow_eight
 run tensorflow "$parallel" $(ordered "tests/test_tensorflow_pipeline.py \

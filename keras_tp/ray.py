@@ -1,16 +1,17 @@
-"""Ray Train: keras_tp's torch ranks as the workers of a `TorchTrainer`.
+"""Ray Train: keras_tp's ranks as the workers of a Ray trainer.
 
 `ray.train.torch.TorchTrainer` starts one worker process per rank and
 joins them in a torch process group; `TensorParallelKeras` adopts that
 group as it adopts torchrun's, so a training function that builds and
-fits a `TensorParallelKeras` runs unchanged in it. `ReportCheckpoint`
-reports each epoch's metrics and sharded checkpoint to Ray, and resumes
-from Ray's latest checkpoint: after `FailureConfig(max_failures=...)`
-restarts the workers, or when a new trainer is given
-`resume_from_checkpoint=`.
+fits a `TensorParallelKeras` runs unchanged in it.
+`ray.train.tensorflow.TensorflowTrainer` sets each worker's `TF_CONFIG`:
+there the function calls `configure_multi_worker()` first.
+`ReportCheckpoint` reports each epoch's metrics and sharded checkpoint to
+Ray, and resumes from Ray's latest checkpoint: after
+`FailureConfig(max_failures=...)` restarts the workers, or when a new
+trainer is given `resume_from_checkpoint=`.
 
-JAX and TensorFlow are not run under Ray Train: see
-`docs/guides/clusters.md`.
+JAX is not run under Ray Train: see `docs/guides/clusters.md`.
 
 Example:
 

@@ -61,18 +61,29 @@ tensorflow_eight=tests/test_tensorflow_pipeline_3d.py
 # with nothing else on the cores.
 torch_timed="tests/test_torch_elastic.py tests/test_torch_straggler.py"
 tensorflow_timed=tests/test_tensorflow_multiworker_timeout.py
-# Ray Train's run mostly waits (for its cluster, its workers, a restart):
-# it runs beside torch's other tests, which leave a quarter of the cores
-# idle while their ranks wait for one another.
+# Ray Train's runs mostly wait (for their cluster, their workers, a
+# restart): they run one after the other, beside torch's other tests,
+# which leave a quarter of the cores idle while their ranks wait for one
+# another.
 torch_ray=tests/test_torch_ray.py
+tensorflow_ray=tests/test_tensorflow_ray.py
 logs=$(mktemp -d)
 trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR" "$logs"' EXIT
-# Starts a backend's tests in the background, its output kept for `shown`.
+# Starts a command (`run ...`) in the background, its output kept for
+# `shown`.
 started() {
   local name=$1
   shift
-  run "$@" > "$logs/$name" 2>&1 &
+  "$@" > "$logs/$name" 2>&1 &
   echo $! > "$logs/$name.pid"
+}
+# Both backends' Ray Train tests, one after the other: each starts a local
+# Ray cluster of its own.
+ray_runs() {
+  local code=0
+  run torch "" $(ls $torch_ray 2>/dev/null) || code=1
+  run tensorflow "" $(ls $tensorflow_ray 2>/dev/null) || code=1
+  return $code
 }
 # Waits for a background run, then shows its output.
 shown() {
@@ -88,8 +99,8 @@ shown() {
 # their own: on their own, the two of them left a core idle for the last
 # fifth of their phase, and each phase's start (imports, collection)
 # keeps one core busy at a time.
-started jax_eight jax "" $(ls $jax_eight 2>/dev/null)
-started tensorflow_eight tensorflow "" $(ls $tensorflow_eight 2>/dev/null)
+started jax_eight run jax "" $(ls $jax_eight 2>/dev/null)
+started tensorflow_eight run tensorflow "" $(ls $tensorflow_eight 2>/dev/null)
 run jax "$parallel" $(ordered "tests/test_jax_zoo.py \
   tests/test_common_notebooks.py tests/test_jax.py \
   tests/test_common_examples.py tests/test_jax_checkpoint.py" \
@@ -99,13 +110,13 @@ shown tensorflow_eight
 run tensorflow "$parallel" $(ordered "tests/test_tensorflow_pipeline.py \
   tests/test_tensorflow_sequence_parallel.py \
   tests/test_tensorflow_checkpoint.py tests/test_tensorflow_zoo.py" \
-  "tests/test_tensorflow*.py" $tensorflow_eight $tensorflow_timed) \
-  || status=1
-started torch_ray torch "" $(ls $torch_ray 2>/dev/null)
+  "tests/test_tensorflow*.py" $tensorflow_eight $tensorflow_timed \
+  $tensorflow_ray) || status=1
+started ray ray_runs
 run torch "" $(ordered "" "tests/test_torch*.py" $torch_timed $torch_ray) \
   || status=1
-shown torch_ray
-started tensorflow_timed tensorflow "" $(ls $tensorflow_timed 2>/dev/null)
+shown ray
+started tensorflow_timed run tensorflow "" $(ls $tensorflow_timed 2>/dev/null)
 run torch "" $(ls $torch_timed 2>/dev/null) || status=1
 shown tensorflow_timed
 exit $status

@@ -98,8 +98,9 @@ NOT_RUN = {
         "way under the SLURM recipe's command"
     ),
     ("docs/guides/clusters.md", "import ray.train"): (
-        "a Ray cluster of torch workers; tests/test_torch_ray.py runs this "
-        "training function and callback under TorchTrainer"
+        "a Ray cluster of workers; tests/test_torch_ray.py and "
+        "tests/test_tensorflow_ray.py run these training functions and the "
+        "callback under TorchTrainer and TensorflowTrainer"
     ),
     ("docs/guides/clusters.md", '--8<-- "docs/examples/slurm_torch.sbatch"'): (
         "srun and scontrol need a SLURM cluster; tests/test_torch_launcher.py "

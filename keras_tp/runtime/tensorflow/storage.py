@@ -23,6 +23,7 @@ from keras_tp.keras_internals import local_shapes
 from keras_tp.keras_internals import set_stored_value
 from keras_tp.keras_internals import stored_value
 from keras_tp.runtime.base import largest_difference
+from keras_tp.runtime.tensorflow import coordination
 from keras_tp.runtime.tensorflow.devices import HOST
 from keras_tp.runtime.tensorflow.devices import device_name
 from keras_tp.tensors import nbytes
@@ -213,6 +214,14 @@ class ReplicaStorage:
 
     def process_index(self):
         return self._local_replicas[0] // len(self._local_replicas)
+
+    def gather_objects(self, value):
+        """Every worker's `value`, through TensorFlow's coordination
+        service (`coordination.gathered`); `None` in one process."""
+        processes = self.world_size // len(self._local_replicas)
+        if processes == 1:
+            return None
+        return coordination.gathered(value, self.process_index(), processes)
 
     def wait_for_processes(self):
         """A one-number all-reduce over every replica: on several workers

@@ -22,7 +22,9 @@ run() {
 # core at a time: two worker processes (pytest-xdist) take a test file each.
 # torch's tests run in one process: each starts rank processes of its own,
 # which keep 1.5 of the 2 cores busy.
-parallel="-n 2 --dist loadfile"
+# pytest-xdist sorts files by their number of tests unless told not to;
+# the order given here is by their time instead (below).
+parallel="-n 2 --dist loadfile --no-loadscope-reorder"
 # Tests build the same models again and again, and JAX compiles each one's
 # programs anew; its persistent compilation cache, fresh for this run,
 # compiles each program once. A size limit turns on its file lock, which
@@ -42,7 +44,8 @@ export XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensiv
 # per core for each op's own work oversubscribes them (20% slower).
 export TF_NUM_INTRAOP_THREADS=1
 # Files go to the two workers one at a time, in the order given: the
-# longest go first, so that no worker is left with one long file at the end.
+# longest go first (by their time in the last CI, `tests/cpu_times.py`),
+# so that no worker is left with one long file at the end.
 ordered() {
   local first=$1 pattern=$2 seen=""
   shift 2
@@ -101,15 +104,20 @@ shown() {
 # keeps one core busy at a time.
 started jax_eight run jax "" $(ls $jax_eight 2>/dev/null)
 started tensorflow_eight run tensorflow "" $(ls $tensorflow_eight 2>/dev/null)
-run jax "$parallel" $(ordered "tests/test_jax_zoo.py \
-  tests/test_common_notebooks.py tests/test_jax.py \
-  tests/test_common_examples.py tests/test_jax_checkpoint.py" \
+run jax "$parallel" $(ordered "tests/test_jax.py tests/test_jax_zoo.py \
+  tests/test_common_notebooks.py tests/test_jax_dp.py \
+  tests/test_common_examples.py tests/test_jax_checkpoint.py \
+  tests/test_common_benchmarks.py tests/test_jax_sequence_parallel.py \
+  tests/test_jax_mpi.py tests/test_common_pipeline_stages.py \
+  tests/test_jax_compression.py tests/test_common_cli.py" \
   "tests/test_jax*.py tests/test_common*.py" $jax_eight) || status=1
 shown jax_eight
 shown tensorflow_eight
-run tensorflow "$parallel" $(ordered "tests/test_tensorflow_pipeline.py \
-  tests/test_tensorflow_sequence_parallel.py \
-  tests/test_tensorflow_checkpoint.py tests/test_tensorflow_zoo.py" \
+run tensorflow "$parallel" $(ordered "tests/test_tensorflow_zoo.py \
+  tests/test_tensorflow.py tests/test_tensorflow_sequence_parallel.py \
+  tests/test_tensorflow_dp.py tests/test_tensorflow_checkpoint.py \
+  tests/test_tensorflow_pipeline.py tests/test_tensorflow_soak.py \
+  tests/test_tensorflow_compression.py" \
   "tests/test_tensorflow*.py" $tensorflow_eight $tensorflow_timed \
   $tensorflow_ray) || status=1
 started ray ray_runs

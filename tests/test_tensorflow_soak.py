@@ -32,4 +32,7 @@ def test_data_and_tensor_parallel_run_stays_flat():
         world_size=4,
         data_parallel=2,
     )
-    soak_cases.check_flat(result["samples"])
+    # TensorFlow keeps about 1 KiB for every collective instance key it
+    # has seen: keys drawn at every run (one per collective call) grew the
+    # heap 5 to 10 KiB a step here; taken when the step is traced, 0.6.
+    soak_cases.check_flat(result["samples"], host_bytes_per_step=4 * 1024)

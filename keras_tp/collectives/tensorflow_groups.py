@@ -75,10 +75,15 @@ class ReplicaGroups:
 class _GroupMember:
     """One replica's end of a collective group (see `ReplicaGroups`).
 
-    Instance keys are drawn when the traced step runs, not when it is
-    traced, as `tf.distribute` does for its own collectives: each device
-    counts its calls in the group, so the n-th collective of every member is
-    the same instance.
+    Each member counts the keys it draws, so the n-th collective of every
+    member is the same instance. TensorFlow's collective executor keeps an
+    entry for every instance key it has seen (about 1 KiB), and fixes an
+    instance's shape when it first runs. A collective whose input shape is
+    known when it is traced takes its key then, and keeps it at every run
+    of the traced step, as in a TensorFlow graph: its shape never changes.
+    One whose shape is known only when it runs (a batch of another size)
+    draws a key at every run, as `tf.distribute` does for its own
+    collectives.
     """
 
     group_key: int
@@ -90,7 +95,9 @@ class _GroupMember:
         init=False, default_factory=lambda: itertools.count(1)
     )
 
-    def _instance_key(self):
+    def _instance_key(self, shape):
+        if shape.is_fully_defined():
+            return self._next_instance_key()
         graph = tf.compat.v1.get_default_graph()
         # The capture belongs to the function graph, not to a branch of a
         # tf.cond inside it.
@@ -101,8 +108,11 @@ class _GroupMember:
                 # Passing the method itself delays the key to the call of
                 # the outermost function when functions are nested.
                 return graph.capture_call_time_value(
-                    self._instance_key, tf.TensorSpec([], tf.int32)
+                    self._next_instance_key, tf.TensorSpec([], tf.int32)
                 )
+        return self._next_instance_key()
+
+    def _next_instance_key(self):
         with tf.device("/device:CPU:0"):
             return tf.constant(next(self._instance_keys), tf.int32)
 
@@ -130,7 +140,7 @@ class _GroupMember:
                 input=x,
                 group_size=self.size,
                 group_key=self.group_key,
-                instance_key=self._instance_key(),
+                instance_key=self._instance_key(tf.TensorShape(x.shape)),
                 ordering_token=[self.token.handle],
                 **attributes,
             )

@@ -252,22 +252,26 @@ class TensorParallelKeras(
             self._runtime.build_optimizer(self)
 
     def make_train_function(self, force=False):
-        return self._make_step(super().make_train_function, force)
+        return self._make_step("train", super().make_train_function, force)
 
     def make_test_function(self, force=False):
-        return self._make_step(super().make_test_function, force)
+        return self._make_step("test", super().make_test_function, force)
 
     def make_predict_function(self, force=False):
-        return self._make_step(super().make_predict_function, force)
+        return self._make_step("predict", super().make_predict_function, force)
 
-    def _make_step(self, make, force):
-        """Keras' `make(force)`, once the runtime has placed what steps read."""
+    def _make_step(self, phase, make, force):
+        """Keras' `make(force)` once the steps' state is placed, as the
+        runtime calls it (`Runtime.step_function`)."""
         # Before compile() a Keras model may not have the attribute yet.
         optimizer = getattr(self, "optimizer", None)
         slots = optimizer.variables if optimizer else []
         state = [*self.variables, *slots, *self.metrics_variables]
         self._runtime.prepare_step_state(state)
-        return make(force)
+        make(force)
+        name = f"{phase}_function"
+        setattr(self, name, self._runtime.step_function(getattr(self, name)))
+        return getattr(self, name)
 
     def train_step(self, *args, **kwargs):
         step = super().train_step
@@ -351,11 +355,10 @@ class TensorParallelKeras(
             A dict with `backend`, `world_size`, `tensor_parallel`,
             `data_parallel`, `pipeline_parallel`, `zero_stage`,
             `sequence_parallel`, `config` (the `ParallelConfig` in one
-            line), `devices`,
-            `parameter_bytes_per_device` (measured from the arrays),
-            `parameter_bytes_total` (unsplit), `sharded_layers` and
-            `replicated_layers` (path: reason), `vocab_parallel_head`
-            (the LM head whose logits stay split by vocabulary in
+            line), `devices`, `parameter_bytes_per_device` (measured from
+            the arrays), `parameter_bytes_total` (unsplit),
+            `sharded_layers` and `replicated_layers` (path: reason),
+            `vocab_parallel_head` (the LM head whose logits stay split in
             training, or `None`; see `keras_tp.vocab_parallel`).
         """
         info = reporting.parallelism_info(self._runtime, self.model, self._plan)
@@ -373,11 +376,9 @@ class TensorParallelKeras(
             print_fn: function taking a line of text; defaults to Keras'
                 `print_msg`.
         """
-        print_fn = print_fn or print_msg
-        for text in reporting.summary_lines(
-            self._runtime, self.model, self._plan
-        ):
-            print_fn(text)
+        lines = reporting.summary_lines(self._runtime, self.model, self._plan)
+        for text in lines:
+            (print_fn or print_msg)(text)
 
     def get_weights(self):
         """The original model's weights, unsplit, as NumPy arrays."""

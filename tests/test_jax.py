@@ -953,6 +953,19 @@ def test_two_hosts_reduce_hierarchically(two_hosts):
         hierarchy_cases.check_runs(process["hierarchical"])
 
 
+def test_two_hosts_read_only_their_shares(two_hosts):
+    """Each process, one data-parallel row of TP=2, reads half of every
+    global batch of a DataLoader; every input kind trains as one device."""
+    from tests import share_cases
+
+    processes = [process["shares"] for process in two_hosts]
+    share_cases.check_dataloader_reads(processes)
+    share_cases.check_shuffled_alike(processes)
+    share_cases.check_as_one_device(processes)
+    share_cases.check_tf_data_and_py_dataset(processes)
+    share_cases.check_indivisible_batches(processes)
+
+
 def test_a_layout_map_is_a_plan():
     # A LayoutMap written for ModelParallel plans the same split; one that
     # lists a single MLP splits just that pair, the rest whole.

@@ -150,16 +150,16 @@ class Runtime(CheckpointPieces):
             f"or `drop_remainder=True`) that divides by {parts}."
         )
 
-    def data_share(self, data, training):
-        """`data` (a `fit()`, `evaluate()` or `predict()` input) rebuilt to
-        read only this process's data-parallel row's share of each global
-        batch, or `None` (the default) where the process reads it whole
-        (`keras_tp.data_shares`).
+    def step_function(self, function):
+        """Keras' compiled step `function`, as Keras' loops call it: the
+        JAX runtime makes global arrays of the batches where each process
+        reads its share (`data_row`)."""
+        return function
 
-        Args:
-            data: the input, of any kind Keras takes.
-            training: whether `fit()` trains on it.
-        """
+    def data_row(self):
+        """`(row, rows)`: this process reads the `row`-th `1/rows` of each
+        global batch (`keras_tp.data_shares`); `None` (the default) where
+        it reads every batch whole."""
         return None
 
     @contextlib.contextmanager

@@ -75,6 +75,7 @@ def hierarchical():
 
 if __name__ == "__main__":
     # One start of jax.distributed runs both: starting it is the slow part.
+    from tests import share_cases
     from tests import speaker_cases
 
     results = {
@@ -84,6 +85,7 @@ if __name__ == "__main__":
         "one_speaker": speaker_cases.one_speaker(
             out_dir, process_id, world_size=4, data_parallel=2
         ),
+        "shares": share_cases.shares(process_id, world_size=4, data_parallel=2),
     }
     with open(os.path.join(out_dir, f"process{process_id}.json"), "w") as f:
         json.dump(results, f)

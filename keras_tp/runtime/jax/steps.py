@@ -14,6 +14,7 @@ import functools
 import jax
 import keras
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
 from keras_tp.keras_internals import StatelessScope
@@ -156,6 +157,49 @@ class MeshSteps:
             check_vma=False,
         )
         return mapped(tuple(state), data)
+
+    def data_row(self):
+        """The rows of the mesh this process's devices hold, as one share
+        of each batch, where every process holds as many rows, in one run
+        (a process may hold part of a row, as its tensor-parallel ranks
+        span processes); else `None`: every process reads whole batches."""
+        if jax.process_count() == 1 or self.data_parallel == 1:
+            return None
+        held = [set() for _ in range(jax.process_count())]
+        for row, devices in enumerate(self.mesh.devices):
+            for device in devices:
+                held[device.process_index].add(row)
+        count = len(held[0])
+        for rows in held:
+            first = min(rows, default=0)
+            if rows != set(range(first, first + count)) or first % count:
+                return None
+        first = min(held[jax.process_index()])
+        return first // count, self.data_parallel // count
+
+    def step_function(self, function):
+        place = self.data_row()
+        if place is None or getattr(function, "takes_shares", False):
+            return function
+        sharding = NamedSharding(self.mesh, PartitionSpec("data"))
+
+        def global_array(share):
+            if np.ndim(share) == 0:
+                return share
+            shape = (share.shape[0] * place[1],) + share.shape[1:]
+            return jax.make_array_from_process_local_data(
+                sharding, share, shape
+            )
+
+        @functools.wraps(function)
+        def step(state, iterator):
+            # Keras' JAX steps take an iterator of batches.
+            if self.batches_are_shares:
+                iterator = (jax.tree.map(global_array, b) for b in iterator)
+            return function(state, iterator)
+
+        step.takes_shares = True
+        return step
 
     def run_on_ranks(self, fn, variables, phase):
         """Runs `fn()` on every device in a compiled `shard_map`, as a

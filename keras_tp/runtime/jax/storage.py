@@ -10,6 +10,8 @@ one block per data rank, stacked on a leading axis split over `data`
 (`store_per_replica`), and full values read replica 0's block.
 """
 
+import json
+
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
@@ -273,6 +275,21 @@ class MeshStorage:
     def wait_for_processes(self):
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("keras_tp: checkpoint")
+
+    def gather_objects(self, value):
+        """Every process's `value` (JSON-like), as JSON bytes gathered over
+        `jax.distributed`; `None` in one process."""
+        if jax.process_count() == 1:
+            return None
+        encoded = np.frombuffer(json.dumps(value).encode(), np.uint8)
+        sizes = multihost_utils.process_allgather(np.int64(encoded.size))
+        padded = np.zeros(int(np.max(sizes)), np.uint8)
+        padded[: encoded.size] = encoded
+        everyone = multihost_utils.process_allgather(padded)
+        return [
+            json.loads(row[:size].tobytes())
+            for row, size in zip(everyone, np.ravel(sizes))
+        ]
 
     def equalize_values(self, variables):
         if jax.process_count() == 1:

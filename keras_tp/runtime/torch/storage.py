@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from keras_tp.keras_internals import set_reported_shape
 from keras_tp.keras_internals import stored_value
-from keras_tp.runtime.torch import data_shares
 
 
 def parameter_of(variable):
@@ -148,9 +147,6 @@ class RankProcess:
 
     def equalize_values(self, variables):
         broadcast_from_rank_zero(variables)
-
-    def data_share(self, data, training):
-        return data_shares.share_of(self, data, training)
 
 
 class ProcessStorage(RankProcess):

@@ -2,10 +2,11 @@
 
 The batch that `fit()`, `evaluate()` and `predict()` get is the global
 batch, as with Keras' `keras.distribution.distribute_dataset`. Where each
-process feeds one data-parallel row (torch: one process per rank), the
-input is rebuilt so that row `r` of `D` reads only the `r`-th `1/D` of
-each global batch; the tensor-parallel ranks of a row read the same share,
-once per process. The steps then take the batch as it comes
+process feeds whole data-parallel rows (a torch rank; a JAX process whose
+devices hold rows of the mesh), the input is rebuilt so that row `r` of
+`D` reads only the `r`-th `1/D` of each global batch; the tensor-parallel
+ranks of a row read the same share, once per process
+(`Runtime.data_row`). The steps then take the batch as it comes
 (`Runtime.reading_shares`), and the logs and `predict()`'s outputs are
 still the global batch's.
 
@@ -42,6 +43,12 @@ tp.fit(loader, epochs=3)  # each process reads 32 samples of each batch
 """
 
 import inspect
+import logging
+import random
+
+import keras
+
+logger = logging.getLogger(__name__)
 
 # The arguments of each method that carry batches.
 _BATCH_ARGUMENTS = {"fit": ("x", "validation_data")}
@@ -52,7 +59,7 @@ def shares_here(method, runtime, args, kwargs):
 
     Args:
         method: `keras.Model.fit`, `evaluate` or `predict`.
-        runtime: the model's runtime (`Runtime.data_share`).
+        runtime: the model's runtime (`Runtime.data_row`).
         args: the positional arguments given, after `self`.
         kwargs: the keyword arguments given.
 
@@ -67,8 +74,70 @@ def shares_here(method, runtime, args, kwargs):
     training = method.__name__ == "fit"
     for name in _BATCH_ARGUMENTS.get(method.__name__, ("x",)):
         data = bound.arguments.get(name)
-        shared = runtime.data_share(data, training and name == "x")
+        shared = share_of(runtime, data, training and name == "x")
         if shared is not None:
             bound.arguments[name] = shared
             shares = shares or name == "x"
     return bound.args[1:], bound.kwargs, shares
+
+
+def share_of(runtime, data, training):
+    """`data`'s share for this process's data-parallel rows, or `None`
+    where the process reads it whole.
+
+    Args:
+        runtime: the model's runtime (`Runtime.data_row`).
+        data: the input, of any kind Keras takes.
+        training: whether `fit()` trains on it.
+
+    A `tf.data.Dataset` is shared for training only: it is read whole
+    either way. A `PyDataset` is read whole, in the same order on every
+    process.
+    """
+    place = runtime.data_row()
+    if place is None:
+        return None
+    row, rows = place
+    if _is_instance(data, "torch.utils.data.dataloader", "DataLoader"):
+        from keras_tp.data_shares import torch_loaders
+
+        shared, reason = torch_loaders.loader_share(
+            data,
+            row,
+            rows,
+            training,
+            lambda seed: runtime.gather_objects(seed)[0],
+        )
+        if shared is not None:
+            return shared
+        _log_whole_batches(reason)
+    elif _is_instance(data, "tensorflow.python.data.ops", "DatasetV2"):
+        from keras_tp.data_shares import tf_datasets
+
+        if tf_datasets.is_shared(data):
+            return data
+        if training:
+            return tf_datasets.shared_dataset(data, row, rows)
+    elif isinstance(data, keras.utils.PyDataset):
+        # Keras shuffles a PyDataset's batches with Python's `random`:
+        # every process draws the first process's order.
+        random.seed(runtime.gather_objects(random.getrandbits(62))[0])
+        _log_whole_batches("a PyDataset returns whole batches")
+    return None
+
+
+def _log_whole_batches(reason):
+    logger.info(
+        "Every process reads the whole global batch (%s); each "
+        "data-parallel row trains on its slice of it.",
+        reason,
+    )
+
+
+def _is_instance(data, module, name):
+    """Whether `data` is an instance of class `name` of `module` (a prefix),
+    without importing the library that defines it."""
+    return any(
+        cls.__module__.startswith(module) and cls.__name__ == name
+        for cls in type(data).__mro__
+    )

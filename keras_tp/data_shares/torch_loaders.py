@@ -1,82 +1,49 @@
-"""Each data-parallel row of a torch job reads only its share of a batch.
+"""A `torch.utils.data.DataLoader` read by shares, on any Keras backend.
 
-A `torch.utils.data.DataLoader`'s batch is the global batch, as in Keras'
+A DataLoader's batch is the global batch, as in Keras'
 `keras.distribution.distribute_dataset`. `shared_loader` rebuilds the
 loader around a `RowShareBatchSampler`: the loader's own batch sampler
 still draws the global batches' indices, and row `r` of `D` keeps the
 `r`-th `1/D` of each, so the dataset's `__getitem__` runs only for this
 row's samples. The shuffle is the first process's on every process: the
 sampler's random generator is seeded with a seed drawn there.
-
-A `tf.data.Dataset` cannot be read in part: `shared_tf_dataset` keeps
-this row's slice of each global batch (`Dataset.map`), so only the slice
-is converted for torch, but each process still runs the whole pipeline.
 """
 
 import copy
-import logging
-import random
 
-import keras
 import torch
 from torch.utils import data as torch_data
 from torch.utils.data import DataLoader
 
-logger = logging.getLogger(__name__)
 
+def loader_share(loader, row, rows, training, first_process_seed):
+    """`loader` rebuilt to read row `row`'s share of each global batch.
 
-def share_of(runtime, data, training):
-    """`data`'s share for this process's data-parallel row, or `None`
-    where the process reads it whole (see `Runtime.data_share`).
+    Args:
+        loader: a `DataLoader` of global batches.
+        row: this process's data-parallel row.
+        rows: the number of rows.
+        training: whether `fit()` trains on it.
+        first_process_seed: a function of this process's seed that returns
+            the first process's (every process calls it, in one order).
 
-    A DataLoader whose batches do not split over the rows is read whole
-    for `predict()` and `evaluate()`, which pad such a batch
-    (`keras_tp.runtime.padding`), and refused for training. A
-    `tf.data.Dataset` is shared for training only: it is read whole
-    either way. A `PyDataset` is read whole, in the same order on every
-    process.
+    Returns:
+        `(shared, reason)`: the rebuilt loader and `None`, or `None` and
+        why the loader is read whole. A loader whose batches do not split
+        over the rows is read whole for `predict()` and `evaluate()`,
+        which pad such a batch (`keras_tp.runtime.padding`), and refused
+        for training.
     """
-    place = runtime.data_row()
-    if place is None:
-        return None
-    row, rows = place
-    if is_shared(data):
-        return data
-    if isinstance(data, DataLoader):
-        check_not_sampled_per_process(data, rows)
-        size = indivisible_size(data, rows)
-        if training and size is not None:
-            raise indivisible_batch(size, rows)
-        reason = unshareable_reason(data, rows)
-        if reason is None:
-            return shared_loader(
-                data, row, rows, lambda seed: runtime.gather_objects(seed)[0]
-            )
-        _log_whole_batches(reason)
-    elif _is_tf_dataset(data) and training:
-        return shared_tf_dataset(data, row, rows)
-    elif isinstance(data, keras.utils.PyDataset):
-        # Keras shuffles a PyDataset's batches with Python's `random`:
-        # every process draws the first process's order.
-        random.seed(runtime.gather_objects(random.getrandbits(62))[0])
-        _log_whole_batches("a PyDataset returns whole batches")
-    return None
-
-
-def _log_whole_batches(reason):
-    logger.info(
-        "Every process reads the whole global batch (%s); each "
-        "data-parallel row trains on its slice of it.",
-        reason,
-    )
-
-
-def _is_tf_dataset(data):
-    return any(
-        cls.__module__.startswith("tensorflow.python.data.ops")
-        and cls.__name__ == "DatasetV2"
-        for cls in type(data).__mro__
-    )
+    if is_shared(loader):
+        return loader, None
+    check_not_sampled_per_process(loader, rows)
+    size = indivisible_size(loader, rows)
+    if training and size is not None:
+        raise indivisible_batch(size, rows)
+    reason = unshareable_reason(loader, rows)
+    if reason is not None:
+        return None, reason
+    return shared_loader(loader, row, rows, first_process_seed), None
 
 
 def indivisible_batch(size, rows):
@@ -116,11 +83,9 @@ class RowShareBatchSampler(torch_data.Sampler):
             yield indices[self.row * share : (self.row + 1) * share]
 
 
-def is_shared(data):
-    """Whether `data` is already one row's share (`shared_loader`)."""
-    if isinstance(data, DataLoader):
-        return isinstance(data.batch_sampler, RowShareBatchSampler)
-    return getattr(data, "_keras_tp_row_share", False)
+def is_shared(loader):
+    """Whether `loader` is already one row's share (`shared_loader`)."""
+    return isinstance(loader.batch_sampler, RowShareBatchSampler)
 
 
 def check_not_sampled_per_process(loader, rows):
@@ -220,33 +185,3 @@ def _alike_everywhere(loader, first_process_seed):
     batch_sampler = copy.copy(batch_sampler)
     batch_sampler.sampler = sampler
     return batch_sampler
-
-
-def shared_tf_dataset(dataset, row, rows):
-    """Row `row`'s slice of each global batch of a `tf.data.Dataset`."""
-    import tensorflow as tf
-
-    def share(tensor):
-        size = tf.shape(tensor)[0]
-        tf.debugging.assert_equal(
-            size % rows,
-            0,
-            message=(
-                f"A batch of a tf.data.Dataset cannot be shared evenly by "
-                f"data_parallel={rows} rows: batch the dataset with a batch "
-                f"size that divides by {rows}, and drop_remainder=True or "
-                "a number of samples that the batch size divides."
-            ),
-        )
-        share_size = size // rows
-        return tensor[row * share_size : (row + 1) * share_size]
-
-    shared = dataset.map(
-        lambda *batch: tf.nest.map_structure(
-            share, batch if len(batch) > 1 else batch[0]
-        ),
-        num_parallel_calls=tf.data.AUTOTUNE,
-        deterministic=True,
-    )
-    shared._keras_tp_row_share = True
-    return shared

@@ -5,13 +5,14 @@ joins them in a torch process group; `TensorParallelKeras` adopts that
 group as it adopts torchrun's, so a training function that builds and
 fits a `TensorParallelKeras` runs unchanged in it.
 `ray.train.tensorflow.TensorflowTrainer` sets each worker's `TF_CONFIG`:
-there the function calls `configure_multi_worker()` first.
+there the function calls `configure_multi_worker()` first. Under
+`ray.train.v2.jax.JaxTrainer` it calls `keras_tp.initialize_distributed()`
+first, which starts `jax.distributed` over CPU workers (on GPUs and TPUs
+Ray has done it).
 `ReportCheckpoint` reports each epoch's metrics and sharded checkpoint to
 Ray, and resumes from Ray's latest checkpoint: after
 `FailureConfig(max_failures=...)` restarts the workers, or when a new
 trainer is given `resume_from_checkpoint=`.
-
-JAX is not run under Ray Train: see `docs/guides/clusters.md`.
 
 Example:
 

@@ -1,6 +1,7 @@
 """keras_tp under Ray Train, on a local Ray cluster: the run and its
-checks, shared by `tests/test_torch_ray.py` (`TorchTrainer`) and
-`tests/test_tensorflow_ray.py` (`TensorflowTrainer`).
+checks, shared by `tests/test_torch_ray.py` (`TorchTrainer`),
+`tests/test_tensorflow_ray.py` (`TensorflowTrainer`) and
+`tests/test_jax_ray.py` (`JaxTrainer`).
 
 `run` starts a Ray cluster of 2 CPUs in the test's process; one trainer
 run of 2 workers trains the MLP split over them (tensor parallelism across
@@ -47,6 +48,10 @@ def train_fn(config):
         from keras_tp.runtime.tensorflow import configure_multi_worker
 
         configure_multi_worker()
+    else:
+        # On JAX, starts jax.distributed over Ray's CPU workers (on GPUs
+        # JaxTrainer has done it); on torch, joins Ray's process group.
+        keras_tp.initialize_distributed()
     context = ray.train.get_context()
     attempt = len(os.listdir(config["log"])) // context.get_world_size()
     tp = compiled(
@@ -85,7 +90,8 @@ def run(root, trainer_class):
 
     Args:
         root: a fresh directory.
-        trainer_class: `TorchTrainer` or `TensorflowTrainer`.
+        trainer_class: `TorchTrainer`, `TensorflowTrainer` or
+            `JaxTrainer`.
     """
     log = root / "attempts"
     log.mkdir()

@@ -65,9 +65,9 @@ tensorflow_eight=tests/test_tensorflow_pipeline_3d.py
 torch_timed="tests/test_torch_elastic.py tests/test_torch_straggler.py"
 tensorflow_timed=tests/test_tensorflow_multiworker_timeout.py
 # Ray Train's runs mostly wait (for their cluster, their workers, a
-# restart): they run one after the other, beside torch's other tests,
-# which leave a quarter of the cores idle while their ranks wait for one
-# another.
+# restart): torch's and TensorFlow's run one after the other, beside
+# torch's other tests, which leave a quarter of the cores idle while their
+# ranks wait for one another; JAX's runs among JAX's files.
 torch_ray=tests/test_torch_ray.py
 tensorflow_ray=tests/test_tensorflow_ray.py
 logs=$(mktemp -d)
@@ -105,7 +105,7 @@ shown() {
 started jax_eight run jax "" $(ls $jax_eight 2>/dev/null)
 started tensorflow_eight run tensorflow "" $(ls $tensorflow_eight 2>/dev/null)
 run jax "$parallel" $(ordered "tests/test_jax.py tests/test_jax_zoo.py \
-  tests/test_common_notebooks.py tests/test_jax_dp.py \
+  tests/test_jax_ray.py tests/test_common_notebooks.py tests/test_jax_dp.py \
   tests/test_common_examples.py tests/test_jax_checkpoint.py \
   tests/test_common_benchmarks.py tests/test_jax_sequence_parallel.py \
   tests/test_jax_mpi.py tests/test_common_pipeline_stages.py \

@@ -12,7 +12,7 @@ from keras_tp import runtime
 
 
 def initialize_distributed():
-    """Joins this process to the job `mpirun` or `torchrun` started.
+    """Joins this process to the job `mpirun`, `torchrun` or Ray started.
 
     One script runs alone (`python train.py`) or as one of many processes
     (`mpirun -n 4 python train.py`); call this right after importing
@@ -25,11 +25,13 @@ def initialize_distributed():
       that `jax.devices()` lists the devices of every process and a
       `TensorParallelKeras` mesh spans them. Needs `mpi4py`
       (`pip install "keras_tp[mpi]"`). The coordinator listens on rank
-      0's host, on the port `JAX_COORDINATOR_PORT` names if set.
+      0's host, on the port `JAX_COORDINATOR_PORT` names if set. In a
+      worker of Ray Train's `JaxTrainer` on CPUs, starts
+      `jax.distributed` over Ray's workers (on GPUs and TPUs Ray has).
     - **torch**: joins the default process group now, rather than when
       the first `TensorParallelKeras` is made, as a rank of `torchrun`,
-      `keras_tp.launch` or `mpirun` (whose variables become torchrun's:
-      `keras_tp.mpi.torchrun_variables`).
+      `keras_tp.launch`, Ray's `TorchTrainer` or `mpirun` (whose
+      variables become torchrun's: `keras_tp.mpi.torchrun_variables`).
     - **TensorFlow**: its workers find one another through `TF_CONFIG`
       (`MultiWorkerMirroredStrategy`), not through MPI; this refuses to run
       under `mpirun` and does nothing otherwise.

@@ -966,6 +966,42 @@ def test_two_hosts_read_only_their_shares(two_hosts):
     share_cases.check_indivisible_batches(processes)
 
 
+def test_an_attention_given_whole_per_head_weights_stays_whole():
+    """keras-hub's XLNet passes its per-head biases (4 heads x 8) into its
+    attention's call. Without a data axis only the attention runs on each
+    rank's heads, where the whole biases would not broadcast: the
+    planner's check of the attention units keeps it whole, and the model
+    runs as on one device instead of failing at its first call."""
+    import keras_hub
+
+    def xlnet():
+        keras.utils.set_random_seed(0)
+        return keras_hub.models.XLNetBackbone(
+            vocabulary_size=64,
+            num_layers=1,
+            num_heads=4,
+            hidden_dim=32,
+            intermediate_dim=64,
+            dropout=0.0,
+        )
+
+    rng = np.random.default_rng(0)
+    x = {
+        "token_ids": rng.integers(0, 64, (2, 8)).astype("int32"),
+        "padding_mask": np.ones((2, 8), "int32"),
+        "segment_ids": np.zeros((2, 8), "int32"),
+    }
+    reference = xlnet()
+    tp = keras_tp.TensorParallelKeras(xlnet(), world_size=2)
+    assert (
+        "fails on a rank's heads"
+        in tp.sharding_plan.fallbacks["xlnet_encoder_0/rel_attn"]
+    )
+    assert max_diff([tp(x)], [reference(x)]) <= ATOL
+    # The rest still splits: the feed-forward pair and the embedding.
+    assert len(list(tp.sharding_plan.leaf_layers())) >= 3
+
+
 def test_a_layout_map_is_a_plan():
     # A LayoutMap written for ModelParallel plans the same split; one that
     # lists a single MLP splits just that pair, the rest whole.

@@ -16,6 +16,8 @@ One pipeline, in one direction:
    slices: torch, TensorFlow, JAX with a data axis) that every rank's view
    of the model gives the one-device numbers (`verify.local_problems`),
    and fall back, group by group, with the reason, where it does not.
+   Elsewhere the attention units alone are checked: each still runs on a
+   rank's heads.
 4. **Emit** a bound `ShardingPlan`, each layer's source and reasons kept.
 """
 
@@ -32,6 +34,7 @@ from keras_tp.plan.planner import Planner
 from keras_tp.plan.sharding_plan import ShardingPlan
 from keras_tp.plan.styles import Replicate
 from keras_tp.plan.verify import Problem
+from keras_tp.plan.verify import local_problems
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +76,8 @@ def auto_plan(
             of the mesh).
         check_local: whether to check the plan for ranks that hold their
             own slices (see above). JAX without a data axis runs that code
-            on global arrays and needs no check.
+            on global arrays: only its attention units, which run on each
+            rank's heads, are checked.
         world_size: the former name of `tensor_parallel`; deprecated.
         layout_map: a `keras.distribution.LayoutMap` (as written for
             `ModelParallel`) that decides which layers split: those it
@@ -119,22 +123,28 @@ def auto_plan(
     decisions = planner.decide()
     fallbacks = {}
     _keep_shared_paths_alike(planner, decisions, fallbacks)
-    if check_local and tensor_parallel > 1:
+    if tensor_parallel > 1:
         random_inputs = {}
         for _ in range(len(decisions) + 1):
             plan = _emit(
                 model, tensor_parallel, decisions, fallbacks, planner.reasons
             )
-            plan.summed_gradients = planner.whole_key_values(decisions)
             group_of = _group_of(decisions)
-            problems = counted_problems(
-                model, plan, trace, group_of, random_inputs
-            )
-            if not problems:
-                plan.per_rank_random = random_on_split_values(
-                    plan, random_inputs
+            if check_local:
+                plan.summed_gradients = planner.whole_key_values(decisions)
+                problems = counted_problems(
+                    model, plan, trace, group_of, random_inputs
                 )
-                keep_needed_counts(model, plan, trace, group_of)
+            else:
+                problems = local_problems(
+                    model, plan, trace, group_of, units_only=True
+                )
+            if not problems:
+                if check_local:
+                    plan.per_rank_random = random_on_split_values(
+                        plan, random_inputs
+                    )
+                    keep_needed_counts(model, plan, trace, group_of)
                 return plan
             for key, problem in problems.items():
                 planner.demote(decisions, key, problem, fallbacks)

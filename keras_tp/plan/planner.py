@@ -13,6 +13,7 @@ import keras
 
 from keras_tp.errors import ShardingError
 from keras_tp.plan.attention import ATTENTION
+from keras_tp.plan.experts import expert_output_axis
 from keras_tp.plan.layers import leaf_handler
 from keras_tp.plan.pairing import MegatronPairing
 from keras_tp.plan.sharding_plan import check_shardable
@@ -23,7 +24,6 @@ from keras_tp.plan.styles import ExpertParallel
 from keras_tp.plan.styles import Replicate
 from keras_tp.plan.styles import Row
 from keras_tp.plan.styles import Vocab
-from keras_tp.plan.verify import expert_output_axis
 
 logger = logging.getLogger(__name__)
 

@@ -34,9 +34,9 @@ from keras_tp.keras_internals import own_trainable_variables
 from keras_tp.keras_internals import own_variables
 from keras_tp.plan import trace as tracing
 from keras_tp.plan.head_counts import local_counts
+from keras_tp.plan.sharding_plan import ShardedUnit
 from keras_tp.plan.styles import Channelwise
 from keras_tp.plan.styles import Column
-from keras_tp.plan.styles import ExpertParallel
 from keras_tp.plan.styles import Row
 
 logger = logging.getLogger(__name__)
@@ -82,53 +82,9 @@ class _ReadWatcher(StatelessScope):
         return None
 
 
-def expert_output_axis(call, handler, tensor_parallel):
-    """How the ranks' outputs of an expert split make the whole output.
-
-    Runs the traced `call` once per rank, each on its share of the
-    experts (every weight split on its leading axis).
-
-    Args:
-        call: the layer's traced `Call`.
-        handler: its `OwnWeightsHandler`.
-        tensor_parallel: the number of ranks.
-
-    Returns:
-        `(True, axis)` if the outputs gather on `axis`, `(True, None)` if
-        they sum, `(False, None)` if neither gives the traced output.
-    """
-    layer = call.layer
-    axes = handler.split_axes(layer, ExpertParallel())
-    variables = handler.variables(layer)
-    args, kwargs = call.arguments
-    try:
-        outputs = []
-        for rank in range(tensor_parallel):
-            weights = {
-                role: _slice_tensor(v, tensor_parallel, axes[role], rank)
-                for role, v in variables.items()
-            }
-            outputs.append(
-                _numpy(handler.run_local(layer, weights, args, kwargs))
-            )
-    except Exception:  # noqa: BLE001 - the layer cannot run on a share
-        logger.debug("No expert split of '%s'", layer.path, exc_info=True)
-        return False, None
-    if len(call.outputs) != 1:
-        return False, None
-    whole = _numpy(call.outputs[0])
-    for axis in range(whole.ndim):
-        if outputs[0].shape[axis] * tensor_parallel != whole.shape[axis]:
-            continue
-        gathered = np.concatenate(outputs, axis)
-        if gathered.shape == whole.shape and _close(gathered, whole):
-            return True, axis
-    if outputs[0].shape == whole.shape and _close(sum(outputs), whole):
-        return True, None
-    return False, None
-
-
-def local_problems(model, plan, trace, group_of, random_inputs=None):
+def local_problems(
+    model, plan, trace, group_of, random_inputs=None, units_only=False
+):
     """Checks a bound plan for ranks that hold their own slices.
 
     Args:
@@ -142,6 +98,10 @@ def local_problems(model, plan, trace, group_of, random_inputs=None):
             numbers of its own (a Dropout), whether the input of each of
             its calls in one forward pass is split on a rank:
             `{layer: [bool, ...]}`, in the order of the calls.
+        units_only: check only the attention units' own calls, for a
+            runtime that runs the rest on whole values (JAX without a data
+            axis): a unit still runs on each rank's heads, with its other
+            arguments whole (a per-head bias its parent passes in).
 
     Returns:
         `{group key or layer path: Problem}`; empty when every rank's view
@@ -149,7 +109,7 @@ def local_problems(model, plan, trace, group_of, random_inputs=None):
     """
     for rank in range(plan.tensor_parallel):
         emulation = _Emulation(model, plan, trace, group_of, rank)
-        problems = emulation.run()
+        problems = emulation.run_units() if units_only else emulation.run()
         if random_inputs is not None:
             random_inputs.clear()
             random_inputs.update(emulation.random_inputs)
@@ -171,14 +131,46 @@ class _Emulation:
         self.counters = collections.Counter()
         self.random_inputs = {}
 
-    def run(self):
+    def run_units(self):
+        """Runs each attention unit's traced calls on this rank's heads."""
+        self._slice_weights()
+        for entry in self.plan.layers:
+            if not isinstance(entry, ShardedUnit):
+                continue
+            unit = entry.layer
+            member = next(iter(entry.projections.values()))
+            for reference in self.trace.calls_of[id(unit)]:
+                self.active = [self.group_of[id(member.layer)]]
+                args, kwargs = reference.arguments
+                counts = self.plan.per_rank_counts.get(unit, {})
+                try:
+                    with (
+                        tracing.instrumented(unit, self._wrap),
+                        local_counts(unit, counts, self._head_slice),
+                    ):
+                        outputs = unit.call(*args, **kwargs)
+                    self._compare(
+                        tracing.flat_tensors(outputs),
+                        reference.outputs,
+                        f"the output of '{unit.path}'",
+                    )
+                except Exception as error:  # noqa: BLE001 - a finding
+                    self._blame_active(
+                        f"'{unit.path}' fails on a rank's heads "
+                        f"({type(error).__name__}: {_first_line(error)})"
+                    )
+        return self.problems
+
+    def _slice_weights(self):
+        """This rank's slice of every split layer's weights; returns
+        `{id(variable): layer path}` of the split variables."""
         watched, self.local_weights = {}, {}
         for entry in self.entries.values():
             variables = entry.handler.variables(entry.layer)
             for variable in variables.values():
                 watched[id(variable)] = entry.layer.path
             self.local_weights[id(entry.layer)] = {
-                role: _slice_tensor(
+                role: slice_tensor(
                     v,
                     self.plan.tensor_parallel,
                     entry.axes.get(role),
@@ -186,7 +178,10 @@ class _Emulation:
                 )
                 for role, v in variables.items()
             }
-        watcher = _ReadWatcher(watched)
+        return watched
+
+    def run(self):
+        watcher = _ReadWatcher(self._slice_weights())
         specs = self._relax_row_specs()
         try:
             with tracing.instrumented(self.model, self._wrap), watcher:
@@ -292,7 +287,7 @@ class _Emulation:
         inputs = tracing.flat_tensors((args, kwargs))
         splits_input = isinstance(style, Row) and style.input_is_parallel
         if splits_input:
-            whole = _numpy(reference.inputs[0])
+            whole = as_numpy(reference.inputs[0])
             axis = entry.handler.input_axis(layer, style, whole.ndim)
             if inputs and tuple(inputs[0].shape) == whole.shape:
                 width = whole.shape[axis]
@@ -326,8 +321,8 @@ class _Emulation:
     def _run_channelwise(self, entry, reference, args, kwargs):
         """A per-channel layer: its input must be this rank's channels."""
         layer = entry.layer
-        local = _numpy(args[0])
-        whole = _numpy(reference.inputs[0])
+        local = as_numpy(args[0])
+        whole = as_numpy(reference.inputs[0])
         split = [
             axis
             for axis in range(whole.ndim)
@@ -353,7 +348,7 @@ class _Emulation:
         )
 
     def _head_slice(self, weight, axis):
-        return _slice_tensor(weight, self.plan.tensor_parallel, axis, self.rank)
+        return slice_tensor(weight, self.plan.tensor_parallel, axis, self.rank)
 
     def _rank_slice(self, value, axis):
         """This rank's slice of a NumPy `value` on `axis`."""
@@ -366,14 +361,14 @@ class _Emulation:
         if self.problems:
             return
         for a, b in zip(actual, expected):
-            a, b = _numpy(a), _numpy(b)
+            a, b = as_numpy(a), as_numpy(b)
             if may_split and self._is_rank_slice(a, b):
                 continue
             if a.shape != b.shape:
                 reason = (
                     f"{what} has shape {a.shape} on a rank, expected {b.shape}"
                 )
-            elif not _close(a, b):
+            elif not close_to(a, b):
                 reason = f"{what} differs from the one-device value"
             else:
                 continue
@@ -390,7 +385,7 @@ class _Emulation:
         if len(axes) != 1:
             return False
         part = self._rank_slice(b, axes[0])
-        return part.shape == a.shape and _close(a, part)
+        return part.shape == a.shape and close_to(a, part)
 
     def _blame_active(self, reason):
         if self.problems:
@@ -400,20 +395,20 @@ class _Emulation:
             self.problems[group] = Problem(reason, False)
 
 
-def _numpy(x):
+def as_numpy(x):
     return np.asarray(ops.convert_to_numpy(x))
 
 
-def _slice_tensor(variable, parts, axis, rank):
+def slice_tensor(variable, parts, axis, rank):
     """Slice `rank` of `parts` of a variable on `axis` (all of it for
     `None`), as a tensor of its dtype."""
-    value = _numpy(variable)
+    value = as_numpy(variable)
     if axis is not None:
         value = np.array_split(value, parts, axis)[rank]
     return ops.convert_to_tensor(value, dtype=variable.dtype)
 
 
-def _close(a, b):
+def close_to(a, b):
     if a.dtype.kind not in "fc":
         return np.array_equal(a, b)
     a, b = a.astype("float64"), b.astype("float64")

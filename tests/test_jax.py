@@ -542,6 +542,56 @@ def test_head_counts_are_found_among_chance_divisors():
     assert counts == {"attention": {"heads": 2}}
 
 
+class Up(layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(64, activation="gelu", name="dense")
+
+    def call(self, x):
+        return self.dense(x)
+
+
+class Down(layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = layers.Dense(32, name="dense")
+
+    def call(self, x, residual):
+        return self.dense(x) + residual
+
+
+class SiblingMLP(layers.Layer):
+    """An MLP whose two Dense layers sit in sibling sublayers, as DeiT's."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = Up(name="up")
+        self.down = Down(name="down")
+
+    def call(self, x):
+        return self.down(self.up(x), x)
+
+
+def test_an_mlp_split_over_sibling_sublayers_is_one_pair():
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8, 32), batch_size=2)
+        return keras.Model(inputs, SiblingMLP(name="mlp")(inputs))
+
+    plan = keras_tp.auto_plan(build(), 2, check_local=True)
+    styles = {e.layer.path: e.style for e in plan.leaf_layers()}
+    assert styles == {
+        "mlp/up/dense": keras_tp.Column(),
+        "mlp/down/dense": keras_tp.Row(),
+    }, styles
+    tp = keras_tp.TensorParallelKeras(build(), world_size=2)
+    x = np.random.default_rng(0).normal(size=(2, 8, 32)).astype("float32")
+    assert max_diff([tp(x)], [build()(x)]) <= ATOL
+    tp(x)
+    # One all-reduce, after the Row: the pair's output is never gathered.
+    assert set(tp.communication_stats("call")) == {"all_reduce"}
+
+
 def test_indivisible_dimensions():
     def build():
         keras.utils.set_random_seed(0)

@@ -5,7 +5,8 @@ One pipeline, in one direction:
 1. **Trace** the model once on a probe batch (`trace.trace_model`): every
    layer call, its parent call, and which call produced which tensor.
 2. **Decide** (`planner.Planner`): group the splittable layers of each
-   parent call into Megatron pairs (`pairing.MegatronPairing`): Column
+   parent call (and a Column's output that another parent's Row reads
+   directly) into Megatron pairs (`pairing.MegatronPairing`): Column
    layers whose outputs reach one Row layer, either directly or through
    layers that keep features apart (activations, dropout, pooling, a
    BatchNorm split with the channels), or through raw tensor ops inside

@@ -20,7 +20,7 @@ class MegatronPairing:
     """The pairing walk of a `Planner` (which provides `trace`,
     `tensor_parallel`, `reasons`, `through` and `_can_split`)."""
 
-    def _groups(self, calls, candidates):
+    def _groups(self, calls, candidates, carried):
         """Megatron groups among the direct child calls of one parent.
 
         Walks the calls in order, keeping the Column candidates whose
@@ -29,13 +29,22 @@ class MegatronPairing:
         input was made by raw ops, every open Column whose output only raw
         ops read, provided one of them has the Row's split width.
 
+        Args:
+            calls: the parent's child calls, in order.
+            candidates: `id`s of the layers that may split.
+            carried: the Columns of earlier parents whose output is still
+                open and read by layers (`(call, consumers)`): a Row of
+                another parent that reads it directly closes them (an MLP
+                written as two sibling sublayers, as DeiT's). Updated in
+                place with this parent's.
+
         Returns:
             `(groups, whole)`: `[(column calls, row call)]`, and the calls
             that feed a group through raw ops but cannot be split on its
             axis (key/value heads fewer than the ranks): they stay whole,
             as Megatron keeps them.
         """
-        open_columns = []
+        open_columns = list(carried)
         unsplit = []
         groups = []
         whole = []
@@ -63,6 +72,7 @@ class MegatronPairing:
                     unsplit.append(call)
             elif consumers and self._can_split(call.layer, Column()):
                 open_columns.append((call, consumers))
+        carried[:] = [(c, s) for c, s in open_columns if s]
         for call, _ in whole:
             self.reasons[call.layer.path] = (
                 "its output meets split heads through raw ops but "
@@ -134,8 +144,12 @@ class MegatronPairing:
                 seen.add(consumer.index)
                 if call.index in self.trace.ancestors(consumer):
                     continue  # inside the Column layer's own call
-                if _opaque(consumer.layer):
-                    continue  # like raw ops: the check decides
+                if _opaque(consumer.layer) or consumer.index in (
+                    self.trace.children
+                ):
+                    # Like raw ops (the check decides), or a layer of
+                    # layers: those of its calls that read it are judged.
+                    continue
                 handler = leaf_handler(consumer.layer)
                 weights = self._weights_passing(consumer, tensor, axis)
                 if weights is not None:

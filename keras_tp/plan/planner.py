@@ -115,9 +115,10 @@ class Planner(MegatronPairing):
             else:
                 leaves.append(layer)
         candidates = {id(layer) for layer in leaves}
-        for parent in self.trace.children:
+        carried = []
+        for parent in sorted(self.trace.children, key=_start_order):
             groups, whole = self._groups(
-                self.trace.children[parent], candidates
+                self.trace.children[parent], candidates, carried
             )
             for columns, row in groups:
                 key = id(row.layer)
@@ -383,3 +384,9 @@ def _signature(members, decisions):
         )
         for d in members
     )
+
+
+def _start_order(parent):
+    """Parent calls in the order their first child started (the model's
+    own calls, `None`, first)."""
+    return -1 if parent is None else parent

@@ -65,11 +65,13 @@ tensorflow_eight=tests/test_tensorflow_pipeline_3d.py
 torch_timed="tests/test_torch_elastic.py tests/test_torch_straggler.py"
 tensorflow_timed=tests/test_tensorflow_multiworker_timeout.py
 # Ray Train's runs mostly wait (for their cluster, their workers, a
-# restart): torch's and TensorFlow's run one after the other, beside
-# torch's other tests, which leave a quarter of the cores idle while their
-# ranks wait for one another; JAX's runs among JAX's files.
+# restart), but Ray's own processes take a core for a minute or two
+# each: they run one after the other, beside torch's other tests, which
+# leave a quarter of the cores idle while their ranks wait for one
+# another (among JAX's files, JAX's made that phase 4 minutes longer).
 torch_ray=tests/test_torch_ray.py
 tensorflow_ray=tests/test_tensorflow_ray.py
+jax_ray=tests/test_jax_ray.py
 logs=$(mktemp -d)
 trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR" "$logs"' EXIT
 # Starts a command (`run ...`) in the background, its output kept for
@@ -86,6 +88,7 @@ ray_runs() {
   local code=0
   run torch "" $(ls $torch_ray 2>/dev/null) || code=1
   run tensorflow "" $(ls $tensorflow_ray 2>/dev/null) || code=1
+  run jax "" $(ls $jax_ray 2>/dev/null) || code=1
   return $code
 }
 # Waits for a background run, then shows its output.
@@ -105,12 +108,13 @@ shown() {
 started jax_eight run jax "" $(ls $jax_eight 2>/dev/null)
 started tensorflow_eight run tensorflow "" $(ls $tensorflow_eight 2>/dev/null)
 run jax "$parallel" $(ordered "tests/test_jax.py tests/test_jax_zoo.py \
-  tests/test_jax_ray.py tests/test_common_notebooks.py tests/test_jax_dp.py \
+  tests/test_common_notebooks.py tests/test_jax_dp.py \
   tests/test_common_examples.py tests/test_jax_checkpoint.py \
   tests/test_common_benchmarks.py tests/test_jax_sequence_parallel.py \
   tests/test_jax_mpi.py tests/test_common_pipeline_stages.py \
   tests/test_jax_compression.py tests/test_common_cli.py" \
-  "tests/test_jax*.py tests/test_common*.py" $jax_eight) || status=1
+  "tests/test_jax*.py tests/test_common*.py" $jax_eight $jax_ray) \
+  || status=1
 shown jax_eight
 shown tensorflow_eight
 run tensorflow "$parallel" $(ordered "tests/test_tensorflow_zoo.py \

@@ -18,7 +18,7 @@ What each input becomes:
   included, must divide by `D`; `predict()` and `evaluate()` read a
   loader whose batches do not divide whole, and pad them.
 - `tf.data.Dataset`: in `fit()` each process keeps its row's slice of
-  each batch, so only the slice becomes torch tensors, but it still runs
+  each batch, so only the slice becomes the backend's tensors, but it runs
   the whole pipeline: a `tf.data` batch is read whole. `predict()` and
   `evaluate()` take every batch whole, and pad one that does not divide.
   A shuffled dataset must be seeded alike on every process

@@ -172,7 +172,9 @@ class MeshSteps:
         count = len(held[0])
         for rows in held:
             first = min(rows, default=0)
-            if rows != set(range(first, first + count)) or first % count:
+            if not count or rows != set(range(first, first + count)):
+                return None
+            if first % count:
                 return None
         first = min(held[jax.process_index()])
         return first // count, self.data_parallel // count

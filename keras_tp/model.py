@@ -13,6 +13,7 @@ from keras_tp.config import ParallelConfig
 from keras_tp.first_process import FirstProcessSpeaks
 from keras_tp.generation import Generation
 from keras_tp.keras_internals import BuildsBeforeTracing
+from keras_tp.keras_internals import RunsModelsOwnLoss
 from keras_tp.keras_internals import attach_trainer_state
 from keras_tp.keras_internals import print_msg
 from keras_tp.parallel.reports import DataParallelReports
@@ -31,6 +32,7 @@ class TensorParallelKeras(
     Generation,
     FirstProcessSpeaks,
     BuildsBeforeTracing,
+    RunsModelsOwnLoss,
     keras.Model,
 ):
     """Runs a built Keras model with its layers split across devices.

@@ -24,6 +24,7 @@ from keras import layers  # noqa: E402
 
 from tests import generation_cases  # noqa: E402
 from tests import models  # noqa: E402
+from tests import own_loss_cases  # noqa: E402
 from tests import random_cases  # noqa: E402
 from tests import vocab_cases  # noqa: E402
 from tests.models import loss_fn  # noqa: E402
@@ -129,6 +130,16 @@ def test_vocab_parallel_loss_matches_one_device():
     # Per-rank steps (a data axis); on global arrays the zoo's and the
     # transformer's collective tests check the same loss.
     vocab_cases.check_runs(vocab_cases.runs(4, data_parallel=2))
+
+
+def test_a_models_own_compute_loss_trains_as_on_one_device():
+    # On global arrays, and in per-rank steps (a data axis).
+    own_loss_cases.check_runs(own_loss_cases.runs(2))
+    own_loss_cases.check_runs(own_loss_cases.runs(4, data_parallel=2))
+    with pytest.raises(ValueError, match=r"own `PairedTowers.compute_loss`"):
+        keras_tp.TensorParallelKeras(
+            own_loss_cases.towers(), world_size=2, pipeline_parallel=2
+        )
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -37,6 +37,7 @@ keras_tp.configure_virtual_devices(4)
 
 from tests import generation_cases  # noqa: E402
 from tests import models  # noqa: E402
+from tests import own_loss_cases  # noqa: E402
 from tests import random_cases  # noqa: E402
 from tests import speaker_cases  # noqa: E402
 from tests import vocab_cases  # noqa: E402
@@ -275,6 +276,18 @@ def test_vocab_parallel_loss_matches_one_device():
             optimizer=lambda: keras.optimizers.SGD(0.1, momentum=0.9),
         )
     )
+
+
+def test_a_models_own_compute_loss_trains_from_the_outputs_only():
+    # The loss is computed outside the replicas, from their outputs: a
+    # loss of the model's own that reads only them trains as on one
+    # device; one that calls the model again is refused in training (no
+    # gradient would reach the layers it calls) and exact in evaluation.
+    own_loss_cases.check_runs(own_loss_cases.runs(2, calls_again=False))
+    refused = own_loss_cases.tensorflow_refusal(2)
+    assert "PairedTowers.compute_loss calls layer '" in refused["error"]
+    assert "Train this model on JAX or torch" in refused["error"]
+    np.testing.assert_allclose(*refused["evaluated"], atol=1e-5)
 
 
 def test_transformer_collectives_per_step():

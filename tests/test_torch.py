@@ -32,6 +32,7 @@ from keras_tp.launcher import RemoteTraceback  # noqa: E402
 from keras_tp.launcher import launch  # noqa: E402
 from tests import generation_cases  # noqa: E402
 from tests import models  # noqa: E402
+from tests import own_loss_cases  # noqa: E402
 from tests import random_cases  # noqa: E402
 from tests import vocab_cases  # noqa: E402
 from tests.torch_scripts import rank_checks  # noqa: E402
@@ -170,6 +171,12 @@ def test_generation_matches_one_device(api_run):
     _, ranks = api_run
     for rank in ranks:
         generation_cases.check_runs(rank["generation"], WORLD_SIZE)
+
+
+def test_a_models_own_compute_loss_trains_as_on_one_device(api_run):
+    _, ranks = api_run
+    for rank in ranks:
+        own_loss_cases.check_runs(rank["own_loss"])
 
 
 def test_get_weights_are_full_and_match(api_run):

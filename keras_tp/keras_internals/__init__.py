@@ -40,6 +40,7 @@ from keras_tp.keras_internals.layers import shifted_seed_draws
 from keras_tp.keras_internals.layers import stored_kernel
 from keras_tp.keras_internals.layers import sublayers
 from keras_tp.keras_internals.models import BuildsBeforeTracing
+from keras_tp.keras_internals.models import RunsModelsOwnLoss
 from keras_tp.keras_internals.models import attach_trainer_state
 from keras_tp.keras_internals.models import build_shapes
 from keras_tp.keras_internals.models import compile_arguments
@@ -49,6 +50,7 @@ from keras_tp.keras_internals.models import input_structure
 from keras_tp.keras_internals.models import jax_update_metrics
 from keras_tp.keras_internals.models import loss_function_arguments
 from keras_tp.keras_internals.models import metric_function
+from keras_tp.keras_internals.models import overrides_compute_loss
 from keras_tp.keras_internals.models import print_msg
 from keras_tp.keras_internals.models import set_initial_epoch
 from keras_tp.keras_internals.models import set_metric_function
@@ -77,6 +79,7 @@ from keras_tp.keras_internals.variables import stored_value
 __all__ = [
     "ATTENTION_OUTPUT_PROJECTION",
     "BuildsBeforeTracing",
+    "RunsModelsOwnLoss",
     "StatelessScope",
     "UpdatesThroughAssign",
     "attach_trainer_state",
@@ -106,6 +109,7 @@ __all__ = [
     "node_inputs",
     "node_operation",
     "node_outputs",
+    "overrides_compute_loss",
     "own_optimizer_variables",
     "own_seed_generators",
     "own_trainable_variables",

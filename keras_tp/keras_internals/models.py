@@ -52,6 +52,42 @@ class BuildsBeforeTracing:
         return len(keras.tree.flatten(outputs)) > 1
 
 
+def overrides_compute_loss(model):
+    """Whether `model`'s class computes its loss its own way."""
+    return type(model).compute_loss is not keras.Model.compute_loss
+
+
+class RunsModelsOwnLoss:
+    """Model mixin: the loss is the wrapped model's own `compute_loss`
+    where its class defines one (keras-hub's SigLIP, BASNet, RetinaNet,
+    PARSeq and D-FINE do), with the wrapper's compiled loss.
+
+    Such a method may call the model or its layers again (SigLIP's calls
+    `self(x)`); they run split, as the wrapper's forward pass does. Its
+    `super().compute_loss` reads the wrapped model's compiled loss, which
+    is the wrapper's while the method runs.
+    """
+
+    def compute_loss(
+        self, x=None, y=None, y_pred=None, sample_weight=None, training=True
+    ):
+        model = self.model
+        if not overrides_compute_loss(model):
+            return super().compute_loss(x, y, y_pred, sample_weight, training)
+        own_loss = model._compile_loss
+        model._compile_loss = self._compile_loss
+        try:
+            return model._compute_loss(
+                x=x,
+                y=y,
+                y_pred=y_pred,
+                sample_weight=sample_weight,
+                training=training,
+            )
+        finally:
+            model._compile_loss = own_loss
+
+
 def compute_loss(model, **kwargs):
     """`model.compute_loss`, also when a user's override lacks `training`."""
     return model._compute_loss(**kwargs)

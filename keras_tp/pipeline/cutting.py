@@ -6,6 +6,7 @@ import logging
 
 import keras
 
+from keras_tp.keras_internals import overrides_compute_loss
 from keras_tp.keras_internals import sublayers
 from keras_tp.pipeline.cut_points import automatic_cuts
 from keras_tp.pipeline.cut_points import candidate_cuts
@@ -124,7 +125,16 @@ def split_stages(
 
 def _check_losses(model):
     """Refuses layers that add losses in `call`, which a stage cannot
-    return."""
+    return, and a loss of the model's own, which no stage can compute."""
+    if overrides_compute_loss(model):
+        raise ValueError(
+            f"Model '{model.name}' computes its loss in its own "
+            f"`{type(model).__name__}.compute_loss`, which may call any "
+            "stage; a pipeline's last stage computes each micro-batch's "
+            "loss from the outputs with the loss given to compile(). Train "
+            "this model without pipeline_parallel (tensor and data "
+            "parallelism run its own loss)."
+        )
     for layer in [model] + list(sublayers(model)):
         if getattr(layer, "activity_regularizer", None) is not None:
             raise ValueError(

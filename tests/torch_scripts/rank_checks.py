@@ -20,6 +20,7 @@ from keras_tp import collectives
 from keras_tp.tensors import nbytes
 from tests import generation_cases
 from tests import models
+from tests import own_loss_cases
 from tests import random_cases
 from tests import vocab_cases
 
@@ -292,6 +293,7 @@ def api_checks(save_path):
         world_size, torch_step_memory
     )
     result["generation"] = generation_cases.runs(world_size)
+    result["own_loss"] = own_loss_cases.runs(world_size)
     return _all_ranks(result)
 
 

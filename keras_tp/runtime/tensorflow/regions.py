@@ -51,7 +51,27 @@ class ReplicaRegions:
         with self.recording_call():
             return self._on_replicas(call_on_replica, inputs)
 
+    @contextlib.contextmanager
+    def loss_from_outputs(self, model, tape):
+        """The context of a training step's loss, which is computed outside
+        the replicas from their outputs (see `keras_tp.runtime.tensorflow.
+        steps`): no gradient would reach a layer that the model's own
+        `compute_loss` calls again there, so such a call is refused."""
+        self._loss_of = model
+        try:
+            yield
+        finally:
+            self._loss_of = None
+        read = {id(v) for v in tape.watched_variables()}
+        for variable in model.trainable_variables:
+            # A variable of the replicas is read through its copies.
+            copies = getattr(variable.value, "values", (variable.value,))
+            if any(id(copy) in read for copy in copies):
+                _refuse_loss_of(model, f"reads variable '{variable.path}'")
+
     def run_region(self, region, args, kwargs):
+        if getattr(self, "_loss_of", None) is not None:
+            _refuse_loss_of(self._loss_of, f"calls layer '{region.layer.path}'")
         if not self._in_replica():
             return self._region_outside_replicas(region, args, kwargs)
         if not self.sequence_parallel:
@@ -152,6 +172,16 @@ class ReplicaRegions:
             return self._on_replicas(replica_step, *tensors), grad
 
         return sharded_call(*[leaves[i] for i in tensor_positions])
+
+
+def _refuse_loss_of(model, what):
+    raise NotImplementedError(
+        f"{type(model).__name__}.compute_loss {what} of the model: on "
+        "TensorFlow keras_tp computes a training step's loss outside the "
+        "replicas, from the outputs of their forward pass, where a layer "
+        "called again would get no gradient. Train this model on JAX or "
+        "torch, or compute its loss from `y_pred` alone."
+    )
 
 
 def _gather_split(adapter, outputs, axes):

@@ -225,7 +225,8 @@ class ReplicaSteps:
         with tf.GradientTape() as loss_tape:
             loss_tape.watch(rows)
             y_pred = self._rows_together(rows)
-            loss = _tracked_loss(model, x, y, y_pred, sample_weight, True)
+            with self.loss_from_outputs(model.model, loss_tape):
+                loss = _tracked_loss(model, x, y, y_pred, sample_weight, True)
             scaled_loss = optimizer.scale_loss(loss)
         # Times D, the gradient with respect to a row's output is that of
         # the row's own mean loss; the CoordinatedOptimizer's average over

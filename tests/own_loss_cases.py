@@ -119,6 +119,7 @@ def runs(world_size, calls_again=True, **wrap_kwargs):
         float(np.max(np.abs(a - b)))
         for a, b in zip(tp.get_weights(), reference.get_weights())
     )
+    results["temperature"] = tp.sharding_plan.replicated["temperature"]
     results["styles"] = {
         entry.layer.path: type(entry.style).__name__
         for entry in tp.sharding_plan.leaf_layers()
@@ -139,6 +140,10 @@ def check_runs(results, tolerance=1e-5):
     assert results["weights"] <= tolerance, results
     assert results["styles"]["a_up"] == "Column", results["styles"]
     assert results["styles"]["a_down"] == "Row", results["styles"]
+    # One number is no bank of experts, whatever ExpertParallel needs.
+    assert results["temperature"].startswith(
+        "Scale: kept whole, as no split of its own weights"
+    ), results["temperature"]
 
 
 def tensorflow_refusal(world_size):

@@ -75,7 +75,7 @@ class OwnWeightsHandler(LayerHandler):
         variables = self.variables(layer)
         shapes = [tuple(v.shape) for v in variables.values()]
         if isinstance(style, ExpertParallel):
-            if len({shape[:1] for shape in shapes}) != 1 or not shapes[0]:
+            if self.expert_count(layer) is None:
                 raise ShardingError(
                     f"Layer '{layer.path}': ExpertParallel() splits every "
                     "weight on its leading (experts) axis, but the weights "
@@ -93,6 +93,13 @@ class OwnWeightsHandler(LayerHandler):
         return {
             role: tuple(v.shape).index(length) for role, v in variables.items()
         }
+
+    def expert_count(self, layer):
+        """The leading length all the layer's weights share, or `None`."""
+        leading = {tuple(v.shape)[:1] for v in own_variables(layer)}
+        if len(leading) != 1 or leading == {()}:
+            return None
+        return leading.pop()[0]
 
     def channel_length(self, layer):
         """The length every weight has on exactly one axis, or `None`."""

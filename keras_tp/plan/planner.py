@@ -174,6 +174,8 @@ class Planner(MegatronPairing):
         calls = self.trace.calls_of[id(layer)]
         if ExpertParallel not in handler.styles or len(calls) != 1:
             return None
+        if handler.expert_count(layer) is None:
+            return None  # Not a bank of experts: the shapes say nothing.
         if not self._can_split(layer, ExpertParallel()):
             return None
         found, axis = expert_output_axis(

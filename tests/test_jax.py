@@ -603,6 +603,68 @@ def test_an_mlp_split_over_sibling_sublayers_is_one_pair():
     assert set(tp.communication_stats("call")) == {"all_reduce"}
 
 
+class FlatHeadsAttention(layers.Layer):
+    """Attention written as plain layers, as Bloom's: per-head query, key
+    and value projections, a per-head bias from its head count (Bloom's
+    ALiBi slopes), and heads flattened into the output layer's features."""
+
+    def __init__(self, heads=4, head_size=8, **kwargs):
+        super().__init__(**kwargs)
+        self.heads, self.head_size = heads, head_size
+        self.projections = [
+            layers.EinsumDense(
+                "btd,dnh->btnh", (None, heads, head_size), name=name
+            )
+            for name in ("query", "key", "value")
+        ]
+        self.out = layers.Dense(32, name="out")
+
+    def call(self, x):
+        query, key, value = (p(x) for p in self.projections)
+        scores = keras.ops.einsum("bqnh,bknh->bnqk", query, key)
+        slopes = 2.0 ** -keras.ops.arange(1, self.heads + 1, dtype="float32")
+        scores = scores + keras.ops.reshape(slopes, (1, -1, 1, 1))
+        weights = keras.ops.softmax(scores, axis=-1)
+        heads = keras.ops.einsum("bnqk,bknh->bqnh", weights, value)
+        batch, length = keras.ops.shape(x)[0], keras.ops.shape(x)[1]
+        flat = (batch, length, self.heads * self.head_size)
+        return self.out(keras.ops.reshape(heads, flat))
+
+
+def test_heads_flattened_into_features_pair_on_whole_arrays():
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8, 32), batch_size=2)
+        return keras.Model(inputs, FlatHeadsAttention(name="attn")(inputs))
+
+    def styles(check_local):
+        plan = keras_tp.auto_plan(build(), 2, check_local=check_local)
+        return {e.layer.path: e.style for e in plan.leaf_layers()}
+
+    # On whole arrays (JAX without a data axis) a block of heads is a
+    # block of the output layer's features: Megatron's pair.
+    assert styles(check_local=False) == {
+        "attn/query": keras_tp.Column(),
+        "attn/key": keras_tp.Column(),
+        "attn/value": keras_tp.Column(),
+        "attn/out": keras_tp.Row(),
+    }
+    # On a rank's slices the per-head bias would read the config's head
+    # count: the heads are gathered.
+    assert styles(check_local=True)["attn/out"] != keras_tp.Row()
+    x = np.random.default_rng(0).normal(size=(2, 8, 32)).astype("float32")
+    for data_parallel in (1, 2):
+        tp = keras_tp.TensorParallelKeras(
+            build(), world_size=2 * data_parallel, data_parallel=data_parallel
+        )
+        assert max_diff([tp(x)], [build()(x)]) <= ATOL
+    tp = keras_tp.TensorParallelKeras(build(), world_size=2)
+    tp(x)
+    # One all-reduce, after the Row: the heads are never gathered.
+    stats = tp.communication_stats("call")
+    assert set(stats) == {"all_reduce"} and stats["all_reduce"]["calls"] == 1
+
+
 def test_indivisible_dimensions():
     def build():
         keras.utils.set_random_seed(0)

@@ -120,7 +120,9 @@ def auto_plan(
             f"tensor_parallel must be >= 1, got {tensor_parallel}."
         )
     trace = tracing.trace_model(model, sample_batch)
-    planner = Planner(model, tensor_parallel, trace, layout_map)
+    planner = Planner(
+        model, tensor_parallel, trace, layout_map, global_arrays=not check_local
+    )
     decisions = planner.decide()
     fallbacks = {}
     _keep_shared_paths_alike(planner, decisions, fallbacks)

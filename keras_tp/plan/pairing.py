@@ -3,7 +3,7 @@
 Read from the trace, per parent call: a Column's output reaches its Row
 directly, through layers that keep the split features apart (judged by
 what they compute on the traced values), or through raw ops inside the
-parent, recognised by the split width. Walks go forward in time and visit
+parent, recognised by the split widths. Walks go forward in time and visit
 each call once, so they end.
 """
 
@@ -18,7 +18,8 @@ from keras_tp.plan.styles import Row
 
 class MegatronPairing:
     """The pairing walk of a `Planner` (which provides `trace`,
-    `tensor_parallel`, `reasons`, `through` and `_can_split`)."""
+    `tensor_parallel`, `global_arrays`, `reasons`, `through` and
+    `_can_split`)."""
 
     def _groups(self, calls, candidates, carried):
         """Megatron groups among the direct child calls of one parent.
@@ -27,7 +28,7 @@ class MegatronPairing:
         output is still open. A Row candidate closes the open Columns its
         input comes from: directly (through separable layers) or, when its
         input was made by raw ops, every open Column whose output only raw
-        ops read, provided one of them has the Row's split width.
+        ops read, provided one of them splits as the Row does (`_fits`).
 
         Args:
             calls: the parent's child calls, in order.
@@ -86,14 +87,13 @@ class MegatronPairing:
         return leaf_handler(call.layer).split_size(call.layer, Column())
 
     def _row_partners(self, row, open_columns):
-        width = leaf_handler(row.layer).split_size(row.layer, Row())
         direct = [
             (call, consumers)
             for call, consumers in open_columns
             if consumers and row.index in consumers
         ]
         if direct:
-            if all(self._width(call) == width for call, _ in direct):
+            if all(self._fits(call, row) for call, _ in direct):
                 return direct
             return []
         source = row.inputs[0] if row.inputs else None
@@ -107,15 +107,36 @@ class MegatronPairing:
             for c, s in open_columns
             if not s and not any(t is source for t in c.inputs)
         ]
-        if any(self._width(call) == width for call, _ in opaque):
+        if any(self._fits(call, row) for call, _ in opaque):
             return opaque
         return []
 
-    def _width(self, call):
-        handler = leaf_handler(call.layer)
-        output = call.outputs[0]
-        axis = handler.output_axis(call.layer, Column(), len(output.shape))
-        return output.shape[axis]
+    def _fits(self, column, row):
+        """Whether the Row call may read the Column call's split output.
+
+        Each side splits an axis (of the Column's output, of the Row's
+        input) into the ranks' blocks. Where the code between them runs on
+        each rank's slices, the two lengths must be equal. On whole arrays
+        a block of heads may also be read as a block of features, heads
+        first: one side's split length may be a multiple `k` of the
+        other's where `k` divides that other side's features per head (an
+        attention's heads flattened into its features, as Bloom's,
+        Falcon's and GPT-NeoX's, whose fused projection holds each head's
+        query, key and value; or features read back as heads, as
+        SmolLM3's). On a rank's slices such code reads its config's head
+        counts and per-head constants (Bloom's ALiBi slopes), which stay
+        whole.
+        """
+        if not row.inputs:
+            return False
+        sides = [
+            _heads(column.outputs[0], column.layer, Column(), "output_axis"),
+            _heads(row.inputs[0], row.layer, Row(), "input_axis"),
+        ]
+        (few, per_head), (many, _) = sorted(sides)
+        if not self.global_arrays:
+            return few == many
+        return many % few == 0 and per_head % (many // few) == 0
 
     def _span_consumers(self, call):
         """Indices of the non-separable calls reading `call`'s output.
@@ -201,6 +222,15 @@ class MegatronPairing:
             and len(self.trace.calls_of[id(call.layer)]) == 1
             and call.outputs
         )
+
+
+def _heads(tensor, layer, style, axis_of):
+    """`(split length, features per unit of it)` of `layer`'s `tensor`."""
+    axis = getattr(leaf_handler(layer), axis_of)(
+        layer, style, len(tensor.shape)
+    )
+    units = tensor.shape[axis]
+    return units, int(np.prod(tensor.shape[axis:])) // units
 
 
 def _opaque(layer):

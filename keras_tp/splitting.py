@@ -1,7 +1,6 @@
 """How `TensorParallelKeras` splits a model it wraps: the plan bound to
 the model, its variables placed, its split layers' regions installed."""
 
-import warnings
 import weakref
 
 import keras
@@ -9,7 +8,7 @@ import keras
 from keras_tp import generation
 from keras_tp import partial_gradients
 from keras_tp import regions
-from keras_tp.keras_internals import sublayers
+from keras_tp.parallel import batch_statistics
 from keras_tp.parallel import zero3
 from keras_tp.plan.auto import auto_plan
 from keras_tp.plan.local_check import check_locally
@@ -103,7 +102,7 @@ def split_model(model, plan, runtime, trainer):
         generation.install_caches(model, plan, runtime)
     runtime.prepare_model(model)
     runtime.prepare_trainer(trainer)
-    _warn_of_row_statistics(model, runtime.data_parallel)
+    batch_statistics.install(model, runtime)
     if runtime.zero_stage == 3:
         for variable in model.trainable_variables:
             axis = runtime.placement.partition_axis(variable)
@@ -111,27 +110,3 @@ def split_model(model, plan, runtime, trainer):
                 runtime.placement.partition(variable, axis)
         zero3.install_gathers(model, installed, runtime)
     _WRAPPED_MODELS.add(model)
-
-
-def _warn_of_row_statistics(model, data_parallel):
-    """Warns that trainable BatchNormalization layers normalise each
-    data-parallel row's part of the batch by that part's statistics."""
-    norms = [
-        layer
-        for layer in sublayers(model)
-        if isinstance(layer, keras.layers.BatchNormalization)
-        and layer.trainable
-    ]
-    if data_parallel == 1 or not norms:
-        return
-    others = f" and {len(norms) - 1} more" if len(norms) > 1 else ""
-    warnings.warn(
-        f"BatchNormalization layer '{norms[0].path}'{others}: with "
-        f"data_parallel={data_parallel} each data-parallel row normalises "
-        f"its 1/{data_parallel} of the batch by that part's own statistics "
-        "in training, as torch DDP does without SyncBatchNorm, so training "
-        "differs from one device's. Freeze them (`layer.trainable = False` "
-        "uses the moving statistics), or use LayerNormalization or "
-        "GroupNormalization, to train as on one device.",
-        stacklevel=4,
-    )

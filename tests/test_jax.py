@@ -6,7 +6,6 @@ The oracle is always the same model, same seed, on one device.
 
 import os
 import re
-import warnings
 
 import pytest
 
@@ -664,23 +663,6 @@ def test_heads_flattened_into_features_pair_on_whole_arrays():
     # One all-reduce, after the Row: the heads are never gathered.
     stats = tp.communication_stats("call")
     assert set(stats) == {"all_reduce"} and stats["all_reduce"]["calls"] == 1
-
-
-def test_batchnorm_under_data_parallelism_warns_of_row_statistics():
-    # Each data-parallel row normalises its part of the batch by its own
-    # statistics (as torch DDP without SyncBatchNorm), which one device
-    # does not: the split differs in training, so it is said.
-    with pytest.warns(UserWarning, match="bn1'.*its 1/2 of the batch"):
-        keras_tp.TensorParallelKeras(
-            models.cnn(), world_size=4, data_parallel=2
-        )
-    frozen = models.cnn()
-    frozen.get_layer("bn1").trainable = False
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        keras_tp.TensorParallelKeras(frozen, world_size=4, data_parallel=2)
-        keras_tp.TensorParallelKeras(models.cnn(), world_size=2)
-    assert not [w for w in caught if "SyncBatchNorm" in str(w.message)]
 
 
 def test_indivisible_dimensions():

@@ -27,7 +27,7 @@ from tests import models  # noqa: E402
 from tests.dp_cases import BATCH  # noqa: E402
 from tests.dp_cases import accumulation_buffer_bytes  # noqa: E402
 from tests.dp_cases import any_sample_count  # noqa: E402
-from tests.dp_cases import batchnorm_after_one_step  # noqa: E402
+from tests.dp_cases import batchnorm_after_two_steps  # noqa: E402
 from tests.dp_cases import check_accumulation_buffers  # noqa: E402
 from tests.dp_cases import check_any_sample_count  # noqa: E402
 from tests.dp_cases import check_data_traffic  # noqa: E402
@@ -182,8 +182,8 @@ def test_optimizer_stage_must_match_model():
 
 
 @pytest.mark.parametrize("world_size,data_parallel", [(2, 2), (4, 2)])
-def test_batchnorm_statistics_are_averaged_over_data(world_size, data_parallel):
-    difference, consistency = batchnorm_after_one_step(
+def test_batchnorm_normalises_by_the_global_batch(world_size, data_parallel):
+    difference, consistency = batchnorm_after_two_steps(
         world_size, data_parallel, 1
     )
     assert difference <= 1e-6

@@ -272,7 +272,7 @@ def test_local_sgd_matches_replicas_trained_apart(two_ranks):
         check_local_sgd_runs(rank["local_sgd"])
 
 
-def test_batchnorm_statistics_are_averaged_over_data(two_ranks):
+def test_batchnorm_normalises_by_the_global_batch(two_ranks):
     _, ranks = two_ranks
     for rank in ranks:
         difference, consistency = rank["batchnorm"]

@@ -29,12 +29,15 @@ from keras_tp.keras_internals.graphs import node_outputs
 from keras_tp.keras_internals.graphs import producer_node
 from keras_tp.keras_internals.layers import ATTENTION_OUTPUT_PROJECTION
 from keras_tp.keras_internals.layers import attention_projections
+from keras_tp.keras_internals.layers import batch_moments
 from keras_tp.keras_internals.layers import draw_from_state
 from keras_tp.keras_internals.layers import get_keras_mask
 from keras_tp.keras_internals.layers import own_seed_generators
 from keras_tp.keras_internals.layers import own_trainable_variables
 from keras_tp.keras_internals.layers import own_variables
+from keras_tp.keras_internals.layers import reduction_axes
 from keras_tp.keras_internals.layers import seed_generators
+from keras_tp.keras_internals.layers import set_batch_moments
 from keras_tp.keras_internals.layers import set_keras_mask
 from keras_tp.keras_internals.layers import shifted_seed_draws
 from keras_tp.keras_internals.layers import stored_kernel
@@ -85,6 +88,7 @@ __all__ = [
     "attach_trainer_state",
     "attention_projections",
     "backend_free_add_variable_from_reference",
+    "batch_moments",
     "bind_values",
     "build_shapes",
     "compile_arguments",
@@ -116,8 +120,10 @@ __all__ = [
     "own_variables",
     "place_slots_on_creation",
     "print_msg",
+    "set_batch_moments",
     "set_initial_epoch",
     "producer_node",
+    "reduction_axes",
     "seed_generators",
     "set_jax_layout",
     "set_keras_mask",

@@ -119,3 +119,19 @@ def attention_projections(layer):
         names.append("_gate_dense")
     names.append(ATTENTION_OUTPUT_PROJECTION)
     return {name: getattr(layer, name) for name in names}
+
+
+def batch_moments(layer):
+    """A BatchNormalization layer's `(mean, variance)` of a batch, as a
+    function of `(inputs, mask)`."""
+    return layer._moments
+
+
+def set_batch_moments(layer, moments):
+    """Makes `layer` compute a batch's statistics with `moments`."""
+    object.__setattr__(layer, "_moments", moments)
+
+
+def reduction_axes(layer):
+    """The axes a BatchNormalization layer's statistics reduce."""
+    return layer._reduction_axes

@@ -12,6 +12,8 @@
   (buckets sent during the backward pass);
 - `bucket_probe`: `bucket_cap_mb="auto"`; `clipping`: norms across ranks;
 - `zero3`: ZeRO-3's parameter gathers around each layer's call;
+- `batch_statistics`: BatchNormalization over the global batch (as
+  torch's SyncBatchNorm);
 - `reports`: optimizer and gradient bytes per device, gradient sharing,
   and the consistency check of the copies (methods of the model).
 

@@ -102,7 +102,7 @@ def split_model(model, plan, runtime, trainer):
         generation.install_caches(model, plan, runtime)
     runtime.prepare_model(model)
     runtime.prepare_trainer(trainer)
-    batch_statistics.install(model, runtime)
+    batch_statistics.install(model, runtime, trainer)
     if runtime.zero_stage == 3:
         for variable in model.trainable_variables:
             axis = runtime.placement.partition_axis(variable)

@@ -12,7 +12,9 @@ all-reduced too (Megatron's `f` then `g`), so that a row's backward pass
 takes every row's loss into account through the shared statistics.
 
 Where the step runs on whole arrays (JAX without per-rank steps) the
-batch is already global and the layer runs unchanged.
+batch is already global, and under local SGD (`local_sgd_steps`) each
+replica trains apart, its statistics its own: there the layer runs
+unchanged.
 """
 
 import keras
@@ -26,22 +28,30 @@ from keras_tp.keras_internals import sublayers
 _HALF_FLOATS = ("float16", "bfloat16")
 
 
-def install(model, runtime):
+def install(model, runtime, trainer):
     """Makes `model`'s BatchNormalization layers normalise by the
-    statistics of the global batch, where `runtime` has a data axis."""
+    statistics of the global batch, where `runtime` has a data axis.
+
+    Args:
+        model: the wrapped model.
+        runtime: its runtime.
+        trainer: the `TensorParallelKeras` that trains it.
+    """
     if runtime.data_parallel == 1:
         return
     for layer in sublayers(model):
         if isinstance(layer, keras.layers.BatchNormalization):
-            set_batch_moments(layer, _global_moments(layer, runtime))
+            set_batch_moments(layer, _global_moments(layer, runtime, trainer))
 
 
-def _global_moments(layer, runtime):
+def _global_moments(layer, runtime, trainer):
     """`layer`'s `(mean, variance)` of a batch, over every data row."""
     local_moments = batch_moments(layer)
 
     def moments(inputs, mask):
-        if not runtime.holds_local_values():
+        optimizer = getattr(trainer, "optimizer", None)
+        trains_apart = getattr(optimizer, "local_sgd_steps", None)
+        if trains_apart or not runtime.holds_local_values():
             return local_moments(inputs, mask)
         adapter = runtime.data_adapter
         axes = reduction_axes(layer)

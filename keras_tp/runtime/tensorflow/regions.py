@@ -23,6 +23,10 @@ from keras_tp.runtime.tensorflow.storage import local_read
 class ReplicaRegions:
     """Runtime mixin: runs sharded regions and ZeRO-3 gathered calls."""
 
+    # The model whose training loss is being computed, outside the
+    # replicas (`loss_from_outputs`).
+    _loss_of = None
+
     def prepare_region(self, region):
         """Lets the region's Row layers take their input split."""
         region.accept_split_input()
@@ -70,7 +74,7 @@ class ReplicaRegions:
                 _refuse_loss_of(model, f"reads variable '{variable.path}'")
 
     def run_region(self, region, args, kwargs):
-        if getattr(self, "_loss_of", None) is not None:
+        if self._loss_of is not None:
             _refuse_loss_of(self._loss_of, f"calls layer '{region.layer.path}'")
         if not self._in_replica():
             return self._region_outside_replicas(region, args, kwargs)

@@ -94,6 +94,16 @@ def kept_bytes(psi, data_parallel, zero_stage, accumulation_steps=1):
     return parameters, gradients, adam
 
 
+def batchnorm_network():
+    """Dense -> BatchNormalization -> Dense, on 16 features."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    x = keras.layers.Dense(32, name="up")(inputs)
+    x = keras.layers.BatchNormalization(name="norm")(x)
+    outputs = keras.layers.Dense(8, name="head")(x)
+    return keras.Model(inputs, outputs)
+
+
 def batchnorm_after_two_steps(world_size, data_parallel, zero_stage):
     """A BatchNorm network after two data-parallel SGD steps.
 
@@ -107,17 +117,9 @@ def batchnorm_after_two_steps(world_size, data_parallel, zero_stage):
         `(largest difference to one device, check_gradient_consistency())`.
     """
 
-    def build():
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((16,))
-        x = keras.layers.Dense(32, name="up")(inputs)
-        x = keras.layers.BatchNormalization(name="norm")(x)
-        outputs = keras.layers.Dense(8, name="head")(x)
-        return keras.Model(inputs, outputs)
-
-    reference = build()
+    reference = batchnorm_network()
     tp = keras_tp.TensorParallelKeras(
-        build(),
+        batchnorm_network(),
         world_size=world_size,
         data_parallel=data_parallel,
         zero_stage=zero_stage,

@@ -28,6 +28,7 @@ from tests.dp_cases import BATCH  # noqa: E402
 from tests.dp_cases import accumulation_buffer_bytes  # noqa: E402
 from tests.dp_cases import any_sample_count  # noqa: E402
 from tests.dp_cases import batchnorm_after_two_steps  # noqa: E402
+from tests.dp_cases import batchnorm_network  # noqa: E402
 from tests.dp_cases import check_accumulation_buffers  # noqa: E402
 from tests.dp_cases import check_any_sample_count  # noqa: E402
 from tests.dp_cases import check_data_traffic  # noqa: E402
@@ -188,6 +189,26 @@ def test_batchnorm_normalises_by_the_global_batch(world_size, data_parallel):
     )
     assert difference <= 1e-6
     assert consistency["consistent"], consistency
+
+
+def test_batchnorm_statistics_stay_each_replicas_under_local_sgd():
+    # Local SGD's replicas train apart, their batch statistics too: its
+    # steps send no BatchNormalization all-reduce over data, where DDP's
+    # send two (the mean's and the variance's sums).
+    x, y = models.data_for("mlp", batch=8)
+    forward = []
+    for local_sgd_steps in (None, 2):
+        tp = keras_tp.TensorParallelKeras(
+            batchnorm_network(), world_size=2, data_parallel=2
+        )
+        optimizer = keras_tp.CoordinatedOptimizer(
+            keras.optimizers.SGD(0.1), local_sgd_steps=local_sgd_steps
+        )
+        tp.compile(optimizer=optimizer, loss=loss_fn())
+        tp.train_on_batch(x, y)
+        stats = tp.communication_stats("train", axis="data")
+        forward.append(stats["all_reduce"]["forward_calls"])
+    assert forward[0] - forward[1] == 2, forward
 
 
 def test_hierarchical_collectives_equal_flat_ones():

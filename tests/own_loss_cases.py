@@ -97,8 +97,10 @@ def runs(world_size, calls_again=True, **wrap_kwargs):
     on one device and split `world_size` ways.
 
     Returns:
-        `{"losses", "evaluated"}`: `(one device's, split)` pairs, and
-        `"weights"`, the largest difference of the trained weights.
+        `{"reference": ..., "split": ...}`, each `{"losses", "evaluated"}`;
+        `"weights"`, the largest difference of the trained weights;
+        `"temperature"`, why the scale stays whole; `"styles"`, each split
+        layer's style.
     """
     x = batch()
     reference = _compiled(towers(calls_again=calls_again))

@@ -665,6 +665,18 @@ def test_heads_flattened_into_features_pair_on_whole_arrays():
     assert set(stats) == {"all_reduce"} and stats["all_reduce"]["calls"] == 1
 
 
+def test_a_depthwise_kernel_is_no_bank_of_experts():
+    # A DepthwiseConv2D without bias holds one weight, whose leading axis
+    # (the kernel's height) would fit ExpertParallel's shape rule: the
+    # reason it stays whole is the general one, not that axis's size.
+    inputs = keras.Input((8, 8, 4))
+    x = layers.DepthwiseConv2D(3, use_bias=False, name="depthwise")(inputs)
+    plan = keras_tp.auto_plan(keras.Model(inputs, x), 2, check_local=True)
+    assert plan.replicated["depthwise"].startswith(
+        "DepthwiseConv2D: kept whole, as no split of its own weights"
+    ), plan.replicated
+
+
 def test_indivisible_dimensions():
     def build():
         keras.utils.set_random_seed(0)

@@ -187,9 +187,13 @@ class Planner(MegatronPairing):
         calls = self.trace.calls_of[id(layer)]
         if ExpertParallel not in handler.styles or len(calls) != 1:
             return None
-        if handler.expert_count(layer) is None:
-            return None  # Not a bank of experts: the shapes say nothing.
-        if not self._can_split(layer, ExpertParallel()):
+        try:
+            check_shardable(
+                layer, handler, ExpertParallel(), self.tensor_parallel
+            )
+        except ShardingError:
+            # A guess from the weights' shapes (a depthwise kernel's
+            # leading axis is no bank of experts): no reason to report.
             return None
         found, axis = expert_output_axis(
             calls[0], handler, self.tensor_parallel

@@ -242,9 +242,8 @@ class TensorParallelKeras(
         return super().fit(*args, **kwargs)
 
     def train_on_batch(self, *args, **kwargs):
-        """Trains on one batch as `keras.Model.train_on_batch` does, with
-        the optimizer's state built as the runtime lays it out (see
-        `fit`)."""
+        """`keras.Model.train_on_batch`, with the optimizer's state built
+        as the runtime lays it out (see `fit`)."""
         self._build_optimizer()
         return super().train_on_batch(*args, **kwargs)
 
@@ -316,11 +315,10 @@ class TensorParallelKeras(
         """When each stage ran each micro-batch in the last training step.
 
         Measured from the run: on torch each stage's rank times its own
-        passes, and this is a collective, which every rank calls; on
-        TensorFlow the traced step times each pass of its first replica
-        with `tf.timestamp` operations on the stage's device; on JAX each
-        pass's program stamps its start and end with host callbacks on
-        the stage's devices.
+        passes (a collective, which every rank calls); on TensorFlow the
+        traced step times its first replica's passes with `tf.timestamp`
+        on the stage's device; on JAX each pass's program stamps its
+        start and end with host callbacks on the stage's devices.
 
         Returns:
             A `keras_tp.pipeline.Timeline`, in seconds from the step's

@@ -779,9 +779,10 @@ def separable_cnn(seed=0):
 
     SeparableConv2D -> BatchNormalization -> ReLU -> SeparableConv2D
     (depth multiplier 2) -> BatchNormalization, added to a 1x1 Conv2D
-    shortcut, then global average pooling and a Dense head.
-    `keras.applications.Xception` needs 71x71 images and 23M parameters:
-    this keeps its block at the zoo's size.
+    shortcut; then InceptionV3's fan-out (its `mixed9` block: one 1x1
+    Conv2D read by a 1x3 and a 3x1 Conv2D, concatenated), global average
+    pooling and a Dense head. `keras.applications.Xception` needs 71x71
+    images and 23M parameters: this keeps its block at the zoo's size.
 
     Args:
         seed: int. Seed of the weights and the data.
@@ -803,6 +804,10 @@ def separable_cnn(seed=0):
     )(x)
     x = layers.BatchNormalization(name="sepconv2_bn")(x)
     x = layers.Add(name="add")([x, shortcut])
+    branch = layers.Conv2D(16, 1, activation="relu", name="branch")(x)
+    wide = layers.Conv2D(8, (1, 3), padding="same", name="branch_1x3")(branch)
+    tall = layers.Conv2D(8, (3, 1), padding="same", name="branch_3x1")(branch)
+    x = layers.Concatenate(name="branches")([wide, tall])
     x = layers.GlobalAveragePooling2D(name="pool")(x)
     logits = layers.Dense(NUM_CLASSES, name="predictions")(x)
     model = keras.Model(images, logits, name="separable_cnn")

@@ -359,12 +359,15 @@ def check_separable(results):
     The first SeparableConv2D splits its pointwise filters (Column; its
     depthwise kernel stays whole), its BatchNormalization its channels
     (Channelwise), and the second SeparableConv2D its input channels
-    (Row), in both kernels. Training matches one device, and the
-    separable kernels are split in memory.
+    (Row), in both kernels. Inception's 1x1 convolution is a Column read
+    by two Rows, the 1x3 and the 3x1 convolution. Training matches one
+    device, and the separable kernels are split in memory.
     """
     check_exact(results)
     plan = results["plan"]
-    assert plan["sepconv1"] == repr(keras_tp.Column(gather_output=False))
+    column = repr(keras_tp.Column(gather_output=False))
+    row = repr(keras_tp.Row(input_is_parallel=True))
+    assert plan["sepconv1"] == plan["branch"] == column, plan
     assert plan["sepconv1_bn"] == repr(keras_tp.Channelwise()), plan
-    assert plan["sepconv2"] == repr(keras_tp.Row(input_is_parallel=True))
+    assert plan["sepconv2"] == plan["branch_1x3"] == plan["branch_3x1"] == row
     assert not results["fallbacks"], results["fallbacks"]

@@ -18,8 +18,8 @@ from keras_tp.plan.styles import Row
 
 class MegatronPairing:
     """The pairing walk of a `Planner` (which provides `trace`,
-    `tensor_parallel`, `global_arrays`, `reasons`, `through` and
-    `_can_split`)."""
+    `tensor_parallel`, `global_arrays`, `reasons`, `through`,
+    `group_of_column` and `_can_split`)."""
 
     def _groups(self, calls, candidates, carried):
         """Megatron groups among the direct child calls of one parent.
@@ -29,6 +29,10 @@ class MegatronPairing:
         input comes from: directly (through separable layers) or, when its
         input was made by raw ops, every open Column whose output only raw
         ops read, provided one of them splits as the Row does (`_fits`).
+        A Column read directly by several Rows (Inception's 1x3 and 3x1
+        convolutions of one 1x1) stays open until the last of them, and
+        they all join its group: each Row sums its own output, and the
+        Column's input gradient is the sum of theirs, rank by rank.
 
         Args:
             calls: the parent's child calls, in order.
@@ -40,7 +44,7 @@ class MegatronPairing:
                 place with this parent's.
 
         Returns:
-            `(groups, whole)`: `[(column calls, row call)]`, and the calls
+            `(groups, whole)`: `[(column calls, row calls)]`, and the calls
             that feed a group through raw ops but cannot be split on its
             axis (key/value heads fewer than the ranks): they stay whole,
             as Megatron keeps them.
@@ -55,13 +59,19 @@ class MegatronPairing:
             if self._can_split(call.layer, Row()):
                 partners = self._row_partners(call, open_columns)
                 if partners:
-                    groups.append(([c for c, _ in partners], call))
-                    open_columns = [
-                        c for c in open_columns if c not in partners
-                    ]
                     if any(not s for _, s in partners):
                         whole.extend((c, id(call.layer)) for c in unsplit)
                     unsplit = []
+                    group = self._join_group(partners, call)
+                    if not any(g is group for g in groups):
+                        groups.append(group)
+                    for _, consumers in partners:
+                        consumers.discard(call.index)
+                    open_columns = [
+                        (c, s)
+                        for c, s in open_columns
+                        if s or not any(c is p for p, _ in partners)
+                    ]
                     continue
             if Column not in leaf_handler(call.layer).styles:
                 continue
@@ -82,6 +92,27 @@ class MegatronPairing:
                 "Megatron keeps key/value heads fewer than the ranks"
             )
         return groups, whole
+
+    def _join_group(self, partners, row):
+        """The group of Columns `partners` with `row` added to its Rows.
+
+        A partner already paired with an earlier Row (several Rows read
+        it) brings that group, which may come from an earlier parent.
+        """
+        group = next(
+            (
+                self.group_of_column[c.index]
+                for c, _ in partners
+                if c.index in self.group_of_column
+            ),
+            ([], []),
+        )
+        for column, _ in partners:
+            if column.index not in self.group_of_column:
+                group[0].append(column)
+                self.group_of_column[column.index] = group
+        group[1].append(row)
+        return group
 
     def _split_size(self, call):
         return leaf_handler(call.layer).split_size(call.layer, Column())

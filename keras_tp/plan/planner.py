@@ -109,6 +109,8 @@ class Planner(MegatronPairing):
         # Per-channel layers with weights a Column's output passes through
         # on its way to its Row, by the Column call's index.
         self.through = {}
+        # The Megatron group of each paired Column call, by its index.
+        self.group_of_column = {}
 
     # Deciding ---------------------------------------------------------
 
@@ -133,8 +135,8 @@ class Planner(MegatronPairing):
             groups, whole = self._groups(
                 self.trace.children[parent], candidates, carried
             )
-            for columns, row in groups:
-                key = id(row.layer)
+            for columns, rows in groups:
+                key = id(rows[0].layer)
                 for call in columns:
                     decisions[id(call.layer)] = Decision(
                         call.layer, Column(), key, _PAIRED, True
@@ -143,7 +145,10 @@ class Planner(MegatronPairing):
                         decisions[id(layer)] = Decision(
                             layer, Channelwise(), key, _PAIRED, True
                         )
-                decisions[key] = Decision(row.layer, Row(), key, _PAIRED, True)
+                for row in rows:
+                    decisions[id(row.layer)] = Decision(
+                        row.layer, Row(), key, _PAIRED, True
+                    )
             for call, key in whole:
                 decisions[id(call.layer)] = Decision(
                     call.layer, Replicate(), id(call.layer), "auto: whole"

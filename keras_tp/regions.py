@@ -1,11 +1,10 @@
 """Sharded regions: the layers whose call runs per rank on local weights.
 
 A region is a split leaf layer, or an attention layer with its projections.
-Installing a plan replaces the region layer's `call` with one that hands the
-work to the backend runtime (which makes the local tensors: a `shard_map` on
-JAX, the process itself on torch). Inside, the handlers read their local
-weights from a context set by the runtime, so the per-rank math never
-touches backend details.
+Installing a plan replaces its `call` with one that hands the work to the
+backend runtime (which makes the local tensors: a `shard_map` on JAX, the
+process on torch). Inside, the handlers read their local weights from a
+context the runtime sets: the per-rank math never touches the backend.
 """
 
 import contextlib
@@ -302,9 +301,12 @@ def install(plan, runtime):
                 runtime.full_shape,
             )
         elif not entry.handler.needs_region(entry.style):
-            # It runs unchanged on each rank's values, which arrive split.
+            # It runs on each rank's values, which arrive split.
             _accept_split_input(entry.layer)
             runtime.prepare_local_layer(entry.layer)
+            call = entry.handler.call_on_local_values(entry.layer, runtime)
+            if call is not None:
+                set_call(entry.layer, call)
             continue
         else:
             region = ShardedRegion(
@@ -406,8 +408,7 @@ def forward_pass():
     A runtime enters it on every rank (a thread of its own on TensorFlow,
     where context variables do not follow into replicas).
     """
-    copies = _SHARED_COPIES.set({})
-    calls = _FORWARD_CALLS.set({})
+    copies, calls = _SHARED_COPIES.set({}), _FORWARD_CALLS.set({})
     try:
         yield
     finally:

@@ -780,9 +780,12 @@ def separable_cnn(seed=0):
     SeparableConv2D -> BatchNormalization -> ReLU -> SeparableConv2D
     (depth multiplier 2) -> BatchNormalization, added to a 1x1 Conv2D
     shortcut; then InceptionV3's fan-out (its `mixed9` block: one 1x1
-    Conv2D read by a 1x3 and a 3x1 Conv2D, concatenated), global average
-    pooling and a Dense head. `keras.applications.Xception` needs 71x71
-    images and 23M parameters: this keeps its block at the zoo's size.
+    Conv2D read by a 1x3 and a 3x1 Conv2D, concatenated), MobileNetV2's
+    strided inverted residual (a 1x1 expansion, zero padding, a bias-free
+    depthwise convolution of stride 2, a 1x1 projection, with
+    BatchNormalization and ReLU6 between), global average pooling and a
+    Dense head. `keras.applications.Xception` needs 71x71 images and 23M
+    parameters: this keeps its block at the zoo's size.
 
     Args:
         seed: int. Seed of the weights and the data.
@@ -808,6 +811,16 @@ def separable_cnn(seed=0):
     wide = layers.Conv2D(8, (1, 3), padding="same", name="branch_1x3")(branch)
     tall = layers.Conv2D(8, (3, 1), padding="same", name="branch_3x1")(branch)
     x = layers.Concatenate(name="branches")([wide, tall])
+    x = layers.Conv2D(32, 1, use_bias=False, name="expand")(x)
+    x = layers.BatchNormalization(name="expand_bn")(x)
+    x = layers.ReLU(6.0, name="expand_relu")(x)
+    x = layers.ZeroPadding2D(((0, 1), (0, 1)), name="pad")(x)
+    x = layers.DepthwiseConv2D(3, strides=2, use_bias=False, name="depthwise")(
+        x
+    )
+    x = layers.BatchNormalization(name="depthwise_bn")(x)
+    x = layers.ReLU(6.0, name="depthwise_relu")(x)
+    x = layers.Conv2D(16, 1, use_bias=False, name="project")(x)
     x = layers.GlobalAveragePooling2D(name="pool")(x)
     logits = layers.Dense(NUM_CLASSES, name="predictions")(x)
     model = keras.Model(images, logits, name="separable_cnn")

@@ -346,10 +346,13 @@ def check_resnet(results):
 
     ResNet50 has 16 bottleneck blocks: 1x1 conv (Column) -> BatchNorm
     (Channelwise, statistics local to the rank's channels) -> ReLU -> 3x3
-    conv (Row).
+    conv (Row). Its stem pairs too: the 7x7 conv (Column) -> BatchNorm
+    (Channelwise) -> ReLU -> padded max pooling, read by two Rows, the
+    first block's shortcut and its first conv.
     """
     assert results["forward"] <= 1e-5, results
-    assert results["channelwise"] == results["pairs"] == 16, results
+    assert results["channelwise"] == 16 + 1, results
+    assert results["pairs"] == 16 + 2, results
     assert not results["fallbacks"], results["fallbacks"]
 
 
@@ -360,14 +363,19 @@ def check_separable(results):
     depthwise kernel stays whole), its BatchNormalization its channels
     (Channelwise), and the second SeparableConv2D its input channels
     (Row), in both kernels. Inception's 1x1 convolution is a Column read
-    by two Rows, the 1x3 and the 3x1 convolution. Training matches one
-    device, and the separable kernels are split in memory.
+    by two Rows, the 1x3 and the 3x1 convolution. MobileNetV2's expansion
+    and projection pair through the padded, strided depthwise convolution
+    and the BatchNormalizations, each split by channels. Training matches
+    one device, and the kernels are split in memory.
     """
     check_exact(results)
     plan = results["plan"]
     column = repr(keras_tp.Column(gather_output=False))
     row = repr(keras_tp.Row(input_is_parallel=True))
-    assert plan["sepconv1"] == plan["branch"] == column, plan
-    assert plan["sepconv1_bn"] == repr(keras_tp.Channelwise()), plan
+    channelwise = repr(keras_tp.Channelwise())
+    assert plan["sepconv1"] == plan["branch"] == plan["expand"] == column
     assert plan["sepconv2"] == plan["branch_1x3"] == plan["branch_3x1"] == row
+    assert plan["project"] == row, plan
+    for name in ("sepconv1_bn", "expand_bn", "depthwise", "depthwise_bn"):
+        assert plan[name] == channelwise, (name, plan)
     assert not results["fallbacks"], results["fallbacks"]

@@ -14,6 +14,7 @@ from keras import ops
 from keras_tp.errors import ShardingError
 from keras_tp.keras_internals import stored_kernel
 from keras_tp.plan.handler import LayerHandler
+from keras_tp.plan.own_weights import DepthwiseConvHandler
 from keras_tp.plan.own_weights import OwnWeightsHandler
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Row
@@ -391,6 +392,7 @@ LEAF_HANDLERS = (
     ConvHandler(),
     SeparableConvHandler(),
     EmbeddingHandler(),
+    DepthwiseConvHandler(),
     OwnWeightsHandler(),
 )
 

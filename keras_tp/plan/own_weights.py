@@ -6,7 +6,9 @@ each rank's slices of their weights, and the planner checks a split on
 the traced values before it chooses one.
 """
 
+import keras
 import numpy as np
+from keras import ops
 
 from keras_tp.errors import ShardingError
 from keras_tp.keras_internals import StatelessScope
@@ -102,17 +104,26 @@ class OwnWeightsHandler(LayerHandler):
         return leading.pop()[0]
 
     def channel_length(self, layer):
-        """The length every weight has on exactly one axis, or `None`."""
+        """The length every weight has on exactly one axis, or `None`.
+
+        An axis of length 1 holds no channels to split: a bias-free
+        depthwise kernel, `(k, k, channels, 1)`, has its channels' length.
+        """
         shapes = [tuple(v.shape) for v in own_variables(layer)]
         lengths = {
             length
             for length in shapes[0]
-            if all(shape.count(length) == 1 for shape in shapes)
+            if length > 1 and all(shape.count(length) == 1 for shape in shapes)
         }
         return lengths.pop() if len(lengths) == 1 else None
 
     def parallel_input(self, style):
         return isinstance(style, ExpertParallel)
+
+    def call_on_local_values(self, layer, runtime):
+        """The call a `Channelwise` layer runs on each rank's values, or
+        `None` for its own `call`, which reads its split weights itself."""
+        return None
 
     def run_local(self, layer, weights, args, kwargs):
         """Runs the layer's own `call` with its weights read as `weights`."""
@@ -126,3 +137,47 @@ class OwnWeightsHandler(LayerHandler):
         if style.output_axis is None:
             return adapter.reduce_from_parallel(outputs)
         return adapter.gather_from_parallel(outputs, style.output_axis)
+
+
+class DepthwiseConvHandler(OwnWeightsHandler):
+    """DepthwiseConv1D/2D: each channel filtered by its own kernel slice.
+
+    Split by `Channelwise()`, each rank convolves its block of channels
+    with its block of the kernel (and bias), in Keras' own math written
+    here: the layer's `call` would check its input's channels against the
+    whole kernel's shape.
+    """
+
+    def call_on_local_values(self, layer, runtime):
+        variables = self.variables(layer)
+
+        def call(inputs, **kwargs):
+            weights = {
+                role: runtime.local_value(variable)
+                for role, variable in variables.items()
+            }
+            return self.run_local(layer, weights, (inputs,), kwargs)
+
+        return call
+
+    def matches(self, layer):
+        return isinstance(
+            layer, (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
+        )
+
+    def run_local(self, layer, weights, args, kwargs):
+        outputs = ops.depthwise_conv(
+            args[0],
+            weights["kernel"],
+            strides=layer.strides,
+            padding=layer.padding,
+            dilation_rate=layer.dilation_rate,
+            data_format=layer.data_format,
+        )
+        if layer.use_bias:
+            shape = [1] * len(outputs.shape)
+            shape[-1 if layer.data_format == "channels_last" else 1] = -1
+            outputs = ops.add(outputs, ops.reshape(weights["bias"], shape))
+        if layer.activation is not None:
+            outputs = layer.activation(outputs)
+        return outputs

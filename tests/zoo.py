@@ -777,12 +777,12 @@ def efficientnetb0(seed=0):
 def separable_cnn(seed=0):
     """Xception's block of separable convolutions on 32x32 images, logits.
 
-    SeparableConv2D -> BatchNormalization -> ReLU -> SeparableConv2D
-    (depth multiplier 2) -> BatchNormalization, added to a 1x1 Conv2D
-    shortcut; then InceptionV3's fan-out (its `mixed9` block: one 1x1
-    Conv2D read by a 1x3 and a 3x1 Conv2D, concatenated), MobileNetV2's
-    strided inverted residual (a 1x1 expansion, zero padding, a bias-free
-    depthwise convolution of stride 2, a 1x1 projection, with
+    SeparableConv2D -> BatchNormalization -> ReLU -> a grouped Conv2D (8
+    groups of 2 channels) -> SeparableConv2D (depth multiplier 2) ->
+    BatchNormalization, added to a 1x1 Conv2D shortcut; then InceptionV3's
+    fan-out (its `mixed9` block: one 1x1 Conv2D read by a 1x3 and a 3x1
+    Conv2D, concatenated), MobileNetV2's inverted residual (a 1x1
+    expansion, a bias-free depthwise convolution, a 1x1 projection, with
     BatchNormalization and ReLU6 between), global average pooling and a
     Dense head. `keras.applications.Xception` needs 71x71 images and 23M
     parameters: this keeps its block at the zoo's size.
@@ -802,6 +802,7 @@ def separable_cnn(seed=0):
     )(images)
     x = layers.BatchNormalization(name="sepconv1_bn")(x)
     x = layers.ReLU(name="sepconv1_relu")(x)
+    x = layers.Conv2D(16, 3, padding="same", groups=8, name="grouped")(x)
     x = layers.SeparableConv2D(
         16, 3, padding="same", depth_multiplier=2, name="sepconv2"
     )(x)
@@ -814,10 +815,9 @@ def separable_cnn(seed=0):
     x = layers.Conv2D(32, 1, use_bias=False, name="expand")(x)
     x = layers.BatchNormalization(name="expand_bn")(x)
     x = layers.ReLU(6.0, name="expand_relu")(x)
-    x = layers.ZeroPadding2D(((0, 1), (0, 1)), name="pad")(x)
-    x = layers.DepthwiseConv2D(3, strides=2, use_bias=False, name="depthwise")(
-        x
-    )
+    x = layers.DepthwiseConv2D(
+        3, padding="same", use_bias=False, name="depthwise"
+    )(x)
     x = layers.BatchNormalization(name="depthwise_bn")(x)
     x = layers.ReLU(6.0, name="depthwise_relu")(x)
     x = layers.Conv2D(16, 1, use_bias=False, name="project")(x)

@@ -14,7 +14,7 @@ from keras import ops
 from keras_tp.errors import ShardingError
 from keras_tp.keras_internals import stored_kernel
 from keras_tp.plan.handler import LayerHandler
-from keras_tp.plan.own_weights import DepthwiseConvHandler
+from keras_tp.plan.own_weights import ChannelConvHandler
 from keras_tp.plan.own_weights import OwnWeightsHandler
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Row
@@ -389,10 +389,10 @@ class EmbeddingHandler(LayerHandler):
 LEAF_HANDLERS = (
     DenseHandler(),
     EinsumDenseHandler(),
+    ChannelConvHandler(),
     ConvHandler(),
     SeparableConvHandler(),
     EmbeddingHandler(),
-    DepthwiseConvHandler(),
     OwnWeightsHandler(),
 )
 

@@ -139,34 +139,37 @@ class OwnWeightsHandler(LayerHandler):
         return adapter.gather_from_parallel(outputs, style.output_axis)
 
 
-class DepthwiseConvHandler(OwnWeightsHandler):
-    """DepthwiseConv1D/2D: each channel filtered by its own kernel slice.
+_DEPTHWISE = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
+_CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
 
-    Split by `Channelwise()`, each rank convolves its block of channels
-    with its block of the kernel (and bias), in Keras' own math written
-    here: the layer's `call` would check its input's channels against the
-    whole kernel's shape.
+
+class ChannelConvHandler(OwnWeightsHandler):
+    """A convolution that filters each block of channels on its own.
+
+    A DepthwiseConv1D/2D, or a grouped convolution (`groups > 1`:
+    MobileNet's and ConvNeXt's depthwise convolution written as
+    `Conv2D(groups=channels)`). Split by `Channelwise()`, each rank
+    convolves its block of channels (its groups) with its block of the
+    kernel and bias, in Keras' own math written here: the layer's `call`
+    checks its input and bias against the whole weights' shapes.
     """
 
-    def call_on_local_values(self, layer, runtime):
-        variables = self.variables(layer)
-
-        def call(inputs, **kwargs):
-            weights = {
-                role: runtime.local_value(variable)
-                for role, variable in variables.items()
-            }
-            return self.run_local(layer, weights, (inputs,), kwargs)
-
-        return call
-
     def matches(self, layer):
-        return isinstance(
-            layer, (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
+        if isinstance(layer, _DEPTHWISE):
+            return True
+        # A causal Conv1D pads in its own `call`: it stays a `ConvHandler`
+        # layer, kept whole.
+        return (
+            isinstance(layer, _CONVOLUTIONS)
+            and layer.groups > 1
+            and layer.padding != "causal"
         )
 
     def run_local(self, layer, weights, args, kwargs):
-        outputs = ops.depthwise_conv(
+        convolve = (
+            ops.depthwise_conv if isinstance(layer, _DEPTHWISE) else ops.conv
+        )
+        outputs = convolve(
             args[0],
             weights["kernel"],
             strides=layer.strides,
@@ -181,3 +184,15 @@ class DepthwiseConvHandler(OwnWeightsHandler):
         if layer.activation is not None:
             outputs = layer.activation(outputs)
         return outputs
+
+    def call_on_local_values(self, layer, runtime):
+        variables = self.variables(layer)
+
+        def call(inputs, **kwargs):
+            weights = {
+                role: runtime.local_value(variable)
+                for role, variable in variables.items()
+            }
+            return self.run_local(layer, weights, (inputs,), kwargs)
+
+        return call

@@ -287,21 +287,17 @@ def _commutes(call, tensor, axis, weights=None):
     Decided by what the layer computes on the traced values: run on the
     first half of `tensor` along `axis` (with its weights read as
     `weights`, their matching halves, if given), it must give the same
-    half of its traced output (an activation, dropout, padding or pooling
-    over other axes, a norm over another axis, BatchNormalization or a
-    depthwise convolution, strided too, with its weights halved do; a norm
-    over `axis`, a reshape do not).
+    half of its traced output (an activation, dropout, pooling over other
+    axes, a norm over another axis, BatchNormalization or a depthwise
+    convolution with its weights halved do; a norm over `axis`, a reshape
+    do not). Layers that change the shape stay out: XLA's CPU compiler
+    crashes (`free(): invalid pointer`) on a rank's zero-padded, strided
+    depthwise convolution read by a Row convolution.
     """
     if len(call.inputs) != 1 or len(call.outputs) != 1:
         return False
     output = call.outputs[0]
-    # The other axes may change (padding, pooling, a strided depthwise
-    # convolution): the values on the half decide.
-    same = (
-        len(output.shape) == len(tensor.shape)
-        and output.shape[axis] == tensor.shape[axis]
-    )
-    if not same or tensor.shape[axis] < 2:
+    if tuple(output.shape) != tuple(tensor.shape) or tensor.shape[axis] < 2:
         return False
     part = np.arange(tensor.shape[axis] // 2)
     try:

@@ -665,6 +665,35 @@ def test_heads_flattened_into_features_pair_on_whole_arrays():
     assert set(stats) == {"all_reduce"} and stats["all_reduce"]["calls"] == 1
 
 
+class AddsItsInput(layers.Layer):
+    """A residual written in raw ops: its sublayer's output plus its input."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = layers.Dense(16, name="inner")
+
+    def call(self, x):
+        return x + self.inner(x)
+
+
+def test_the_pair_a_residual_breaks_falls_back_alone():
+    # `outer` pairs with the Row inside the residual layer, whose raw add
+    # then meets a rank's slice of `outer`'s output: the check blames
+    # that pair, the one whose split value the failing call read, and
+    # the MLP after it stays a Megatron pair.
+    inputs = keras.Input((16,))
+    x = layers.Dense(16, name="outer")(inputs)
+    x = AddsItsInput(name="residual")(x)
+    x = layers.Dense(32, activation="relu", name="up")(x)
+    model = keras.Model(inputs, layers.Dense(16, name="down")(x))
+    plan = keras_tp.auto_plan(model, 2, check_local=True)
+    styles = {e.layer.path: e.style for e in plan.leaf_layers()}
+    assert set(plan.fallbacks) == {"outer", "residual/inner"}, plan.fallbacks
+    assert "add got incompatible shapes" in plan.fallbacks["outer"]
+    assert styles["up"] == keras_tp.Column(), styles
+    assert styles["down"] == keras_tp.Row(), styles
+
+
 def test_a_depthwise_kernel_is_no_bank_of_experts():
     # A DepthwiseConv2D without bias holds one weight, whose leading axis
     # (the kernel's height) would fit ExpertParallel's shape rule: the

@@ -128,6 +128,8 @@ class _Emulation:
         self.entries = {id(e.layer): e for e in plan.leaf_layers()}
         self.problems = {}
         self.active = []  # groups whose split values are alive
+        # `{id(tensor): (tensor, group)}`: the split values this rank made.
+        self.split_values = {}
         self.counters = collections.Counter()
         self.random_inputs = {}
 
@@ -195,10 +197,7 @@ class _Emulation:
         except Exception as error:  # noqa: BLE001 - any failure is a finding
             logger.debug("Rank %d's view failed", self.rank, exc_info=True)
             if not self.problems:
-                self._blame_active(
-                    f"a rank's slice breaks the code between split layers "
-                    f"({type(error).__name__}: {_first_line(error)})"
-                )
+                self._blame_active(_broken(error))
         finally:
             for spec, axes in specs:
                 spec.axes = axes
@@ -239,11 +238,25 @@ class _Emulation:
         return emulated
 
     def _run_whole(self, layer, call, reference, args, kwargs):
-        outputs = call(*args, **kwargs)
         inputs = tracing.flat_tensors((args, kwargs))
+        groups = [
+            self.split_values[id(t)][1]
+            for t in inputs
+            if id(t) in self.split_values
+        ]
+        try:
+            outputs = call(*args, **kwargs)
+        except Exception as error:
+            # Its code meets the split values of these groups (a residual
+            # add of a Column's output to a whole tensor, say).
+            for group in dict.fromkeys(groups):
+                self.problems.setdefault(group, Problem(_broken(error), False))
+            raise
         local = [tuple(a.shape) for a in inputs] != [
             tuple(a.shape) for a in reference.inputs
         ]
+        if local and groups:
+            self._mark(outputs, groups[0])
         if own_seed_generators(layer):
             self.random_inputs.setdefault(layer, []).append(local)
         own = own_trainable_variables(layer)
@@ -313,10 +326,16 @@ class _Emulation:
             weights = self.local_weights[id(layer)]
             if group not in self.active:
                 self.active.append(group)
-            return entry.handler.local_call(
+            outputs = entry.handler.local_call(
                 layer, style, _OneRank(self.rank), weights, args[0], **kwargs
             )
+            return self._mark(outputs, group)
         return reference.result
+
+    def _mark(self, outputs, group):
+        for tensor in tracing.flat_tensors(outputs):
+            self.split_values[id(tensor)] = (tensor, group)
+        return outputs
 
     def _run_channelwise(self, entry, reference, args, kwargs):
         """A per-channel layer: its input must be this rank's channels."""
@@ -343,8 +362,12 @@ class _Emulation:
             f"the input of '{layer.path}'",
             self.group_of[id(layer)],
         )
-        return entry.handler.run_local(
-            layer, self.local_weights[id(layer)], args, kwargs
+        made_by = self.split_values.get(id(args[0]))
+        return self._mark(
+            entry.handler.run_local(
+                layer, self.local_weights[id(layer)], args, kwargs
+            ),
+            made_by[1] if made_by else self.group_of[id(layer)],
         )
 
     def _head_slice(self, weight, axis):
@@ -414,6 +437,13 @@ def close_to(a, b):
     a, b = a.astype("float64"), b.astype("float64")
     scale = max(1.0, float(np.max(np.abs(b), initial=0.0)))
     return bool(np.max(np.abs(a - b), initial=0.0) <= _TOLERANCE * scale)
+
+
+def _broken(error):
+    return (
+        "a rank's slice breaks the code between split layers "
+        f"({type(error).__name__}: {_first_line(error)})"
+    )
 
 
 def _first_line(error):

@@ -128,8 +128,7 @@ class _Emulation:
         self.entries = {id(e.layer): e for e in plan.leaf_layers()}
         self.problems = {}
         self.active = []  # groups whose split values are alive
-        # `{id(tensor): (tensor, group)}`: the split values this rank made.
-        self.split_values = {}
+        self.split_values = {}  # {id(tensor): (tensor, its group)}
         self.counters = collections.Counter()
         self.random_inputs = {}
 
@@ -247,10 +246,10 @@ class _Emulation:
         try:
             outputs = call(*args, **kwargs)
         except Exception as error:
-            # Its code meets the split values of these groups (a residual
-            # add of a Column's output to a whole tensor, say).
-            for group in dict.fromkeys(groups):
-                self.problems.setdefault(group, Problem(_broken(error), False))
+            # The innermost failing call meets these groups' split values
+            # (a residual add of a Column's output to a whole tensor, say).
+            for group in dict.fromkeys(groups if not self.problems else []):
+                self.problems[group] = Problem(_broken(error), False)
             raise
         local = [tuple(a.shape) for a in inputs] != [
             tuple(a.shape) for a in reference.inputs

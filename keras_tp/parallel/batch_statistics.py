@@ -59,9 +59,10 @@ def _global_moments(layer, runtime, trainer):
         if keras.backend.standardize_dtype(dtype) in _HALF_FLOATS:
             inputs = ops.cast(inputs, "float32")
         if mask is None:
-            weights = ops.ones_like(inputs)
+            weights = None
             # Every row holds an equal part of the batch.
-            count = ops.sum(weights, axes, keepdims=True) * adapter.size()
+            count = ops.sum(ops.ones_like(inputs), axes, keepdims=True)
+            count = count * adapter.size()
         else:
             weights = ops.broadcast_to(
                 ops.cast(ops.expand_dims(mask, -1), inputs.dtype),
@@ -69,9 +70,12 @@ def _global_moments(layer, runtime, trainer):
             )
             count = _summed(adapter, ops.sum(weights, axes, keepdims=True))
             count = count + keras.backend.epsilon()
-        mean = _summed(adapter, ops.sum(inputs * weights, axes, keepdims=True))
+        weighted = inputs if weights is None else inputs * weights
+        mean = _summed(adapter, ops.sum(weighted, axes, keepdims=True))
         mean = mean / count
-        deviations = ops.square(inputs - mean) * weights
+        deviations = ops.square(inputs - mean)
+        if weights is not None:
+            deviations = deviations * weights
         variance = _summed(adapter, ops.sum(deviations, axes, keepdims=True))
         variance = variance / count
         return (

@@ -14,8 +14,8 @@ from keras import ops
 from keras_tp.errors import ShardingError
 from keras_tp.keras_internals import stored_kernel
 from keras_tp.plan.handler import LayerHandler
-from keras_tp.plan.own_weights import ChannelConvHandler
 from keras_tp.plan.own_weights import OwnWeightsHandler
+from keras_tp.plan.styles import Channelwise
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Row
 from keras_tp.plan.styles import Vocab
@@ -251,6 +251,48 @@ class ConvHandler(LayerHandler):
             x, self.local_kernel(layer, style, adapter, weights)
         )
         return self._finish_channels(layer, style, adapter, weights, x, axis)
+
+
+_DEPTHWISE = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
+
+
+class ChannelConvHandler(OwnWeightsHandler):
+    """A convolution that filters each block of channels on its own.
+
+    A DepthwiseConv1D/2D, or a grouped convolution (`groups > 1`:
+    MobileNet's and ConvNeXt's depthwise convolution written as
+    `Conv2D(groups=channels)`). Split by `Channelwise()`, each rank
+    convolves its block of channels (its groups) with its block of the
+    kernel and bias, in Keras' own math written here: the layer's `call`
+    checks its input and bias against the whole weights' shapes.
+    """
+
+    runs_own_call = False
+
+    def matches(self, layer):
+        # A causal Conv1D pads in its own `call`: it stays a `ConvHandler`
+        # layer, kept whole.
+        return isinstance(layer, _DEPTHWISE) or (
+            isinstance(layer, ConvHandler.layer_types)
+            and layer.groups > 1
+            and layer.padding != "causal"
+        )
+
+    def run_local(self, layer, weights, args, kwargs):
+        x = args[0]
+        axis = ConvHandler._channel_axis(layer, len(x.shape))
+        depthwise = isinstance(layer, _DEPTHWISE)
+        x = (ops.depthwise_conv if depthwise else ops.conv)(
+            x,
+            weights["kernel"],
+            strides=layer.strides,
+            padding=layer.padding,
+            dilation_rate=layer.dilation_rate,
+            data_format=layer.data_format,
+        )
+        return ConvHandler._finish_channels(
+            layer, Channelwise(), None, weights, x, axis
+        )
 
 
 class SeparableConvHandler(ConvHandler):

@@ -6,9 +6,7 @@ each rank's slices of their weights, and the planner checks a split on
 the traced values before it chooses one.
 """
 
-import keras
 import numpy as np
-from keras import ops
 
 from keras_tp.errors import ShardingError
 from keras_tp.keras_internals import StatelessScope
@@ -120,10 +118,25 @@ class OwnWeightsHandler(LayerHandler):
     def parallel_input(self, style):
         return isinstance(style, ExpertParallel)
 
+    # Whether the layer's own `call` runs on a rank's values, reading its
+    # split weights itself; if not, `run_local` runs instead.
+    runs_own_call = True
+
     def call_on_local_values(self, layer, runtime):
         """The call a `Channelwise` layer runs on each rank's values, or
-        `None` for its own `call`, which reads its split weights itself."""
-        return None
+        `None` for its own `call`."""
+        if self.runs_own_call:
+            return None
+        variables = self.variables(layer)
+
+        def call(inputs, **kwargs):
+            weights = {
+                role: runtime.local_value(variable)
+                for role, variable in variables.items()
+            }
+            return self.run_local(layer, weights, (inputs,), kwargs)
+
+        return call
 
     def run_local(self, layer, weights, args, kwargs):
         """Runs the layer's own `call` with its weights read as `weights`."""
@@ -137,62 +150,3 @@ class OwnWeightsHandler(LayerHandler):
         if style.output_axis is None:
             return adapter.reduce_from_parallel(outputs)
         return adapter.gather_from_parallel(outputs, style.output_axis)
-
-
-_DEPTHWISE = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
-_CONVOLUTIONS = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
-
-
-class ChannelConvHandler(OwnWeightsHandler):
-    """A convolution that filters each block of channels on its own.
-
-    A DepthwiseConv1D/2D, or a grouped convolution (`groups > 1`:
-    MobileNet's and ConvNeXt's depthwise convolution written as
-    `Conv2D(groups=channels)`). Split by `Channelwise()`, each rank
-    convolves its block of channels (its groups) with its block of the
-    kernel and bias, in Keras' own math written here: the layer's `call`
-    checks its input and bias against the whole weights' shapes.
-    """
-
-    def matches(self, layer):
-        if isinstance(layer, _DEPTHWISE):
-            return True
-        # A causal Conv1D pads in its own `call`: it stays a `ConvHandler`
-        # layer, kept whole.
-        return (
-            isinstance(layer, _CONVOLUTIONS)
-            and layer.groups > 1
-            and layer.padding != "causal"
-        )
-
-    def run_local(self, layer, weights, args, kwargs):
-        convolve = (
-            ops.depthwise_conv if isinstance(layer, _DEPTHWISE) else ops.conv
-        )
-        outputs = convolve(
-            args[0],
-            weights["kernel"],
-            strides=layer.strides,
-            padding=layer.padding,
-            dilation_rate=layer.dilation_rate,
-            data_format=layer.data_format,
-        )
-        if layer.use_bias:
-            shape = [1] * len(outputs.shape)
-            shape[-1 if layer.data_format == "channels_last" else 1] = -1
-            outputs = ops.add(outputs, ops.reshape(weights["bias"], shape))
-        if layer.activation is not None:
-            outputs = layer.activation(outputs)
-        return outputs
-
-    def call_on_local_values(self, layer, runtime):
-        variables = self.variables(layer)
-
-        def call(inputs, **kwargs):
-            weights = {
-                role: runtime.local_value(variable)
-                for role, variable in variables.items()
-            }
-            return self.run_local(layer, weights, (inputs,), kwargs)
-
-        return call

@@ -783,7 +783,9 @@ def separable_cnn(seed=0):
     fan-out (its `mixed9` block: one 1x1 Conv2D read by a 1x3 and a 3x1
     Conv2D, concatenated), MobileNetV2's inverted residual (a 1x1
     expansion, a bias-free depthwise convolution, a 1x1 projection, with
-    BatchNormalization and ReLU6 between), global average pooling and a
+    BatchNormalization and ReLU6 between) with EfficientNet's
+    squeeze-and-excitation gate before the projection (pooling, a
+    reshape, two 1x1 Conv2D, a multiply), global average pooling and a
     Dense head. `keras.applications.Xception` needs 71x71 images and 23M
     parameters: this keeps its block at the zoo's size.
 
@@ -820,6 +822,11 @@ def separable_cnn(seed=0):
     )(x)
     x = layers.BatchNormalization(name="depthwise_bn")(x)
     x = layers.ReLU(6.0, name="depthwise_relu")(x)
+    gate = layers.GlobalAveragePooling2D(name="squeeze")(x)
+    gate = layers.Reshape((1, 1, 32), name="squeeze_reshape")(gate)
+    gate = layers.Conv2D(8, 1, activation="swish", name="se_reduce")(gate)
+    gate = layers.Conv2D(32, 1, activation="sigmoid", name="se_expand")(gate)
+    x = layers.Multiply(name="excite")([x, gate])
     x = layers.Conv2D(16, 1, use_bias=False, name="project")(x)
     x = layers.GlobalAveragePooling2D(name="pool")(x)
     logits = layers.Dense(NUM_CLASSES, name="predictions")(x)

@@ -363,8 +363,12 @@ def check_separable(results):
     split by groups (Channelwise). Inception's 1x1 convolution is a Column
     read by two Rows, the 1x3 and the 3x1 convolution. MobileNetV2's expansion
     and projection pair through the depthwise convolution and the
-    BatchNormalizations, each split by channels. Training matches
-    one device, and the kernels are split in memory.
+    BatchNormalizations, each split by channels, and through the
+    squeeze-and-excitation gate: its first convolution is another Row of
+    the expansion (reading the pooled split channels through a reshape),
+    its second a Column of the group whose split gate multiplies the split
+    channels. Training matches one device, and the kernels are split in
+    memory.
     """
     check_exact(results)
     plan = results["plan"]
@@ -373,7 +377,8 @@ def check_separable(results):
     channelwise = repr(keras_tp.Channelwise())
     assert plan["sepconv1"] == plan["branch"] == plan["expand"] == column
     assert plan["sepconv2"] == plan["branch_1x3"] == plan["branch_3x1"] == row
-    assert plan["project"] == row, plan
+    assert plan["project"] == plan["se_reduce"] == row, plan
+    assert plan["se_expand"] == column, plan
     split = ("sepconv1_bn", "grouped", "expand_bn", "depthwise", "depthwise_bn")
     for name in split:
         assert plan[name] == channelwise, (name, plan)

@@ -132,6 +132,7 @@ def auto_plan(
             plan = _emit(
                 model, tensor_parallel, decisions, fallbacks, planner.reasons
             )
+            plan.per_rank_counts.update(planner.local_reshapes(decisions))
             group_of = _group_of(decisions)
             if check_local:
                 plan.summed_gradients = planner.whole_key_values(decisions)

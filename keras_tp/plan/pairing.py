@@ -7,6 +7,7 @@ parent, recognised by the split widths. Walks go forward in time and visit
 each call once, so they end.
 """
 
+import keras
 import numpy as np
 from keras import ops
 
@@ -173,10 +174,12 @@ class MegatronPairing:
         """Indices of the non-separable calls reading `call`'s output.
 
         Follows the output through layers that keep the split features
-        apart (activations, dropout, pooling, a norm over another axis),
-        each call once and only forward in time, so the walk ends. Returns
-        an empty set when only raw ops read it, or `None` when a consumer
-        is not a Row candidate (the output must be gathered).
+        apart (activations, dropout, pooling, a norm over another axis, a
+        reshape that only adds or drops axes of length 1, a product with
+        another tensor split alike or broadcast), each call once and only
+        forward in time, so the walk ends. Returns an empty set when only
+        raw ops read it, or `None` when a consumer is not a Row candidate
+        (the output must be gathered).
         """
         if len(call.outputs) != 1:
             return None
@@ -187,9 +190,11 @@ class MegatronPairing:
         ends = set()
         seen = set()
         through = []
-        tensors = [output]
+        reshapes = {}
+        tensors = [(output, axis)]
         while tensors:
-            tensor = tensors.pop()
+            tensor, axis = tensors.pop()
+            self.split_tensors.add(id(tensor))
             for consumer in self.trace.consumers[id(tensor)]:
                 if consumer.index <= call.index or consumer.index in seen:
                     continue
@@ -203,12 +208,21 @@ class MegatronPairing:
                     # layers: those of its calls that read it are judged.
                     continue
                 handler = leaf_handler(consumer.layer)
-                weights = self._weights_passing(consumer, tensor, axis)
-                if weights is not None:
+                passed = self._weights_passing(
+                    consumer, tensor, axis, call.index
+                )
+                if passed is not None:
+                    weights, out_axis = passed
                     if weights:
                         through.append(consumer.layer)
+                    if isinstance(consumer.layer, keras.layers.Reshape):
+                        reshapes[consumer.layer] = _open_target(
+                            consumer.layer, consumer.outputs[0], out_axis
+                        )
                     tensors.extend(
-                        t for t in consumer.outputs if t is not tensor
+                        (t, out_axis)
+                        for t in consumer.outputs
+                        if t is not tensor
                     )
                     continue
                 if handler is None or Row not in handler.styles:
@@ -217,24 +231,40 @@ class MegatronPairing:
                     return None
                 ends.add(consumer.index)
         self.through[call.index] = through
+        self.reshapes[call.index] = reshapes
         return ends
 
-    def _weights_passing(self, call, tensor, axis):
+    def _weights_passing(self, call, tensor, axis, since):
         """How split features on `axis` of `tensor` pass `call`'s layer.
 
-        Returns `None` if they do not, or the layer's weights split with
-        them (`{role: slice}`, for a per-channel layer such as
-        BatchNormalization, called once), or `{}` if the layer keeps them
-        apart with its weights whole (an activation; a norm over another
-        axis, whose weights the local-execution check then judges).
+        Returns `None` if they do not, or `(weights, axis)`: the layer's
+        weights split with them (`{role: slice}`, for a per-channel layer
+        such as BatchNormalization, called once), or `{}` if the layer
+        keeps them apart with its weights whole (an activation; a norm
+        over another axis, whose weights the local-execution check then
+        judges); and the axis its output has them on. `since` is the index
+        of the Column call whose output is followed.
         """
         handler = leaf_handler(call.layer)
-        if handler is not None and Channelwise not in handler.styles:
+        if handler is None:
+
+            def may_be_split(other):
+                # Made after the Column, or split by another one's span;
+                # what was made before it (a residual) is whole.
+                producer = self.trace.producer.get(id(other))
+                return (
+                    id(other) in self.split_tensors
+                    or producer is None
+                    or producer.index > since
+                )
+
+            out_axis = _weightless_passing(call, tensor, axis, may_be_split)
+            return None if out_axis is None else ({}, out_axis)
+        if Channelwise not in handler.styles:
             return None
         part = np.arange(tensor.shape[axis] // 2)
         if (
-            handler is not None
-            and handler.channel_length(call.layer) == tensor.shape[axis]
+            handler.channel_length(call.layer) == tensor.shape[axis]
             and len(self.trace.calls_of[id(call.layer)]) == 1
             and self._can_split(call.layer, Channelwise())
         ):
@@ -244,8 +274,8 @@ class MegatronPairing:
                 for role, variable in handler.variables(call.layer).items()
             }
             if _commutes(call, tensor, axis, weights):
-                return weights
-        return {} if _commutes(call, tensor, axis) else None
+                return weights, axis
+        return ({}, axis) if _commutes(call, tensor, axis) else None
 
     def _single_call_candidate(self, call, candidates):
         return (
@@ -272,6 +302,96 @@ def _opaque(layer):
     features apart, which only the local-execution check can tell.
     """
     return not layer.weights and not type(layer).__module__.startswith("keras.")
+
+
+def _weightless_passing(call, tensor, axis, may_be_split):
+    """The axis on which a weightless layer's output keeps `tensor`'s
+    split features apart, or `None`.
+
+    Run on the first half of the features, of `tensor` and of every other
+    input of the same length on `axis` that broadcasts over another axis
+    and `may_be_split` (a gate that another Column makes), with inputs of
+    length 1 on `axis` broadcasting,
+    the layer must give the same half of its traced output on an axis of
+    that length: pooling over the other axes, a product
+    with a squeeze-and-excitation gate. A `Reshape` that only adds or
+    drops axes of length 1 keeps them apart too; a rank runs it with that
+    axis of its target shape inferred (`_open_target`).
+    """
+    if len(call.outputs) != 1 or tensor.shape[axis] < 2:
+        return None
+    output = call.outputs[0]
+    if isinstance(call.layer, keras.layers.Reshape):
+        out_axis = _unit_reshape_axis(tensor, output, axis)
+        if out_axis is None or _open_target(call.layer, output, out_axis):
+            return out_axis
+        return None
+    length = tensor.shape[axis]
+    part = np.arange(length // 2)
+    sliced = {}
+    for other in call.inputs:
+        if len(other.shape) != len(tensor.shape):
+            return None
+        if other is not tensor and other.shape[axis] == 1:
+            continue
+        if other is not tensor and not (
+            other.shape[axis] == length
+            and _broadcasts(other, tensor)
+            and may_be_split(other)
+        ):
+            return None
+        sliced[id(other)] = _take(other, part, axis)
+    args, kwargs = keras.tree.map_structure(
+        lambda value: sliced.get(id(value), value), call.arguments
+    )
+    try:
+        actual = ops.convert_to_numpy(call.layer.call(*args, **kwargs))
+    except Exception:  # noqa: BLE001 - the layer cannot run on a slice
+        return None
+    expected = ops.convert_to_numpy(output)
+    for out_axis, size in enumerate(expected.shape):
+        want = np.take(expected, part, out_axis) if size == length else None
+        if want is not None and _close(actual, want):
+            return out_axis
+    return None
+
+
+def _broadcasts(gate, tensor):
+    """Whether one of `gate` and `tensor` spreads over an axis of the
+    other (length 1 there).
+
+    A squeeze-and-excitation gate broadcasts over the spatial axes; a
+    residual has the shape of what it is added to, and is the stream
+    between blocks, which Megatron keeps whole.
+    """
+    return any((g == 1) != (t == 1) for g, t in zip(gate.shape, tensor.shape))
+
+
+def _unit_reshape_axis(tensor, output, axis):
+    """Where a reshape that only adds or drops axes of length 1 puts
+    `axis` of `tensor`, or `None` for any other reshape."""
+    dims = [i for i, size in enumerate(tensor.shape) if size != 1]
+    out_dims = [i for i, size in enumerate(output.shape) if size != 1]
+    if [tensor.shape[i] for i in dims] != [output.shape[i] for i in out_dims]:
+        return None
+    return out_dims[dims.index(axis)]
+
+
+def _open_target(layer, output, axis):
+    """`layer`'s target shape with `axis` of its `output` inferred (-1), so
+    that it reshapes a rank's features as it reshapes all of them; `None`
+    where another axis is inferred already."""
+    target = list(layer.target_shape)
+    if -1 in target and target.index(-1) != axis - 1:
+        return None
+    target[axis - 1] = -1
+    return tuple(target)
+
+
+def _close(actual, expected):
+    return actual.shape == expected.shape and bool(
+        np.allclose(actual, expected, rtol=1e-4, atol=1e-5)
+    )
 
 
 def _take(tensor, indices, axis):
@@ -310,7 +430,4 @@ def _commutes(call, tensor, axis, weights=None):
         actual = ops.convert_to_numpy(actual)
     except Exception:  # noqa: BLE001 - the layer cannot run on a slice
         return False
-    expected = np.take(ops.convert_to_numpy(output), part, axis)
-    return actual.shape == expected.shape and bool(
-        np.allclose(actual, expected, rtol=1e-4, atol=1e-5)
-    )
+    return _close(actual, np.take(ops.convert_to_numpy(output), part, axis))

@@ -109,6 +109,11 @@ class Planner(MegatronPairing):
         # Per-channel layers with weights a Column's output passes through
         # on its way to its Row, by the Column call's index.
         self.through = {}
+        # The `Reshape` layers it passes on the way, by the same index,
+        # with the target shape a rank reshapes its features to.
+        self.reshapes = {}
+        # The values those walks found split (`id`s).
+        self.split_tensors = set()
         # The Megatron group of each paired Column call, by its index.
         self.group_of_column = {}
 
@@ -349,6 +354,18 @@ class Planner(MegatronPairing):
             except ShardingError as error:
                 return str(error)
         return None
+
+    def local_reshapes(self, decisions):
+        """`{Reshape layer: {"target_shape": shape}}`: the reshapes on the
+        way from a Column still paired to its Rows, which a rank runs with
+        the split axis of their target shape inferred."""
+        shapes = {}
+        for index, reshapes in self.reshapes.items():
+            decision = decisions.get(id(self.trace.calls[index].layer))
+            if decision is not None and decision.paired:
+                for layer, target in reshapes.items():
+                    shapes[layer] = {"target_shape": target}
+        return shapes
 
     # Falling back -----------------------------------------------------
 

@@ -694,6 +694,34 @@ def test_the_pair_a_residual_breaks_falls_back_alone():
     assert styles["down"] == keras_tp.Row(), styles
 
 
+def test_a_gate_made_by_raw_ops_joins_the_squeeze_excite_group():
+    # MobileNetV3's block: the squeeze-and-excitation gate is a hard
+    # sigmoid written in raw ops, multiplied into the split channels. Its
+    # Column joins the group of the expansion, whose Rows are the gate's
+    # first convolution and the projection; every rank's view is exact
+    # (`check_local`). The block's residual add stays outside the group:
+    # the stream between blocks is whole.
+    inputs = keras.Input((8, 8, 8))
+    x = layers.Conv2D(32, 1, name="expand")(inputs)
+    x = layers.DepthwiseConv2D(3, padding="same", name="depthwise")(x)
+    gate = layers.GlobalAveragePooling2D(keepdims=True)(x)
+    gate = layers.Conv2D(8, 1, activation="relu", name="squeeze")(gate)
+    gate = layers.Conv2D(32, 1, name="excite")(gate)
+    gate = layers.ReLU(6.0)(gate + 3.0) * (1.0 / 6.0)
+    x = layers.Multiply()([x, gate])
+    x = layers.Conv2D(8, 1, name="project")(x)
+    x = layers.Add()([inputs, x])
+    x = layers.Conv2D(16, 1, name="next")(x)
+    model = keras.Model(inputs, x)
+    plan = keras_tp.auto_plan(model, 2, check_local=True)
+    styles = {e.layer.path: e.style for e in plan.leaf_layers()}
+    assert not plan.fallbacks, plan.fallbacks
+    assert styles["expand"] == styles["excite"] == keras_tp.Column(), styles
+    assert styles["squeeze"] == styles["project"] == keras_tp.Row(), styles
+    assert styles["depthwise"] == keras_tp.Channelwise(), styles
+    assert styles["next"] == keras_tp.Column(gather_output=True), styles
+
+
 def test_a_depthwise_kernel_is_no_bank_of_experts():
     # A DepthwiseConv2D without bias holds one weight, whose leading axis
     # (the kernel's height) would fit ExpertParallel's shape rule: the

@@ -125,9 +125,21 @@ class MegatronPairing:
             if consumers and row.index in consumers
         ]
         if direct:
-            if all(self._fits(call, row) for call, _ in direct):
-                return direct
-            return []
+            if not all(self._fits(call, row) for call, _ in direct):
+                return []
+            # A gate made by raw ops (MobileNetV3's hard sigmoid) comes
+            # from the Columns since whose output only raw ops read.
+            first = min(call.index for call, _ in direct)
+            gates = [
+                (call, consumers)
+                for call, consumers in open_columns
+                if consumers == set()
+                and call.index > first
+                and self._fits(call, row)
+            ]
+            if any(call.index in self.raw_gated for call, _ in direct):
+                return direct + gates
+            return direct
         source = row.inputs[0] if row.inputs else None
         producer = row.inputs and self.trace.producer.get(id(source))
         if producer and not _opaque(producer.layer):
@@ -252,6 +264,8 @@ class MegatronPairing:
                 # Made after the Column, or split by another one's span;
                 # what was made before it (a residual) is whole.
                 producer = self.trace.producer.get(id(other))
+                if producer is None:
+                    self.raw_gated.add(since)
                 return (
                     id(other) in self.split_tensors
                     or producer is None

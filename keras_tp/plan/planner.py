@@ -112,8 +112,10 @@ class Planner(MegatronPairing):
         # The `Reshape` layers it passes on the way, by the same index,
         # with the target shape a rank reshapes its features to.
         self.reshapes = {}
-        # The values those walks found split (`id`s).
+        # The values those walks found split (`id`s), and the Column
+        # calls whose walk met a gate made by raw ops.
         self.split_tensors = set()
+        self.raw_gated = set()
         # The Megatron group of each paired Column call, by its index.
         self.group_of_column = {}
 

@@ -722,6 +722,42 @@ def test_a_gate_made_by_raw_ops_joins_the_squeeze_excite_group():
     assert styles["next"] == keras_tp.Column(gather_output=True), styles
 
 
+def test_a_layer_called_twice_pairs_alike_at_both_calls():
+    # A Siamese tower (as Albert's block shared by its layers): `up` and
+    # `down` split once for both calls, as a Megatron pair, and training
+    # with a data axis, where each rank runs its slices, is one device's.
+    def build(second_call_mixes=False):
+        keras.utils.set_random_seed(0)
+        a, b = keras.Input((16,)), keras.Input((16,))
+        up = layers.Dense(64, activation="relu", name="up")
+        down = layers.Dense(16, name="down")
+        other = layers.Softmax()(up(b)) if second_call_mixes else down(up(b))
+        x = layers.Concatenate()([down(up(a)), other])
+        return keras.Model([a, b], layers.Dense(3, name="head")(x))
+
+    rng = np.random.default_rng(0)
+    x = [rng.normal(size=(8, 16)).astype("float32") for _ in range(2)]
+    y = rng.integers(0, 3, size=(8,))
+    one = build()
+    tp = keras_tp.TensorParallelKeras(build(), world_size=4, data_parallel=2)
+    for model in (one, tp):
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        model.fit(x, y, epochs=2, verbose=0)
+    styles = {e.layer.path: e.style for e in tp.sharding_plan.leaf_layers()}
+    assert styles["up"] == keras_tp.Column(), styles
+    assert styles["down"] == keras_tp.Row(), styles
+    for expected, actual in zip(one.get_weights(), tp.get_weights()):
+        np.testing.assert_allclose(actual, expected, atol=ATOL)
+    # The softmax of `up`'s second call needs all its features: the pair
+    # does not form at either call.
+    plan = keras_tp.auto_plan(build(second_call_mixes=True), 2)
+    styles = {e.layer.path: e.style for e in plan.leaf_layers()}
+    assert styles["up"] == keras_tp.Column(gather_output=True), styles
+
+
 def test_a_depthwise_kernel_is_no_bank_of_experts():
     # A DepthwiseConv2D without bias holds one weight, whose leading axis
     # (the kernel's height) would fit ExpertParallel's shape rule: the

@@ -58,7 +58,7 @@ class MegatronPairing:
         groups = []
         whole = []
         for call in calls:
-            if not self._single_call_candidate(call, candidates):
+            if not self._candidate(call, candidates):
                 continue
             if self._can_split(call.layer, Row()):
                 partners = self._row_partners(call, open_columns)
@@ -294,12 +294,8 @@ class MegatronPairing:
                 return weights, axis
         return ({}, axis) if commutes(call, tensor, axis) else None
 
-    def _single_call_candidate(self, call, candidates):
-        return (
-            id(call.layer) in candidates
-            and len(self.trace.calls_of[id(call.layer)]) == 1
-            and call.outputs
-        )
+    def _candidate(self, call, candidates):
+        return id(call.layer) in candidates and call.outputs
 
 
 def _heads(tensor, layer, style, axis_of):

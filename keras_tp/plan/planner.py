@@ -138,11 +138,17 @@ class Planner(MegatronPairing):
                 leaves.append(layer)
         candidates = {id(layer) for layer in leaves}
         carried = []
-        for parent in sorted(self.trace.children, key=_start_order):
-            groups, whole = self._groups(
-                self.trace.children[parent], candidates, carried
-            )
+        found = [
+            self._groups(self.trace.children[parent], candidates, carried)
+            for parent in sorted(self.trace.children, key=_start_order)
+        ]
+        unlike = self._paired_unlike(
+            [group for groups, _ in found for group in groups]
+        )
+        for groups, whole in found:
             for columns, rows in groups:
+                if any(id(c.layer) in unlike for c in columns + rows):
+                    continue
                 key = id(rows[0].layer)
                 for call in columns:
                     decisions[id(call.layer)] = Decision(
@@ -368,6 +374,30 @@ class Planner(MegatronPairing):
                 for layer, target in reshapes.items():
                     shapes[layer] = {"target_shape": target}
         return shapes
+
+    def _paired_unlike(self, groups):
+        """`id`s of the layers whose calls are not all paired alike.
+
+        A layer called several times (the block Albert shares between
+        its layers, a Siamese tower) splits one way for all its calls, so
+        each call must be in a group of the same Column and Row layers;
+        the groups holding any other call stay unpaired.
+        """
+        shapes = collections.defaultdict(set)
+        calls = collections.Counter()
+        for columns, rows in groups:
+            shape = (
+                frozenset(id(call.layer) for call in columns),
+                frozenset(id(call.layer) for call in rows),
+            )
+            for call in columns + rows:
+                shapes[id(call.layer)].add(shape)
+                calls[id(call.layer)] += 1
+        return {
+            layer
+            for layer, seen in shapes.items()
+            if len(seen) > 1 or calls[layer] != len(self.trace.calls_of[layer])
+        }
 
     # Falling back -----------------------------------------------------
 

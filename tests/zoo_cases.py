@@ -21,6 +21,7 @@ from tests import models
 from tests import zoo
 
 _ROW = keras_tp.Row()
+_COLUMN = keras_tp.Column()
 
 TRANSFORMERS = (
     "gemma",
@@ -337,19 +338,31 @@ def cnn_checks(name, world_size):
         "forward": _largest(tp(x), reference(x)),
         "channelwise": styles.count(repr(keras_tp.Channelwise())),
         "pairs": styles.count(repr(_ROW)),
+        "plan": {
+            entry.layer.path: repr(entry.style)
+            for entry in tp.sharding_plan.leaf_layers()
+        },
         "fallbacks": dict(tp.sharding_plan.fallbacks),
     }
 
 
 def check_resnet(results):
-    """Every bottleneck pairs its first two convolutions through its BN.
+    """Every bottleneck pairs two convolutions through its BN.
 
     ResNet50 has 16 bottleneck blocks: 1x1 conv (Column) -> BatchNorm
     (Channelwise, statistics local to the rank's channels) -> ReLU -> 3x3
-    conv (Row).
+    conv (Row). The stem's 7x7 convolution is a Column too: through its
+    BatchNorm and the max pooling it reaches the first block's two 1x1
+    convolutions (its main path's and its shortcut's), its Rows; that
+    block pairs its 3x3 convolution (Column) with its last 1x1 (Row).
     """
     assert results["forward"] <= 1e-5, results
-    assert results["channelwise"] == results["pairs"] == 16, results
+    assert results["channelwise"] == 17, results
+    assert results["pairs"] == 18, results
+    plan = results["plan"]
+    assert plan["conv1_conv"] == plan["conv2_block1_2_conv"] == repr(_COLUMN)
+    for name in ("conv2_block1_0_conv", "conv2_block1_1_conv"):
+        assert plan[name] == repr(_ROW), (name, plan)
     assert not results["fallbacks"], results["fallbacks"]
 
 

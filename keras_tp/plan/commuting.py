@@ -15,15 +15,14 @@ def weightless_passing(call, tensor, axis, may_be_split):
     """The axis on which a weightless layer's output keeps `tensor`'s
     split features apart, or `None`.
 
-    Run on the first half of the features, of `tensor` and of every other
-    input of the same length on `axis` that broadcasts over another axis
-    and `may_be_split` (a gate that another Column makes), with inputs of
-    length 1 on `axis` broadcasting,
-    the layer must give the same half of its traced output on an axis of
-    that length: pooling over the other axes, a product
-    with a squeeze-and-excitation gate. A `Reshape` that only adds or
-    drops axes of length 1 keeps them apart too; a rank runs it with that
-    axis of its target shape inferred (`open_target`).
+    Run on the first half of the features (of `tensor`, and of each other
+    input of that length on `axis` that broadcasts over another axis and
+    `may_be_split`: a gate that another Column makes; an input of length 1
+    on `axis` broadcasts as it is), the layer must give the same half of
+    its traced output on an axis of that length: pooling over the other
+    axes, a product with a squeeze-and-excitation gate. A `Reshape` that
+    only adds or drops axes of length 1 keeps them apart too; a rank runs
+    it with that axis of its target shape inferred (`open_target`).
     """
     if len(call.outputs) != 1 or tensor.shape[axis] < 2:
         return None

@@ -130,19 +130,18 @@ class MegatronPairing:
         if direct:
             if not all(self._fits(call, row) for call, _ in direct):
                 return []
+            if not any(call.index in self.raw_gated for call, _ in direct):
+                return direct
             # A gate made by raw ops (MobileNetV3's hard sigmoid) comes
             # from the Columns since whose output only raw ops read.
             first = min(call.index for call, _ in direct)
-            gates = [
+            return direct + [
                 (call, consumers)
                 for call, consumers in open_columns
                 if consumers == set()
                 and call.index > first
                 and self._fits(call, row)
             ]
-            if any(call.index in self.raw_gated for call, _ in direct):
-                return direct + gates
-            return direct
         source = row.inputs[0] if row.inputs else None
         producer = row.inputs and self.trace.producer.get(id(source))
         if producer and not _opaque(producer.layer):
@@ -267,8 +266,6 @@ class MegatronPairing:
                 # Made after the Column, or split by another one's span;
                 # what was made before it (a residual) is whole.
                 producer = self.trace.producer.get(id(other))
-                if producer is None:
-                    self.raw_gated.add(since)
                 return (
                     id(other) in self.split_tensors
                     or producer is None
@@ -276,7 +273,16 @@ class MegatronPairing:
                 )
 
             out_axis = weightless_passing(call, tensor, axis, may_be_split)
-            return None if out_axis is None else ({}, out_axis)
+            if out_axis is None:
+                return None
+            if any(
+                other is not tensor
+                and other.shape[axis] == tensor.shape[axis]
+                and id(other) not in self.trace.producer
+                for other in call.inputs
+            ):
+                self.raw_gated.add(since)
+            return {}, out_axis
         if Channelwise not in handler.styles:
             return None
         part = np.arange(tensor.shape[axis] // 2)

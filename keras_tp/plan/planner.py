@@ -363,42 +363,6 @@ class Planner(MegatronPairing):
                 return str(error)
         return None
 
-    def local_reshapes(self, decisions):
-        """`{Reshape layer: {"target_shape": shape}}`: the reshapes on the
-        way from a Column still paired to its Rows, which a rank runs with
-        the split axis of their target shape inferred."""
-        shapes = {}
-        for index, reshapes in self.reshapes.items():
-            decision = decisions.get(id(self.trace.calls[index].layer))
-            if decision is not None and decision.paired:
-                for layer, target in reshapes.items():
-                    shapes[layer] = {"target_shape": target}
-        return shapes
-
-    def _paired_unlike(self, groups):
-        """`id`s of the layers whose calls are not all paired alike.
-
-        A layer called several times (the block Albert shares between
-        its layers, a Siamese tower) splits one way for all its calls, so
-        each call must be in a group of the same Column and Row layers;
-        the groups holding any other call stay unpaired.
-        """
-        shapes = collections.defaultdict(set)
-        calls = collections.Counter()
-        for columns, rows in groups:
-            shape = (
-                frozenset(id(call.layer) for call in columns),
-                frozenset(id(call.layer) for call in rows),
-            )
-            for call in columns + rows:
-                shapes[id(call.layer)].add(shape)
-                calls[id(call.layer)] += 1
-        return {
-            layer
-            for layer, seen in shapes.items()
-            if len(seen) > 1 or calls[layer] != len(self.trace.calls_of[layer])
-        }
-
     # Falling back -----------------------------------------------------
 
     def whole_key_values(self, decisions):

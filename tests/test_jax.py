@@ -517,6 +517,68 @@ def test_tied_embeddings_split_on_global_arrays_whole_on_local_ranks():
         )
 
 
+class AlibiAttention(keras.layers.Layer):
+    """Attention with ALiBi slopes computed from the heads it sees, as
+    keras-hub's Bloom computes them: a rank holding half the heads would
+    give them the slopes of the first half."""
+
+    def __init__(self, heads=4, head_dim=4, **kwargs):
+        super().__init__(**kwargs)
+        self.query, self.key, self.value = (
+            layers.EinsumDense(
+                "bsm,mnh->bsnh", (None, heads, head_dim), name=name
+            )
+            for name in ("query", "key", "value")
+        )
+        self.output_dense = layers.Dense(heads * head_dim, name="output")
+
+    def call(self, x):
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        heads = keras.ops.shape(q)[2]
+        slopes = 2.0 ** (-8.0 * keras.ops.arange(1, heads + 1) / heads)
+        positions = keras.ops.arange(keras.ops.shape(x)[1], dtype=x.dtype)
+        scores = keras.ops.einsum("bqnh,bknh->bnqk", q, k)
+        scores = scores + slopes[:, None, None] * positions
+        weights = keras.ops.softmax(scores, axis=-1)
+        out = keras.ops.einsum("bnqk,bknh->bqnh", weights, v)
+        batch, length = keras.ops.shape(x)[0], keras.ops.shape(x)[1]
+        return self.output_dense(keras.ops.reshape(out, (batch, length, -1)))
+
+
+def test_the_check_sees_positions_that_equal_probe_tokens_would_hide():
+    # On a probe of equal token ids every position holds the same values,
+    # so attention returns them whatever its weights: the wrong slopes of
+    # a rank's heads would pass. The check traces random ids below the
+    # embedding's vocabulary and refuses the split.
+    def build():
+        keras.utils.set_random_seed(0)
+        ids = keras.Input((None,), dtype="int32")
+        x = layers.Embedding(11, 16, name="embedding")(ids)
+        x = AlibiAttention(name="attention")(x)
+        return keras.Model(ids, layers.Dense(3, name="head")(x))
+
+    plan = {f"attention/{n}": keras_tp.Column() for n in ("query", "key")}
+    plan["attention/value"] = keras_tp.Column()
+    plan["attention/output"] = keras_tp.Row()
+    with pytest.raises(
+        keras_tp.ShardingError,
+        match="'attention/output': the input of 'attention/output' differs",
+    ):
+        keras_tp.TensorParallelKeras(
+            build(), world_size=4, data_parallel=2, plan=plan
+        )
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 11, size=(4, 6)).astype("int32")
+    y = rng.integers(0, 3, size=(4, 6))
+    one = build()
+    tp = keras_tp.TensorParallelKeras(build(), world_size=4, data_parallel=2)
+    for model in (one, tp):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss_fn())
+        model.fit(x, y, verbose=0)
+    for expected, actual in zip(one.get_weights(), tp.get_weights()):
+        np.testing.assert_allclose(actual, expected, atol=ATOL)
+
+
 class WindowedAttention(keras.layers.Layer):
     """Attention through `Dense` projections, reshaped to `heads`, beside
     two attributes whose values divide its width by chance and which its

@@ -10,6 +10,7 @@ are not recorded: a tensor no recorded call produced came from such ops.
 
 import collections
 import contextlib
+import logging
 
 import keras
 import numpy as np
@@ -18,6 +19,8 @@ from keras import ops
 from keras_tp.keras_internals import build_shapes
 from keras_tp.keras_internals import input_structure
 from keras_tp.plan.sharding_plan import walk_layers
+
+logger = logging.getLogger(__name__)
 
 Call = collections.namedtuple(
     "Call",
@@ -94,16 +97,49 @@ def instrumented(model, wrap):
 def trace_model(model, inputs=None):
     """Runs `model` once on `inputs` and records every layer call.
 
+    Without `inputs` the model runs on `probe_inputs(model)`. Where that
+    probe's token ids (all ones) feed an embedding, the model runs again on
+    random ids below the smallest vocabulary that reads them: on equal
+    tokens every position holds the same values, and a split that mixes
+    up positions or heads (ALiBi slopes read for the wrong heads) would
+    give the one-device numbers on them.
+
     Args:
         model: a built Keras model.
-        inputs: the batch to run; defaults to `probe_inputs(model)`.
+        inputs: the batch to run; defaults to the probe batch.
 
     Returns:
         A `Trace`.
     """
-    probing = inputs is None
-    if probing:
-        inputs = probe_inputs(model)
+    if inputs is not None:
+        return _record(model, inputs)
+    probe = probe_inputs(model)
+    try:
+        trace = _record(model, probe)
+    except Exception as e:
+        shapes = keras.tree.map_structure(lambda t: tuple(t.shape), probe)
+        e.add_note(
+            f"keras_tp traced model '{model.name}' on a probe batch made "
+            f"from its input shapes, {shapes} (unknown dimensions 8). If the "
+            "model needs other sizes, pass sample_batch= (a few rows of real "
+            "inputs) to TensorParallelKeras or keras_tp.auto_plan."
+        )
+        raise
+    varied = _random_token_ids(trace)
+    if varied is None:
+        return trace
+    try:
+        return _record(model, varied)
+    except Exception:  # noqa: BLE001 - the model needs its ids as probed
+        logger.debug(
+            "Model '%s' fails on random token ids; it is traced on ones.",
+            model.name,
+            exc_info=True,
+        )
+        return trace
+
+
+def _record(model, inputs):
     calls = []
     stack = []
 
@@ -131,23 +167,32 @@ def trace_model(model, inputs=None):
         return recording_call
 
     with instrumented(model, wrap):
-        try:
-            outputs = model(inputs, training=False)
-        except Exception as e:
-            if probing:
-                shapes = keras.tree.map_structure(
-                    lambda t: tuple(t.shape), inputs
-                )
-                e.add_note(
-                    f"keras_tp traced model '{model.name}' on a probe batch "
-                    f"made from its input shapes, {shapes} (unknown "
-                    "dimensions 8). If the model needs other sizes, pass "
-                    "sample_batch= (a few rows of real inputs) to "
-                    "TensorParallelKeras or keras_tp.auto_plan."
-                )
-            raise
+        outputs = model(inputs, training=False)
     # A call that raised leaves no record; nothing else can be missing.
     return Trace([c for c in calls if c is not None], inputs, outputs)
+
+
+def _random_token_ids(trace, seed=1):
+    """`trace.inputs` with each integer input that an embedding reads
+    replaced by random ids below the smallest `input_dim` reading it, or
+    `None` when no embedding reads an input."""
+    leaves = keras.tree.flatten(trace.inputs)
+    rows = {}
+    for call in trace.calls:
+        if not isinstance(call.layer, keras.layers.Embedding):
+            continue
+        for i, leaf in enumerate(leaves):
+            if any(t is leaf for t in call.inputs):
+                rows[i] = min(
+                    rows.get(i, call.layer.input_dim), call.layer.input_dim
+                )
+    if not rows:
+        return None
+    rng = np.random.default_rng(seed)
+    for i, vocabulary in rows.items():
+        ids = rng.integers(0, vocabulary, size=tuple(leaves[i].shape))
+        leaves[i] = ops.convert_to_tensor(ids, dtype=leaves[i].dtype)
+    return keras.tree.pack_sequence_as(trace.inputs, leaves)
 
 
 def flat_tensors(structure):
@@ -164,7 +209,8 @@ def probe_inputs(model, batch=2, seed=0):
 
     Float inputs are random normal, so that features differ and a wrong
     split shows in the numbers; integer and boolean inputs (token ids,
-    padding masks, segment ids) are ones, valid for any vocabulary.
+    padding masks, segment ids) are ones, valid for any vocabulary
+    (`trace_model` then varies the ids an embedding reads).
     Unknown dimensions other than the batch are 8.
     """
     rng = np.random.default_rng(seed)

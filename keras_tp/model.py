@@ -16,6 +16,7 @@ from keras_tp.keras_internals import BuildsBeforeTracing
 from keras_tp.keras_internals import RunsModelsOwnLoss
 from keras_tp.keras_internals import attach_trainer_state
 from keras_tp.keras_internals import print_msg
+from keras_tp.parallel.batch_loss import GlobalBatchLoss
 from keras_tp.parallel.reports import DataParallelReports
 from keras_tp.runtime import make_runtime
 from keras_tp.splitting import bind_plan
@@ -32,6 +33,7 @@ class TensorParallelKeras(
     Generation,
     FirstProcessSpeaks,
     BuildsBeforeTracing,
+    GlobalBatchLoss,
     RunsModelsOwnLoss,
     keras.Model,
 ):
@@ -195,12 +197,10 @@ class TensorParallelKeras(
         That is `keras.Model.compile`, or the wrapped model's own where its
         class defines one: a keras-hub task's fills in its loss, optimizer
         and metrics for `"auto"` (and its `generate()` settings). A model
-        compiled before it is wrapped (a keras-hub task compiles itself
-        when made) is compiled alike when wrapped.
+        compiled before wrapping (as a keras-hub task is) is compiled alike.
 
-        With a data axis or a ZeRO stage, the optimizer is wrapped in a
-        `keras_tp.CoordinatedOptimizer` of the model's stage (pass one
-        yourself to set its bucket size or gradient accumulation).
+        With a data axis or a ZeRO stage, the optimizer becomes a
+        `keras_tp.CoordinatedOptimizer` of the model's stage (or pass one).
 
         Example:
 

@@ -1,5 +1,5 @@
 """Small helpers on tensors of any backend: their bytes, their dtype kind,
-and collectives over many tensors at once.
+their Keras masks, and collectives over many tensors at once.
 
 They use only `keras.ops` and `keras.backend`, so the plan, the optimizer,
 the runtimes and the collectives share them without importing each other.
@@ -11,6 +11,9 @@ import keras
 import ml_dtypes
 import numpy as np
 from keras import ops
+
+from keras_tp.keras_internals import get_keras_mask
+from keras_tp.keras_internals import set_keras_mask
 
 
 def nbytes(x, shape=None):
@@ -71,3 +74,19 @@ def collect_flat(tensors, collective):
             )
             offset += size
     return results
+
+
+def carried_masks(structure):
+    """`{flat index: mask}` of the tensors of `structure` that carry a
+    Keras mask (an `Embedding(mask_zero=True)`'s, passed down the layers)."""
+    leaves = keras.tree.flatten(structure)
+    masks = {i: get_keras_mask(leaf) for i, leaf in enumerate(leaves)}
+    return {i: mask for i, mask in masks.items() if mask is not None}
+
+
+def with_masks(structure, masks):
+    """`structure`, its tensors carrying `masks` (as `carried_masks`)."""
+    leaves = keras.tree.flatten(structure)
+    for i, mask in masks.items():
+        set_keras_mask(leaves[i], mask)
+    return structure

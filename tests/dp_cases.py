@@ -133,6 +133,95 @@ def batchnorm_after_two_steps(world_size, data_parallel, zero_stage):
     return difference, tp.check_gradient_consistency()
 
 
+class BatchContrast(keras.losses.Loss):
+    """Each sample's logits against every sample's of the batch: a loss
+    over pairs of samples, as SigLIP's and CLIP's are."""
+
+    def call(self, y_true, y_pred):
+        similarity = keras.ops.matmul(y_pred, keras.ops.transpose(y_pred))
+        return -keras.ops.diagonal(keras.ops.log_softmax(similarity, axis=-1))
+
+
+def masked_tagger():
+    """A tag per token, whose predictions carry the tokens' mask."""
+    keras.utils.set_random_seed(0)
+    tokens = keras.Input((6,), dtype="int32")
+    x = keras.layers.Embedding(10, 8, mask_zero=True, name="embedding")(tokens)
+    return keras.Model(tokens, keras.layers.Dense(4, name="head")(x))
+
+
+def global_batch_losses(world_size, data_parallel):
+    """Two data-parallel SGD steps with losses whose rows' mean is not the
+    global batch's (`keras_tp.parallel.batch_loss`): a `"sum"`, a
+    `"mean_with_sample_weight"` with uneven weights, a loss over pairs of
+    samples, and the default loss on predictions masked unevenly across
+    rows. The default loss of unmasked predictions, a mean of Keras'
+    per-sample values, gathers nothing over `data`.
+
+    Returns:
+        `{run name: (largest weight difference to one device, difference
+        of the last logged loss), "default_gathers": all-gathers over
+        data in the default loss's step}`.
+    """
+    x, y = models.data_for("mlp", batch=BATCH)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 10, size=(BATCH, 6)).astype("int32")
+    tokens[BATCH // 2 :, 2:] = 0  # the last row's samples end early
+    tags = rng.integers(0, 4, size=(BATCH, 6))
+    weights = np.array([1, 1, 1, 1, 1, 0, 0, 2], "float32")
+    runs = {
+        "sum": (
+            models.mlp,
+            x,
+            y,
+            keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True, reduction="sum"
+            ),
+        ),
+        "weighted_mean": (
+            models.mlp,
+            x,
+            y,
+            keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True, reduction="mean_with_sample_weight"
+            ),
+        ),
+        "pairs": (models.mlp, x, y, BatchContrast()),
+        "masked": (masked_tagger, tokens, tags, loss_fn()),
+        "default": (models.mlp, x, y, loss_fn()),
+    }
+    results = {}
+    for name, (build, inputs, labels, loss) in runs.items():
+        per_sample = None if name == "masked" else weights
+        reference = build()
+        tp = keras_tp.TensorParallelKeras(
+            build(), world_size=world_size, data_parallel=data_parallel
+        )
+        logged = []
+        for model in (reference, tp):
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+            for _ in range(2):
+                value = model.train_on_batch(
+                    inputs, labels, sample_weight=per_sample
+                )
+            logged.append(float(value))
+        difference = max_diff(reference.get_weights(), tp.get_weights())
+        results[name] = (difference, abs(logged[0] - logged[1]))
+        if name == "default":
+            stats = tp.communication_stats("train", axis="data")
+            results["default_gathers"] = stats.get("all_gather", {}).get(
+                "calls", 0
+            )
+    return results
+
+
+def check_global_batch_losses(results):
+    for name in ("sum", "weighted_mean", "pairs", "masked", "default"):
+        weights, logged = results[name]
+        assert weights <= 1e-6 and logged <= 1e-5, (name, results[name])
+    assert results["default_gathers"] == 0, results
+
+
 def communication_run(zero_stage, bucket_mb):
     """One step of the MLP on 4 data ranks with buckets of `bucket_mb`.
 

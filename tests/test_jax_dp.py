@@ -32,12 +32,14 @@ from tests.dp_cases import batchnorm_network  # noqa: E402
 from tests.dp_cases import check_accumulation_buffers  # noqa: E402
 from tests.dp_cases import check_any_sample_count  # noqa: E402
 from tests.dp_cases import check_data_traffic  # noqa: E402
+from tests.dp_cases import check_global_batch_losses  # noqa: E402
 from tests.dp_cases import check_gradient_accumulation  # noqa: E402
 from tests.dp_cases import check_link_probe  # noqa: E402
 from tests.dp_cases import check_local_sgd_runs  # noqa: E402
 from tests.dp_cases import check_matches_one_device  # noqa: E402
 from tests.dp_cases import check_zero_memory  # noqa: E402
 from tests.dp_cases import communication_run  # noqa: E402
+from tests.dp_cases import global_batch_losses  # noqa: E402
 from tests.dp_cases import local_sgd_runs  # noqa: E402
 from tests.dp_cases import train_pair  # noqa: E402
 from tests.models import loss_fn  # noqa: E402
@@ -189,6 +191,10 @@ def test_batchnorm_normalises_by_the_global_batch(world_size, data_parallel):
     )
     assert difference <= 1e-6
     assert consistency["consistent"], consistency
+
+
+def test_losses_whose_rows_mean_differs_are_the_global_batchs():
+    check_global_batch_losses(global_batch_losses(2, 2))
 
 
 def test_batchnorm_statistics_stay_each_replicas_under_local_sgd():

@@ -40,12 +40,14 @@ from tests.dp_cases import batchnorm_after_two_steps  # noqa: E402
 from tests.dp_cases import check_accumulation_buffers  # noqa: E402
 from tests.dp_cases import check_any_sample_count  # noqa: E402
 from tests.dp_cases import check_data_traffic  # noqa: E402
+from tests.dp_cases import check_global_batch_losses  # noqa: E402
 from tests.dp_cases import check_gradient_accumulation  # noqa: E402
 from tests.dp_cases import check_link_probe  # noqa: E402
 from tests.dp_cases import check_local_sgd_runs  # noqa: E402
 from tests.dp_cases import check_matches_one_device  # noqa: E402
 from tests.dp_cases import check_zero_memory  # noqa: E402
 from tests.dp_cases import communication_run  # noqa: E402
+from tests.dp_cases import global_batch_losses  # noqa: E402
 from tests.dp_cases import local_sgd_runs  # noqa: E402
 from tests.dp_cases import make_optimizer  # noqa: E402
 from tests.dp_cases import train_pair  # noqa: E402
@@ -266,6 +268,10 @@ def test_mesh_follows_tensorflow_rank_order():
     x, y = models.data_for("mlp", batch=STEPS * BATCH)
     tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
     assert max_diff(reference.get_weights(), tp.get_weights()) <= 1e-5
+
+
+def test_losses_whose_rows_mean_differs_are_the_global_batchs():
+    check_global_batch_losses(global_batch_losses(2, 2))
 
 
 @pytest.mark.parametrize("world_size,data_parallel", [(2, 2), (4, 2)])

@@ -25,6 +25,7 @@ from tests import models  # noqa: E402
 from tests.dp_cases import STEPS  # noqa: E402
 from tests.dp_cases import check_accumulation_buffers  # noqa: E402
 from tests.dp_cases import check_any_sample_count  # noqa: E402
+from tests.dp_cases import check_global_batch_losses  # noqa: E402
 from tests.dp_cases import check_link_probe  # noqa: E402
 from tests.dp_cases import check_local_sgd_runs  # noqa: E402
 from tests.dp_cases import check_zero_memory  # noqa: E402
@@ -278,6 +279,12 @@ def test_batchnorm_normalises_by_the_global_batch(two_ranks):
         difference, consistency = rank["batchnorm"]
         assert difference <= 1e-6
         assert consistency["consistent"], consistency
+
+
+def test_losses_whose_rows_mean_differs_are_the_global_batchs(two_ranks):
+    _, ranks = two_ranks
+    for rank in ranks:
+        check_global_batch_losses(rank["global_losses"])
 
 
 def test_hierarchical_reduction_on_two_nodes():

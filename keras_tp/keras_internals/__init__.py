@@ -48,6 +48,7 @@ from keras_tp.keras_internals.models import attach_trainer_state
 from keras_tp.keras_internals.models import build_shapes
 from keras_tp.keras_internals.models import compile_arguments
 from keras_tp.keras_internals.models import compiled_loss
+from keras_tp.keras_internals.models import compiled_user_losses
 from keras_tp.keras_internals.models import compute_loss
 from keras_tp.keras_internals.models import input_structure
 from keras_tp.keras_internals.models import jax_update_metrics
@@ -59,6 +60,7 @@ from keras_tp.keras_internals.models import set_initial_epoch
 from keras_tp.keras_internals.models import set_metric_function
 from keras_tp.keras_internals.models import tracked_loss
 from keras_tp.keras_internals.models import update_loss_tracker
+from keras_tp.keras_internals.models import wrapped_loss_function
 from keras_tp.keras_internals.optimizers import UpdatesThroughAssign
 from keras_tp.keras_internals.optimizers import (
     backend_free_add_variable_from_reference,
@@ -93,6 +95,7 @@ __all__ = [
     "build_shapes",
     "compile_arguments",
     "compiled_loss",
+    "compiled_user_losses",
     "compute_loss",
     "direct_assign",
     "draw_from_state",
@@ -137,4 +140,5 @@ __all__ = [
     "stored_value",
     "sublayers",
     "update_loss_tracker",
+    "wrapped_loss_function",
 ]

@@ -3,6 +3,7 @@
 import logging
 
 import keras
+from keras.src.losses.losses import LossFunctionWrapper
 from keras.src.utils.io_utils import print_msg
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,21 @@ class RunsModelsOwnLoss:
             )
         finally:
             model._compile_loss = own_loss
+
+
+def compiled_user_losses(model):
+    """The losses given to `model.compile` (strings, functions or `Loss`
+    objects), flattened; empty when it has no compiled loss."""
+    compiled = getattr(model, "_compile_loss", None)
+    if compiled is None:
+        return []
+    return [loss for loss in keras.tree.flatten(compiled._user_loss) if loss]
+
+
+def wrapped_loss_function(loss):
+    """The function a `Loss` object applies to each sample, where it wraps
+    one (as each of Keras' own loss classes does); else `None`."""
+    return loss.fn if isinstance(loss, LossFunctionWrapper) else None
 
 
 def compute_loss(model, **kwargs):

@@ -107,6 +107,7 @@ def api_checks(configurations, save_path):
     except ValueError as e:
         result["stage_error"] = str(e)
     result["batchnorm"] = dp_cases.batchnorm_after_two_steps(2, 2, 1)
+    result["global_losses"] = dp_cases.global_batch_losses(2, 2)
     result["accumulation_buffers"] = dp_cases.accumulation_buffer_bytes(2)
     result["local_sgd"] = dp_cases.local_sgd_runs()
     result["rank"] = dist.get_rank()

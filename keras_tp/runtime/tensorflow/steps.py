@@ -39,8 +39,10 @@ from keras_tp.keras_internals import local_shapes
 from keras_tp.keras_internals import tracked_loss
 from keras_tp.runtime.tensorflow.optimizer import prepare_optimizer
 from keras_tp.runtime.tensorflow.storage import local_read
+from keras_tp.tensors import carried_masks
 from keras_tp.tensors import collect_flat
 from keras_tp.tensors import is_float
+from keras_tp.tensors import with_masks
 from keras_tp.vocab_parallel import split_head
 
 
@@ -127,8 +129,9 @@ class ReplicaSteps:
             with self.sequence_shards():
                 outputs = self.whole_outputs(model(x, training=training))
             if head is None:
-                return outputs
-            return head.per_token(self.adapter, y, outputs)
+                # A mask does not leave a replica as an attribute.
+                return outputs, carried_masks(outputs)
+            return head.per_token(self.adapter, y, outputs), {}
 
         def forward(x, y):
             replica = self.replica_id()
@@ -138,9 +141,9 @@ class ReplicaSteps:
                 return call(local_x, local_y)
             tape = tf.GradientTape()
             with tape:
-                y_pred = call(local_x, local_y)
+                y_pred, masks = call(local_x, local_y)
             tapes[replica] = (tape, y_pred)
-            return y_pred
+            return y_pred, masks
 
         if head is None:
             y = None
@@ -148,7 +151,7 @@ class ReplicaSteps:
             results = self.strategy.run(forward, args=(x, y))
         local = self.strategy.experimental_local_results(results)
         return [
-            local[row * self.tensor_parallel]
+            with_masks(*local[row * self.tensor_parallel])
             for row in range(self.data_parallel)
         ]
 
@@ -205,8 +208,13 @@ class ReplicaSteps:
         """The global batch's outputs from the rows' outputs."""
         if len(rows) == 1:
             return rows[0]
-        return tf.nest.map_structure(
+        together = tf.nest.map_structure(
             lambda *parts: tf.concat(parts, axis=0), *rows
+        )
+        masks = [carried_masks(row) for row in rows]
+        return with_masks(
+            together,
+            {i: tf.concat([m[i] for m in masks], 0) for i in masks[0]},
         )
 
     def build_optimizer(self, model):

@@ -1,0 +1,100 @@
+"""The loss of the global batch under data parallelism.
+
+With a data axis each data-parallel row computes the loss of its part of
+every batch, and the optimizer averages the rows' gradients. That is the
+global batch's loss where the loss is a mean of per-sample values: one of
+Keras' own losses, reduced `"sum_over_batch_size"` (the default) or
+`"mean"`. Any other loss would differ from one device's, silently:
+
+- a `"sum"` is the rows' sum, and the rows' mean is a fraction of it;
+- `"mean_with_sample_weight"` divides by each row's weights;
+- a loss that couples samples (SigLIP's and CLIP's contrastive losses,
+  over every pair of the batch) would miss the pairs across rows.
+
+Predictions that carry a Keras mask (an `Embedding(mask_zero=True)`'s)
+differ too under Keras' own losses: their mean is over each row's unmasked
+entries. For those each row gathers every row's labels, predictions (with
+their masks) and sample weights over `data` and computes the loss of the
+global batch, as one device does (and as `keras.distribution.DataParallel`,
+on global arrays, does). A row's predictions enter with their gradient
+scaled by the rows' count, since the rows' gradients are averaged. A
+model whose class computes its own loss (`compute_loss`) keeps its rows'
+losses: such a method may run the model again on its inputs.
+"""
+
+import keras
+from keras import ops
+
+from keras_tp.keras_internals import compiled_user_losses
+from keras_tp.keras_internals import get_keras_mask
+from keras_tp.keras_internals import overrides_compute_loss
+from keras_tp.keras_internals import set_keras_mask
+from keras_tp.keras_internals import wrapped_loss_function
+
+_ROW_MEANS = ("sum_over_batch_size", "mean")
+
+
+class GlobalBatchLoss:
+    """Model mixin: the compiled loss is the global batch's where the
+    rows' losses would not average to it (see the module docstring)."""
+
+    def compute_loss(
+        self, x=None, y=None, y_pred=None, sample_weight=None, training=True
+    ):
+        runtime = self._runtime
+        if y_pred is None or not gathers_loss(self, runtime, y_pred):
+            return super().compute_loss(x, y, y_pred, sample_weight, training)
+        adapter = runtime.data_adapter
+        rows = adapter.size()
+
+        def every_row(tensor):
+            return None if tensor is None else adapter.all_gather(tensor, 0)
+
+        def every_prediction(tensor):
+            # Value once, gradient `rows` times: the rows' are averaged.
+            scaled = tensor * rows - ops.stop_gradient(tensor * (rows - 1))
+            gathered = adapter.gather_from_parallel(scaled, 0)
+            mask = get_keras_mask(tensor)
+            if mask is not None:
+                mask = every_row(ops.cast(mask, "int32"))
+                set_keras_mask(gathered, ops.cast(mask, "bool"))
+            return gathered
+
+        return super().compute_loss(
+            x,
+            keras.tree.map_structure(every_row, y),
+            keras.tree.map_structure(every_prediction, y_pred),
+            keras.tree.map_structure(every_row, sample_weight),
+            training,
+        )
+
+
+def gathers_loss(trainer, runtime, y_pred):
+    """Whether `trainer`'s step computes its compiled loss on every data
+    row's values: it runs per rank with a data axis, and a loss it was
+    compiled with is not a mean of Keras' per-sample values, or the
+    predictions `y_pred` carry masks."""
+    if runtime.data_parallel == 1 or not runtime.holds_local_values():
+        return False
+    if overrides_compute_loss(trainer.model):
+        return False
+    if any(get_keras_mask(t) is not None for t in keras.tree.flatten(y_pred)):
+        return True
+    return not all(
+        averages_over_rows(loss) for loss in compiled_user_losses(trainer)
+    )
+
+
+def averages_over_rows(loss):
+    """Whether the rows' mean of `loss` (a name, function or `Loss`, as
+    `compile` takes it) is the global batch's `loss`."""
+    if isinstance(loss, str):
+        return True
+    if isinstance(loss, keras.losses.Loss):
+        function = wrapped_loss_function(loss)
+        return loss.reduction in _ROW_MEANS and _keras_own(function)
+    return _keras_own(loss)
+
+
+def _keras_own(function):
+    return getattr(function, "__module__", "").startswith("keras.")

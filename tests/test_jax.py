@@ -135,7 +135,11 @@ def test_vocab_parallel_loss_matches_one_device():
 def test_a_models_own_compute_loss_trains_as_on_one_device():
     # On global arrays, and in per-rank steps (a data axis).
     own_loss_cases.check_runs(own_loss_cases.runs(2))
-    own_loss_cases.check_runs(own_loss_cases.runs(4, data_parallel=2))
+    # Each data row computes it on its samples, which this loss (a mean
+    # over samples) allows and a contrastive one would not: it warns.
+    with pytest.warns(UserWarning, match="PairedTowers.compute_loss runs on"):
+        runs = own_loss_cases.runs(4, data_parallel=2)
+    own_loss_cases.check_runs(runs)
     with pytest.raises(ValueError, match=r"own `PairedTowers.compute_loss`"):
         keras_tp.TensorParallelKeras(
             own_loss_cases.towers(), world_size=2, pipeline_parallel=2

@@ -19,8 +19,11 @@ global batch, as one device does (and as `keras.distribution.DataParallel`,
 on global arrays, does). A row's predictions enter with their gradient
 scaled by the rows' count, since the rows' gradients are averaged. A
 model whose class computes its own loss (`compute_loss`) keeps its rows'
-losses: such a method may run the model again on its inputs.
+losses, with a warning: such a method may run the model again on its
+inputs, and what it pairs is its own.
 """
+
+import warnings
 
 import keras
 from keras import ops
@@ -77,6 +80,15 @@ def gathers_loss(trainer, runtime, y_pred):
     if runtime.data_parallel == 1 or not runtime.holds_local_values():
         return False
     if overrides_compute_loss(trainer.model):
+        warnings.warn(
+            f"{type(trainer.model).__name__}.compute_loss runs on each "
+            f"data-parallel row's part of the batch (data_parallel="
+            f"{runtime.data_parallel}). Where it pairs samples (a "
+            "contrastive loss, as SigLIP's) or divides by counts over the "
+            "batch, its loss and gradients differ from one device's: train "
+            "it with data_parallel=1.",
+            stacklevel=2,
+        )
         return False
     if any(get_keras_mask(t) is not None for t in keras.tree.flatten(y_pred)):
         return True

@@ -133,12 +133,12 @@ class JaxCollectiveAdapter(CollectiveAdapter):
         """No-op: a compiled SPMD program has no rank that runs ahead."""
 
     def _build_conjugate_ops(self):
-        axis = self.axis_name
+        mesh_axis = self.axis_name
         record = self._record
         check_vma = self.check_vma
 
         def varying(x):
-            return jax.lax.pcast(x, axis, to="varying") if check_vma else x
+            return jax.lax.pcast(x, mesh_axis, to="varying") if check_vma else x
 
         @jax.custom_vjp
         def copy_to_parallel(x):
@@ -149,7 +149,7 @@ class JaxCollectiveAdapter(CollectiveAdapter):
 
         def copy_bwd(_, grad):
             record("all_reduce", grad, "backward")
-            return (jax.lax.psum(grad, axis),)
+            return (jax.lax.psum(grad, mesh_axis),)
 
         copy_to_parallel.defvjp(copy_fwd, copy_bwd)
 
@@ -157,12 +157,12 @@ class JaxCollectiveAdapter(CollectiveAdapter):
             # psum of a device-varying value is device-invariant; under
             # check_vma its transpose is a plain broadcast, with no collective.
             record("all_reduce", x, "forward")
-            return jax.lax.psum(x, axis)
+            return jax.lax.psum(x, mesh_axis)
 
         @jax.custom_vjp
         def reduce_untracked(x):
             record("all_reduce", x, "forward")
-            return jax.lax.psum(x, axis)
+            return jax.lax.psum(x, mesh_axis)
 
         def reduce_untracked_fwd(x):
             return reduce_untracked(x), None
@@ -173,12 +173,13 @@ class JaxCollectiveAdapter(CollectiveAdapter):
 
         reduce_untracked.defvjp(reduce_untracked_fwd, reduce_untracked_bwd)
 
-        def gather_from_parallel(x, gather_axis=-1):
+        def gather_from_parallel(x, axis=-1):
             record("all_gather", x, "forward", self._axis_size)
-            gather_axis = gather_axis % x.ndim
             # The invariant all-gather transposes to a local slice: the
             # cotangent of a replicated output is already equal on all ranks.
-            return all_gather_invariant(x, axis, axis=gather_axis, tiled=True)
+            return all_gather_invariant(
+                x, mesh_axis, axis=axis % x.ndim, tiled=True
+            )
 
         def gathering_gradient(forward, gradient=lambda whole: whole):
             """`forward(x, axis)` whose gradient is all-gathered on `axis`
@@ -194,7 +195,7 @@ class JaxCollectiveAdapter(CollectiveAdapter):
             def op_bwd(op_axis, _, grad):
                 record("all_gather", grad, "backward", self._axis_size)
                 whole = all_gather_invariant(
-                    grad, axis, axis=op_axis, tiled=True
+                    grad, mesh_axis, axis=op_axis, tiled=True
                 )
                 return (gradient(whole),)
 
@@ -203,33 +204,33 @@ class JaxCollectiveAdapter(CollectiveAdapter):
 
         def local_slice(x, scatter_axis):
             local = x.shape[scatter_axis] // self._axis_size
-            start = jax.lax.axis_index(axis) * local
+            start = jax.lax.axis_index(mesh_axis) * local
             x = varying(x)
             return jax.lax.dynamic_slice_in_dim(x, start, local, scatter_axis)
 
         scatter = gathering_gradient(local_slice)
 
-        def scatter_to_parallel(x, scatter_axis=-1):
-            return scatter(x, scatter_axis % x.ndim)
+        def scatter_to_parallel(x, axis=-1):
+            return scatter(x, axis % x.ndim)
 
         # Each rank's gradient of the whole sequence is its partial sum:
         # the backward pass reduce-scatters it.
-        gather_sequence = _gather_scattering_gradient(axis, record)
+        gather_sequence = _gather_scattering_gradient(mesh_axis, record)
 
         reduce_scatter_sequence = gathering_gradient(
             lambda x, sequence_axis: jax.lax.psum_scatter(
-                x, axis, scatter_dimension=sequence_axis, tiled=True
+                x, mesh_axis, scatter_dimension=sequence_axis, tiled=True
             ),
             varying,
         )
 
-        def gather_sequence_counted(x, sequence_axis=1):
+        def gather_sequence_counted(x, axis=1):
             record("all_gather", x, "forward", self._axis_size)
-            return gather_sequence(x, sequence_axis % x.ndim)
+            return gather_sequence(x, axis % x.ndim)
 
-        def reduce_scatter_sequence_counted(x, sequence_axis=1):
+        def reduce_scatter_sequence_counted(x, axis=1):
             record("reduce_scatter", x, "forward")
-            return reduce_scatter_sequence(x, sequence_axis % x.ndim)
+            return reduce_scatter_sequence(x, axis % x.ndim)
 
         self.gather_sequence = gather_sequence_counted
         self.reduce_scatter_sequence = reduce_scatter_sequence_counted

@@ -56,7 +56,7 @@ class GlobalBatchLoss:
         def every_prediction(tensor):
             # Value once, gradient `rows` times: the rows' are averaged.
             scaled = tensor * rows - ops.stop_gradient(tensor * (rows - 1))
-            gathered = adapter.gather_from_parallel(scaled, 0)
+            gathered = adapter.gather_from_parallel(scaled, axis=0)
             mask = get_keras_mask(tensor)
             if mask is not None:
                 mask = every_row(ops.cast(mask, "int32"))

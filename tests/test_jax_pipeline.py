@@ -181,6 +181,15 @@ def test_refusals_name_the_fix():
             optimizer="adam",
             loss=keras.losses.SparseCategoricalCrossentropy(reduction="sum"),
         )
+
+    def mean_square(y_true, y_pred):
+        # A loss of one's own: a pipeline cannot know it is per sample.
+        return keras.ops.mean(keras.ops.square(y_pred), axis=-1)
+
+    with pytest.warns(
+        UserWarning, match="Loss 'mean_square' is not one of Keras'"
+    ):
+        tp.compile(optimizer="adam", loss=mean_square)
     with pytest.raises(ValueError, match="global_clipnorm"):
         tp.compile(
             optimizer=keras.optimizers.Adam(global_clipnorm=1.0),

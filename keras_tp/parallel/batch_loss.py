@@ -77,6 +77,8 @@ def gathers_loss(trainer, runtime, y_pred):
     row's values: it runs per rank with a data axis, and a loss it was
     compiled with is not a mean of Keras' per-sample values, or the
     predictions `y_pred` carry masks."""
+    if runtime.config.pipeline_parallel > 1:
+        return False  # a micro-batch's loss: `PipelineRuntime.check_compiled`
     if runtime.data_parallel == 1 or not runtime.holds_local_values():
         return False
     if overrides_compute_loss(trainer.model):

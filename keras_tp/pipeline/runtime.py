@@ -3,12 +3,14 @@ as far as every backend's (`keras_tp.runtime.<backend>.pipeline`) shares
 it."""
 
 import copy
+import warnings
 
 import keras
 import numpy as np
 
 from keras_tp.keras_internals import compiled_loss
 from keras_tp.keras_internals import sublayers
+from keras_tp.parallel.batch_loss import averages_over_rows
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.cutting import split_stages
 from keras_tp.pipeline.ownership import WeightOwners
@@ -202,14 +204,23 @@ class PipelineRuntime(Runtime):
                 "yet; train in float32 or bfloat16 without loss scaling."
             )
         for loss in keras.tree.flatten(trainer.loss):
+            name = getattr(loss, "name", getattr(loss, "__name__", loss))
             reduction = getattr(loss, "reduction", "sum_over_batch_size")
             if reduction not in _MEAN_REDUCTIONS:
                 raise ValueError(
-                    f"Loss '{getattr(loss, 'name', loss)}' has reduction="
-                    f"{reduction!r}. A pipeline adds up each micro-batch's "
-                    "mean loss, weighted by 1/num_microbatches, which is the "
-                    "batch's loss only for a mean: use "
-                    "reduction='sum_over_batch_size'."
+                    f"Loss '{name}' has reduction={reduction!r}. A pipeline "
+                    "adds up each micro-batch's mean loss, weighted by "
+                    "1/num_microbatches, which is the batch's loss only for "
+                    "a mean: use reduction='sum_over_batch_size'."
+                )
+            if loss is not None and not averages_over_rows(loss):
+                warnings.warn(
+                    f"Loss '{name}' is not one of Keras' own: a pipeline "
+                    "computes it on each micro-batch and averages them. "
+                    "Where it pairs samples (a contrastive loss) or divides "
+                    "by counts over the batch, that differs from the batch's "
+                    "loss.",
+                    stacklevel=3,
                 )
 
     def microbatches(self, batch_size):

@@ -583,6 +583,38 @@ def test_the_check_sees_positions_that_equal_probe_tokens_would_hide():
         np.testing.assert_allclose(actual, expected, atol=ATOL)
 
 
+class FeatureRamp(keras.layers.Layer):
+    """Scales feature `i` of `n` by `1 + 0.01 i / n`: a constant read from
+    the width it sees, as a per-head constant is read from the heads."""
+
+    def call(self, x):
+        width = keras.ops.shape(x)[-1]
+        return x * (1.0 + 0.01 * keras.ops.arange(width, dtype=x.dtype) / width)
+
+
+def test_the_check_sees_a_small_error_in_small_values():
+    # Fresh weights (LLMs draw them with a 0.02 deviation) make small
+    # activations; a rank's ramp is off by about 0.5% of them. The check
+    # measures errors against the values' own size.
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((16,))
+        small = keras.initializers.RandomNormal(stddev=0.02)
+        x = layers.Dense(32, kernel_initializer=small, name="up")(inputs)
+        x = FeatureRamp()(x)
+        return keras.Model(inputs, layers.Dense(8, name="down")(x))
+
+    with pytest.raises(
+        keras_tp.ShardingError, match="the input of 'down' differs"
+    ):
+        keras_tp.TensorParallelKeras(
+            build(),
+            world_size=4,
+            data_parallel=2,
+            plan={"up": keras_tp.Column(), "down": keras_tp.Row()},
+        )
+
+
 class WindowedAttention(keras.layers.Layer):
     """Attention through `Dense` projections, reshaped to `heads`, beside
     two attributes whose values divide its width by chance and which its

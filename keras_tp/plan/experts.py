@@ -10,10 +10,10 @@ import logging
 
 import numpy as np
 
+from keras_tp.plan.comparing import as_numpy
+from keras_tp.plan.comparing import close_to
+from keras_tp.plan.comparing import slice_tensor
 from keras_tp.plan.styles import ExpertParallel
-from keras_tp.plan.verify import as_numpy
-from keras_tp.plan.verify import close_to
-from keras_tp.plan.verify import slice_tensor
 
 logger = logging.getLogger(__name__)
 

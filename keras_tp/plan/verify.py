@@ -26,13 +26,15 @@ import logging
 
 import keras
 import numpy as np
-from keras import ops
 
 from keras_tp.keras_internals import StatelessScope
 from keras_tp.keras_internals import own_seed_generators
 from keras_tp.keras_internals import own_trainable_variables
 from keras_tp.keras_internals import own_variables
 from keras_tp.plan import trace as tracing
+from keras_tp.plan.comparing import as_numpy
+from keras_tp.plan.comparing import close_to
+from keras_tp.plan.comparing import slice_tensor
 from keras_tp.plan.head_counts import local_counts
 from keras_tp.plan.sharding_plan import ShardedUnit
 from keras_tp.plan.styles import Channelwise
@@ -44,10 +46,6 @@ logger = logging.getLogger(__name__)
 Problem = collections.namedtuple("Problem", ["reason", "whole"])
 Problem.__doc__ = """Why a group (or a layer) fails the check, and whether it
 must stay whole (`whole=True`) or may still gather/slice."""
-
-# Relative to the largest magnitude of the one-device value: float32
-# round-off of a sliced matmul is far below it, a wrong split far above.
-_TOLERANCE = 1e-3
 
 
 class _OneRank:
@@ -415,27 +413,6 @@ class _Emulation:
         blamed = self.active or list(dict.fromkeys(self.group_of.values()))
         for group in blamed:
             self.problems[group] = Problem(reason, False)
-
-
-def as_numpy(x):
-    return np.asarray(ops.convert_to_numpy(x))
-
-
-def slice_tensor(variable, parts, axis, rank):
-    """Slice `rank` of `parts` of a variable on `axis` (all of it for
-    `None`), as a tensor of its dtype."""
-    value = as_numpy(variable)
-    if axis is not None:
-        value = np.array_split(value, parts, axis)[rank]
-    return ops.convert_to_tensor(value, dtype=variable.dtype)
-
-
-def close_to(a, b):
-    if a.dtype.kind not in "fc":
-        return np.array_equal(a, b)
-    a, b = a.astype("float64"), b.astype("float64")
-    scale = max(1.0, float(np.max(np.abs(b), initial=0.0)))
-    return bool(np.max(np.abs(a - b), initial=0.0) <= _TOLERANCE * scale)
 
 
 def _broken(error):

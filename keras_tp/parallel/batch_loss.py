@@ -45,58 +45,74 @@ class GlobalBatchLoss:
         self, x=None, y=None, y_pred=None, sample_weight=None, training=True
     ):
         runtime = self._runtime
-        if y_pred is None or not gathers_loss(self, runtime, y_pred):
-            return super().compute_loss(x, y, y_pred, sample_weight, training)
-        adapter = runtime.data_adapter
-        rows = adapter.size()
-
-        def every_row(tensor):
-            return None if tensor is None else adapter.all_gather(tensor, 0)
-
-        def every_prediction(tensor):
-            # Value once, gradient `rows` times: the rows' are averaged.
-            scaled = tensor * rows - ops.stop_gradient(tensor * (rows - 1))
-            gathered = adapter.gather_from_parallel(scaled, axis=0)
-            mask = get_keras_mask(tensor)
-            if mask is not None:
-                mask = every_row(ops.cast(mask, "int32"))
-                set_keras_mask(gathered, ops.cast(mask, "bool"))
-            return gathered
-
-        return super().compute_loss(
-            x,
-            keras.tree.map_structure(every_row, y),
-            keras.tree.map_structure(every_prediction, y_pred),
-            keras.tree.map_structure(every_row, sample_weight),
-            training,
-        )
+        compute = super().compute_loss
+        if y_pred is not None and _rows_hold_their_own_samples(runtime):
+            if overrides_compute_loss(self.model):
+                warnings.warn(
+                    f"{type(self.model).__name__}.compute_loss runs on each "
+                    "data-parallel row's part of the batch (data_parallel="
+                    f"{runtime.data_parallel}). Where it pairs samples (a "
+                    "contrastive loss, as SigLIP's) or divides by counts "
+                    "over the batch, its loss and gradients differ from one "
+                    "device's: train it with data_parallel=1.",
+                    stacklevel=2,
+                )
+            elif not _rows_mean_is_global(self, y_pred):
+                return _loss_of_all_rows(
+                    compute,
+                    runtime.data_adapter,
+                    (x, y, y_pred, sample_weight),
+                    training,
+                )
+        return compute(x, y, y_pred, sample_weight, training)
 
 
-def gathers_loss(trainer, runtime, y_pred):
-    """Whether `trainer`'s step computes its compiled loss on every data
-    row's values: it runs per rank with a data axis, and a loss it was
-    compiled with is not a mean of Keras' per-sample values, or the
-    predictions `y_pred` carry masks."""
-    if runtime.config.pipeline_parallel > 1:
-        return False  # a micro-batch's loss: `PipelineRuntime.check_compiled`
-    if runtime.data_parallel == 1 or not runtime.holds_local_values():
-        return False
-    if overrides_compute_loss(trainer.model):
-        warnings.warn(
-            f"{type(trainer.model).__name__}.compute_loss runs on each "
-            f"data-parallel row's part of the batch (data_parallel="
-            f"{runtime.data_parallel}). Where it pairs samples (a "
-            "contrastive loss, as SigLIP's) or divides by counts over the "
-            "batch, its loss and gradients differ from one device's: train "
-            "it with data_parallel=1.",
-            stacklevel=2,
-        )
-        return False
+def _rows_mean_is_global(trainer, y_pred):
+    """Whether the rows' mean of `trainer`'s compiled loss is the global
+    batch's: each loss is a mean of Keras' per-sample values, and no
+    prediction carries a mask."""
     if any(get_keras_mask(t) is not None for t in keras.tree.flatten(y_pred)):
-        return True
-    return not all(
+        return False
+    return all(
         averages_over_rows(loss) for loss in compiled_user_losses(trainer)
     )
+
+
+def _loss_of_all_rows(compute, adapter, arguments, training):
+    """`compute`'s loss of every data row's values, gathered by `adapter`
+    from this row's `(x, y, y_pred, sample_weight)`."""
+    x, y, y_pred, sample_weight = arguments
+    rows = adapter.size()
+
+    def every_row(tensor):
+        return None if tensor is None else adapter.all_gather(tensor, 0)
+
+    def every_prediction(tensor):
+        # Value once, gradient `rows` times: the rows' are averaged.
+        scaled = tensor * rows - ops.stop_gradient(tensor * (rows - 1))
+        gathered = adapter.gather_from_parallel(scaled, axis=0)
+        mask = get_keras_mask(tensor)
+        if mask is not None:
+            mask = every_row(ops.cast(mask, "int32"))
+            set_keras_mask(gathered, ops.cast(mask, "bool"))
+        return gathered
+
+    return compute(
+        x,
+        keras.tree.map_structure(every_row, y),
+        keras.tree.map_structure(every_prediction, y_pred),
+        keras.tree.map_structure(every_row, sample_weight),
+        training=training,
+    )
+
+
+def _rows_hold_their_own_samples(runtime):
+    """Whether each data row's step computes the loss of its samples: a
+    data axis, outside a pipeline (whose micro-batches
+    `PipelineRuntime.check_compiled` judges), with per-rank values."""
+    if runtime.config.pipeline_parallel > 1 or runtime.data_parallel == 1:
+        return False
+    return runtime.holds_local_values()
 
 
 def averages_over_rows(loss):

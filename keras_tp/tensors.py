@@ -1,8 +1,9 @@
 """Small helpers on tensors of any backend: their bytes, their dtype kind,
 their Keras masks, and collectives over many tensors at once.
 
-They use only `keras.ops` and `keras.backend`, so the plan, the optimizer,
-the runtimes and the collectives share them without importing each other.
+They use only `keras.ops`, `keras.backend` and `keras_internals`, so the
+plan, the optimizer, the runtimes and the collectives share them without
+importing each other.
 """
 
 import math

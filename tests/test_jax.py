@@ -501,6 +501,15 @@ class TiedOutput(layers.Layer):
         )
 
 
+def refused_on_own_slices(model, plan, match):
+    """Wrapping `model` with the user's `plan` where ranks hold their own
+    slices (a data axis) raises a `ShardingError` matching `match`."""
+    with pytest.raises(keras_tp.ShardingError, match=match):
+        keras_tp.TensorParallelKeras(
+            model, world_size=4, data_parallel=2, plan=plan
+        )
+
+
 def test_tied_embeddings_split_on_global_arrays_whole_on_local_ranks():
     tokens = np.arange(10).reshape(2, 5).astype("int32")
     # Without a data axis the tied read sees the global array: exact.
@@ -510,15 +519,9 @@ def test_tied_embeddings_split_on_global_arrays_whole_on_local_ranks():
     # Ranks holding their own slices would read a slice in TiedOutput.
     plan = keras_tp.auto_plan(tied_lm(), 2, check_local=True)
     assert "read outside" in plan.replicated["embedding"]
-    with pytest.raises(
-        keras_tp.ShardingError, match="'embedding'.*read outside"
-    ):
-        keras_tp.TensorParallelKeras(
-            tied_lm(),
-            world_size=4,
-            data_parallel=2,
-            plan={"embedding": keras_tp.Vocab()},
-        )
+    refused_on_own_slices(
+        tied_lm(), {"embedding": keras_tp.Vocab()}, "'embedding'.*read outside"
+    )
 
 
 class AlibiAttention(keras.layers.Layer):
@@ -564,13 +567,9 @@ def test_the_check_sees_positions_that_equal_probe_tokens_would_hide():
     plan = {f"attention/{n}": keras_tp.Column() for n in ("query", "key")}
     plan["attention/value"] = keras_tp.Column()
     plan["attention/output"] = keras_tp.Row()
-    with pytest.raises(
-        keras_tp.ShardingError,
-        match="'attention/output': the input of 'attention/output' differs",
-    ):
-        keras_tp.TensorParallelKeras(
-            build(), world_size=4, data_parallel=2, plan=plan
-        )
+    refused_on_own_slices(
+        build(), plan, "'attention/output': the input of 'attention/output'"
+    )
     rng = np.random.default_rng(0)
     x = rng.integers(0, 11, size=(4, 6)).astype("int32")
     y = rng.integers(0, 3, size=(4, 6))
@@ -604,15 +603,8 @@ def test_the_check_sees_a_small_error_in_small_values():
         x = FeatureRamp()(x)
         return keras.Model(inputs, layers.Dense(8, name="down")(x))
 
-    with pytest.raises(
-        keras_tp.ShardingError, match="the input of 'down' differs"
-    ):
-        keras_tp.TensorParallelKeras(
-            build(),
-            world_size=4,
-            data_parallel=2,
-            plan={"up": keras_tp.Column(), "down": keras_tp.Row()},
-        )
+    plan = {"up": keras_tp.Column(), "down": keras_tp.Row()}
+    refused_on_own_slices(build(), plan, "the input of 'down' differs")
 
 
 class WindowedAttention(keras.layers.Layer):

@@ -34,7 +34,9 @@ from keras_tp.keras_internals import overrides_compute_loss
 from keras_tp.keras_internals import set_keras_mask
 from keras_tp.keras_internals import wrapped_loss_function
 
-_ROW_MEANS = ("sum_over_batch_size", "mean")
+# Reductions whose means over parts of a batch (rows, micro-batches) of
+# equal size average to the whole batch's.
+MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
 
 class GlobalBatchLoss:
@@ -122,7 +124,7 @@ def averages_over_rows(loss):
         return True
     if isinstance(loss, keras.losses.Loss):
         function = wrapped_loss_function(loss)
-        return loss.reduction in _ROW_MEANS and _keras_own(function)
+        return loss.reduction in MEAN_REDUCTIONS and _keras_own(function)
     return _keras_own(loss)
 
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from keras_tp.keras_internals import compiled_loss
 from keras_tp.keras_internals import sublayers
+from keras_tp.parallel.batch_loss import MEAN_REDUCTIONS
 from keras_tp.parallel.batch_loss import averages_over_rows
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.cutting import split_stages
@@ -18,9 +19,6 @@ from keras_tp.placement import Placement
 from keras_tp.runtime.base import Runtime
 from keras_tp.stats import CommunicationStats
 
-# Loss reductions whose per-micro-batch values, each weighted by 1/M,
-# add up to the value over the whole batch.
-_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 # What a plan says of single layers, which each stage keeps of its own.
 _PER_LAYER = ("per_rank_random", "per_rank_counts", "summed_gradients")
 
@@ -206,7 +204,7 @@ class PipelineRuntime(Runtime):
         for loss in keras.tree.flatten(trainer.loss):
             name = getattr(loss, "name", getattr(loss, "__name__", loss))
             reduction = getattr(loss, "reduction", "sum_over_batch_size")
-            if reduction not in _MEAN_REDUCTIONS:
+            if reduction not in MEAN_REDUCTIONS:
                 raise ValueError(
                     f"Loss '{name}' has reduction={reduction!r}. A pipeline "
                     "adds up each micro-batch's mean loss, weighted by "
@@ -216,10 +214,8 @@ class PipelineRuntime(Runtime):
             if loss is not None and not averages_over_rows(loss):
                 warnings.warn(
                     f"Loss '{name}' is not one of Keras' own: a pipeline "
-                    "computes it on each micro-batch and averages them. "
-                    "Where it pairs samples (a contrastive loss) or divides "
-                    "by counts over the batch, that differs from the batch's "
-                    "loss.",
+                    "averages its micro-batches' losses, not the batch's "
+                    "where it pairs samples or divides by counts over it.",
                     stacklevel=3,
                 )
 

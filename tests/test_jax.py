@@ -713,10 +713,11 @@ class FlatHeadsAttention(layers.Layer):
         query, key, value = (p(x) for p in self.projections)
         scores = keras.ops.einsum("bqnh,bknh->bnqk", query, key)
         slopes = 2.0 ** -keras.ops.arange(1, self.heads + 1, dtype="float32")
-        scores = scores + keras.ops.reshape(slopes, (1, -1, 1, 1))
+        batch, length = keras.ops.shape(x)[0], keras.ops.shape(x)[1]
+        positions = keras.ops.arange(length, dtype="float32")
+        scores = scores + keras.ops.reshape(slopes, (1, -1, 1, 1)) * positions
         weights = keras.ops.softmax(scores, axis=-1)
         heads = keras.ops.einsum("bnqk,bknh->bqnh", weights, value)
-        batch, length = keras.ops.shape(x)[0], keras.ops.shape(x)[1]
         flat = (batch, length, self.heads * self.head_size)
         return self.out(keras.ops.reshape(heads, flat))
 

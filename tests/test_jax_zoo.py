@@ -248,3 +248,18 @@ def test_each_device_runs_its_heads_with_a_data_axis(plan):
     # the user's plan splits only each block's attention.
     pairs = 2 * zoo_cases.BLOCKS + 1 if plan == "auto" else zoo_cases.BLOCKS
     assert stats["backward_calls"] == pairs + summed
+
+
+# Falcon's and GPT-NeoX's attention flatten their heads into features
+# (reshapes to `num_heads * head_dim` and to `hidden_dim`), and Falcon's
+# decoder block hands its attention an ALiBi bias for every head. With a
+# data axis each device runs that code on its own heads: it reads its
+# head counts and its heads' slice of the bias, so the attention pairs as
+# Megatron's, with no gathers (it was a gathering Column and a slicing
+# Row).
+@pytest.mark.parametrize("name", ["falcon", "gpt_neox"])
+def test_flattened_heads_pair_with_a_data_axis(name):
+    results = zoo_cases.measure(name, 4, data_parallel=2)
+    zoo_cases.check_exact(results)
+    assert not results["fallbacks"], results["fallbacks"]
+    zoo_cases.check_megatron(results)

@@ -44,10 +44,11 @@ def test_losses_added_in_the_forward_pass_are_refused():
         measure("mixtral")
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma", "qwen3"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "gemma", "qwen3", "falcon"])
 def test_megatron_minimum(name):
-    # Gemma and Qwen3: see test_torch_zoo.py.
+    # Gemma, Qwen3 and Falcon: see test_torch_zoo.py.
     results = measure(name)
+    zoo_cases.check_exact(results)
     assert not results["fallbacks"], results["fallbacks"]
     zoo_cases.check_megatron(
         results, zoo_cases.BLOCKS * zoo_cases.SUMMED_PER_BLOCK.get(name, 0)

@@ -23,7 +23,15 @@ from tests.torch_scripts import zoo_checks  # noqa: E402
 # rank that holds its own slices, the cache of its heads. GPT-OSS's
 # attention holds a weight of its own per head (its sinks), and
 # RoFormer-v2's projects with Dense layers, heads folded into features.
-NAMES = list(zoo_cases.TRANSFORMERS) + ["t5gemma", "gpt_oss", "roformer_v2"]
+# Falcon's and GPT-NeoX's flatten their heads into features, and Falcon's
+# takes an ALiBi bias for every head from its decoder block.
+NAMES = list(zoo_cases.TRANSFORMERS) + [
+    "t5gemma",
+    "gpt_oss",
+    "roformer_v2",
+    "falcon",
+    "gpt_neox",
+]
 WORLD_SIZE = 2
 
 
@@ -49,8 +57,10 @@ def test_megatron_pairs_where_each_rank_runs_its_slices(ranks):
     # they are. Gemma's attention reshapes to its config's head counts,
     # which each rank reads as its own; its single key/value head stays
     # whole, and Qwen3 normalises each head with whole weights: the ranks
-    # sum those weights' gradients. Every block pairs.
-    for name in ("gpt2", "llama", "gemma", "qwen3"):
+    # sum those weights' gradients. Falcon's and GPT-NeoX's attention
+    # read their head counts and their heads' slice of Falcon's ALiBi
+    # bias. Every block pairs.
+    for name in ("gpt2", "llama", "gemma", "qwen3", "falcon", "gpt_neox"):
         assert not results[name]["fallbacks"], results[name]["fallbacks"]
         zoo_cases.check_megatron(
             results[name],

@@ -192,6 +192,59 @@ def gpt2(seed=0):
     return model, x, y
 
 
+def falcon(seed=0):
+    """A tiny `FalconCausalLM`: 4 heads flattened into features, ALiBi
+    biases its decoder block makes for every head, tied embeddings.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.FalconBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_attention_heads=4,
+        hidden_dim=32,
+        intermediate_dim=64,
+        dtype=None,
+    )
+    model = keras_hub.models.FalconCausalLM(
+        backbone=backbone, preprocessor=None
+    )
+    x, y = _lm_data(seed)
+    return model, x, y
+
+
+def gpt_neox(seed=0):
+    """A tiny `GPTNeoXCausalLM`: one fused query/key/value projection of
+    4 heads, rotary embeddings on a quarter of each head, untied.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GPTNeoXBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_heads=4,
+        hidden_dim=32,
+        intermediate_dim=64,
+        max_sequence_length=16,
+        dtype=None,
+    )
+    model = keras_hub.models.GPTNeoXCausalLM(
+        backbone=backbone, preprocessor=None
+    )
+    x, y = _lm_data(seed)
+    return model, x, y
+
+
 def llama(seed=0):
     """A tiny `LlamaCausalLM`: 4 query and 4 key/value heads, untied.
 
@@ -862,6 +915,8 @@ ZOO = {
     "gemma": gemma,
     "gemma_lora": gemma_lora,
     "gpt2": gpt2,
+    "falcon": falcon,
+    "gpt_neox": gpt_neox,
     "llama": llama,
     "mistral": mistral,
     "qwen3": qwen3,

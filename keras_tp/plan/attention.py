@@ -107,6 +107,11 @@ def call_arguments(layer):
     return list(parameters)[1:]
 
 
+def named_arguments(layer, args, kwargs):
+    """`[(name, value), ...]` of a call of `layer`'s arguments."""
+    return [*zip(call_arguments(layer), args), *kwargs.items()]
+
+
 def call_argument(layer, name, args, kwargs):
     """A call argument of `layer`, passed by position or by name."""
     names = call_arguments(layer)

@@ -27,6 +27,7 @@ import warnings
 
 from keras_tp.plan import trace as tracing
 from keras_tp.plan.attention import ATTENTION
+from keras_tp.plan.head_counts import add_head_arguments
 from keras_tp.plan.layers import leaf_handler
 from keras_tp.plan.local_check import counted_problems
 from keras_tp.plan.local_check import keep_needed_counts
@@ -120,9 +121,7 @@ def auto_plan(
             f"tensor_parallel must be >= 1, got {tensor_parallel}."
         )
     trace = tracing.trace_model(model, sample_batch)
-    planner = Planner(
-        model, tensor_parallel, trace, layout_map, global_arrays=not check_local
-    )
+    planner = Planner(model, tensor_parallel, trace, layout_map)
     decisions = planner.decide()
     fallbacks = {}
     _keep_shared_paths_alike(planner, decisions, fallbacks)
@@ -135,6 +134,7 @@ def auto_plan(
             plan.per_rank_counts.update(planner.local_reshapes(decisions))
             group_of = _group_of(decisions)
             if check_local:
+                add_head_arguments(model, plan, trace)
                 plan.summed_gradients = planner.whole_key_values(decisions)
                 problems = counted_problems(
                     model, plan, trace, group_of, random_inputs

@@ -14,6 +14,7 @@ check (`verify`) runs the layer the same way and falls back where its
 code still disagrees with one device.
 """
 
+import collections
 import contextlib
 import threading
 
@@ -21,6 +22,8 @@ import keras
 
 from keras_tp.keras_internals import bind_values
 from keras_tp.keras_internals import sublayers
+from keras_tp.plan.attention import call_arguments
+from keras_tp.plan.attention import named_arguments
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Row
 
@@ -38,6 +41,14 @@ class HeadAxis(int):
         return f"HeadAxis({int(self)})"
 
 
+class HeadArgument(int):
+    """The heads axis of a call argument made for every head by the
+    layer's caller (see `add_head_arguments`)."""
+
+    def __repr__(self):
+        return f"HeadArgument({int(self)})"
+
+
 def per_rank_counts(model, plan):
     """`{layer: {attribute: count}}`: what each rank reads while it runs.
 
@@ -48,9 +59,10 @@ def per_rank_counts(model, plan):
     `Dense` projection folds heads and head size into one split axis of
     width `W`: there a heads count is an integer attribute `n` of the
     layer, divisible by the ranks, with `W // n` another attribute (the
-    head size; RoFormer's `heads` and `head_size`). A Column that gathers
-    its output, or a Row that slices its input, hands the layer whole
-    heads and counts nothing.
+    head size; RoFormer's `heads` and `head_size`), and an attribute equal
+    to `W` is the rank's width (GPT-NeoX reshapes its heads back to its
+    `hidden_dim`). A Column that gathers its output, or a Row that slices
+    its input, hands the layer whole heads and counts nothing.
 
     Args:
         model: the model `plan` is bound to, its variables unsplit.
@@ -62,9 +74,34 @@ def per_rank_counts(model, plan):
         and its trainable weights with one axis of that length, with the
         `HeadAxis`.
     """
+    counts = {}
+    for layer, (heads, widths, kernel_heads) in _layers_with_split_heads(
+        model, plan
+    ):
+        # A width counts beside a heads axis of a kernel only: a `Dense`
+        # MLP's split width is no attention's.
+        counted = heads | widths if kernel_heads else heads
+        own = {}
+        for name, value in vars(layer).items():
+            if type(value) is int and value in counted:
+                own[name] = value // plan.tensor_parallel
+            elif isinstance(value, keras.Variable) and value.trainable:
+                axes = [i for i, n in enumerate(value.shape) if n in heads]
+                if len(axes) == 1:
+                    own[name] = HeadAxis(axes[0])
+        if own:
+            counts[layer] = own
+    return counts
+
+
+def _layers_with_split_heads(model, plan):
+    """`[(layer, (heads, widths, kernel_heads)), ...]`: the layers whose
+    direct sublayers split heads, with the full lengths of their heads
+    axes, the widths of split axes that fold heads and head size together,
+    and the heads axes that a kernel has of its own."""
     entries = {id(entry.layer): entry for entry in plan.leaf_layers()}
     regions = {id(entry.layer) for entry in plan.layers}
-    counts = {}
+    found = []
     for layer in [model, *sublayers(model)]:
         if id(layer) in regions:
             continue  # an attention region's call runs on its heads already
@@ -74,6 +111,7 @@ def per_rank_counts(model, plan):
                 axis_heads, axis_widths = _split_heads(entries[id(sub)])
                 heads.update(axis_heads)
                 widths.update(axis_widths)
+        kernel_heads = set(heads)
         values = {v for v in vars(layer).values() if type(v) is int}
         heads.update(
             n
@@ -84,17 +122,76 @@ def per_rank_counts(model, plan):
             and n % plan.tensor_parallel == 0
             and width // n in values
         )
-        own = {}
-        for name, value in vars(layer).items():
-            if type(value) is int and value in heads:
-                own[name] = value // plan.tensor_parallel
-            elif isinstance(value, keras.Variable) and value.trainable:
-                axes = [i for i, n in enumerate(value.shape) if n in heads]
-                if len(axes) == 1:
-                    own[name] = HeadAxis(axes[0])
-        if own:
-            counts[layer] = own
-    return counts
+        if heads or widths:
+            found.append((layer, (heads, widths, kernel_heads)))
+    return found
+
+
+def add_head_arguments(model, plan, trace):
+    """Adds to `plan.per_rank_counts` the call arguments that carry a
+    value for every head, which a rank reads its heads' slice of.
+
+    Falcon's decoder block makes the ALiBi bias `(batch, heads, 1,
+    length)` for every head and passes it to its attention, which adds it
+    to its own heads' scores. An argument counts where, in every traced
+    call, it has one axis as long as a full heads count and no sublayer
+    takes it whole (the hidden states the projections read); the heads
+    are those of a split kernel's own heads axis. One that has
+    such an axis by chance (a sequence as long as the heads count) is
+    dropped by the plan's check (`local_check.keep_needed_counts`).
+
+    Args:
+        model: the model `plan` is bound to.
+        plan: a bound `ShardingPlan`.
+        trace: the `Trace` of `model`.
+    """
+    for layer, (_, _, heads) in _layers_with_split_heads(model, plan):
+        axes = collections.defaultdict(set)
+        for call in trace.calls_of[id(layer)]:
+            taken = {
+                id(tensor)
+                for child in trace.children[call.index]
+                for tensor in child.inputs
+            }
+            for name, value in named_arguments(layer, *call.arguments):
+                if id(value) in taken or not hasattr(value, "shape"):
+                    continue
+                matching = [i for i, n in enumerate(value.shape) if n in heads]
+                axes[name].add(matching[0] if len(matching) == 1 else None)
+        found = {
+            name: HeadArgument(axis)
+            for name, (axis, *others) in axes.items()
+            if axis is not None and not others
+        }
+        if found:
+            plan.per_rank_counts[layer] = {
+                **plan.per_rank_counts.get(layer, {}),
+                **found,
+            }
+
+
+def local_arguments(layer, counts, head_slice, args, kwargs):
+    """`(args, kwargs)` of a call of `layer`, with this rank's slice of
+    each argument that `counts` holds a `HeadArgument` for."""
+    axes = {
+        name: int(axis)
+        for name, axis in counts.items()
+        if isinstance(axis, HeadArgument)
+    }
+    if not axes:
+        return args, kwargs
+
+    def local(name, value):
+        if name not in axes or value is None:
+            return value
+        return head_slice(value, axes[name])
+
+    names = call_arguments(layer)
+    args = [
+        local(names[i] if i < len(names) else None, value)
+        for i, value in enumerate(args)
+    ]
+    return args, {name: local(name, value) for name, value in kwargs.items()}
 
 
 def _split_heads(entry):
@@ -131,7 +228,7 @@ def local_counts(layer, counts, head_slice):
     counts = {
         name: count
         for name, count in counts.items()
-        if not isinstance(count, HeadAxis)
+        if not isinstance(count, (HeadAxis, HeadArgument))
     }
     with (
         _assigned(layer, counts),
@@ -163,8 +260,9 @@ def _assigned(layer, counts):
 def call_with_local_counts(layer, counts, runtime):
     """`layer`'s call, reading `counts` where the runtime's ranks hold
     their own slices (JAX without a data axis runs it on whole heads). A
-    per-head weight is read through `scatter_to_parallel`: each rank's
-    slice forward, its gradient gathered whole from the ranks' slices."""
+    per-head weight or argument is read through `scatter_to_parallel`:
+    each rank's slice forward, its gradient gathered whole from the
+    ranks' slices."""
     call = layer.call
 
     def head_slice(weight, axis):
@@ -174,6 +272,9 @@ def call_with_local_counts(layer, counts, runtime):
     def counted_call(*args, **kwargs):
         if not runtime.holds_local_values():
             return call(*args, **kwargs)
+        args, kwargs = local_arguments(
+            layer, counts, runtime.adapter.scatter_to_parallel, args, kwargs
+        )
         with local_counts(layer, counts, head_slice):
             return call(*args, **kwargs)
 

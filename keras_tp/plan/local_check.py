@@ -10,6 +10,7 @@ layers whose gradients the ranks sum.
 from keras_tp.errors import ShardingError
 from keras_tp.keras_internals import sublayers
 from keras_tp.plan import trace as tracing
+from keras_tp.plan.head_counts import add_head_arguments
 from keras_tp.plan.planner import Planner
 from keras_tp.plan.sharding_plan import ShardedUnit
 from keras_tp.plan.styles import Row
@@ -31,6 +32,7 @@ def check_locally(model, plan, sample_batch=None):
     group_of = {id(e.layer): e.layer.path for e in plan.leaf_layers()}
     random_inputs = {}
     trace = tracing.trace_model(model, sample_batch)
+    add_head_arguments(model, plan, trace)
     plan.summed_gradients = _whole_key_values(model, plan, trace)
     problems = counted_problems(model, plan, trace, group_of, random_inputs)
     if problems:

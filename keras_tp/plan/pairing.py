@@ -24,7 +24,7 @@ from keras_tp.plan.styles import Row
 
 class MegatronPairing:
     """The pairing walk of a `Planner` (which provides `trace`,
-    `tensor_parallel`, `global_arrays`, `reasons`, `through`, `reshapes`,
+    `tensor_parallel`, `reasons`, `through`, `reshapes`,
     `split_tensors`, `raw_gated`, `group_of_column` and `_can_split`)."""
 
     def _groups(self, calls, candidates, carried):
@@ -163,17 +163,17 @@ class MegatronPairing:
         """Whether the Row call may read the Column call's split output.
 
         Each side splits an axis (of the Column's output, of the Row's
-        input) into the ranks' blocks. Where the code between them runs on
-        each rank's slices, the two lengths must be equal. On whole arrays
-        a block of heads may also be read as a block of features, heads
-        first: one side's split length may be a multiple `k` of the
-        other's where `k` divides that other side's features per head (an
-        attention's heads flattened into its features, as Bloom's,
-        Falcon's and GPT-NeoX's, whose fused projection holds each head's
-        query, key and value; or features read back as heads, as
-        SmolLM3's). On a rank's slices such code reads its config's head
-        counts and per-head constants (Bloom's ALiBi slopes), which stay
-        whole.
+        input) into the ranks' blocks. Equal lengths fit, and so does a
+        block of heads read as a block of features, heads first: one
+        side's split length may be a multiple `k` of the other's where `k`
+        divides that other side's features per head (an attention's heads
+        flattened into its features, as Bloom's, Falcon's and GPT-NeoX's,
+        whose fused projection holds each head's query, key and value; or
+        features read back as heads, as SmolLM3's). On a rank's slices
+        such code reads its config's head counts (`head_counts`), and
+        where it also computes per-head constants from them (Bloom's ALiBi
+        slopes) the plan's check finds the rank's numbers wrong and the
+        group falls back.
         """
         if not row.inputs:
             return False
@@ -182,8 +182,6 @@ class MegatronPairing:
             _heads(row.inputs[0], row.layer, Row(), "input_axis"),
         ]
         (few, per_head), (many, _) = sorted(sides)
-        if not self.global_arrays:
-            return few == many
         return many % few == 0 and per_head % (many // few) == 0
 
     def _span_consumers(self, call):

@@ -83,9 +83,6 @@ class Planner(MegatronPairing):
         layout_map: a `keras.distribution.LayoutMap` given as the plan:
             it decides every layer, and what it does not list stays whole.
             `None`: the model's own map decides the layers it lists.
-        global_arrays: whether the code between split layers runs on
-            whole arrays (JAX without a data axis) rather than on each
-            rank's slices.
     """
 
     def __init__(
@@ -94,15 +91,11 @@ class Planner(MegatronPairing):
         tensor_parallel,
         trace,
         layout_map=None,
-        global_arrays=False,
     ):
         self.model = model
         self.tensor_parallel = tensor_parallel
         self.trace = trace
         self.layout_map = layout_map
-        # Whether the code between split layers runs on whole (global)
-        # arrays, as on JAX without a data axis, or on each rank's slices.
-        self.global_arrays = global_arrays
         self.reasons = {}
         # Groups fed by a whole layer (key/value heads fewer than ranks).
         self.whole_inputs = {}

@@ -35,6 +35,7 @@ from keras_tp.plan import trace as tracing
 from keras_tp.plan.comparing import as_numpy
 from keras_tp.plan.comparing import close_to
 from keras_tp.plan.comparing import slice_tensor
+from keras_tp.plan.head_counts import local_arguments
 from keras_tp.plan.head_counts import local_counts
 from keras_tp.plan.sharding_plan import ShardedUnit
 from keras_tp.plan.styles import Channelwise
@@ -228,6 +229,9 @@ class _Emulation:
             self.counters[id(layer)] += 1
             reference = self.trace.calls_of[id(layer)][index]
             if entry is None:
+                args, kwargs = local_arguments(
+                    layer, counts, self._head_slice, args, kwargs
+                )
                 with local_counts(layer, counts, self._head_slice):
                     return self._run_whole(layer, call, reference, args, kwargs)
             return self._run_split(entry, reference, args, kwargs)

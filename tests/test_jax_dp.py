@@ -8,6 +8,7 @@ and from its compiled HLO.
 
 import os
 import re
+import warnings
 
 import pytest
 
@@ -195,6 +196,40 @@ def test_batchnorm_normalises_by_the_global_batch(world_size, data_parallel):
 
 def test_losses_whose_rows_mean_differs_are_the_global_batchs():
     check_global_batch_losses(global_batch_losses(2, 2))
+
+
+class SpreadPenalty(keras.layers.Layer):
+    """Adds its input's variance over the batch as a loss: a statistic of
+    the batch, not a mean over samples (as a router's balancing loss)."""
+
+    def call(self, x):
+        self.add_loss(keras.ops.var(x, axis=0)[0])
+        return x
+
+
+def test_losses_a_layer_adds_are_named_with_a_data_axis():
+    # Each data row adds its own samples' spread, and the rows' mean is
+    # not the global batch's: the user is told which layer and the fix.
+    x, y = models.data_for("mlp", batch=BATCH)
+    inputs = keras.Input((16,))
+    outputs = models.mlp()(SpreadPenalty(name="spread")(inputs))
+    for data_parallel, warned in ((2, 1), (1, 0)):
+        tp = keras_tp.TensorParallelKeras(
+            keras.Model(inputs, outputs),
+            world_size=2 * data_parallel,
+            data_parallel=data_parallel,
+        )
+        tp.compile(optimizer="sgd", loss=loss_fn())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tp.train_on_batch(x, y)
+        named = [
+            w
+            for w in caught
+            if "Layers ['spread'] add losses in their call" in str(w.message)
+            and "Train with data_parallel=1" in str(w.message)
+        ]
+        assert len(named) == warned, [str(w.message) for w in caught]
 
 
 def test_batchnorm_statistics_stay_each_replicas_under_local_sgd():

@@ -28,6 +28,7 @@ from keras_tp.keras_internals.graphs import node_operation
 from keras_tp.keras_internals.graphs import node_outputs
 from keras_tp.keras_internals.graphs import producer_node
 from keras_tp.keras_internals.layers import ATTENTION_OUTPUT_PROJECTION
+from keras_tp.keras_internals.layers import adds_loss_in_call
 from keras_tp.keras_internals.layers import attention_projections
 from keras_tp.keras_internals.layers import batch_moments
 from keras_tp.keras_internals.layers import draw_from_state
@@ -87,6 +88,7 @@ __all__ = [
     "RunsModelsOwnLoss",
     "StatelessScope",
     "UpdatesThroughAssign",
+    "adds_loss_in_call",
     "attach_trainer_state",
     "attention_projections",
     "backend_free_add_variable_from_reference",

@@ -1,6 +1,7 @@
 """What a Keras layer tracks: its own variables, sublayers, seeds."""
 
 import contextlib
+import inspect
 
 from keras import ops
 from keras.src.backend import get_keras_mask
@@ -23,6 +24,16 @@ def own_trainable_variables(layer):
 def sublayers(layer, recursive=True):
     """The layers tracked inside `layer`, without `layer` itself."""
     return layer._flatten_layers(include_self=False, recursive=recursive)
+
+
+def adds_loss_in_call(layer):
+    """Whether the `call` that runs for `layer` calls `add_loss`."""
+    owners = [c for c in type(layer).__mro__ if "call" in c.__dict__]
+    call = owners[0].__dict__["call"] if owners else None
+    try:
+        return ".add_loss(" in inspect.getsource(call)
+    except (OSError, TypeError):
+        return False
 
 
 def own_seed_generators(layer):

@@ -20,18 +20,25 @@ on global arrays, does). A row's predictions enter with their gradient
 scaled by the rows' count, since the rows' gradients are averaged. A
 model whose class computes its own loss (`compute_loss`) keeps its rows'
 losses, with a warning: such a method may run the model again on its
-inputs, and what it pairs is its own.
+inputs, and what it pairs is its own. Losses a layer adds in its call
+(`add_loss`: a mixture-of-experts router's load-balancing loss) are each
+row's, averaged over the rows, as DDP and Megatron compute them: where
+such a loss is not a mean over samples it differs from one device's, and
+keras_tp warns, naming the layers.
 """
 
 import warnings
+import weakref
 
 import keras
 from keras import ops
 
+from keras_tp.keras_internals import adds_loss_in_call
 from keras_tp.keras_internals import compiled_user_losses
 from keras_tp.keras_internals import get_keras_mask
 from keras_tp.keras_internals import overrides_compute_loss
 from keras_tp.keras_internals import set_keras_mask
+from keras_tp.keras_internals import sublayers
 from keras_tp.keras_internals import wrapped_loss_function
 
 # Reductions whose means over parts of a batch (rows, micro-batches) of
@@ -49,6 +56,7 @@ class GlobalBatchLoss:
         runtime = self._runtime
         compute = super().compute_loss
         if y_pred is not None and _rows_hold_their_own_samples(runtime):
+            _warn_of_added_losses(self.model, runtime.data_parallel)
             if overrides_compute_loss(self.model):
                 warnings.warn(
                     f"{type(self.model).__name__}.compute_loss runs on each "
@@ -67,6 +75,32 @@ class GlobalBatchLoss:
                     training,
                 )
         return compute(x, y, y_pred, sample_weight, training)
+
+
+# `{model: [path, ...]}`: the layers whose call adds a loss, read from
+# their source once per model (`compute_loss` runs every step on torch).
+_LOSS_ADDING_LAYERS = weakref.WeakKeyDictionary()
+
+
+def _warn_of_added_losses(model, data_parallel):
+    if model not in _LOSS_ADDING_LAYERS:
+        _LOSS_ADDING_LAYERS[model] = [
+            layer.path
+            for layer in [model, *sublayers(model)]
+            if adds_loss_in_call(layer)
+        ]
+    paths = _LOSS_ADDING_LAYERS[model]
+    if paths:
+        warnings.warn(
+            f"Layers {paths} add losses in their call (add_loss: a "
+            "mixture-of-experts router's load-balancing loss, say). With "
+            f"data_parallel={data_parallel} each data-parallel row computes "
+            "them on its own samples and the rows' values are averaged, as "
+            "DDP and Megatron do; where such a loss is not a mean over "
+            "samples it differs from one device's. Train with "
+            "data_parallel=1 to match one device.",
+            stacklevel=3,
+        )
 
 
 def _rows_mean_is_global(trainer, y_pred):

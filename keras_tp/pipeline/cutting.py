@@ -1,11 +1,11 @@
 """Cutting a Functional model into pipeline stages: `split_stages`, on the
 model's dataflow graph (`graph`, `cut_points`)."""
 
-import inspect
 import logging
 
 import keras
 
+from keras_tp.keras_internals import adds_loss_in_call
 from keras_tp.keras_internals import overrides_compute_loss
 from keras_tp.keras_internals import sublayers
 from keras_tp.pipeline.cut_points import automatic_cuts
@@ -143,7 +143,7 @@ def _check_losses(model):
                 "pipeline stages do not pass such losses on. Remove it "
                 "(or regularize the weights instead) before splitting."
             )
-        if _adds_loss_in_call(layer):
+        if adds_loss_in_call(layer):
             raise ValueError(
                 f"Layer '{layer.name}' of model '{model.name}' calls "
                 "`add_loss` in its `call` (a mixture-of-experts router's "
@@ -165,16 +165,6 @@ def _check_losses(model):
             "not pass such losses on. Compute that loss from the model's "
             "outputs instead, before splitting."
         )
-
-
-def _adds_loss_in_call(layer):
-    """Whether the `call` that runs for `layer` calls `add_loss`."""
-    owners = [c for c in type(layer).__mro__ if "call" in c.__dict__]
-    call = owners[0].__dict__["call"] if owners else None
-    try:
-        return ".add_loss(" in inspect.getsource(call)
-    except (OSError, TypeError):
-        return False
 
 
 def block_seconds(graph, candidates, sample):

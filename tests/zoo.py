@@ -138,6 +138,20 @@ def _image_data(seed):
     return x, y
 
 
+def _causal_lm(seed, family, **config):
+    """`(model, x, y)`: keras-hub's `<family>CausalLM` on a `<family>Backbone`
+    of 2 blocks over the zoo's vocabulary, with `config`, float32 weights
+    drawn from `seed`."""
+    keras.utils.set_random_seed(seed)
+    backbone = getattr(keras_hub.models, f"{family}Backbone")(
+        vocabulary_size=VOCAB, num_layers=2, dtype=None, **config
+    )
+    task = getattr(keras_hub.models, f"{family}CausalLM")
+    model = task(backbone=backbone, preprocessor=None)
+    x, y = _lm_data(seed)
+    return model, x, y
+
+
 def gemma(seed=0):
     """A tiny `GemmaCausalLM`: multi-query attention, tied embeddings.
 
@@ -150,21 +164,16 @@ def gemma(seed=0):
     Returns:
         A `(model, x, y)` tuple as described in the module docstring.
     """
-    keras.utils.set_random_seed(seed)
-    backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=VOCAB,
-        num_layers=2,
+    return _causal_lm(
+        seed,
+        "Gemma",
         num_query_heads=4,
         num_key_value_heads=1,
         hidden_dim=64,
         intermediate_dim=128,
         head_dim=16,
         dropout=0.0,
-        dtype=None,
     )
-    model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
-    x, y = _lm_data(seed)
-    return model, x, y
 
 
 def gpt2(seed=0):
@@ -176,20 +185,15 @@ def gpt2(seed=0):
     Returns:
         A `(model, x, y)` tuple as described in the module docstring.
     """
-    keras.utils.set_random_seed(seed)
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=VOCAB,
-        num_layers=2,
+    return _causal_lm(
+        seed,
+        "GPT2",
         num_heads=4,
         hidden_dim=32,
         intermediate_dim=64,
         dropout=0.0,
         max_sequence_length=16,
-        dtype=None,
     )
-    model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
-    x, y = _lm_data(seed)
-    return model, x, y
 
 
 def falcon(seed=0):
@@ -202,20 +206,13 @@ def falcon(seed=0):
     Returns:
         A `(model, x, y)` tuple as described in the module docstring.
     """
-    keras.utils.set_random_seed(seed)
-    backbone = keras_hub.models.FalconBackbone(
-        vocabulary_size=VOCAB,
-        num_layers=2,
+    return _causal_lm(
+        seed,
+        "Falcon",
         num_attention_heads=4,
         hidden_dim=32,
         intermediate_dim=64,
-        dtype=None,
     )
-    model = keras_hub.models.FalconCausalLM(
-        backbone=backbone, preprocessor=None
-    )
-    x, y = _lm_data(seed)
-    return model, x, y
 
 
 def gpt_neox(seed=0):
@@ -228,21 +225,14 @@ def gpt_neox(seed=0):
     Returns:
         A `(model, x, y)` tuple as described in the module docstring.
     """
-    keras.utils.set_random_seed(seed)
-    backbone = keras_hub.models.GPTNeoXBackbone(
-        vocabulary_size=VOCAB,
-        num_layers=2,
+    return _causal_lm(
+        seed,
+        "GPTNeoX",
         num_heads=4,
         hidden_dim=32,
         intermediate_dim=64,
         max_sequence_length=16,
-        dtype=None,
     )
-    model = keras_hub.models.GPTNeoXCausalLM(
-        backbone=backbone, preprocessor=None
-    )
-    x, y = _lm_data(seed)
-    return model, x, y
 
 
 def llama(seed=0):
@@ -254,21 +244,16 @@ def llama(seed=0):
     Returns:
         A `(model, x, y)` tuple as described in the module docstring.
     """
-    keras.utils.set_random_seed(seed)
-    backbone = keras_hub.models.LlamaBackbone(
-        vocabulary_size=VOCAB,
-        num_layers=2,
+    return _causal_lm(
+        seed,
+        "Llama",
         num_query_heads=4,
         num_key_value_heads=4,
         hidden_dim=32,
         intermediate_dim=64,
         dropout=0.0,
         tie_word_embeddings=False,
-        dtype=None,
     )
-    model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
-    x, y = _lm_data(seed)
-    return model, x, y
 
 
 def mistral(seed=0):
@@ -282,22 +267,15 @@ def mistral(seed=0):
     Returns:
         A `(model, x, y)` tuple as described in the module docstring.
     """
-    keras.utils.set_random_seed(seed)
-    backbone = keras_hub.models.MistralBackbone(
-        vocabulary_size=VOCAB,
-        num_layers=2,
+    return _causal_lm(
+        seed,
+        "Mistral",
         num_query_heads=8,
         num_key_value_heads=2,
         hidden_dim=64,
         intermediate_dim=128,
         dropout=0.0,
-        dtype=None,
     )
-    model = keras_hub.models.MistralCausalLM(
-        backbone=backbone, preprocessor=None
-    )
-    x, y = _lm_data(seed)
-    return model, x, y
 
 
 def qwen3(seed=0):
@@ -312,10 +290,9 @@ def qwen3(seed=0):
     Returns:
         A `(model, x, y)` tuple as described in the module docstring.
     """
-    keras.utils.set_random_seed(seed)
-    backbone = keras_hub.models.Qwen3Backbone(
-        vocabulary_size=VOCAB,
-        num_layers=2,
+    return _causal_lm(
+        seed,
+        "Qwen3",
         num_query_heads=8,
         num_key_value_heads=4,
         head_dim=8,
@@ -323,11 +300,7 @@ def qwen3(seed=0):
         intermediate_dim=128,
         dropout=0.0,
         tie_word_embeddings=True,
-        dtype=None,
     )
-    model = keras_hub.models.Qwen3CausalLM(backbone=backbone, preprocessor=None)
-    x, y = _lm_data(seed)
-    return model, x, y
 
 
 def phi3(seed=0):
@@ -344,10 +317,9 @@ def phi3(seed=0):
     Returns:
         A `(model, x, y)` tuple as described in the module docstring.
     """
-    keras.utils.set_random_seed(seed)
-    backbone = keras_hub.models.Phi3Backbone(
-        vocabulary_size=VOCAB,
-        num_layers=2,
+    return _causal_lm(
+        seed,
+        "Phi3",
         hidden_dim=64,
         intermediate_dim=128,
         num_query_heads=8,
@@ -355,11 +327,7 @@ def phi3(seed=0):
         dropout=0.0,
         max_sequence_length=64,
         pretraining_sequence_length=64,
-        dtype=None,
     )
-    model = keras_hub.models.Phi3CausalLM(backbone=backbone, preprocessor=None)
-    x, y = _lm_data(seed)
-    return model, x, y
 
 
 def mixtral(seed=0):
@@ -376,10 +344,9 @@ def mixtral(seed=0):
     Returns:
         A `(model, x, y)` tuple as described in the module docstring.
     """
-    keras.utils.set_random_seed(seed)
-    backbone = keras_hub.models.MixtralBackbone(
-        vocabulary_size=VOCAB,
-        num_layers=2,
+    return _causal_lm(
+        seed,
+        "Mixtral",
         num_query_heads=8,
         num_key_value_heads=4,
         hidden_dim=64,
@@ -388,13 +355,7 @@ def mixtral(seed=0):
         top_k=2,
         router_jitter_noise=0.0,
         dropout=0.0,
-        dtype=None,
     )
-    model = keras_hub.models.MixtralCausalLM(
-        backbone=backbone, preprocessor=None
-    )
-    x, y = _lm_data(seed)
-    return model, x, y
 
 
 def gpt_oss(seed=0):
@@ -410,10 +371,9 @@ def gpt_oss(seed=0):
     Returns:
         A `(model, x, y)` tuple as described in the module docstring.
     """
-    keras.utils.set_random_seed(seed)
-    backbone = keras_hub.models.GptOssBackbone(
-        vocabulary_size=VOCAB,
-        num_layers=2,
+    return _causal_lm(
+        seed,
+        "GptOss",
         num_query_heads=4,
         num_key_value_heads=2,
         hidden_dim=32,
@@ -421,13 +381,7 @@ def gpt_oss(seed=0):
         num_experts=4,
         top_k=2,
         head_dim=8,
-        dtype=None,
     )
-    model = keras_hub.models.GptOssCausalLM(
-        backbone=backbone, preprocessor=None
-    )
-    x, y = _lm_data(seed)
-    return model, x, y
 
 
 def distilbert(seed=0):

@@ -38,8 +38,11 @@ export JAX_COMPILATION_CACHE_MAX_SIZE=$((2 * 1024 * 1024 * 1024))
 # its older CPU emitters (no fusion emitters) another 30%; the parity
 # checks compare programs compiled alike. Two test processes share the two
 # cores: one thread per op's own work (no Eigen thread pool) saves 5% of
-# the CPU time.
-export XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false --xla_cpu_multi_thread_eigen=false"
+# the CPU time. XLA's CPU collectives end the process when a device's
+# thread has not joined a collective within 40 s: on 2 busy cores one can
+# be starved that long (a notebook's kernel died so), so the suite waits
+# 5 minutes.
+export XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false --xla_cpu_multi_thread_eigen=false --xla_cpu_collective_call_terminate_timeout_seconds=300"
 # Two test processes share the two cores: TensorFlow's default of a thread
 # per core for each op's own work oversubscribes them (20% slower).
 export TF_NUM_INTRAOP_THREADS=1

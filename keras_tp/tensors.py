@@ -91,3 +91,15 @@ def with_masks(structure, masks):
     for i, mask in masks.items():
         set_keras_mask(leaves[i], mask)
     return structure
+
+
+class WithMask(keras.layers.Layer):
+    """`WithMask()([tensor, mask])`: `tensor`, carrying `mask` (integers)
+    as its Keras mask again, for the layers after it and a masked loss
+    (a tensor a pipeline stage received across its cut)."""
+
+    def call(self, inputs):
+        return inputs[0]
+
+    def compute_mask(self, inputs, mask=None):
+        return ops.cast(inputs[1], "bool")

@@ -4,6 +4,8 @@ Each test trains the stages of `keras_tp.pipeline.split_stages` with Adam
 through its backend's pipeline, next to the same model on one device.
 """
 
+import warnings
+
 import keras
 import numpy as np
 
@@ -450,3 +452,44 @@ def check_causal_lm_traffic(
     assert sent["backward_bytes"] == (
         activations * hidden + replicas * shared_bytes
     )
+
+
+def check_masked_predictions(tp_of):
+    """A Keras mask made in stage 0 (`Embedding(mask_zero=True)`) crosses
+    the cut to the loss: with one micro-batch, the first loss and the
+    weights after a step equal one device's (the loss counted padded
+    positions before); with two, whose rows hold different numbers of
+    masked tokens, the stage computing the loss warns that their means
+    differ.
+
+    Args:
+        tp_of: function `(model, num_microbatches) -> TensorParallelKeras`
+            of 2 stages.
+
+    Returns:
+        `{num_microbatches: whether this process warned}`.
+    """
+    from tests.dp_cases import masked_tagger
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 10, size=(BATCH, 6)).astype("int32")
+    tokens[BATCH // 2 :, 2:] = 0
+    tags = rng.integers(0, 4, size=(BATCH, 6))
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference = masked_tagger()
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+    expected = float(reference.train_on_batch(tokens, tags))
+    warned = {}
+    for microbatches in (1, 2):
+        tp = tp_of(masked_tagger(), microbatches)
+        tp.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            logged = float(tp.train_on_batch(tokens, tags))
+        warned[microbatches] = any(
+            "carry a Keras mask" in str(w.message) for w in caught
+        )
+        if microbatches == 1:
+            assert abs(logged - expected) < 1e-6, (logged, expected)
+            check_unsplit_weights(reference, tp.get_weights())
+    return warned

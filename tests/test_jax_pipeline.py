@@ -250,3 +250,11 @@ def test_sharded_checkpoints_of_stages_load_at_any_layout(tmp_path):
     x 2-way tensor parallelism, ZeRO-1, here); a fresh pipeline and one
     device load them, and a pipeline loads one device's checkpoint."""
     checkpoint_cases.check_three_dimensional_round_trip(str(tmp_path))
+
+
+def test_a_keras_mask_crosses_the_cut_to_the_loss():
+    assert pipeline_cases.check_masked_predictions(
+        lambda model, microbatches: _pipelined(
+            model, 2, num_microbatches=microbatches
+        )
+    ) == {1: False, 2: True}

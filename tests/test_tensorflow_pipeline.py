@@ -384,3 +384,11 @@ def test_sharded_checkpoints_of_stages_load_at_any_layout(tmp_path):
         "stage1-replica0.safetensors",
     ], writers
     assert len(differences) == 3
+
+
+def test_a_keras_mask_crosses_the_cut_to_the_loss():
+    assert pipeline_cases.check_masked_predictions(
+        lambda model, microbatches: _pipelined(
+            model, num_microbatches=microbatches
+        )
+    ) == {1: False, 2: True}

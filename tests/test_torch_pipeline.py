@@ -192,6 +192,13 @@ def test_a_causal_lm_shares_its_tied_embedding_between_stages(runs):
     assert held == results[0]["total_bytes"] + shared
 
 
+def test_a_keras_mask_crosses_the_cut_to_the_loss(runs):
+    # `pipeline_cases.check_masked_predictions` asserted the loss and the
+    # weights on every rank; the last stage, which computes the loss,
+    # warns of micro-batches' masked means.
+    assert runs["masked"] == [{1: False, 2: False}, {1: False, 2: True}]
+
+
 def test_refuses_what_it_cannot_run(runs):
     for messages in runs["refusals"]:
         assert (

@@ -6,6 +6,7 @@ import logging
 import keras
 
 from keras_tp.keras_internals import adds_loss_in_call
+from keras_tp.keras_internals import get_keras_mask
 from keras_tp.keras_internals import overrides_compute_loss
 from keras_tp.keras_internals import sublayers
 from keras_tp.pipeline.cut_points import automatic_cuts
@@ -19,8 +20,12 @@ from keras_tp.pipeline.stages import BoundaryTensor
 from keras_tp.pipeline.stages import Stage
 from keras_tp.pipeline.stages import StageSplit
 from keras_tp.runtime.base import median_seconds
+from keras_tp.tensors import WithMask
 
 logger = logging.getLogger(__name__)
+
+# The name a Keras mask crosses a cut under: its tensor's, with this.
+MASK_SUFFIX = "_keras_mask"
 
 # Timed runs of each block for `balance="time"`, after one warm-up run.
 TIMED_RUNS = 5
@@ -230,6 +235,15 @@ def _build(graph, positions, balance):
                     info.producer is None or info.producer < bounds[index - 1]
                 )
                 sent.append(BoundaryTensor(info.name, shape, dtype, carried))
+                mask = get_keras_mask(info.tensor)
+                if mask is not None:  # sent as integers beside its tensor
+                    name = info.name + MASK_SUFFIX
+                    shape = _batch_shape(mask.shape)
+                    inputs[name] = keras.Input(
+                        batch_shape=shape, dtype="int32", name=name
+                    )
+                    values[key] = WithMask()([values[key], inputs[name]])
+                    sent.append(BoundaryTensor(name, shape, "int32", carried))
             boundaries.append(Boundary(index - 1, sent))
             input_names = list(inputs)
         for node in nodes:
@@ -239,9 +253,13 @@ def _build(graph, positions, balance):
             outputs = keras.tree.pack_sequence_as(graph.output_structure, flat)
             output_names = [graph.tensors[key].name for key in graph.outputs]
         else:
-            outputs = {
-                graph.tensors[key].name: values[key] for key in crossings[index]
-            }
+            outputs = {}
+            for key in crossings[index]:
+                name = graph.tensors[key].name
+                outputs[name] = values[key]
+                if get_keras_mask(graph.tensors[key].tensor) is not None:
+                    mask = get_keras_mask(values[key])  # made as there
+                    outputs[name + MASK_SUFFIX] = keras.ops.cast(mask, "int32")
             output_names = list(outputs)
         stage_model = keras.Model(
             inputs=inputs,

@@ -18,9 +18,19 @@ from keras_tp.pipeline.ownership import WeightOwners
 from keras_tp.placement import Placement
 from keras_tp.runtime.base import Runtime
 from keras_tp.stats import CommunicationStats
+from keras_tp.tensors import carried_masks
 
 # What a plan says of single layers, which each stage keeps of its own.
 _PER_LAYER = ("per_rank_random", "per_rank_counts", "summed_gradients")
+
+
+_MASKED_MICROBATCHES = (
+    "The predictions carry a Keras mask: each micro-batch's loss is the "
+    "mean over its own unmasked entries, and the pipeline averages them. "
+    "Where micro-batches hold different numbers of masked entries, the loss "
+    "and its gradients differ from one device's; num_microbatches=1 "
+    "computes the batch's."
+)
 
 
 class PipelineRuntime(Runtime):
@@ -228,14 +238,22 @@ class PipelineRuntime(Runtime):
         return max(m for m in range(1, limit + 1) if batch_size % m == 0)
 
     def loss_function(self):
-        """The compiled loss of `(y_true, y_pred)`, averaged over samples."""
+        """The compiled loss of `(y_true, y_pred)`, averaged over samples,
+        for one micro-batch."""
         loss = compiled_loss(self.trainer)
         if loss is None:
             raise ValueError(
                 "A pipelined model trains and evaluates with the loss given "
                 "to compile(loss=...); it has none."
             )
-        return loss
+        many = self.num_microbatches != 1
+
+        def microbatch_loss(y, y_pred):
+            if many and carried_masks(y_pred):
+                warnings.warn(_MASKED_MICROBATCHES, stacklevel=2)
+            return loss(y, y_pred)
+
+        return microbatch_loss
 
     @staticmethod
     def unpacked(data):

@@ -35,7 +35,8 @@ REPLICA_MICROBATCHES = 2
 
 def all_runs(directory):
     """`mlp_run` of each schedule, next to one device's `reference`,
-    `backbone_run`, `causal_lm_run`, `refusals` and `resumed_run`;
+    `backbone_run`, `causal_lm_run`, `masked_run`, `refusals` and
+    `resumed_run`;
     every rank's results.
 
     Args:
@@ -63,6 +64,7 @@ def all_runs(directory):
         "backbone": backbone_run(),
         "tensor_parallel_backbone": tensor_parallel_backbone_run(),
         "causal_lm": causal_lm_run(),
+        "masked": masked_run(),
         "refusals": refusals(loss),
         "resumed": resumed_run(os.path.join(directory, "backup")),
     }
@@ -103,6 +105,22 @@ def causal_lm_run():
             "parameter_bytes": parameter_bytes,
             "total_bytes": tp.get_parallelism_info()["parameter_bytes_total"],
         }
+    )
+
+
+def masked_run():
+    """`pipeline_cases.check_masked_predictions` on 2 stages (it asserts
+    the losses and weights): whether each rank warned, per count of
+    micro-batches."""
+    return _gathered(
+        pipeline_cases.check_masked_predictions(
+            lambda model, microbatches: keras_tp.TensorParallelKeras(
+                model,
+                world_size=STAGES,
+                pipeline_parallel=STAGES,
+                num_microbatches=microbatches,
+            )
+        )
     )
 
 

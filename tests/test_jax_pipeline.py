@@ -7,6 +7,7 @@ through the stages, next to the same model on one device.
 """
 
 import os
+import warnings
 
 import pytest
 
@@ -258,3 +259,29 @@ def test_a_keras_mask_crosses_the_cut_to_the_loss():
             model, 2, num_microbatches=microbatches
         )
     ) == {1: False, 2: True}
+
+
+def test_evaluating_masked_predictions_warns_of_the_lost_mask():
+    # Evaluation runs the whole batch through the stages' compiled
+    # programs, whose outputs lose their Keras mask: the loss counts the
+    # masked entries, and the user is told (not of micro-batches' means).
+    from tests.dp_cases import masked_tagger
+
+    tokens = np.array([[1, 2, 3, 4, 5, 6], [5, 6, 0, 0, 0, 0]] * 2, "int32")
+    tags = np.array([[0, 1, 2, 3, 0, 1]] * 4)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    reference = masked_tagger()
+    reference.compile(loss=loss)
+    tp = _pipelined(masked_tagger(), 2, num_microbatches=2)
+    tp.compile(loss=loss)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        evaluated = tp.evaluate(tokens, tags, batch_size=4, verbose=0)
+    messages = [str(w.message) for w in caught if "Keras mask" in str(w)]
+    assert len(messages) == 1 and "evaluate() computes" in messages[0]
+    unmasked = keras.ops.mean(
+        keras.losses.sparse_categorical_crossentropy(
+            tags, reference.predict(tokens, verbose=0), from_logits=True
+        )
+    )
+    assert abs(evaluated - float(unmasked)) < 1e-6

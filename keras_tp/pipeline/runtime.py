@@ -237,16 +237,16 @@ class PipelineRuntime(Runtime):
         limit = min(batch_size, 4 * self.pipeline_parallel)
         return max(m for m in range(1, limit + 1) if batch_size % m == 0)
 
-    def loss_function(self):
+    def loss_function(self, num_microbatches=1):
         """The compiled loss of `(y_true, y_pred)`, averaged over samples,
-        for one micro-batch."""
+        for one of `num_microbatches` micro-batches."""
         loss = compiled_loss(self.trainer)
         if loss is None:
             raise ValueError(
                 "A pipelined model trains and evaluates with the loss given "
                 "to compile(loss=...); it has none."
             )
-        many = self.num_microbatches != 1
+        many = num_microbatches > 1
 
         def microbatch_loss(y, y_pred):
             if many and carried_masks(y_pred):
@@ -254,6 +254,20 @@ class PipelineRuntime(Runtime):
             return loss(y, y_pred)
 
         return microbatch_loss
+
+    def whole_batch_loss(self):
+        """The loss of a whole batch's predictions (`evaluate()` on JAX and
+        TensorFlow), which leave the stages' compiled programs without
+        their Keras masks."""
+        if carried_masks(self.stage_models[-1].outputs):
+            warnings.warn(
+                "The predictions carry a Keras mask, which they lose leaving "
+                "the pipeline's compiled stages: evaluate() computes the "
+                "loss over every entry, masked ones included (fit() "
+                "computes it with the mask).",
+                stacklevel=3,
+            )
+        return self.loss_function()
 
     @staticmethod
     def unpacked(data):

@@ -115,7 +115,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         trainable, non_trainable, metrics = state
         x, y = self.unpacked(data)
         y_pred, non_trainable = self._infer(trainable, non_trainable, x)
-        loss = self.loss_function()(y, y_pred)
+        loss = self.whole_batch_loss()(y, y_pred)
         logs, metrics = jax_update_metrics(
             self.trainer, metrics, loss, x, y, y_pred, None
         )

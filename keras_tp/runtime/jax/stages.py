@@ -48,7 +48,9 @@ class StagePrograms:
         self.per_device = per_device
         self.replicas = pipeline.data_parallel if per_device else 1
         # Loss of `(y_true, y_pred)`, averaged over a micro-batch.
-        self.loss = num_microbatches and pipeline.loss_function()
+        self.loss = num_microbatches and pipeline.loss_function(
+            num_microbatches
+        )
         self.num_microbatches = num_microbatches
         self.last = len(self.stage_models) - 1
         self.clock = clock

@@ -152,7 +152,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
     def test_step(self, data):
         x, y = self.unpacked(data)
         y_pred = self._forward(x)
-        return self._logs(x, y, self.loss_function()(y, y_pred), y_pred)
+        return self._logs(x, y, self.whole_batch_loss()(y, y_pred), y_pred)
 
     def predict_step(self, data):
         return self._forward(keras.utils.unpack_x_y_sample_weight(data)[0])

@@ -174,7 +174,7 @@ class TensorFlowStages(StagePrimitives):
             with tf.GradientTape() as tape:
                 tape.watch(predicted)
                 # Read when traced: a model compiled again uses its new loss.
-                loss = self.pipeline.loss_function()(
+                loss = self.pipeline.loss_function(self.num_microbatches)(
                     target[first], outputs[first]
                 )
                 loss = loss / self.num_microbatches

@@ -182,7 +182,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         shapes = tuple((tuple(t.shape), t.dtype) for t in leaves)
         key = (count, shapes, with_loss)
         if key not in self._pipelines:
-            loss = self.loss_function() if with_loss else None
+            loss = self.loss_function(count) if with_loss else None
             self._pipelines[key] = TorchPipeline(self, count, loss)
         return self._pipelines[key]
 

@@ -15,7 +15,6 @@ import functools
 import logging
 import os
 import pickle
-import socket
 import tempfile
 import warnings
 
@@ -305,13 +304,19 @@ def _run_attempt(
             stacklevel=3,
         )
     master_addr, master_port = rendezvous
-    port = master_port or _free_port(master_addr)
+    rank_environment = {
+        **os.environ,
+        **environment,
+        "OMP_NUM_THREADS": str(threads),
+    }
+    if master_port is None:
+        # Held until the attempt ends: the ranks' rendezvous.
+        store = _agent_store(master_addr)
+        port = store.port
+        rank_environment["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    else:
+        port = master_port
     with tempfile.TemporaryDirectory(prefix="keras_tp_launch_") as workdir:
-        rank_environment = {
-            **os.environ,
-            **environment,
-            "OMP_NUM_THREADS": str(threads),
-        }
         _start_forkserver()
         context = mp.start_processes(
             rank_processes.run_rank,
@@ -398,10 +403,17 @@ def usable_cores():
     return os.cpu_count() or 1
 
 
-def _free_port(address):
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
+def _agent_store(address):
+    """The attempt's rendezvous store, hosted here as torchrun's agent does.
+
+    It listens before any rank starts, on a port the system picks: a port
+    found free and handed to rank 0 to listen on could be taken by another
+    process in between (EADDRINUSE). The ranks join it as clients
+    (`TORCHELASTIC_USE_AGENT_STORE`), and it outlives a rank that dies.
+    """
+    import torch.distributed as dist
+
+    return dist.TCPStore(address, 0, is_master=True, wait_for_workers=False)
 
 
 @contextlib.contextmanager

@@ -4,7 +4,7 @@ gloo reports a dead peer as "Connection reset by peer [10.0.0.7]:41231" and
 a frozen one as "Timed out waiting 30000ms for recv operation": a socket
 or nothing, never a rank. So every rank of a multi-rank group records
 itself in the rendezvous store (the `MASTER_ADDR:MASTER_PORT` TCPStore,
-which torchrun's agent or `keras_tp.launch`'s rank 0 hosts): its pid and
+which torchrun's agent or `keras_tp.launch` hosts): its pid and
 host once, and a heartbeat counter that a daemon thread increments every
 second. When a collective fails, the rank that saw it asks:
 
@@ -143,7 +143,7 @@ def rank_lost_error(error):
 
 
 def agent_store():
-    """Whether torchrun's agent hosts the store (else rank 0 does)."""
+    """Whether the agent (torchrun or `launch`) hosts the store, not rank 0."""
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
@@ -181,7 +181,7 @@ class _RankWatch:
         self.address = (
             f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         )
-        # torchrun's agent hosts the store; under `launch`, rank 0 does.
+        # torchrun's agent or `launch` hosts the store, or else rank 0.
         self.agent_store = agent_store()
         self.host = socket.gethostname()
         # Restarts under torchrun may keep the agent's store: keys of an
@@ -309,8 +309,9 @@ class _RankWatch:
             # Every rank of the agent's node is gone with it; which ranks
             # those were is in the agent's store, gone too.
             logger.error(
-                "Rank %d: the torchrun agent's store at %s no longer "
-                "answers (%s): its node is gone.",
+                "Rank %d: the store of the agent that started the ranks "
+                "(torchrun's or keras_tp.launch's) at %s no longer answers "
+                "(%s): its node is gone.",
                 self.rank,
                 self.address,
                 error,

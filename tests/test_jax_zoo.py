@@ -252,12 +252,14 @@ def test_each_device_runs_its_heads_with_a_data_axis(plan):
 
 # Falcon's and GPT-NeoX's attention flatten their heads into features
 # (reshapes to `num_heads * head_dim` and to `hidden_dim`), and Falcon's
-# decoder block hands its attention an ALiBi bias for every head. With a
-# data axis each device runs that code on its own heads: it reads its
-# head counts and its heads' slice of the bias, so the attention pairs as
-# Megatron's, with no gathers (it was a gathering Column and a slicing
-# Row).
-@pytest.mark.parametrize("name", ["falcon", "gpt_neox"])
+# decoder block hands its attention an ALiBi bias for every head. Bloom's
+# attention biases its scores with an `AlibiBias` layer that gives each
+# head the slope of its index among the scores' heads. With a data axis
+# each device runs that code on its own heads: it reads its head counts
+# and its heads' slice of the bias, and runs the `AlibiBias` on all heads
+# (its own in place), so the attention pairs as Megatron's, with no
+# gathers (it was a gathering Column and a slicing Row).
+@pytest.mark.parametrize("name", ["falcon", "bloom", "gpt_neox"])
 def test_flattened_heads_pair_with_a_data_axis(name):
     results = zoo_cases.measure(name, 4, data_parallel=2)
     zoo_cases.check_exact(results)

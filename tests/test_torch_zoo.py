@@ -24,12 +24,14 @@ from tests.torch_scripts import zoo_checks  # noqa: E402
 # attention holds a weight of its own per head (its sinks), and
 # RoFormer-v2's projects with Dense layers, heads folded into features.
 # Falcon's and GPT-NeoX's flatten their heads into features, and Falcon's
-# takes an ALiBi bias for every head from its decoder block.
+# takes an ALiBi bias for every head from its decoder block; Bloom's
+# `AlibiBias` reads the heads count from its scores' shape.
 NAMES = list(zoo_cases.TRANSFORMERS) + [
     "t5gemma",
     "gpt_oss",
     "roformer_v2",
     "falcon",
+    "bloom",
     "gpt_neox",
 ]
 WORLD_SIZE = 2
@@ -59,8 +61,10 @@ def test_megatron_pairs_where_each_rank_runs_its_slices(ranks):
     # whole, and Qwen3 normalises each head with whole weights: the ranks
     # sum those weights' gradients. Falcon's and GPT-NeoX's attention
     # read their head counts and their heads' slice of Falcon's ALiBi
-    # bias. Every block pairs.
-    for name in ("gpt2", "llama", "gemma", "qwen3", "falcon", "gpt_neox"):
+    # bias; Bloom's `AlibiBias` runs on all heads, the rank's in place.
+    # Every block pairs.
+    names = ("gpt2", "llama", "gemma", "qwen3", "falcon", "bloom", "gpt_neox")
+    for name in names:
         assert not results[name]["fallbacks"], results[name]["fallbacks"]
         zoo_cases.check_megatron(
             results[name],

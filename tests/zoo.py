@@ -215,6 +215,25 @@ def falcon(seed=0):
     )
 
 
+def bloom(seed=0):
+    """A tiny `BloomCausalLM`: 4 heads whose ALiBi slopes its attention's
+    `AlibiBias` computes from the scores' heads count, tied embeddings.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    return _causal_lm(
+        seed,
+        "Bloom",
+        num_heads=4,
+        hidden_dim=32,
+        intermediate_dim=64,
+    )
+
+
 def gpt_neox(seed=0):
     """A tiny `GPTNeoXCausalLM`: one fused query/key/value projection of
     4 heads, rotary embeddings on a quarter of each head, untied.
@@ -870,6 +889,7 @@ ZOO = {
     "gemma_lora": gemma_lora,
     "gpt2": gpt2,
     "falcon": falcon,
+    "bloom": bloom,
     "gpt_neox": gpt_neox,
     "llama": llama,
     "mistral": mistral,

@@ -9,7 +9,9 @@ those heads, so while it runs such a layer's code, the layer's integer
 attributes that equal the full length of a heads axis its split
 sublayers divide read the rank's count instead. A weight of the layer's
 own with one value per head (GPT-OSS's attention sinks) stays whole, and
-the rank reads its heads' slice of it (`HeadAxis`). The planner's local
+the rank reads its heads' slice of it (`HeadAxis`). A weightless
+sublayer that reads the heads count from its input's shape (keras-hub's
+`AlibiBias`) runs on all heads (`WholeHeads`). The planner's local
 check (`verify`) runs the layer the same way and falls back where its
 code still disagrees with one device.
 """
@@ -19,6 +21,7 @@ import contextlib
 import threading
 
 import keras
+from keras import ops
 
 from keras_tp.keras_internals import bind_values
 from keras_tp.keras_internals import sublayers
@@ -47,6 +50,17 @@ class HeadArgument(int):
 
     def __repr__(self):
         return f"HeadArgument({int(self)})"
+
+
+class WholeHeads(int):
+    """The heads axis of a weightless sublayer's input that the sublayer
+    reads its heads count from: keras-hub's `AlibiBias` gives each head
+    the slope of its index among `scores.shape[1]` heads. A rank runs it
+    on all heads, its own in place and zeros elsewhere, and keeps its
+    heads' slice of the output (`with_whole_heads`)."""
+
+    def __repr__(self):
+        return f"WholeHeads({int(self)})"
 
 
 def per_rank_counts(model, plan):
@@ -129,16 +143,21 @@ def _layers_with_split_heads(model, plan):
 
 def add_head_arguments(model, plan, trace):
     """Adds to `plan.per_rank_counts` the call arguments that carry a
-    value for every head, which a rank reads its heads' slice of.
+    value for every head, which a rank reads its heads' slice of, and the
+    weightless sublayers that may need all heads (`WholeHeads`).
 
     Falcon's decoder block makes the ALiBi bias `(batch, heads, 1,
     length)` for every head and passes it to its attention, which adds it
     to its own heads' scores. An argument counts where, in every traced
     call, it has one axis as long as a full heads count and no sublayer
     takes it whole (the hidden states the projections read); the heads
-    are those of a split kernel's own heads axis. One that has
-    such an axis by chance (a sequence as long as the heads count) is
-    dropped by the plan's check (`local_check.keep_needed_counts`).
+    are those of a split kernel's own heads axis. A weightless sublayer
+    whose every call takes a first argument with one such axis and
+    returns its shape (the scores' softmax, an ALiBi bias) may read the
+    count from the shape. One that has such an axis by chance (a
+    sequence as long as the heads count), or that computes each head
+    alone (a softmax), is dropped by the plan's check
+    (`local_check.keep_needed_counts`).
 
     Args:
         model: the model `plan` is bound to.
@@ -163,11 +182,41 @@ def add_head_arguments(model, plan, trace):
             for name, (axis, *others) in axes.items()
             if axis is not None and not others
         }
-        if found:
-            plan.per_rank_counts[layer] = {
-                **plan.per_rank_counts.get(layer, {}),
-                **found,
-            }
+        for owner, counts in [
+            (layer, found),
+            *_whole_heads(layer, trace, heads),
+        ]:
+            if counts:
+                plan.per_rank_counts[owner] = {
+                    **plan.per_rank_counts.get(owner, {}),
+                    **counts,
+                }
+
+
+def _whole_heads(layer, trace, heads):
+    """`[(sublayer, {argument: WholeHeads(axis)}), ...]`: the weightless
+    direct sublayers of `layer` whose every traced call takes a first
+    argument with one axis of a length in `heads`, and returns a tensor of
+    its shape."""
+    axes = collections.defaultdict(set)
+    for call in trace.calls_of[id(layer)]:
+        for child in trace.children[call.index]:
+            if child.layer.weights or not child.inputs:
+                axes[id(child.layer)].add(None)
+                continue
+            first = tuple(child.inputs[0].shape)
+            matching = [i for i, n in enumerate(first) if n in heads]
+            returns = [tuple(t.shape) for t in child.outputs] == [first]
+            axes[id(child.layer)].add(
+                matching[0] if len(matching) == 1 and returns else None
+            )
+    found = []
+    for sub in sublayers(layer, recursive=False):
+        axis, *others = axes.get(id(sub), {None})
+        if axis is not None and not others:
+            name = call_arguments(sub)[0]
+            found.append((sub, {name: WholeHeads(axis)}))
+    return found
 
 
 def local_arguments(layer, counts, head_slice, args, kwargs):
@@ -228,7 +277,7 @@ def local_counts(layer, counts, head_slice):
     counts = {
         name: count
         for name, count in counts.items()
-        if not isinstance(count, (HeadAxis, HeadArgument))
+        if not isinstance(count, (HeadAxis, HeadArgument, WholeHeads))
     }
     with (
         _assigned(layer, counts),
@@ -269,6 +318,11 @@ def call_with_local_counts(layer, counts, runtime):
         value = runtime.local_value(weight)
         return runtime.adapter.scatter_to_parallel(value, axis)
 
+    def ranks():
+        return runtime.adapter.rank(), runtime.adapter.size()
+
+    local_call = with_whole_heads(counts, call, ranks)
+
     def counted_call(*args, **kwargs):
         if not runtime.holds_local_values():
             return call(*args, **kwargs)
@@ -276,9 +330,33 @@ def call_with_local_counts(layer, counts, runtime):
             layer, counts, runtime.adapter.scatter_to_parallel, args, kwargs
         )
         with local_counts(layer, counts, head_slice):
-            return call(*args, **kwargs)
+            return local_call(*args, **kwargs)
 
     return counted_call
+
+
+def with_whole_heads(counts, call, ranks):
+    """`call`, run on all heads where `counts` holds a `WholeHeads` axis
+    for its first argument: the rank's heads in their place among zeros,
+    its heads' slice of the output kept. `ranks()` gives `(rank, ranks)`,
+    the rank perhaps a traced scalar; no collective runs."""
+    axes = [a for a in counts.values() if isinstance(a, WholeHeads)]
+    if not axes:
+        return call
+    axis = int(axes[0])
+
+    def whole_heads_call(inputs, *args, **kwargs):
+        rank, size = ranks()
+        own = [ops.cast(ops.equal(rank, r), inputs.dtype) for r in range(size)]
+        padded = ops.concatenate([inputs * keep for keep in own], axis)
+        outputs = call(padded, *args, **kwargs)
+        blocks = ops.split(outputs, size, axis)
+        return sum(
+            block * ops.cast(keep, block.dtype)
+            for block, keep in zip(blocks, own)
+        )
+
+    return whole_heads_call
 
 
 def _assign(layer, values):

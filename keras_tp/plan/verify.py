@@ -37,6 +37,7 @@ from keras_tp.plan.comparing import close_to
 from keras_tp.plan.comparing import slice_tensor
 from keras_tp.plan.head_counts import local_arguments
 from keras_tp.plan.head_counts import local_counts
+from keras_tp.plan.head_counts import with_whole_heads
 from keras_tp.plan.sharding_plan import ShardedUnit
 from keras_tp.plan.styles import Channelwise
 from keras_tp.plan.styles import Column
@@ -232,8 +233,15 @@ class _Emulation:
                 args, kwargs = local_arguments(
                     layer, counts, self._head_slice, args, kwargs
                 )
+                local_call = with_whole_heads(
+                    counts,
+                    call,
+                    lambda: (self.rank, self.plan.tensor_parallel),
+                )
                 with local_counts(layer, counts, self._head_slice):
-                    return self._run_whole(layer, call, reference, args, kwargs)
+                    return self._run_whole(
+                        layer, local_call, reference, args, kwargs
+                    )
             return self._run_split(entry, reference, args, kwargs)
 
         return emulated

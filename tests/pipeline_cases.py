@@ -326,7 +326,10 @@ def causal_lm_pipeline(tp_of):
     Its token embedding also computes the logits, in the last stage: each
     stage that calls it holds it, and their gradients of it are added up
     before the update. Two SGD steps (Adam would turn the float noise of
-    near-zero gradients into steps of the learning rate).
+    near-zero gradients into steps of the learning rate), with sample
+    weights as keras-hub's preprocessors make them from the padding (each
+    row padded differently), which the micro-batches' losses and the
+    weighted accuracy read.
 
     Args:
         tp_of: a function of the model returning its uncompiled
@@ -342,12 +345,20 @@ def causal_lm_pipeline(tp_of):
     shared = tp._runtime.split.shared_weights
     assert list(shared.values()) == [[0, 1]]
     assert "token_embedding" in next(iter(shared))
+    lengths = np.arange(len(y)) % y.shape[1] + 1
+    weights = (np.arange(y.shape[1]) < lengths[:, None]).astype("float32")
+    logs = []
     for model in (reference, tp):
         model.compile(
-            optimizer=keras.optimizers.SGD(1e-2), loss=zoo.loss_for("gpt2")
+            optimizer=keras.optimizers.SGD(1e-2),
+            loss=zoo.loss_for("gpt2"),
+            weighted_metrics=["sparse_categorical_accuracy"],
         )
         for _ in range(2):
-            model.train_on_batch(x, y)
+            logs.append(model.train_on_batch(x, y, weights, return_dict=True))
+    for expected, logged in zip(logs[:2], logs[2:]):
+        for name, value in expected.items():
+            assert abs(logged[name] - value) < 1e-5, (name, expected, logged)
     check_unsplit_weights(reference, tp.get_weights())
     np.testing.assert_allclose(
         tp.predict(x, verbose=0), reference.predict(x, verbose=0), atol=1e-5

@@ -198,8 +198,6 @@ def test_refusals_name_the_fix():
         )
     x, y = models.data_for("mlp", batch=8)
     tp.compile(optimizer="adam", loss=models.loss_fn())
-    with pytest.raises(ValueError, match="sample_weight"):
-        tp.fit(x, y, sample_weight=np.ones(8), verbose=0)
     with pytest.raises(ValueError, match="num_microbatches=3 equal"):
         _pipelined(models.mlp(), 2, num_microbatches=3).predict(
             x, batch_size=8, verbose=0

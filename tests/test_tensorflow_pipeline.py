@@ -241,8 +241,6 @@ def test_refusals_name_the_fix():
         tp.compile(optimizer="adam", loss=models.loss_fn(), jit_compile=True)
     tp.compile(optimizer="adam", loss=models.loss_fn())
     x, y = models.data_for("mlp", batch=12)
-    with pytest.raises(ValueError, match="sample_weight"):
-        tp.fit(x, y, sample_weight=np.ones(12), batch_size=12, verbose=0)
     # 12 samples in batches of 8: Keras traces the step for any size.
     with pytest.raises(ValueError, match="drop_remainder=True"):
         tp.fit(x, y, batch_size=8, verbose=0)

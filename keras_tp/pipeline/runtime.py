@@ -2,6 +2,7 @@
 as far as every backend's (`keras_tp.runtime.<backend>.pipeline`) shares
 it."""
 
+import collections
 import copy
 import warnings
 
@@ -31,6 +32,19 @@ _MASKED_MICROBATCHES = (
     "and its gradients differ from one device's; num_microbatches=1 "
     "computes the batch's."
 )
+
+
+class WeightedTargets(collections.namedtuple("WeightedTargets", "y weights")):
+    """A batch's targets with their sample weights, split into micro-batches
+    together (a tree of arrays, as `y` alone is)."""
+
+
+def weighted(targets):
+    """`(y, sample_weight)` of targets that `PipelineRuntime.unpacked`
+    made: the weights are `None` where the batch has none."""
+    if isinstance(targets, WeightedTargets):
+        return targets.y, targets.weights
+    return targets, None
 
 
 class PipelineRuntime(Runtime):
@@ -238,8 +252,11 @@ class PipelineRuntime(Runtime):
         return max(m for m in range(1, limit + 1) if batch_size % m == 0)
 
     def loss_function(self, num_microbatches=1):
-        """The compiled loss of `(y_true, y_pred)`, averaged over samples,
-        for one of `num_microbatches` micro-batches."""
+        """The compiled loss of `(targets, y_pred)`, averaged over samples,
+        for one of `num_microbatches` micro-batches; `targets` as
+        `unpacked` makes them. Sample weights keep it exact: Keras divides
+        a weighted loss by the number of samples, not by their weights, so
+        equal micro-batches' losses average to the batch's."""
         loss = compiled_loss(self.trainer)
         if loss is None:
             raise ValueError(
@@ -248,10 +265,11 @@ class PipelineRuntime(Runtime):
             )
         many = num_microbatches > 1
 
-        def microbatch_loss(y, y_pred):
+        def microbatch_loss(targets, y_pred):
             if many and carried_masks(y_pred):
                 warnings.warn(_MASKED_MICROBATCHES, stacklevel=2)
-            return loss(y, y_pred)
+            y, weights = weighted(targets)
+            return loss(y, y_pred, weights)
 
         return microbatch_loss
 
@@ -271,14 +289,12 @@ class PipelineRuntime(Runtime):
 
     @staticmethod
     def unpacked(data):
-        """`(x, y)` of a step's `data`; sample weights are refused."""
+        """`(x, targets)` of a step's `data`: `y`, with its sample weights
+        (Keras' `class_weight` too) where given (`WeightedTargets`)."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        if sample_weight is not None:
-            raise ValueError(
-                "sample_weight (or class_weight) is not supported with "
-                "pipeline_parallel yet: pass (x, y) only."
-            )
-        return x, y
+        if sample_weight is None or y is None:
+            return x, y
+        return x, WeightedTargets(y, sample_weight)
 
     def call_model(self, model, inputs, training):
         with self.stats.recording("call"):

@@ -19,6 +19,7 @@ from keras_tp.pipeline import schedules
 from keras_tp.pipeline.executor import run_forward
 from keras_tp.pipeline.executor import run_schedule
 from keras_tp.pipeline.runtime import PipelineRuntime
+from keras_tp.pipeline.runtime import weighted
 from keras_tp.runtime.jax import JaxRuntime
 from keras_tp.runtime.jax.stage_storage import StageStorage
 from keras_tp.runtime.jax.stages import TRACING_STAGE
@@ -95,29 +96,31 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
 
     def train_step(self, state, data):
         trainable, non_trainable, optimizer_values, metrics = state
-        x, y = self.unpacked(data)
+        x, targets = self.unpacked(data)
         stages = self._stages(x, trainable, non_trainable, training=True)
         order = schedules.issue_order(
             self.schedule, self.pipeline_parallel, stages.count
         )
         self._trained, self.trained_order = stages.programs, order
-        loss, y_pred = run_schedule(stages, order, x, y)
+        loss, y_pred = run_schedule(stages, order, x, targets)
         trainable, optimizer_values = self._apply(
             trainable, optimizer_values, stages.gradients
         )
         non_trainable = self._merged(non_trainable, stages.non_trainable)
+        y, weights = weighted(targets)
         logs, metrics = jax_update_metrics(
-            self.trainer, metrics, loss, x, y, y_pred, None
+            self.trainer, metrics, loss, x, y, y_pred, weights
         )
         return logs, (trainable, non_trainable, optimizer_values, metrics)
 
     def test_step(self, state, data):
         trainable, non_trainable, metrics = state
-        x, y = self.unpacked(data)
+        x, targets = self.unpacked(data)
         y_pred, non_trainable = self._infer(trainable, non_trainable, x)
-        loss = self.whole_batch_loss()(y, y_pred)
+        loss = self.whole_batch_loss()(targets, y_pred)
+        y, weights = weighted(targets)
         logs, metrics = jax_update_metrics(
-            self.trainer, metrics, loss, x, y, y_pred, None
+            self.trainer, metrics, loss, x, y, y_pred, weights
         )
         return logs, (trainable, non_trainable, metrics)
 

@@ -9,6 +9,7 @@ from keras_tp.keras_internals import place_slots_on_creation
 from keras_tp.keras_internals import update_loss_tracker
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.pipeline.runtime import PipelineRuntime
+from keras_tp.pipeline.runtime import weighted
 from keras_tp.runtime.tensorflow import TensorFlowRuntime
 from keras_tp.runtime.tensorflow import devices as tf_devices
 from keras_tp.runtime.tensorflow.optimizer import prepare_optimizer
@@ -137,29 +138,31 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             return step(*args, **kwargs)
 
     def train_step(self, data):
-        x, y = self.unpacked(data)
+        x, targets = self.unpacked(data)
         self.build_optimizer(self.trainer)
         stages = self._stages_of(x)
         self.refresh_copies()
-        loss, y_pred = stages.step(x, y)
+        loss, y_pred = stages.step(x, targets)
         self.trained_order = stages.order
         owned = self._owned_gradients(stages.gradients)
         for stage in range(self.pipeline_parallel):
             self._update(stage, owned)
         self.trainer.optimizer.iterations.assign_add(1)
-        return self._logs(x, y, loss, y_pred)
+        return self._logs(x, targets, loss, y_pred)
 
     def test_step(self, data):
-        x, y = self.unpacked(data)
+        x, targets = self.unpacked(data)
         y_pred = self._forward(x)
-        return self._logs(x, y, self.whole_batch_loss()(y, y_pred), y_pred)
+        loss = self.whole_batch_loss()(targets, y_pred)
+        return self._logs(x, targets, loss, y_pred)
 
     def predict_step(self, data):
         return self._forward(keras.utils.unpack_x_y_sample_weight(data)[0])
 
-    def _logs(self, x, y, loss, y_pred):
+    def _logs(self, x, targets, loss, y_pred):
         update_loss_tracker(self.trainer, loss, traced_batch_size(x))
-        return self.trainer.compute_metrics(x, y, y_pred, None)
+        y, weights = weighted(targets)
+        return self.trainer.compute_metrics(x, y, y_pred, weights)
 
     def _owned_gradients(self, gradients):
         """By replica, `WeightOwners.owned_gradients` of its gradients: a

@@ -15,6 +15,7 @@ from keras_tp.keras_internals import seed_generators
 from keras_tp.keras_internals import update_loss_tracker
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.runtime import PipelineRuntime
+from keras_tp.pipeline.runtime import weighted
 from keras_tp.runtime.mesh import MeshRuntime
 from keras_tp.runtime.torch import TorchRuntime
 from keras_tp.runtime.torch.devices import join_process_group
@@ -203,12 +204,12 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         return data
 
     def train_step(self, data):
-        x, y = self.unpacked(self._sliced(data))
+        x, targets = self.unpacked(self._sliced(data))
         pipeline = self._pipeline(x)
         variables = self.stage_model.trainable_variables
         for variable in variables:
             variable.value.grad = None
-        loss, y_pred = pipeline.step(x, y)
+        loss, y_pred = pipeline.step(x, targets)
         self.timeline = pipeline.stage.timeline
         # Every copy of a shared weight takes the same update, the sum of
         # the stages' gradients, and stays equal.
@@ -226,12 +227,12 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
             self.trainer.optimizer.apply(
                 [variable.value.grad for variable in variables], variables
             )
-        return self._logs(x, y, loss, y_pred)
+        return self._logs(x, targets, loss, y_pred)
 
     def test_step(self, data):
-        x, y = self.unpacked(self._sliced(data))
-        loss, y_pred = self._pipeline(x).forward(x, y)
-        return self._logs(x, y, loss, y_pred)
+        x, targets = self.unpacked(self._sliced(data))
+        loss, y_pred = self._pipeline(x).forward(x, targets)
+        return self._logs(x, targets, loss, y_pred)
 
     def predict_step(self, data):
         x = keras.utils.unpack_x_y_sample_weight(self._sliced(data))[0]
@@ -244,7 +245,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
             lambda y: self.data_adapter.all_gather(y, 0), y_pred
         )
 
-    def _logs(self, x, y, loss, y_pred):
+    def _logs(self, x, targets, loss, y_pred):
         """The step's logs, alike on every rank: the last stage of each
         replica updates the metrics (summed over `data`) and broadcasts
         them."""
@@ -254,7 +255,8 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
             before = [v.value.detach().clone() for v in variables]
             update_loss_tracker(trainer, loss, len(keras.tree.flatten(x)[0]))
             with torch.no_grad():
-                trainer.compute_metrics(x, y, y_pred, None)
+                y, weights = weighted(targets)
+                trainer.compute_metrics(x, y, y_pred, weights)
             if self.data_adapter is not None:
                 totals, _ = self.stage_runtime.synchronised_state(
                     [], [], before, [v.value.detach() for v in variables]

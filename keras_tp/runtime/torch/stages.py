@@ -137,11 +137,18 @@ class TorchPipeline:
             pipeline.device,
             group=pipeline.pipe_group,
         )
+        # The batch's targets while a step runs (`_run`).
+        self._targets = None
         loss_fn = None
         if loss is not None:
-
-            def loss_fn(y_pred, y_true):
-                return loss(y_true, module.structured(y_pred))
+            # torch's schedule splits one tensor of targets: the batch's row
+            # indices, which pick each micro-batch's part of the targets
+            # (any structure, with their sample weights).
+            def loss_fn(y_pred, rows):
+                targets = keras.tree.map_structure(
+                    lambda t: t[rows], self._targets
+                )
+                return loss(targets, module.structured(y_pred))
 
         self.schedule = _PipelineScheduleRuntime(
             [self.stage], num_microbatches, loss_fn=loss_fn
@@ -181,7 +188,12 @@ class TorchPipeline:
         if not self.stage.is_last:
             run(*inputs)
             return None, None
-        losses = None if y is None else []
-        outputs = run(*inputs, target=y, losses=losses)
+        losses = rows = None
+        if y is not None:
+            self._targets = y
+            batch = keras.tree.flatten(y)[0].shape[0]
+            losses, rows = [], torch.arange(batch, device=self.stage.device)
+        outputs = run(*inputs, target=rows, losses=losses)
+        self._targets = None
         loss = None if y is None else torch.stack(losses).mean().detach()
         return loss, self.stage.submod.structured(outputs)

@@ -8,6 +8,7 @@ import keras
 from keras_tp import generation
 from keras_tp import partial_gradients
 from keras_tp import regions
+from keras_tp import split_regularizers
 from keras_tp.parallel import batch_statistics
 from keras_tp.parallel import zero3
 from keras_tp.plan.auto import auto_plan
@@ -97,6 +98,7 @@ def split_model(model, plan, runtime, trainer):
     for part, part_runtime in runtime.stage_plans(plan):
         installed += regions.install(part, part_runtime)
         partial_gradients.install(part, part_runtime)
+        split_regularizers.install(part, part_runtime)
     if runtime.pipeline_parallel == 1:
         # Pipelines do not generate (`generation.generate` says why).
         generation.install_caches(model, plan, runtime)

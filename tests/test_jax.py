@@ -26,6 +26,7 @@ from tests import generation_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests import own_loss_cases  # noqa: E402
 from tests import random_cases  # noqa: E402
+from tests import regularizer_cases  # noqa: E402
 from tests import vocab_cases  # noqa: E402
 from tests.models import loss_fn  # noqa: E402
 from tests.models import max_diff  # noqa: E402
@@ -130,6 +131,11 @@ def test_vocab_parallel_loss_matches_one_device():
     # Per-rank steps (a data axis); on global arrays the zoo's and the
     # transformer's collective tests check the same loss.
     vocab_cases.check_runs(vocab_cases.runs(4, data_parallel=2))
+
+
+def test_regularized_split_layers_report_one_devices_loss():
+    # Per-rank steps (a data axis): each rank would penalise its slices.
+    regularizer_cases.check_runs(regularizer_cases.runs(4, data_parallel=2))
 
 
 def test_a_models_own_compute_loss_trains_as_on_one_device():

@@ -34,6 +34,7 @@ from tests import generation_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests import own_loss_cases  # noqa: E402
 from tests import random_cases  # noqa: E402
+from tests import regularizer_cases  # noqa: E402
 from tests import vocab_cases  # noqa: E402
 from tests.torch_scripts import rank_checks  # noqa: E402
 
@@ -177,6 +178,12 @@ def test_a_models_own_compute_loss_trains_as_on_one_device(api_run):
     _, ranks = api_run
     for rank in ranks:
         own_loss_cases.check_runs(rank["own_loss"])
+
+
+def test_regularized_split_layers_report_one_devices_loss(api_run):
+    _, ranks = api_run
+    for rank in ranks:
+        regularizer_cases.check_runs(rank["regularizers"])
 
 
 def test_get_weights_are_full_and_match(api_run):

@@ -22,6 +22,7 @@ from tests import generation_cases
 from tests import models
 from tests import own_loss_cases
 from tests import random_cases
+from tests import regularizer_cases
 from tests import vocab_cases
 
 
@@ -294,6 +295,7 @@ def api_checks(save_path):
     )
     result["generation"] = generation_cases.runs(world_size)
     result["own_loss"] = own_loss_cases.runs(world_size)
+    result["regularizers"] = regularizer_cases.runs(world_size)
     return _all_ranks(result)
 
 

@@ -39,6 +39,7 @@ from tests import generation_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests import own_loss_cases  # noqa: E402
 from tests import random_cases  # noqa: E402
+from tests import regularizer_cases  # noqa: E402
 from tests import speaker_cases  # noqa: E402
 from tests import vocab_cases  # noqa: E402
 
@@ -288,6 +289,12 @@ def test_a_models_own_compute_loss_trains_from_the_outputs_only():
     assert "PairedTowers.compute_loss calls layer '" in refused["error"]
     assert "Train this model on JAX or torch" in refused["error"]
     np.testing.assert_allclose(*refused["evaluated"], atol=1e-5)
+
+
+def test_regularized_split_layers_report_one_devices_loss():
+    # Each replica penalises its slices, and adds the losses its layers
+    # add (an activity regularizer's) in the replica.
+    regularizer_cases.check_runs(regularizer_cases.runs(2))
 
 
 def test_transformer_collectives_per_step():

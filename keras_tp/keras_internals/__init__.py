@@ -28,6 +28,7 @@ from keras_tp.keras_internals.graphs import node_operation
 from keras_tp.keras_internals.graphs import node_outputs
 from keras_tp.keras_internals.graphs import producer_node
 from keras_tp.keras_internals.layers import ATTENTION_OUTPUT_PROJECTION
+from keras_tp.keras_internals.layers import added_loss_count
 from keras_tp.keras_internals.layers import adds_loss_in_call
 from keras_tp.keras_internals.layers import attention_projections
 from keras_tp.keras_internals.layers import batch_moments
@@ -43,6 +44,7 @@ from keras_tp.keras_internals.layers import set_keras_mask
 from keras_tp.keras_internals.layers import shifted_seed_draws
 from keras_tp.keras_internals.layers import stored_kernel
 from keras_tp.keras_internals.layers import sublayers
+from keras_tp.keras_internals.layers import take_added_losses
 from keras_tp.keras_internals.models import BuildsBeforeTracing
 from keras_tp.keras_internals.models import RunsModelsOwnLoss
 from keras_tp.keras_internals.models import attach_trainer_state
@@ -54,6 +56,7 @@ from keras_tp.keras_internals.models import compute_loss
 from keras_tp.keras_internals.models import input_structure
 from keras_tp.keras_internals.models import jax_update_metrics
 from keras_tp.keras_internals.models import loss_function_arguments
+from keras_tp.keras_internals.models import losses_override
 from keras_tp.keras_internals.models import metric_function
 from keras_tp.keras_internals.models import overrides_compute_loss
 from keras_tp.keras_internals.models import print_msg
@@ -88,6 +91,7 @@ __all__ = [
     "RunsModelsOwnLoss",
     "StatelessScope",
     "UpdatesThroughAssign",
+    "added_loss_count",
     "adds_loss_in_call",
     "attach_trainer_state",
     "attention_projections",
@@ -110,6 +114,7 @@ __all__ = [
     "layer_call_nodes",
     "loss_function_arguments",
     "local_shapes",
+    "losses_override",
     "metric_function",
     "model_variables_of",
     "moving_average",
@@ -141,6 +146,7 @@ __all__ = [
     "stored_kernel",
     "stored_value",
     "sublayers",
+    "take_added_losses",
     "update_loss_tracker",
     "wrapped_loss_function",
 ]

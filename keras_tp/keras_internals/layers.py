@@ -36,6 +36,19 @@ def adds_loss_in_call(layer):
         return False
 
 
+def take_added_losses(layer, count):
+    """Removes and returns the losses `add_loss` appended to `layer`'s own
+    list after its first `count`; `added_loss_count` gives `count`."""
+    added = layer._losses[count:]
+    del layer._losses[count:]
+    return added
+
+
+def added_loss_count(layer):
+    """The number of losses in `layer`'s own `add_loss` list."""
+    return len(layer._losses)
+
+
 def own_seed_generators(layer):
     """The `SeedGenerator`s tracked on `layer` itself (a Dropout's)."""
     return list(layer._seed_generators)

@@ -1,5 +1,6 @@
 """A compiled Keras model: its loss, metrics and compile arguments."""
 
+import contextlib
 import logging
 
 import keras
@@ -131,6 +132,17 @@ def jax_update_metrics(model, metrics, loss, x, y, y_pred, sample_weight):
     return model._update_metrics_variables(
         metrics, loss, x, y, y_pred, sample_weight
     )
+
+
+@contextlib.contextmanager
+def losses_override(model, losses):
+    """Inside, `model.losses` (which Keras' `compute_loss` adds) is
+    `losses`."""
+    model._losses_override = list(losses)
+    try:
+        yield
+    finally:
+        model._losses_override = []
 
 
 def update_loss_tracker(model, loss, sample_weight):

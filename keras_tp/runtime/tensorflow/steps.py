@@ -36,7 +36,9 @@ import keras
 import tensorflow as tf
 
 from keras_tp.keras_internals import local_shapes
+from keras_tp.keras_internals import losses_override
 from keras_tp.keras_internals import tracked_loss
+from keras_tp.runtime.tensorflow import added_losses
 from keras_tp.runtime.tensorflow.optimizer import prepare_optimizer
 from keras_tp.runtime.tensorflow.storage import local_read
 from keras_tp.tensors import carried_masks
@@ -117,21 +119,24 @@ class ReplicaSteps:
                 gradient tape kept here under its replica id.
 
         Returns:
-            The output of each data-parallel row (that of its first model
-            rank; the others hold the same), in row order: where an LM
-            head's logits stay split, its per-token loss and metric values
-            (`VocabParallelHead.per_token`).
+            `(outputs, added)`: the output of each data-parallel row (that
+            of its first model rank; the others hold the same), in row
+            order, where an LM head's logits stay split its per-token
+            loss and metric values (`VocabParallelHead.per_token`); and
+            each row's total of the losses its forward pass added
+            (`added_losses`).
         """
         x = self._checked_split(x)
         head = split_head()
 
         def call(x, y):
-            with self.sequence_shards():
+            with self.sequence_shards(), added_losses.recorded(model) as added:
                 outputs = self.whole_outputs(model(x, training=training))
+            total = added_losses.replica_total(model, added)
             if head is None:
                 # A mask does not leave a replica as an attribute.
-                return outputs, carried_masks(outputs)
-            return head.per_token(self.adapter, y, outputs), {}
+                return outputs, total, carried_masks(outputs)
+            return head.per_token(self.adapter, y, outputs), total, {}
 
         def forward(x, y):
             replica = self.replica_id()
@@ -141,26 +146,22 @@ class ReplicaSteps:
                 return call(local_x, local_y)
             tape = tf.GradientTape()
             with tape:
-                y_pred, masks = call(local_x, local_y)
-            tapes[replica] = (tape, y_pred)
-            return y_pred, masks
+                y_pred, total, masks = call(local_x, local_y)
+            tapes[replica] = (tape, (y_pred, total))
+            return y_pred, total, masks
 
         if head is None:
             y = None
         with self._local_shapes(model):
             results = self.strategy.run(forward, args=(x, y))
         local = self.strategy.experimental_local_results(results)
-        return [
-            with_masks(*local[row * self.tensor_parallel])
-            for row in range(self.data_parallel)
-        ]
+        firsts = local[:: self.tensor_parallel]
+        rows = [with_masks(y_pred, masks) for y_pred, _, masks in firsts]
+        return rows, [total for _, total, _ in firsts]
 
     def _checked_split(self, x):
-        """`x`, checked to split evenly over the data-parallel rows.
-
-        A batch dimension unknown while tracing is checked when the step
-        runs.
-        """
+        """`x`, checked to split evenly over the data-parallel rows (when
+        the step runs, where the batch size is unknown while tracing)."""
         parts = self.data_parallel
 
         def check(leaf):
@@ -225,15 +226,18 @@ class ReplicaSteps:
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         # Each replica's forward tape, kept for its backward pass.
         tapes = {}
-        rows = self._forward(model, x, y, training=True, tapes=tapes)
-        _check_no_extra_losses(model)
+        rows, added = self._forward(model, x, y, training=True, tapes=tapes)
+        rows = list(zip(rows, added))
         # The loss is computed once, outside the replicas, on the global
         # batch, so Keras neither divides it by the number of replicas nor
         # averages it over them.
         with tf.GradientTape() as loss_tape:
             loss_tape.watch(rows)
-            y_pred = self._rows_together(rows)
-            with self.loss_from_outputs(model.model, loss_tape):
+            y_pred = self._rows_together([output for output, _ in rows])
+            with (
+                self.loss_from_outputs(model.model, loss_tape),
+                _rows_added_losses(model, [total for _, total in rows]),
+            ):
                 loss = _tracked_loss(model, x, y, y_pred, sample_weight, True)
             scaled_loss = optimizer.scale_loss(loss)
         # Times D, the gradient with respect to a row's output is that of
@@ -382,19 +386,20 @@ class ReplicaSteps:
 
     def _test_step(self, model, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        y_pred = self._padded_forward(model, x, y)
-        _check_no_extra_losses(model)
-        _tracked_loss(model, x, y, y_pred, sample_weight, False)
+        y_pred, added = self._padded_forward(model, x, y)
+        with _rows_added_losses(model, added):
+            _tracked_loss(model, x, y, y_pred, sample_weight, False)
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _predict_step(self, model, data):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
-        return self._padded_forward(model, x)
+        return self._padded_forward(model, x)[0]
 
     def _padded_forward(self, model, x, y=None):
-        """The outputs of an inference pass on a batch of any size: with a
-        data axis, its last row repeated up to a multiple of
-        `data_parallel`, then dropped (`keras_tp.runtime.padding`)."""
+        """`(outputs, added)` of an inference pass on a batch of any size
+        (as `_forward`'s): with a data axis, its last row repeated up to a
+        multiple of `data_parallel`, then dropped
+        (`keras_tp.runtime.padding`)."""
         size, parts = _batch_size(x), self.data_parallel
 
         def pad(leaf):
@@ -405,11 +410,12 @@ class ReplicaSteps:
             return tf.gather(leaf, tf.minimum(indices, rows - 1))
 
         x, y = tf.nest.map_structure(pad, (x, y))
-        rows = self._forward(model, x, y, False)
-        return tf.nest.map_structure(
+        rows, added = self._forward(model, x, y, False)
+        outputs = tf.nest.map_structure(
             lambda out: out[:size] if out.shape.rank else out,
             self._rows_together(rows),
         )
+        return outputs, added
 
 
 def _tracked_loss(model, x, y, y_pred, sample_weight, training):
@@ -417,6 +423,12 @@ def _tracked_loss(model, x, y, y_pred, sample_weight, training):
     return tracked_loss(
         model, x, y, y_pred, sample_weight, training, _batch_size(x)
     )
+
+
+def _rows_added_losses(model, added):
+    """Inside, `model.losses` is the rows' mean of the losses their forward
+    passes `added`, as DDP averages its ranks'."""
+    return losses_override(model, [tf.add_n(added) / len(added)])
 
 
 def _dense(gradients):
@@ -431,15 +443,6 @@ def _dense(gradients):
         tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
         for g in gradients
     ]
-
-
-def _check_no_extra_losses(model):
-    if model.losses:
-        raise NotImplementedError(
-            "The model adds losses in its forward pass (add_loss or activity "
-            "regularization); keras_tp on TensorFlow does not support them "
-            "yet."
-        )
 
 
 def _batch_size(x):

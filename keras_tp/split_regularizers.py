@@ -43,6 +43,18 @@ def install(plan, runtime):
             _sum_activity_penalty(entry, runtime)
 
 
+def check_unpartitioned(variable):
+    """Refuses a regularizer on `variable`, which ZeRO-3 partitions over
+    the data-parallel rows: each would penalise its partition."""
+    if variable.regularizer is not None:
+        raise ValueError(
+            f"Variable '{variable.path}' has a regularizer and "
+            "zero_stage=3 partitions it over the data-parallel rows, which "
+            "would each penalise their partition. Use zero_stage=1 or 2, "
+            "or AdamW's weight_decay instead of the regularizer."
+        )
+
+
 def _whole_penalty(regularizer, axis, runtime):
     sums = type(regularizer) in _SUMS_OVER_ENTRIES
 

@@ -109,6 +109,7 @@ def split_model(model, plan, runtime, trainer):
         for variable in model.trainable_variables:
             axis = runtime.placement.partition_axis(variable)
             if axis is not None:
+                split_regularizers.check_unpartitioned(variable)
                 runtime.placement.partition(variable, axis)
         zero3.install_gathers(model, installed, runtime)
     _WRAPPED_MODELS.add(model)

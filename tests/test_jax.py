@@ -136,6 +136,14 @@ def test_vocab_parallel_loss_matches_one_device():
 def test_regularized_split_layers_report_one_devices_loss():
     # Per-rank steps (a data axis): each rank would penalise its slices.
     regularizer_cases.check_runs(regularizer_cases.runs(4, data_parallel=2))
+    # ZeRO-3 partitions the weights over the rows: refused, named.
+    with pytest.raises(ValueError, match="Variable 'up/kernel' has a reg"):
+        keras_tp.TensorParallelKeras(
+            regularizer_cases.mlp(regularizer_cases.REGULARIZERS["l2"]),
+            world_size=4,
+            data_parallel=2,
+            zero_stage=3,
+        )
 
 
 def test_a_models_own_compute_loss_trains_as_on_one_device():

@@ -176,18 +176,6 @@ def _check_optimizer_supported(optimizer, model, runtime):
                 "yet; remove them (clipvalue works)."
             )
     for variable in model.trainable_variables:
-        partitioned = (
-            runtime.zero_stage == 3
-            and runtime.placement.partition_axis(variable) is not None
-        )
-        if partitioned and variable.regularizer is not None:
-            raise NotImplementedError(
-                f"Variable '{variable.path}' has a regularizer and "
-                "zero_stage=3 partitions it over the data-parallel rows, "
-                "whose replicas would each penalise their partition. Use "
-                "zero_stage=1 or 2, or AdamW's weight_decay instead of the "
-                "regularizer."
-            )
         split = runtime.placement.split_axis(variable) is not None or (
             runtime.zero_stage > 0
             and runtime.placement.partition_axis(variable) is not None

@@ -16,11 +16,13 @@ whole, as in training, and so does their cache.
 
 import weakref
 
+import keras
+
 from keras_tp.keras_internals import sublayers
 from keras_tp.plan.attention import CACHE_ARGUMENT
+from keras_tp.plan.attention import call_argument
 from keras_tp.plan.attention import call_arguments
 from keras_tp.plan.attention import key_value_cache_axis
-from keras_tp.plan.attention import split_cache
 from keras_tp.plan.attention import takes_cache
 from keras_tp.plan.sharding_plan import ShardedLayer
 from keras_tp.plan.sharding_plan import ShardedUnit
@@ -78,15 +80,32 @@ def install_caches(model, plan, runtime):
 def _split_cache_call(layer, projections, runtime):
     call = layer.call
 
+    def split(cache):
+        """`cache` with each tensor split on its heads' axis, if any (a
+        layer may take a structure of caches: T5Gemma2's self- and
+        cross-attention caches, `None` in training)."""
+
+        def leaf(tensor):
+            if tensor is None:
+                return None
+            axis = key_value_cache_axis(
+                projections, tuple(tensor.shape), runtime.full_shape
+            )
+            if axis is None:
+                # Whole, or a rank's own already.
+                return tensor
+            return runtime.split_on_model(tensor, axis)
+
+        return keras.tree.map_structure(leaf, cache)
+
     def call_with_split_cache(*args, **kwargs):
-        cache, axis = split_cache(
-            layer, projections, args, kwargs, runtime.full_shape
-        )
-        if axis is None:
+        cache = call_argument(layer, CACHE_ARGUMENT, args, kwargs)
+        split_cache = split(cache)
+        leaves = zip(keras.tree.flatten(cache), keras.tree.flatten(split_cache))
+        if all(whole is part for whole, part in leaves):
             # No cache, a whole one that stays whole, or a rank's own.
             return call(*args, **kwargs)
-        split = runtime.split_on_model(cache, axis)
-        args, kwargs = _with_cache(layer, split, args, kwargs)
+        args, kwargs = _with_cache(layer, split_cache, args, kwargs)
         outputs = call(*args, **kwargs)
         if not _returns_cache(outputs, cache):
             raise ValueError(
@@ -100,12 +119,7 @@ def _split_cache_call(layer, projections, runtime):
         *rest, new_cache = outputs
         # A global array (JAX) comes back whole-shaped: it stays laid out
         # split; a rank's own slice is its share already.
-        new_axis = key_value_cache_axis(
-            projections, tuple(new_cache.shape), runtime.full_shape
-        )
-        if new_axis is not None:
-            new_cache = runtime.split_on_model(new_cache, new_axis)
-        return type(outputs)([*rest, new_cache])
+        return type(outputs)([*rest, split(new_cache)])
 
     return call_with_split_cache
 
@@ -114,7 +128,11 @@ def _returns_cache(outputs, cache):
     """Whether a layer's `outputs` end with a cache shaped like `cache`."""
     if not isinstance(outputs, (tuple, list)):
         return False
-    return len(outputs[-1].shape) == len(cache.shape)
+    ranks = [len(t.shape) for t in keras.tree.flatten(cache) if t is not None]
+    returned = [
+        len(t.shape) for t in keras.tree.flatten(outputs[-1]) if t is not None
+    ]
+    return ranks == returned
 
 
 def _with_cache(layer, cache, args, kwargs):

@@ -250,6 +250,14 @@ def test_each_device_runs_its_heads_with_a_data_axis(plan):
     assert stats["backward_calls"] == pairs + summed
 
 
+def test_attention_taking_a_pair_of_caches_trains():
+    # T5Gemma2's merged attention takes `cache=(self, cross)`, (None, None)
+    # in training: each cache of the pair is split on its heads alone.
+    reference, tp = zoo_cases.trained("t5gemma2", 4, data_parallel=2)
+    assert not tp.sharding_plan.fallbacks, tp.sharding_plan.fallbacks
+    assert models.max_diff(tp.get_weights(), reference.get_weights()) < 1e-5
+
+
 # Falcon's and GPT-NeoX's attention flatten their heads into features
 # (reshapes to `num_heads * head_dim` and to `hidden_dim`), and Falcon's
 # decoder block hands its attention an ALiBi bias for every head. Bloom's

@@ -697,7 +697,7 @@ def t5(seed=0):
     return model, x, y
 
 
-def t5gemma(seed=0):
+def t5gemma(seed=0, family="T5Gemma"):
     """A tiny `T5GemmaSeq2SeqLM`: grouped-query attention (4 query and 2
     key/value heads), tied embeddings.
 
@@ -706,6 +706,9 @@ def t5gemma(seed=0):
 
     Args:
         seed: int. Seed of the weights and the data.
+        family: `"T5Gemma"`, or `"T5Gemma2"`, whose decoder's merged
+            attention takes a pair of caches (self and cross attention),
+            `(None, None)` in training.
 
     Returns:
         A `(model, x, y)` tuple, as `t5`'s.
@@ -720,7 +723,7 @@ def t5gemma(seed=0):
         "head_dim": 8,
         "layer_types": ["full_attention"] * 2,
     }
-    backbone = keras_hub.models.T5GemmaBackbone(
+    backbone = getattr(keras_hub.models, f"{family}Backbone")(
         vocabulary_size=VOCAB,
         **{
             f"{part}_{k}": v
@@ -730,11 +733,15 @@ def t5gemma(seed=0):
         dropout_rate=0.0,
         dtype=None,
     )
-    model = keras_hub.models.T5GemmaSeq2SeqLM(
-        backbone=backbone, preprocessor=None
-    )
+    task = getattr(keras_hub.models, f"{family}Seq2SeqLM")
+    model = task(backbone=backbone, preprocessor=None)
     x, y = _seq2seq_data(seed)
     return model, x, y
+
+
+def t5gemma2(seed=0):
+    """`t5gemma` of the `T5Gemma2` family."""
+    return t5gemma(seed, "T5Gemma2")
 
 
 def _zero_dropout(model):
@@ -903,6 +910,7 @@ ZOO = {
     "bart": bart,
     "t5": t5,
     "t5gemma": t5gemma,
+    "t5gemma2": t5gemma2,
     "gpt_oss": gpt_oss,
     "roformer_v2": roformer_v2,
     "clip": clip,

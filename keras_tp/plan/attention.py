@@ -125,9 +125,10 @@ def split_cache(layer, projections, args, kwargs, full_shape):
     """`(cache, axis)`: the key/value cache an attention `layer` takes in
     generation, and the axis it is split on with the heads of its split
     `projections` (`None`: nothing to split, see `key_value_cache_axis`);
-    `(None, None)` without a cache."""
+    `(None, None)` without a cache, or for one that is not one tensor."""
     cache = call_argument(layer, CACHE_ARGUMENT, args, kwargs)
-    if cache is None:
+    if not hasattr(cache, "shape"):
+        # None, or a structure of caches (`generation` splits each).
         return None, None
     axis = key_value_cache_axis(projections, tuple(cache.shape), full_shape)
     return cache, axis

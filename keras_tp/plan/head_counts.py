@@ -46,10 +46,18 @@ class HeadAxis(int):
 
 class HeadArgument(int):
     """The heads axis of a call argument made for every head by the
-    layer's caller (see `add_head_arguments`)."""
+    layer's caller (see `add_head_arguments`), with the full `heads`
+    count: an argument that arrives with fewer is a rank's already (T5's
+    position bias, which its first attention layer computes from its
+    heads' slice of the bias table and hands on to the next)."""
+
+    def __new__(cls, axis, heads):
+        argument = super().__new__(cls, axis)
+        argument.heads = heads
+        return argument
 
     def __repr__(self):
-        return f"HeadArgument({int(self)})"
+        return f"HeadArgument({int(self)}, heads={self.heads})"
 
 
 class WholeHeads(int):
@@ -175,10 +183,12 @@ def add_head_arguments(model, plan, trace):
             for name, value in named_arguments(layer, *call.arguments):
                 if id(value) in taken or not hasattr(value, "shape"):
                     continue
-                matching = [i for i, n in enumerate(value.shape) if n in heads]
+                matching = [
+                    (i, n) for i, n in enumerate(value.shape) if n in heads
+                ]
                 axes[name].add(matching[0] if len(matching) == 1 else None)
         found = {
-            name: HeadArgument(axis)
+            name: HeadArgument(*axis)
             for name, (axis, *others) in axes.items()
             if axis is not None and not others
         }
@@ -223,7 +233,7 @@ def local_arguments(layer, counts, head_slice, args, kwargs):
     """`(args, kwargs)` of a call of `layer`, with this rank's slice of
     each argument that `counts` holds a `HeadArgument` for."""
     axes = {
-        name: int(axis)
+        name: axis
         for name, axis in counts.items()
         if isinstance(axis, HeadArgument)
     }
@@ -231,9 +241,12 @@ def local_arguments(layer, counts, head_slice, args, kwargs):
         return args, kwargs
 
     def local(name, value):
-        if name not in axes or value is None:
+        axis = axes.get(name)
+        if axis is None or value is None:
             return value
-        return head_slice(value, axes[name])
+        if value.shape[axis] not in (axis.heads, None):
+            return value  # a rank's heads already
+        return head_slice(value, int(axis))
 
     names = call_arguments(layer)
     args = [

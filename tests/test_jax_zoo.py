@@ -250,12 +250,19 @@ def test_each_device_runs_its_heads_with_a_data_axis(plan):
     assert stats["backward_calls"] == pairs + summed
 
 
-def test_attention_taking_a_pair_of_caches_trains():
-    # T5Gemma2's merged attention takes `cache=(self, cross)`, (None, None)
-    # in training: each cache of the pair is split on its heads alone.
-    reference, tp = zoo_cases.trained("t5gemma2", 4, data_parallel=2)
+@pytest.mark.parametrize("name", ["t5", "t5gemma2"])
+def test_encoder_decoder_attention_pairs_with_a_data_axis(name):
+    # T5's attention reshapes to its `inner_dim` and hands the position
+    # bias its first layer computes (from its heads' slice of the bias
+    # table) to the next; its head size and its 32 position buckets equal
+    # a heads count and a width by chance. T5Gemma2's merged attention
+    # takes `cache=(self, cross)`, (None, None) in training: each cache of
+    # the pair is split on its heads alone. Both pair with no gathers.
+    reference, tp = zoo_cases.trained(name, 4, data_parallel=2)
     assert not tp.sharding_plan.fallbacks, tp.sharding_plan.fallbacks
     assert models.max_diff(tp.get_weights(), reference.get_weights()) < 1e-5
+    stats = tp.communication_stats("train", axis="model")
+    assert stats.get("all_gather", {}).get("forward_calls", 0) == 0, stats
 
 
 # Falcon's and GPT-NeoX's attention flatten their heads into features

@@ -100,9 +100,10 @@ def per_rank_counts(model, plan):
     for layer, (heads, widths, kernel_heads) in _layers_with_split_heads(
         model, plan
     ):
-        # A width counts beside a heads axis of a kernel only: a `Dense`
-        # MLP's split width is no attention's.
-        counted = heads | widths if kernel_heads else heads
+        # A width counts beside heads only (a kernel's heads axis, or a
+        # heads count and head size among the attributes): a `Dense` MLP's
+        # split width is no attention's.
+        counted = heads | widths if heads else heads
         own = {}
         for name, value in vars(layer).items():
             if type(value) is int and value in counted:

@@ -7,6 +7,8 @@ random numbers per rank, the head counts each rank reads, and the whole
 layers whose gradients the ranks sum.
 """
 
+import itertools
+
 from keras_tp.errors import ShardingError
 from keras_tp.keras_internals import sublayers
 from keras_tp.plan import trace as tracing
@@ -104,9 +106,11 @@ def counted_problems(model, plan, trace, group_of, random_inputs=None):
 
     An attribute can equal a heads count and still need its whole value:
     T5Gemma's `num_key_value_groups` (query heads per key/value head) is 2
-    beside 2 key/value heads. Where the check fails with every count, each
-    attribute name is left whole in turn, then each is counted alone; the
-    first plan that passes so is kept. Arguments and result as
+    beside 2 key/value heads; T5's head size (8) is a heads count by the
+    same rule as its 4 heads, and its 32 position buckets a width. Where
+    the check fails with every count, each attribute name is left whole in
+    turn, then each pair of names, then each is counted alone; the first
+    plan that passes so is kept. Arguments and result as
     `local_problems`'.
     """
     problems = local_problems(model, plan, trace, group_of, random_inputs)
@@ -115,6 +119,9 @@ def counted_problems(model, plan, trace, group_of, random_inputs=None):
     kept = plan.per_rank_counts
     names = sorted(_count_names(plan))
     trials = [_without(kept, [name]) for name in names]
+    trials += [
+        _without(kept, pair) for pair in itertools.combinations(names, 2)
+    ]
     if len(names) > 2:
         trials += [
             _without(kept, [n for n in names if n != name]) for name in names

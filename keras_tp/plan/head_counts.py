@@ -56,6 +56,9 @@ class HeadArgument(int):
         argument.heads = heads
         return argument
 
+    def __getnewargs__(self):
+        return int(self), self.heads
+
     def __repr__(self):
         return f"HeadArgument({int(self)}, heads={self.heads})"
 

@@ -5,6 +5,8 @@ models come from `tests/zoo.py` (tiny configs, random weights, offline);
 the checks are shared with torch and TensorFlow in `tests/zoo_cases.py`.
 """
 
+import logging
+
 import jax
 import keras
 import numpy as np
@@ -273,10 +275,14 @@ def test_encoder_decoder_attention_pairs_with_a_data_axis(name):
 # each device runs that code on its own heads: it reads its head counts
 # and its heads' slice of the bias, and runs the `AlibiBias` on all heads
 # (its own in place), so the attention pairs as Megatron's, with no
-# gathers (it was a gathering Column and a slicing Row).
+# gathers (it was a gathering Column and a slicing Row). The views the
+# plan's check rejects on the way log nothing (Keras' JAX backend logged
+# a traceback for GPT-NeoX's, whose fused attention it falls back from).
 @pytest.mark.parametrize("name", ["falcon", "bloom", "gpt_neox"])
-def test_flattened_heads_pair_with_a_data_axis(name):
-    results = zoo_cases.measure(name, 4, data_parallel=2)
+def test_flattened_heads_pair_with_a_data_axis(name, caplog):
+    with caplog.at_level(logging.ERROR, logger="absl"):
+        results = zoo_cases.measure(name, 4, data_parallel=2)
+    assert not caplog.records, caplog.records[0].getMessage()
     zoo_cases.check_exact(results)
     assert not results["fallbacks"], results["fallbacks"]
     zoo_cases.check_megatron(results)

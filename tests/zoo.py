@@ -403,6 +403,33 @@ def gpt_oss(seed=0):
     )
 
 
+def qwen_moe(seed=0):
+    """A tiny `QwenMoeCausalLM`: 4 experts, top 2, and a gated shared
+    expert, whose output the block scales in place (`*=`, which changes a
+    torch tensor the trace recorded).
+
+    4 query heads share 2 key/value heads (head_dim 8).
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    return _causal_lm(
+        seed,
+        "QwenMoe",
+        num_query_heads=4,
+        num_key_value_heads=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+        moe_intermediate_dim=16,
+        shared_expert_intermediate_dim=32,
+        num_experts=4,
+        top_k=2,
+    )
+
+
 def distilbert(seed=0):
     """A tiny `DistilBertTextClassifier` with 3 classes and 4 heads.
 
@@ -912,6 +939,7 @@ ZOO = {
     "t5gemma": t5gemma,
     "t5gemma2": t5gemma2,
     "gpt_oss": gpt_oss,
+    "qwen_moe": qwen_moe,
     "roformer_v2": roformer_v2,
     "clip": clip,
     "resnet50": resnet50,

@@ -26,7 +26,7 @@ def weightless_passing(call, tensor, axis, may_be_split):
     """
     if len(call.outputs) != 1 or tensor.shape[axis] < 2:
         return None
-    output = call.outputs[0]
+    output = call.output_values[0]
     if isinstance(call.layer, keras.layers.Reshape):
         out_axis = _unit_reshape_axis(tensor, output, axis)
         if out_axis is None or open_target(call.layer, output, out_axis):
@@ -35,7 +35,7 @@ def weightless_passing(call, tensor, axis, may_be_split):
     length = tensor.shape[axis]
     part = np.arange(length // 2)
     sliced = {}
-    for other in call.inputs:
+    for i, (other, value) in enumerate(zip(call.inputs, call.input_values)):
         if len(other.shape) != len(tensor.shape):
             return None
         if other is not tensor and other.shape[axis] == 1:
@@ -46,10 +46,8 @@ def weightless_passing(call, tensor, axis, may_be_split):
             and may_be_split(other)
         ):
             return None
-        sliced[id(other)] = take(other, part, axis)
-    args, kwargs = keras.tree.map_structure(
-        lambda value: sliced.get(id(value), value), call.arguments
-    )
+        sliced[i] = take(value, part, axis)
+    args, kwargs = call.arguments_with(sliced)
     try:
         actual = ops.convert_to_numpy(call.layer.call(*args, **kwargs))
     except Exception:  # noqa: BLE001 - the layer cannot run on a slice
@@ -122,12 +120,12 @@ def commutes(call, tensor, axis, weights=None):
     """
     if len(call.inputs) != 1 or len(call.outputs) != 1:
         return False
-    output = call.outputs[0]
+    output = call.output_values[0]
     if tuple(output.shape) != tuple(tensor.shape) or tensor.shape[axis] < 2:
         return False
     part = np.arange(tensor.shape[axis] // 2)
     try:
-        sliced = take(tensor, part, axis)
+        sliced = take(call.input_values[0], part, axis)
         if weights:
             handler = leaf_handler(call.layer)
             actual = handler.run_local(call.layer, weights, (sliced,), {})

@@ -36,7 +36,7 @@ def expert_output_axis(call, handler, tensor_parallel):
     layer = call.layer
     axes = handler.split_axes(layer, ExpertParallel())
     variables = handler.variables(layer)
-    args, kwargs = call.arguments
+    args, kwargs = call.argument_values
     try:
         outputs = []
         for rank in range(tensor_parallel):
@@ -52,7 +52,7 @@ def expert_output_axis(call, handler, tensor_parallel):
         return False, None
     if len(call.outputs) != 1:
         return False, None
-    whole = as_numpy(call.outputs[0])
+    whole = as_numpy(call.output_values[0])
     for axis in range(whole.ndim):
         if outputs[0].shape[axis] * tensor_parallel != whole.shape[axis]:
             continue

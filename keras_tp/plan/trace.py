@@ -22,13 +22,50 @@ from keras_tp.plan.sharding_plan import walk_layers
 
 logger = logging.getLogger(__name__)
 
-Call = collections.namedtuple(
-    "Call",
-    ["index", "layer", "inputs", "outputs", "parent", "result", "arguments"],
-)
-Call.__doc__ = """One layer call: its position in start order, the layer, the
-flattened input and output tensors, the index of the call it ran inside
-(`None` at the top), what the call returned, and its `(args, kwargs)`."""
+_CALL_FIELDS = [
+    "index",
+    "layer",
+    "inputs",
+    "outputs",
+    "parent",
+    "result",
+    "arguments",
+    "argument_values",
+    "result_value",
+]
+
+
+class Call(collections.namedtuple("Call", _CALL_FIELDS)):
+    """One layer call: its position in start order, the layer, the
+    flattened input and output tensors, the index of the call it ran
+    inside (`None` at the top), what the call returned, and its `(args,
+    kwargs)`. These are the objects the model passed on, for identity (the
+    producer of a consumer's input); where tensors change in place (torch's
+    `x *= gate` after the call), their values may no longer be the call's.
+    `argument_values` and `result_value` are copies taken as the call
+    started and as it returned: the values to compare and to run on."""
+
+    @property
+    def input_values(self):
+        """The values of `inputs`, as the call received them."""
+        return flat_tensors(self.argument_values)
+
+    @property
+    def output_values(self):
+        """The values of `outputs`, as the call returned them."""
+        return flat_tensors(self.result_value)
+
+    def arguments_with(self, replaced):
+        """`argument_values` with input `i` (of `inputs`) replaced by
+        `replaced[i]` where given."""
+        positions = iter(range(len(self.inputs)))
+
+        def replace(value):
+            if not is_tensor(value):
+                return value
+            return replaced.get(next(positions), value)
+
+        return keras.tree.map_structure(replace, self.argument_values)
 
 
 class Trace:
@@ -149,6 +186,7 @@ def _record(model, inputs):
             parent = stack[-1] if stack else None
             calls.append(None)
             stack.append(index)
+            argument_values = copied((args, kwargs))
             try:
                 outputs = call(*args, **kwargs)
             finally:
@@ -161,6 +199,8 @@ def _record(model, inputs):
                 parent,
                 outputs,
                 (args, kwargs),
+                argument_values,
+                copied(outputs),
             )
             return outputs
 
@@ -198,6 +238,15 @@ def _random_token_ids(trace, seed=1):
 def flat_tensors(structure):
     """The tensors in a nested structure, in order."""
     return [t for t in keras.tree.flatten(structure) if is_tensor(t)]
+
+
+def copied(structure):
+    """`structure` with each backend tensor copied: its values now, which
+    an in-place op on the original later leaves as they are."""
+    return keras.tree.map_structure(
+        lambda value: ops.copy(value) if ops.is_tensor(value) else value,
+        structure,
+    )
 
 
 def is_tensor(value):

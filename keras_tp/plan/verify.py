@@ -155,7 +155,7 @@ class _Emulation:
             member = next(iter(entry.projections.values()))
             for reference in self.trace.calls_of[id(unit)]:
                 self.active = [self.group_of[id(member.layer)]]
-                args, kwargs = reference.arguments
+                args, kwargs = tracing.copied(reference.argument_values)
                 counts = self.plan.per_rank_counts.get(unit, {})
                 try:
                     with (
@@ -165,7 +165,7 @@ class _Emulation:
                         outputs = unit.call(*args, **kwargs)
                     self._compare(
                         tracing.flat_tensors(outputs),
-                        reference.outputs,
+                        reference.output_values,
                         f"the output of '{unit.path}'",
                     )
                 except Exception as error:  # noqa: BLE001 - a finding
@@ -287,7 +287,7 @@ class _Emulation:
         elif not local:
             self._compare(
                 tracing.flat_tensors(outputs),
-                reference.outputs,
+                reference.output_values,
                 f"the output of '{layer.path or layer.name}'",
                 may_split=True,
             )
@@ -320,9 +320,10 @@ class _Emulation:
         if isinstance(style, Channelwise):
             return self._run_channelwise(entry, reference, args, kwargs)
         inputs = tracing.flat_tensors((args, kwargs))
+        what = f"the input of '{layer.path}'"
         splits_input = isinstance(style, Row) and style.input_is_parallel
         if splits_input:
-            whole = as_numpy(reference.inputs[0])
+            whole = as_numpy(reference.input_values[0])
             axis = entry.handler.input_axis(layer, style, whole.ndim)
             if inputs and tuple(inputs[0].shape) == whole.shape:
                 width = whole.shape[axis]
@@ -335,15 +336,11 @@ class _Emulation:
                     False,
                 )
             expected = self._rank_slice(whole, axis)
-            self._compare(
-                inputs[:1], [expected], f"the input of '{layer.path}'", group
-            )
+            self._compare(inputs[:1], [expected], what, group)
             if group in self.active:
                 self.active.remove(group)
         else:
-            self._compare(
-                inputs, reference.inputs, f"the input of '{layer.path}'", group
-            )
+            self._compare(inputs, reference.input_values, what, group)
         if isinstance(style, Column) and not style.gather_output:
             weights = self.local_weights[id(layer)]
             if group not in self.active:
@@ -352,7 +349,7 @@ class _Emulation:
                 layer, style, _OneRank(self.rank), weights, args[0], **kwargs
             )
             return self._mark(outputs, group)
-        return reference.result
+        return tracing.copied(reference.result_value)
 
     def _mark(self, outputs, group):
         for tensor in tracing.flat_tensors(outputs):
@@ -363,7 +360,7 @@ class _Emulation:
         """A per-channel layer: its input must be this rank's channels."""
         layer = entry.layer
         local = as_numpy(args[0])
-        whole = as_numpy(reference.inputs[0])
+        whole = as_numpy(reference.input_values[0])
         split = [
             axis
             for axis in range(whole.ndim)
@@ -377,7 +374,7 @@ class _Emulation:
                 "Column layer)",
                 False,
             )
-            return reference.result
+            return tracing.copied(reference.result_value)
         self._compare(
             [local],
             [self._rank_slice(whole, split[0])],

@@ -471,14 +471,16 @@ def check_masked_predictions(tp_of):
     weights after a step equal one device's (the loss counted padded
     positions before); with two, whose rows hold different numbers of
     masked tokens, the stage computing the loss warns that their means
-    differ.
+    differ. Before training, `evaluate()` is also run.
 
     Args:
         tp_of: function `(model, num_microbatches) -> TensorParallelKeras`
             of 2 stages.
 
     Returns:
-        `{num_microbatches: whether this process warned}`.
+        `{num_microbatches: whether this process warned}`, and
+        `{num_microbatches: difference of evaluate()'s loss to one
+        device's}`.
     """
     from tests.dp_cases import masked_tagger
 
@@ -489,11 +491,19 @@ def check_masked_predictions(tp_of):
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     reference = masked_tagger()
     reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+    evaluated = reference.evaluate(tokens, tags, batch_size=BATCH, verbose=0)
     expected = float(reference.train_on_batch(tokens, tags))
-    warned = {}
+    warned, evaluations = {}, {}
     for microbatches in (1, 2):
         tp = tp_of(masked_tagger(), microbatches)
         tp.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+        # torch's last stage evaluates each micro-batch as it trains it.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tp_evaluated = tp.evaluate(
+                tokens, tags, batch_size=BATCH, verbose=0
+            )
+        evaluations[microbatches] = abs(tp_evaluated - evaluated)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             logged = float(tp.train_on_batch(tokens, tags))
@@ -503,4 +513,4 @@ def check_masked_predictions(tp_of):
         if microbatches == 1:
             assert abs(logged - expected) < 1e-6, (logged, expected)
             check_unsplit_weights(reference, tp.get_weights())
-    return warned
+    return warned, evaluations

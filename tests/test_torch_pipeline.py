@@ -195,8 +195,12 @@ def test_a_causal_lm_shares_its_tied_embedding_between_stages(runs):
 def test_a_keras_mask_crosses_the_cut_to_the_loss(runs):
     # `pipeline_cases.check_masked_predictions` asserted the loss and the
     # weights on every rank; the last stage, which computes the loss,
-    # warns of micro-batches' masked means.
-    assert runs["masked"] == [{1: False, 2: False}, {1: False, 2: True}]
+    # warns of micro-batches' masked means. evaluate() runs the loss of
+    # each micro-batch too: exact with one.
+    warned = [rank_warned for rank_warned, _ in runs["masked"]]
+    assert warned == [{1: False, 2: False}, {1: False, 2: True}]
+    for _, evaluations in runs["masked"]:
+        assert evaluations[1] < 1e-6, evaluations
 
 
 def test_refuses_what_it_cannot_run(runs):

@@ -7,6 +7,7 @@ the `StagePrimitives`."""
 import keras
 
 from keras_tp.pipeline import schedules
+from keras_tp.tensors import with_masks
 
 
 class StagePrimitives:
@@ -43,7 +44,9 @@ class StagePrimitives:
         return value
 
     def infer(self, stage, inputs):
-        """A stage's forward pass of one micro-batch, without gradients."""
+        """A stage's forward pass of one micro-batch, without gradients;
+        the last stage's is `(outputs, carried_masks(outputs))`, as its
+        outputs leave a compiled program without their Keras masks."""
         raise NotImplementedError
 
     def joined(self, losses, predictions):
@@ -90,7 +93,7 @@ def run_schedule(primitives, order, x, y):
 def run_forward(primitives, x):
     """The outputs of the batch `x`, as `primitives.joined` makes them, one
     micro-batch after the other, without gradients (evaluation,
-    prediction, direct calls)."""
+    prediction, direct calls), with their Keras masks."""
     outputs = []
     for tensors in primitives.microbatches(x, None)[0]:
         for stage in range(primitives.num_stages):
@@ -98,7 +101,8 @@ def run_forward(primitives, x):
                 tensors = primitives.send(tensors, stage, schedules.FORWARD)
             tensors = primitives.infer(stage, tensors)
         outputs.append(tensors)
-    return primitives.joined([], outputs)[1]
+    outputs, masks = primitives.joined([], outputs)[1]
+    return with_masks(outputs, masks)
 
 
 def split_rows(x, rows, count):

@@ -273,16 +273,17 @@ class PipelineRuntime(Runtime):
 
         return microbatch_loss
 
-    def whole_batch_loss(self):
-        """The loss of a whole batch's predictions (`evaluate()` on JAX and
-        TensorFlow), which leave the stages' compiled programs without
-        their Keras masks."""
-        if carried_masks(self.stage_models[-1].outputs):
+    def whole_batch_loss(self, y_pred):
+        """The loss of the whole batch's predictions `y_pred` (`evaluate()`
+        on JAX and TensorFlow), as one device's where they carry the Keras
+        masks of the model's outputs."""
+        model_masks = carried_masks(self.stage_models[-1].outputs)
+        if model_masks.keys() - carried_masks(y_pred).keys():
             warnings.warn(
-                "The predictions carry a Keras mask, which they lose leaving "
-                "the pipeline's compiled stages: evaluate() computes the "
-                "loss over every entry, masked ones included (fit() "
-                "computes it with the mask).",
+                "The predictions carry a Keras mask, which they lost on "
+                "their way out of the pipeline's stages: evaluate() "
+                "computes the loss over every entry, masked ones included "
+                "(fit() computes it with the mask).",
                 stacklevel=3,
             )
         return self.loss_function()

@@ -110,8 +110,8 @@ def causal_lm_run():
 
 def masked_run():
     """`pipeline_cases.check_masked_predictions` on 2 stages (it asserts
-    the losses and weights): whether each rank warned, per count of
-    micro-batches."""
+    the losses and weights): whether each rank warned in training, and
+    its evaluate() difference to one device, per count of micro-batches."""
     return _gathered(
         pipeline_cases.check_masked_predictions(
             lambda model, microbatches: keras_tp.TensorParallelKeras(

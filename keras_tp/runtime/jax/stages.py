@@ -18,6 +18,7 @@ from keras_tp.pipeline.executor import join_rows
 from keras_tp.pipeline.executor import split_rows
 from keras_tp.runtime.jax.storage import onto
 from keras_tp.runtime.jax.storage import replica_rows
+from keras_tp.tensors import carried_masks
 from keras_tp.tensors import is_float
 
 # The index of the stage whose program is being traced in this context.
@@ -150,7 +151,10 @@ class StagePrograms:
                     outputs, new_non_trainable = model.stateless_call(
                         trainable, non_trainable, inputs, training=False
                     )
-                outputs = outputs if last else self._rows(outputs)
+                if last:
+                    outputs = (outputs, carried_masks(outputs))
+                else:
+                    outputs = self._rows(outputs)
                 return outputs, new_non_trainable
             floats, rebuild = _floats(inputs)
 

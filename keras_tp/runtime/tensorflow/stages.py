@@ -10,6 +10,7 @@ from keras_tp.pipeline.executor import join_rows
 from keras_tp.pipeline.executor import run_forward
 from keras_tp.pipeline.executor import run_schedule
 from keras_tp.pipeline.executor import split_rows
+from keras_tp.tensors import carried_masks
 from keras_tp.tensors import nbytes
 
 
@@ -124,10 +125,14 @@ class TensorFlowStages(StagePrimitives):
 
     def infer(self, stage, inputs):
         replica_id = self.runtimes[stage].replica_id
-        return self._replica_results(
-            stage,
-            lambda: self._call(stage, inputs[replica_id()], self._training),
-        )
+
+        def call():
+            outputs = self._call(stage, inputs[replica_id()], self._training)
+            if stage < self.num_stages - 1:
+                return outputs
+            return outputs, carried_masks(outputs)
+
+        return self._replica_results(stage, call)
 
     def joined(self, losses, predictions):
         # Each row's loss is the mean over its equal slice of the batch,

@@ -9,6 +9,9 @@ from keras_tp import generation
 from keras_tp import partial_gradients
 from keras_tp import regions
 from keras_tp import split_regularizers
+from keras_tp.errors import ShardingError
+from keras_tp.keras_internals import own_variables
+from keras_tp.keras_internals import sublayers
 from keras_tp.parallel import batch_statistics
 from keras_tp.parallel import zero3
 from keras_tp.plan.auto import auto_plan
@@ -43,6 +46,7 @@ def bind_plan(model, plan, runtime, sample_batch=None):
     `keras.distribution.LayoutMap`) bound to `model` at the runtime's
     tensor-parallel size, traced on `sample_batch` (or a probe batch)."""
     tensor_parallel = runtime.tensor_parallel
+    held = runtime.weights_held_by_graph(model)
     if isinstance(plan, keras.distribution.LayoutMap):
         bound = auto_plan(
             model,
@@ -50,6 +54,7 @@ def bind_plan(model, plan, runtime, sample_batch=None):
             check_local=runtime.local_ranks,
             layout_map=plan,
             sample_batch=sample_batch,
+            keep_whole=_held_layers(model, held),
         )
     elif isinstance(plan, str):
         if plan != "auto":
@@ -61,11 +66,13 @@ def bind_plan(model, plan, runtime, sample_batch=None):
             tensor_parallel,
             check_local=runtime.local_ranks,
             sample_batch=sample_batch,
+            keep_whole=_held_layers(model, held),
         )
     elif isinstance(plan, (ShardingPlan, dict, list, tuple)):
         rules = plan.rules if isinstance(plan, ShardingPlan) else plan
         bound = ShardingPlan(rules).bind(model, tensor_parallel)
         bound.sources = {e.layer.path: "user plan" for e in bound.layers}
+        _check_not_held(bound, held)
         if runtime.local_ranks and tensor_parallel > 1:
             check_locally(model, bound, sample_batch)
     else:
@@ -84,6 +91,34 @@ def bind_plan(model, plan, runtime, sample_batch=None):
         )
         bound.replicated = {path: reason for path in bound.replicated}
     return bound
+
+
+def _held_layers(model, held):
+    """`{layer path: reason}` of the layers whose weights a constant of
+    the model's graph reads (`Runtime.weights_held_by_graph`)."""
+    return {
+        layer.path: (
+            "a tensor computed from its weights when the model was built "
+            f"is an argument of '{held[id(variable)]}' in the model's "
+            "graph, which would keep reading the whole weights"
+        )
+        for layer in sublayers(model)
+        for variable in own_variables(layer)
+        if id(variable) in held
+    }
+
+
+def _check_not_held(plan, held):
+    """Refuses a plan that splits a weight a graph constant reads."""
+    for variable, _ in plan.split_variables():
+        if id(variable) in held:
+            raise ShardingError(
+                f"The plan splits variable '{variable.path}', but a tensor "
+                "computed from it when the model was built is an argument "
+                f"of '{held[id(variable)]}' in the model's graph, and would "
+                "keep reading the whole variable. Keep its layer whole "
+                "(Replicate()), or use plan='auto', which does."
+            )
 
 
 def split_model(model, plan, runtime, trainer):

@@ -26,7 +26,8 @@ from tests.torch_scripts import zoo_checks  # noqa: E402
 # Falcon's and GPT-NeoX's flatten their heads into features, and Falcon's
 # takes an ALiBi bias for every head from its decoder block; Bloom's
 # `AlibiBias` reads the heads count from its scores' shape. QwenMoE scales
-# its shared expert's output in place after the call.
+# its shared expert's output in place after the call. Gemma3n's graph holds
+# a view of its token embedding, taken when it was built.
 NAMES = list(zoo_cases.TRANSFORMERS) + [
     "t5gemma",
     "gpt_oss",
@@ -35,6 +36,7 @@ NAMES = list(zoo_cases.TRANSFORMERS) + [
     "bloom",
     "gpt_neox",
     "qwen_moe",
+    "gemma3n",
 ]
 WORLD_SIZE = 2
 
@@ -129,3 +131,15 @@ def test_experts_split_where_each_rank_runs_its_slices(ranks, name):
     assert len(experts) == 2, results["plan"]
     assert not results["fallbacks"], results["fallbacks"]
     assert results["bytes_ratio"] <= 1.05, results["bytes_ratio"]
+
+
+def test_weights_a_graph_constant_views_stay_whole(ranks):
+    # Gemma3n's graph computes its logits from the transpose of its token
+    # embedding, a view taken when the model was built, which a split
+    # would leave on the whole storage: the embedding stays whole, and a
+    # plan that splits it is refused.
+    results = ranks[0]["gemma3n"]
+    reason = results["fallbacks"]["text_model/embed_tokens/embedding"]
+    assert "an argument of 'matmul" in reason, reason
+    refusal = ranks[0]["held_refusal"]
+    assert refusal and "text_model/embed_tokens/embedding/embeddings" in refusal

@@ -430,6 +430,47 @@ def qwen_moe(seed=0):
     )
 
 
+def gemma3n(seed=0):
+    """A tiny `Gemma3nCausalLM` (text only): 4 query and 2 key/value heads,
+    per-layer inputs, AltUp and LAuReL blocks. Its graph projects the
+    logits with the transpose of the token embedding, taken when the model
+    is built (on torch a view of the embedding's storage).
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.Gemma3nBackbone(
+        text_vocab_size=VOCAB,
+        text_hidden_size=32,
+        num_hidden_layers=2,
+        pad_token_id=0,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=[64, 64],
+        hidden_activation="gelu_approximate",
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        vocab_size_per_layer_input=VOCAB,
+        hidden_size_per_layer_input=8,
+        altup_num_inputs=2,
+        laurel_rank=4,
+        activation_sparsity_pattern=[0.0, 0.0],
+        dtype=None,
+    )
+    model = keras_hub.models.Gemma3nCausalLM(
+        backbone=backbone, preprocessor=None
+    )
+    x, y = _lm_data(seed)
+    return model, x, y
+
+
 def distilbert(seed=0):
     """A tiny `DistilBertTextClassifier` with 3 classes and 4 heads.
 
@@ -940,6 +981,7 @@ ZOO = {
     "t5gemma2": t5gemma2,
     "gpt_oss": gpt_oss,
     "qwen_moe": qwen_moe,
+    "gemma3n": gemma3n,
     "roformer_v2": roformer_v2,
     "clip": clip,
     "resnet50": resnet50,

@@ -396,3 +396,16 @@ def check_separable(results):
     for name in split:
         assert plan[name] == channelwise, (name, plan)
     assert not results["fallbacks"], results["fallbacks"]
+
+
+def refused_split_of_held_weights(name, world_size):
+    """The error of wrapping zoo model `name` with a plan that splits every
+    layer the planner would without the runtime's knowledge of weights a
+    graph constant reads (`auto_plan` without `keep_whole`)."""
+    model = zoo.ZOO[name]()[0]
+    plan = keras_tp.auto_plan(model, world_size, check_local=False)
+    try:
+        keras_tp.TensorParallelKeras(model, world_size=world_size, plan=plan)
+    except keras_tp.ShardingError as error:
+        return str(error)
+    return None

@@ -19,6 +19,7 @@ Everything is importable from the package itself:
 `from keras_tp.keras_internals import bind_values`.
 """
 
+from keras_tp.keras_internals.graphs import graph_constants
 from keras_tp.keras_internals.graphs import is_input_node
 from keras_tp.keras_internals.graphs import layer_call_nodes
 from keras_tp.keras_internals.graphs import node_call_arguments
@@ -108,6 +109,7 @@ __all__ = [
     "get_keras_mask",
     "get_stateless_scope",
     "input_structure",
+    "graph_constants",
     "is_input_node",
     "jax_layout",
     "jax_update_metrics",

@@ -1,5 +1,10 @@
 """The nodes of a Functional model's graph (`keras_tp.pipeline.graph`)."""
 
+from keras import ops
+from keras import tree
+
+from keras_tp.keras_internals.layers import sublayers
+
 
 def producer_node(tensor):
     """`(node, tensor_index)` of the call that produced `tensor`, or `None`.
@@ -52,3 +57,21 @@ def node_filled_arguments(node, values):
             tensors.
     """
     return node.arguments.fill_in(values)
+
+
+def graph_constants(model):
+    """`[(operation name, tensor)]`: the concrete tensors that the nodes of
+    the Functional graphs of `model` and of its nested models hold as call
+    arguments, passed again at every call (a tensor the model's
+    constructor computed from a weight)."""
+    constants = []
+    for layer in [model, *sublayers(model)]:
+        for operation in getattr(layer, "_operations", ()):
+            for node in operation._inbound_nodes:
+                arguments = (node.arguments.args, node.arguments.kwargs)
+                constants += [
+                    (operation.name, leaf)
+                    for leaf in tree.flatten(arguments)
+                    if ops.is_tensor(leaf)
+                ]
+    return constants

@@ -48,6 +48,7 @@ def auto_plan(
     world_size=None,
     layout_map=None,
     sample_batch=None,
+    keep_whole=None,
 ):
     """Returns the plan `TensorParallelKeras(model, plan="auto")` applies.
 
@@ -90,6 +91,10 @@ def auto_plan(
             unknown dimension 8. Pass one when the model needs other
             sizes (a wide audio convolution, a text length the model
             fixes).
+        keep_whole: `{layer path: reason}` of layers that stay whole,
+            with the reason in `plan.fallbacks` (`TensorParallelKeras`
+            passes those whose weights a constant of the model's graph
+            reads).
 
     Returns:
         A `ShardingPlan` bound to `model`.
@@ -124,6 +129,8 @@ def auto_plan(
     planner = Planner(model, tensor_parallel, trace, layout_map)
     decisions = planner.decide()
     fallbacks = {}
+    for path, reason in (keep_whole or {}).items():
+        planner.demote(decisions, path, Problem(reason, True), fallbacks)
     _keep_shared_paths_alike(planner, decisions, fallbacks)
     if tensor_parallel > 1:
         random_inputs = {}

@@ -84,6 +84,13 @@ class Runtime(CheckpointPieces):
     def _available_devices(self):
         raise NotImplementedError
 
+    def weights_held_by_graph(self, model):
+        """`{id(variable): operation name}` of the variables of `model`
+        whose storage a constant of its graph reads (a view taken when the
+        model was built, which a split would leave on the old storage);
+        none where constants are copies."""
+        return {}
+
     def place_variable_like(self, variable, reference, data_axis):
         """Backend part of `Placement.place_like`."""
         raise NotImplementedError

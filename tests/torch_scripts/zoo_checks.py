@@ -8,11 +8,16 @@ def zoo_checks(names, world_size):
     """`zoo_cases.measure` of each model; every rank's results.
 
     Under `"mixed_bfloat16"`, `zoo_cases.mixed_precision` of Llama; under
+    `"held_refusal"`, `zoo_cases.refused_split_of_held_weights` of Gemma3n;
+    under
     `"separable_cnn"`, `zoo_cases.measure` of the separable network; under
     `"cnns"`, `zoo_cases.cnn_checks` of the keras.applications models.
     """
     results = {name: zoo_cases.measure(name, world_size) for name in names}
     results["mixed_bfloat16"] = zoo_cases.mixed_precision("llama", world_size)
+    results["held_refusal"] = zoo_cases.refused_split_of_held_weights(
+        "gemma3n", world_size
+    )
     results["separable_cnn"] = zoo_cases.measure("separable_cnn", world_size)
     results["cnns"] = {
         name: zoo_cases.cnn_checks(name, world_size) for name in zoo_cases.CNNS

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from keras_tp.keras_internals import graph_constants
 from keras_tp.keras_internals import set_reported_shape
 from keras_tp.keras_internals import stored_value
 
@@ -133,6 +134,19 @@ def storage_bytes(variables):
 class RankProcess:
     """Runtime mixin: this process is rank `self.rank` of the torch job's
     process group (`TorchRuntime`, and `TorchPipelineRuntime` too)."""
+
+    def weights_held_by_graph(self, model):
+        """As `Runtime`'s: the parameters a graph constant views, or that
+        its autograd graph reads (keras-hub's Gemma3n keeps the transpose
+        of its embedding, taken when it was built, for its logits)."""
+        variables = {id(parameter_of(v)): v for v in model.variables}
+        held = {}
+        for name, constant in graph_constants(model):
+            for tensor in _tensors_read(constant):
+                variable = variables.get(id(tensor))
+                if variable is not None:
+                    held.setdefault(id(variable), name)
+        return held
 
     def process_index(self):
         return self.rank
@@ -270,3 +284,19 @@ class ProcessStorage(RankProcess):
     def device_bytes(self, variables):
         """`{this rank's device: bytes}`, each torch storage counted once."""
         return {self.devices[self.rank]: storage_bytes(variables)}
+
+
+def _tensors_read(tensor):
+    """The tensor `tensor` views, and the leaves its autograd graph reads."""
+    read = [tensor._base] if tensor._base is not None else []
+    functions, seen = [tensor.grad_fn], set()
+    while functions:
+        function = functions.pop()
+        if function is None or function in seen:
+            continue
+        seen.add(function)
+        # An `AccumulateGrad` node holds the leaf it accumulates into.
+        if hasattr(function, "variable"):
+            read.append(function.variable)
+        functions += [after for after, _ in function.next_functions]
+    return read

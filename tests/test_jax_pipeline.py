@@ -249,13 +249,18 @@ def test_sharded_checkpoints_of_stages_load_at_any_layout(tmp_path):
     checkpoint_cases.check_three_dimensional_round_trip(str(tmp_path))
 
 
-def test_a_keras_mask_crosses_the_cut_to_the_loss():
+@pytest.mark.parametrize("data_parallel", [1, 2])
+def test_a_keras_mask_crosses_the_cut_to_the_loss(data_parallel):
     # evaluate() computes the loss of the whole batch's predictions, with
-    # the mask they carry out of the stages' compiled programs.
-    warned, evaluations = pipeline_cases.check_masked_predictions(
-        lambda model, microbatches: _pipelined(
-            model, 2, num_microbatches=microbatches
+    # the mask they carry out of the stages' compiled programs; training
+    # weighs each micro-batch's (and replica's) masked mean by its share
+    # of unmasked entries.
+    pipeline_cases.check_masked_predictions(
+        lambda model, microbatches: keras_tp.TensorParallelKeras(
+            model,
+            world_size=2 * data_parallel,
+            pipeline_parallel=2,
+            data_parallel=data_parallel,
+            num_microbatches=microbatches,
         )
     )
-    assert warned == {1: False, 2: True}
-    assert max(evaluations.values()) < 1e-6, evaluations

@@ -195,20 +195,18 @@ def test_a_causal_lm_shares_its_tied_embedding_between_stages(runs):
 def test_a_keras_mask_crosses_the_cut_to_the_loss(runs):
     # `pipeline_cases.check_masked_predictions` asserted the loss and the
     # weights on every rank; the last stage, which computes the loss,
-    # warns of micro-batches' masked means. evaluate() runs the loss of
-    # each micro-batch too: exact with one.
-    warned = [rank_warned for rank_warned, _ in runs["masked"]]
-    assert warned == [{1: False, 2: False}, {1: False, 2: True}]
-    for _, evaluations in runs["masked"]:
-        assert evaluations[1] < 1e-6, evaluations
+    # weighs each micro-batch's masked mean by its share of unmasked
+    # entries, and so does evaluate().
+    assert runs["masked"] == [True, True]
 
 
 def test_refuses_what_it_cannot_run(runs):
     for messages in runs["refusals"]:
         assert (
-            "world_size=3 with pipeline_parallel=3 and data_parallel=1, but "
-            "this process group has 2 rank(s)" in messages["ranks"]
+            "TensorParallelKeras(world_size=3) runs 3 ranks "
+            "(pipeline_parallel=3 x data_parallel=1" in messages["ranks"]
         )
+        assert "this process group has 2 rank(s)" in messages["ranks"]
         # The refusal every backend shares.
         assert "jit_compile=False" in messages["jit_compile"]
 
@@ -242,6 +240,13 @@ def test_replicas_train_evaluate_and_predict_like_one_device(replicas):
             result["reference_evaluated"], rel=1e-5
         )
         assert result["predict_error"] < 1e-5
+
+
+def test_replicas_weigh_masked_means_by_their_unmasked_entries(four_ranks):
+    # `pipeline_cases.check_masked_predictions` asserted the loss and the
+    # weights on every rank: the replicas' last stages sum their
+    # micro-batches' shares of unmasked entries over `data`.
+    assert four_ranks["replicas_masked"] == [True] * 4
 
 
 def test_replicas_average_their_stage_gradients(replicas):

@@ -22,18 +22,24 @@ class BuildsBeforeTracing:
     A variable made while `tf.function` traces (a metric's total and
     count, the mean tracker of each output's loss) makes it trace the
     whole step again, which for a step that runs every replica's forward
-    and backward pass doubles the cost of the first step. The model builds
-    its optimizer its own way first (`_build_optimizer`). Building costs a
+    and backward pass doubles the cost of the first step. Building costs a
     symbolic forward pass, which only such variables repay: a single
     output's loss makes none.
+
+    Every symbolic build (`evaluate()` before `fit()` too) builds the
+    optimizer the model's own way (`_build_optimizer`), not on all of
+    Keras' trainable variables: a pipeline stage's holds its own.
     """
+
+    def _symbolic_build(self, iterator=None, data_batch=None):
+        self._build_optimizer()
+        super()._symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         metrics = self._compile_metrics
         unbuilt_metrics = metrics is not None and not metrics.built
         if not (unbuilt_metrics or self._tracks_several_losses()):
             return
-        self._build_optimizer()
         try:
             self._symbolic_build(iterator=iterator, data_batch=data_batch)
         except Exception as error:

@@ -3,7 +3,6 @@ as far as every backend's (`keras_tp.runtime.<backend>.pipeline`) shares
 it."""
 
 import collections
-import copy
 import warnings
 
 import keras
@@ -21,16 +20,12 @@ from keras_tp.runtime.base import Runtime
 from keras_tp.stats import CommunicationStats
 from keras_tp.tensors import carried_masks
 
-# What a plan says of single layers, which each stage keeps of its own.
-_PER_LAYER = ("per_rank_random", "per_rank_counts", "summed_gradients")
-
-
-_MASKED_MICROBATCHES = (
-    "The predictions carry a Keras mask: each micro-batch's loss is the "
-    "mean over its own unmasked entries, and the pipeline averages them. "
-    "Where micro-batches hold different numbers of masked entries, the loss "
-    "and its gradients differ from one device's; num_microbatches=1 "
-    "computes the batch's."
+_MASKED_OUTPUTS = (
+    "Several predictions carry Keras masks: each micro-batch's (and "
+    "replica's) loss of each is the mean over its own unmasked entries, "
+    "and the pipeline averages them. Where micro-batches hold different "
+    "numbers of masked entries, the loss and its gradients differ from one "
+    "device's; num_microbatches=1 and data_parallel=1 compute the batch's."
 )
 
 
@@ -143,22 +138,9 @@ class PipelineRuntime(Runtime):
                 stages_of[id(layer)] = stages_of.get(id(layer), ()) + (index,)
         parts = []
         for stages in dict.fromkeys(stages_of.values()):
-            part = copy.copy(plan)
-            part.layers = [
-                entry
-                for entry in plan.layers
-                if stages_of[id(entry.layer)] == stages
-            ]
-            for name in _PER_LAYER:
-                setattr(
-                    part,
-                    name,
-                    {
-                        layer: value
-                        for layer, value in getattr(plan, name).items()
-                        if stages_of[id(layer)] == stages
-                    },
-                )
+            part = plan.part_for(
+                lambda layer, stages=stages: stages_of[id(layer)] == stages
+            )
             if part.layers or part.per_rank_random:
                 parts.append((part, self.calling_stage_runtime(stages)))
         return parts
@@ -251,27 +233,47 @@ class PipelineRuntime(Runtime):
         limit = min(batch_size, 4 * self.pipeline_parallel)
         return max(m for m in range(1, limit + 1) if batch_size % m == 0)
 
-    def loss_function(self, num_microbatches=1):
-        """The compiled loss of `(targets, y_pred)`, averaged over samples,
-        for one of `num_microbatches` micro-batches; `targets` as
-        `unpacked` makes them. Sample weights keep it exact: Keras divides
-        a weighted loss by the number of samples, not by their weights, so
-        equal micro-batches' losses average to the batch's."""
+    def loss_function(self, num_microbatches):
+        """The compiled loss of one of `num_microbatches` micro-batches'
+        `(targets, y_pred)` (`targets` as `unpacked` makes them), as
+        `(loss, fraction)`.
+
+        Averaged over samples, equal micro-batches' (and replicas') losses
+        average to the batch's; sample weights keep that so, as Keras
+        divides a weighted loss by the number of samples. A prediction
+        carrying a Keras mask is averaged over its unmasked entries, which
+        micro-batches hold in different numbers: its `loss` is that mean
+        times `fraction`, the share of the entries its mask keeps, and the
+        batch's loss and gradients are the micro-batches' averaged, then
+        divided by the mean of their fractions (`fraction_scale`).
+        `fraction` is `None` for predictions without a mask.
+        """
+        loss = self._compiled_loss()
+        split = num_microbatches * self.data_parallel > 1
+
+        def microbatch_loss(targets, y_pred):
+            y, weights = weighted(targets)
+            value = loss(y, y_pred, weights)
+            fraction = _kept_fraction(y_pred, split)
+            return (
+                (value, None)
+                if fraction is None
+                else (
+                    value * fraction,
+                    fraction,
+                )
+            )
+
+        return microbatch_loss
+
+    def _compiled_loss(self):
         loss = compiled_loss(self.trainer)
         if loss is None:
             raise ValueError(
                 "A pipelined model trains and evaluates with the loss given "
                 "to compile(loss=...); it has none."
             )
-        many = num_microbatches > 1
-
-        def microbatch_loss(targets, y_pred):
-            if many and carried_masks(y_pred):
-                warnings.warn(_MASKED_MICROBATCHES, stacklevel=2)
-            y, weights = weighted(targets)
-            return loss(y, y_pred, weights)
-
-        return microbatch_loss
+        return loss
 
     def whole_batch_loss(self, y_pred):
         """The loss of the whole batch's predictions `y_pred` (`evaluate()`
@@ -286,7 +288,13 @@ class PipelineRuntime(Runtime):
                 "(fit() computes it with the mask).",
                 stacklevel=3,
             )
-        return self.loss_function()
+        loss = self._compiled_loss()
+
+        def batch_loss(targets, y_pred):
+            y, weights = weighted(targets)
+            return loss(y, y_pred, weights)
+
+        return batch_loss
 
     @staticmethod
     def unpacked(data):
@@ -383,3 +391,27 @@ def _check_layers(model):
             "yet. Remove the layers' kernel/bias regularizers (use AdamW's "
             "weight_decay instead)."
         )
+
+
+def _kept_fraction(y_pred, split):
+    """The share of entries the Keras mask of the predictions keeps, where
+    they are one masked tensor; else `None` (with a warning where several
+    carry masks, whose losses no one share scales, of a `split` batch)."""
+    masks = carried_masks(y_pred)
+    if not masks:
+        return None
+    if len(keras.tree.flatten(y_pred)) > 1:
+        if split:
+            warnings.warn(_MASKED_OUTPUTS, stacklevel=3)
+        return None
+    (mask,) = masks.values()
+    return keras.ops.mean(keras.ops.cast(mask, "float32"))
+
+
+def fraction_scale(fractions):
+    """What the micro-batches' (and replicas') averaged loss and gradients
+    are multiplied by: 1 over the mean of their `fraction`s (see
+    `PipelineRuntime.loss_function`); `None` where they have none."""
+    if not fractions or fractions[0] is None:
+        return None
+    return 1.0 / keras.ops.mean(keras.ops.stack(fractions))

@@ -1,6 +1,7 @@
 """`ShardingPlan`: which layers are split, and how, as data."""
 
 import collections
+import copy
 import re
 
 import keras
@@ -175,6 +176,16 @@ class ShardingPlan:
         (one of the variables where several share a path; see
         `split_variables`)."""
         return {v.path: (v, axis) for v, axis in self.split_variables()}
+
+    def part_for(self, keep):
+        """A copy of this bound plan with only the layers `keep(layer)`
+        accepts: their entries, and what it says of each of them."""
+        part = copy.copy(self)
+        part.layers = [entry for entry in self.layers if keep(entry.layer)]
+        for name in ("per_rank_random", "per_rank_counts", "summed_gradients"):
+            layers = getattr(self, name)
+            setattr(part, name, {k: v for k, v in layers.items() if keep(k)})
+        return part
 
     def leaf_layers(self):
         """Every `ShardedLayer`, the projections of units included."""

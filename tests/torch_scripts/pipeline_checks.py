@@ -108,20 +108,20 @@ def causal_lm_run():
     )
 
 
-def masked_run():
-    """`pipeline_cases.check_masked_predictions` on 2 stages (it asserts
-    the losses and weights): whether each rank warned in training, and
-    its evaluate() difference to one device, per count of micro-batches."""
-    return _gathered(
-        pipeline_cases.check_masked_predictions(
-            lambda model, microbatches: keras_tp.TensorParallelKeras(
-                model,
-                world_size=STAGES,
-                pipeline_parallel=STAGES,
-                num_microbatches=microbatches,
-            )
+def masked_run(data_parallel=1):
+    """`pipeline_cases.check_masked_predictions` on 2 stages of
+    `data_parallel` replicas (it asserts evaluate(), the loss and the
+    weights): whether each rank got through it."""
+    pipeline_cases.check_masked_predictions(
+        lambda model, microbatches: keras_tp.TensorParallelKeras(
+            model,
+            world_size=STAGES * data_parallel,
+            pipeline_parallel=STAGES,
+            data_parallel=data_parallel,
+            num_microbatches=microbatches,
         )
     )
+    return _gathered(True)
 
 
 def _pipelined(model, schedule, loss):
@@ -348,9 +348,9 @@ def _one_batch_error(loss, x, y, zero_stage):
 
 def four_rank_runs(directory):
     """`replicated_run` (DDP and ZeRO-1), `tensor_parallel_run`,
-    `split_cut_run` and checkpoint round trips of 2 tensor-parallel
-    stages and of 2 replicas of 2 stages with ZeRO-1, in one launch of 4
-    ranks; every rank's results of each.
+    `split_cut_run`, checkpoint round trips of 2 tensor-parallel stages
+    and of 2 replicas of 2 stages with ZeRO-1, and `masked_run` of 2
+    replicas, in one launch of 4 ranks; every rank's results of each.
 
     Args:
         directory: where `tensor_parallel_run` saves its model and the
@@ -381,6 +381,7 @@ def four_rank_runs(directory):
             os.path.join(directory, "replicas_checkpoints"),
             dist.get_rank(),
         ),
+        "replicas_masked": masked_run(data_parallel=REPLICAS),
     }
 
 

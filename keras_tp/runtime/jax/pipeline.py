@@ -104,7 +104,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         self._trained, self.trained_order = stages.programs, order
         loss, y_pred = run_schedule(stages, order, x, targets)
         trainable, optimizer_values = self._apply(
-            trainable, optimizer_values, stages.gradients
+            trainable, optimizer_values, stages.scaled_gradients()
         )
         non_trainable = self._merged(non_trainable, stages.non_trainable)
         y, weights = weighted(targets)

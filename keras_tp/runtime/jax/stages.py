@@ -16,6 +16,7 @@ from keras_tp.pipeline.executor import StagePrimitives
 from keras_tp.pipeline.executor import concatenated
 from keras_tp.pipeline.executor import join_rows
 from keras_tp.pipeline.executor import split_rows
+from keras_tp.pipeline.runtime import fraction_scale
 from keras_tp.runtime.jax.storage import onto
 from keras_tp.runtime.jax.storage import replica_rows
 from keras_tp.tensors import carried_masks
@@ -48,7 +49,7 @@ class StagePrograms:
         self.stats = pipeline.stats
         self.per_device = per_device
         self.replicas = pipeline.data_parallel if per_device else 1
-        # Loss of `(y_true, y_pred)`, averaged over a micro-batch.
+        # `(loss, fraction)` of `(y_true, y_pred)` of a micro-batch.
         self.loss = num_microbatches and pipeline.loss_function(
             num_microbatches
         )
@@ -163,14 +164,16 @@ class StagePrograms:
                     trainable, non_trainable, rebuild(floats), training=True
                 )
                 if not last:
-                    return _floats(outputs)[0], (new_non_trainable, outputs)
+                    floats = _floats(outputs)[0]
+                    return floats, (new_non_trainable, outputs, None)
                 # Each micro-batch's share of the batch's mean loss; the
                 # predictions ride along for the metrics.
-                loss = self.loss(targets, outputs) / self.num_microbatches
-                return loss, (new_non_trainable, outputs)
+                loss, fraction = self.loss(targets, outputs)
+                loss = loss / self.num_microbatches
+                return loss, (new_non_trainable, outputs, fraction)
 
             with self._traced(index):
-                primal, vjp, (new_non_trainable, outputs) = jax.vjp(
+                primal, vjp, (new_non_trainable, outputs, fraction) = jax.vjp(
                     stage, trainable, floats, has_aux=True
                 )
             residuals, treedef = jax.tree.flatten(vjp)
@@ -181,7 +184,8 @@ class StagePrograms:
                 [r for r, s in zip(residuals, sources) if s is None]
             )
             if last:
-                return self._rows(primal), kept, new_non_trainable, outputs
+                sent = self._rows((primal, fraction))
+                return sent, kept, new_non_trainable, outputs
             return self._rows(outputs), kept, new_non_trainable, None
 
         specs = self._specs(index)
@@ -234,6 +238,8 @@ class JaxStages(StagePrimitives):
         self.non_trainable = list(non_trainable)
         self.count = count
         self.gradients = [None] * self.num_stages
+        # Of the gradients, where masked predictions set one (`joined`).
+        self.gradient_scale = None
         self._residuals = {}
 
     def microbatches(self, x, y):
@@ -268,6 +274,18 @@ class JaxStages(StagePrimitives):
     def send(self, value, stage, direction):
         return self.programs.pipeline.sent(value, stage, direction)
 
+    def scaled_gradients(self):
+        """Each stage's gradients, times `gradient_scale` where set."""
+        if self.gradient_scale is None:
+            return self.gradients
+        scaled = []
+        for grads, runtime in zip(self.gradients, self.programs.runtimes):
+            scale = onto(self.gradient_scale, runtime.mesh)
+            scaled.append(
+                jax.tree.map(lambda g, s=scale: g * s.astype(g.dtype), grads)
+            )
+        return scaled
+
     def infer(self, stage, inputs):
         program = self.programs.program("infer", stage)
         outputs, self.non_trainable[stage] = program(
@@ -277,7 +295,13 @@ class JaxStages(StagePrimitives):
 
     def joined(self, losses, predictions):
         # Each replica's loss is its slice's; the batch's is their mean.
-        loss = jax.numpy.mean(sum(losses[1:], losses[0])) if losses else None
+        loss = None
+        if losses:
+            shares = [share for share, _ in losses]
+            loss = jax.numpy.mean(sum(shares[1:], shares[0]))
+            self.gradient_scale = fraction_scale([f for _, f in losses])
+            if self.gradient_scale is not None:
+                loss = loss * self.gradient_scale
         replicas = self.programs.replicas
         rows = [split_rows(part, replicas, 1)[0] for part in predictions]
         return loss, join_rows(rows)

@@ -144,7 +144,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         self.refresh_copies()
         loss, y_pred = stages.step(x, targets)
         self.trained_order = stages.order
-        owned = self._owned_gradients(stages.gradients)
+        owned = self._owned_gradients(stages.scaled_gradients())
         for stage in range(self.pipeline_parallel):
             self._update(stage, owned)
         self.trainer.optimizer.iterations.assign_add(1)

@@ -10,6 +10,7 @@ from keras_tp.pipeline.executor import join_rows
 from keras_tp.pipeline.executor import run_forward
 from keras_tp.pipeline.executor import run_schedule
 from keras_tp.pipeline.executor import split_rows
+from keras_tp.pipeline.runtime import fraction_scale
 from keras_tp.tensors import carried_masks
 from keras_tp.tensors import nbytes
 
@@ -42,11 +43,23 @@ class TensorFlowStages(StagePrimitives):
         """`(loss, y_pred)` of `run_schedule` on one batch."""
         self._tapes, self.gradients, self._ends, self.times = {}, {}, {}, []
         self._previous = [[] for _ in self.stage_models]
+        # Of the gradients, where masked predictions set one (`joined`).
+        self.gradient_scale = None
         result = run_schedule(self, self.order, x, y)
         self.pipeline.step_times.assign(
             tf.stack([tf.stack(t) for t in self.times])
         )
         return result
+
+    def scaled_gradients(self):
+        """`gradients`, times `gradient_scale` where set."""
+        scale = self.gradient_scale
+        if scale is None:
+            return self.gradients
+        return {
+            key: [g * tf.cast(scale, g.dtype) for g in grads]
+            for key, grads in self.gradients.items()
+        }
 
     def predict(self, x, training=False):
         """`run_forward` of the batch `x`."""
@@ -82,7 +95,7 @@ class TensorFlowStages(StagePrimitives):
                 predicted = None
             else:
                 outputs = self._row_losses(m, outputs, target)
-            done.extend(tf.nest.flatten(outputs))
+            done.extend(t for t in tf.nest.flatten(outputs) if t is not None)
         return outputs, predicted
 
     def backward(self, stage, m, cotangent):
@@ -139,8 +152,11 @@ class TensorFlowStages(StagePrimitives):
         # so their mean is the batch's.
         loss = None
         if losses:
-            loss = tf.add_n([row for micro in losses for row in micro])
-            loss = loss / self.data_parallel
+            rows = [row for micro in losses for row in micro]
+            loss = tf.add_n([share for share, _ in rows]) / self.data_parallel
+            self.gradient_scale = fraction_scale([f for _, f in rows])
+            if self.gradient_scale is not None:
+                loss = loss * self.gradient_scale
         # The batch's outputs, from the first replica of each row.
         rows = [micro[:: self.tensor_parallel] for micro in predictions]
         return loss, join_rows(rows)
@@ -179,11 +195,12 @@ class TensorFlowStages(StagePrimitives):
             with tf.GradientTape() as tape:
                 tape.watch(predicted)
                 # Read when traced: a model compiled again uses its new loss.
-                loss = self.pipeline.loss_function(self.num_microbatches)(
-                    target[first], outputs[first]
+                loss_function = self.pipeline.loss_function(
+                    self.num_microbatches
                 )
+                loss, fraction = loss_function(target[first], outputs[first])
                 loss = loss / self.num_microbatches
-            losses.append(loss)
+            losses.append((loss, fraction))
             cotangents.append(
                 tape.gradient(
                     loss,

@@ -38,6 +38,7 @@ from keras_tp.runtime.mesh import MeshRuntime
 from keras_tp.runtime.torch.devices import ProcessDevices
 from keras_tp.runtime.torch.devices import configure_virtual_devices
 from keras_tp.runtime.torch.devices import join_process_group
+from keras_tp.runtime.torch.devices import join_ranks
 from keras_tp.runtime.torch.devices import this_device
 from keras_tp.runtime.torch.regions import ProcessRegions
 from keras_tp.runtime.torch.sequence import SequenceShards
@@ -69,16 +70,7 @@ class TorchRuntime(
 
     def __init__(self, config):
         """Arguments as `Runtime`'s; this process joins the group first."""
-        world_size = config.world_size
-        join_process_group(world_size)
-        ranks = dist.get_world_size()
-        if world_size is not None and world_size != ranks:
-            raise ValueError(
-                f"world_size={world_size} but this process group has {ranks} "
-                f"rank(s). Start {world_size} processes (keras_tp.launch or "
-                f"torchrun --nproc-per-node {world_size}) or pass "
-                f"world_size={ranks}."
-            )
+        ranks = join_ranks(config.world_size)
         super().__init__(config)
         set_process_adapter(self.adapter)
         if self.world_size != ranks:

@@ -30,7 +30,7 @@ from keras_tp.asynchronous.workers import worker_non_trainable_values
 from keras_tp.runtime.torch.async_processes import FlatLayout
 from keras_tp.runtime.torch.async_processes import ServerProcess
 from keras_tp.runtime.torch.async_processes import WorkerProcess
-from keras_tp.runtime.torch.devices import join_process_group
+from keras_tp.runtime.torch.devices import join_ranks
 from keras_tp.runtime.torch.storage import to_numpy
 
 
@@ -54,22 +54,11 @@ class ProcessRunner:
     """
 
     def __init__(self, model, workers, servers, max_staleness, pull_every):
-        world_size = workers + servers
-        join_process_group(
-            world_size,
+        join_ranks(
+            workers + servers,
             caller=f"AsyncDataParallel(workers={workers}, servers={servers})",
+            counted=" (one per worker and per server)",
         )
-        ranks = dist.get_world_size()
-        if ranks != world_size:
-            raise ValueError(
-                f"AsyncDataParallel(workers={workers}, servers={servers}) "
-                f"runs one process per worker and per server on torch, "
-                f"{world_size} in all, but the process group has {ranks} "
-                f"rank(s). Start {world_size} ranks (`keras_tp.launch("
-                f"train_fn, world_size={world_size})` or `torchrun "
-                f"--nproc-per-node {world_size}`), or choose workers and "
-                f"servers that add up to {ranks}."
-            )
         self.rank = dist.get_rank()
         # Rank 0 is worker 0: `keras_tp.launch` returns its result.
         self.reports_progress = self.rank == 0

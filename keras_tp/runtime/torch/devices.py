@@ -45,6 +45,34 @@ def configure_virtual_devices(n):
     )
 
 
+def join_ranks(world_size, caller=None, counted=""):
+    """Joins this process's group (`join_process_group`) and checks that
+    it has `world_size` ranks, one process each.
+
+    Args:
+        world_size: the number of ranks the caller needs; `None` for any.
+        caller: what needs them, as the errors name it; by default
+            `TensorParallelKeras(world_size=...)`.
+        counted: how the caller counts them, for the error (a
+            pipeline's ranks, say).
+
+    Returns:
+        The number of ranks of the group.
+    """
+    join_process_group(world_size, caller)
+    ranks = dist.get_world_size()
+    if world_size is not None and world_size != ranks:
+        caller = caller or f"TensorParallelKeras(world_size={world_size})"
+        raise ValueError(
+            f"{caller} runs {world_size} ranks{counted}, but this process "
+            f"group has {ranks} rank(s): on torch each rank is one process. "
+            f"Start {world_size} (keras_tp.launch(fn, world_size="
+            f"{world_size}) or torchrun --nproc-per-node {world_size}), or "
+            f"ask for {ranks}."
+        )
+    return ranks
+
+
 def join_process_group(world_size=None, caller=None):
     """Initialises the default process group of this process if needed.
 

@@ -18,13 +18,14 @@ from keras_tp.pipeline.runtime import PipelineRuntime
 from keras_tp.pipeline.runtime import weighted
 from keras_tp.runtime.mesh import MeshRuntime
 from keras_tp.runtime.torch import TorchRuntime
-from keras_tp.runtime.torch.devices import join_process_group
+from keras_tp.runtime.torch.devices import join_ranks
 from keras_tp.runtime.torch.devices import mesh_groups
 from keras_tp.runtime.torch.devices import rank_devices
 from keras_tp.runtime.torch.devices import this_device
 from keras_tp.runtime.torch.stage_storage import StageStorage
 from keras_tp.runtime.torch.stages import TorchPipeline
 from keras_tp.runtime.torch.storage import RankProcess
+from keras_tp.tensors import carried_masks
 from keras_tp.tensors import nbytes
 
 
@@ -53,24 +54,16 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
     local_ranks = True
 
     def __init__(self, model, config):
-        needed = config.requested_world_size
         pipeline_parallel = config.pipeline_parallel
         data_parallel = config.data_parallel
-        join_process_group(needed)
-        ranks = dist.get_world_size()
-        if needed != ranks:
-            raise ValueError(
-                f"world_size={needed} with pipeline_parallel="
-                f"{pipeline_parallel} and data_parallel={data_parallel}, but "
-                f"this process group has {ranks} rank(s): on torch each rank "
-                "is one process, which runs its tensor-parallel shard of one "
-                "stage of one replica (world_size = data_parallel x "
-                "pipeline_parallel x the tensor-parallel ranks of each "
-                "stage; without world_size, one rank per stage). Start "
-                f"{needed} processes (keras_tp.launch(fn, world_size="
-                f"{needed}) or torchrun --nproc-per-node {needed}) or pass "
-                f"world_size={ranks}."
-            )
+        join_ranks(
+            config.requested_world_size,
+            counted=(
+                f" (pipeline_parallel={pipeline_parallel} x data_parallel="
+                f"{data_parallel} x the tensor-parallel ranks of a stage; "
+                "one rank per stage without world_size)"
+            ),
+        )
         self.rank = dist.get_rank()
         self.device = this_device()
         super().__init__(model, config)
@@ -111,6 +104,11 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         # `TorchPipeline`s by micro-batch count and input shapes, which a
         # torch stage fixes on its first run.
         self._pipelines = {}
+        # Whether the loss weighs micro-batches by their masks' fractions.
+        outputs = self.stage_models[-1].outputs
+        self.masked_predictions = len(outputs) == 1 and bool(
+            carried_masks(outputs)
+        )
 
     def _shared_weight_adapters(self):
         """`{stages: adapter}` over this rank's counterparts in the stages
@@ -211,6 +209,12 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
             variable.value.grad = None
         loss, y_pred = pipeline.step(x, targets)
         self.timeline = pipeline.stage.timeline
+        scale = self._fraction_scale(pipeline, every_stage=True)
+        if scale is not None:
+            loss = None if loss is None else loss * scale
+            for variable in variables:
+                if variable.value.grad is not None:
+                    variable.value.grad *= scale
         # Every copy of a shared weight takes the same update, the sum of
         # the stages' gradients, and stays equal.
         adapters = self._shared_adapters
@@ -231,8 +235,30 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
 
     def test_step(self, data):
         x, targets = self.unpacked(self._sliced(data))
-        loss, y_pred = self._pipeline(x).forward(x, targets)
+        pipeline = self._pipeline(x)
+        loss, y_pred = pipeline.forward(x, targets)
+        scale = self._fraction_scale(pipeline, every_stage=False)
+        if scale is not None and loss is not None:
+            loss = loss * scale
         return self._logs(x, targets, loss, y_pred)
+
+    def _fraction_scale(self, pipeline, every_stage):
+        """`fraction_scale` of the batch's micro-batches on every replica's
+        last stage, summed over `data`, then broadcast to this replica's
+        stages if `every_stage`; `None` without masked predictions."""
+        if not self.masked_predictions:
+            return None
+        scale = torch.zeros((), device=self.device)
+        if self.stage_index == self.pipeline_parallel - 1:
+            fractions = torch.stack(pipeline.fractions)
+            total = fractions.sum()
+            if self.data_adapter is not None:
+                total = self.data_adapter.all_reduce(total)
+            scale = fractions.numel() * self.data_parallel / total
+        if every_stage:
+            dist.broadcast(scale, src=self.last_rank, group=self.pipe_group)
+            self.stats.record("broadcast", nbytes(scale), "forward", "pipe")
+        return scale
 
     def predict_step(self, data):
         x = keras.utils.unpack_x_y_sample_weight(self._sliced(data))[0]

@@ -137,8 +137,10 @@ class TorchPipeline:
             pipeline.device,
             group=pipeline.pipe_group,
         )
-        # The batch's targets while a step runs (`_run`).
+        # The batch's targets while a step runs (`_run`), and each of its
+        # micro-batches' `fraction` (`PipelineRuntime.loss_function`).
         self._targets = None
+        self.fractions = []
         loss_fn = None
         if loss is not None:
             # torch's schedule splits one tensor of targets: the batch's row
@@ -148,7 +150,9 @@ class TorchPipeline:
                 targets = keras.tree.map_structure(
                     lambda t: t[rows], self._targets
                 )
-                return loss(targets, module.structured(y_pred))
+                value, fraction = loss(targets, module.structured(y_pred))
+                self.fractions.append(fraction)
+                return value
 
         self.schedule = _PipelineScheduleRuntime(
             [self.stage], num_microbatches, loss_fn=loss_fn
@@ -180,6 +184,7 @@ class TorchPipeline:
 
     def _run(self, run, x, y, training):
         self.stage.timeline = []
+        self.fractions = []
         self.stage.submod.training_call = training
         inputs = ()
         if self.stage.is_first:
@@ -195,5 +200,10 @@ class TorchPipeline:
             losses, rows = [], torch.arange(batch, device=self.stage.device)
         outputs = run(*inputs, target=rows, losses=losses)
         self._targets = None
+        if losses:
+            # torch computes a loss once on the first step's placeholder
+            # outputs, to infer the shapes of the backward pass, before
+            # the micro-batches' own.
+            self.fractions = self.fractions[len(self.fractions) - len(losses) :]
         loss = None if y is None else torch.stack(losses).mean().detach()
         return loss, self.stage.submod.structured(outputs)

@@ -40,6 +40,7 @@ from keras_tp.keras_internals import overrides_compute_loss
 from keras_tp.keras_internals import set_keras_mask
 from keras_tp.keras_internals import sublayers
 from keras_tp.keras_internals import wrapped_loss_function
+from keras_tp.tensors import carried_masks
 
 # Reductions whose means over parts of a batch (rows, micro-batches) of
 # equal size average to the whole batch's.
@@ -164,3 +165,41 @@ def averages_over_rows(loss):
 
 def _keras_own(function):
     return getattr(function, "__module__", "").startswith("keras.")
+
+
+_MASKED_OUTPUTS = (
+    "Several predictions carry Keras masks: each micro-batch's (and "
+    "replica's) loss of each is the mean over its own unmasked entries, "
+    "and the pipeline averages them. Where micro-batches hold different "
+    "numbers of masked entries, the loss and its gradients differ from one "
+    "device's; num_microbatches=1 and data_parallel=1 compute the batch's."
+)
+
+
+def kept_fraction(y_pred, split):
+    """The share of entries the Keras mask of the predictions keeps, where
+    they are one masked tensor; else `None` (with a warning where several
+    carry masks, whose losses no one share scales, of a `split` batch).
+
+    A masked loss of one part of a batch (a pipeline's micro-batch) is the
+    mean over its unmasked entries: times this share, the parts' losses
+    average to the batch's times the mean of their shares (see
+    `fraction_scale`)."""
+    masks = carried_masks(y_pred)
+    if not masks:
+        return None
+    if len(keras.tree.flatten(y_pred)) > 1:
+        if split:
+            warnings.warn(_MASKED_OUTPUTS, stacklevel=3)
+        return None
+    (mask,) = masks.values()
+    return keras.ops.mean(keras.ops.cast(mask, "float32"))
+
+
+def fraction_scale(fractions):
+    """What the micro-batches' (and replicas') averaged loss and gradients
+    are multiplied by: 1 over the mean of their `fraction`s (see
+    `PipelineRuntime.loss_function`); `None` where they have none."""
+    if not fractions or fractions[0] is None:
+        return None
+    return 1.0 / keras.ops.mean(keras.ops.stack(fractions))

@@ -12,6 +12,7 @@ from keras_tp.keras_internals import compiled_loss
 from keras_tp.keras_internals import sublayers
 from keras_tp.parallel.batch_loss import MEAN_REDUCTIONS
 from keras_tp.parallel.batch_loss import averages_over_rows
+from keras_tp.parallel.batch_loss import kept_fraction
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.cutting import split_stages
 from keras_tp.pipeline.ownership import WeightOwners
@@ -19,14 +20,6 @@ from keras_tp.placement import Placement
 from keras_tp.runtime.base import Runtime
 from keras_tp.stats import CommunicationStats
 from keras_tp.tensors import carried_masks
-
-_MASKED_OUTPUTS = (
-    "Several predictions carry Keras masks: each micro-batch's (and "
-    "replica's) loss of each is the mean over its own unmasked entries, "
-    "and the pipeline averages them. Where micro-batches hold different "
-    "numbers of masked entries, the loss and its gradients differ from one "
-    "device's; num_microbatches=1 and data_parallel=1 compute the batch's."
-)
 
 
 class WeightedTargets(collections.namedtuple("WeightedTargets", "y weights")):
@@ -254,7 +247,7 @@ class PipelineRuntime(Runtime):
         def microbatch_loss(targets, y_pred):
             y, weights = weighted(targets)
             value = loss(y, y_pred, weights)
-            fraction = _kept_fraction(y_pred, split)
+            fraction = kept_fraction(y_pred, split)
             return (
                 (value, None)
                 if fraction is None
@@ -391,27 +384,3 @@ def _check_layers(model):
             "yet. Remove the layers' kernel/bias regularizers (use AdamW's "
             "weight_decay instead)."
         )
-
-
-def _kept_fraction(y_pred, split):
-    """The share of entries the Keras mask of the predictions keeps, where
-    they are one masked tensor; else `None` (with a warning where several
-    carry masks, whose losses no one share scales, of a `split` batch)."""
-    masks = carried_masks(y_pred)
-    if not masks:
-        return None
-    if len(keras.tree.flatten(y_pred)) > 1:
-        if split:
-            warnings.warn(_MASKED_OUTPUTS, stacklevel=3)
-        return None
-    (mask,) = masks.values()
-    return keras.ops.mean(keras.ops.cast(mask, "float32"))
-
-
-def fraction_scale(fractions):
-    """What the micro-batches' (and replicas') averaged loss and gradients
-    are multiplied by: 1 over the mean of their `fraction`s (see
-    `PipelineRuntime.loss_function`); `None` where they have none."""
-    if not fractions or fractions[0] is None:
-        return None
-    return 1.0 / keras.ops.mean(keras.ops.stack(fractions))

@@ -12,11 +12,11 @@ from jax.sharding import PartitionSpec
 from keras_tp.collectives.jax import counted_jit
 from keras_tp.collectives.jax import signature
 from keras_tp.keras_internals import local_shapes
+from keras_tp.parallel.batch_loss import fraction_scale
 from keras_tp.pipeline.executor import StagePrimitives
 from keras_tp.pipeline.executor import concatenated
 from keras_tp.pipeline.executor import join_rows
 from keras_tp.pipeline.executor import split_rows
-from keras_tp.pipeline.runtime import fraction_scale
 from keras_tp.runtime.jax.storage import onto
 from keras_tp.runtime.jax.storage import replica_rows
 from keras_tp.tensors import carried_masks

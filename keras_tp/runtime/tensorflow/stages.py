@@ -4,13 +4,13 @@ import contextlib
 
 import tensorflow as tf
 
+from keras_tp.parallel.batch_loss import fraction_scale
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.executor import StagePrimitives
 from keras_tp.pipeline.executor import join_rows
 from keras_tp.pipeline.executor import run_forward
 from keras_tp.pipeline.executor import run_schedule
 from keras_tp.pipeline.executor import split_rows
-from keras_tp.pipeline.runtime import fraction_scale
 from keras_tp.tensors import carried_masks
 from keras_tp.tensors import nbytes
 

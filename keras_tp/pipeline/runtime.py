@@ -248,14 +248,9 @@ class PipelineRuntime(Runtime):
             y, weights = weighted(targets)
             value = loss(y, y_pred, weights)
             fraction = kept_fraction(y_pred, split)
-            return (
-                (value, None)
-                if fraction is None
-                else (
-                    value * fraction,
-                    fraction,
-                )
-            )
+            if fraction is None:
+                return value, None
+            return value * fraction, fraction
 
         return microbatch_loss
 
@@ -268,10 +263,10 @@ class PipelineRuntime(Runtime):
             )
         return loss
 
-    def whole_batch_loss(self, y_pred):
+    def whole_batch_loss(self, targets, y_pred):
         """The loss of the whole batch's predictions `y_pred` (`evaluate()`
         on JAX and TensorFlow), as one device's where they carry the Keras
-        masks of the model's outputs."""
+        masks of the model's outputs; `targets` as `unpacked` makes them."""
         model_masks = carried_masks(self.stage_models[-1].outputs)
         if model_masks.keys() - carried_masks(y_pred).keys():
             warnings.warn(
@@ -281,13 +276,8 @@ class PipelineRuntime(Runtime):
                 "(fit() computes it with the mask).",
                 stacklevel=3,
             )
-        loss = self._compiled_loss()
-
-        def batch_loss(targets, y_pred):
-            y, weights = weighted(targets)
-            return loss(y, y_pred, weights)
-
-        return batch_loss
+        y, weights = weighted(targets)
+        return self._compiled_loss()(y, y_pred, weights)
 
     @staticmethod
     def unpacked(data):

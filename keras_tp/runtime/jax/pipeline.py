@@ -117,7 +117,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         trainable, non_trainable, metrics = state
         x, targets = self.unpacked(data)
         y_pred, non_trainable = self._infer(trainable, non_trainable, x)
-        loss = self.whole_batch_loss(y_pred)(targets, y_pred)
+        loss = self.whole_batch_loss(targets, y_pred)
         y, weights = weighted(targets)
         logs, metrics = jax_update_metrics(
             self.trainer, metrics, loss, x, y, y_pred, weights

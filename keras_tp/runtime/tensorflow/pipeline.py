@@ -153,7 +153,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
     def test_step(self, data):
         x, targets = self.unpacked(data)
         y_pred = self._forward(x)
-        loss = self.whole_batch_loss(y_pred)(targets, y_pred)
+        loss = self.whole_batch_loss(targets, y_pred)
         return self._logs(x, targets, loss, y_pred)
 
     def predict_step(self, data):

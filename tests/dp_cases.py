@@ -156,12 +156,13 @@ def global_batch_losses(world_size, data_parallel):
     `"mean_with_sample_weight"` with uneven weights, a loss over pairs of
     samples, and the default loss on predictions masked unevenly across
     rows. The default loss of unmasked predictions, a mean of Keras'
-    per-sample values, gathers nothing over `data`.
+    per-sample values, gathers nothing over `data`; nor does that of the
+    masked ones, weighed by each row's share of unmasked entries.
 
     Returns:
         `{run name: (largest weight difference to one device, difference
-        of the last logged loss), "default_gathers": all-gathers over
-        data in the default loss's step}`.
+        of the last logged loss), "default_gathers" and "masked_gathers":
+        all-gathers over data in those runs' steps}`.
     """
     x, y = models.data_for("mlp", batch=BATCH)
     rng = np.random.default_rng(0)
@@ -207,9 +208,9 @@ def global_batch_losses(world_size, data_parallel):
             logged.append(float(value))
         difference = max_diff(reference.get_weights(), tp.get_weights())
         results[name] = (difference, abs(logged[0] - logged[1]))
-        if name == "default":
+        if name in ("default", "masked"):
             stats = tp.communication_stats("train", axis="data")
-            results["default_gathers"] = stats.get("all_gather", {}).get(
+            results[f"{name}_gathers"] = stats.get("all_gather", {}).get(
                 "calls", 0
             )
     return results
@@ -220,6 +221,7 @@ def check_global_batch_losses(results):
         weights, logged = results[name]
         assert weights <= 1e-6 and logged <= 1e-5, (name, results[name])
     assert results["default_gathers"] == 0, results
+    assert results["masked_gathers"] == 0, results
 
 
 def communication_run(zero_stage, bucket_mb):

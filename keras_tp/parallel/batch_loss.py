@@ -13,10 +13,13 @@ Keras' own losses, reduced `"sum_over_batch_size"` (the default) or
 
 Predictions that carry a Keras mask (an `Embedding(mask_zero=True)`'s)
 differ too under Keras' own losses: their mean is over each row's unmasked
-entries. For those each row gathers every row's labels, predictions (with
-their masks) and sample weights over `data` and computes the loss of the
-global batch, as one device does (and as `keras.distribution.DataParallel`,
-on global arrays, does). A row's predictions enter with their gradient
+entries. Where they are one tensor, each row weighs its mean by its share
+of unmasked entries over the rows' mean share (one float all-reduced over
+`data`), and the rows' losses average to the global batch's. For the
+others each row gathers every row's labels, predictions (with their
+masks) and sample weights over `data` and computes the loss of the global
+batch, as one device does (and as `keras.distribution.DataParallel`, on
+global arrays, does). A row's predictions enter with their gradient
 scaled by the rows' count, since the rows' gradients are averaged. A
 model whose class computes its own loss (`compute_loss`) keeps its rows'
 losses, with a warning: such a method may run the model again on its
@@ -69,6 +72,11 @@ class GlobalBatchLoss:
                     stacklevel=2,
                 )
             elif not _rows_mean_is_global(self, y_pred):
+                if _averages_but_for_a_mask(self, y_pred):
+                    sample_weight = _weighed_by_kept_share(
+                        y_pred, sample_weight, runtime.data_adapter
+                    )
+                    return compute(x, y, y_pred, sample_weight, training)
                 return _loss_of_all_rows(
                     compute,
                     runtime.data_adapter,
@@ -102,6 +110,27 @@ def _warn_of_added_losses(model, data_parallel):
             "data_parallel=1 to match one device.",
             stacklevel=3,
         )
+
+
+def _averages_but_for_a_mask(trainer, y_pred):
+    """Whether the predictions are one tensor carrying a Keras mask, and
+    each compiled loss a mean of Keras' per-sample values."""
+    return len(keras.tree.flatten(y_pred)) == 1 and all(
+        averages_over_rows(loss) for loss in compiled_user_losses(trainer)
+    )
+
+
+def _weighed_by_kept_share(y_pred, sample_weight, adapter):
+    """`sample_weight` (ones where `None`) times this row's share of
+    unmasked entries over the rows' mean share (one float all-reduced
+    over `data`): each row's masked mean, over its own unmasked entries,
+    weighed so, averages to the global batch's (see `kept_fraction`)."""
+    fraction = kept_fraction(y_pred, split=False)
+    scale = fraction / adapter.all_reduce(fraction, "mean")
+    if sample_weight is None:
+        (mask,) = carried_masks(y_pred).values()
+        return ops.full(ops.shape(mask), scale)
+    return keras.tree.map_structure(lambda w: w * scale, sample_weight)
 
 
 def _rows_mean_is_global(trainer, y_pred):

@@ -363,26 +363,16 @@ def test_backbone_with_dict_outputs(bert_classifier):
     assert sorted(last) == ["pooled_output", "sequence_output"]
 
 
-def test_tied_embedding_causal_lm_is_refused():
-    model = gpt2_causal_lm()
-    x = token_batch()
-    with pytest.raises(ValueError, match="token_embedding") as error:
-        split_stages(model, 2)
-    message = str(error.value)
-    assert "two stages" in message and "share_weights=True" in message
-    with pytest.raises(ValueError, match="token_embedding"):
-        split_stages(model, 2, cut_points=["transformer_layer_1"])
-    # One stage holds both calls.
-    check_split(model, split_stages(model, 1), x)
-
-
 def test_a_tied_embedding_can_be_shared_by_the_stages_that_call_it():
     model = gpt2_causal_lm()
     x = token_batch()
-    split = split_stages(model, 2, share_weights=True)
+    split = split_stages(model, 2)
     (path,) = split.shared_weights
     assert "token_embedding" in path
     assert split.shared_weights[path] == [0, 1]
+    assert f"weight {path} is used by stages [0, 1]" in split.summary()
+    # One stage holds both calls.
+    assert split_stages(model, 1).shared_weights == {}
     # Both stage models call the one layer: the same variable.
     first, last = (
         [v for v in stage.model.weights if v.path == path]

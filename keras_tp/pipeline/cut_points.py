@@ -1,6 +1,6 @@
 """Where a pipeline's cuts may fall, and which of them `split_stages` takes:
-from the activations crossing each position of a model's dataflow graph,
-each node's parameters and the weights layers share, or by name."""
+from the activations crossing each position of a model's dataflow graph
+and each node's parameters, or by name."""
 
 import difflib
 import logging
@@ -22,53 +22,35 @@ def _activation_counts(graph):
     return counts
 
 
-def weight_uses(graph):
-    """`(sizes, shared)`: the weight scalars of each node, a weight counted
-    at its first use only; and `[(layers, path, first node, last node)]`
-    for the weights several nodes use (a tied embedding)."""
-    uses, sizes = {}, []
+def parameter_sizes(graph):
+    """The weight scalars of each node, a weight counted at its first use
+    only (a tied embedding's at the token lookup)."""
+    seen, sizes = set(), []
     for node in graph.nodes:
-        size = 0
-        for weight in getattr(node.operation, "weights", ()):
-            if id(weight) not in uses:
-                uses[id(weight)] = (weight, [])
-                size += int(np.prod(weight.shape))
-            uses[id(weight)][1].append(node)
-        sizes.append(size)
-    shared = {}
-    for weight, nodes in uses.values():
-        if nodes[0].index != nodes[-1].index:
-            layers = tuple(dict.fromkeys(n.operation.name for n in nodes))
-            span = (nodes[0].index, nodes[-1].index)
-            shared.setdefault((layers, weight.path), span)
-    return sizes, [(*label, a, b) for label, (a, b) in shared.items()]
+        weights = getattr(node.operation, "weights", ())
+        new = [w for w in weights if id(w) not in seen]
+        seen.update(map(id, new))
+        sizes.append(sum(int(np.prod(w.shape)) for w in new))
+    return sizes
 
 
-def candidate_cuts(graph, owners):
-    """`(candidates, fewest, splitting)`: the cuts where the fewest
-    activations cross, that number, and `{cut: owner}` (an entry of
-    `owners`) for the cuts that would separate a shared weight's calls."""
-    n = len(graph.nodes)
+def candidate_cuts(graph):
+    """`(candidates, fewest)`: the cuts where the fewest activations
+    cross, and that number."""
     counts = _activation_counts(graph)
-    splitting = {}
-    for owner in owners:
-        for k in range(owner[2] + 1, owner[3] + 1):
-            splitting.setdefault(k, owner)
-    allowed = [k for k in range(1, n) if k not in splitting]
+    allowed = range(1, len(graph.nodes))
     if not allowed:
-        return [], None, splitting
+        return [], None
     fewest = min(counts[k] for k in allowed)
-    return [k for k in allowed if counts[k] == fewest], fewest, splitting
+    return [k for k in allowed if counts[k] == fewest], fewest
 
 
-def automatic_cuts(graph, num_stages, sizes, owners, found):
+def automatic_cuts(graph, num_stages, sizes, found):
     n = len(graph.nodes)
     if num_stages == 1:
         return []
-    candidates, fewest, splitting = found
+    candidates, fewest = found
     if not candidates:
-        if splitting:
-            raise ValueError(_tie_message(graph, splitting[1]))
         raise ValueError(
             f"Model '{graph.model.name}' has {n} node(s) and cannot be cut "
             f"into {num_stages} stages."
@@ -76,20 +58,13 @@ def automatic_cuts(graph, num_stages, sizes, owners, found):
     if num_stages > len(candidates) + 1:
         where = ", ".join(f"'{graph.nodes[k].name}'" for k in candidates[:12])
         more = " ..." if len(candidates) > 12 else ""
-        tied = ""
-        if splitting:
-            tied = (
-                " Cuts that would separate the calls of a shared layer "
-                "are excluded: "
-                + _tie_message(graph, next(iter(splitting.values())))
-            )
         raise ValueError(
             f"Model '{graph.model.name}' has {len(candidates)} candidate "
             f"cut point(s), where {fewest} activation(s) cross (new stages "
             f"could start at {where}{more}), so at most "
             f"{len(candidates) + 1} stages; got num_stages={num_stages}. "
             "Use fewer stages, or pass `cut_points=` (names of the layers "
-            f"at which stages start).{tied}"
+            "at which stages start)."
         )
     weights = list(sizes)
     if sum(weights) == 0:
@@ -143,7 +118,7 @@ def _balanced(weights, candidates, num_stages):
     return sorted(cuts)
 
 
-def user_cuts(graph, num_stages, cut_points, owners):
+def user_cuts(graph, num_stages, cut_points):
     if isinstance(cut_points, str) or not isinstance(cut_points, (list, tuple)):
         raise TypeError(
             "cut_points must be a list of layer names (the layers at which "
@@ -174,9 +149,6 @@ def user_cuts(graph, num_stages, cut_points, owners):
                 "shows it."
             )
         previous = k
-    for owner in owners:
-        if any(owner[2] < k <= owner[3] for k in positions):
-            raise ValueError(_tie_message(graph, owner))
     return positions
 
 
@@ -215,24 +187,3 @@ def _find_node(graph, name):
             "of them exactly."
         )
     return matches[0].index
-
-
-def _tie_message(graph, owner):
-    layers, path, first, last = owner
-    what = (
-        f"layer '{layers[0]}' is called"
-        if len(layers) == 1
-        else f"layers {list(layers)} share weight '{path}' and are called"
-    )
-    return (
-        f"In model '{graph.model.name}', {what} at "
-        f"'{graph.nodes[first].name}' and at '{graph.nodes[last].name}', "
-        "and a cut between them would need its weights in two stages. The "
-        "usual case is a token embedding that also computes the logits "
-        "(keras-hub's `ReversibleEmbedding` in GPT2, Gemma and Llama "
-        "CausalLMs). Pass share_weights=True to give each stage that calls "
-        "it a copy (TensorParallelKeras' pipelines do, and keep the copies "
-        "equal), choose cut points so that all its calls fall in one "
-        "stage, or pipeline the backbone (`split_stages(model.backbone, "
-        "...)`)."
-    )

@@ -11,8 +11,8 @@ from keras_tp.keras_internals import overrides_compute_loss
 from keras_tp.keras_internals import sublayers
 from keras_tp.pipeline.cut_points import automatic_cuts
 from keras_tp.pipeline.cut_points import candidate_cuts
+from keras_tp.pipeline.cut_points import parameter_sizes
 from keras_tp.pipeline.cut_points import user_cuts
-from keras_tp.pipeline.cut_points import weight_uses
 from keras_tp.pipeline.graph import Dataflow
 from keras_tp.pipeline.schedules import check_counts
 from keras_tp.pipeline.stages import Boundary
@@ -39,13 +39,17 @@ def split_stages(
     cut_points=None,
     balance="parameters",
     sample=None,
-    share_weights=False,
 ):
     """Cuts a Functional model into consecutive pipeline stages.
 
     Each stage is a Functional model of the user's own layer objects (the
     same variables); run one after the other, they compute what `model`
-    computes (`StageSplit.run`).
+    computes (`StageSplit.run`). A cut may fall between the calls of one
+    layer (a token embedding that also computes a CausalLM's logits):
+    each stage that calls it then uses the weight, which
+    `StageSplit.shared_weights` lists, and a pipeline that holds each
+    stage apart must keep their copies equal (`TensorParallelKeras`
+    adds up their gradients, as Megatron-LM does).
 
     Cut points are positions in a topological order of the model's layer
     and raw-op calls (the `x + y` of a residual add), nested Functional
@@ -68,18 +72,13 @@ def split_stages(
             scalars per stage), or `"time"` (each block's forward time on
             `sample`: the median of a few runs after a warm-up).
         sample: with `balance="time"`, a batch of the model's inputs.
-        share_weights: whether cuts may separate the calls of one layer
-            (or of layers sharing a weight): each stage that calls it
-            then holds the weight (`StageSplit.shared_weights`), and the
-            pipeline must keep the copies equal.
 
     Returns:
         A `StageSplit`.
 
     Raises:
         NotImplementedError: for a subclassed model (its `call` is opaque).
-        ValueError: for bad arguments, cuts that separate the calls of one
-            layer without `share_weights`, or layers that add losses in
+        ValueError: for bad arguments, or layers that add losses in
             `call`.
 
     Example:
@@ -110,17 +109,16 @@ def split_stages(
         )
     graph = Dataflow(model)
     _check_losses(model)
-    sizes, owners = weight_uses(graph)
-    if share_weights:
-        owners = []
-    found = candidate_cuts(graph, owners)
+    found = candidate_cuts(graph)
     if cut_points is None:
         if balance == "time" and num_stages > 1:
             sizes = block_seconds(graph, found[0], sample)
-        positions = automatic_cuts(graph, num_stages, sizes, owners, found)
+        else:
+            sizes = parameter_sizes(graph)
+        positions = automatic_cuts(graph, num_stages, sizes, found)
         chosen_balance = balance
     else:
-        positions = user_cuts(graph, num_stages, cut_points, owners)
+        positions = user_cuts(graph, num_stages, cut_points)
         chosen_balance = None
     split = _build(graph, positions, chosen_balance)
     split.candidate_cut_points = [graph.nodes[k].name for k in found[0]]

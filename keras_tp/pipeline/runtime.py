@@ -69,9 +69,7 @@ class PipelineRuntime(Runtime):
         self.stage_devices = [list(grid[:, s, :].flat) for s in range(stages)]
         # Stages may share a weight (a tied embedding): each that uses it
         # holds a copy, which the backend keeps equal.
-        self.split = split_stages(
-            model, stages, self.config.pipeline_cuts, share_weights=True
-        )
+        self.split = split_stages(model, stages, self.config.pipeline_cuts)
         self.stage_models = [stage.model for stage in self.split.stages]
         if self.tensor_parallel > 1:
             for stage_model in self.stage_models[1:]:

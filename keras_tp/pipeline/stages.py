@@ -137,7 +137,7 @@ class StageSplit:
         candidate_cut_points: the nodes at which automatic cuts may start
             a stage (where the fewest activations cross), in order.
         shared_weights: `{weight path: [stage indices]}` of the weights
-            several stages use (with `share_weights=True`).
+            several stages use (a tied embedding's).
     """
 
     def __init__(self, model, stages, boundaries, cut_points, balance):
@@ -222,6 +222,10 @@ class StageSplit:
             cells = [row[i].ljust(widths[i]) for i in range(4)] + [row[4]]
             lines.append("  ".join(cells).rstrip())
         lines.append("* carried: passed on, not computed, by the stage")
+        lines += [
+            f"weight {path} is used by stages {using}"
+            for path, using in self.shared_weights.items()
+        ]
         return "\n".join(lines)
 
     def __repr__(self):

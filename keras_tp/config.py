@@ -10,6 +10,7 @@ import dataclasses
 
 import keras
 
+from keras_tp.errors import check_count
 from keras_tp.pipeline.schedules import check_schedule_name
 
 # In the order the messages name them: the least restricted first.
@@ -234,12 +235,8 @@ class ParallelConfig:
             raise ValueError(
                 f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}."
             )
-        for name in ("data_parallel", "pipeline_parallel"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(
-                    f"{name} must be an integer >= 1, got {value!r}."
-                )
+        check_count("data_parallel", self.data_parallel)
+        check_count("pipeline_parallel", self.pipeline_parallel)
         if self.pipeline_parallel == 1 and (
             self.num_microbatches is not None or self.pipeline_cuts is not None
         ):
@@ -247,13 +244,9 @@ class ParallelConfig:
                 "num_microbatches and pipeline_cuts are arguments of a "
                 "pipeline: pass pipeline_parallel > 1 with them."
             )
-        if self.num_microbatches is not None and (
-            not isinstance(self.num_microbatches, int)
-            or self.num_microbatches < 1
-        ):
-            raise ValueError(
-                "num_microbatches must be a positive integer or None, got "
-                f"{self.num_microbatches!r}."
+        if self.num_microbatches is not None:
+            check_count(
+                "num_microbatches", self.num_microbatches, hint=" or None"
             )
         if self.pipeline_parallel > 1:
             check_schedule_name(self.schedule)

@@ -1,4 +1,5 @@
-"""The exceptions keras_tp raises, in one module that imports nothing.
+"""The exceptions keras_tp raises, and the check of a count argument, in
+one module that imports nothing of keras_tp.
 
 Every part of keras_tp can raise these without importing the part that
 catches them: the launcher, the rank processes and the backends'
@@ -6,6 +7,26 @@ liveness checks share the rank errors, the planner and the command line
 share `ShardingError`. `keras_tp.RankLostError`, `keras_tp.ShardingError`
 and `keras_tp.CheckpointError` are the same classes.
 """
+
+import numbers
+
+
+def check_count(name, value, least=1, hint=""):
+    """Raises `ValueError` unless `value` is an integer (not a bool) of at
+    least `least`.
+
+    Args:
+        name: the argument, as the message names it.
+        value: what was given.
+        least: the smallest count allowed.
+        hint: what the message adds after "an integer >= {least}" (what
+            else the argument takes).
+    """
+    is_integer = isinstance(value, numbers.Integral)
+    if isinstance(value, bool) or not is_integer or value < least:
+        raise ValueError(
+            f"{name} must be an integer >= {least}{hint}, got {value!r}."
+        )
 
 
 class ShardingError(ValueError):

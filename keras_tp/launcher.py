@@ -28,6 +28,7 @@ from keras_tp.errors import RankLostError
 from keras_tp.errors import RankStuckError
 from keras_tp.errors import RankTimeoutError
 from keras_tp.errors import RemoteTraceback
+from keras_tp.errors import check_count
 
 # The errors `launch` raises are importable from here, as they were before
 # they moved to `keras_tp.errors`.
@@ -177,12 +178,8 @@ def launch(
             f"but {gpus} are visible. Start at most {gpus} ranks, or hide "
             "the GPUs (CUDA_VISIBLE_DEVICES='') to run CPU ranks over gloo."
         )
-    if nproc_per_node is not None and (
-        not isinstance(nproc_per_node, int) or nproc_per_node < 1
-    ):
-        raise ValueError(
-            f"nproc_per_node must be an integer >= 1, got {nproc_per_node!r}."
-        )
+    if nproc_per_node is not None:
+        check_count("nproc_per_node", nproc_per_node)
     if gpus and nproc_per_node is not None:
         raise ValueError(
             f"launch(nproc_per_node={nproc_per_node}) lays out several nodes "

@@ -38,7 +38,7 @@ def test_sizes_are_derived_and_stage_configs_are_a_stage_mesh():
         ),
         (
             dict(pipeline_parallel=2, data_parallel=2, num_microbatches=0),
-            "num_microbatches must be a positive integer",
+            "num_microbatches must be an integer >= 1 or None",
         ),
     ],
 )

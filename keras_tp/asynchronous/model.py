@@ -5,6 +5,7 @@ import keras
 from keras_tp.asynchronous.data import as_arrays
 from keras_tp.asynchronous.data import epoch_slices
 from keras_tp.asynchronous.workers import combined_non_trainable_values
+from keras_tp.errors import check_count
 
 
 class AsyncDataParallel(keras.Model):
@@ -79,11 +80,7 @@ class AsyncDataParallel(keras.Model):
             ("max_staleness", max_staleness, 0),
             ("pull_every", pull_every, 1),
         ):
-            if not isinstance(value, int) or value < least:
-                raise ValueError(
-                    f"AsyncDataParallel: {name} must be an integer >= "
-                    f"{least}, got {value!r}."
-                )
+            check_count(f"AsyncDataParallel's {name}", value, least)
             setattr(self, name, value)
         if not isinstance(model, keras.Model):
             raise TypeError(

@@ -26,6 +26,8 @@ process apply the same rule.
 import collections
 import dataclasses
 
+from keras_tp.errors import check_count
+
 
 @dataclasses.dataclass
 class Pushed:
@@ -64,11 +66,9 @@ class StalenessBound:
     """
 
     def __init__(self, max_staleness):
-        if not isinstance(max_staleness, int) or max_staleness < 0:
-            raise ValueError(
-                "max_staleness must be an integer >= 0 (0 is synchronous), "
-                f"got {max_staleness!r}."
-            )
+        check_count(
+            "max_staleness", max_staleness, least=0, hint=" (0 is synchronous)"
+        )
         self.max_staleness = max_staleness
         self.version = 0
         # Workers computing, and the version of the parameters they hold.

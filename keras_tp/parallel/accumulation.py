@@ -9,6 +9,7 @@ in buffers first, and the update runs once per accumulation boundary.
 
 from keras import ops
 
+from keras_tp.errors import check_count
 from keras_tp.keras_internals import stateful_cond
 
 
@@ -32,11 +33,7 @@ class GradientAccumulation:
     optimizers = ()
 
     def __init__(self, steps, zero_stage, optimizer):
-        if not isinstance(steps, int) or steps < 1:
-            raise ValueError(
-                "gradient_accumulation_steps must be an integer >= 1, got "
-                f"{steps!r}."
-            )
+        check_count("gradient_accumulation_steps", steps)
         if optimizer.gradient_accumulation_steps:
             raise ValueError(
                 f"Optimizer '{optimizer.name}' accumulates gradients itself; "

@@ -19,6 +19,7 @@ import math
 import numpy as np
 from keras import ops
 
+from keras_tp.errors import check_count
 from keras_tp.parallel.buckets import PLAIN
 from keras_tp.parallel.buckets import all_reduce_flat
 from keras_tp.parallel.compression_state import WarmUpCodec
@@ -115,10 +116,7 @@ class Compression:
             },
         )
         rank = RANK if rank is None else rank
-        if not isinstance(rank, int) or rank < 1:
-            raise ValueError(
-                f"PowerSGD's rank must be an integer >= 1, got {rank!r}."
-            )
+        check_count("PowerSGD's rank", rank)
         rate = 2.0 if min_compression_rate is None else min_compression_rate
         if not rate >= 1:
             raise ValueError(
@@ -127,11 +125,7 @@ class Compression:
             )
         if warmup_steps is None:
             warmup_steps = 0 if kind in _CAST_DTYPES else WARMUP_STEPS
-        if not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(
-                "Compression's warmup_steps must be an integer >= 0, got "
-                f"{warmup_steps!r}."
-            )
+        check_count("Compression's warmup_steps", warmup_steps, least=0)
         self.kind = kind
         self.rank = rank
         self.min_compression_rate = float(rate)

@@ -9,6 +9,7 @@ same interface: `bind`, `build`, `apply`, `finish` and `synchronises`.
 import keras
 from keras import ops
 
+from keras_tp.errors import check_count
 from keras_tp.keras_internals import place_slots_on_creation
 from keras_tp.keras_internals import stateful_cond
 from keras_tp.parallel.wrapping import WrappingOptimizer
@@ -235,11 +236,9 @@ def local_sgd(
                 "synchronisations: pass local_sgd_steps with it."
             )
         return None
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(
-            "local_sgd_steps must be an integer >= 1 (or None to "
-            f"synchronise every step), got {steps!r}."
-        )
+    check_count(
+        "local_sgd_steps", steps, hint=" (or None to synchronise every step)"
+    )
     if zero_stage != 0:
         raise ValueError(
             f"local_sgd_steps needs zero_stage=0, got {zero_stage}: each "

@@ -5,6 +5,7 @@ import logging
 
 import keras
 
+from keras_tp.errors import check_count
 from keras_tp.keras_internals import adds_loss_in_call
 from keras_tp.keras_internals import get_keras_mask
 from keras_tp.keras_internals import overrides_compute_loss
@@ -14,7 +15,6 @@ from keras_tp.pipeline.cut_points import candidate_cuts
 from keras_tp.pipeline.cut_points import parameter_sizes
 from keras_tp.pipeline.cut_points import user_cuts
 from keras_tp.pipeline.graph import Dataflow
-from keras_tp.pipeline.schedules import check_counts
 from keras_tp.pipeline.stages import Boundary
 from keras_tp.pipeline.stages import BoundaryTensor
 from keras_tp.pipeline.stages import Stage
@@ -94,7 +94,7 @@ def split_stages(
     # carried, and the residual stream after block 5.
     ```
     """
-    check_counts(num_stages=num_stages)
+    check_count("num_stages", num_stages)
     if balance not in BALANCES:
         raise ValueError(
             f"Unknown balance {balance!r}; supported: "

@@ -6,7 +6,8 @@ microbatches. The forward of microbatch `m` on stage `s` needs it on stage
 import collections
 import itertools
 import math
-import numbers
+
+from keras_tp.errors import check_count
 
 FORWARD = "forward"
 BACKWARD = "backward"
@@ -63,7 +64,8 @@ def one_f_one_b(num_stages, num_microbatches):
 
 def _flushed(num_stages, num_microbatches, warmup):
     # As `one_f_one_b`, with `warmup(s)` warm-up forwards on stage `s`.
-    check_counts(num_stages=num_stages, num_microbatches=num_microbatches)
+    check_count("num_stages", num_stages)
+    check_count("num_microbatches", num_microbatches)
     schedule = []
     for s in range(num_stages):
         first = warmup(s)
@@ -242,7 +244,8 @@ def bubble_fraction(timeline):
 def ideal_bubble(num_stages, num_microbatches):
     """`(P - 1) / (M + P - 1)`: the idle share of GPipe and 1F1B with
     equal stages, whatever the ratio of backward to forward time."""
-    check_counts(num_stages=num_stages, num_microbatches=num_microbatches)
+    check_count("num_stages", num_stages)
+    check_count("num_microbatches", num_microbatches)
     return (num_stages - 1) / (num_microbatches + num_stages - 1)
 
 
@@ -276,15 +279,6 @@ def _dependencies(action, num_stages):
     if s < num_stages - 1:
         needs.append(Action(s + 1, BACKWARD, m))
     return needs
-
-
-def check_counts(**counts):
-    """Raises unless each of `counts` is an int (NumPy's too) >= 1."""
-    for name, value in counts.items():
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int, got {value!r}.")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}.")
 
 
 def _per_stage(value, num_stages, name):

@@ -25,6 +25,7 @@ One pipeline, in one direction:
 import logging
 import warnings
 
+from keras_tp.errors import check_count
 from keras_tp.plan import trace as tracing
 from keras_tp.plan.attention import ATTENTION
 from keras_tp.plan.head_counts import add_head_arguments
@@ -121,10 +122,7 @@ def auto_plan(
             "auto_plan() is missing tensor_parallel, the number of ranks to "
             "split over."
         )
-    if tensor_parallel < 1:
-        raise ValueError(
-            f"tensor_parallel must be >= 1, got {tensor_parallel}."
-        )
+    check_count("tensor_parallel", tensor_parallel)
     trace = tracing.trace_model(model, sample_batch)
     planner = Planner(model, tensor_parallel, trace, layout_map)
     decisions = planner.decide()

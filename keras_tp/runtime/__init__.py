@@ -12,6 +12,7 @@ import importlib
 import keras
 
 from keras_tp.collectives.sequence import warn_without_sequence_axis
+from keras_tp.errors import check_count
 
 _MODULES = {
     "jax": "keras_tp.runtime.jax",
@@ -72,6 +73,5 @@ def configure_virtual_devices(n):
     Args:
         n: number of CPU devices to create.
     """
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}.")
+    check_count("n", n)
     return backend_module().configure_virtual_devices(n)

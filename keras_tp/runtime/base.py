@@ -7,6 +7,7 @@ import time
 import keras
 import numpy as np
 
+from keras_tp.errors import check_count
 from keras_tp.runtime.pieces import CheckpointPieces
 
 logger = logging.getLogger(__name__)
@@ -260,8 +261,7 @@ def select_devices(backend, available, world_size, device_ids):
     else:
         if world_size is None:
             world_size = len(available)
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}.")
+        check_count("world_size", world_size)
         if world_size > len(available):
             raise ValueError(
                 f"world_size={world_size} is larger than the "

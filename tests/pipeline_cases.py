@@ -8,6 +8,7 @@ import warnings
 
 import keras
 import numpy as np
+import pytest
 
 import keras_tp
 from keras_tp.pipeline import bubble_fraction
@@ -502,3 +503,76 @@ def check_masked_predictions(tp_of):
         assert abs(tp_evaluated - evaluated) < 1e-6, (tp_evaluated, evaluated)
         assert abs(logged - expected) < 1e-6, (logged, expected)
         check_unsplit_weights(reference, tp.get_weights())
+
+
+class MeanSquarePenalty(keras.layers.Layer):
+    """Adds a tenth of its input's mean square to the loss (`add_loss` in
+    its `call`), a mean over samples."""
+
+    def call(self, x):
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.square(x)))
+        return x
+
+
+def regularized_mlp():
+    """An MLP whose layers add losses on both sides of its 2-stage cut:
+    weight and activity regularizers, and `MeanSquarePenalty`."""
+    keras.utils.set_random_seed(0)
+    l2 = keras.regularizers.L2(0.01)
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(
+        16,
+        activation="tanh",
+        kernel_regularizer=l2,
+        activity_regularizer=keras.regularizers.L1(0.01),
+        name="first",
+    )(inputs)
+    h = MeanSquarePenalty(name="penalty")(keras.layers.Dense(16)(h))
+    h = keras.layers.Dense(16, activation="tanh", kernel_regularizer=l2)(h)
+    return keras.Model(inputs, keras.layers.Dense(3, name="head")(h))
+
+
+def check_added_losses(tp_of):
+    """Losses the layers of both stages add (regularizers, `add_loss`)
+    enter the loss and the gradients as on one device: `evaluate()`, the
+    logged losses and the weights after two SGD steps, with one
+    micro-batch and with two; with two the `add_loss` layer is named in a
+    warning (each
+    micro-batch computes it on its own samples). Masked predictions with
+    such losses are refused where micro-batches split the batch.
+
+    Args:
+        tp_of: function `(model, num_microbatches) -> TensorParallelKeras`
+            of 2 stages.
+    """
+    split = split_stages(regularized_mlp(), 2)
+    assert "penalty" in split.stages[0].layer_names
+    assert all(stage.model.losses for stage in split.stages)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH, 6)).astype("float32")
+    y = rng.normal(size=(BATCH, 3)).astype("float32")
+    reference = regularized_mlp()
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    evaluated = reference.evaluate(x, y, batch_size=BATCH, verbose=0)
+    expected = [float(reference.train_on_batch(x, y)) for _ in range(2)]
+    for microbatches in (1, 2):
+        tp = tp_of(regularized_mlp(), microbatches)
+        tp.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tp_evaluated = tp.evaluate(x, y, batch_size=BATCH, verbose=0)
+            logged = [float(tp.train_on_batch(x, y)) for _ in range(2)]
+        assert abs(tp_evaluated - evaluated) < 1e-6, (tp_evaluated, evaluated)
+        named = [w for w in caught if "['penalty']" in str(w.message)]
+        data_parallel = tp.get_parallelism_info()["data_parallel"]
+        assert bool(named) == (microbatches * data_parallel > 1)
+        np.testing.assert_allclose(logged, expected, rtol=1e-5)
+        check_unsplit_weights(reference, tp.get_weights())
+    tokens = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(10, 8, mask_zero=True)(tokens)
+    h = keras.layers.Dense(4, kernel_regularizer="l2")(h)
+    tp = tp_of(keras.Model(tokens, h), 2)
+    tp.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    tokens = np.ones((BATCH, 6), "int32")
+    with pytest.raises(ValueError, match="would scale the added losses"):
+        tp.train_on_batch(tokens, np.zeros((BATCH, 6), "int32"))

@@ -24,6 +24,7 @@ from keras import layers  # noqa: E402
 from keras_tp.demo.models import counting_sequences  # noqa: E402
 from keras_tp.demo.models import transformer_lm  # noqa: E402
 from keras_tp.pipeline import split_stages  # noqa: E402
+from tests import pipeline_cases  # noqa: E402
 from tests import zoo  # noqa: E402
 
 SEQ_LEN = 8
@@ -532,39 +533,16 @@ def test_bad_arguments_are_refused(demo_lm):
         split_stages(model, 2, cut_points="block2_ln1")
 
 
-def _between_dense_layers(layer):
-    """A Functional model calling `layer` between two Dense layers."""
-    inputs = keras.Input((4,))
-    h = layer(layers.Dense(4)(inputs))
-    return keras.Model(inputs, layers.Dense(2)(h))
-
-
-def test_losses_added_in_call_are_refused():
-    inputs = keras.Input((4,))
-    h = layers.Dense(4, activity_regularizer="l2", name="regularized")(inputs)
-    model = keras.Model(inputs, layers.Dense(2)(h))
-    with pytest.raises(ValueError, match="'regularized'.*activity"):
-        split_stages(model, 2)
-
-    class AddsLoss(layers.Layer):
-        def call(self, x):
-            self.add_loss(keras.ops.mean(x))
-            return x
-
-    model = _between_dense_layers(AddsLoss(name="adds_loss"))
-    # Read from the layer's `call`, before any run.
-    with pytest.raises(ValueError, match="'adds_loss' .* calls `add_loss`"):
-        split_stages(model, 2)
-
-    class AddsLossElsewhere(layers.Layer):
-        def call(self, x):
-            return self.penalise(x)
-
-        def penalise(self, x):
-            self.add_loss(keras.ops.mean(x))
-            return x
-
-    model = _between_dense_layers(AddsLossElsewhere(name="elsewhere"))
-    model(np.ones((1, 4), "float32"))  # the loss shows after a run
-    with pytest.raises(ValueError, match="seen after its last run"):
-        split_stages(model, 2)
+def test_the_stages_add_the_losses_their_layers_add():
+    # Weight and activity regularizers and an add_loss layer, on both sides
+    # of the cut: the stages' losses add up to the model's.
+    model = pipeline_cases.regularized_mlp()
+    x = np.random.default_rng(0).normal(size=(4, 6)).astype("float32")
+    model(x)
+    expected = sum(float(loss) for loss in model.losses)
+    split = split_stages(model, 2)
+    split.run(x)
+    stages = [stage.model.losses for stage in split.stages]
+    assert all(stages)
+    got = sum(float(loss) for losses in stages for loss in losses)
+    assert abs(got - expected) < 1e-6 * abs(expected), (got, expected)

@@ -250,6 +250,21 @@ def test_sharded_checkpoints_of_stages_load_at_any_layout(tmp_path):
 
 
 @pytest.mark.parametrize("data_parallel", [1, 2])
+def test_losses_the_layers_add_enter_the_loss_and_gradients(data_parallel):
+    # Each stage's regularizers and add_loss enter its passes, a
+    # micro-batch's share each; evaluate() adds them as one device does.
+    pipeline_cases.check_added_losses(
+        lambda model, microbatches: keras_tp.TensorParallelKeras(
+            model,
+            world_size=2 * data_parallel,
+            pipeline_parallel=2,
+            data_parallel=data_parallel,
+            num_microbatches=microbatches,
+        )
+    )
+
+
+@pytest.mark.parametrize("data_parallel", [1, 2])
 def test_a_keras_mask_crosses_the_cut_to_the_loss(data_parallel):
     # evaluate() computes the loss of the whole batch's predictions, with
     # the mask they carry out of the stages' compiled programs; training

@@ -384,6 +384,16 @@ def test_sharded_checkpoints_of_stages_load_at_any_layout(tmp_path):
     assert len(differences) == 3
 
 
+def test_losses_the_layers_add_enter_the_loss_and_gradients():
+    # Each replica records the losses its stage's layers add; evaluate()
+    # adds them as one device does.
+    pipeline_cases.check_added_losses(
+        lambda model, microbatches: _pipelined(
+            model, num_microbatches=microbatches
+        )
+    )
+
+
 def test_a_keras_mask_crosses_the_cut_to_the_loss():
     # evaluate() computes the loss of the whole batch's predictions, with
     # the mask they carry out of the stages' replica steps; training

@@ -209,6 +209,7 @@ def test_refuses_what_it_cannot_run(runs):
         assert "this process group has 2 rank(s)" in messages["ranks"]
         # The refusal every backend shares.
         assert "jit_compile=False" in messages["jit_compile"]
+        assert "stages [0, 1] add losses" in messages["added_losses"]
 
 
 @pytest.fixture(scope="module")

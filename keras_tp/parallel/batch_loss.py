@@ -60,7 +60,9 @@ class GlobalBatchLoss:
         runtime = self._runtime
         compute = super().compute_loss
         if y_pred is not None and _rows_hold_their_own_samples(runtime):
-            _warn_of_added_losses(self.model, runtime.data_parallel)
+            warn_of_added_losses(
+                self.model, f"data_parallel={runtime.data_parallel}"
+            )
             if overrides_compute_loss(self.model):
                 warnings.warn(
                     f"{type(self.model).__name__}.compute_loss runs on each "
@@ -91,25 +93,44 @@ class GlobalBatchLoss:
 _LOSS_ADDING_LAYERS = weakref.WeakKeyDictionary()
 
 
-def _warn_of_added_losses(model, data_parallel):
+def _loss_adding_layers(model):
     if model not in _LOSS_ADDING_LAYERS:
         _LOSS_ADDING_LAYERS[model] = [
             layer.path
             for layer in [model, *sublayers(model)]
             if adds_loss_in_call(layer)
         ]
-    paths = _LOSS_ADDING_LAYERS[model]
+    return _LOSS_ADDING_LAYERS[model]
+
+
+def warn_of_added_losses(model, parts):
+    """Warns where `model`'s layers add losses in their call, which each
+    part of a batch split as `parts` says computes on its own samples."""
+    paths = _loss_adding_layers(model)
     if paths:
         warnings.warn(
             f"Layers {paths} add losses in their call (add_loss: a "
             "mixture-of-experts router's load-balancing loss, say). With "
-            f"data_parallel={data_parallel} each data-parallel row computes "
-            "them on its own samples and the rows' values are averaged, as "
-            "DDP and Megatron do; where such a loss is not a mean over "
-            "samples it differs from one device's. Train with "
-            "data_parallel=1 to match one device.",
+            f"{parts} each part of the batch (a data-parallel row, a "
+            "micro-batch) computes them on its own samples and the parts' "
+            "values are averaged, as DDP and Megatron do; where such a loss "
+            "is not a mean over samples it differs from one device's. Train "
+            "with data_parallel=1 and num_microbatches=1 to match one "
+            "device.",
             stacklevel=3,
         )
+
+
+def adds_losses(model):
+    """Whether calling `model` adds losses to the compiled one: a weight's
+    or a layer output's regularizer, a layer's `add_loss` in its `call`,
+    or a loss its last run added."""
+    layers = [model, *sublayers(model)]
+    return (
+        bool(model.losses)
+        or any(layer.activity_regularizer is not None for layer in layers)
+        or bool(_loss_adding_layers(model))
+    )
 
 
 def _averages_but_for_a_mask(trainer, y_pred):

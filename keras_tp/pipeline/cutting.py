@@ -6,10 +6,8 @@ import logging
 import keras
 
 from keras_tp.errors import check_count
-from keras_tp.keras_internals import adds_loss_in_call
 from keras_tp.keras_internals import get_keras_mask
 from keras_tp.keras_internals import overrides_compute_loss
-from keras_tp.keras_internals import sublayers
 from keras_tp.pipeline.cut_points import automatic_cuts
 from keras_tp.pipeline.cut_points import candidate_cuts
 from keras_tp.pipeline.cut_points import parameter_sizes
@@ -78,8 +76,8 @@ def split_stages(
 
     Raises:
         NotImplementedError: for a subclassed model (its `call` is opaque).
-        ValueError: for bad arguments, or layers that add losses in
-            `call`.
+        ValueError: for bad arguments, or a model that computes its own
+            loss (`compute_loss`).
 
     Example:
 
@@ -127,8 +125,7 @@ def split_stages(
 
 
 def _check_losses(model):
-    """Refuses layers that add losses in `call`, which a stage cannot
-    return, and a loss of the model's own, which no stage can compute."""
+    """Refuses a loss of the model's own, which no stage can compute."""
     if overrides_compute_loss(model):
         raise ValueError(
             f"Model '{model.name}' computes its loss in its own "
@@ -137,36 +134,6 @@ def _check_losses(model):
             "loss from the outputs with the loss given to compile(). Train "
             "this model without pipeline_parallel (tensor and data "
             "parallelism run its own loss)."
-        )
-    for layer in [model] + list(sublayers(model)):
-        if getattr(layer, "activity_regularizer", None) is not None:
-            raise ValueError(
-                f"Layer '{layer.name}' of model '{model.name}' has an "
-                "activity regularizer, which adds a loss during `call`; "
-                "pipeline stages do not pass such losses on. Remove it "
-                "(or regularize the weights instead) before splitting."
-            )
-        if adds_loss_in_call(layer):
-            raise ValueError(
-                f"Layer '{layer.name}' of model '{model.name}' calls "
-                "`add_loss` in its `call` (a mixture-of-experts router's "
-                "auxiliary loss, say); pipeline stages do not pass such "
-                "losses on, and each micro-batch would compute its own. "
-                "Train this model without pipeline_parallel (tensor and "
-                "data parallelism handle it), or compute that loss from "
-                "the model's outputs instead."
-            )
-    regularized = sum(
-        1
-        for weight in model.trainable_weights
-        if getattr(weight, "regularizer", None) is not None
-    )
-    if len(model.losses) > regularized:
-        raise ValueError(
-            f"Model '{model.name}' has losses added by `add_loss` in a "
-            "layer's `call` (seen after its last run); pipeline stages do "
-            "not pass such losses on. Compute that loss from the model's "
-            "outputs instead, before splitting."
         )
 
 

@@ -7,12 +7,15 @@ import warnings
 
 import keras
 import numpy as np
+from keras import ops
 
 from keras_tp.keras_internals import compiled_loss
 from keras_tp.keras_internals import sublayers
 from keras_tp.parallel.batch_loss import MEAN_REDUCTIONS
+from keras_tp.parallel.batch_loss import adds_losses
 from keras_tp.parallel.batch_loss import averages_over_rows
 from keras_tp.parallel.batch_loss import kept_fraction
+from keras_tp.parallel.batch_loss import warn_of_added_losses
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.cutting import split_stages
 from keras_tp.pipeline.ownership import WeightOwners
@@ -77,6 +80,10 @@ class PipelineRuntime(Runtime):
         self.owners = WeightOwners(self.stage_models, model)
         self.stage_of = self.owners.stage_of
         self.shared_stages = self.owners.shared_stages
+        _check_shared_regularizers(model, self.shared_stages)
+        # Whether each stage's layers add losses (regularizers, add_loss),
+        # which its passes add, per micro-batch, to the compiled loss.
+        self.adding_stages = [adds_losses(m) for m in self.stage_models]
         self.placement = Placement(self.tensor_parallel, 1, self)
         self.stats = CommunicationStats()
         self.device_mesh = keras.distribution.DeviceMesh(
@@ -241,6 +248,12 @@ class PipelineRuntime(Runtime):
         """
         loss = self._compiled_loss()
         split = num_microbatches * self.data_parallel > 1
+        if split:
+            warn_of_added_losses(
+                self.split.model,
+                f"num_microbatches={num_microbatches} and "
+                f"data_parallel={self.data_parallel}",
+            )
 
         def microbatch_loss(targets, y_pred):
             y, weights = weighted(targets)
@@ -248,9 +261,33 @@ class PipelineRuntime(Runtime):
             fraction = kept_fraction(y_pred, split)
             if fraction is None:
                 return value, None
+            if not split:
+                # The one micro-batch's masked mean is the batch's.
+                return value, keras.ops.ones(())
+            if any(self.adding_stages):
+                raise ValueError(_MASKED_AND_ADDED)
             return value * fraction, fraction
 
         return microbatch_loss
+
+    def added_share(self, stage, losses, num_microbatches):
+        """A micro-batch's share of the `losses` stage `stage`'s layers
+        added in its call (Keras' `model.losses`, each summed as Keras
+        sums them), `None` without any: the micro-batches' shares add up
+        to a weight's penalty once, and to the batch's mean of a mean over
+        samples (Keras divides an activity penalty by the batch size)."""
+        if losses and not self.adding_stages[stage]:
+            raise ValueError(
+                f"Layers of pipeline stage {stage} added "
+                f"{len(losses)} loss(es) in a call that keras_tp did not "
+                "foresee (an add_loss outside a layer's `call` method): "
+                "their gradients would be lost. Call add_loss in the "
+                "layer's own `call`."
+            )
+        if not losses:
+            return None
+        total = sum(ops.sum(ops.cast(loss, "float32")) for loss in losses)
+        return total / num_microbatches
 
     def _compiled_loss(self):
         loss = compiled_loss(self.trainer)
@@ -261,10 +298,11 @@ class PipelineRuntime(Runtime):
             )
         return loss
 
-    def whole_batch_loss(self, targets, y_pred):
+    def whole_batch_loss(self, targets, y_pred, added=None):
         """The loss of the whole batch's predictions `y_pred` (`evaluate()`
         on JAX and TensorFlow), as one device's where they carry the Keras
-        masks of the model's outputs; `targets` as `unpacked` makes them."""
+        masks of the model's outputs; `targets` as `unpacked` makes them,
+        `added` the losses the stages' layers added (`None` for none)."""
         model_masks = carried_masks(self.stage_models[-1].outputs)
         if model_masks.keys() - carried_masks(y_pred).keys():
             warnings.warn(
@@ -275,7 +313,8 @@ class PipelineRuntime(Runtime):
                 stacklevel=3,
             )
         y, weights = weighted(targets)
-        return self._compiled_loss()(y, y_pred, weights)
+        loss = self._compiled_loss()(y, y_pred, weights)
+        return loss if added is None else loss + added
 
     @staticmethod
     def unpacked(data):
@@ -365,10 +404,27 @@ def _check_layers(model):
                 "it (`layer.trainable = False` uses the moving statistics) "
                 "or use LayerNormalization or GroupNormalization."
             )
-    if model.losses:
-        raise ValueError(
-            f"Model '{model.name}' has {len(model.losses)} regularization "
-            "or add_loss() losses, which pipeline_parallel does not add "
-            "yet. Remove the layers' kernel/bias regularizers (use AdamW's "
-            "weight_decay instead)."
-        )
+
+
+def _check_shared_regularizers(model, shared_stages):
+    """Refuses a regularizer on a weight several stages hold (a tied
+    embedding), whose penalty each would add."""
+    for variable in model.trainable_weights:
+        if variable.regularizer is not None and id(variable) in shared_stages:
+            raise ValueError(
+                f"Weight '{variable.path}' has a regularizer and pipeline "
+                f"stages {shared_stages[id(variable)]} all use it (a tied "
+                "embedding), so each would add its penalty. Remove the "
+                "regularizer (AdamW's weight_decay decays it once) or cut "
+                "the model where one stage holds all its calls."
+            )
+
+
+_MASKED_AND_ADDED = (
+    "The predictions carry a Keras mask and the model's layers add losses "
+    "(regularizers, add_loss): a pipeline scales its micro-batches' "
+    "gradients by their shares of unmasked entries, known once every "
+    "micro-batch has run, and would scale the added losses' too. Pass "
+    "num_microbatches=1 and data_parallel=1, or use AdamW's weight_decay "
+    "instead of the regularizers."
+)

@@ -268,6 +268,10 @@ def refusals(loss):
         tp.compile(optimizer="adam", loss=loss, jit_compile=True)
     except ValueError as e:
         messages["jit_compile"] = str(e)
+    try:
+        _pipelined(pipeline_cases.regularized_mlp(), "1f1b", loss)
+    except NotImplementedError as e:
+        messages["added_losses"] = str(e)
     return _gathered(messages)
 
 

@@ -116,8 +116,10 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
     def test_step(self, state, data):
         trainable, non_trainable, metrics = state
         x, targets = self.unpacked(data)
-        y_pred, non_trainable = self._infer(trainable, non_trainable, x)
-        loss = self.whole_batch_loss(targets, y_pred)
+        stages = self._stages(x, trainable, non_trainable, training=False)
+        y_pred = run_forward(stages, x)
+        non_trainable = self._merged(non_trainable, stages.non_trainable)
+        loss = self.whole_batch_loss(targets, y_pred, stages.added_loss())
         y, weights = weighted(targets)
         logs, metrics = jax_update_metrics(
             self.trainer, metrics, loss, x, y, y_pred, weights

@@ -13,6 +13,7 @@ from keras_tp.collectives.jax import counted_jit
 from keras_tp.collectives.jax import signature
 from keras_tp.keras_internals import local_shapes
 from keras_tp.parallel.batch_loss import fraction_scale
+from keras_tp.pipeline import schedules
 from keras_tp.pipeline.executor import StagePrimitives
 from keras_tp.pipeline.executor import concatenated
 from keras_tp.pipeline.executor import join_rows
@@ -55,6 +56,7 @@ class StagePrograms:
         )
         self.num_microbatches = num_microbatches
         self.last = len(self.stage_models) - 1
+        self.adding_stages = pipeline.adding_stages
         self.clock = clock
         self._programs = {}
         # How to rebuild a forward pass's VJP from its kept residuals, by
@@ -98,6 +100,10 @@ class StagePrograms:
     def _from_rows(self, tree):
         return jax.tree.map(lambda a: a[0], tree) if self.per_device else tree
 
+    def _added_rows(self, added):
+        # A stage's added losses leave a program only where it adds any.
+        return None if added is None else self._rows(added)
+
     def _specs(self, stage):
         # Of `(trainable, non_trainable, inputs, targets)`.
         spec = self.runtimes[stage].variable_spec
@@ -139,9 +145,11 @@ class StagePrograms:
         """Stage `index`'s forward pass: `(outputs, new non-trainable
         values)` for inference; for training `(outputs, or the last stage's
         share of the loss; kept residuals; new non-trainable values; the
-        last stage's predictions)`."""
+        last stage's predictions, else the share of the losses its layers
+        added, where they add any)`."""
         model = self.stage_models[index]
         last = index == self.last
+        adding = self.adding_stages[index]
 
         def local(trainable, non_trainable, inputs, targets=None):
             inputs, leaves = self._arguments(
@@ -149,31 +157,47 @@ class StagePrograms:
             )
             if not training:
                 with self._traced(index):
-                    outputs, new_non_trainable = model.stateless_call(
-                        trainable, non_trainable, inputs, training=False
+                    outputs, new_non_trainable, losses = model.stateless_call(
+                        trainable,
+                        non_trainable,
+                        inputs,
+                        training=False,
+                        return_losses=True,
                     )
                 if last:
                     outputs = (outputs, carried_masks(outputs))
                 else:
                     outputs = self._rows(outputs)
-                return outputs, new_non_trainable
+                added = self.pipeline.added_share(index, losses, 1)
+                return outputs, new_non_trainable, self._added_rows(added)
             floats, rebuild = _floats(inputs)
 
             def stage(trainable, floats):
-                outputs, new_non_trainable = model.stateless_call(
-                    trainable, non_trainable, rebuild(floats), training=True
+                outputs, new_non_trainable, losses = model.stateless_call(
+                    trainable,
+                    non_trainable,
+                    rebuild(floats),
+                    training=True,
+                    return_losses=True,
                 )
+                added = self.pipeline.added_share(index, losses, 1)
                 if not last:
                     floats = _floats(outputs)[0]
-                    return floats, (new_non_trainable, outputs, None)
+                    if not adding:
+                        return floats, (new_non_trainable, outputs, None)
+                    added = jax.numpy.zeros(()) if added is None else added
+                    share = added / self.num_microbatches
+                    return (floats, share), (new_non_trainable, outputs, added)
                 # Each micro-batch's share of the batch's mean loss; the
                 # predictions ride along for the metrics.
                 loss, fraction = self.loss(targets, outputs)
+                if added is not None:
+                    loss = loss + added
                 loss = loss / self.num_microbatches
                 return loss, (new_non_trainable, outputs, fraction)
 
             with self._traced(index):
-                primal, vjp, (new_non_trainable, outputs, fraction) = jax.vjp(
+                primal, vjp, (new_non_trainable, outputs, extra) = jax.vjp(
                     stage, trainable, floats, has_aux=True
                 )
             residuals, treedef = jax.tree.flatten(vjp)
@@ -184,17 +208,20 @@ class StagePrograms:
                 [r for r, s in zip(residuals, sources) if s is None]
             )
             if last:
-                sent = self._rows((primal, fraction))
+                sent = self._rows((primal, extra))
                 return sent, kept, new_non_trainable, outputs
-            return self._rows(outputs), kept, new_non_trainable, None
+            added = self._added_rows(extra)
+            return self._rows(outputs), kept, new_non_trainable, added
 
         specs = self._specs(index)
         # The last stage's outputs (its predictions) and its share of the
         # loss are whole on each replica's devices.
         sent_spec = DATA if last else ROWS
+        added_spec = ROWS if adding else None
         if not training:
-            return self._mapped(index, local, specs[:3], (sent_spec, specs[1]))
-        out_specs = (sent_spec, ROWS, specs[1], DATA if last else None)
+            out_specs = (sent_spec, specs[1], added_spec)
+            return self._mapped(index, local, specs[:3], out_specs)
+        out_specs = (sent_spec, ROWS, specs[1], DATA if last else added_spec)
         return self._mapped(index, local, specs, out_specs)
 
     def _backward_of(self, index):
@@ -212,9 +239,13 @@ class StagePrograms:
                 treedef,
                 [next(kept) if s is None else leaves[s] for s in sources],
             )
-            gradients, input_gradients = vjp(
-                np.float32(1.0) if last else self._from_rows(cotangent)
-            )
+            if last:
+                cotangent = np.float32(1.0)
+            elif self.adding_stages[index]:
+                cotangent = (self._from_rows(cotangent), np.float32(1.0))
+            else:
+                cotangent = self._from_rows(cotangent)
+            gradients, input_gradients = vjp(cotangent)
             input_gradients = self._rows(input_gradients) if index else None
             return self._rows(gradients), input_gradients
 
@@ -240,6 +271,10 @@ class JaxStages(StagePrimitives):
         self.gradients = [None] * self.num_stages
         # Of the gradients, where masked predictions set one (`joined`).
         self.gradient_scale = None
+        # Per stage and micro-batch, the losses its layers added (in
+        # training, but for the last stage's, in its share of the loss),
+        # one row per device (`added_loss`).
+        self.added = []
         self._residuals = {}
 
     def microbatches(self, x, y):
@@ -260,7 +295,11 @@ class JaxStages(StagePrimitives):
         program = self.programs.program("forward", stage)
         outputs, kept, self.non_trainable[stage], predicted = program(*args)
         self._residuals[stage, m] = (args, kept)
-        return outputs, predicted
+        if stage == self.num_stages - 1:
+            return outputs, predicted
+        if predicted is not None:
+            self.added.append(predicted)
+        return outputs, None
 
     def backward(self, stage, m, cotangent):
         args, kept = self._residuals.pop((stage, m))
@@ -288,10 +327,25 @@ class JaxStages(StagePrimitives):
 
     def infer(self, stage, inputs):
         program = self.programs.program("infer", stage)
-        outputs, self.non_trainable[stage] = program(
+        outputs, self.non_trainable[stage], added = program(
             *self._values(stage, inputs)
         )
+        if added is not None:
+            self.added.append(added)
         return outputs
+
+    def added_loss(self):
+        """The batch's share of the losses in `added`, on the last stage's
+        devices: each micro-batch's mean over the replicas, averaged over
+        the micro-batches; `None` without any."""
+        if not self.added:
+            return None
+        last = self.num_stages - 1
+        means = [
+            self.send(jax.numpy.mean(added), last, schedules.FORWARD)
+            for added in self.added
+        ]
+        return sum(means[1:], means[0]) / self.count
 
     def joined(self, losses, predictions):
         # Each replica's loss is its slice's; the batch's is their mean.
@@ -299,6 +353,8 @@ class JaxStages(StagePrimitives):
         if losses:
             shares = [share for share, _ in losses]
             loss = jax.numpy.mean(sum(shares[1:], shares[0]))
+            if self.added:
+                loss = loss + self.added_loss()
             self.gradient_scale = fraction_scale([f for _, f in losses])
             if self.gradient_scale is not None:
                 loss = loss * self.gradient_scale

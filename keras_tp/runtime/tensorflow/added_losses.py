@@ -44,14 +44,21 @@ def recorded(model):
 def replica_total(model, added):
     """The sum of the losses `added` in this replica and of the
     regularizer penalties of `model`'s weights, as one float32 scalar."""
-    penalties = [
+    terms = [
+        tf.cast(tf.reduce_sum(loss), tf.float32)
+        for loss in added + penalties(model)
+    ]
+    return tf.add_n(terms) if terms else tf.zeros(())
+
+
+def penalties(model):
+    """The regularizer penalties of `model`'s weights, as this replica
+    reads them."""
+    return [
         variable.regularizer(variable)
         for variable in model.trainable_weights
         if variable.regularizer is not None
     ]
-    terms = [tf.cast(tf.reduce_sum(loss), tf.float32) for loss in added]
-    terms += [tf.cast(penalty, tf.float32) for penalty in penalties]
-    return tf.add_n(terms) if terms else tf.zeros(())
 
 
 def _record_added_losses(layer):

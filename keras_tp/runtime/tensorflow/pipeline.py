@@ -152,8 +152,10 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
 
     def test_step(self, data):
         x, targets = self.unpacked(data)
-        y_pred = self._forward(x)
-        loss = self.whole_batch_loss(targets, y_pred)
+        stages = self._stages_of(x)
+        self.refresh_copies()
+        y_pred = stages.predict(x)
+        loss = self.whole_batch_loss(targets, y_pred, stages.added_loss())
         return self._logs(x, targets, loss, y_pred)
 
     def predict_step(self, data):

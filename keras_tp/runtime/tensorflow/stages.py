@@ -11,6 +11,7 @@ from keras_tp.pipeline.executor import join_rows
 from keras_tp.pipeline.executor import run_forward
 from keras_tp.pipeline.executor import run_schedule
 from keras_tp.pipeline.executor import split_rows
+from keras_tp.runtime.tensorflow import added_losses
 from keras_tp.tensors import carried_masks
 from keras_tp.tensors import nbytes
 
@@ -34,6 +35,7 @@ class TensorFlowStages(StagePrimitives):
         self.stats = pipeline.stats
         self.tensor_parallel = pipeline.tensor_parallel
         self.data_parallel = pipeline.data_parallel
+        self.adding_stages = pipeline.adding_stages
         self.order = schedules.issue_order(
             pipeline.schedule, self.num_stages, num_microbatches
         )
@@ -43,6 +45,9 @@ class TensorFlowStages(StagePrimitives):
         """`(loss, y_pred)` of `run_schedule` on one batch."""
         self._tapes, self.gradients, self._ends, self.times = {}, {}, {}, []
         self._previous = [[] for _ in self.stage_models]
+        # Per stage and micro-batch where its layers add losses, each
+        # replica's sum of them (`added_loss`).
+        self._added = []
         # Of the gradients, where masked predictions set one (`joined`).
         self.gradient_scale = None
         result = run_schedule(self, self.order, x, y)
@@ -64,6 +69,7 @@ class TensorFlowStages(StagePrimitives):
     def predict(self, x, training=False):
         """`run_forward` of the batch `x`."""
         self._training = training
+        self._added = []
         return run_forward(self, x)
 
     def microbatches(self, x, y):
@@ -75,6 +81,7 @@ class TensorFlowStages(StagePrimitives):
 
     def forward(self, stage, m, inputs, target):
         runtime = self.runtimes[stage]
+        adding = self.adding_stages[stage]
         with self._issued(stage, schedules.FORWARD, m, inputs) as done:
             started = self.times[-1][0]
 
@@ -86,11 +93,21 @@ class TensorFlowStages(StagePrimitives):
                     )
                 with tf.GradientTape() as tape:
                     tape.watch(floating(received))
-                    outputs = self._call(stage, received, True)
-                self._tapes[stage, m, replica] = (tape, received, outputs)
-                return outputs
+                    outputs, added = self._added_call(stage, received, True)
+                    share = added / self.num_microbatches if adding else None
+                self._tapes[stage, m, replica] = (
+                    tape,
+                    received,
+                    [*floating(outputs), share] if adding else outputs,
+                )
+                return (outputs, added) if adding else outputs
 
-            outputs = predicted = self._replica_results(stage, forward)
+            outputs = self._replica_results(stage, forward)
+            if adding:
+                outputs, added = map(list, zip(*outputs))
+                self._added.append(added)
+                done.extend(added)
+            predicted = outputs
             if target is None:
                 predicted = None
             else:
@@ -106,6 +123,8 @@ class TensorFlowStages(StagePrimitives):
             started = self.times[-1][0]
             if cotangent is None:
                 cotangent = self._loss_cotangents.pop(m)
+            # The gradient of a stage's added losses' share is 1.
+            added = [tf.ones(())] if self.adding_stages[stage] else []
 
             def backward():
                 replica = runtime.replica_id()
@@ -115,7 +134,7 @@ class TensorFlowStages(StagePrimitives):
                     grads = tape.gradient(
                         floating(outputs),
                         [*variables, *sources],
-                        output_gradients=cotangent[replica],
+                        output_gradients=[*cotangent[replica], *added],
                     )
                 self._accumulate((stage, replica), variables, grads)
                 # An input the outputs do not depend on gets a zero
@@ -138,14 +157,46 @@ class TensorFlowStages(StagePrimitives):
 
     def infer(self, stage, inputs):
         replica_id = self.runtimes[stage].replica_id
+        adding = self.adding_stages[stage]
 
         def call():
-            outputs = self._call(stage, inputs[replica_id()], self._training)
-            if stage < self.num_stages - 1:
-                return outputs
-            return outputs, carried_masks(outputs)
+            received = inputs[replica_id()]
+            outputs, added = self._added_call(stage, received, self._training)
+            if stage == self.num_stages - 1:
+                outputs = (outputs, carried_masks(outputs))
+            return (outputs, added) if adding else outputs
 
-        return self._replica_results(stage, call)
+        outputs = self._replica_results(stage, call)
+        if adding:
+            outputs, added = map(list, zip(*outputs))
+            self._added.append(added)
+        return outputs
+
+    def added_loss(self):
+        """The batch's share of the losses the stages' layers added in the
+        last step: each micro-batch's mean over the replicas, averaged
+        over the micro-batches; `None` without any."""
+        if not self._added:
+            return None
+        means = [
+            tf.add_n(sent) / len(sent)
+            for sent in (
+                self.send(added, self.num_stages - 1, "forward")
+                for added in self._added
+            )
+        ]
+        return tf.add_n(means) / self.num_microbatches
+
+    def _added_call(self, stage, inputs, training):
+        """`(outputs, losses added)` of a replica's call of `stage`: the sum
+        of the losses its layers add and of its weights' penalties
+        (`PipelineRuntime.added_share`), zero where it adds none."""
+        model = self.stage_models[stage]
+        with added_losses.recorded(model) as added:
+            outputs = self._call(stage, inputs, training)
+        losses = added + added_losses.penalties(model)
+        total = self.pipeline.added_share(stage, losses, 1)
+        return outputs, tf.zeros(()) if total is None else total
 
     def joined(self, losses, predictions):
         # Each row's loss is the mean over its equal slice of the batch,
@@ -154,6 +205,8 @@ class TensorFlowStages(StagePrimitives):
         if losses:
             rows = [row for micro in losses for row in micro]
             loss = tf.add_n([share for share, _ in rows]) / self.data_parallel
+            if self._added:
+                loss = loss + self.added_loss()
             self.gradient_scale = fraction_scale([f for _, f in rows])
             if self.gradient_scale is not None:
                 loss = loss * self.gradient_scale

@@ -67,6 +67,15 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         self.rank = dist.get_rank()
         self.device = this_device()
         super().__init__(model, config)
+        adding = [s for s, adds in enumerate(self.adding_stages) if adds]
+        if adding:
+            raise NotImplementedError(
+                f"Layers of pipeline stages {adding} add losses (weight or "
+                "activity regularizers, add_loss), which torch pipelines do "
+                "not pass on yet (JAX and TensorFlow pipelines do). Remove "
+                "the regularizers (AdamW's weight_decay decays the weights), "
+                "or train with pipeline_parallel=1."
+            )
         shape = {
             "data": data_parallel,
             "pipe": pipeline_parallel,

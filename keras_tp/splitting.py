@@ -10,6 +10,7 @@ from keras_tp import partial_gradients
 from keras_tp import regions
 from keras_tp import split_regularizers
 from keras_tp.errors import ShardingError
+from keras_tp.keras_internals import clear_added_losses
 from keras_tp.keras_internals import own_variables
 from keras_tp.keras_internals import sublayers
 from keras_tp.parallel import batch_statistics
@@ -126,6 +127,9 @@ def split_model(model, plan, runtime, trainer):
     its split layers through the runtime, and prepares `trainer` (the
     `TensorParallelKeras`) to run the steps."""
     axes = {id(variable): axis for variable, axis in plan.split_variables()}
+    # The losses of the last call (the planner's trace) would keep its
+    # graph, and the whole weights, alive.
+    clear_added_losses(model)
     runtime.equalize_values(model.variables)
     for variable in model.variables:
         runtime.placement.place(variable, axes.get(id(variable)))

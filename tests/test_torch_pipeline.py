@@ -200,6 +200,13 @@ def test_a_keras_mask_crosses_the_cut_to_the_loss(runs):
     assert runs["masked"] == [True, True]
 
 
+def test_losses_the_layers_add_enter_the_loss_and_gradients(runs):
+    # `pipeline_cases.check_added_losses` asserted evaluate(), the losses
+    # and the weights on every rank: each stage's layers' losses join its
+    # backward pass, and their shares are summed over `pipe` for the loss.
+    assert runs["added"] == [True, True]
+
+
 def test_refuses_what_it_cannot_run(runs):
     for messages in runs["refusals"]:
         assert (
@@ -209,7 +216,6 @@ def test_refuses_what_it_cannot_run(runs):
         assert "this process group has 2 rank(s)" in messages["ranks"]
         # The refusal every backend shares.
         assert "jit_compile=False" in messages["jit_compile"]
-        assert "stages [0, 1] add losses" in messages["added_losses"]
 
 
 @pytest.fixture(scope="module")
@@ -248,6 +254,10 @@ def test_replicas_weigh_masked_means_by_their_unmasked_entries(four_ranks):
     # weights on every rank: the replicas' last stages sum their
     # micro-batches' shares of unmasked entries over `data`.
     assert four_ranks["replicas_masked"] == [True] * 4
+
+
+def test_replicas_add_their_stages_added_losses(four_ranks):
+    assert four_ranks["replicas_added"] == [True] * 4
 
 
 def test_replicas_average_their_stage_gradients(replicas):

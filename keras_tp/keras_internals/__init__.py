@@ -33,6 +33,7 @@ from keras_tp.keras_internals.layers import added_loss_count
 from keras_tp.keras_internals.layers import adds_loss_in_call
 from keras_tp.keras_internals.layers import attention_projections
 from keras_tp.keras_internals.layers import batch_moments
+from keras_tp.keras_internals.layers import clear_added_losses
 from keras_tp.keras_internals.layers import draw_from_state
 from keras_tp.keras_internals.layers import get_keras_mask
 from keras_tp.keras_internals.layers import own_seed_generators
@@ -94,6 +95,7 @@ __all__ = [
     "UpdatesThroughAssign",
     "added_loss_count",
     "adds_loss_in_call",
+    "clear_added_losses",
     "attach_trainer_state",
     "attention_projections",
     "backend_free_add_variable_from_reference",

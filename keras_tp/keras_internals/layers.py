@@ -44,6 +44,13 @@ def take_added_losses(layer, count):
     return added
 
 
+def clear_added_losses(model):
+    """Drops the losses `add_loss` recorded in `model`'s last call, which
+    hold that call's autograd graph on torch (Keras clears them at the
+    next call anyway)."""
+    model._clear_losses()
+
+
 def added_loss_count(layer):
     """The number of losses in `layer`'s own `add_loss` list."""
     return len(layer._losses)

@@ -84,6 +84,11 @@ class PipelineRuntime(Runtime):
         # Whether each stage's layers add losses (regularizers, add_loss),
         # which its passes add, per micro-batch, to the compiled loss.
         self.adding_stages = [adds_losses(m) for m in self.stage_models]
+        # Whether the loss weighs micro-batches by their masks' fractions.
+        outputs = self.stage_models[-1].outputs
+        self.masked_predictions = len(outputs) == 1 and bool(
+            carried_masks(outputs)
+        )
         self.placement = Placement(self.tensor_parallel, 1, self)
         self.stats = CommunicationStats()
         self.device_mesh = keras.distribution.DeviceMesh(
@@ -248,6 +253,8 @@ class PipelineRuntime(Runtime):
         """
         loss = self._compiled_loss()
         split = num_microbatches * self.data_parallel > 1
+        if split and self.masked_predictions and any(self.adding_stages):
+            raise ValueError(_MASKED_AND_ADDED)
         if split:
             warn_of_added_losses(
                 self.split.model,
@@ -264,18 +271,17 @@ class PipelineRuntime(Runtime):
             if not split:
                 # The one micro-batch's masked mean is the batch's.
                 return value, keras.ops.ones(())
-            if any(self.adding_stages):
-                raise ValueError(_MASKED_AND_ADDED)
             return value * fraction, fraction
 
         return microbatch_loss
 
-    def added_share(self, stage, losses, num_microbatches):
-        """A micro-batch's share of the `losses` stage `stage`'s layers
-        added in its call (Keras' `model.losses`, each summed as Keras
-        sums them), `None` without any: the micro-batches' shares add up
-        to a weight's penalty once, and to the batch's mean of a mean over
-        samples (Keras divides an activity penalty by the batch size)."""
+    def added_total(self, stage, losses):
+        """The sum of the `losses` stage `stage`'s layers added in a call
+        (Keras' `model.losses`, each summed as Keras sums them), `None`
+        without any. A micro-batch's passes add `1 / num_microbatches` of
+        it: the shares add up to a weight's penalty once, and to the
+        batch's mean of a mean over samples (Keras divides an activity
+        penalty by the batch size)."""
         if losses and not self.adding_stages[stage]:
             raise ValueError(
                 f"Layers of pipeline stage {stage} added "
@@ -286,8 +292,7 @@ class PipelineRuntime(Runtime):
             )
         if not losses:
             return None
-        total = sum(ops.sum(ops.cast(loss, "float32")) for loss in losses)
-        return total / num_microbatches
+        return sum(ops.sum(ops.cast(loss, "float32")) for loss in losses)
 
     def _compiled_loss(self):
         loss = compiled_loss(self.trainer)

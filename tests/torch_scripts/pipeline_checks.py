@@ -35,8 +35,8 @@ REPLICA_MICROBATCHES = 2
 
 def all_runs(directory):
     """`mlp_run` of each schedule, next to one device's `reference`,
-    `backbone_run`, `causal_lm_run`, `masked_run`, `refusals` and
-    `resumed_run`;
+    `backbone_run`, `causal_lm_run`, `masked_run`, `added_run`,
+    `refusals` and `resumed_run`;
     every rank's results.
 
     Args:
@@ -65,6 +65,7 @@ def all_runs(directory):
         "tensor_parallel_backbone": tensor_parallel_backbone_run(),
         "causal_lm": causal_lm_run(),
         "masked": masked_run(),
+        "added": added_run(),
         "refusals": refusals(loss),
         "resumed": resumed_run(os.path.join(directory, "backup")),
     }
@@ -113,6 +114,22 @@ def masked_run(data_parallel=1):
     `data_parallel` replicas (it asserts evaluate(), the loss and the
     weights): whether each rank got through it."""
     pipeline_cases.check_masked_predictions(
+        lambda model, microbatches: keras_tp.TensorParallelKeras(
+            model,
+            world_size=STAGES * data_parallel,
+            pipeline_parallel=STAGES,
+            data_parallel=data_parallel,
+            num_microbatches=microbatches,
+        )
+    )
+    return _gathered(True)
+
+
+def added_run(data_parallel=1):
+    """`pipeline_cases.check_added_losses` on 2 stages of `data_parallel`
+    replicas (it asserts evaluate(), the losses and the weights): whether
+    each rank got through it."""
+    pipeline_cases.check_added_losses(
         lambda model, microbatches: keras_tp.TensorParallelKeras(
             model,
             world_size=STAGES * data_parallel,
@@ -268,10 +285,6 @@ def refusals(loss):
         tp.compile(optimizer="adam", loss=loss, jit_compile=True)
     except ValueError as e:
         messages["jit_compile"] = str(e)
-    try:
-        _pipelined(pipeline_cases.regularized_mlp(), "1f1b", loss)
-    except NotImplementedError as e:
-        messages["added_losses"] = str(e)
     return _gathered(messages)
 
 
@@ -353,8 +366,9 @@ def _one_batch_error(loss, x, y, zero_stage):
 def four_rank_runs(directory):
     """`replicated_run` (DDP and ZeRO-1), `tensor_parallel_run`,
     `split_cut_run`, checkpoint round trips of 2 tensor-parallel stages
-    and of 2 replicas of 2 stages with ZeRO-1, and `masked_run` of 2
-    replicas, in one launch of 4 ranks; every rank's results of each.
+    and of 2 replicas of 2 stages with ZeRO-1, and `masked_run` and
+    `added_run` of 2 replicas, in one launch of 4 ranks; every rank's
+    results of each.
 
     Args:
         directory: where `tensor_parallel_run` saves its model and the
@@ -386,6 +400,7 @@ def four_rank_runs(directory):
             dist.get_rank(),
         ),
         "replicas_masked": masked_run(data_parallel=REPLICAS),
+        "replicas_added": added_run(data_parallel=REPLICAS),
     }
 
 

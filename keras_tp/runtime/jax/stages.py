@@ -151,36 +151,38 @@ class StagePrograms:
         last = index == self.last
         adding = self.adding_stages[index]
 
+        def called(trainable, non_trainable, inputs, training):
+            # `(outputs, new non-trainable values, the losses added)`.
+            outputs, new_non_trainable, losses = model.stateless_call(
+                trainable,
+                non_trainable,
+                inputs,
+                training=training,
+                return_losses=True,
+            )
+            added = self.pipeline.added_total(index, losses)
+            return outputs, new_non_trainable, added
+
         def local(trainable, non_trainable, inputs, targets=None):
             inputs, leaves = self._arguments(
                 index, trainable, non_trainable, inputs, targets
             )
             if not training:
                 with self._traced(index):
-                    outputs, new_non_trainable, losses = model.stateless_call(
-                        trainable,
-                        non_trainable,
-                        inputs,
-                        training=False,
-                        return_losses=True,
+                    outputs, new_non_trainable, added = called(
+                        trainable, non_trainable, inputs, False
                     )
                 if last:
                     outputs = (outputs, carried_masks(outputs))
                 else:
                     outputs = self._rows(outputs)
-                added = self.pipeline.added_share(index, losses, 1)
                 return outputs, new_non_trainable, self._added_rows(added)
             floats, rebuild = _floats(inputs)
 
             def stage(trainable, floats):
-                outputs, new_non_trainable, losses = model.stateless_call(
-                    trainable,
-                    non_trainable,
-                    rebuild(floats),
-                    training=True,
-                    return_losses=True,
+                outputs, new_non_trainable, added = called(
+                    trainable, non_trainable, rebuild(floats), True
                 )
-                added = self.pipeline.added_share(index, losses, 1)
                 if not last:
                     floats = _floats(outputs)[0]
                     if not adding:

@@ -190,12 +190,12 @@ class TensorFlowStages(StagePrimitives):
     def _added_call(self, stage, inputs, training):
         """`(outputs, losses added)` of a replica's call of `stage`: the sum
         of the losses its layers add and of its weights' penalties
-        (`PipelineRuntime.added_share`), zero where it adds none."""
+        (`PipelineRuntime.added_total`), zero where it adds none."""
         model = self.stage_models[stage]
         with added_losses.recorded(model) as added:
             outputs = self._call(stage, inputs, training)
         losses = added + added_losses.penalties(model)
-        total = self.pipeline.added_share(stage, losses, 1)
+        total = self.pipeline.added_total(stage, losses)
         return outputs, tf.zeros(()) if total is None else total
 
     def joined(self, losses, predictions):

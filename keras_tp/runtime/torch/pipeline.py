@@ -25,7 +25,6 @@ from keras_tp.runtime.torch.devices import this_device
 from keras_tp.runtime.torch.stage_storage import StageStorage
 from keras_tp.runtime.torch.stages import TorchPipeline
 from keras_tp.runtime.torch.storage import RankProcess
-from keras_tp.tensors import carried_masks
 from keras_tp.tensors import nbytes
 
 
@@ -67,15 +66,6 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         self.rank = dist.get_rank()
         self.device = this_device()
         super().__init__(model, config)
-        adding = [s for s, adds in enumerate(self.adding_stages) if adds]
-        if adding:
-            raise NotImplementedError(
-                f"Layers of pipeline stages {adding} add losses (weight or "
-                "activity regularizers, add_loss), which torch pipelines do "
-                "not pass on yet (JAX and TensorFlow pipelines do). Remove "
-                "the regularizers (AdamW's weight_decay decays the weights), "
-                "or train with pipeline_parallel=1."
-            )
         shape = {
             "data": data_parallel,
             "pipe": pipeline_parallel,
@@ -113,11 +103,6 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         # `TorchPipeline`s by micro-batch count and input shapes, which a
         # torch stage fixes on its first run.
         self._pipelines = {}
-        # Whether the loss weighs micro-batches by their masks' fractions.
-        outputs = self.stage_models[-1].outputs
-        self.masked_predictions = len(outputs) == 1 and bool(
-            carried_masks(outputs)
-        )
 
     def _shared_weight_adapters(self):
         """`{stages: adapter}` over this rank's counterparts in the stages
@@ -224,6 +209,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
             for variable in variables:
                 if variable.value.grad is not None:
                     variable.value.grad *= scale
+        loss = self._with_added_loss(pipeline, loss)
         # Every copy of a shared weight takes the same update, the sum of
         # the stages' gradients, and stays equal.
         adapters = self._shared_adapters
@@ -249,7 +235,19 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         scale = self._fraction_scale(pipeline, every_stage=False)
         if scale is not None and loss is not None:
             loss = loss * scale
+        loss = self._with_added_loss(pipeline, loss)
         return self._logs(x, targets, loss, y_pred)
+
+    def _with_added_loss(self, pipeline, loss):
+        """The last stage's `loss` plus every stage's share of the losses
+        its layers added (`TorchPipeline.added_loss`), summed over `pipe`
+        (one float), where any stage's layers add losses."""
+        if not any(self.adding_stages):
+            return loss
+        added = pipeline.added_loss()
+        dist.all_reduce(added, group=self.pipe_group)
+        self.stats.record("all_reduce", nbytes(added), "forward", "pipe")
+        return None if loss is None else loss + added
 
     def _fraction_scale(self, pipeline, every_stage):
         """`fraction_scale` of the batch's micro-batches on every replica's

@@ -24,11 +24,15 @@ _COMPUTATIONS = {
 class KerasStageModule(torch.nn.Module):
     """A Keras stage model as the `nn.Module` of a `PipelineStage`, which
     passes tensors positionally: a stage's dicts of named tensors travel
-    in the order of their names (`flatten_named`)."""
+    in the order of their names (`flatten_named`). The losses its layers
+    add (`added_total` of `model.losses`) join its backward pass
+    (`_AddedLoss`); `added` keeps each forward pass's total."""
 
-    def __init__(self, model):
+    def __init__(self, model, added_total):
         super().__init__()
         self.model = model
+        self.added_total = added_total
+        self.added = []
         inputs = model.input
         self.input_names = sorted(inputs) if isinstance(inputs, dict) else None
         # The `training` argument of the stage's calls: forward-only
@@ -46,13 +50,39 @@ class KerasStageModule(torch.nn.Module):
             inputs = dict(zip(self.input_names, tensors))
         else:
             (inputs,) = tensors
-        return flatten_named(self.model(inputs, training=self.training_call))
+        outputs = self.model(inputs, training=self.training_call)
+        outputs = flatten_named(outputs)
+        added = self.added_total(self.model.losses)
+        if added is None:
+            return outputs
+        self.added.append(added.detach())
+        flat = list(outputs) if isinstance(outputs, tuple) else [outputs]
+        first = next(i for i, t in enumerate(flat) if t.is_floating_point())
+        flat[first] = _AddedLoss.apply(flat[first], added)
+        return tuple(flat) if isinstance(outputs, tuple) else flat[0]
 
     def structured(self, outputs):
         """The stage model's flat `outputs` in its own structure again."""
         if isinstance(self.model.output, dict):
             return dict(zip(sorted(self.model.output), outputs))
         return outputs
+
+
+class _AddedLoss(torch.autograd.Function):
+    """Passes a stage's output on unchanged and gives the losses its layers
+    added a gradient of 1 in the stage's backward pass, as Megatron-LM's
+    `MoEAuxLossAutoScaler` does; torch's schedule divides the stage's
+    gradients by the micro-batch count, as the loss's."""
+
+    @staticmethod
+    def forward(ctx, output, added):
+        ctx.save_for_backward(added)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (added,) = ctx.saved_tensors
+        return grad_output, torch.ones_like(added)
 
 
 def flatten_named(value):
@@ -127,7 +157,12 @@ class TorchPipeline:
     def __init__(self, pipeline, num_microbatches, loss):
         # The stage of the `TorchPipelineRuntime` `pipeline`'s rank, which
         # is the stage's rank in `pipe_group`.
-        module = KerasStageModule(pipeline.stage_model)
+        stage_index = pipeline.stage_index
+        module = KerasStageModule(
+            pipeline.stage_model,
+            lambda losses: pipeline.added_total(stage_index, losses),
+        )
+        self.num_microbatches = num_microbatches
         num_stages = pipeline.pipeline_parallel
         self.stage = RecordedPipelineStage(
             module,
@@ -182,9 +217,19 @@ class TorchPipeline:
         with torch.no_grad():
             return self._run(self.schedule.eval, x, y, training)
 
+    def added_loss(self):
+        """This stage's share of the losses its layers added in the last
+        run: its micro-batches' totals averaged (torch's shape inference
+        adds one before them on the first run); zero without any."""
+        added = self.stage.submod.added[-self.num_microbatches :]
+        if not added:
+            return torch.zeros((), device=self.stage.device)
+        return torch.stack(added).sum() / self.num_microbatches
+
     def _run(self, run, x, y, training):
         self.stage.timeline = []
         self.fractions = []
+        self.stage.submod.added = []
         self.stage.submod.training_call = training
         inputs = ()
         if self.stage.is_first:

@@ -225,6 +225,17 @@ def test_a_causal_lm_shares_its_tied_embedding_between_stages(
     }
 
 
+def test_a_routers_added_loss_trains_like_one_device():
+    """Mixtral's routers add their load-balancing loss in `call`; with one
+    micro-batch each stage's passes add it as one device does."""
+    pipeline_cases.check_zoo_lm_pipeline(
+        "mixtral",
+        lambda model: keras_tp.TensorParallelKeras(
+            model, world_size=2, pipeline_parallel=2, num_microbatches=1
+        ),
+    )
+
+
 def test_replicated_split_stages_run_the_plan_checked_per_rank():
     """With replicas each stage's passes run per device, on its own
     values, so the plan is checked for that: Qwen3's attention

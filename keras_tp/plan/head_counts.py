@@ -84,7 +84,8 @@ def per_rank_counts(model, plan):
     `Dense` projection folds heads and head size into one split axis of
     width `W`: there a heads count is an integer attribute `n` of the
     layer, divisible by the ranks, with `W // n` another attribute (the
-    head size; RoFormer's `heads` and `head_size`), and an attribute equal
+    head size; RoFormer's `heads` and `head_size`), the smallest such `n`
+    where several are (Gemma3n's 4 heads of 8, beside 8), and an attribute equal
     to `W` is the rank's width (GPT-NeoX reshapes its heads back to its
     `hidden_dim`). A Column that gathers its output, or a Row that slices
     its input, hands the layer whole heads and counts nothing.
@@ -139,15 +140,19 @@ def _layers_with_split_heads(model, plan):
                 widths.update(axis_widths)
         kernel_heads = set(heads)
         values = {v for v in vars(layer).values() if type(v) is int}
-        heads.update(
-            n
-            for n in values
-            for width in widths
-            if 0 < n < width
-            and width % n == 0
-            and n % plan.tensor_parallel == 0
-            and width // n in values
-        )
+        for width in widths:
+            counts = [
+                n
+                for n in values
+                if 0 < n < width
+                and width % n == 0
+                and n % plan.tensor_parallel == 0
+                and width // n in values
+            ]
+            # Where heads and head size could swap (4 heads of 8 beside an
+            # attribute 8), the larger head size is the usual one.
+            if counts:
+                heads.add(min(counts))
         if heads or widths:
             found.append((layer, (heads, widths, kernel_heads)))
     return found

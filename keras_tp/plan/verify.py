@@ -22,6 +22,7 @@ No collective runs: this is a check of the plan, not a way to train.
 import collections
 import contextlib
 import logging
+import re
 
 import keras
 import numpy as np
@@ -443,5 +444,11 @@ def _broken(error):
 
 
 def _first_line(error):
-    text = str(error).strip().splitlines()
+    # Keras wraps an error of a layer's call in a line naming the layer,
+    # which says nothing of the error.
+    text = [
+        re.sub(r"\x1b\[[0-9;]*m", "", line).strip()
+        for line in str(error).splitlines()
+        if line.strip() and "Exception encountered when calling" not in line
+    ]
     return text[0][:200] if text else ""

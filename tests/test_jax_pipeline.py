@@ -194,6 +194,11 @@ def test_refusals_name_the_fix():
             optimizer=keras.optimizers.Adam(global_clipnorm=1.0),
             loss=models.loss_fn(),
         )
+    with pytest.raises(ValueError, match="use_ema=True is not supported by"):
+        tp.compile(
+            optimizer=keras.optimizers.Adam(use_ema=True),
+            loss=models.loss_fn(),
+        )
     x, y = models.data_for("mlp", batch=8)
     tp.compile(optimizer="adam", loss=models.loss_fn())
     with pytest.raises(ValueError, match="num_microbatches=3 equal"):

@@ -207,6 +207,12 @@ def test_losses_the_layers_add_enter_the_loss_and_gradients(runs):
     assert runs["added"] == [True, True]
 
 
+def test_weights_averaged_by_the_optimizer_equal_one_devices(runs):
+    # Each stage's optimizer averages its own weights (use_ema), and
+    # fit() writes the averages into them at its end.
+    assert runs["ema"] == [pytest.approx(0, abs=1e-6)] * 2
+
+
 def test_refuses_what_it_cannot_run(runs):
     for messages in runs["refusals"]:
         assert (

@@ -200,11 +200,6 @@ class PipelineRuntime(Runtime):
                     f"gradients. Remove {name} (clipnorm and clipvalue, "
                     "which act per variable, work)."
                 )
-        if getattr(optimizer, "use_ema", False):
-            raise ValueError(
-                "The optimizer's use_ema=True is not supported with "
-                "pipeline_parallel yet; compile without it."
-            )
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             raise ValueError(
                 "LossScaleOptimizer is not supported with pipeline_parallel "

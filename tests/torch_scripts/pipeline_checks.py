@@ -36,7 +36,7 @@ REPLICA_MICROBATCHES = 2
 def all_runs(directory):
     """`mlp_run` of each schedule, next to one device's `reference`,
     `backbone_run`, `causal_lm_run`, `masked_run`, `added_run`,
-    `refusals` and `resumed_run`;
+    `ema_run`, `refusals` and `resumed_run`;
     every rank's results.
 
     Args:
@@ -66,6 +66,7 @@ def all_runs(directory):
         "causal_lm": causal_lm_run(),
         "masked": masked_run(),
         "added": added_run(),
+        "ema": ema_run(),
         "refusals": refusals(loss),
         "resumed": resumed_run(os.path.join(directory, "backup")),
     }
@@ -123,6 +124,35 @@ def masked_run(data_parallel=1):
         )
     )
     return _gathered(True)
+
+
+def ema_run():
+    """Adam with `use_ema` on 2 stages, 2 micro-batches, 3 epochs of
+    `fit()`, whose end writes the averages into the weights: the largest
+    weight difference from one device."""
+    loss, _, _, x, y = pipeline_cases.mlp_reference()
+
+    def trained(model):
+        model.compile(
+            optimizer=keras.optimizers.Adam(
+                1e-2, use_ema=True, ema_overwrite_frequency=None
+            ),
+            loss=loss,
+        )
+        model.fit(x, y, epochs=3, batch_size=BATCH, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    expected = trained(models.mlp())
+    tp = keras_tp.TensorParallelKeras(
+        models.mlp(),
+        world_size=STAGES,
+        pipeline_parallel=STAGES,
+        num_microbatches=2,
+    )
+    got = trained(tp)
+    return _gathered(
+        max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected))
+    )
 
 
 def added_run(data_parallel=1):

@@ -61,6 +61,12 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
 
     def check_compiled(self, trainer):
         super().check_compiled(trainer)
+        if getattr(trainer.optimizer, "use_ema", False):
+            raise ValueError(
+                "The optimizer's use_ema=True is not supported by JAX "
+                "pipelines yet (torch pipelines average the weights); "
+                "compile without it."
+            )
         # The training programs and updates hold the last compile()'s loss
         # and optimizer.
         self._compiled = {

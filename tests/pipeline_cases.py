@@ -85,6 +85,24 @@ def batches(x, y, steps):
             yield x[batch], y[batch]
 
 
+def weight_averages_difference(tp):
+    """Adam with `use_ema` on the pipelined MLP `tp` and on one device, 3
+    epochs of `fit()` (default micro-batches), whose end writes the
+    averages into the weights: the largest weight difference."""
+    loss, _, _, x, y = mlp_reference()
+    trained = (models.mlp(), tp)
+    for model in trained:
+        model.compile(
+            optimizer=keras.optimizers.Adam(
+                1e-2, use_ema=True, ema_overwrite_frequency=None
+            ),
+            loss=loss,
+        )
+        model.fit(x, y, epochs=3, batch_size=BATCH, shuffle=False, verbose=0)
+    expected, got = (model.get_weights() for model in trained)
+    return max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected))
+
+
 def check_weights(reference, stage_models):
     """Asserts every stage's weights equal the reference's within 1e-5."""
     expected = dict(

@@ -194,11 +194,6 @@ def test_refusals_name_the_fix():
             optimizer=keras.optimizers.Adam(global_clipnorm=1.0),
             loss=models.loss_fn(),
         )
-    with pytest.raises(ValueError, match="use_ema=True is not supported by"):
-        tp.compile(
-            optimizer=keras.optimizers.Adam(use_ema=True),
-            loss=models.loss_fn(),
-        )
     x, y = models.data_for("mlp", batch=8)
     tp.compile(optimizer="adam", loss=models.loss_fn())
     with pytest.raises(ValueError, match="num_microbatches=3 equal"):
@@ -263,6 +258,20 @@ def test_sharded_checkpoints_of_stages_load_at_any_layout(tmp_path):
     x 2-way tensor parallelism, ZeRO-1, here); a fresh pipeline and one
     device load them, and a pipeline loads one device's checkpoint."""
     checkpoint_cases.check_three_dimensional_round_trip(str(tmp_path))
+
+
+@pytest.mark.parametrize("data_parallel", [1, 2])
+def test_weights_averaged_by_the_optimizer_equal_one_devices(data_parallel):
+    # Each stage's update averages its own weights (use_ema); with
+    # replicas each device its ZeRO-1 partition of the averages.
+    tp = keras_tp.TensorParallelKeras(
+        models.mlp(),
+        world_size=2 * data_parallel,
+        pipeline_parallel=2,
+        data_parallel=data_parallel,
+        zero_stage=1 if data_parallel > 1 else 0,
+    )
+    assert pipeline_cases.weight_averages_difference(tp) < 1e-6
 
 
 @pytest.mark.parametrize("data_parallel", [1, 2])

@@ -68,6 +68,7 @@ from keras_tp.keras_internals.models import tracked_loss
 from keras_tp.keras_internals.models import update_loss_tracker
 from keras_tp.keras_internals.models import wrapped_loss_function
 from keras_tp.keras_internals.optimizers import UpdatesThroughAssign
+from keras_tp.keras_internals.optimizers import averaging_only
 from keras_tp.keras_internals.optimizers import (
     backend_free_add_variable_from_reference,
 )
@@ -88,6 +89,7 @@ from keras_tp.keras_internals.variables import set_stored_value
 from keras_tp.keras_internals.variables import stored_value
 
 __all__ = [
+    "averaging_only",
     "ATTENTION_OUTPUT_PROJECTION",
     "BuildsBeforeTracing",
     "RunsModelsOwnLoss",

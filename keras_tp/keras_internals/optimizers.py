@@ -1,5 +1,7 @@
 """Keras optimizers: their slots, their variables, their update hooks."""
 
+import contextlib
+
 import keras
 from keras.src.optimizers.base_optimizer import BaseOptimizer
 
@@ -13,6 +15,27 @@ def moving_average(optimizer, variable):
 def model_variables_of(optimizer):
     """The model variables `optimizer` was built for, in order."""
     return optimizer._trainable_variables
+
+
+@contextlib.contextmanager
+def averaging_only(optimizer, variables):
+    """Inside, `optimizer.apply` averages (`use_ema`) only `variables`:
+    Keras averages every variable the optimizer was built for, and a
+    pipeline stage's update holds its own stage's only."""
+    if not optimizer.use_ema:
+        yield
+        return
+    built = optimizer._trainable_variables
+    averages = optimizer._model_variables_moving_average
+    optimizer._trainable_variables = list(variables)
+    optimizer._model_variables_moving_average = [
+        moving_average(optimizer, variable) for variable in variables
+    ]
+    try:
+        yield
+    finally:
+        optimizer._trainable_variables = built
+        optimizer._model_variables_moving_average = averages
 
 
 def own_optimizer_variables(optimizer):

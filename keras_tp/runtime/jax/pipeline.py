@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 
 from keras_tp.collectives.jax import counted_jit
 from keras_tp.keras_internals import StatelessScope
+from keras_tp.keras_internals import averaging_only
 from keras_tp.keras_internals import jax_update_metrics
 from keras_tp.parallel.optimizer import BUCKET_CAP_MB
 from keras_tp.parallel.zero import ZeroLayout
@@ -61,12 +62,6 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
 
     def check_compiled(self, trainer):
         super().check_compiled(trainer)
-        if getattr(trainer.optimizer, "use_ema", False):
-            raise ValueError(
-                "The optimizer's use_ema=True is not supported by JAX "
-                "pipelines yet (torch pipelines average the weights); "
-                "compile without it."
-            )
         # The training programs and updates hold the last compile()'s loss
         # and optimizer.
         self._compiled = {
@@ -240,7 +235,10 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
                 (shared, shared_values),
             )
             mapping = [pair for group in groups for pair in zip(*group)]
-            with StatelessScope(state_mapping=mapping) as scope:
+            with (
+                StatelessScope(state_mapping=mapping) as scope,
+                averaging_only(optimizer, own),
+            ):
                 optimizer.apply(gradients, own)
 
             def new(variable, value):

@@ -84,8 +84,15 @@ def coordinated(optimizer, runtime, trainer):
         # Without a data axis it still clips and accumulates.
         bound_to = bound_to or runtime
     elif bound_to is not None:
+        inner = keras.optimizers.get(optimizer)
+        # The wrapper accumulates instead, synchronising only at the
+        # accumulation boundaries.
+        steps = inner.gradient_accumulation_steps or 1
+        inner.gradient_accumulation_steps = None
         optimizer = CoordinatedOptimizer(
-            keras.optimizers.get(optimizer), zero_stage=runtime.zero_stage
+            inner,
+            zero_stage=runtime.zero_stage,
+            gradient_accumulation_steps=steps,
         )
     else:
         return optimizer

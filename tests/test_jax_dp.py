@@ -183,6 +183,14 @@ def test_optimizer_stage_must_match_model():
         keras_tp.CoordinatedOptimizer(
             keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)
         )
+    # Given to compile(), the wrapper accumulates instead, synchronising
+    # at the accumulation boundaries only.
+    tp.compile(
+        optimizer=keras.optimizers.SGD(0.1, gradient_accumulation_steps=2),
+        loss=loss_fn(),
+    )
+    assert tp.optimizer.accumulation_steps == 2
+    assert not tp.optimizer.inner_optimizer.gradient_accumulation_steps
 
 
 @pytest.mark.parametrize("world_size,data_parallel", [(2, 2), (4, 2)])

@@ -261,17 +261,21 @@ def test_sharded_checkpoints_of_stages_load_at_any_layout(tmp_path):
 
 
 @pytest.mark.parametrize("data_parallel", [1, 2])
-def test_weights_averaged_by_the_optimizer_equal_one_devices(data_parallel):
-    # Each stage's update averages its own weights (use_ema); with
-    # replicas each device its ZeRO-1 partition of the averages.
-    tp = keras_tp.TensorParallelKeras(
-        models.mlp(),
-        world_size=2 * data_parallel,
-        pipeline_parallel=2,
-        data_parallel=data_parallel,
-        zero_stage=1 if data_parallel > 1 else 0,
-    )
-    assert pipeline_cases.weight_averages_difference(tp) < 1e-6
+def test_optimizer_averages_and_accumulation_equal_one_devices(data_parallel):
+    # Each stage's update averages (use_ema) and accumulates the gradients
+    # of (gradient_accumulation_steps) its own weights only; with replicas
+    # each device its ZeRO-1 partition.
+    def pipelined():
+        return keras_tp.TensorParallelKeras(
+            models.mlp(),
+            world_size=2 * data_parallel,
+            pipeline_parallel=2,
+            data_parallel=data_parallel,
+            zero_stage=1 if data_parallel > 1 else 0,
+        )
+
+    assert pipeline_cases.weight_averages_difference(pipelined()) < 1e-6
+    assert pipeline_cases.accumulated_gradients_difference(pipelined()) < 1e-6
 
 
 @pytest.mark.parametrize("data_parallel", [1, 2])

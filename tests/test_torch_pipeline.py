@@ -207,10 +207,15 @@ def test_losses_the_layers_add_enter_the_loss_and_gradients(runs):
     assert runs["added"] == [True, True]
 
 
-def test_weights_averaged_by_the_optimizer_equal_one_devices(runs):
-    # Each stage's optimizer averages its own weights (use_ema), and
-    # fit() writes the averages into them at its end.
-    assert runs["ema"] == [pytest.approx(0, abs=1e-6)] * 2
+def test_optimizer_averages_and_accumulation_equal_one_devices(runs):
+    # Each stage's optimizer averages its own weights (use_ema), which
+    # fit() writes into them at its end, and accumulates their gradients
+    # (gradient_accumulation_steps).
+    for result in runs["optimizer_state"]:
+        assert result == {
+            "averaged": pytest.approx(0, abs=1e-6),
+            "accumulated": pytest.approx(0, abs=1e-6),
+        }
 
 
 def test_refuses_what_it_cannot_run(runs):
@@ -264,6 +269,16 @@ def test_replicas_weigh_masked_means_by_their_unmasked_entries(four_ranks):
 
 def test_replicas_add_their_stages_added_losses(four_ranks):
     assert four_ranks["replicas_added"] == [True] * 4
+
+
+def test_replicas_average_and_accumulate_like_one_device(four_ranks):
+    # The stage's CoordinatedOptimizer accumulates, and synchronises at
+    # the accumulation boundaries only.
+    for result in four_ranks["replicas_optimizer_state"]:
+        assert result == {
+            "averaged": pytest.approx(0, abs=1e-6),
+            "accumulated": pytest.approx(0, abs=1e-6),
+        }
 
 
 def test_replicas_average_their_stage_gradients(replicas):

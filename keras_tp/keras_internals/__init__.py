@@ -68,7 +68,6 @@ from keras_tp.keras_internals.models import tracked_loss
 from keras_tp.keras_internals.models import update_loss_tracker
 from keras_tp.keras_internals.models import wrapped_loss_function
 from keras_tp.keras_internals.optimizers import UpdatesThroughAssign
-from keras_tp.keras_internals.optimizers import averaging_only
 from keras_tp.keras_internals.optimizers import (
     backend_free_add_variable_from_reference,
 )
@@ -76,6 +75,7 @@ from keras_tp.keras_internals.optimizers import model_variables_of
 from keras_tp.keras_internals.optimizers import moving_average
 from keras_tp.keras_internals.optimizers import own_optimizer_variables
 from keras_tp.keras_internals.optimizers import place_slots_on_creation
+from keras_tp.keras_internals.optimizers import updating_only
 from keras_tp.keras_internals.scopes import StatelessScope
 from keras_tp.keras_internals.scopes import bind_values
 from keras_tp.keras_internals.scopes import get_stateless_scope
@@ -89,7 +89,7 @@ from keras_tp.keras_internals.variables import set_stored_value
 from keras_tp.keras_internals.variables import stored_value
 
 __all__ = [
-    "averaging_only",
+    "updating_only",
     "ATTENTION_OUTPUT_PROJECTION",
     "BuildsBeforeTracing",
     "RunsModelsOwnLoss",

@@ -18,24 +18,28 @@ def model_variables_of(optimizer):
 
 
 @contextlib.contextmanager
-def averaging_only(optimizer, variables):
-    """Inside, `optimizer.apply` averages (`use_ema`) only `variables`:
-    Keras averages every variable the optimizer was built for, and a
-    pipeline stage's update holds its own stage's only."""
-    if not optimizer.use_ema:
-        yield
-        return
-    built = optimizer._trainable_variables
-    averages = optimizer._model_variables_moving_average
+def updating_only(optimizer, variables, optimizer_variables):
+    """Inside, `optimizer.apply` reads and writes only `variables` and
+    `optimizer_variables` (their slots, averages and accumulators, and
+    the optimizer's own): Keras averages (`use_ema`) every variable the
+    optimizer was built for, and its JAX accumulation (`gradient_
+    accumulation_steps`) selects every optimizer variable's new value,
+    where a pipeline stage's update holds its own stage's only."""
+    attributes = ("_trainable_variables", "_variables")
+    if optimizer.use_ema:
+        attributes += ("_model_variables_moving_average",)
+    saved = {name: getattr(optimizer, name) for name in attributes}
     optimizer._trainable_variables = list(variables)
-    optimizer._model_variables_moving_average = [
-        moving_average(optimizer, variable) for variable in variables
-    ]
+    optimizer._variables = list(optimizer_variables)
+    if optimizer.use_ema:
+        optimizer._model_variables_moving_average = [
+            moving_average(optimizer, variable) for variable in variables
+        ]
     try:
         yield
     finally:
-        optimizer._trainable_variables = built
-        optimizer._model_variables_moving_average = averages
+        for name, value in saved.items():
+            setattr(optimizer, name, value)
 
 
 def own_optimizer_variables(optimizer):

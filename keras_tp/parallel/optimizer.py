@@ -343,7 +343,9 @@ class CoordinatedOptimizer(WrappingOptimizer):
         if not inner.use_ema:
             return
         placement = self._placement
-        for variable in var_list:
+        # A pipeline stage's optimizer holds its own stage's averages.
+        built = {id(v) for v in model_variables_of(inner)}
+        for variable in (v for v in var_list if id(v) in built):
             average = moving_average(inner, variable)
             placement.assign_full_value(variable, placement.full_value(average))
 
@@ -427,9 +429,7 @@ class CoordinatedOptimizer(WrappingOptimizer):
             "zero_stage": self.zero_stage,
             "bucket_cap_mb": self.bucket_cap_mb,
             "gradient_accumulation_steps": self.accumulation_steps,
-            "compression": (
-                None if compression is None else compression.get_config()
-            ),
+            "compression": compression and compression.get_config(),
             "overlap": self.overlap,
             "hierarchical": self.hierarchical,
             "local_sgd_steps": self.local_sgd_steps,

@@ -191,15 +191,14 @@ class PipelineRuntime(Runtime):
                 "`compile(..., jit_compile=False)` (the default)."
             )
         optimizer = trainer.optimizer
-        for name in ("global_clipnorm", "gradient_accumulation_steps"):
-            if getattr(optimizer, name, None):
-                raise ValueError(
-                    f"The optimizer's {name}={getattr(optimizer, name)} is "
-                    "not supported with pipeline_parallel: each stage "
-                    "updates its own variables without the others' "
-                    f"gradients. Remove {name} (clipnorm and clipvalue, "
-                    "which act per variable, work)."
-                )
+        if getattr(optimizer, "global_clipnorm", None):
+            raise ValueError(
+                "The optimizer's global_clipnorm="
+                f"{optimizer.global_clipnorm} is not supported with "
+                "pipeline_parallel: each stage updates its own variables "
+                "without the others' gradients. Remove global_clipnorm "
+                "(clipnorm and clipvalue, which act per variable, work)."
+            )
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             raise ValueError(
                 "LossScaleOptimizer is not supported with pipeline_parallel "

@@ -36,7 +36,7 @@ REPLICA_MICROBATCHES = 2
 def all_runs(directory):
     """`mlp_run` of each schedule, next to one device's `reference`,
     `backbone_run`, `causal_lm_run`, `masked_run`, `added_run`,
-    `ema_run`, `refusals` and `resumed_run`;
+    `optimizer_state_run`, `refusals` and `resumed_run`;
     every rank's results.
 
     Args:
@@ -66,7 +66,7 @@ def all_runs(directory):
         "causal_lm": causal_lm_run(),
         "masked": masked_run(),
         "added": added_run(),
-        "ema": ema_run(),
+        "optimizer_state": optimizer_state_run(),
         "refusals": refusals(loss),
         "resumed": resumed_run(os.path.join(directory, "backup")),
     }
@@ -126,12 +126,28 @@ def masked_run(data_parallel=1):
     return _gathered(True)
 
 
-def ema_run():
-    """`pipeline_cases.weight_averages_difference` on 2 stages."""
-    tp = keras_tp.TensorParallelKeras(
-        models.mlp(), world_size=STAGES, pipeline_parallel=STAGES
+def optimizer_state_run(data_parallel=1):
+    """`pipeline_cases.weight_averages_difference` and
+    `accumulated_gradients_difference` on 2 stages of `data_parallel`
+    replicas (with ZeRO-1)."""
+
+    def pipelined():
+        return keras_tp.TensorParallelKeras(
+            models.mlp(),
+            world_size=STAGES * data_parallel,
+            pipeline_parallel=STAGES,
+            data_parallel=data_parallel,
+            zero_stage=1 if data_parallel > 1 else 0,
+        )
+
+    return _gathered(
+        {
+            "averaged": pipeline_cases.weight_averages_difference(pipelined()),
+            "accumulated": pipeline_cases.accumulated_gradients_difference(
+                pipelined()
+            ),
+        }
     )
-    return _gathered(pipeline_cases.weight_averages_difference(tp))
 
 
 def added_run(data_parallel=1):
@@ -375,9 +391,9 @@ def _one_batch_error(loss, x, y, zero_stage):
 def four_rank_runs(directory):
     """`replicated_run` (DDP and ZeRO-1), `tensor_parallel_run`,
     `split_cut_run`, checkpoint round trips of 2 tensor-parallel stages
-    and of 2 replicas of 2 stages with ZeRO-1, and `masked_run` and
-    `added_run` of 2 replicas, in one launch of 4 ranks; every rank's
-    results of each.
+    and of 2 replicas of 2 stages with ZeRO-1, and `masked_run`,
+    `added_run` and `optimizer_state_run` of 2 replicas, in one launch of
+    4 ranks; every rank's results of each.
 
     Args:
         directory: where `tensor_parallel_run` saves its model and the
@@ -410,6 +426,7 @@ def four_rank_runs(directory):
         ),
         "replicas_masked": masked_run(data_parallel=REPLICAS),
         "replicas_added": added_run(data_parallel=REPLICAS),
+        "replicas_optimizer_state": optimizer_state_run(REPLICAS),
     }
 
 

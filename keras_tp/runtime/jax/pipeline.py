@@ -12,8 +12,8 @@ from jax.sharding import NamedSharding
 
 from keras_tp.collectives.jax import counted_jit
 from keras_tp.keras_internals import StatelessScope
-from keras_tp.keras_internals import averaging_only
 from keras_tp.keras_internals import jax_update_metrics
+from keras_tp.keras_internals import updating_only
 from keras_tp.parallel.optimizer import BUCKET_CAP_MB
 from keras_tp.parallel.zero import ZeroLayout
 from keras_tp.pipeline import schedules
@@ -237,7 +237,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             mapping = [pair for group in groups for pair in zip(*group)]
             with (
                 StatelessScope(state_mapping=mapping) as scope,
-                averaging_only(optimizer, own),
+                updating_only(optimizer, own, slots + shared),
             ):
                 optimizer.apply(gradients, own)
 

@@ -85,6 +85,24 @@ def batches(x, y, steps):
             yield x[batch], y[batch]
 
 
+def two_stages(data_parallel=1, **kwargs):
+    """A function `(model, num_microbatches=None) -> TensorParallelKeras`
+    of 2 stages on `data_parallel` replicas, a device (rank) each, with
+    `kwargs`."""
+
+    def pipelined(model, num_microbatches=None):
+        return keras_tp.TensorParallelKeras(
+            model,
+            world_size=2 * data_parallel,
+            pipeline_parallel=2,
+            data_parallel=data_parallel,
+            num_microbatches=num_microbatches,
+            **kwargs,
+        )
+
+    return pipelined
+
+
 def weight_averages_difference(tp):
     """Adam with `use_ema` on the pipelined MLP `tp` and on one device, 3
     epochs of `fit()` (default micro-batches), whose end writes the

@@ -265,32 +265,21 @@ def test_optimizer_averages_and_accumulation_equal_one_devices(data_parallel):
     # Each stage's update averages (use_ema) and accumulates the gradients
     # of (gradient_accumulation_steps) its own weights only; with replicas
     # each device its ZeRO-1 partition.
-    def pipelined():
-        return keras_tp.TensorParallelKeras(
-            models.mlp(),
-            world_size=2 * data_parallel,
-            pipeline_parallel=2,
-            data_parallel=data_parallel,
-            zero_stage=1 if data_parallel > 1 else 0,
-        )
-
-    assert pipeline_cases.weight_averages_difference(pipelined()) < 1e-6
-    assert pipeline_cases.accumulated_gradients_difference(pipelined()) < 1e-6
+    tp_of = pipeline_cases.two_stages(
+        data_parallel, zero_stage=int(data_parallel > 1)
+    )
+    assert pipeline_cases.weight_averages_difference(tp_of(models.mlp())) < 1e-6
+    difference = pipeline_cases.accumulated_gradients_difference(
+        tp_of(models.mlp())
+    )
+    assert difference < 1e-6
 
 
 @pytest.mark.parametrize("data_parallel", [1, 2])
 def test_losses_the_layers_add_enter_the_loss_and_gradients(data_parallel):
     # Each stage's regularizers and add_loss enter its passes, a
     # micro-batch's share each; evaluate() adds them as one device does.
-    pipeline_cases.check_added_losses(
-        lambda model, microbatches: keras_tp.TensorParallelKeras(
-            model,
-            world_size=2 * data_parallel,
-            pipeline_parallel=2,
-            data_parallel=data_parallel,
-            num_microbatches=microbatches,
-        )
-    )
+    pipeline_cases.check_added_losses(pipeline_cases.two_stages(data_parallel))
 
 
 @pytest.mark.parametrize("data_parallel", [1, 2])
@@ -300,11 +289,5 @@ def test_a_keras_mask_crosses_the_cut_to_the_loss(data_parallel):
     # weighs each micro-batch's (and replica's) masked mean by its share
     # of unmasked entries.
     pipeline_cases.check_masked_predictions(
-        lambda model, microbatches: keras_tp.TensorParallelKeras(
-            model,
-            world_size=2 * data_parallel,
-            pipeline_parallel=2,
-            data_parallel=data_parallel,
-            num_microbatches=microbatches,
-        )
+        pipeline_cases.two_stages(data_parallel)
     )

@@ -115,13 +115,7 @@ def masked_run(data_parallel=1):
     `data_parallel` replicas (it asserts evaluate(), the loss and the
     weights): whether each rank got through it."""
     pipeline_cases.check_masked_predictions(
-        lambda model, microbatches: keras_tp.TensorParallelKeras(
-            model,
-            world_size=STAGES * data_parallel,
-            pipeline_parallel=STAGES,
-            data_parallel=data_parallel,
-            num_microbatches=microbatches,
-        )
+        pipeline_cases.two_stages(data_parallel)
     )
     return _gathered(True)
 
@@ -130,39 +124,21 @@ def optimizer_state_run(data_parallel=1):
     """`pipeline_cases.weight_averages_difference` and
     `accumulated_gradients_difference` on 2 stages of `data_parallel`
     replicas (with ZeRO-1)."""
-
-    def pipelined():
-        return keras_tp.TensorParallelKeras(
-            models.mlp(),
-            world_size=STAGES * data_parallel,
-            pipeline_parallel=STAGES,
-            data_parallel=data_parallel,
-            zero_stage=1 if data_parallel > 1 else 0,
-        )
-
-    return _gathered(
-        {
-            "averaged": pipeline_cases.weight_averages_difference(pipelined()),
-            "accumulated": pipeline_cases.accumulated_gradients_difference(
-                pipelined()
-            ),
-        }
+    tp_of = pipeline_cases.two_stages(
+        data_parallel, zero_stage=int(data_parallel > 1)
     )
+    averaged = pipeline_cases.weight_averages_difference(tp_of(models.mlp()))
+    accumulated = pipeline_cases.accumulated_gradients_difference(
+        tp_of(models.mlp())
+    )
+    return _gathered({"averaged": averaged, "accumulated": accumulated})
 
 
 def added_run(data_parallel=1):
     """`pipeline_cases.check_added_losses` on 2 stages of `data_parallel`
     replicas (it asserts evaluate(), the losses and the weights): whether
     each rank got through it."""
-    pipeline_cases.check_added_losses(
-        lambda model, microbatches: keras_tp.TensorParallelKeras(
-            model,
-            world_size=STAGES * data_parallel,
-            pipeline_parallel=STAGES,
-            data_parallel=data_parallel,
-            num_microbatches=microbatches,
-        )
-    )
+    pipeline_cases.check_added_losses(pipeline_cases.two_stages(data_parallel))
     return _gathered(True)
 
 

@@ -25,21 +25,24 @@ def updating_only(optimizer, variables, optimizer_variables):
     optimizer was built for, and its JAX accumulation (`gradient_
     accumulation_steps`) selects every optimizer variable's new value,
     where a pipeline stage's update holds its own stage's only."""
-    attributes = ("_trainable_variables", "_variables")
+    restricted = {
+        "_trainable_variables": list(variables),
+        "_variables": list(optimizer_variables),
+    }
     if optimizer.use_ema:
-        attributes += ("_model_variables_moving_average",)
-    saved = {name: getattr(optimizer, name) for name in attributes}
-    optimizer._trainable_variables = list(variables)
-    optimizer._variables = list(optimizer_variables)
-    if optimizer.use_ema:
-        optimizer._model_variables_moving_average = [
+        restricted["_model_variables_moving_average"] = [
             moving_average(optimizer, variable) for variable in variables
         ]
+    saved = {name: getattr(optimizer, name) for name in restricted}
+    # Set past Keras' tracking, which would add the lists' variables to
+    # the optimizer's own.
+    for name, value in restricted.items():
+        object.__setattr__(optimizer, name, value)
     try:
         yield
     finally:
         for name, value in saved.items():
-            setattr(optimizer, name, value)
+            object.__setattr__(optimizer, name, value)
 
 
 def own_optimizer_variables(optimizer):

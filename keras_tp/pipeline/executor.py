@@ -17,6 +17,12 @@ class StagePrimitives:
     between them."""
 
     num_stages = None
+    num_microbatches = None
+    # Per stage and micro-batch whose layers added losses, what each
+    # device (replica) of the stage added, as `send` takes it; the
+    # backend fills it in `forward` (but for the last stage's, which its
+    # share of the loss holds) and `infer`.
+    added = ()
 
     def microbatches(self, x, y):
         """`(inputs, targets)`: per micro-batch, in order, the first
@@ -54,6 +60,21 @@ class StagePrimitives:
         (none, and no loss, without targets) and outputs, in micro-batch
         order."""
         raise NotImplementedError
+
+    def added_loss(self):
+        """The batch's share of the losses in `added`, on the last stage's
+        devices: each micro-batch's mean over the devices, averaged over
+        the micro-batches; `None` without any."""
+        if not self.added:
+            return None
+        means = [
+            keras.ops.mean(keras.ops.stack(keras.tree.flatten(sent)))
+            for sent in (
+                self.send(added, self.num_stages - 1, schedules.FORWARD)
+                for added in self.added
+            )
+        ]
+        return sum(means[1:], means[0]) / self.num_microbatches
 
 
 def run_schedule(primitives, order, x, y):

@@ -100,7 +100,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         x, targets = self.unpacked(data)
         stages = self._stages(x, trainable, non_trainable, training=True)
         order = schedules.issue_order(
-            self.schedule, self.pipeline_parallel, stages.count
+            self.schedule, self.pipeline_parallel, stages.num_microbatches
         )
         self._trained, self.trained_order = stages.programs, order
         loss, y_pred = run_schedule(stages, order, x, targets)

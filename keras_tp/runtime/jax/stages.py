@@ -13,7 +13,6 @@ from keras_tp.collectives.jax import counted_jit
 from keras_tp.collectives.jax import signature
 from keras_tp.keras_internals import local_shapes
 from keras_tp.parallel.batch_loss import fraction_scale
-from keras_tp.pipeline import schedules
 from keras_tp.pipeline.executor import StagePrimitives
 from keras_tp.pipeline.executor import concatenated
 from keras_tp.pipeline.executor import join_rows
@@ -262,20 +261,18 @@ class JaxStages(StagePrimitives):
     """The stage primitives of a JAX pipeline: its `programs` on the
     values of one step, per stage on its devices (`non_trainable` then
     holds the new ones, `gradients` the sums over the micro-batches, one
-    row per replica with replicas), in `count` micro-batches."""
+    row per replica with replicas), in `num_microbatches` micro-batches."""
 
-    def __init__(self, programs, trainable, non_trainable, count):
+    def __init__(self, programs, trainable, non_trainable, num_microbatches):
         self.programs = programs
         self.num_stages = len(programs.stage_models)
         self.trainable = trainable
         self.non_trainable = list(non_trainable)
-        self.count = count
+        self.num_microbatches = num_microbatches
         self.gradients = [None] * self.num_stages
         # Of the gradients, where masked predictions set one (`joined`).
         self.gradient_scale = None
-        # Per stage and micro-batch, the losses its layers added (in
-        # training, but for the last stage's, in its share of the loss),
-        # one row per device (`added_loss`).
+        # See `StagePrimitives.added`: one row per device.
         self.added = []
         self._residuals = {}
 
@@ -283,7 +280,9 @@ class JaxStages(StagePrimitives):
         # Micro-batch `m` holds the `m`-th slice of each replica's part of
         # the batch, replica by replica.
         def split(tree):
-            rows = split_rows(tree, self.programs.replicas, self.count)
+            rows = split_rows(
+                tree, self.programs.replicas, self.num_microbatches
+            )
             return [concatenated(micro) for micro in rows]
 
         return split(x), None if y is None else split(y)
@@ -335,19 +334,6 @@ class JaxStages(StagePrimitives):
         if added is not None:
             self.added.append(added)
         return outputs
-
-    def added_loss(self):
-        """The batch's share of the losses in `added`, on the last stage's
-        devices: each micro-batch's mean over the replicas, averaged over
-        the micro-batches; `None` without any."""
-        if not self.added:
-            return None
-        last = self.num_stages - 1
-        means = [
-            self.send(jax.numpy.mean(added), last, schedules.FORWARD)
-            for added in self.added
-        ]
-        return sum(means[1:], means[0]) / self.count
 
     def joined(self, losses, predictions):
         # Each replica's loss is its slice's; the batch's is their mean.

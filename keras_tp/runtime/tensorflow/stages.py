@@ -45,9 +45,8 @@ class TensorFlowStages(StagePrimitives):
         """`(loss, y_pred)` of `run_schedule` on one batch."""
         self._tapes, self.gradients, self._ends, self.times = {}, {}, {}, []
         self._previous = [[] for _ in self.stage_models]
-        # Per stage and micro-batch where its layers add losses, each
-        # replica's sum of them (`added_loss`).
-        self._added = []
+        # See `StagePrimitives.added`: a list of one per replica.
+        self.added = []
         # Of the gradients, where masked predictions set one (`joined`).
         self.gradient_scale = None
         result = run_schedule(self, self.order, x, y)
@@ -69,7 +68,7 @@ class TensorFlowStages(StagePrimitives):
     def predict(self, x, training=False):
         """`run_forward` of the batch `x`."""
         self._training = training
-        self._added = []
+        self.added = []
         return run_forward(self, x)
 
     def microbatches(self, x, y):
@@ -105,7 +104,7 @@ class TensorFlowStages(StagePrimitives):
             outputs = self._replica_results(stage, forward)
             if adding:
                 outputs, added = map(list, zip(*outputs))
-                self._added.append(added)
+                self.added.append(added)
                 done.extend(added)
             predicted = outputs
             if target is None:
@@ -169,23 +168,8 @@ class TensorFlowStages(StagePrimitives):
         outputs = self._replica_results(stage, call)
         if adding:
             outputs, added = map(list, zip(*outputs))
-            self._added.append(added)
+            self.added.append(added)
         return outputs
-
-    def added_loss(self):
-        """The batch's share of the losses the stages' layers added in the
-        last step: each micro-batch's mean over the replicas, averaged
-        over the micro-batches; `None` without any."""
-        if not self._added:
-            return None
-        means = [
-            tf.add_n(sent) / len(sent)
-            for sent in (
-                self.send(added, self.num_stages - 1, "forward")
-                for added in self._added
-            )
-        ]
-        return tf.add_n(means) / self.num_microbatches
 
     def _added_call(self, stage, inputs, training):
         """`(outputs, losses added)` of a replica's call of `stage`: the sum
@@ -205,7 +189,7 @@ class TensorFlowStages(StagePrimitives):
         if losses:
             rows = [row for micro in losses for row in micro]
             loss = tf.add_n([share for share, _ in rows]) / self.data_parallel
-            if self._added:
+            if self.added:
                 loss = loss + self.added_loss()
             self.gradient_scale = fraction_scale([f for _, f in rows])
             if self.gradient_scale is not None:

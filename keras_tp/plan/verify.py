@@ -170,10 +170,8 @@ class _Emulation:
                         f"the output of '{unit.path}'",
                     )
                 except Exception as error:  # noqa: BLE001 - a finding
-                    self._blame_active(
-                        f"'{unit.path}' fails on a rank's heads "
-                        f"({type(error).__name__}: {_first_line(error)})"
-                    )
+                    what = f"'{unit.path}' fails on a rank's heads"
+                    self._blame_active(_broken(error, what))
         return self.problems
 
     def _slice_weights(self):
@@ -436,19 +434,13 @@ class _Emulation:
             self.problems[group] = Problem(reason, False)
 
 
-def _broken(error):
-    return (
-        "a rank's slice breaks the code between split layers "
-        f"({type(error).__name__}: {_first_line(error)})"
-    )
-
-
-def _first_line(error):
-    # Keras wraps an error of a layer's call in a line naming the layer,
-    # which says nothing of the error.
-    text = [
+def _broken(error, what="a rank's slice breaks the code between split layers"):
+    """`what`, with the error's first line: past the one Keras adds naming
+    the layer whose call raised it, without terminal colours."""
+    lines = [
         re.sub(r"\x1b\[[0-9;]*m", "", line).strip()
         for line in str(error).splitlines()
         if line.strip() and "Exception encountered when calling" not in line
     ]
-    return text[0][:200] if text else ""
+    first = lines[0][:200] if lines else ""
+    return f"{what} ({type(error).__name__}: {first})"

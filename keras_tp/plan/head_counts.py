@@ -74,7 +74,7 @@ class WholeHeads(int):
         return f"WholeHeads({int(self)})"
 
 
-def per_rank_counts(model, plan):
+def per_rank_counts(model, plan, swapped=False):
     """`{layer: {attribute: count}}`: what each rank reads while it runs.
 
     A heads axis is a split axis of a split sublayer's kernel that another
@@ -85,7 +85,9 @@ def per_rank_counts(model, plan):
     width `W`: there a heads count is an integer attribute `n` of the
     layer, divisible by the ranks, with `W // n` another attribute (the
     head size; RoFormer's `heads` and `head_size`), the smallest such `n`
-    where several are (Gemma3n's 4 heads of 8, beside 8), and an attribute equal
+    unless `swapped` (Gemma3n's 4 heads of 8 beside other attributes of
+    8: real models' head sizes, 64 to 256, outnumber their heads; the
+    planner's check tries the others where that fails), and an attribute equal
     to `W` is the rank's width (GPT-NeoX reshapes its heads back to its
     `hidden_dim`). A Column that gathers its output, or a Row that slices
     its input, hands the layer whole heads and counts nothing.
@@ -93,6 +95,7 @@ def per_rank_counts(model, plan):
     Args:
         model: the model `plan` is bound to, its variables unsplit.
         plan: a bound `ShardingPlan`.
+        swapped: whether a `Dense` width's larger heads counts count too.
 
     Returns:
         For each layer whose direct sublayers split heads, its integer
@@ -101,9 +104,10 @@ def per_rank_counts(model, plan):
         `HeadAxis`.
     """
     counts = {}
-    for layer, (heads, widths, kernel_heads) in _layers_with_split_heads(
-        model, plan
-    ):
+    for layer, found in _layers_with_split_heads(model, plan):
+        heads, widths, kernel_heads, others = found
+        if swapped:
+            heads = heads | others
         # A width counts beside heads only (a kernel's heads axis, or a
         # heads count and head size among the attributes): a `Dense` MLP's
         # split width is no attention's.
@@ -122,10 +126,12 @@ def per_rank_counts(model, plan):
 
 
 def _layers_with_split_heads(model, plan):
-    """`[(layer, (heads, widths, kernel_heads)), ...]`: the layers whose
-    direct sublayers split heads, with the full lengths of their heads
-    axes, the widths of split axes that fold heads and head size together,
-    and the heads axes that a kernel has of its own."""
+    """`[(layer, (heads, widths, kernel_heads, swapped)), ...]`: the layers
+    whose direct sublayers split heads, with the full lengths of their
+    heads axes, the widths of split axes that fold heads and head size
+    together, the heads axes that a kernel has of its own, and the heads
+    counts beside a smaller one of the same width (which are heads only
+    where heads and head size swap)."""
     entries = {id(entry.layer): entry for entry in plan.leaf_layers()}
     regions = {id(entry.layer) for entry in plan.layers}
     found = []
@@ -140,6 +146,7 @@ def _layers_with_split_heads(model, plan):
                 widths.update(axis_widths)
         kernel_heads = set(heads)
         values = {v for v in vars(layer).values() if type(v) is int}
+        others = set()
         for width in widths:
             counts = [
                 n
@@ -149,12 +156,12 @@ def _layers_with_split_heads(model, plan):
                 and n % plan.tensor_parallel == 0
                 and width // n in values
             ]
-            # Where heads and head size could swap (4 heads of 8 beside an
-            # attribute 8), the larger head size is the usual one.
             if counts:
                 heads.add(min(counts))
+                others.update(counts)
+        others -= heads
         if heads or widths:
-            found.append((layer, (heads, widths, kernel_heads)))
+            found.append((layer, (heads, widths, kernel_heads, others)))
     return found
 
 
@@ -181,7 +188,7 @@ def add_head_arguments(model, plan, trace):
         plan: a bound `ShardingPlan`.
         trace: the `Trace` of `model`.
     """
-    for layer, (_, _, heads) in _layers_with_split_heads(model, plan):
+    for layer, (_, _, heads, _) in _layers_with_split_heads(model, plan):
         axes = collections.defaultdict(set)
         for call in trace.calls_of[id(layer)]:
             taken = {

@@ -13,6 +13,7 @@ from keras_tp.errors import ShardingError
 from keras_tp.keras_internals import sublayers
 from keras_tp.plan import trace as tracing
 from keras_tp.plan.head_counts import add_head_arguments
+from keras_tp.plan.head_counts import per_rank_counts
 from keras_tp.plan.planner import Planner
 from keras_tp.plan.sharding_plan import ShardedUnit
 from keras_tp.plan.styles import Row
@@ -109,35 +110,28 @@ def counted_problems(model, plan, trace, group_of, random_inputs=None):
     beside 2 key/value heads; T5's head size (8) is a heads count by the
     same rule as its 4 heads, and its 32 position buckets a width. Where
     the check fails with every count, each attribute name is left whole in
-    turn, then each pair of names, then each is counted alone; the first
-    plan that passes so is kept. Where none passes (another layer breaks
-    too), the counts that leave the fewest of the problems, and only
-    those, are kept with their problems: Gemma3n's head size (8) is a
-    heads count beside its 4 query heads while its AltUp projections
-    break alone. Arguments and result as `local_problems`'.
+    turn, then each pair of names, then each is counted alone; then the
+    same from the counts with those that are heads only where heads and
+    head size swap (`per_rank_counts(..., swapped=True)`); the first plan
+    that passes so is kept. Arguments and result as `local_problems`'.
     """
     problems = local_problems(model, plan, trace, group_of, random_inputs)
     if not problems:
         return problems
     kept = plan.per_rank_counts
-    names = sorted(_count_names(plan))
-    trials = [_without(kept, [name]) for name in names]
-    trials += [
-        _without(kept, pair) for pair in itertools.combinations(names, 2)
-    ]
-    if len(names) > 2:
-        trials += [
-            _without(kept, [n for n in names if n != name]) for name in names
-        ]
-    best = (kept, problems)
+    trials = _trials(kept)
+    swapped = per_rank_counts(model, plan, swapped=True)
+    if swapped != kept:
+        swapped = {
+            layer: {**swapped.get(layer, {}), **kept.get(layer, {})}
+            for layer in {**swapped, **kept}
+        }
+        trials += [swapped, *_trials(swapped)]
     for counts in trials:
         plan.per_rank_counts = counts
-        left = local_problems(model, plan, trace, group_of, random_inputs)
-        if not left:
+        if not local_problems(model, plan, trace, group_of, random_inputs):
             return {}
-        if left.keys() < best[1].keys():
-            best = (counts, left)
-    plan.per_rank_counts, problems = best
+    plan.per_rank_counts = kept
     return problems
 
 
@@ -162,6 +156,25 @@ def keep_needed_counts(model, plan, trace, group_of):
         plan.per_rank_counts = _without(kept, [name])
         if local_problems(model, plan, trace, group_of):
             plan.per_rank_counts = kept
+
+
+def _trials(per_rank_counts):
+    """`per_rank_counts` less each attribute name, each pair of names, and
+    all names but one, in turn."""
+    names = sorted(
+        {name for counts in per_rank_counts.values() for name in counts}
+    )
+    trials = [_without(per_rank_counts, [name]) for name in names]
+    trials += [
+        _without(per_rank_counts, pair)
+        for pair in itertools.combinations(names, 2)
+    ]
+    if len(names) > 2:
+        trials += [
+            _without(per_rank_counts, [n for n in names if n != name])
+            for name in names
+        ]
+    return trials
 
 
 def _count_names(plan):

@@ -83,6 +83,7 @@ def step_temporary_bytes(model, x, y):
     most the step holds at once (with the activations' gradients, as
     XLA's temporaries are on JAX). The weights and the optimizer's state,
     which live across steps, are not counted."""
+    import gc
     import weakref
 
     import torch
@@ -108,6 +109,10 @@ def step_temporary_bytes(model, x, y):
                 return NotImplemented
             # Autograd's engine runs a graph task only in a backward pass.
             if self.held is None and torch._C._current_graph_task_id() >= 0:
+                # Garbage awaiting the cyclic collector is not held for the
+                # backward pass: collected first, the count does not depend
+                # on when the collector last ran.
+                gc.collect()
                 self.held = self.total
             out = func(*args, **(kwargs or {}))
             for tensor in torch.utils._pytree.tree_leaves(out):

@@ -6,6 +6,7 @@ the `StagePrimitives`."""
 
 import keras
 
+from keras_tp.parallel.batch_loss import fraction_scale
 from keras_tp.pipeline import schedules
 from keras_tp.tensors import with_masks
 
@@ -23,6 +24,9 @@ class StagePrimitives:
     # backend fills it in `forward` (but for the last stage's, which its
     # share of the loss holds) and `infer`.
     added = ()
+    # What the gradients are multiplied by, where masked predictions set
+    # it (`joined_loss`).
+    gradient_scale = None
 
     def microbatches(self, x, y):
         """`(inputs, targets)`: per micro-batch, in order, the first
@@ -60,6 +64,20 @@ class StagePrimitives:
         (none, and no loss, without targets) and outputs, in micro-batch
         order."""
         raise NotImplementedError
+
+    def joined_loss(self, shares, replicas):
+        """The batch's loss from each micro-batch's (and replica's) `(loss
+        share, fraction)` (`PipelineRuntime.loss_function`), shares of
+        replicas apart or in one array: their sum, averaged over the
+        `replicas`, with the added losses (`added_loss`), times the
+        `gradient_scale` it sets."""
+        loss = sum(keras.ops.sum(share) for share, _ in shares) / replicas
+        if self.added:
+            loss = loss + self.added_loss()
+        self.gradient_scale = fraction_scale([f for _, f in shares])
+        if self.gradient_scale is not None:
+            loss = loss * self.gradient_scale
+        return loss
 
     def added_loss(self):
         """The batch's share of the losses in `added`, on the last stage's

@@ -243,7 +243,8 @@ class PipelineRuntime(Runtime):
         times `fraction`, the share of the entries its mask keeps, and the
         batch's loss and gradients are the micro-batches' averaged, then
         divided by the mean of their fractions (`fraction_scale`).
-        `fraction` is `None` for predictions without a mask.
+        `fraction` is `None` for predictions without a mask, or in one
+        part (whose masked mean is the batch's).
         """
         loss = self._compiled_loss()
         split = num_microbatches * self.data_parallel > 1
@@ -260,11 +261,8 @@ class PipelineRuntime(Runtime):
             y, weights = weighted(targets)
             value = loss(y, y_pred, weights)
             fraction = kept_fraction(y_pred, split)
-            if fraction is None:
+            if fraction is None or not split:
                 return value, None
-            if not split:
-                # The one micro-batch's masked mean is the batch's.
-                return value, keras.ops.ones(())
             return value * fraction, fraction
 
         return microbatch_loss

@@ -12,7 +12,6 @@ from jax.sharding import PartitionSpec
 from keras_tp.collectives.jax import counted_jit
 from keras_tp.collectives.jax import signature
 from keras_tp.keras_internals import local_shapes
-from keras_tp.parallel.batch_loss import fraction_scale
 from keras_tp.pipeline.executor import StagePrimitives
 from keras_tp.pipeline.executor import concatenated
 from keras_tp.pipeline.executor import join_rows
@@ -270,8 +269,6 @@ class JaxStages(StagePrimitives):
         self.non_trainable = list(non_trainable)
         self.num_microbatches = num_microbatches
         self.gradients = [None] * self.num_stages
-        # Of the gradients, where masked predictions set one (`joined`).
-        self.gradient_scale = None
         # See `StagePrimitives.added`: one row per device.
         self.added = []
         self._residuals = {}
@@ -337,16 +334,8 @@ class JaxStages(StagePrimitives):
 
     def joined(self, losses, predictions):
         # Each replica's loss is its slice's; the batch's is their mean.
-        loss = None
-        if losses:
-            shares = [share for share, _ in losses]
-            loss = jax.numpy.mean(sum(shares[1:], shares[0]))
-            if self.added:
-                loss = loss + self.added_loss()
-            self.gradient_scale = fraction_scale([f for _, f in losses])
-            if self.gradient_scale is not None:
-                loss = loss * self.gradient_scale
         replicas = self.programs.replicas
+        loss = self.joined_loss(losses, replicas) if losses else None
         rows = [split_rows(part, replicas, 1)[0] for part in predictions]
         return loss, join_rows(rows)
 

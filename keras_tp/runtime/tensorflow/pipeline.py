@@ -52,7 +52,6 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             shape=tf.TensorShape([None, 2]),
             trainable=False,
         )
-        self.last_num_microbatches = None
 
     def _available_devices(self):
         if tf_devices.multi_worker_strategy() is not None:
@@ -80,7 +79,6 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         count = self.microbatches(batch // self.data_parallel)
         if count not in self._stages:
             self._stages[count] = TensorFlowStages(self, count)
-        self.last_num_microbatches = count
         return self._stages[count]
 
     def action_times(self):

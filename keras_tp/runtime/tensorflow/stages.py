@@ -4,7 +4,6 @@ import contextlib
 
 import tensorflow as tf
 
-from keras_tp.parallel.batch_loss import fraction_scale
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.executor import StagePrimitives
 from keras_tp.pipeline.executor import join_rows
@@ -47,8 +46,6 @@ class TensorFlowStages(StagePrimitives):
         self._previous = [[] for _ in self.stage_models]
         # See `StagePrimitives.added`: a list of one per replica.
         self.added = []
-        # Of the gradients, where masked predictions set one (`joined`).
-        self.gradient_scale = None
         result = run_schedule(self, self.order, x, y)
         self.pipeline.step_times.assign(
             tf.stack([tf.stack(t) for t in self.times])
@@ -185,15 +182,8 @@ class TensorFlowStages(StagePrimitives):
     def joined(self, losses, predictions):
         # Each row's loss is the mean over its equal slice of the batch,
         # so their mean is the batch's.
-        loss = None
-        if losses:
-            rows = [row for micro in losses for row in micro]
-            loss = tf.add_n([share for share, _ in rows]) / self.data_parallel
-            if self.added:
-                loss = loss + self.added_loss()
-            self.gradient_scale = fraction_scale([f for _, f in rows])
-            if self.gradient_scale is not None:
-                loss = loss * self.gradient_scale
+        rows = [row for micro in losses for row in micro]
+        loss = self.joined_loss(rows, self.data_parallel) if rows else None
         # The batch's outputs, from the first replica of each row.
         rows = [micro[:: self.tensor_parallel] for micro in predictions]
         return loss, join_rows(rows)

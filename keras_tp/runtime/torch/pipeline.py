@@ -25,7 +25,6 @@ from keras_tp.runtime.torch.devices import this_device
 from keras_tp.runtime.torch.stage_storage import StageStorage
 from keras_tp.runtime.torch.stages import TorchPipeline
 from keras_tp.runtime.torch.storage import RankProcess
-from keras_tp.tensors import nbytes
 
 
 class TorchStageRuntime(TorchRuntime):
@@ -72,12 +71,15 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
             "model": self.tensor_parallel,
         }
         self._mesh_shape = tuple(shape.values())
-        self.data_index, self.stage_index, model_index = (
+        self.data_index, self.stage_index, _ = (
             int(i) for i in np.unravel_index(self.rank, self._mesh_shape)
         )
         model_group, self.pipe_group, data_group, stage_group = mesh_groups(
             shape, "model", "pipe", "data", ("data", "model")
         )
+        # This replica's and tensor-parallel rank's stages, counted.
+        self.pipe_adapter = TorchCollectiveAdapter(self.pipe_group, "pipe")
+        self.pipe_adapter.stats = self.stats
         self.stage_runtime = self.counted(
             TorchStageRuntime(
                 self.config.stage_config(self.stage_devices[self.stage_index]),
@@ -89,11 +91,8 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         self.stage_runtimes = [self.stage_runtime] * pipeline_parallel
         self.stage_model = self.stage_models[self.stage_index]
         self._shared_adapters = self._shared_weight_adapters()
-        # The rank (d, P - 1, t) of this replica and tensor-parallel rank:
-        # the last stage, which has the loss, the metrics and the outputs.
-        self.last_rank = self._rank_of(
-            self.data_index, pipeline_parallel - 1, model_index
-        )
+        # The last stage, which has the loss, the metrics and the outputs.
+        self.last_stage = pipeline_parallel - 1
         self.data_adapter = (
             self.stage_runtime.data_adapter if data_parallel > 1 else None
         )
@@ -244,27 +243,26 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         (one float), where any stage's layers add losses."""
         if not any(self.adding_stages):
             return loss
-        added = pipeline.added_loss()
-        dist.all_reduce(added, group=self.pipe_group)
-        self.stats.record("all_reduce", nbytes(added), "forward", "pipe")
+        added = self.pipe_adapter.all_reduce(pipeline.added_loss())
         return None if loss is None else loss + added
 
     def _fraction_scale(self, pipeline, every_stage):
         """`fraction_scale` of the batch's micro-batches on every replica's
         last stage, summed over `data`, then broadcast to this replica's
-        stages if `every_stage`; `None` without masked predictions."""
-        if not self.masked_predictions:
+        stages if `every_stage`; `None` where the loss is not scaled (see
+        `PipelineRuntime.loss_function`)."""
+        split = pipeline.num_microbatches * self.data_parallel > 1
+        if not (split and self.masked_predictions):
             return None
         scale = torch.zeros((), device=self.device)
-        if self.stage_index == self.pipeline_parallel - 1:
+        if self.stage_index == self.last_stage:
             fractions = torch.stack(pipeline.fractions)
             total = fractions.sum()
             if self.data_adapter is not None:
                 total = self.data_adapter.all_reduce(total)
             scale = fractions.numel() * self.data_parallel / total
         if every_stage:
-            dist.broadcast(scale, src=self.last_rank, group=self.pipe_group)
-            self.stats.record("broadcast", nbytes(scale), "forward", "pipe")
+            scale = self.pipe_adapter.broadcast(scale, self.last_stage)
         return scale
 
     def predict_step(self, data):
@@ -284,7 +282,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         them."""
         trainer = self.trainer
         variables = trainer.metrics_variables
-        if self.rank == self.last_rank:
+        if self.stage_index == self.last_stage:
             before = [v.value.detach().clone() for v in variables]
             update_loss_tracker(trainer, loss, len(keras.tree.flatten(x)[0]))
             with torch.no_grad():
@@ -299,9 +297,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         values = [v.value.detach().reshape(-1).double() for v in variables]
         # One broadcast for all of them: float64 holds float32 and int32
         # metric state exactly.
-        buffer = torch.cat(values)
-        dist.broadcast(buffer, src=self.last_rank, group=self.pipe_group)
-        self.stats.record("broadcast", nbytes(buffer), "forward", "pipe")
+        buffer = self.pipe_adapter.broadcast(torch.cat(values), self.last_stage)
         parts = torch.split(buffer, [value.numel() for value in values])
         for variable, value in zip(variables, parts):
             variable.assign(value.reshape(variable.shape))
@@ -312,20 +308,20 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         _, outputs = self._pipeline(x, with_loss=False).forward(
             x, None, training
         )
-        last = self.last_rank
+        last = self.last_stage
         specs = [None]
-        if self.rank == last:
+        if self.stage_index == last:
             leaves = keras.tree.flatten(outputs)
             specs = [[(tuple(t.shape), t.dtype) for t in leaves]]
-        dist.broadcast_object_list(specs, src=last, group=self.pipe_group)
-        if self.rank != last:
+        dist.broadcast_object_list(specs, group=self.pipe_group, group_src=last)
+        if self.stage_index != last:
             leaves = [
                 torch.empty(shape, dtype=dtype, device=self.device)
                 for shape, dtype in specs[0]
             ]
-        for tensor in leaves:
-            dist.broadcast(tensor, src=last, group=self.pipe_group)
-            self.stats.record("broadcast", nbytes(tensor), "forward", "pipe")
+        leaves = [
+            self.pipe_adapter.broadcast(t, self.last_stage) for t in leaves
+        ]
         return keras.tree.pack_sequence_as(self.stage_models[-1].output, leaves)
 
     def call_model(self, model, inputs, training):

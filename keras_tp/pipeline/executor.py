@@ -8,6 +8,7 @@ import keras
 
 from keras_tp.parallel.batch_loss import fraction_scale
 from keras_tp.pipeline import schedules
+from keras_tp.tensors import nbytes
 from keras_tp.tensors import with_masks
 
 
@@ -19,6 +20,8 @@ class StagePrimitives:
 
     num_stages = None
     num_microbatches = None
+    # The `CommunicationStats` that count what `send` moves.
+    stats = None
     # Per stage and micro-batch whose layers added losses, what each
     # device (replica) of the stage added, as `send` takes it; the
     # backend fills it in `forward` (but for the last stage's, which its
@@ -50,7 +53,10 @@ class StagePrimitives:
 
     def send(self, value, stage, direction):
         """`value` (activations, or their gradients with `direction=
-        "backward"`) moved to the devices of `stage`, and counted."""
+        "backward"`) moved to the devices of `stage`, and counted in
+        `stats`: by default the receiving stage's operations copy it."""
+        for tensor in keras.tree.flatten(value):
+            self.stats.record("send", nbytes(tensor), direction, "pipe")
         return value
 
     def infer(self, stage, inputs):

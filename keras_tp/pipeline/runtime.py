@@ -75,8 +75,11 @@ class PipelineRuntime(Runtime):
         self.split = split_stages(model, stages, self.config.pipeline_cuts)
         self.stage_models = [stage.model for stage in self.split.stages]
         if self.tensor_parallel > 1:
+            # A later stage takes the tensors that cross its cut split (a
+            # Column layer's output arrives as each rank's shard), which its
+            # split layers check.
             for stage_model in self.stage_models[1:]:
-                _accept_split_inputs(stage_model)
+                stage_model.input_spec = None
         self.owners = WeightOwners(self.stage_models, model)
         self.stage_of = self.owners.stage_of
         self.shared_stages = self.owners.shared_stages
@@ -367,24 +370,6 @@ class _CallingStageAdapter:
 
     def __getattr__(self, name):
         return getattr(self._regions.calling_runtime().adapter, name)
-
-
-def _accept_split_inputs(stage_model):
-    """Lets a stage model take the tensors that cross its cut split (a
-    Column layer's output arrives as each rank's shard): Keras checks
-    only their ranks, and the split layers check widths themselves."""
-    if stage_model.input_spec is None:
-        return
-    stage_model.input_spec = [
-        keras.InputSpec(
-            dtype=spec.dtype,
-            ndim=spec.ndim,
-            allow_last_axis_squeeze=spec.allow_last_axis_squeeze,
-            name=spec.name,
-            optional=spec.optional,
-        )
-        for spec in stage_model.input_spec
-    ]
 
 
 def _check_layers(model):

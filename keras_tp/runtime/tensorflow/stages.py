@@ -12,7 +12,6 @@ from keras_tp.pipeline.executor import run_schedule
 from keras_tp.pipeline.executor import split_rows
 from keras_tp.runtime.tensorflow import added_losses
 from keras_tp.tensors import carried_masks
-from keras_tp.tensors import nbytes
 
 
 class TensorFlowStages(StagePrimitives):
@@ -144,12 +143,6 @@ class TensorFlowStages(StagePrimitives):
             results = self._replica_results(stage, backward)
             done.extend(tf.nest.flatten(results))
         return [sent for sent, _ in results]
-
-    def send(self, value, stage, direction):
-        """Counts `value`; the receiving stage's operations copy it."""
-        for tensor in tf.nest.flatten(value):
-            self.stats.record("send", nbytes(tensor), direction, "pipe")
-        return value
 
     def infer(self, stage, inputs):
         replica_id = self.runtimes[stage].replica_id

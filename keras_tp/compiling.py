@@ -53,7 +53,9 @@ def arguments_of(model):
 
 def coordinated(optimizer, runtime, trainer):
     """`optimizer` as `runtime` runs it: a `CoordinatedOptimizer` bound to
-    it where its steps run per rank, else as given.
+    it where its steps run per rank, or where ranks hold shards and the
+    optimizer clips by norms or keeps state (`WHOLE_VARIABLE_OPTIONS`),
+    else as given.
 
     Args:
         optimizer: the optimizer given to `compile()` (or its name).
@@ -83,7 +85,8 @@ def coordinated(optimizer, runtime, trainer):
             )
         # Without a data axis it still clips and accumulates.
         bound_to = bound_to or runtime
-    elif bound_to is not None:
+    elif bound_to is not None or _needs_whole_variables(optimizer, runtime):
+        bound_to = bound_to or runtime
         inner = keras.optimizers.get(optimizer)
         # The wrapper accumulates instead, synchronising only at the
         # accumulation boundaries.
@@ -98,6 +101,31 @@ def coordinated(optimizer, runtime, trainer):
         return optimizer
     bound_to.bind_optimizer(optimizer)
     return optimizer
+
+
+# Options of a Keras optimizer that read whole variables or carry state
+# across steps: norms, weight averages, accumulated gradients.
+WHOLE_VARIABLE_OPTIONS = (
+    "clipnorm",
+    "global_clipnorm",
+    "use_ema",
+    "gradient_accumulation_steps",
+)
+
+
+def _needs_whole_variables(optimizer, runtime):
+    """Whether `optimizer` uses `WHOLE_VARIABLE_OPTIONS` where each rank's
+    step holds its own shards (torch, TensorFlow): a plain optimizer would
+    clip each rank's shards by their own norms, so a `CoordinatedOptimizer`
+    takes the norms over the whole model. A pipeline's stages update
+    their variables themselves (`PipelineRuntime.check_compiled`)."""
+    if runtime.pipeline_parallel > 1 or runtime.tensor_parallel == 1:
+        return False
+    if not runtime.local_ranks:
+        return False
+    return isinstance(optimizer, keras.optimizers.Optimizer) and any(
+        getattr(optimizer, name) for name in WHOLE_VARIABLE_OPTIONS
+    )
 
 
 def check_unbuilt(optimizer, own=None):

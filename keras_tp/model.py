@@ -199,8 +199,8 @@ class TensorParallelKeras(
         and metrics for `"auto"` (and its `generate()` settings). A model
         compiled before wrapping (as a keras-hub task is) is compiled alike.
 
-        With a data axis or a ZeRO stage, the optimizer becomes a
-        `keras_tp.CoordinatedOptimizer` of the model's stage (or pass one).
+        The optimizer may become a `keras_tp.CoordinatedOptimizer`
+        (`compiling.coordinated` says where), or pass one.
 
         Example:
 

@@ -22,9 +22,15 @@ BATCH = 8  # global batch, split over the data axis
 
 
 def make_optimizer(kind):
-    """SGD with momentum, Adam, or AdamW with clipping and a schedule."""
+    """SGD with momentum, Adam, AdamW with clipping and a schedule, or
+    ("clipped") SGD with momentum, a norm clip per variable and weight
+    averages."""
     if kind == "sgd":
         return keras.optimizers.SGD(0.05, momentum=0.9)
+    if kind == "clipped":
+        return keras.optimizers.SGD(
+            0.05, momentum=0.9, clipnorm=0.05, use_ema=True
+        )
     if kind == "adam":
         return keras.optimizers.Adam(1e-3)
     schedule = keras.optimizers.schedules.ExponentialDecay(1e-2, 2, 0.8)
@@ -68,6 +74,18 @@ def train_pair(name, world_size, data_parallel, zero_stage, kind, **options):
     )
     tp_history = tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
     return reference, tp, ref_history, tp_history
+
+
+def check_norms_with_tensor_parallelism_alone():
+    """Norm clips (per variable and global), weight averages and a
+    schedule on 2 model ranks without a data axis match one device: where
+    ranks hold their shards, `compile()` makes the optimizer a
+    `CoordinatedOptimizer`, which takes each norm over the shards."""
+    for kind, tolerance in (("clipped", 1e-5), ("adamw", 1e-4)):
+        reference, tp, _, _ = train_pair("mlp", 2, 1, 0, kind)
+        assert max_diff(reference.get_weights(), tp.get_weights()) <= (
+            tolerance
+        ), kind
 
 
 def kept_bytes(psi, data_parallel, zero_stage, accumulation_steps=1):

@@ -38,6 +38,7 @@ from tests.dp_cases import check_gradient_accumulation  # noqa: E402
 from tests.dp_cases import check_link_probe  # noqa: E402
 from tests.dp_cases import check_local_sgd_runs  # noqa: E402
 from tests.dp_cases import check_matches_one_device  # noqa: E402
+from tests.dp_cases import check_norms_with_tensor_parallelism_alone  # noqa: E402
 from tests.dp_cases import check_zero_memory  # noqa: E402
 from tests.dp_cases import communication_run  # noqa: E402
 from tests.dp_cases import global_batch_losses  # noqa: E402
@@ -62,6 +63,11 @@ def test_matches_one_device(world_size, data_parallel, zero_stage):
         "mlp", world_size, data_parallel, zero_stage, kind
     )
     check_matches_one_device(reference, tp, ref_history, tp_history)
+
+
+def test_norms_with_tensor_parallelism_alone_match_one_device():
+    # Global arrays: Keras' own norms read whole variables.
+    check_norms_with_tensor_parallelism_alone()
 
 
 @pytest.mark.parametrize(

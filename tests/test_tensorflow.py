@@ -630,16 +630,6 @@ def test_jit_compile_is_refused_with_the_fix():
         tp.train_on_batch(x, y)
 
 
-def test_optimizer_options_needing_cross_shard_state_are_refused():
-    tp = keras_tp.TensorParallelKeras(models.mlp(), world_size=2)
-    tp.compile(
-        optimizer=keras.optimizers.Adam(global_clipnorm=1.0), loss=_loss()
-    )
-    x, y = models.data_for("mlp")
-    with pytest.raises(NotImplementedError, match="global_clipnorm"):
-        tp.train_on_batch(x, y)
-
-
 def _free_port():
     with socket.socket() as s:
         s.bind(("localhost", 0))

@@ -45,6 +45,7 @@ from tests.dp_cases import check_gradient_accumulation  # noqa: E402
 from tests.dp_cases import check_link_probe  # noqa: E402
 from tests.dp_cases import check_local_sgd_runs  # noqa: E402
 from tests.dp_cases import check_matches_one_device  # noqa: E402
+from tests.dp_cases import check_norms_with_tensor_parallelism_alone  # noqa: E402
 from tests.dp_cases import check_zero_memory  # noqa: E402
 from tests.dp_cases import communication_run  # noqa: E402
 from tests.dp_cases import global_batch_losses  # noqa: E402
@@ -114,6 +115,10 @@ def test_adamw_clipnorm_schedule_match(world_size, data_parallel, zero_stage):
         "mlp", world_size, data_parallel, zero_stage, "adamw"
     )
     assert max_diff(reference.get_weights(), tp.get_weights()) <= 1e-4
+
+
+def test_norms_with_tensor_parallelism_alone_match_one_device():
+    check_norms_with_tensor_parallelism_alone()
 
 
 def test_transformer_adamw_clipnorm_schedule_match():

@@ -46,6 +46,9 @@ TWO_RANKS = (
         ("mlp", 2, 2, 2, "sgd", {"gradient_accumulation_steps": 2}),
         ("mlp", 2, 2, 0, "adam", {"bucket_cap_mb": BUCKET_MB}),
         ("mlp", 2, 2, 1, "adam", {"bucket_cap_mb": "auto"}),
+        # Tensor parallelism alone: norms over each variable's shards.
+        ("mlp", 2, 1, 0, "adamw", {}),
+        ("mlp", 2, 1, 0, "clipped", {}),
     ]
 )
 FOUR_RANKS = (
@@ -193,9 +196,11 @@ def test_ddp_sends_buckets_during_the_backward_pass(two_ranks):
     _, ranks = two_ranks
     for rank in ranks:
         for run in rank["cases"]:
-            name, _, _, stage, _, options = run["case"]
-            overlaps = stage == 0 and "gradient_accumulation_steps" not in (
-                options
+            name, _, data_parallel, stage, _, options = run["case"]
+            overlaps = (
+                stage == 0
+                and data_parallel > 1
+                and "gradient_accumulation_steps" not in options
             )
             assert run["overlap"] == overlaps, run["case"]
             if not overlaps:

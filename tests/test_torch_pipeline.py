@@ -469,12 +469,15 @@ def test_a_split_activation_crosses_the_cut_as_shards(four_ranks):
         assert last["sent"]["backward_bytes"] == last["sent"]["bytes"] == shard
 
 
-def test_tensor_parallel_stages_refuse_an_indivisible_world(tensor_parallel):
+def test_tensor_parallel_stages_refuse_an_uneven_world_and_shard_norms(
+    tensor_parallel,
+):
     for result in tensor_parallel:
         assert (
             "pipeline_parallel=3 with world_size=4 and data_parallel=1"
             in result["indivisible_refused"]
         )
+        assert "by the shard's own norm" in result["clipnorm_refused"]
 
 
 def test_sharded_checkpoints_of_stages_load_at_any_layout(four_ranks):

@@ -462,6 +462,10 @@ def tensor_parallel_run(path):
         )
     except ValueError as e:
         result["indivisible_refused"] = str(e)
+    try:
+        tp.compile(optimizer=keras.optimizers.SGD(clipnorm=1.0), loss=loss)
+    except ValueError as e:
+        result["clipnorm_refused"] = str(e)
     return _gathered(result)
 
 

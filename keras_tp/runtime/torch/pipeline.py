@@ -129,6 +129,18 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         # axis combines their gradients.
         return self.stage_runtime if self.data_parallel > 1 else None
 
+    def check_compiled(self, trainer):
+        super().check_compiled(trainer)
+        clipnorm = trainer.optimizer.clipnorm
+        if clipnorm and self.tensor_parallel > 1 and not self.optimizer_runtime:
+            raise ValueError(
+                f"The optimizer's clipnorm={clipnorm} would clip each "
+                "tensor-parallel rank's shard of a stage's variables by the "
+                "shard's own norm, not the variable's. Use clipvalue, or "
+                "data_parallel > 1 (whose CoordinatedOptimizer takes whole "
+                "norms)."
+            )
+
     def _rank_of(self, data_index, stage_index, model_index):
         index = (data_index, stage_index, model_index)
         return int(np.ravel_multi_index(index, self._mesh_shape))

@@ -9,6 +9,7 @@ import keras
 from keras_tp.keras_internals import compile_arguments
 from keras_tp.keras_internals import place_slots_on_creation
 from keras_tp.parallel import CoordinatedOptimizer
+from keras_tp.parallel.entrywise import reads_across_entries
 
 # `keras.Model.compile`'s parameters after `optimizer`.
 _COMPILE_PARAMETERS = list(inspect.signature(keras.Model.compile).parameters)[
@@ -67,6 +68,7 @@ def coordinated(optimizer, runtime, trainer):
         The optimizer to compile with.
     """
     check_unbuilt(optimizer, own=getattr(trainer, "optimizer", None))
+    _check_entrywise(optimizer, runtime)
     bound_to = runtime.optimizer_runtime
     if isinstance(optimizer, CoordinatedOptimizer):
         if runtime.pipeline_parallel > 1:
@@ -126,6 +128,40 @@ def _needs_whole_variables(optimizer, runtime):
     return isinstance(optimizer, keras.optimizers.Optimizer) and any(
         getattr(optimizer, name) for name in WHOLE_VARIABLE_OPTIONS
     )
+
+
+def _check_entrywise(optimizer, runtime):
+    """Refuses an optimizer whose update of an entry reads other entries
+    of its variable (`reads_across_entries`) where each rank updates its
+    pieces of the variables."""
+    if not runtime.updates_pieces:
+        return
+    optimizer = keras.optimizers.get(optimizer)
+    optimizers = [optimizer]
+    if isinstance(optimizer, CoordinatedOptimizer):
+        optimizers = optimizer.wrapped_optimizers
+    for each in optimizers:
+        if reads_across_entries(each):
+            raise ValueError(
+                f"Optimizer '{each.name}' ({type(each).__name__}) updates "
+                "an entry of a variable from other entries of it (norms "
+                "or means over the variable, as Lamb, Adafactor and Muon "
+                "do), but here each rank updates its own pieces of the "
+                f"variables ({_pieces(runtime)}), so each piece would "
+                "take another update than on one device. Use an "
+                "optimizer that updates entry by entry (Adam, AdamW, "
+                "SGD, Lion, ...), or a layout whose ranks update whole "
+                "variables (tensor parallelism alone on JAX)."
+            )
+
+
+def _pieces(runtime):
+    pieces = []
+    if runtime.tensor_parallel > 1:
+        pieces.append(f"tensor_parallel={runtime.tensor_parallel} shards")
+    if runtime.zero_stage and runtime.data_parallel > 1:
+        pieces.append(f"zero_stage={runtime.zero_stage} partitions")
+    return " and ".join(pieces)
 
 
 def check_unbuilt(optimizer, own=None):

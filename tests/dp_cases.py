@@ -31,6 +31,8 @@ def make_optimizer(kind):
         return keras.optimizers.SGD(
             0.05, momentum=0.9, clipnorm=0.05, use_ema=True
         )
+    if kind == "lamb":
+        return keras.optimizers.Lamb(1e-2)
     if kind == "adam":
         return keras.optimizers.Adam(1e-3)
     schedule = keras.optimizers.schedules.ExponentialDecay(1e-2, 2, 0.8)
@@ -86,6 +88,20 @@ def check_norms_with_tensor_parallelism_alone():
         assert max_diff(reference.get_weights(), tp.get_weights()) <= (
             tolerance
         ), kind
+
+
+def lamb_refusal(world_size, data_parallel, zero_stage):
+    """LAMB, whose trust ratio reads each variable's norm, on a layout whose
+    ranks update pieces of the variables: `compile()`'s message."""
+    tp = keras_tp.TensorParallelKeras(
+        models.mlp(),
+        world_size=world_size,
+        data_parallel=data_parallel,
+        zero_stage=zero_stage,
+    )
+    with pytest.raises(ValueError) as refused:
+        tp.compile(optimizer=make_optimizer("lamb"), loss=loss_fn())
+    return str(refused.value)
 
 
 def kept_bytes(psi, data_parallel, zero_stage, accumulation_steps=1):

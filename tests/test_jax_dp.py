@@ -42,6 +42,7 @@ from tests.dp_cases import check_norms_with_tensor_parallelism_alone  # noqa: E4
 from tests.dp_cases import check_zero_memory  # noqa: E402
 from tests.dp_cases import communication_run  # noqa: E402
 from tests.dp_cases import global_batch_losses  # noqa: E402
+from tests.dp_cases import lamb_refusal  # noqa: E402
 from tests.dp_cases import local_sgd_runs  # noqa: E402
 from tests.dp_cases import train_pair  # noqa: E402
 from tests.models import loss_fn  # noqa: E402
@@ -68,6 +69,19 @@ def test_matches_one_device(world_size, data_parallel, zero_stage):
 def test_norms_with_tensor_parallelism_alone_match_one_device():
     # Global arrays: Keras' own norms read whole variables.
     check_norms_with_tensor_parallelism_alone()
+    reference, tp, _, _ = train_pair("mlp", 2, 1, 0, "lamb")
+    assert max_diff(reference.get_weights(), tp.get_weights()) <= 1e-5
+
+
+@pytest.mark.parametrize("data_parallel,zero_stage", [(2, 1), (1, 1)])
+def test_an_optimizer_reading_across_entries_updates_no_piece(
+    data_parallel, zero_stage
+):
+    # Per-rank steps: each rank's shards (model axis), its ZeRO partition.
+    message = lamb_refusal(2 * data_parallel, data_parallel, zero_stage)
+    assert "(Lamb) updates an entry of a variable" in message
+    assert "tensor_parallel=2 shards" in message
+    assert ("zero_stage=1 partitions" in message) == (data_parallel > 1)
 
 
 @pytest.mark.parametrize(

@@ -49,6 +49,7 @@ from tests.dp_cases import check_norms_with_tensor_parallelism_alone  # noqa: E4
 from tests.dp_cases import check_zero_memory  # noqa: E402
 from tests.dp_cases import communication_run  # noqa: E402
 from tests.dp_cases import global_batch_losses  # noqa: E402
+from tests.dp_cases import lamb_refusal  # noqa: E402
 from tests.dp_cases import local_sgd_runs  # noqa: E402
 from tests.dp_cases import make_optimizer  # noqa: E402
 from tests.dp_cases import train_pair  # noqa: E402
@@ -119,6 +120,10 @@ def test_adamw_clipnorm_schedule_match(world_size, data_parallel, zero_stage):
 
 def test_norms_with_tensor_parallelism_alone_match_one_device():
     check_norms_with_tensor_parallelism_alone()
+    # Each replica updates its shards: LAMB's norms would be a shard's.
+    message = lamb_refusal(2, 1, 0)
+    assert "(Lamb) updates an entry of a variable" in message
+    assert "(tensor_parallel=2 shards)" in message
 
 
 def test_transformer_adamw_clipnorm_schedule_match():

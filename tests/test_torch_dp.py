@@ -258,6 +258,12 @@ def test_errors(two_ranks):
     for rank in ranks:
         assert "cannot be split evenly" in rank["batch_error"]
         assert "zero_stage=2" in rank["stage_error"]
+        # Each rank updates its ZeRO partition, or its shards: LAMB's
+        # norms would be theirs.
+        partitions, shards = rank["lamb_errors"]
+        assert "(Lamb) updates an entry" in partitions
+        assert "(zero_stage=1 partitions)" in partitions
+        assert "(tensor_parallel=2 shards)" in shards
 
 
 def test_consistency_check_finds_a_drifted_replica(two_ranks):

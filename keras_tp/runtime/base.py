@@ -53,6 +53,13 @@ class Runtime(CheckpointPieces):
     # each global batch (`keras_tp.data_shares`), not the global batch.
     batches_are_shares = False
 
+    @property
+    def updates_pieces(self):
+        """Whether the optimizer updates each rank's pieces of split or
+        ZeRO-partitioned variables, not whole arrays."""
+        partitioned = self.zero_stage > 0 and self.data_parallel > 1
+        return self.local_ranks and (self.tensor_parallel > 1 or partitioned)
+
     def __init__(self, config):
         devices = select_devices(
             self.backend,

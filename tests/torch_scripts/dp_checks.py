@@ -106,6 +106,10 @@ def api_checks(configurations, save_path):
         tp.compile(optimizer=optimizer, loss=dp_cases.loss_fn())
     except ValueError as e:
         result["stage_error"] = str(e)
+    result["lamb_errors"] = [
+        dp_cases.lamb_refusal(2, 2, 1),
+        dp_cases.lamb_refusal(2, 1, 0),
+    ]
     result["batchnorm"] = dp_cases.batchnorm_after_two_steps(2, 2, 1)
     result["global_losses"] = dp_cases.global_batch_losses(2, 2)
     result["accumulation_buffers"] = dp_cases.accumulation_buffer_bytes(2)

@@ -41,6 +41,8 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
     backend = "jax"
     # Each stage's programs are traced under its index.
     calling_stage = staticmethod(TRACING_STAGE.get)
+    # Each stage's update runs on its whole arrays (`_update_of`).
+    updates_pieces = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -9,6 +9,7 @@ import keras
 from keras_tp.keras_internals import compile_arguments
 from keras_tp.keras_internals import place_slots_on_creation
 from keras_tp.parallel import CoordinatedOptimizer
+from keras_tp.parallel.entrywise import constraint_reads_across
 from keras_tp.parallel.entrywise import reads_across_entries
 
 # `keras.Model.compile`'s parameters after `optimizer`.
@@ -69,6 +70,7 @@ def coordinated(optimizer, runtime, trainer):
     """
     check_unbuilt(optimizer, own=getattr(trainer, "optimizer", None))
     _check_entrywise(optimizer, runtime)
+    _check_constraints(trainer.trainable_variables, runtime)
     bound_to = runtime.optimizer_runtime
     if isinstance(optimizer, CoordinatedOptimizer):
         if runtime.pipeline_parallel > 1:
@@ -153,6 +155,34 @@ def _check_entrywise(optimizer, runtime):
                 "SGD, Lion, ...), or a layout whose ranks update whole "
                 "variables (tensor parallelism alone on JAX)."
             )
+
+
+def _check_constraints(variables, runtime):
+    """Refuses a variable's constraint that reads entries across an axis
+    its variable is cut along (`constraint_reads_across`) where each rank
+    updates its pieces of the variables."""
+    if not runtime.updates_pieces:
+        return
+    placement = runtime.placement
+    for variable in variables:
+        if variable.constraint is None:
+            continue
+        cut = {placement.split_axis(variable)}
+        if runtime.zero_stage and runtime.data_parallel > 1:
+            cut.add(placement.partition_axis(variable))
+        for axis in cut - {None}:
+            ndim = len(variable.shape)
+            if constraint_reads_across(variable.constraint, ndim, axis):
+                raise ValueError(
+                    f"Variable '{variable.path}' has a constraint "
+                    f"({type(variable.constraint).__name__}) that reads its "
+                    f"entries across axis {axis}, along which each rank "
+                    f"holds and updates a piece of it ({_pieces(runtime)}): "
+                    "each piece would be constrained alone. Constrain "
+                    "another axis (a norm per output unit of a Column "
+                    "split), remove the constraint, or keep the layer whole "
+                    "(plan it Replicate)."
+                )
 
 
 def _pieces(runtime):

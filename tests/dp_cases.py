@@ -104,6 +104,52 @@ def lamb_refusal(world_size, data_parallel, zero_stage):
     return str(refused.value)
 
 
+def constrained_mlp(down_constraint):
+    """`models.mlp`'s layers with `MaxNorm(axis=0)` on `up`'s kernel (each
+    output unit's norm: whole on each rank of its Column split) and
+    `down_constraint` on `down`'s, which a Row split cuts along axis 0."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    up = keras.constraints.MaxNorm(0.5, axis=0)
+    x = keras.layers.Dense(
+        32, activation="relu", name="up", kernel_constraint=up
+    )(inputs)
+    x = keras.layers.Dense(
+        32, activation="relu", name="down", kernel_constraint=down_constraint
+    )(x)
+    outputs = keras.layers.Dense(8, name="head")(x)
+    return keras.Model(inputs, outputs, name="constrained_mlp")
+
+
+def constraint_refusal(world_size, data_parallel):
+    """`compile()`'s message for `MaxNorm(axis=0)` on `down`'s kernel, of
+    which each rank holds rows."""
+    tp = keras_tp.TensorParallelKeras(
+        constrained_mlp(keras.constraints.MaxNorm(0.5, axis=0)),
+        world_size=world_size,
+        data_parallel=data_parallel,
+    )
+    with pytest.raises(ValueError) as refused:
+        tp.compile(optimizer="sgd", loss=loss_fn())
+    return str(refused.value)
+
+
+def constrained_difference(world_size, data_parallel):
+    """The largest weight difference from one device after an epoch of
+    SGD with `NonNeg` on `down`'s kernel, which holds entry by entry."""
+    reference = constrained_mlp(keras.constraints.NonNeg())
+    tp = keras_tp.TensorParallelKeras(
+        constrained_mlp(keras.constraints.NonNeg()),
+        world_size=world_size,
+        data_parallel=data_parallel,
+    )
+    x, y = models.data_for("mlp", batch=16)
+    for model in (reference, tp):
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss_fn())
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    return max_diff(reference.get_weights(), tp.get_weights())
+
+
 def kept_bytes(psi, data_parallel, zero_stage, accumulation_steps=1):
     """`(parameter, gradient, Adam state)` bytes a rank keeps between steps.
 

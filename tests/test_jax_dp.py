@@ -41,6 +41,8 @@ from tests.dp_cases import check_matches_one_device  # noqa: E402
 from tests.dp_cases import check_norms_with_tensor_parallelism_alone  # noqa: E402
 from tests.dp_cases import check_zero_memory  # noqa: E402
 from tests.dp_cases import communication_run  # noqa: E402
+from tests.dp_cases import constrained_difference  # noqa: E402
+from tests.dp_cases import constraint_refusal  # noqa: E402
 from tests.dp_cases import global_batch_losses  # noqa: E402
 from tests.dp_cases import lamb_refusal  # noqa: E402
 from tests.dp_cases import local_sgd_runs  # noqa: E402
@@ -71,6 +73,14 @@ def test_norms_with_tensor_parallelism_alone_match_one_device():
     check_norms_with_tensor_parallelism_alone()
     reference, tp, _, _ = train_pair("mlp", 2, 1, 0, "lamb")
     assert max_diff(reference.get_weights(), tp.get_weights()) <= 1e-5
+
+
+def test_a_constraint_reading_across_a_cut_is_refused():
+    # Per-rank steps (a data axis): each rank constrains its shards.
+    message = constraint_refusal(4, 2)
+    assert "Variable 'down/kernel' has a constraint (MaxNorm)" in message
+    assert "across axis 0" in message
+    assert constrained_difference(4, 2) <= 1e-5
 
 
 @pytest.mark.parametrize("data_parallel,zero_stage", [(2, 1), (1, 1)])

@@ -48,6 +48,7 @@ from tests.dp_cases import check_matches_one_device  # noqa: E402
 from tests.dp_cases import check_norms_with_tensor_parallelism_alone  # noqa: E402
 from tests.dp_cases import check_zero_memory  # noqa: E402
 from tests.dp_cases import communication_run  # noqa: E402
+from tests.dp_cases import constraint_refusal  # noqa: E402
 from tests.dp_cases import global_batch_losses  # noqa: E402
 from tests.dp_cases import lamb_refusal  # noqa: E402
 from tests.dp_cases import local_sgd_runs  # noqa: E402
@@ -124,6 +125,8 @@ def test_norms_with_tensor_parallelism_alone_match_one_device():
     message = lamb_refusal(2, 1, 0)
     assert "(Lamb) updates an entry of a variable" in message
     assert "(tensor_parallel=2 shards)" in message
+    message = constraint_refusal(2, 1)
+    assert "Variable 'down/kernel' has a constraint (MaxNorm)" in message
 
 
 def test_transformer_adamw_clipnorm_schedule_match():

@@ -264,6 +264,9 @@ def test_errors(two_ranks):
         assert "(Lamb) updates an entry" in partitions
         assert "(zero_stage=1 partitions)" in partitions
         assert "(tensor_parallel=2 shards)" in shards
+        # MaxNorm over the axis a Row split cuts; NonNeg holds per entry.
+        assert "'down/kernel' has a constraint" in rank["constraint_error"]
+        assert rank["constrained"] <= 1e-5
 
 
 def test_consistency_check_finds_a_drifted_replica(two_ranks):

@@ -1,10 +1,13 @@
-"""Whether an optimizer updates each entry of a variable on its own.
+"""Whether an optimizer, or a variable's constraint, acts on each entry of
+a variable on its own.
 
 Where each rank updates its own pieces of a variable (tensor-parallel
 shards, ZeRO partitions), an optimizer whose update of an entry reads
 other entries of the variable (LAMB's trust ratio of norms, Adafactor's
-row and column means, Muon's orthogonalised matrix) would compute it from
-a piece: each piece would take another update than one device's.
+row and column means, Muon's orthogonalised matrix), or a constraint that
+reads across the cut (`MaxNorm` over the axis the variable is split on),
+would compute it from a piece: each piece would take another update than
+one device's.
 """
 
 import keras
@@ -74,3 +77,29 @@ def _stepped(optimizer, config, values, gradients):
     for step in gradients:
         copy.apply([keras.ops.convert_to_tensor(g) for g in step], variables)
     return [keras.ops.convert_to_numpy(v.value) for v in variables]
+
+
+def constraint_reads_across(constraint, ndim, axis):
+    """Whether a variable's `constraint` (`kernel_constraint=...`) reads
+    entries across `axis`: its result on a variable of `ndim` dimensions
+    cut in two along `axis` is not the two halves of its result on the
+    whole (measured on a 4 x ... x 4 tensor).
+
+    Args:
+        constraint: a Keras constraint, or any callable of a tensor.
+        ndim: the variable's number of dimensions.
+        axis: the axis the variable is cut along.
+
+    Returns:
+        A bool.
+    """
+    rng = np.random.default_rng(0)
+    value = rng.normal(size=(4,) * ndim).astype("float32")
+
+    def constrained(part):
+        result = constraint(keras.ops.convert_to_tensor(part))
+        return keras.ops.convert_to_numpy(result)
+
+    halves = [constrained(half) for half in np.split(value, 2, axis)]
+    together = np.concatenate(halves, axis)
+    return not np.allclose(constrained(value), together, rtol=1e-5, atol=1e-7)

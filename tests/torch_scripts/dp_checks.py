@@ -110,6 +110,8 @@ def api_checks(configurations, save_path):
         dp_cases.lamb_refusal(2, 2, 1),
         dp_cases.lamb_refusal(2, 1, 0),
     ]
+    result["constraint_error"] = dp_cases.constraint_refusal(2, 1)
+    result["constrained"] = dp_cases.constrained_difference(2, 1)
     result["batchnorm"] = dp_cases.batchnorm_after_two_steps(2, 2, 1)
     result["global_losses"] = dp_cases.global_batch_losses(2, 2)
     result["accumulation_buffers"] = dp_cases.accumulation_buffer_bytes(2)

@@ -1,6 +1,7 @@
 """The arguments `TensorParallelKeras.compile()` passes on to Keras: as
 the wrapped model resolves them, and the optimizer coordinated over the
-data axis."""
+data axis; what no rank can update from its pieces of the variables is
+refused."""
 
 import inspect
 
@@ -118,14 +119,12 @@ WHOLE_VARIABLE_OPTIONS = (
 
 
 def _needs_whole_variables(optimizer, runtime):
-    """Whether `optimizer` uses `WHOLE_VARIABLE_OPTIONS` where each rank's
-    step holds its own shards (torch, TensorFlow): a plain optimizer would
-    clip each rank's shards by their own norms, so a `CoordinatedOptimizer`
-    takes the norms over the whole model. A pipeline's stages update
-    their variables themselves (`PipelineRuntime.check_compiled`)."""
-    if runtime.pipeline_parallel > 1 or runtime.tensor_parallel == 1:
-        return False
-    if not runtime.local_ranks:
+    """Whether `optimizer` uses `WHOLE_VARIABLE_OPTIONS` where each rank
+    updates its pieces of the variables: a plain optimizer would clip each
+    rank's shards by their own norms, so a `CoordinatedOptimizer` takes
+    the norms over the whole model. A pipeline's stages update their
+    variables themselves (`PipelineRuntime.check_compiled`)."""
+    if runtime.pipeline_parallel > 1 or not runtime.updates_pieces:
         return False
     return isinstance(optimizer, keras.optimizers.Optimizer) and any(
         getattr(optimizer, name) for name in WHOLE_VARIABLE_OPTIONS
@@ -168,7 +167,7 @@ def _check_constraints(variables, runtime):
         if variable.constraint is None:
             continue
         cut = {placement.split_axis(variable)}
-        if runtime.zero_stage and runtime.data_parallel > 1:
+        if runtime.partitions_variables:
             cut.add(placement.partition_axis(variable))
         for axis in cut - {None}:
             ndim = len(variable.shape)
@@ -189,7 +188,7 @@ def _pieces(runtime):
     pieces = []
     if runtime.tensor_parallel > 1:
         pieces.append(f"tensor_parallel={runtime.tensor_parallel} shards")
-    if runtime.zero_stage and runtime.data_parallel > 1:
+    if runtime.partitions_variables:
         pieces.append(f"zero_stage={runtime.zero_stage} partitions")
     return " and ".join(pieces)
 

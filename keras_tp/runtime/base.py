@@ -54,11 +54,17 @@ class Runtime(CheckpointPieces):
     batches_are_shares = False
 
     @property
+    def partitions_variables(self):
+        """Whether ZeRO partitions variables over a data axis of 2 or more
+        ranks."""
+        return self.zero_stage > 0 and self.data_parallel > 1
+
+    @property
     def updates_pieces(self):
         """Whether the optimizer updates each rank's pieces of split or
         ZeRO-partitioned variables, not whole arrays."""
-        partitioned = self.zero_stage > 0 and self.data_parallel > 1
-        return self.local_ranks and (self.tensor_parallel > 1 or partitioned)
+        pieces = self.tensor_parallel > 1 or self.partitions_variables
+        return self.local_ranks and pieces
 
     def __init__(self, config):
         devices = select_devices(

@@ -24,6 +24,7 @@ import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+from keras_tp.parallel.entrywise import reads_across_entries  # noqa: E402
 from tests import models  # noqa: E402
 from tests.dp_cases import BATCH  # noqa: E402
 from tests.dp_cases import accumulation_buffer_bytes  # noqa: E402
@@ -81,6 +82,12 @@ def test_a_constraint_reading_across_a_cut_is_refused():
     assert "Variable 'down/kernel' has a constraint (MaxNorm)" in message
     assert "across axis 0" in message
     assert constrained_difference(4, 2) <= 1e-5
+
+
+def test_the_entrywise_probe_reads_through_wrapping_optimizers():
+    scaled = keras.optimizers.LossScaleOptimizer
+    assert reads_across_entries(scaled(keras.optimizers.Lamb()))
+    assert not reads_across_entries(scaled(keras.optimizers.SGD()))
 
 
 @pytest.mark.parametrize("data_parallel,zero_stage", [(2, 1), (1, 1)])

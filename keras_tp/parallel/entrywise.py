@@ -10,6 +10,8 @@ would compute it from a piece: each piece would take another update than
 one device's.
 """
 
+import copy
+
 import keras
 import numpy as np
 
@@ -38,7 +40,8 @@ def reads_across_entries(optimizer):
     of one's own: two steps of a fresh copy (its norm clips, weight
     averages and accumulation off) on a 4 x 6 variable, against two steps
     of another copy on the variable's four 2 x 3 blocks as variables of
-    their own.
+    their own. A wrapper (`LossScaleOptimizer`) is judged by the
+    optimizer it wraps.
 
     Args:
         optimizer: a Keras optimizer.
@@ -53,6 +56,9 @@ def reads_across_entries(optimizer):
     reads_across_entries(keras.optimizers.Lamb())  # True: norms
     ```
     """
+    # A wrapper (`LossScaleOptimizer`) updates as the optimizer it wraps.
+    while hasattr(optimizer, "inner_optimizer"):
+        optimizer = optimizer.inner_optimizer
     config = {**optimizer.get_config(), **_OPTIONS_OFF}
     rng = np.random.default_rng(0)
     value, *gradients = rng.normal(size=(3, *_SHAPE)).astype("float32")
@@ -72,10 +78,11 @@ def reads_across_entries(optimizer):
 def _stepped(optimizer, config, values, gradients):
     """`values` after a fresh copy of `optimizer` applies each of
     `gradients` (one list per step) to them."""
-    copy = type(optimizer).from_config(config)
+    # A copy: `from_config` may change the config it is given.
+    fresh = type(optimizer).from_config(copy.deepcopy(config))
     variables = [keras.Variable(v, name="probe") for v in values]
     for step in gradients:
-        copy.apply([keras.ops.convert_to_tensor(g) for g in step], variables)
+        fresh.apply([keras.ops.convert_to_tensor(g) for g in step], variables)
     return [keras.ops.convert_to_numpy(v.value) for v in variables]
 
 

@@ -240,6 +240,10 @@ def test_refusals_name_the_fix():
     tp = _pipelined(models.mlp())
     with pytest.raises(ValueError, match="jit_compile=False"):
         tp.compile(optimizer="adam", loss=models.loss_fn(), jit_compile=True)
+    # EMA with replicas trained 1.0e-2 away from one device.
+    averaging = keras.optimizers.SGD(0.1, use_ema=True)
+    with pytest.raises(ValueError, match=r"\['use_ema'\] are not supported"):
+        tp.compile(optimizer=averaging, loss=models.loss_fn())
     tp.compile(optimizer="adam", loss=models.loss_fn())
     x, y = models.data_for("mlp", batch=12)
     # 12 samples in batches of 8: Keras traces the step for any size.

@@ -91,6 +91,17 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
 
     def check_compiled(self, trainer):
         super().check_compiled(trainer)
+        optimizer = trainer.optimizer
+        stateful = ("use_ema", "gradient_accumulation_steps")
+        used = [name for name in stateful if getattr(optimizer, name)]
+        if used:
+            raise ValueError(
+                f"Optimizer options {used} are not supported by pipelines on "
+                "TensorFlow yet: each stage updates with a copy of the "
+                "optimizer, whose weight averages and accumulated gradients "
+                "fit() would not finish. Remove them, or use the JAX or "
+                "torch backend, whose pipelines run them."
+            )
         # Built on no variable, the compiled optimizer keeps the step count
         # that each stage's copy takes (`build_optimizer`).
         if not trainer.optimizer.built:

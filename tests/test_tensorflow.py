@@ -630,6 +630,16 @@ def test_jit_compile_is_refused_with_the_fix():
         tp.train_on_batch(x, y)
 
 
+def test_accumulation_in_a_keras_optimizer_is_refused_with_the_fix():
+    # One replica holds whole variables: the optimizer stays Keras' own.
+    tp = keras_tp.TensorParallelKeras(models.mlp(), world_size=1)
+    accumulating = keras.optimizers.SGD(gradient_accumulation_steps=2)
+    tp.compile(optimizer=accumulating, loss=_loss())
+    x, y = models.data_for("mlp")
+    with pytest.raises(NotImplementedError, match="CoordinatedOptimizer\\("):
+        tp.train_on_batch(x, y)
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("localhost", 0))

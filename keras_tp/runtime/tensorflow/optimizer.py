@@ -157,24 +157,18 @@ def _check_optimizer_supported(optimizer, model, runtime):
             "LossScaleOptimizer (mixed_float16) is not supported by "
             "keras_tp on TensorFlow yet; use float32 or bfloat16."
         )
-    # A CoordinatedOptimizer takes norms across shards and accumulates
-    # gradients itself.
-    if not isinstance(optimizer, CoordinatedOptimizer):
-        unsupported = {
-            "clipnorm": optimizer.clipnorm,
-            "global_clipnorm": optimizer.global_clipnorm,
-            "use_ema": optimizer.use_ema,
-            "gradient_accumulation_steps": (
-                optimizer.gradient_accumulation_steps
-            ),
-        }
-        used = [name for name, value in unsupported.items() if value]
-        if used:
-            raise NotImplementedError(
-                f"Optimizer options {used} need norms or state across "
-                "shards, which keras_tp on TensorFlow does not implement "
-                "yet; remove them (clipvalue works)."
-            )
+    # `compile()` makes the optimizer a CoordinatedOptimizer where replicas
+    # hold shards; on whole variables Keras' norms and averages work, but
+    # its accumulation calls `merge_call` inside the replica step.
+    steps = getattr(optimizer, "gradient_accumulation_steps", None)
+    if steps and not isinstance(optimizer, CoordinatedOptimizer):
+        raise NotImplementedError(
+            f"Optimizer '{optimizer.name}' has gradient_accumulation_steps="
+            f"{steps}, which Keras runs on TensorFlow outside replica steps "
+            "only. Pass keras_tp.CoordinatedOptimizer(optimizer, "
+            "gradient_accumulation_steps=...) to compile() instead, with an "
+            "optimizer that does not accumulate itself."
+        )
     for variable in model.trainable_variables:
         split = runtime.placement.split_axis(variable) is not None or (
             runtime.zero_stage > 0

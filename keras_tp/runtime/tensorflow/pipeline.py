@@ -5,9 +5,9 @@ import keras
 import tensorflow as tf
 
 from keras_tp.collectives.tensorflow import ReplicaStats
-from keras_tp.keras_internals import place_slots_on_creation
+from keras_tp.compiling import coordinated
+from keras_tp.compiling import place_slots
 from keras_tp.keras_internals import update_loss_tracker
-from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.pipeline.runtime import PipelineRuntime
 from keras_tp.pipeline.runtime import weighted
 from keras_tp.runtime.tensorflow import TensorFlowRuntime
@@ -119,19 +119,17 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         with tf.init_scope():
             config, trainers = optimizer.get_config(), []
             for stage, runtime in enumerate(self.stage_runtimes):
-                copy = type(optimizer).from_config(config)
-                if runtime.optimizer_runtime is None:
-                    place_slots_on_creation(copy, runtime.placement.place_like)
-                else:
-                    copy = CoordinatedOptimizer(
-                        copy, zero_stage=self.zero_stage
-                    )
-                    runtime.bind_optimizer(copy)
-                owned = self.owners.owned(stage)
-                trainers.append(
-                    _StageTrainer(self.stage_models[stage], copy, owned)
+                trainer = _StageTrainer(
+                    self.stage_models[stage], self.owners.owned(stage)
                 )
-                prepare_optimizer(runtime, trainers[-1])
+                # As the stage's runtime would compile it: coordinated over
+                # its replicas, or its shards' norms.
+                trainer.optimizer = coordinated(
+                    type(optimizer).from_config(config), runtime, trainer
+                )
+                place_slots(trainer.optimizer, runtime)
+                prepare_optimizer(runtime, trainer)
+                trainers.append(trainer)
         self.stage_optimizers = trainers
         self._optimizers_of = optimizer
 
@@ -232,18 +230,20 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
 
 
 class _StageTrainer:
-    """What a stage's `TensorFlowRuntime` reads of the model it trains."""
+    """What a stage's `TensorFlowRuntime` reads of the model it trains:
+    its `optimizer` is set once compiled for the stage."""
 
-    def __init__(self, model, optimizer, owned):
+    def __init__(self, model, owned):
         self.model = model
         self.variables = model.variables
         self.non_trainable_variables = model.non_trainable_variables
         self.trainable_variables = owned
-        self.optimizer = optimizer
-        # The optimizer holding the stage's step count and slots.
-        self.inner_optimizer = optimizer
-        if isinstance(optimizer, CoordinatedOptimizer):
-            self.inner_optimizer = optimizer.inner_optimizer
+        self.optimizer = None
+
+    @property
+    def inner_optimizer(self):
+        """The optimizer holding the stage's step count and slots."""
+        return getattr(self.optimizer, "inner_optimizer", self.optimizer)
 
 
 PIPELINE_RUNTIME = TensorFlowPipelineRuntime

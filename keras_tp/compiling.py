@@ -91,7 +91,7 @@ def coordinated(optimizer, runtime, trainer):
         # Without a data axis it still clips and accumulates.
         bound_to = bound_to or runtime
     elif bound_to is not None or _needs_whole_variables(optimizer, runtime):
-        bound_to = bound_to or runtime
+        bound_to = bound_to or runtime.coordinating_runtime
         inner = keras.optimizers.get(optimizer)
         # The wrapper accumulates instead, synchronising only at the
         # accumulation boundaries.
@@ -122,9 +122,10 @@ def _needs_whole_variables(optimizer, runtime):
     """Whether `optimizer` uses `WHOLE_VARIABLE_OPTIONS` where each rank
     updates its pieces of the variables: a plain optimizer would clip each
     rank's shards by their own norms, so a `CoordinatedOptimizer` takes
-    the norms over the whole model. A pipeline's stages update their
-    variables themselves (`PipelineRuntime.check_compiled`)."""
-    if runtime.pipeline_parallel > 1 or not runtime.updates_pieces:
+    the norms over the whole model (bound to the runtime's
+    `coordinating_runtime`; where it has none, its stages compile their
+    optimizers themselves)."""
+    if runtime.coordinating_runtime is None or not runtime.updates_pieces:
         return False
     return isinstance(optimizer, keras.optimizers.Optimizer) and any(
         getattr(optimizer, name) for name in WHOLE_VARIABLE_OPTIONS

@@ -59,6 +59,8 @@ class PipelineRuntime(Runtime):
     # The actions of the last training step, in the order issued, where
     # one process issues every stage's (JAX, TensorFlow).
     trained_order = None
+    # Each stage's update is the backend's (see `Runtime`).
+    coordinating_runtime = None
 
     def __init__(self, model, config):
         super().__init__(config)

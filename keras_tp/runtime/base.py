@@ -60,6 +60,13 @@ class Runtime(CheckpointPieces):
         return self.zero_stage > 0 and self.data_parallel > 1
 
     @property
+    def coordinating_runtime(self):
+        """The runtime a `CoordinatedOptimizer` binds to where an optimizer
+        needs whole variables (`compiling.coordinated`); `None` where
+        the runtime compiles its stages' optimizers itself."""
+        return self
+
+    @property
     def updates_pieces(self):
         """Whether the optimizer updates each rank's pieces of split or
         ZeRO-partitioned variables, not whole arrays."""

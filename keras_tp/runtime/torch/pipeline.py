@@ -13,6 +13,7 @@ from keras_tp.collectives.torch import is_symbolic
 from keras_tp.keras_internals import draw_from_state
 from keras_tp.keras_internals import seed_generators
 from keras_tp.keras_internals import update_loss_tracker
+from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.runtime import PipelineRuntime
 from keras_tp.pipeline.runtime import weighted
@@ -126,20 +127,19 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
     @property
     def optimizer_runtime(self):
         # With replicas, a `CoordinatedOptimizer` over the stage's `data`
-        # axis combines their gradients.
-        return self.stage_runtime if self.data_parallel > 1 else None
+        # axis combines their gradients; one takes the norms over the
+        # stage's shards where `compile()` made one (`coordinating_runtime`).
+        optimizer = getattr(self.trainer, "optimizer", None)
+        coordinated = isinstance(optimizer, CoordinatedOptimizer)
+        return (
+            self.stage_runtime
+            if self.data_parallel > 1 or coordinated
+            else None
+        )
 
-    def check_compiled(self, trainer):
-        super().check_compiled(trainer)
-        clipnorm = trainer.optimizer.clipnorm
-        if clipnorm and self.tensor_parallel > 1 and not self.optimizer_runtime:
-            raise ValueError(
-                f"The optimizer's clipnorm={clipnorm} would clip each "
-                "tensor-parallel rank's shard of a stage's variables by the "
-                "shard's own norm, not the variable's. Use clipvalue, or "
-                "data_parallel > 1 (whose CoordinatedOptimizer takes whole "
-                "norms)."
-            )
+    @property
+    def coordinating_runtime(self):
+        return self.stage_runtime
 
     def _rank_of(self, data_index, stage_index, model_index):
         index = (data_index, stage_index, model_index)

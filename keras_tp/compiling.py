@@ -89,7 +89,7 @@ def coordinated(optimizer, runtime, trainer):
                 f"zero_stage={runtime.zero_stage}; make them agree."
             )
         # Without a data axis it still clips and accumulates.
-        bound_to = bound_to or runtime
+        bound_to = bound_to or runtime.coordinating_runtime
     elif bound_to is not None or _needs_whole_variables(optimizer, runtime):
         bound_to = bound_to or runtime.coordinating_runtime
         inner = keras.optimizers.get(optimizer)

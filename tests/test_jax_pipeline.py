@@ -275,6 +275,19 @@ def test_optimizer_averages_and_accumulation_equal_one_devices(data_parallel):
     assert difference < 1e-6
 
 
+def test_norms_read_whole_variables_in_split_stages_with_replicas():
+    # 2 x 2 x 2 with ZeRO-1: each stage's update runs on global arrays,
+    # so Lamb's and clipnorm's norms are each whole variable's.
+    tp = keras_tp.TensorParallelKeras(
+        models.mlp(),
+        world_size=8,
+        pipeline_parallel=2,
+        data_parallel=2,
+        zero_stage=1,
+    )
+    assert pipeline_cases.whole_variable_updates_difference(tp) < 1e-6
+
+
 @pytest.mark.parametrize("data_parallel", [1, 2])
 def test_losses_the_layers_add_enter_the_loss_and_gradients(data_parallel):
     # Each stage's regularizers and add_loss enter its passes, a

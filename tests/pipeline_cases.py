@@ -121,16 +121,25 @@ def weight_averages_difference(tp):
     return max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected))
 
 
-def whole_variable_updates_difference(tp):
-    """Lamb (each variable's trust ratio of norms) with each variable's
-    norm clipped, on the pipelined MLP `tp` and on one device, 2 epochs of
-    `fit()`: the largest weight difference."""
+def lamb_clipped():
+    """Lamb (each variable's trust ratio of norms), each variable's norm
+    clipped."""
+    return keras.optimizers.Lamb(1e-2, clipnorm=0.05)
+
+
+def sgd_clipped():
+    """SGD, each variable's norm clipped."""
+    return keras.optimizers.SGD(0.1, clipnorm=0.05)
+
+
+def whole_variable_updates_difference(tp, optimizer=lamb_clipped):
+    """An optimizer reading each whole variable (`optimizer()`, by default
+    `lamb_clipped`) on the pipelined MLP `tp` and on one device, 2 epochs
+    of `fit()`: the largest weight difference."""
     loss, _, _, x, y = mlp_reference()
     trained = (models.mlp(), tp)
     for model in trained:
-        model.compile(
-            optimizer=keras.optimizers.Lamb(1e-2, clipnorm=0.05), loss=loss
-        )
+        model.compile(optimizer=optimizer(), loss=loss)
         model.fit(x, y, epochs=2, batch_size=BATCH, shuffle=False, verbose=0)
     expected, got = (model.get_weights() for model in trained)
     return max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected))

@@ -462,27 +462,15 @@ def tensor_parallel_run(path):
         )
     except ValueError as e:
         result["indivisible_refused"] = str(e)
-    result["clipnorm_error"] = clipnorm_difference()
-    return _gathered(result)
-
-
-def clipnorm_difference():
-    """The largest weight difference from one device of the MLP on 2
-    stages of 2 tensor-parallel ranks, trained with SGD clipping each
-    variable's norm: the stage's `CoordinatedOptimizer` takes the norm
-    over its shards."""
-    reference = models.mlp()
-    tp = keras_tp.TensorParallelKeras(
-        models.mlp(), world_size=STAGES * TENSOR_PARALLEL, pipeline_parallel=2
+    result["clipnorm_error"] = pipeline_cases.whole_variable_updates_difference(
+        keras_tp.TensorParallelKeras(
+            models.mlp(),
+            world_size=STAGES * TENSOR_PARALLEL,
+            pipeline_parallel=STAGES,
+        ),
+        pipeline_cases.sgd_clipped,
     )
-    x, y = models.data_for("mlp", batch=16)
-    for model in (reference, tp):
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.1, clipnorm=0.05),
-            loss=models.loss_fn(),
-        )
-        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    return _largest_difference(tp.get_weights(), reference.get_weights())
+    return _gathered(result)
 
 
 def split_cut_run():

@@ -22,6 +22,7 @@ from keras_tp.plan.attention import call_argument
 from keras_tp.plan.attention import call_arguments
 from keras_tp.plan.attention import split_cache
 from keras_tp.plan.head_counts import call_with_local_counts
+from keras_tp.plan.head_counts import head_arguments
 from keras_tp.plan.layers import logits_stay_split
 from keras_tp.plan.sharding_plan import ShardedUnit
 from keras_tp.plan.styles import Column
@@ -46,14 +47,21 @@ class ShardedRegion:
         output_axes: function of `(args, kwargs)` giving, for each output,
             the axis it leaves split on (`None`: replicated).
         full_shape: function giving a variable's unsplit shape.
+        head_arguments: `{argument name: HeadArgument}` of the arguments
+            that carry a value for every head, which the region takes
+            split on their heads axis (XLNet's per-head attention biases,
+            weights of the layer's caller).
     """
 
-    def __init__(self, layer, members, compute, output_axes, full_shape):
+    def __init__(
+        self, layer, members, compute, output_axes, full_shape, head_arguments
+    ):
         self.layer = layer
         self.members = members
         self.compute = compute
         self.output_axes = output_axes
         self.full_shape = full_shape
+        self.head_arguments = head_arguments
 
     def variables(self):
         """`[(variable, axis)]` of every member weight (axis may be None)."""
@@ -87,7 +95,8 @@ class ShardedRegion:
 
     def split_inputs(self, args, kwargs):
         """`{id(tensor): axis}` of the inputs that arrive split: the first
-        input of a Row layer, the key/value cache of split heads."""
+        input of a Row layer, the key/value cache of split heads, the
+        arguments of every head (`head_arguments`)."""
         split = {}
         axis = self.input_axis(args)
         if axis is not None:
@@ -95,6 +104,10 @@ class ShardedRegion:
         cache, axis = self.cache_axis(args, kwargs)
         if axis is not None:
             split[id(cache)] = axis
+        for name, axis in self.head_arguments.items():
+            value = call_argument(self.layer, name, args, kwargs)
+            if value is not None:
+                split[id(value)] = int(axis)
         return split
 
     def input_axis(self, args):
@@ -299,6 +312,7 @@ def install(plan, runtime):
                 per_rank_draws(seed_generators(unit), unit.call, adapter),
                 _unit_output_axes(unit, members, runtime.full_shape),
                 runtime.full_shape,
+                head_arguments(plan.per_rank_counts.get(unit, {})),
             )
         elif not entry.handler.needs_region(entry.style):
             # It runs on each rank's values, which arrive split.
@@ -315,6 +329,7 @@ def install(plan, runtime):
                 _member_call(entry, adapter),
                 _leaf_output_axes(entry),
                 runtime.full_shape,
+                {},
             )
         set_call(region.layer, _region_call(region, runtime))
         for member in region.members:

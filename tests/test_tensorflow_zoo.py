@@ -49,6 +49,15 @@ def test_megatron_minimum(name):
     )
 
 
+def test_an_attention_given_per_head_weights_splits_by_heads():
+    # XLNet: see test_jax.py. Each replica takes its heads' slice of the
+    # per-head biases its block hands to the attention.
+    results = zoo_cases.measure("xlnet", 2)
+    zoo_cases.check_exact(results)
+    assert not results["fallbacks"], results["fallbacks"]
+    assert results["bytes_ratio"] <= 1.05, results["bytes_ratio"]
+
+
 def test_resnet_pairs_convolutions_through_batchnorm():
     zoo_cases.check_resnet(zoo_cases.cnn_checks("resnet50", 2))
 

@@ -37,6 +37,7 @@ NAMES = list(zoo_cases.TRANSFORMERS) + [
     "gpt_neox",
     "qwen_moe",
     "gemma3n",
+    "xlnet",
 ]
 WORLD_SIZE = 2
 
@@ -90,6 +91,19 @@ def test_attention_with_a_weight_per_head_pairs(ranks):
     assert results["bytes_ratio"] <= 1.05, results["bytes_ratio"]
     gathers = results["collectives"]["all_gather"]["backward"]
     assert gathers == zoo_cases.BLOCKS, results["collectives"]
+
+
+def test_an_attention_given_per_head_weights_splits_by_heads(ranks):
+    # XLNet (see test_jax.py): each rank takes its heads' slice of the 4
+    # per-head weights its block hands to the attention; their gradients
+    # are gathered whole, one all-gather each per block. The classifier
+    # slices its whole input (Row(input_is_parallel=False)) and gathers
+    # that input's gradient.
+    results = ranks[0]["xlnet"]
+    assert not results["fallbacks"], results["fallbacks"]
+    assert results["bytes_ratio"] <= 1.05, results["bytes_ratio"]
+    gathers = results["collectives"]["all_gather"]["backward"]
+    assert gathers == 4 * zoo_cases.BLOCKS + 1, results["collectives"]
 
 
 def test_attention_reshaping_dense_projections_pairs(ranks):

@@ -598,6 +598,37 @@ def roformer_v2(seed=0):
     return model, x, y
 
 
+def xlnet(seed=0):
+    """A tiny `XLNetBackbone` (4 heads of size 8) under a token classifier
+    of its own: keras-hub has no XLNet task.
+
+    Its blocks hand their per-head attention biases and segment encoding,
+    weights of the block, to the attention's call, which projects its
+    relative position encoding to every head as it projects the query.
+    The MLP is 96 wide: no attribute of a block is a chance divisor of it.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.XLNetBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_heads=4,
+        hidden_dim=32,
+        intermediate_dim=96,
+        dropout=0.0,
+    )
+    logits = keras.layers.Dense(NUM_CLASSES, name="classifier")(backbone.output)
+    model = keras.Model(backbone.input, logits)
+    x, _ = _classifier_data(seed, segment_ids=True)
+    y = _rng(seed + 1).integers(0, NUM_CLASSES, size=(BATCH, SEQ_LEN))
+    return model, x, y.astype("int32")
+
+
 def vit(seed=0):
     """A tiny `ViTImageClassifier`: 32x32 images, 8x8 patches, 3 classes.
 
@@ -975,6 +1006,7 @@ ZOO = {
     "roberta": roberta,
     "bert": bert,
     "vit": vit,
+    "xlnet": xlnet,
     "bart": bart,
     "t5": t5,
     "t5gemma": t5gemma,

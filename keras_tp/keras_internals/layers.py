@@ -3,6 +3,7 @@
 import contextlib
 import inspect
 
+import keras
 from keras import ops
 from keras.src.backend import get_keras_mask
 from keras.src.backend import set_keras_mask
@@ -142,14 +143,28 @@ def attention_projections(layer):
 
     Returns:
         `{attribute name: EinsumDense}`: query, key, value, the gate when
-        the layer has one, then the output projection
-        (`ATTENTION_OUTPUT_PROJECTION`).
+        the layer has one, any other projection of a subclass made as the
+        query's (XLNet's relative position encoding, projected to every
+        head), then the output projection (`ATTENTION_OUTPUT_PROJECTION`).
     """
     names = ["_query_dense", "_key_dense", "_value_dense"]
     if getattr(layer, "_use_gate", False):
         names.append("_gate_dense")
-    names.append(ATTENTION_OUTPUT_PROJECTION)
-    return {name: getattr(layer, name) for name in names}
+    projections = {name: getattr(layer, name) for name in names}
+    output = getattr(layer, ATTENTION_OUTPUT_PROJECTION)
+    query = layer._query_dense
+    known = [*projections.values(), output]
+    for sub in sublayers(layer, recursive=False):
+        if (
+            isinstance(sub, keras.layers.EinsumDense)
+            and not any(sub is k for k in known)
+            and sub.built
+            and sub.equation == query.equation
+            and tuple(sub.kernel.shape) == tuple(query.kernel.shape)
+        ):
+            projections[sub.name] = sub
+    projections[ATTENTION_OUTPUT_PROJECTION] = output
+    return projections
 
 
 def batch_moments(layer):

@@ -116,7 +116,7 @@ def call_argument(layer, name, args, kwargs):
     """A call argument of `layer`, passed by position or by name."""
     names = call_arguments(layer)
     if name not in names:
-        return None
+        return kwargs.get(name)
     index = names.index(name)
     return args[index] if index < len(args) else kwargs.get(name)
 

@@ -138,8 +138,8 @@ def auto_plan(
             )
             plan.per_rank_counts.update(planner.local_reshapes(decisions))
             group_of = _group_of(decisions)
+            add_head_arguments(model, plan, trace)
             if check_local:
-                add_head_arguments(model, plan, trace)
                 plan.summed_gradients = planner.whole_key_values(decisions)
                 problems = counted_problems(
                     model, plan, trace, group_of, random_inputs

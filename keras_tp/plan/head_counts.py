@@ -188,7 +188,16 @@ def add_head_arguments(model, plan, trace):
         plan: a bound `ShardingPlan`.
         trace: the `Trace` of `model`.
     """
-    for layer, (_, _, heads, _) in _layers_with_split_heads(model, plan):
+    # The attention units (`ShardedUnit`s, which have projections).
+    units = [
+        (entry.layer, (None, None, _unit_heads(entry), None))
+        for entry in plan.layers
+        if hasattr(entry, "projections")
+    ]
+    for layer, (_, _, heads, _) in [
+        *_layers_with_split_heads(model, plan),
+        *units,
+    ]:
         axes = collections.defaultdict(set)
         for call in trace.calls_of[id(layer)]:
             taken = {
@@ -208,15 +217,34 @@ def add_head_arguments(model, plan, trace):
             for name, (axis, *others) in axes.items()
             if axis is not None and not others
         }
+        # A unit's own sublayers run on its heads inside its region.
+        unit = any(layer is u for u, _ in units)
         for owner, counts in [
             (layer, found),
-            *_whole_heads(layer, trace, heads),
+            *([] if unit else _whole_heads(layer, trace, heads)),
         ]:
             if counts:
                 plan.per_rank_counts[owner] = {
                     **plan.per_rank_counts.get(owner, {}),
                     **counts,
                 }
+
+
+def _unit_heads(unit):
+    """The full heads counts of an attention unit's split projections."""
+    heads = set()
+    for member in unit.projections.values():
+        heads.update(_split_heads(member)[0])
+    return heads
+
+
+def head_arguments(counts):
+    """`{argument name: HeadArgument}` of a layer's `counts`."""
+    return {
+        name: axis
+        for name, axis in counts.items()
+        if isinstance(axis, HeadArgument)
+    }
 
 
 def _whole_heads(layer, trace, heads):
@@ -248,11 +276,7 @@ def _whole_heads(layer, trace, heads):
 def local_arguments(layer, counts, head_slice, args, kwargs):
     """`(args, kwargs)` of a call of `layer`, with this rank's slice of
     each argument that `counts` holds a `HeadArgument` for."""
-    axes = {
-        name: axis
-        for name, axis in counts.items()
-        if isinstance(axis, HeadArgument)
-    }
+    axes = head_arguments(counts)
     if not axes:
         return args, kwargs
 

@@ -12,6 +12,7 @@ import itertools
 from keras_tp.errors import ShardingError
 from keras_tp.keras_internals import sublayers
 from keras_tp.plan import trace as tracing
+from keras_tp.plan.head_counts import HeadArgument
 from keras_tp.plan.head_counts import add_head_arguments
 from keras_tp.plan.head_counts import per_rank_counts
 from keras_tp.plan.planner import Planner
@@ -182,8 +183,15 @@ def _count_names(plan):
 
 
 def _without(per_rank_counts, names):
+    """`per_rank_counts` less the attributes and weights `names`; the
+    arguments of every head (`HeadArgument`s, whose shapes matched in
+    every traced call) stay."""
     kept = {
-        layer: {n: count for n, count in counts.items() if n not in names}
+        layer: {
+            n: count
+            for n, count in counts.items()
+            if n not in names or isinstance(count, HeadArgument)
+        }
         for layer, counts in per_rank_counts.items()
     }
     return {layer: counts for layer, counts in kept.items() if counts}

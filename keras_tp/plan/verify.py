@@ -158,6 +158,9 @@ class _Emulation:
                 self.active = [self.group_of[id(member.layer)]]
                 args, kwargs = tracing.copied(reference.argument_values)
                 counts = self.plan.per_rank_counts.get(unit, {})
+                args, kwargs = local_arguments(
+                    unit, counts, self._head_slice, args, kwargs
+                )
                 try:
                     with (
                         tracing.instrumented(unit, self._wrap),

@@ -124,10 +124,16 @@ def _needs_whole_variables(optimizer, runtime):
     rank's shards by their own norms, so a `CoordinatedOptimizer` takes
     the norms over the whole model (bound to the runtime's
     `coordinating_runtime`; where it has none, its stages compile their
-    optimizers themselves)."""
-    if runtime.coordinating_runtime is None or not runtime.updates_pieces:
+    optimizers themselves); and in a pipeline, `global_clipnorm`, whose
+    norm spans every stage's gradients."""
+    if runtime.coordinating_runtime is None or not isinstance(
+        optimizer, keras.optimizers.Optimizer
+    ):
         return False
-    return isinstance(optimizer, keras.optimizers.Optimizer) and any(
+    if runtime.pipeline_parallel > 1 and optimizer.global_clipnorm:
+        # Its norm spans every stage's gradients.
+        return True
+    return runtime.updates_pieces and any(
         getattr(optimizer, name) for name in WHOLE_VARIABLE_OPTIONS
     )
 

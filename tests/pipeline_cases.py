@@ -132,6 +132,11 @@ def sgd_clipped():
     return keras.optimizers.SGD(0.1, clipnorm=0.05)
 
 
+def global_clipped():
+    """AdamW, the norm of all the gradients clipped (`global_clipnorm`)."""
+    return keras.optimizers.AdamW(1e-2, global_clipnorm=0.05)
+
+
 def whole_variable_updates_difference(tp, optimizer=lamb_clipped):
     """An optimizer reading each whole variable (`optimizer()`, by default
     `lamb_clipped`) on the pipelined MLP `tp` and on one device, 2 epochs
@@ -399,7 +404,7 @@ def check_split_stage_replicas(
     return tp
 
 
-def causal_lm_pipeline(tp_of):
+def causal_lm_pipeline(tp_of, optimizer=None):
     """Trains keras-hub's GPT2 `CausalLM` pipelined, next to one device.
 
     Its token embedding also computes the logits, in the last stage: each
@@ -413,6 +418,8 @@ def causal_lm_pipeline(tp_of):
     Args:
         tp_of: a function of the model returning its uncompiled
             `TensorParallelKeras` with `pipeline_parallel=2`.
+        optimizer: a function returning the optimizer; by default
+            `SGD(1e-2)`.
 
     Returns:
         `(tp, shared_bytes)`: the trained model, whose unsplit weights
@@ -429,7 +436,7 @@ def causal_lm_pipeline(tp_of):
     logs = []
     for model in (reference, tp):
         model.compile(
-            optimizer=keras.optimizers.SGD(1e-2),
+            optimizer=(optimizer or (lambda: keras.optimizers.SGD(1e-2)))(),
             loss=zoo.loss_for("gpt2"),
             weighted_metrics=["sparse_categorical_accuracy"],
         )

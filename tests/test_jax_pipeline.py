@@ -189,9 +189,11 @@ def test_refusals_name_the_fix():
         UserWarning, match="Loss 'mean_square' is not one of Keras'"
     ):
         tp.compile(optimizer="adam", loss=mean_square)
-    with pytest.raises(ValueError, match="global_clipnorm"):
+    with pytest.raises(ValueError, match="Pass one of the two"):
         tp.compile(
-            optimizer=keras.optimizers.Adam(global_clipnorm=1.0),
+            optimizer=keras.optimizers.Adam(
+                global_clipnorm=1.0, gradient_accumulation_steps=2
+            ),
             loss=models.loss_fn(),
         )
     x, y = models.data_for("mlp", batch=8)
@@ -286,6 +288,36 @@ def test_norms_read_whole_variables_in_split_stages_with_replicas():
         zero_stage=1,
     )
     assert pipeline_cases.whole_variable_updates_difference(tp) < 1e-6
+
+
+def test_global_clipnorm_spans_every_stage():
+    # 2 x 2 x 2 with ZeRO-1: each stage's squared norm of its replicas'
+    # averaged gradient partitions, summed over its devices, goes to the
+    # last stage's devices, whose sum's scale comes back to every stage.
+    tp = keras_tp.TensorParallelKeras(
+        models.mlp(),
+        world_size=8,
+        pipeline_parallel=2,
+        data_parallel=2,
+        zero_stage=1,
+    )
+    difference = pipeline_cases.whole_variable_updates_difference(
+        tp, pipeline_cases.global_clipped
+    )
+    assert difference < 1e-6
+    sent = tp.communication_stats("train", axis="pipe")["send"]
+    # Two squared norms out, two scales back, each a float on a stage's 4
+    # devices.
+    assert sent["optimizer_calls"] == 4
+    assert sent["optimizer_bytes"] == 4 * 4 * 4
+    # GPT2's stages share its token embedding, counted once: the losses
+    # and the weights after 2 clipped SGD steps are one device's.
+    pipeline_cases.causal_lm_pipeline(
+        lambda model: keras_tp.TensorParallelKeras(
+            model, world_size=2, pipeline_parallel=2
+        ),
+        optimizer=lambda: keras.optimizers.SGD(0.5, global_clipnorm=0.1),
+    )
 
 
 @pytest.mark.parametrize("data_parallel", [1, 2])

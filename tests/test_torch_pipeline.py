@@ -192,6 +192,16 @@ def test_a_causal_lm_shares_its_tied_embedding_between_stages(runs):
     assert held == results[0]["total_bytes"] + shared
 
 
+def test_global_clipnorm_spans_every_stage(runs, replicas, tensor_parallel):
+    # The norm of every stage's gradients, over one all-reduce of all the
+    # ranks; a later stage's copy of the tied embedding counts for
+    # nothing (counted twice, the losses drift 5e-3 from one device's).
+    # `causal_lm_pipeline` checked GPT2's losses and weights.
+    assert runs["causal_lm_clipped"] == [True, True]
+    for result in (*replicas, *tensor_parallel):
+        assert result["global_clipnorm_error"] < 1e-6
+
+
 def test_a_keras_mask_crosses_the_cut_to_the_loss(runs):
     # `pipeline_cases.check_masked_predictions` asserted the loss and the
     # weights on every rank; the last stage, which computes the loss,

@@ -7,6 +7,8 @@ its squares, weighted so that a piece held by several ranks counts once,
 and one all-reduce over the mesh adds them up.
 """
 
+import contextlib
+
 from keras import ops
 
 
@@ -28,9 +30,13 @@ class NormClipping:
         optimizer.global_clipnorm = None
         self._placement = None
         self._world = None
+        self._global_world = None
+        self._copies = frozenset()
         self._within_replica = False
 
-    def bind(self, placement, world, within_replica):
+    def bind(
+        self, placement, world, within_replica, global_world=None, copies=()
+    ):
         """Attaches the ranks whose gradients make the norms.
 
         Args:
@@ -38,9 +44,17 @@ class NormClipping:
             world: the collective adapter over those ranks.
             within_replica: whether each data-parallel replica clips its
                 own gradients (local SGD), `world` being its `model` axis.
+            global_world: the adapter over the ranks whose gradients make
+                the global norm, where more than `world`'s (every stage
+                of a pipeline); by default `world`.
+            copies: the ids of the variables whose gradients other ranks
+                of `global_world` count (a later stage's copy of a tied
+                embedding): they count for nothing here.
         """
         self._placement = placement
         self._world = world
+        self._global_world = global_world or world
+        self._copies = frozenset(copies)
         self._within_replica = within_replica
 
     def __call__(self, grads, variables):
@@ -53,6 +67,8 @@ class NormClipping:
             self.clip_norm,
             self.global_clip_norm,
             within_replica=self._within_replica,
+            global_world=self._global_world,
+            copies=self._copies,
         )
 
 
@@ -64,6 +80,8 @@ def clipped(
     clip_norm,
     global_clip_norm,
     within_replica=False,
+    global_world=None,
+    copies=frozenset(),
 ):
     """Applies `clipnorm` / `global_clipnorm` with norms across ranks.
 
@@ -78,6 +96,10 @@ def clipped(
             `None`.
         within_replica: whether each data-parallel replica clips its own
             gradients (local SGD), `world` being its `model` axis.
+        global_world: the adapter of the global norm (see
+            `NormClipping.bind`); by default `world`.
+        copies: ids of the variables other ranks count (see
+            `NormClipping.bind`).
 
     Returns:
         The clipped gradients (`grads` itself when neither bound is set).
@@ -85,20 +107,15 @@ def clipped(
     if not (clip_norm or global_clip_norm):
         return grads
     squares = ops.stack(
-        [
-            ops.multiply(
-                ops.sum(ops.square(ops.cast(g, "float32"))),
-                _norm_weight(placement, v, g, within_replica),
-            )
-            for g, v in zip(grads, variables)
-        ]
+        weighted_squares(grads, variables, placement, within_replica)
     )
     if global_clip_norm:
-        norm = ops.sqrt(world.all_reduce(ops.sum(squares), "sum"))
-        scale = global_clip_norm * ops.minimum(
-            1.0 / norm, 1.0 / global_clip_norm
+        counted = ops.convert_to_tensor(
+            [float(id(v) not in copies) for v in variables], "float32"
         )
-        scale = scale + (norm - norm)
+        total = ops.sum(ops.multiply(squares, counted))
+        norm = ops.sqrt((global_world or world).all_reduce(total, "sum"))
+        scale = global_scale(norm, global_clip_norm)
         return [ops.multiply(g, ops.cast(scale, g.dtype)) for g in grads]
     norms = ops.sqrt(world.all_reduce(squares, "sum"))
     result = []
@@ -109,6 +126,38 @@ def clipped(
         scale = clip_norm / ops.maximum(norm, clip_norm)
         result.append(ops.multiply(g, ops.cast(scale, g.dtype)))
     return result
+
+
+def weighted_squares(grads, variables, placement, within_replica=False):
+    """Per variable, this rank's share of the squared norm of its whole
+    gradient: the sum of its gradient's squares, weighted so that a piece
+    several ranks hold counts once in a sum over the ranks."""
+    return [
+        ops.multiply(
+            ops.sum(ops.square(ops.cast(g, "float32"))),
+            _norm_weight(placement, v, g, within_replica),
+        )
+        for g, v in zip(grads, variables)
+    ]
+
+
+def global_scale(norm, global_clip_norm):
+    """What gradients of global norm `norm` are multiplied by to clip them
+    to `global_clip_norm` (Keras' `clip_by_global_norm`)."""
+    scale = global_clip_norm * ops.minimum(1.0 / norm, 1.0 / global_clip_norm)
+    return scale + (norm - norm)
+
+
+@contextlib.contextmanager
+def global_norm_taken(optimizer):
+    """Inside, `optimizer` leaves its `global_clipnorm` to its caller,
+    which clips by the norm over more gradients than it is given."""
+    bound = optimizer.global_clipnorm
+    optimizer.global_clipnorm = None
+    try:
+        yield
+    finally:
+        optimizer.global_clipnorm = bound
 
 
 def _norm_weight(placement, variable, grad, within_replica):

@@ -37,7 +37,6 @@ from keras_tp.plan.planner import Planner
 from keras_tp.plan.sharding_plan import ShardingPlan
 from keras_tp.plan.styles import Replicate
 from keras_tp.plan.verify import Problem
-from keras_tp.plan.verify import local_problems
 
 logger = logging.getLogger(__name__)
 
@@ -141,19 +140,18 @@ def auto_plan(
             add_head_arguments(model, plan, trace)
             if check_local:
                 plan.summed_gradients = planner.whole_key_values(decisions)
-                problems = counted_problems(
-                    model, plan, trace, group_of, random_inputs
-                )
-            else:
-                problems = local_problems(
-                    model, plan, trace, group_of, units_only=True
-                )
+            # On whole arrays only the attention units run on a rank's
+            # heads: their check alone.
+            units_only = not check_local
+            problems = counted_problems(
+                model, plan, trace, group_of, random_inputs, units_only
+            )
             if not problems:
                 if check_local:
                     plan.per_rank_random = random_on_split_values(
                         plan, random_inputs
                     )
-                    keep_needed_counts(model, plan, trace, group_of)
+                keep_needed_counts(model, plan, trace, group_of, units_only)
                 return plan
             for key, problem in problems.items():
                 planner.demote(decisions, key, problem, fallbacks)

@@ -205,11 +205,18 @@ def add_head_arguments(model, plan, trace):
                 for child in trace.children[call.index]
                 for tensor in child.inputs
             }
-            for name, value in named_arguments(layer, *call.arguments):
+            named = named_arguments(layer, *call.arguments)
+            # The batch of the layer's main input: a first axis as long
+            # is a batch, heads only by chance (GPT2's attention mask).
+            first = tuple(getattr(named[0][1], "shape", ())) if named else ()
+            batch = first[0] if first else None
+            for name, value in named:
                 if id(value) in taken or not hasattr(value, "shape"):
                     continue
                 matching = [
-                    (i, n) for i, n in enumerate(value.shape) if n in heads
+                    (i, n)
+                    for i, n in enumerate(value.shape)
+                    if n in heads and not (i == 0 and n == batch)
                 ]
                 axes[name].add(matching[0] if len(matching) == 1 else None)
         found = {

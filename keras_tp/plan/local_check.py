@@ -102,7 +102,9 @@ def _whole_key_values(model, plan, trace):
     }
 
 
-def counted_problems(model, plan, trace, group_of, random_inputs=None):
+def counted_problems(
+    model, plan, trace, group_of, random_inputs=None, units_only=False
+):
     """`verify.local_problems`, where an attribute's per-rank count may be
     the problem.
 
@@ -116,7 +118,14 @@ def counted_problems(model, plan, trace, group_of, random_inputs=None):
     head size swap (`per_rank_counts(..., swapped=True)`); the first plan
     that passes so is kept. Arguments and result as `local_problems`'.
     """
-    problems = local_problems(model, plan, trace, group_of, random_inputs)
+
+    def problems_with(counts):
+        plan.per_rank_counts = counts
+        return local_problems(
+            model, plan, trace, group_of, random_inputs, units_only
+        )
+
+    problems = problems_with(plan.per_rank_counts)
     if not problems:
         return problems
     kept = plan.per_rank_counts
@@ -129,14 +138,13 @@ def counted_problems(model, plan, trace, group_of, random_inputs=None):
         }
         trials += [swapped, *_trials(swapped)]
     for counts in trials:
-        plan.per_rank_counts = counts
-        if not local_problems(model, plan, trace, group_of, random_inputs):
+        if not problems_with(counts):
             return {}
     plan.per_rank_counts = kept
     return problems
 
 
-def keep_needed_counts(model, plan, trace, group_of):
+def keep_needed_counts(model, plan, trace, group_of, units_only=False):
     """Keeps only the per-rank head counts that the check needs.
 
     `plan.per_rank_counts` holds every integer attribute equal to a
@@ -154,8 +162,8 @@ def keep_needed_counts(model, plan, trace, group_of):
     """
     for name in sorted(_count_names(plan)):
         kept = plan.per_rank_counts
-        plan.per_rank_counts = _without(kept, [name])
-        if local_problems(model, plan, trace, group_of):
+        plan.per_rank_counts = _without(kept, [name], arguments=True)
+        if local_problems(model, plan, trace, group_of, units_only=units_only):
             plan.per_rank_counts = kept
 
 
@@ -182,15 +190,16 @@ def _count_names(plan):
     return {name for counts in plan.per_rank_counts.values() for name in counts}
 
 
-def _without(per_rank_counts, names):
-    """`per_rank_counts` less the attributes and weights `names`; the
-    arguments of every head (`HeadArgument`s, whose shapes matched in
-    every traced call) stay."""
+def _without(per_rank_counts, names, arguments=False):
+    """`per_rank_counts` less the attributes and weights `names`, and the
+    arguments of every head of those names where `arguments` (a trial
+    keeps them: their shapes matched in every traced call)."""
     kept = {
         layer: {
             n: count
             for n, count in counts.items()
-            if n not in names or isinstance(count, HeadArgument)
+            if n not in names
+            or (isinstance(count, HeadArgument) and not arguments)
         }
         for layer, counts in per_rank_counts.items()
     }

@@ -64,6 +64,7 @@ def all_runs(directory):
         "backbone": backbone_run(),
         "tensor_parallel_backbone": tensor_parallel_backbone_run(),
         "causal_lm": causal_lm_run(),
+        "causal_lm_clipped": causal_lm_clipped_run(),
         "masked": masked_run(),
         "added": added_run(),
         "optimizer_state": optimizer_state_run(),
@@ -108,6 +109,20 @@ def causal_lm_run():
             "total_bytes": tp.get_parallelism_info()["parameter_bytes_total"],
         }
     )
+
+
+def causal_lm_clipped_run():
+    """`causal_lm_run` with SGD clipped by the norm of every stage's
+    gradients, the shared embedding's counted once (`global_clipnorm`,
+    active at these gradients); `pipeline_cases.causal_lm_pipeline`
+    checks the losses and weights against one device's."""
+    pipeline_cases.causal_lm_pipeline(
+        lambda model: keras_tp.TensorParallelKeras(
+            model, world_size=STAGES, pipeline_parallel=STAGES
+        ),
+        optimizer=lambda: keras.optimizers.SGD(0.5, global_clipnorm=0.1),
+    )
+    return _gathered(True)
 
 
 def masked_run(data_parallel=1):
@@ -326,6 +341,17 @@ def replicated_run(zero_stage=0):
             loss, x[:BATCH], y[:BATCH], zero_stage
         )
         return _gathered(result)
+    result["global_clipnorm_error"] = (
+        pipeline_cases.whole_variable_updates_difference(
+            keras_tp.TensorParallelKeras(
+                models.mlp(),
+                world_size=STAGES * REPLICAS,
+                pipeline_parallel=STAGES,
+                data_parallel=REPLICAS,
+            ),
+            pipeline_cases.global_clipped,
+        )
+    )
     try:
         keras_tp.TensorParallelKeras(
             models.mlp(),
@@ -462,14 +488,18 @@ def tensor_parallel_run(path):
         )
     except ValueError as e:
         result["indivisible_refused"] = str(e)
-    result["clipnorm_error"] = pipeline_cases.whole_variable_updates_difference(
-        keras_tp.TensorParallelKeras(
-            models.mlp(),
-            world_size=STAGES * TENSOR_PARALLEL,
-            pipeline_parallel=STAGES,
-        ),
-        pipeline_cases.sgd_clipped,
-    )
+    for name, optimizer in (
+        ("clipnorm_error", pipeline_cases.sgd_clipped),
+        ("global_clipnorm_error", pipeline_cases.global_clipped),
+    ):
+        result[name] = pipeline_cases.whole_variable_updates_difference(
+            keras_tp.TensorParallelKeras(
+                models.mlp(),
+                world_size=STAGES * TENSOR_PARALLEL,
+                pipeline_parallel=STAGES,
+            ),
+            optimizer,
+        )
     return _gathered(result)
 
 

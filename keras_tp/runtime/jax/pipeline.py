@@ -9,11 +9,15 @@ import jax.experimental
 import keras
 import numpy as np
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 
 from keras_tp.collectives.jax import counted_jit
 from keras_tp.keras_internals import StatelessScope
 from keras_tp.keras_internals import jax_update_metrics
 from keras_tp.keras_internals import updating_only
+from keras_tp.parallel.clipping import global_norm_taken
+from keras_tp.parallel.clipping import global_scale
+from keras_tp.parallel.clipping import weighted_squares
 from keras_tp.parallel.optimizer import BUCKET_CAP_MB
 from keras_tp.parallel.zero import ZeroLayout
 from keras_tp.pipeline import schedules
@@ -43,6 +47,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
     calling_stage = staticmethod(TRACING_STAGE.get)
     # Each stage's update runs on its whole arrays (`_update_of`).
     updates_pieces = False
+    takes_global_norm = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -64,6 +69,15 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
 
     def check_compiled(self, trainer):
         super().check_compiled(trainer)
+        optimizer = trainer.optimizer
+        if optimizer.global_clipnorm and optimizer.gradient_accumulation_steps:
+            raise ValueError(
+                "A JAX pipeline takes global_clipnorm over every stage's "
+                "gradients at each step, but Keras clips accumulated "
+                "gradients (gradient_accumulation_steps) once they are "
+                "applied. Pass one of the two, or use the torch backend, "
+                "whose pipelines clip the accumulated gradients."
+            )
         # The training programs and updates hold the last compile()'s loss
         # and optimizer.
         self._compiled = {
@@ -202,10 +216,19 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         owned = self.owners.owned_gradients(
             gradients, lambda grad, _, owner: self.sent(grad, owner, "backward")
         )
-        for stage, grads in enumerate(owned):
+        for stage in range(self.pipeline_parallel):
             if stage not in self._updates:
                 self._updates[stage] = self._update_of(stage, shared)
-            update, own, slots = self._updates[stage]
+        # Each stage's gradients as its update takes them: averaged over
+        # its replicas (with ZeRO-1 each device's partition).
+        owned = [
+            self._updates[stage].synchronise(grads)
+            for stage, grads in enumerate(owned)
+        ]
+        if trainer.optimizer.global_clipnorm:
+            owned = self._globally_clipped(owned)
+        for stage, grads in enumerate(owned):
+            _, update, own, slots, _ = self._updates[stage]
             new_values, new_slots, new_shared = update(
                 [values[id(v)] for v in own],
                 [values[id(v)] for v in slots],
@@ -220,10 +243,33 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             [values[id(v)] for v in optimizer_variables],
         )
 
+    def _globally_clipped(self, owned):
+        """Each stage's gradients in `owned` clipped by the norm of them
+        all (`global_clipnorm`): each stage's squared norm, summed over
+        its devices, is sent to the last stage's devices, which add them;
+        every stage scales its gradients by the same factor."""
+        last = self.pipeline_parallel - 1
+        squares = [
+            self.sent(
+                self._updates[stage].squared_norm(grads), last, "optimizer"
+            )
+            for stage, grads in enumerate(owned)
+        ]
+        total = sum(squares[1:], squares[0])
+        scale = global_scale(
+            jax.numpy.sqrt(total), self.trainer.optimizer.global_clipnorm
+        )
+        clipped = []
+        for stage, grads in enumerate(owned):
+            factor = self.sent(scale, stage, "optimizer")
+            clipped.append([g * factor.astype(g.dtype) for g in grads])
+        return clipped
+
     def _update_of(self, stage, shared):
-        """`(update, variables, slots)`: a stage's compiled optimizer update
-        of `(values, slot values, shared values, gradients)` to the new
-        values, and the variables and slots it takes."""
+        """A stage's `StageUpdate`, compiled: its `update` of `(values,
+        slot values, shared values, gradients)` to the new values takes
+        the gradients as `synchronise` leaves them, and leaves the clip by
+        a global norm to its caller (`_globally_clipped`)."""
         optimizer = self.trainer.optimizer
         own = self.owners.owned(stage)
         slots = [
@@ -240,6 +286,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             with (
                 StatelessScope(state_mapping=mapping) as scope,
                 updating_only(optimizer, own, slots + shared),
+                global_norm_taken(optimizer),
             ):
                 optimizer.apply(gradients, own)
 
@@ -249,18 +296,60 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
 
             return tuple([*map(new, *group)] for group in groups)
 
+        runtime = self.stage_runtimes[stage]
+        specs = [runtime.variable_spec(v) for v in own]
+        synchronise = None
         if self.data_parallel > 1:
-            update = over_replicas(
-                update, self.stage_runtimes[stage], own, self.zero_stage
+            synchronise, update, specs = over_replicas(
+                update, runtime, own, self.zero_stage
             )
-        return counted_jit(update, self.stats), own, slots
+            synchronise = counted_jit(synchronise, self.stats)
+        return StageUpdate(
+            synchronise or (lambda gradients: gradients),
+            counted_jit(update, self.stats),
+            own,
+            slots,
+            counted_jit(squared_norm(runtime, own, specs), self.stats),
+        )
+
+
+StageUpdate = collections.namedtuple(
+    "StageUpdate", "synchronise update variables slots squared_norm"
+)
+StageUpdate.__doc__ = """A stage's optimizer update (`_update_of`):
+`synchronise` of its gradients as the backward passes leave them,
+`update` of the stage's values from those, the `variables` and `slots` it
+updates, and the `squared_norm` of synchronised gradients."""
+
+
+def squared_norm(runtime, variables, specs):
+    """The squared norm of whole gradients of `variables`, laid out on
+    `runtime`'s devices as `specs` say, from each device's pieces
+    (`clipping.weighted_squares`) summed over the stage's devices."""
+    placement = runtime.placement
+    adapter = runtime.world_adapter
+
+    def local(gradients):
+        with adapter.stats.labelled("optimizer"):
+            squares = weighted_squares(gradients, variables, placement)
+            return adapter.all_reduce(sum(squares), "sum")
+
+    return jax.shard_map(
+        local,
+        mesh=runtime.mesh,
+        in_specs=(specs,),
+        out_specs=PartitionSpec(),
+        check_vma=False,
+    )
 
 
 def over_replicas(update, runtime, variables, zero_stage):
-    """A stage's optimizer `update` (`_update_of`) of the gradients' rows,
-    one per replica, on its `runtime`: averaged over `data` (DDP) or, with
-    ZeRO-1, reduce-scattered, each device updating its partition, then
-    all-gathered, in the `CoordinatedOptimizer`'s buckets (`ZeroLayout`).
+    """A stage's optimizer `update` (`_update_of`) on its `runtime`, from
+    the gradients' rows, one per replica: `(synchronise, update, specs)`.
+    `synchronise` averages them over `data` (DDP) or, with ZeRO-1,
+    reduce-scatters them, in the `CoordinatedOptimizer`'s buckets
+    (`ZeroLayout`), laid out as `specs`; `update` updates each device's
+    partition and all-gathers the new values.
     """
     placement = runtime.placement
     adapter = runtime.data_adapter
@@ -296,9 +385,11 @@ def over_replicas(update, runtime, variables, zero_stage):
         whole = layout.gathered(partitions, variables, adapter)
         return [whole.get(i, p) for i, p in enumerate(partitions)]
 
-    def combined(values, slot_values, shared_values, gradient_rows):
+    def synchronise(gradient_rows):
         rows = replica_rows(runtime, variables)
-        gradients = on_devices(reduced, rows, partitioned)(gradient_rows)
+        return on_devices(reduced, rows, partitioned)(gradient_rows)
+
+    def combined(values, slot_values, shared_values, gradients):
         values = [
             jax.lax.with_sharding_constraint(
                 value, NamedSharding(runtime.mesh, spec)
@@ -309,7 +400,7 @@ def over_replicas(update, runtime, variables, zero_stage):
         new_values = on_devices(gathered, partitioned, placed)(new_values)
         return new_values, *new
 
-    return combined
+    return synchronise, combined, partitioned
 
 
 class StageClock:

@@ -30,16 +30,33 @@ from keras_tp.runtime.torch.storage import RankProcess
 
 class TorchStageRuntime(TorchRuntime):
     """The `TorchRuntime` of this rank's stage, over the process `groups`
-    of its `model` axis, its `data` axis and both (`_axis_groups`)."""
+    of its `model` axis, its `data` axis and both (`_axis_groups`).
 
-    def __init__(self, config, groups):
+    A `global_clipnorm` takes the norm over every stage's gradients: over
+    `job_adapter`, every rank of the pipeline, with the `copies` (ids of
+    the weights an earlier stage owns, a tied embedding) counted at
+    their owner only."""
+
+    def __init__(self, config, groups, job_adapter, copies):
         self._groups = groups
+        self._job_adapter = job_adapter
+        self._copies = copies
         # The mesh's constructor, not TorchRuntime's: this process already
         # joined its process group, of which the stage holds a part.
         MeshRuntime.__init__(self, config)
 
     def _axis_groups(self):
         return self._groups
+
+    def bind_optimizer(self, optimizer):
+        super().bind_optimizer(optimizer)
+        optimizer.clipping.bind(
+            self.placement,
+            self.world_adapter,
+            within_replica=False,
+            global_world=self._job_adapter,
+            copies=self._copies,
+        )
 
 
 class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
@@ -51,6 +68,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
     backend = "torch"
     # Each rank runs the code between split layers on its own tensors.
     local_ranks = True
+    takes_global_norm = True
 
     def __init__(self, model, config):
         pipeline_parallel = config.pipeline_parallel
@@ -81,16 +99,26 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         # This replica's and tensor-parallel rank's stages, counted.
         self.pipe_adapter = TorchCollectiveAdapter(self.pipe_group, "pipe")
         self.pipe_adapter.stats = self.stats
+        job_adapter = TorchCollectiveAdapter(None, ("data", "pipe", "model"))
+        job_adapter.stats = self.stats
+        stage_model = self.stage_models[self.stage_index]
+        copies = {
+            id(v)
+            for v in stage_model.trainable_variables
+            if self.stage_of[id(v)] != self.stage_index
+        }
         self.stage_runtime = self.counted(
             TorchStageRuntime(
                 self.config.stage_config(self.stage_devices[self.stage_index]),
                 (model_group, data_group, stage_group),
+                job_adapter,
+                copies,
             )
         )
         # Every stage's split layers run with this rank's stage runtime:
         # the others run only in Keras' symbolic builds, on "meta" tensors.
         self.stage_runtimes = [self.stage_runtime] * pipeline_parallel
-        self.stage_model = self.stage_models[self.stage_index]
+        self.stage_model = stage_model
         self._shared_adapters = self._shared_weight_adapters()
         # The last stage, which has the loss, the metrics and the outputs.
         self.last_stage = pipeline_parallel - 1

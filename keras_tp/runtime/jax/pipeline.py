@@ -2,12 +2,9 @@
 (`keras_tp.runtime.jax.stages`) and optimizer update, on its devices."""
 
 import collections
-import time
 
 import jax
-import jax.experimental
 import keras
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
@@ -29,6 +26,7 @@ from keras_tp.runtime.jax import JaxRuntime
 from keras_tp.runtime.jax.stage_storage import StageStorage
 from keras_tp.runtime.jax.stages import TRACING_STAGE
 from keras_tp.runtime.jax.stages import JaxStages
+from keras_tp.runtime.jax.stages import StageClock
 from keras_tp.runtime.jax.stages import StagePrograms
 from keras_tp.runtime.jax.steps import is_concrete
 from keras_tp.runtime.jax.storage import onto
@@ -401,54 +399,6 @@ def over_replicas(update, runtime, variables, zero_stage):
         return new_values, *new
 
     return synchronise, combined, partitioned
-
-
-class StageClock:
-    """When each stage's programs ran on its devices: a training pass
-    (`stamped`) calls the host once its inputs are there and once its
-    outputs are, so a stage's stamps pair up with its actions in order."""
-
-    def __init__(self, num_stages, num_microbatches):
-        self.stamps = [
-            collections.deque(maxlen=4 * num_microbatches)
-            for _ in range(num_stages)
-        ]
-
-    def stamped(self, function, stage):
-        """`function`, stamping its start and end on `stage`'s clock."""
-
-        def stamped_function(*args):
-            start = self._stamp(stage, args)
-            args, _ = jax.lax.optimization_barrier((args, start))
-            outputs = function(*args)
-            self._stamp(stage, outputs)
-            return outputs
-
-        return stamped_function
-
-    def _stamp(self, stage, tree):
-        # A first element of every array makes the callback wait for all.
-        firsts = [
-            leaf.ravel()[:1]
-            for leaf in jax.tree.leaves(tree)
-            if hasattr(leaf, "ravel")
-            and leaf.size
-            and leaf.dtype != jax.dtypes.float0
-        ]
-
-        def record(*_):
-            self.stamps[stage].append(time.perf_counter())
-            return np.int32(0)
-
-        return jax.experimental.io_callback(
-            record, jax.ShapeDtypeStruct((), np.int32), *firsts
-        )
-
-    def times(self, order):
-        """The `(start, end)` of each action of the last step's `order`."""
-        jax.effects_barrier()
-        spans = [iter(zip(*[iter(stamps)] * 2)) for stamps in self.stamps]
-        return [next(spans[stage]) for stage, _, _ in order]
 
 
 PIPELINE_RUNTIME = JaxPipelineRuntime

@@ -1,11 +1,15 @@
 """The stage primitives of JAX pipelines: `StagePrograms` compiles each
 stage's passes for its devices, `JaxStages` serves them to the executor on
-one step's values, and JAX's asynchronous dispatch overlaps the stages."""
+one step's values, JAX's asynchronous dispatch overlaps the stages, and a
+`StageClock` times their passes on the devices."""
 
+import collections
 import contextlib
 import contextvars
+import time
 
 import jax
+import jax.experimental
 import numpy as np
 from jax.sharding import PartitionSpec
 
@@ -338,6 +342,54 @@ class JaxStages(StagePrimitives):
         loss = self.joined_loss(losses, replicas) if losses else None
         rows = [split_rows(part, replicas, 1)[0] for part in predictions]
         return loss, join_rows(rows)
+
+
+class StageClock:
+    """When each stage's programs ran on its devices: a training pass
+    (`stamped`) calls the host once its inputs are there and once its
+    outputs are, so a stage's stamps pair up with its actions in order."""
+
+    def __init__(self, num_stages, num_microbatches):
+        self.stamps = [
+            collections.deque(maxlen=4 * num_microbatches)
+            for _ in range(num_stages)
+        ]
+
+    def stamped(self, function, stage):
+        """`function`, stamping its start and end on `stage`'s clock."""
+
+        def stamped_function(*args):
+            start = self._stamp(stage, args)
+            args, _ = jax.lax.optimization_barrier((args, start))
+            outputs = function(*args)
+            self._stamp(stage, outputs)
+            return outputs
+
+        return stamped_function
+
+    def _stamp(self, stage, tree):
+        # A first element of every array makes the callback wait for all.
+        firsts = [
+            leaf.ravel()[:1]
+            for leaf in jax.tree.leaves(tree)
+            if hasattr(leaf, "ravel")
+            and leaf.size
+            and leaf.dtype != jax.dtypes.float0
+        ]
+
+        def record(*_):
+            self.stamps[stage].append(time.perf_counter())
+            return np.int32(0)
+
+        return jax.experimental.io_callback(
+            record, jax.ShapeDtypeStruct((), np.int32), *firsts
+        )
+
+    def times(self, order):
+        """The `(start, end)` of each action of the last step's `order`."""
+        jax.effects_barrier()
+        spans = [iter(zip(*[iter(stamps)] * 2)) for stamps in self.stamps]
+        return [next(spans[stage]) for stage, _, _ in order]
 
 
 def _floats(tree):

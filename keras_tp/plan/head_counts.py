@@ -188,16 +188,19 @@ def add_head_arguments(model, plan, trace):
         plan: a bound `ShardingPlan`.
         trace: the `Trace` of `model`.
     """
-    # The attention units (`ShardedUnit`s, which have projections).
-    units = [
-        (entry.layer, (None, None, _unit_heads(entry), None))
+    # `(layer, its kernels' full heads counts, whether it is an attention
+    # unit)`: a unit (a `ShardedUnit`, which has projections) runs its own
+    # sublayers on its heads inside its region.
+    owners = [
+        (layer, found[2], False)
+        for layer, found in _layers_with_split_heads(model, plan)
+    ]
+    owners += [
+        (entry.layer, _unit_heads(entry), True)
         for entry in plan.layers
         if hasattr(entry, "projections")
     ]
-    for layer, (_, _, heads, _) in [
-        *_layers_with_split_heads(model, plan),
-        *units,
-    ]:
+    for layer, heads, unit in owners:
         axes = collections.defaultdict(set)
         for call in trace.calls_of[id(layer)]:
             taken = {
@@ -224,8 +227,6 @@ def add_head_arguments(model, plan, trace):
             for name, (axis, *others) in axes.items()
             if axis is not None and not others
         }
-        # A unit's own sublayers run on its heads inside its region.
-        unit = any(layer is u for u, _ in units)
         for owner, counts in [
             (layer, found),
             *([] if unit else _whole_heads(layer, trace, heads)),

@@ -226,8 +226,9 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         if trainer.optimizer.global_clipnorm:
             owned = self._globally_clipped(owned)
         for stage, grads in enumerate(owned):
-            _, update, own, slots, _ = self._updates[stage]
-            new_values, new_slots, new_shared = update(
+            stage_update = self._updates[stage]
+            own, slots = stage_update.variables, stage_update.slots
+            new_values, new_slots, new_shared = stage_update.update(
                 [values[id(v)] for v in own],
                 [values[id(v)] for v in slots],
                 onto(shared_values, self.stage_runtimes[stage].mesh),

@@ -13,10 +13,8 @@ import contextvars
 import keras
 
 from keras_tp.keras_internals import get_keras_mask
-from keras_tp.keras_internals import own_seed_generators
 from keras_tp.keras_internals import seed_generators
 from keras_tp.keras_internals import set_keras_mask
-from keras_tp.keras_internals import shifted_seed_draws
 from keras_tp.plan.attention import ATTENTION
 from keras_tp.plan.attention import call_argument
 from keras_tp.plan.attention import call_arguments
@@ -27,14 +25,12 @@ from keras_tp.plan.layers import logits_stay_split
 from keras_tp.plan.sharding_plan import ShardedUnit
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Row
-
-# How far apart the ranks' random streams start: distinct seeds for up to
-# 2,000 ranks within the narrowest seed dtype (int32, on torch).
-RANK_SEED_STRIDE = 1_000_003
+from keras_tp.rank_draws import FORWARD_CALLS
+from keras_tp.rank_draws import per_rank_draws
+from keras_tp.rank_draws import split_random_call
 
 _LOCAL_WEIGHTS = contextvars.ContextVar("keras_tp_local_weights", default=None)
 _SHARED_COPIES = contextvars.ContextVar("keras_tp_shared_copies", default=None)
-_FORWARD_CALLS = contextvars.ContextVar("keras_tp_forward_calls", default=None)
 
 
 class ShardedRegion:
@@ -337,73 +333,10 @@ def install(plan, runtime):
         runtime.prepare_region(region)
         regions.append(region)
     for layer, split_calls in plan.per_rank_random.items():
-        set_call(layer, _split_random_call(layer, split_calls, runtime))
+        set_call(layer, split_random_call(layer, split_calls, runtime))
     for layer, counts in plan.per_rank_counts.items():
         set_call(layer, call_with_local_counts(layer, counts, runtime))
     return regions
-
-
-def per_rank_draws(generators, call, adapter):
-    """`call`, with `generators` drawing a random stream of their own per rank.
-
-    Inside a sharded region the activations are split: attention heads,
-    a Column layer's features. A dropout there must draw an independent
-    mask for each rank's part, as one device draws one mask for the whole
-    tensor; every rank starting from the same seed would repeat one mask
-    on every part. The generators' states still advance alike on every
-    rank (see `shifted_seed_draws`).
-
-    Args:
-        generators: the `SeedGenerator`s the call draws from.
-        call: the per-rank function.
-        adapter: the `model`-axis collective adapter, whose `rank()` is
-            read inside the call.
-
-    Returns:
-        The wrapped function (`call` itself if there is nothing to draw).
-    """
-    if not generators:
-        return call
-
-    def shift():
-        return adapter.rank() * RANK_SEED_STRIDE
-
-    def call_with_rank_draws(*args, **kwargs):
-        with shifted_seed_draws(generators, shift):
-            return call(*args, **kwargs)
-
-    return call_with_rank_draws
-
-
-def _split_random_call(layer, split_calls, runtime):
-    """A Dropout (say) that runs on split activations draws per rank.
-
-    Args:
-        layer: the layer.
-        split_calls: for each of its calls in a forward pass, whether its
-            input is split (see `local_check.random_on_split_values`).
-        runtime: the runtime. Where it holds global values (JAX without a
-            data axis) the layer runs on the whole tensor and draws one
-            mask, as on one device.
-    """
-    whole_call = layer.call
-    local_call = per_rank_draws(
-        own_seed_generators(layer), whole_call, runtime.adapter
-    )
-
-    def call(*args, **kwargs):
-        calls = _FORWARD_CALLS.get()
-        if calls is None:
-            split = all(split_calls)
-        else:
-            index = calls.get(id(layer), 0)
-            calls[id(layer)] = index + 1
-            split = split_calls[index % len(split_calls)]
-        if split and runtime.holds_local_values():
-            return local_call(*args, **kwargs)
-        return whole_call(*args, **kwargs)
-
-    return call
 
 
 @contextlib.contextmanager
@@ -417,17 +350,17 @@ def forward_pass():
       the backward pass all-reduces once per block, as Megatron's fused
       projection does, not once per projection.
     - The layers' calls are counted: a layer called on split and on whole
-      activations in one pass (see `_split_random_call`) tells its calls
+      activations in one pass (see `split_random_call`) tells its calls
       apart by their order.
 
     A runtime enters it on every rank (a thread of its own on TensorFlow,
     where context variables do not follow into replicas).
     """
-    copies, calls = _SHARED_COPIES.set({}), _FORWARD_CALLS.set({})
+    copies, calls = _SHARED_COPIES.set({}), FORWARD_CALLS.set({})
     try:
         yield
     finally:
-        _FORWARD_CALLS.reset(calls)
+        FORWARD_CALLS.reset(calls)
         _SHARED_COPIES.reset(copies)
 
 

@@ -9,7 +9,7 @@ import keras
 
 from keras_tp.keras_internals import compute_loss
 from keras_tp.keras_internals import seed_generators
-from keras_tp.regions import RANK_SEED_STRIDE
+from keras_tp.rank_draws import RANK_SEED_STRIDE
 
 
 def stateless_loss(

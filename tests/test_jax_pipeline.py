@@ -277,30 +277,30 @@ def test_optimizer_averages_and_accumulation_equal_one_devices(data_parallel):
     assert difference < 1e-6
 
 
-def test_norms_read_whole_variables_in_split_stages_with_replicas():
-    # 2 x 2 x 2 with ZeRO-1: each stage's update runs on global arrays,
-    # so Lamb's and clipnorm's norms are each whole variable's.
-    tp = keras_tp.TensorParallelKeras(
+def _split_stages_with_replicas():
+    """The MLP on 2 stages x 2 replicas x 2 tensor-parallel devices, with
+    ZeRO-1."""
+    return keras_tp.TensorParallelKeras(
         models.mlp(),
         world_size=8,
         pipeline_parallel=2,
         data_parallel=2,
         zero_stage=1,
     )
+
+
+def test_norms_read_whole_variables_in_split_stages_with_replicas():
+    # Each stage's update runs on global arrays, so Lamb's and clipnorm's
+    # norms are each whole variable's.
+    tp = _split_stages_with_replicas()
     assert pipeline_cases.whole_variable_updates_difference(tp) < 1e-6
 
 
 def test_global_clipnorm_spans_every_stage():
-    # 2 x 2 x 2 with ZeRO-1: each stage's squared norm of its replicas'
-    # averaged gradient partitions, summed over its devices, goes to the
-    # last stage's devices, whose sum's scale comes back to every stage.
-    tp = keras_tp.TensorParallelKeras(
-        models.mlp(),
-        world_size=8,
-        pipeline_parallel=2,
-        data_parallel=2,
-        zero_stage=1,
-    )
+    # Each stage's squared norm of its replicas' averaged gradient
+    # partitions, summed over its devices, goes to the last stage's
+    # devices, whose sum's scale comes back to every stage.
+    tp = _split_stages_with_replicas()
     difference = pipeline_cases.whole_variable_updates_difference(
         tp, pipeline_cases.global_clipped
     )

@@ -106,18 +106,14 @@ def clipped(
     """
     if not (clip_norm or global_clip_norm):
         return grads
-    squares = ops.stack(
-        weighted_squares(grads, variables, placement, within_replica)
-    )
+    shares = weighted_squares(grads, variables, placement, within_replica)
     if global_clip_norm:
-        counted = ops.convert_to_tensor(
-            [float(id(v) not in copies) for v in variables], "float32"
-        )
-        total = ops.sum(ops.multiply(squares, counted))
+        counted = [s for s, v in zip(shares, variables) if id(v) not in copies]
+        total = ops.sum(ops.stack(counted)) if counted else ops.zeros(())
         norm = ops.sqrt((global_world or world).all_reduce(total, "sum"))
         scale = global_scale(norm, global_clip_norm)
         return [ops.multiply(g, ops.cast(scale, g.dtype)) for g in grads]
-    norms = ops.sqrt(world.all_reduce(squares, "sum"))
+    norms = ops.sqrt(world.all_reduce(ops.stack(shares), "sum"))
     result = []
     for i, g in enumerate(grads):
         norm = norms[i]

@@ -5,13 +5,11 @@ stages of equal parameters (`keras_tp.pipeline.split_stages`), with the
 GPipe and 1F1B schedules, for each number of micro-batches in
 `--microbatches`:
 
-- torch: 2 ranks (gloo) run `torch.distributed.pipelining`'s schedules,
-  and each stage records when each of its micro-batches' forward and
-  backward passes ran;
-- TensorFlow and JAX: `TensorParallelKeras(pipeline_parallel=2)` on 2
-  logical CPUs trains with Adam, and each pass is timed on its stage's
-  device (`pipeline_timeline()`): by the traced step on TensorFlow, by
-  each pass's program on JAX.
+`TensorParallelKeras(pipeline_parallel=2)` trains it with Adam, and each
+pass is timed on its stage's devices (`pipeline_timeline()`):
+- torch: 2 ranks (gloo), each running its stage's passes;
+- TensorFlow: 2 logical CPUs, by the traced step;
+- JAX: 2 logical CPUs, by each pass's program.
 
 The last step's times give each stage's idle share of the step
 (`1 - busy / step`), printed next to the ideal `(P - 1) / (M + P - 1)`,
@@ -79,73 +77,19 @@ def pipeline_measured(width, layers, schedule, microbatches, steps):
         schedules.bubble_fraction(timeline),
         schedules.peak_activations(order),
         # Stage 0 sends activations forward, stage 1 gradients backward.
-        [sent["forward_bytes"], sent["backward_bytes"]],
+        [sent.get("forward_bytes", 0), sent.get("backward_bytes", 0)],
     )
 
 
-def stage_records(width, layers, schedule, microbatches, steps):
-    """Trains this rank's stage; its last step's spans and bytes sent."""
-    import keras
-    import numpy as np
-    import torch
+def ranks_measured(*run):
+    """`pipeline_measured` on torch ranks, each of which counts what its
+    own stage sent."""
     import torch.distributed as dist
 
-    from keras_tp.pipeline.cutting import split_stages
-    from keras_tp.runtime.torch.devices import join_process_group
-    from keras_tp.runtime.torch.stages import TorchPipeline
-    from keras_tp.stats import CommunicationStats
-
-    join_process_group(STAGES)
-    rank = dist.get_rank()
-    stage_model = split_stages(mlp(width, layers), STAGES).stages[rank].model
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    stats = CommunicationStats()
-    pipeline = TorchPipeline(
-        stage_model,
-        rank,
-        STAGES,
-        microbatches,
-        schedule,
-        loss,
-        stats,
-        torch.device("cpu"),
-    )
-    rng = np.random.default_rng(0)
-    x = torch.as_tensor(rng.normal(size=(BATCH, width)).astype("float32"))
-    y = torch.as_tensor(rng.integers(0, 10, BATCH))
-    for _ in range(steps):
-        dist.barrier()
-        with stats.recording("train"):
-            pipeline.step(x, y)
-    sent = stats.summary(axis="pipe").get("send", {}).get("bytes", 0)
-    records = [None] * STAGES
-    dist.all_gather_object(records, (pipeline.stage.timeline, sent))
-    return records
-
-
-def measured(records):
-    """`(bubble per stage, peak activations per stage, bytes per stage)`."""
-    from keras_tp.pipeline import schedules
-
-    start = min(span[2] for timeline, _ in records for span in timeline)
-    spans = [
-        [
-            schedules.Span(
-                schedules.Action(stage, kind, microbatch),
-                begin - start,
-                end - start,
-            )
-            for kind, microbatch, begin, end in timeline
-        ]
-        for stage, (timeline, _) in enumerate(records)
-    ]
-    timeline = schedules.Timeline(spans)
-    order = [[span.action for span in stage] for stage in spans]
-    return (
-        schedules.bubble_fraction(timeline),
-        schedules.peak_activations(order),
-        [sent for _, sent in records],
-    )
+    ranks = [None] * STAGES
+    dist.all_gather_object(ranks, pipeline_measured(*run))
+    bubble, peak, _ = ranks[0]
+    return bubble, peak, [ranks[0][2][0], ranks[1][2][1]]
 
 
 def main(argv=None):
@@ -178,18 +122,13 @@ def main(argv=None):
     print("|---|---:|---:|---:|---:|---:|")
     for schedule in ("gpipe", "1f1b"):
         for microbatches in args.microbatches:
+            run = (args.width, args.layers, schedule, microbatches, args.steps)
             if backend in ("tensorflow", "jax"):
-                bubble, peak, sent = pipeline_measured(
-                    args.width, args.layers, schedule, microbatches, args.steps
-                )
+                bubble, peak, sent = pipeline_measured(*run)
             else:
-                records = keras_tp.launch(
-                    stage_records,
-                    world_size=STAGES,
-                    args=(args.width, args.layers, schedule, microbatches),
-                    kwargs={"steps": args.steps},
+                bubble, peak, sent = keras_tp.launch(
+                    ranks_measured, world_size=STAGES, args=run
                 )
-                bubble, peak, sent = measured(records)
             ideal = schedules.ideal_bubble(STAGES, microbatches)
             print(
                 f"| {schedule} | {microbatches} | "

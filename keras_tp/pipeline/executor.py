@@ -2,12 +2,15 @@
 
 As torch's `_PipelineScheduleRuntime` does, it runs a list of `Action`s
 the same way on every backend, leaving every computation and transfer to
-the `StagePrimitives`."""
+the `StagePrimitives`: one process issues every stage's actions (JAX,
+TensorFlow), or each rank its own stage's (torch), whose values another
+rank sends and it `receive`s."""
 
 import keras
 
 from keras_tp.parallel.batch_loss import fraction_scale
 from keras_tp.pipeline import schedules
+from keras_tp.pipeline.schedules import FORWARD
 from keras_tp.tensors import nbytes
 from keras_tp.tensors import with_masks
 
@@ -54,10 +57,19 @@ class StagePrimitives:
     def send(self, value, stage, direction):
         """`value` (activations, or their gradients with `direction=
         "backward"`) moved to the devices of `stage`, and counted in
-        `stats`: by default the receiving stage's operations copy it."""
+        `stats`: by default the receiving stage's operations copy it.
+        `None` where `stage` runs in another process, which `receive`s
+        it."""
         for tensor in keras.tree.flatten(value):
             self.stats.record("send", nbytes(tensor), direction, "pipe")
         return value
+
+    def receive(self, stage, m, direction):
+        """What another process sent `stage` for its pass `direction` of
+        micro-batch `m`; `None` where nothing comes (the last stage's
+        backward, whose output is the loss), as by default: one process
+        runs every stage."""
+        return None
 
     def infer(self, stage, inputs):
         """A stage's forward pass of one micro-batch, without gradients;
@@ -116,7 +128,7 @@ def run_schedule(primitives, order, x, y):
             outputs, predicted = primitives.forward(
                 stage,
                 m,
-                received.pop((stage, m)),
+                _taken(primitives, received, stage, m, kind),
                 targets[m] if stage == last else None,
             )
             if stage == last:
@@ -127,7 +139,9 @@ def run_schedule(primitives, order, x, y):
                     outputs, stage + 1, schedules.FORWARD
                 )
             continue
-        sent = primitives.backward(stage, m, cotangents.pop((stage, m), None))
+        sent = primitives.backward(
+            stage, m, _taken(primitives, cotangents, stage, m, kind)
+        )
         if stage:
             cotangents[stage - 1, m] = primitives.send(
                 sent, stage - 1, schedules.BACKWARD
@@ -135,19 +149,30 @@ def run_schedule(primitives, order, x, y):
     return primitives.joined(losses, predictions)
 
 
+def _taken(primitives, held, stage, m, kind):
+    """What `stage` takes for its pass `kind` of micro-batch `m`: what a
+    stage of this process sent it (in `held`), else `receive`'s."""
+    value = held.pop((stage, m), None)
+    return primitives.receive(stage, m, kind) if value is None else value
+
+
 def run_forward(primitives, x):
     """The outputs of the batch `x`, as `primitives.joined` makes them, one
     micro-batch after the other, without gradients (evaluation,
-    prediction, direct calls), with their Keras masks."""
+    prediction, direct calls), with their Keras masks; `None` in a
+    process without the last stage. `infer` of a stage another process
+    runs returns `None`."""
     outputs = []
-    for tensors in primitives.microbatches(x, None)[0]:
+    for m, tensors in enumerate(primitives.microbatches(x, None)[0]):
         for stage in range(primitives.num_stages):
             if stage:
-                tensors = primitives.send(tensors, stage, schedules.FORWARD)
+                tensors = primitives.send(tensors, stage, FORWARD)
+                if tensors is None:
+                    tensors = primitives.receive(stage, m, FORWARD)
             tensors = primitives.infer(stage, tensors)
         outputs.append(tensors)
-    outputs, masks = primitives.joined([], outputs)[1]
-    return with_masks(outputs, masks)
+    joined = primitives.joined([], outputs)[1]
+    return None if joined is None else with_masks(*joined)
 
 
 def split_rows(x, rows, count):

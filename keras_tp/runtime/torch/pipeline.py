@@ -24,7 +24,7 @@ from keras_tp.runtime.torch.devices import mesh_groups
 from keras_tp.runtime.torch.devices import rank_devices
 from keras_tp.runtime.torch.devices import this_device
 from keras_tp.runtime.torch.stage_storage import StageStorage
-from keras_tp.runtime.torch.stages import TorchPipeline
+from keras_tp.runtime.torch.stages import TorchStages
 from keras_tp.runtime.torch.storage import RankProcess
 
 
@@ -90,7 +90,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
             "model": self.tensor_parallel,
         }
         self._mesh_shape = tuple(shape.values())
-        self.data_index, self.stage_index, _ = (
+        self.data_index, self.stage_index, self.model_index = (
             int(i) for i in np.unravel_index(self.rank, self._mesh_shape)
         )
         model_group, self.pipe_group, data_group, stage_group = mesh_groups(
@@ -126,10 +126,10 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
             self.stage_runtime.data_adapter if data_parallel > 1 else None
         )
         # This rank's `(kind, micro_batch, start, end)` spans of the last
-        # training step (`RecordedPipelineStage`).
+        # training step (`TorchStages.timeline`).
         self.timeline = []
-        # `TorchPipeline`s by micro-batch count and input shapes, which a
-        # torch stage fixes on its first run.
+        # `TorchStages` by micro-batch count and input shapes, which their
+        # first run tells the next stage's ranks.
         self._pipelines = {}
 
     def _shared_weight_adapters(self):
@@ -173,6 +173,10 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         index = (data_index, stage_index, model_index)
         return int(np.ravel_multi_index(index, self._mesh_shape))
 
+    def rank_of_stage(self, stage):
+        """The rank of this rank's counterpart in `stage`."""
+        return self._rank_of(self.data_index, stage, self.model_index)
+
     def prepare_model(self, model):
         # As `TorchRuntime.prepare_model`: the ranks of a stage draw the
         # same masks, from the layers' seed generators. Only this stage's
@@ -208,14 +212,14 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         trainer.optimizer.build(held.trainable_variables)
 
     def _pipeline(self, x, with_loss=True):
-        """This rank's `TorchPipeline` for this replica's inputs `x`."""
+        """This rank's `TorchStages` for this replica's inputs `x`."""
         leaves = keras.tree.flatten(x)
         count = self.microbatches(len(leaves[0]))
         shapes = tuple((tuple(t.shape), t.dtype) for t in leaves)
         key = (count, shapes, with_loss)
         if key not in self._pipelines:
             loss = self.loss_function(count) if with_loss else None
-            self._pipelines[key] = TorchPipeline(self, count, loss)
+            self._pipelines[key] = TorchStages(self, count, loss)
         return self._pipelines[key]
 
     def data_row(self):
@@ -241,7 +245,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         for variable in variables:
             variable.value.grad = None
         loss, y_pred = pipeline.step(x, targets)
-        self.timeline = pipeline.stage.timeline
+        self.timeline = pipeline.timeline
         scale = self._fraction_scale(pipeline, every_stage=True)
         if scale is not None:
             loss = None if loss is None else loss * scale
@@ -270,7 +274,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
     def test_step(self, data):
         x, targets = self.unpacked(self._sliced(data))
         pipeline = self._pipeline(x)
-        loss, y_pred = pipeline.forward(x, targets)
+        loss, y_pred = pipeline.evaluate(x, targets)
         scale = self._fraction_scale(pipeline, every_stage=False)
         if scale is not None and loss is not None:
             loss = loss * scale
@@ -279,7 +283,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
 
     def _with_added_loss(self, pipeline, loss):
         """The last stage's `loss` plus every stage's share of the losses
-        its layers added (`TorchPipeline.added_loss`), summed over `pipe`
+        its layers added (`TorchStages.added_loss`), summed over `pipe`
         (one float), where any stage's layers add losses."""
         if not any(self.adding_stages):
             return loss
@@ -345,9 +349,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
 
     def _last_stage_outputs(self, x, training=False):
         """The stages' outputs of `x`, broadcast from the last stage."""
-        _, outputs = self._pipeline(x, with_loss=False).forward(
-            x, None, training
-        )
+        outputs = self._pipeline(x, with_loss=False).predict(x, training)
         last = self.last_stage
         specs = [None]
         if self.stage_index == last:

@@ -282,6 +282,16 @@ def test_a_causal_lm_shares_its_tied_embedding_between_stages():
     )
 
 
+def test_global_clipnorm_counts_the_tied_embedding_once():
+    # Each stage's squared gradient norm goes to the last stage's device,
+    # the tied embedding's at its owner only: the losses and the weights
+    # after 2 clipped SGD steps are one device's.
+    pipeline_cases.causal_lm_pipeline(
+        _pipelined,
+        optimizer=lambda: keras.optimizers.SGD(0.5, global_clipnorm=0.1),
+    )
+
+
 def test_stages_split_by_tensor_parallelism_share_the_tied_embedding(
     tmp_path,
 ):

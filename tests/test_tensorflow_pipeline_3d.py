@@ -26,6 +26,7 @@ import keras_tp  # noqa: E402
 keras_tp.configure_virtual_devices(8)
 
 from tests import checkpoint_cases  # noqa: E402
+from tests import models  # noqa: E402
 from tests import pipeline_cases  # noqa: E402
 from tests.pipeline_cases import MICROBATCHES  # noqa: E402
 
@@ -80,3 +81,25 @@ def test_sharded_checkpoints_of_split_stages_load_at_any_layout(tmp_path):
     one device load them, and the pipeline loads one device's
     checkpoint."""
     checkpoint_cases.check_three_dimensional_round_trip(str(tmp_path))
+
+
+def test_global_clipnorm_spans_every_stage():
+    """2 replicas x 2 stages x 2-way tensor parallelism, ZeRO-1: each
+    stage's optimizer synchronises its replicas' gradients, whose squared
+    norm, summed over the stage's devices, goes to the last stage's
+    first device; the scale of their sum comes back to every device."""
+    tp = keras_tp.TensorParallelKeras(
+        models.mlp(),
+        world_size=8,
+        pipeline_parallel=2,
+        data_parallel=2,
+        zero_stage=1,
+    )
+    difference = pipeline_cases.whole_variable_updates_difference(
+        tp, pipeline_cases.global_clipped
+    )
+    assert difference < 1e-6
+    sent = tp.communication_stats("train", axis="pipe")["send"]
+    # Two squared norms out, two scales back to a stage's 4 devices.
+    assert sent["optimizer_calls"] == 4
+    assert sent["optimizer_bytes"] == 2 * (4 + 4 * 4)

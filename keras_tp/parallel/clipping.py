@@ -25,7 +25,7 @@ class NormClipping:
 
     def __init__(self, optimizer):
         self.clip_norm = optimizer.clipnorm
-        self.global_clip_norm = optimizer.global_clipnorm
+        self.global_clipnorm = optimizer.global_clipnorm
         optimizer.clipnorm = None
         optimizer.global_clipnorm = None
         self._placement = None
@@ -57,6 +57,15 @@ class NormClipping:
         self._copies = frozenset(copies)
         self._within_replica = within_replica
 
+    def squared_norm(self, grads, variables):
+        """The squared norm of the whole gradients of which `grads` are
+        this rank's pieces, summed over `world`: one pipeline stage's
+        part of a global norm, which its caller completes."""
+        shares = weighted_squares(
+            grads, variables, self._placement, self._within_replica
+        )
+        return self._world.all_reduce(ops.sum(ops.stack(shares)), "sum")
+
     def __call__(self, grads, variables):
         """`grads` of `variables` clipped (see `clipped`)."""
         return clipped(
@@ -65,7 +74,7 @@ class NormClipping:
             self._placement,
             self._world,
             self.clip_norm,
-            self.global_clip_norm,
+            self.global_clipnorm,
             within_replica=self._within_replica,
             global_world=self._global_world,
             copies=self._copies,
@@ -146,8 +155,9 @@ def global_scale(norm, global_clip_norm):
 
 @contextlib.contextmanager
 def global_norm_taken(optimizer):
-    """Inside, `optimizer` leaves its `global_clipnorm` to its caller,
-    which clips by the norm over more gradients than it is given."""
+    """Inside, `optimizer` (or a `NormClipping`) leaves its
+    `global_clipnorm` to its caller, which clips by the norm over more
+    gradients than it is given."""
     bound = optimizer.global_clipnorm
     optimizer.global_clipnorm = None
     try:

@@ -61,8 +61,6 @@ class PipelineRuntime(Runtime):
     trained_order = None
     # Each stage's update is the backend's (see `Runtime`).
     coordinating_runtime = None
-    # Whether `global_clipnorm` takes the norm of every stage's gradients.
-    takes_global_norm = False
 
     def __init__(self, model, config):
         super().__init__(config)
@@ -198,16 +196,6 @@ class PipelineRuntime(Runtime):
                 "`compile(..., jit_compile=False)` (the default)."
             )
         optimizer = trainer.optimizer
-        clipnorm = getattr(optimizer, "global_clipnorm", None)
-        if clipnorm and not self.takes_global_norm:
-            raise ValueError(
-                f"The optimizer's global_clipnorm={clipnorm} is not "
-                f"supported by pipelines on {self.backend} yet: each stage "
-                "updates its own variables without the others' gradients. "
-                "Remove global_clipnorm (clipnorm and clipvalue, which act "
-                "per variable, work), or use the JAX or torch backend, "
-                "whose pipelines take the norm over every stage."
-            )
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             raise ValueError(
                 "LossScaleOptimizer is not supported with pipeline_parallel "

@@ -45,7 +45,6 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
     calling_stage = staticmethod(TRACING_STAGE.get)
     # Each stage's update runs on its whole arrays (`_update_of`).
     updates_pieces = False
-    takes_global_norm = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

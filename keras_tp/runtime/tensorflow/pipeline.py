@@ -8,6 +8,9 @@ from keras_tp.collectives.tensorflow import ReplicaStats
 from keras_tp.compiling import coordinated
 from keras_tp.compiling import place_slots
 from keras_tp.keras_internals import update_loss_tracker
+from keras_tp.parallel import CoordinatedOptimizer
+from keras_tp.parallel.clipping import global_norm_taken
+from keras_tp.parallel.clipping import global_scale
 from keras_tp.pipeline.runtime import PipelineRuntime
 from keras_tp.pipeline.runtime import weighted
 from keras_tp.runtime.tensorflow import TensorFlowRuntime
@@ -122,11 +125,14 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
                 trainer = _StageTrainer(
                     self.stage_models[stage], self.owners.owned(stage)
                 )
+                copy = type(optimizer).from_config(config)
+                if optimizer.global_clipnorm:
+                    # Its synchronised gradients join the global norm
+                    # before it applies them (`_globally_clipped`).
+                    copy = CoordinatedOptimizer(copy, self.zero_stage)
                 # As the stage's runtime would compile it: coordinated over
                 # its replicas, or its shards' norms.
-                trainer.optimizer = coordinated(
-                    type(optimizer).from_config(config), runtime, trainer
-                )
+                trainer.optimizer = coordinated(copy, runtime, trainer)
                 place_slots(trainer.optimizer, runtime)
                 prepare_optimizer(runtime, trainer)
                 trainers.append(trainer)
@@ -152,8 +158,11 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         loss, y_pred = stages.step(x, targets)
         self.trained_order = stages.order
         owned = self._owned_gradients(stages.scaled_gradients())
+        scale = None
+        if self.trainer.optimizer.global_clipnorm:
+            owned, scale = self._globally_clipped(owned)
         for stage in range(self.pipeline_parallel):
-            self._update(stage, owned)
+            self._update(stage, owned, scale)
         self.trainer.optimizer.iterations.assign_add(1)
         return self._logs(x, targets, loss, y_pred)
 
@@ -191,10 +200,49 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             for replica in replicas
         }
 
-    def _update(self, index, owned):
+    def _globally_clipped(self, owned):
+        """`(synchronised, scale)`: by replica, each stage's gradients in
+        `owned` as its optimizer synchronised them, and the factor that
+        clips them all by their norm (`global_clipnorm`). Each stage's
+        squared norm, summed over its devices, goes to the last stage's
+        first device, which adds them, and the scale to every device."""
+        synchronised, squares = {}, []
+        for index, runtime in enumerate(self.stage_runtimes):
+            stage = self.stage_optimizers[index]
+
+            def synchronise(runtime=runtime, stage=stage, index=index):
+                variables = stage.trainable_variables
+                grads = runtime.replica_gradients(
+                    owned[runtime.replica_id()][index], variables
+                )
+                with self.stats.labelled("optimizer"):
+                    grads = stage.optimizer.synchronised_gradients(
+                        grads, variables
+                    )
+                    square = stage.optimizer.clipping.squared_norm(
+                        grads, variables
+                    )
+                return grads, square
+
+            results = runtime.replica_results(synchronise, stage)
+            for replica, (grads, _) in enumerate(results):
+                synchronised.setdefault(replica, []).append(grads)
+            squares.append(results[0][1])
+            self.stats.record("send", 4, "optimizer", "pipe")
+            self.stats.record(
+                "send", 4 * len(runtime.devices), "optimizer", "pipe"
+            )
+        with tf.device(self.stage_runtimes[-1].devices[0]):
+            norm = tf.sqrt(tf.add_n(squares))
+            clip = self.trainer.optimizer.global_clipnorm
+            return synchronised, global_scale(norm, clip)
+
+    def _update(self, index, gradients, scale=None):
         """Stage `index`'s update on each of its replicas, with the compiled
         optimizer's step count and learning rate (which a callback or a
-        load sets)."""
+        load sets): from its replicas' `gradients`, or, with a `scale`,
+        from those its optimizer synchronised (`_globally_clipped`),
+        multiplied by it."""
         runtime = self.stage_runtimes[index]
         stage = self.stage_optimizers[index]
         compiled = self.trainer.optimizer
@@ -205,12 +253,18 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             # A schedule computes the rate from the step count.
             if isinstance(compiled.learning_rate, keras.Variable):
                 optimizer.learning_rate.assign(compiled.learning_rate)
-            runtime.apply_on_replica(
-                stage.optimizer,
-                owned[runtime.replica_id()][index],
-                stage.trainable_variables,
-                stage,
-            )
+            grads = gradients[runtime.replica_id()][index]
+            variables = stage.trainable_variables
+            if scale is None:
+                runtime.apply_on_replica(
+                    stage.optimizer, grads, variables, stage
+                )
+            else:
+                grads = [g * tf.cast(scale, g.dtype) for g in grads]
+                with global_norm_taken(stage.optimizer.clipping):
+                    runtime.apply_on_replica(
+                        stage.optimizer, grads, variables, stage, True
+                    )
             # `strategy.run` needs a result to return.
             return tf.zeros(())
 

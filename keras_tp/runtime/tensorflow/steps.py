@@ -272,7 +272,9 @@ class ReplicaSteps:
             warnings.warn("The model does not have any trainable weights.")
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    def apply_on_replica(self, optimizer, gradients, variables, model):
+    def apply_on_replica(
+        self, optimizer, gradients, variables, model, synchronised=False
+    ):
         """Updates this replica's pieces of `variables` (in a replica).
 
         Args:
@@ -281,16 +283,30 @@ class ReplicaSteps:
             variables: trainable variables of `model`.
             model: the model whose non-trainable float state is averaged
                 over the data axis after the update.
+            synchronised: whether `gradients` are those that a
+                `CoordinatedOptimizer` synchronised from `replica_gradients`
+                (`synchronised_gradients`): it only applies them.
         """
+        if synchronised:
+            # As `CoordinatedOptimizer.apply` labels its collectives.
+            with self.data_adapter.stats.labelled("optimizer"):
+                optimizer.update_parameters(gradients)
+        else:
+            gradients = self.replica_gradients(gradients, variables)
+            optimizer.apply(gradients, variables)
+        if self.per_rank_steps:
+            self._average_non_trainables(model)
+
+    def replica_gradients(self, gradients, variables):
+        """This replica's `gradients` of `variables` as its optimizer takes
+        them: dense; a replicated variable's, the first replica's."""
         if self.per_rank_steps:
             gradients = _dense(gradients)
         if self.tensor_parallel > 1:
             gradients = self._replicated_from_first_replica(
                 gradients, variables
             )
-        optimizer.apply(gradients, variables)
-        if self.per_rank_steps:
-            self._average_non_trainables(model)
+        return gradients
 
     def replica_results(self, fn, model, *args):
         """Runs `fn(*args)` on every replica, `model`'s variables at their

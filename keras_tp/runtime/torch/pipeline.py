@@ -68,7 +68,6 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
     backend = "torch"
     # Each rank runs the code between split layers on its own tensors.
     local_ranks = True
-    takes_global_norm = True
 
     def __init__(self, model, config):
         pipeline_parallel = config.pipeline_parallel

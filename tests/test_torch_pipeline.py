@@ -5,9 +5,9 @@ Each rank wraps the test MLP (and GPT2's backbone) with
 `pipeline_parallel=2` and trains it with Keras' `fit()` through
 keras_tp's GPipe and 1F1B schedules, each rank running its stage's
 actions, with Adam, next to the same model trained on one device. Then
-4 ranks train the MLP as 2 replicas of the 2-stage pipeline (`data_parallel=2`, with
-DDP and with ZeRO-1), and GPT2's backbone as 2 stages split over 2
-tensor-parallel ranks each (`world_size=4`).
+4 ranks train the MLP as 2 replicas of the 2-stage pipeline
+(`data_parallel=2`, with DDP and with ZeRO-1), and GPT2's backbone as 2
+stages split over 2 tensor-parallel ranks each (`world_size=4`).
 """
 
 import keras

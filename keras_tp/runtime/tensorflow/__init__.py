@@ -17,8 +17,8 @@ other backends' runtimes:
   shard; full values, saving and the bytes on each device.
 - `steps`: Keras' train, test and predict steps, run by the runtime over
   the replicas; direct calls of the model.
-- `optimizer`: the `TensorParallelOptimizer` mixin, with which each replica
-  updates its own shards.
+- `optimizer`: each replica's update of its own shards (`ReplicaUpdates`),
+  with the `TensorParallelOptimizer` mixin of the optimizer.
 - `regions`: sharded layers on a replica's local weights, or run as their
   own replica step outside a step; under sequence parallelism, their
   inputs gathered from `SequenceShard`s.
@@ -29,6 +29,7 @@ from keras_tp.runtime.tensorflow.devices import ReplicaDevices
 from keras_tp.runtime.tensorflow.devices import configure_multi_worker
 from keras_tp.runtime.tensorflow.devices import configure_virtual_devices
 from keras_tp.runtime.tensorflow.generation import ReplicaGeneration
+from keras_tp.runtime.tensorflow.optimizer import ReplicaUpdates
 from keras_tp.runtime.tensorflow.optimizer import TensorParallelOptimizer
 from keras_tp.runtime.tensorflow.optimizer import tensor_parallel_class
 from keras_tp.runtime.tensorflow.regions import ReplicaRegions
@@ -50,6 +51,7 @@ class TensorFlowRuntime(
     ReplicaDevices,
     ReplicaStorage,
     ReplicaSteps,
+    ReplicaUpdates,
     ReplicaRegions,
     ReplicaGeneration,
     MeshRuntime,

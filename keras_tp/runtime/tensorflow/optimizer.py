@@ -16,6 +16,9 @@ from keras_tp.keras_internals import backend_free_add_variable_from_reference
 from keras_tp.keras_internals import get_stateless_scope
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.runtime.tensorflow.devices import HOST
+from keras_tp.runtime.tensorflow.storage import local_read
+from keras_tp.tensors import collect_flat
+from keras_tp.tensors import is_float
 
 
 def prepare_optimizer(runtime, model):
@@ -65,6 +68,108 @@ def prepare_optimizer(runtime, model):
 
         _outside_distribution_context(build)
     return optimizer
+
+
+class ReplicaUpdates:
+    """`TensorFlowRuntime` mixin: each replica's update of its pieces."""
+
+    def build_optimizer(self, model):
+        prepare_optimizer(self, model)
+
+    def apply_on_replica(
+        self, optimizer, gradients, variables, model, synchronised=False
+    ):
+        """Updates this replica's pieces of `variables` (in a replica).
+
+        Args:
+            optimizer: the model's `TensorParallelOptimizer`.
+            gradients: this replica's gradients of `variables`.
+            variables: trainable variables of `model`.
+            model: the model whose non-trainable float state is averaged
+                over the data axis after the update.
+            synchronised: whether `gradients` are those that a
+                `CoordinatedOptimizer` synchronised from `replica_gradients`
+                (`synchronised_gradients`): it only applies them.
+        """
+        if synchronised:
+            # As `CoordinatedOptimizer.apply` labels its collectives.
+            with self.data_adapter.stats.labelled("optimizer"):
+                optimizer.update_parameters(gradients)
+        else:
+            gradients = self.replica_gradients(gradients, variables)
+            optimizer.apply(gradients, variables)
+        if self.per_rank_steps:
+            self._average_non_trainables(model)
+
+    def replica_gradients(self, gradients, variables):
+        """This replica's `gradients` of `variables` as its optimizer takes
+        them: dense; a replicated variable's, the first replica's."""
+        if self.per_rank_steps:
+            gradients = _dense(gradients)
+        if self.tensor_parallel > 1:
+            gradients = self._replicated_from_first_replica(
+                gradients, variables
+            )
+        return gradients
+
+    def _replicated_from_first_replica(self, gradients, variables):
+        """Gives every model rank the gradients of replicated variables
+        that model rank 0 computed.
+
+        Every rank computes the same gradient for a replicated variable,
+        but TensorFlow does not promise the same bits on different devices
+        (a reduction may round differently), and copies that drift apart
+        are no longer one model. One broadcast per step and dtype, of all
+        these gradients together, keeps the copies identical.
+        """
+        gradients = list(gradients)
+        replicated = [
+            i
+            for i, (gradient, variable) in enumerate(zip(gradients, variables))
+            if gradient is not None
+            and self.placement.split_axis(variable) is None
+        ]
+        broadcast = collect_flat(
+            [tf.convert_to_tensor(gradients[i]) for i in replicated],
+            lambda flat: self.adapter.broadcast_gradient(flat, root=0),
+        )
+        for i, gradient in zip(replicated, broadcast):
+            gradients[i] = gradient
+        return gradients
+
+    def _average_non_trainables(self, model):
+        """Averages the non-trainable float state over the data axis.
+
+        BatchNorm statistics, say, which each row updated from its own
+        slice of the batch; one all-reduce for all of them per dtype.
+        """
+        averaged = [
+            variable
+            for variable in model.non_trainable_variables
+            if is_float(variable)
+            and self.placement.is_placed(variable)
+            and id(variable) not in self.placement.data_axes
+        ]
+        means = collect_flat(
+            [local_read(v) for v in averaged],
+            lambda flat: self.data_adapter.all_reduce(flat, "mean"),
+        )
+        for variable, mean in zip(averaged, means):
+            variable.assign(mean)
+
+
+def _dense(gradients):
+    """The gradients with `tf.IndexedSlices` (of embeddings) made dense.
+
+    The `CoordinatedOptimizer` sums a gradient over the data axis, which
+    merges the rows of a token seen several times, as on JAX and torch.
+    Keras on one device keeps the slices apart, and Adam's second moment and
+    gradient norms then count each occurrence.
+    """
+    return [
+        tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+        for g in gradients
+    ]
 
 
 class TensorParallelOptimizer(UpdatesThroughAssign):

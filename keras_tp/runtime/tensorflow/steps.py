@@ -40,10 +40,7 @@ from keras_tp.keras_internals import losses_override
 from keras_tp.keras_internals import tracked_loss
 from keras_tp.runtime.tensorflow import added_losses
 from keras_tp.runtime.tensorflow.optimizer import prepare_optimizer
-from keras_tp.runtime.tensorflow.storage import local_read
 from keras_tp.tensors import carried_masks
-from keras_tp.tensors import collect_flat
-from keras_tp.tensors import is_float
 from keras_tp.tensors import with_masks
 from keras_tp.vocab_parallel import split_head
 
@@ -218,9 +215,6 @@ class ReplicaSteps:
             {i: tf.concat([m[i] for m in masks], 0) for i in masks[0]},
         )
 
-    def build_optimizer(self, model):
-        prepare_optimizer(self, model)
-
     def _train_step(self, model, data):
         optimizer = prepare_optimizer(self, model)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -272,42 +266,6 @@ class ReplicaSteps:
             warnings.warn("The model does not have any trainable weights.")
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    def apply_on_replica(
-        self, optimizer, gradients, variables, model, synchronised=False
-    ):
-        """Updates this replica's pieces of `variables` (in a replica).
-
-        Args:
-            optimizer: the model's `TensorParallelOptimizer`.
-            gradients: this replica's gradients of `variables`.
-            variables: trainable variables of `model`.
-            model: the model whose non-trainable float state is averaged
-                over the data axis after the update.
-            synchronised: whether `gradients` are those that a
-                `CoordinatedOptimizer` synchronised from `replica_gradients`
-                (`synchronised_gradients`): it only applies them.
-        """
-        if synchronised:
-            # As `CoordinatedOptimizer.apply` labels its collectives.
-            with self.data_adapter.stats.labelled("optimizer"):
-                optimizer.update_parameters(gradients)
-        else:
-            gradients = self.replica_gradients(gradients, variables)
-            optimizer.apply(gradients, variables)
-        if self.per_rank_steps:
-            self._average_non_trainables(model)
-
-    def replica_gradients(self, gradients, variables):
-        """This replica's `gradients` of `variables` as its optimizer takes
-        them: dense; a replicated variable's, the first replica's."""
-        if self.per_rank_steps:
-            gradients = _dense(gradients)
-        if self.tensor_parallel > 1:
-            gradients = self._replicated_from_first_replica(
-                gradients, variables
-            )
-        return gradients
-
     def replica_results(self, fn, model, *args):
         """Runs `fn(*args)` on every replica, `model`'s variables at their
         local shapes.
@@ -328,51 +286,6 @@ class ReplicaSteps:
             tf.nest.pack_sequence_as(results, [c[r] for c in columns])
             for r in range(replicas)
         ]
-
-    def _replicated_from_first_replica(self, gradients, variables):
-        """Gives every model rank the gradients of replicated variables
-        that model rank 0 computed.
-
-        Every rank computes the same gradient for a replicated variable,
-        but TensorFlow does not promise the same bits on different devices
-        (a reduction may round differently), and copies that drift apart
-        are no longer one model. One broadcast per step and dtype, of all
-        these gradients together, keeps the copies identical.
-        """
-        gradients = list(gradients)
-        replicated = [
-            i
-            for i, (gradient, variable) in enumerate(zip(gradients, variables))
-            if gradient is not None
-            and self.placement.split_axis(variable) is None
-        ]
-        broadcast = collect_flat(
-            [tf.convert_to_tensor(gradients[i]) for i in replicated],
-            lambda flat: self.adapter.broadcast_gradient(flat, root=0),
-        )
-        for i, gradient in zip(replicated, broadcast):
-            gradients[i] = gradient
-        return gradients
-
-    def _average_non_trainables(self, model):
-        """Averages the non-trainable float state over the data axis.
-
-        BatchNorm statistics, say, which each row updated from its own
-        slice of the batch; one all-reduce for all of them per dtype.
-        """
-        averaged = [
-            variable
-            for variable in model.non_trainable_variables
-            if is_float(variable)
-            and self.placement.is_placed(variable)
-            and id(variable) not in self.placement.data_axes
-        ]
-        means = collect_flat(
-            [local_read(v) for v in averaged],
-            lambda flat: self.data_adapter.all_reduce(flat, "mean"),
-        )
-        for variable, mean in zip(averaged, means):
-            variable.assign(mean)
 
     def run_on_ranks(self, fn, variables, phase):
         """Runs `fn()` in every replica, traced as steps are.
@@ -445,20 +358,6 @@ def _rows_added_losses(model, added):
     """Inside, `model.losses` is the rows' mean of the losses their forward
     passes `added`, as DDP averages its ranks'."""
     return losses_override(model, [tf.add_n(added) / len(added)])
-
-
-def _dense(gradients):
-    """The gradients with `tf.IndexedSlices` (of embeddings) made dense.
-
-    The `CoordinatedOptimizer` sums a gradient over the data axis, which
-    merges the rows of a token seen several times, as on JAX and torch.
-    Keras on one device keeps the slices apart, and Adam's second moment and
-    gradient norms then count each occurrence.
-    """
-    return [
-        tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-        for g in gradients
-    ]
 
 
 def _batch_size(x):

@@ -89,7 +89,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
             "model": self.tensor_parallel,
         }
         self._mesh_shape = tuple(shape.values())
-        self.data_index, self.stage_index, self.model_index = (
+        self.data_index, self.stage_index, _ = (
             int(i) for i in np.unravel_index(self.rank, self._mesh_shape)
         )
         model_group, self.pipe_group, data_group, stage_group = mesh_groups(
@@ -171,10 +171,6 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
     def _rank_of(self, data_index, stage_index, model_index):
         index = (data_index, stage_index, model_index)
         return int(np.ravel_multi_index(index, self._mesh_shape))
-
-    def rank_of_stage(self, stage):
-        """The rank of this rank's counterpart in `stage`."""
-        return self._rank_of(self.data_index, stage, self.model_index)
 
     def prepare_model(self, model):
         # As `TorchRuntime.prepare_model`: the ranks of a stage draw the

@@ -163,14 +163,16 @@ class TorchStages(StagePrimitives):
         if value is None:
             return None
         tensors = [t.detach().contiguous() for t in keras.tree.flatten(value)]
-        peer = self.pipeline.rank_of_stage(stage)
+        # The ranks of `pipe_group` are the stages, in order.
+        group = self.pipeline.pipe_group
         if direction == schedules.FORWARD and not self._told_specs:
             specs = [(tuple(t.shape), t.dtype) for t in tensors]
-            dist.send_object_list([specs], dst=peer)
+            dist.send_object_list([specs], group=group, group_dst=stage)
             self._told_specs = True
         for tensor in tensors:
             self.stats.record("send", nbytes(tensor), direction, "pipe")
-            self._sending.append(dist.isend(tensor, dst=peer))
+            work = dist.isend(tensor, group=group, group_dst=stage)
+            self._sending.append(work)
         return None
 
     def receive(self, stage, m, direction):
@@ -178,23 +180,26 @@ class TorchStages(StagePrimitives):
         sender = stage - 1 if forward else stage + 1
         if stage != self.stage or not 0 <= sender < self.num_stages:
             return None
-        device, peer = self.pipeline.device, self.pipeline.rank_of_stage(sender)
+        group = self.pipeline.pipe_group
         if forward:
-            specs = self._specs_of(peer)
+            specs = self._specs_of(sender)
         else:
             specs = [(t.shape, t.dtype) for t in self._held[m][1]]
+        device = self.pipeline.device
         tensors = [torch.empty(s, dtype=d, device=device) for s, d in specs]
         for tensor in tensors:
-            dist.recv(tensor, src=peer)
+            dist.recv(tensor, group=group, group_src=sender)
         if forward:
             return keras.tree.pack_sequence_as(self.model.input, tensors)
         return tensors
 
-    def _specs_of(self, peer):
-        """The received tensors' `(shape, dtype)`s, told by `peer`."""
+    def _specs_of(self, sender):
+        """The received tensors' `(shape, dtype)`s, told by stage
+        `sender`'s rank."""
         if self._received_specs is None:
             told = [None]
-            dist.recv_object_list(told, src=peer)
+            group = self.pipeline.pipe_group
+            dist.recv_object_list(told, group=group, group_src=sender)
             self._received_specs = told[0]
         return self._received_specs
 

@@ -522,3 +522,26 @@ def test_backup_and_restore_resumes_a_pipeline_exactly(runs):
     repeats the uninterrupted run's losses: torch's shape inference
     before the first step leaves the dropouts' streams alone."""
     checkpoint_cases.check_resumed(*runs["resumed"])
+
+
+def test_the_bubble_benchmark_measures_both_schedules(capsys):
+    """`benchmarks/pipeline_bubble.py` at a tiny size, so that it cannot
+    rot: each schedule's row, with the activations each stage held and
+    the bytes each sent (a batch of 64 x 16 floats each way)."""
+    from benchmarks import pipeline_bubble
+
+    pipeline_bubble.main(
+        ["--width", "16", "--layers", "2", "--steps", "1"]
+        + ["--microbatches", "2"]
+    )
+    rows = [
+        line.split(" | ")
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith(("| gpipe", "| 1f1b"))
+    ]
+    assert [(row[0], row[4]) for row in rows] == [
+        ("| gpipe", "2 / 2"),
+        ("| 1f1b", "2 / 1"),
+    ]
+    for row in rows:
+        assert row[5] == "4,096 / 4,096 |"

@@ -119,16 +119,17 @@ class TorchStages(StagePrimitives):
         if added is not None:
             self._added.append(added.detach())
             ones.append(added / self.num_microbatches)
-        result, sent = (_detached(outputs), None), _floating(outputs)
-        if target is not None:
-            sent = []
+        if target is None:
+            # The next stage sends back the gradients of the floats.
+            held, result = _floating(outputs), (_detached(outputs), None)
+        else:
             value, fraction = self.loss(target, outputs)
             value = value / self.num_microbatches
             self.fractions.append(fraction)
             ones.append(value)
-            result = ((value.detach(), fraction), result[0])
+            held, result = [], ((value.detach(), fraction), _detached(outputs))
         if torch.is_grad_enabled():
-            self._held[m] = (received, sent, ones)
+            self._held[m] = (received, held, ones)
         self.timeline.append(("forward", m, start, time.perf_counter()))
         return result
 

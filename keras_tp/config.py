@@ -65,7 +65,9 @@ SUPPORT = {
         # Each stage is a `tf.distribute` runtime of its own, which runs
         # it as above.
         "tensorflow": Support(zero_stages=(0, 1)),
-        "torch": None,
+        # Each rank's stage runtime runs it as above; the activations cross
+        # the cuts whole.
+        "torch": Support(zero_stages=(0, 1)),
         # The stages' programs are the regions' shard_maps on each stage's
         # mesh; with replicas they run per rank (see above).
         "jax": Support(replicas=False, zero_stages=(0, 1)),

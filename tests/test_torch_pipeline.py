@@ -445,6 +445,22 @@ def test_tensor_parallel_stages_all_reduce_as_tensor_parallelism(
         assert result["data"] == {}
 
 
+def test_sequence_parallel_inside_the_stages(four_ranks, tensor_parallel):
+    """2 stages x 2 ranks with sequence parallelism: the same weights as
+    one device; the stages' forward all-reduces become reduce-scatters
+    and all-gathers, and each stage's outputs (and the gradients sent
+    back) are gathered whole at the cut, so the sends are
+    `tensor_parallel`'s."""
+    results = four_ranks["sequence_parallel"]
+    for result, plain in zip(results, tensor_parallel):
+        assert result["weights_error"] < 1e-5
+        model = result["model"]
+        assert model["reduce_scatter"]["forward_calls"] > 0
+        assert model["all_gather"]["forward_calls"] > 0
+        assert model.get("all_reduce", {}).get("forward_calls", 0) == 0
+        assert result["pipe"]["send"] == plain["pipe"]["send"]
+
+
 def test_tensor_parallel_ranks_send_their_own_copy(tensor_parallel):
     """Each rank of the first stage sends its copy of the hidden states
     and the mask to its counterpart of the second stage, which sends the

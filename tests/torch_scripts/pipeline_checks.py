@@ -408,6 +408,7 @@ def four_rank_runs(directory):
             os.path.join(directory, "backbone.keras")
         ),
         "split_cut": split_cut_run(),
+        "sequence_parallel": sequence_parallel_run(),
         "checkpoint": checkpoint_cases.pipeline_round_trip(
             lambda model: keras_tp.TensorParallelKeras(
                 model, world_size=4, pipeline_parallel=STAGES
@@ -430,6 +431,33 @@ def four_rank_runs(directory):
         "replicas_added": added_run(data_parallel=REPLICAS),
         "replicas_optimizer_state": optimizer_state_run(REPLICAS),
     }
+
+
+def sequence_parallel_run():
+    """`tensor_parallel_run`'s training with sequence parallelism inside
+    the stages: each rank asserts that the unsplit weights equal one
+    device's; every rank's collectives."""
+    loss, reference, _, x, y = pipeline_cases.backbone_reference()
+    tp = keras_tp.TensorParallelKeras(
+        models.gpt2_backbone(length=pipeline_cases.LENGTH),
+        world_size=STAGES * TENSOR_PARALLEL,
+        pipeline_parallel=STAGES,
+        num_microbatches=MICROBATCHES,
+        sequence_parallel=True,
+    )
+    tp.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+    tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    weights = tp.get_weights()
+    pipeline_cases.check_unsplit_weights(reference, weights)
+    return _gathered(
+        {
+            "weights_error": _largest_difference(
+                weights, reference.get_weights()
+            ),
+            "model": tp.communication_stats(axis="model"),
+            "pipe": tp.communication_stats(axis="pipe"),
+        }
+    )
 
 
 def tensor_parallel_run(path):

@@ -10,8 +10,6 @@ import torch.distributed as dist
 
 from keras_tp.collectives.torch import TorchCollectiveAdapter
 from keras_tp.collectives.torch import is_symbolic
-from keras_tp.keras_internals import draw_from_state
-from keras_tp.keras_internals import seed_generators
 from keras_tp.keras_internals import update_loss_tracker
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.pipeline import schedules
@@ -23,6 +21,7 @@ from keras_tp.runtime.torch.devices import join_ranks
 from keras_tp.runtime.torch.devices import mesh_groups
 from keras_tp.runtime.torch.devices import rank_devices
 from keras_tp.runtime.torch.devices import this_device
+from keras_tp.runtime.torch.sequence import SequenceShards
 from keras_tp.runtime.torch.stage_storage import StageStorage
 from keras_tp.runtime.torch.stages import TorchStages
 from keras_tp.runtime.torch.storage import RankProcess
@@ -44,6 +43,8 @@ class TorchStageRuntime(TorchRuntime):
         # The mesh's constructor, not TorchRuntime's: this process already
         # joined its process group, of which the stage holds a part.
         MeshRuntime.__init__(self, config)
+        if self.sequence_parallel:
+            self._sequence = SequenceShards(self.adapter.inner, self._regions)
 
     def _axis_groups(self):
         return self._groups
@@ -173,10 +174,9 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         return int(np.ravel_multi_index(index, self._mesh_shape))
 
     def prepare_model(self, model):
-        # As `TorchRuntime.prepare_model`: the ranks of a stage draw the
-        # same masks, from the layers' seed generators. Only this stage's
-        # generators hold their state here.
-        draw_from_state(seed_generators(self.stage_model))
+        # This rank's stage, as its runtime prepares a model: only this
+        # stage's seed generators hold their state here.
+        self.stage_runtime.prepare_model(self.stage_model)
 
     @property
     def peak_activations(self):

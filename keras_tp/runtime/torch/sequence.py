@@ -65,6 +65,9 @@ class SequenceShards:
         self.regions = regions
         self._in_step = False
         self._regathered = _RegatheredInputs(adapter)
+        # The parameters `make_gradients_whole` watches.
+        self._parameters = []
+        self._accumulating = False
 
     @contextlib.contextmanager
     def step(self):
@@ -114,14 +117,27 @@ class SequenceShards:
         """A weight a region adds to a shard (a Row layer's bias after its
         reduce-scatter) meets it as a replicated tensor, and its gradient
         arrives as a `DTensor` of partial sums: each such gradient is made
-        whole by one counted all-reduce as soon as it is accumulated."""
+        whole by one counted all-reduce as soon as it is accumulated, or
+        once on leaving `accumulating`."""
+        self._parameters = list(parameters)
+        for parameter in self._parameters:
+            parameter.register_post_accumulate_grad_hook(self._make_whole)
 
-        def make_whole(parameter):
-            if isinstance(parameter.grad, DTensor):
-                parameter.grad = self.adapter.whole_gradient(parameter.grad)
+    def _make_whole(self, parameter):
+        if not self._accumulating and isinstance(parameter.grad, DTensor):
+            parameter.grad = self.adapter.whole_gradient(parameter.grad)
 
-        for parameter in parameters:
-            parameter.register_post_accumulate_grad_hook(make_whole)
+    @contextlib.contextmanager
+    def accumulating(self):
+        """Inside, the partial sums of several backward passes (a
+        pipeline's micro-batches) add up, made whole once on leaving."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+        for parameter in self._parameters:
+            self._make_whole(parameter)
 
     def enter(self, x):
         """A region's replicated input, read by split weights: a shard

@@ -96,7 +96,10 @@ class TorchStages(StagePrimitives):
         self._reset()
         self.training = training
         try:
-            return run(self, *args)
+            # Backward passes too: they read what the forward passes saved.
+            runtime = self.pipeline.stage_runtime
+            with runtime.step_context(), runtime.accumulating_gradients():
+                return run(self, *args)
         finally:
             # A send's tensor lives until its receiver has it.
             for work in self._sending:
@@ -113,7 +116,7 @@ class TorchStages(StagePrimitives):
     def forward(self, stage, m, inputs, target):
         start = time.perf_counter()
         received = [t.requires_grad_() for t in _floating(inputs) if stage]
-        outputs = self.model(inputs, training=self.training)
+        outputs = self._call(inputs)
         added = self.pipeline.added_total(stage, self.model.losses)
         ones = []
         if added is not None:
@@ -141,18 +144,26 @@ class TorchStages(StagePrimitives):
         pairs = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
         if pairs:
             torch.autograd.backward(*zip(*pairs))
-        self.timeline.append(("backward", m, start, time.perf_counter()))
-        return [
+        sent = [
             torch.zeros_like(t) if t.grad is None else t.grad for t in received
         ]
+        # Under sequence parallelism a gradient may be a shard.
+        sent = self.pipeline.stage_runtime.whole_outputs(sent)
+        self.timeline.append(("backward", m, start, time.perf_counter()))
+        return sent
 
     def infer(self, stage, inputs):
         if stage != self.stage:
             return None
-        outputs = self.model(inputs, training=self.training)
+        outputs = self._call(inputs)
         if stage == self.num_stages - 1:
             return outputs, carried_masks(outputs)
         return outputs
+
+    def _call(self, inputs):
+        """The stage's outputs of `inputs`, its sequence shards gathered."""
+        outputs = self.model(inputs, training=self.training)
+        return self.pipeline.stage_runtime.whole_outputs(outputs)
 
     def joined(self, losses, predictions):
         if self.stage != self.num_stages - 1:

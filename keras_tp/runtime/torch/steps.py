@@ -8,6 +8,8 @@ saved tensors detached (`saved_tensors`); with overlap, the gradient
 buckets start their all-reduce during the backward pass.
 """
 
+import contextlib
+
 import keras
 import numpy as np
 import torch
@@ -37,13 +39,13 @@ class ProcessSteps:
         (`keras_tp.runtime.padding`).
         """
         if not self.per_rank_steps:
-            with self._step_context():
+            with self.step_context():
                 return super().run_step(phase, step, *args, **kwargs)
         (data,) = args
         model = step.__self__
         shares = self.batches_are_shares
         extra = 0 if shares else padding.rows_to_add(data, self.data_parallel)
-        with self.adapter.stats.recording(phase), self._step_context():
+        with self.adapter.stats.recording(phase), self.step_context():
             if phase == "test" and extra:
                 with layers.whole_logits():
                     return self._padded_test_step(model, data, extra)
@@ -160,7 +162,22 @@ class ProcessSteps:
             outputs = super().call_model(model, inputs, training)
             return self._sequence.whole(outputs)
 
-    def _step_context(self):
+    def whole_outputs(self, outputs):
+        """A model's `outputs` with every sequence shard gathered (inside
+        `step_context`)."""
+        if self._sequence is None:
+            return outputs
+        return self._sequence.whole(outputs)
+
+    def accumulating_gradients(self):
+        """The context of backward passes whose gradients add up before
+        an update (a pipeline's micro-batches): under sequence parallelism
+        each parameter's partial sums are made whole once, on leaving."""
+        if self._sequence is None:
+            return contextlib.nullcontext()
+        return self._sequence.accumulating()
+
+    def step_context(self):
         """A step keeps its saved tensors detached (see `saved_tensors`);
         under sequence parallelism, in the shards' context, which does
         too."""

@@ -65,8 +65,8 @@ SUPPORT = {
         # Each stage is a `tf.distribute` runtime of its own, which runs
         # it as above.
         "tensorflow": Support(zero_stages=(0, 1)),
-        # Each rank's stage runtime runs it as above; the activations cross
-        # the cuts whole.
+        # Each rank's stage runtime runs it as above; sequence shards cross
+        # the cuts as each rank's part.
         "torch": Support(zero_stages=(0, 1)),
         # The stages' programs are the regions' shard_maps on each stage's
         # mesh; with replicas they run per rank (see above).

@@ -445,20 +445,27 @@ def test_tensor_parallel_stages_all_reduce_as_tensor_parallelism(
         assert result["data"] == {}
 
 
-def test_sequence_parallel_inside_the_stages(four_ranks, tensor_parallel):
+def test_sequence_parallel_inside_the_stages(four_ranks):
     """2 stages x 2 ranks with sequence parallelism: the same weights as
     one device; the stages' forward all-reduces become reduce-scatters
-    and all-gathers, and each stage's outputs (and the gradients sent
-    back) are gathered whole at the cut, so the sends are
-    `tensor_parallel`'s."""
+    and all-gathers, and the hidden states cross the cut as sequence
+    shards, each rank sending its own half (the integer mask whole), as
+    their gradients come back."""
     results = four_ranks["sequence_parallel"]
-    for result, plain in zip(results, tensor_parallel):
+    micro = BATCH // MICROBATCHES
+    hidden = micro * pipeline_cases.LENGTH * 16 * 4 // TENSOR_PARALLEL
+    mask = micro * pipeline_cases.LENGTH * 4
+    for rank, result in enumerate(results):
         assert result["weights_error"] < 1e-5
         model = result["model"]
         assert model["reduce_scatter"]["forward_calls"] > 0
         assert model["all_gather"]["forward_calls"] > 0
         assert model.get("all_reduce", {}).get("forward_calls", 0) == 0
-        assert result["pipe"]["send"] == plain["pipe"]["send"]
+        sent = result["pipe"]["send"]
+        if rank < TENSOR_PARALLEL:
+            assert sent["forward_bytes"] == MICROBATCHES * (hidden + mask)
+        else:
+            assert sent["backward_bytes"] == MICROBATCHES * hidden
 
 
 def test_tensor_parallel_ranks_send_their_own_copy(tensor_parallel):

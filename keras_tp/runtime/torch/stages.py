@@ -8,6 +8,8 @@ import time
 import keras
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Shard
 
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.executor import StagePrimitives
@@ -86,6 +88,8 @@ class TorchStages(StagePrimitives):
 
     def _reset(self):
         self.timeline, self.fractions, self._added = [], [], []
+        # Per micro-batch, the received tensors that take gradients.
+        self._received = {}
         # Per micro-batch, the received inputs that take gradients, the
         # outputs whose gradients the next stage sends back, and what
         # else takes a gradient of 1 (the loss, the added losses' share).
@@ -115,7 +119,7 @@ class TorchStages(StagePrimitives):
 
     def forward(self, stage, m, inputs, target):
         start = time.perf_counter()
-        received = [t.requires_grad_() for t in _floating(inputs) if stage]
+        received = self._received.pop(m, [])
         outputs = self._call(inputs)
         added = self.pipeline.added_total(stage, self.model.losses)
         ones = []
@@ -140,7 +144,12 @@ class TorchStages(StagePrimitives):
         start = time.perf_counter()
         received, outputs, ones = self._held.pop(m)
         roots = [*outputs, *ones]
-        grads = [*(cotangent or ()), *map(torch.ones_like, ones)]
+        # A sequence shard's gradient came as its rank's part.
+        cotangent = [
+            _like(output, grad)
+            for output, grad in zip(outputs, cotangent or ())
+        ]
+        grads = [*cotangent, *map(torch.ones_like, ones)]
         pairs = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
         if pairs:
             torch.autograd.backward(*zip(*pairs))
@@ -161,9 +170,16 @@ class TorchStages(StagePrimitives):
         return outputs
 
     def _call(self, inputs):
-        """The stage's outputs of `inputs`, its sequence shards gathered."""
+        """The stage's outputs of `inputs`: the last stage's whole; the
+        others' sequence shards stay shards (sent so, as Megatron-LM
+        sends them), any other `DTensor` is made whole."""
         outputs = self.model(inputs, training=self.training)
-        return self.pipeline.stage_runtime.whole_outputs(outputs)
+        whole = self.pipeline.stage_runtime.whole_outputs
+        if self.stage == self.num_stages - 1:
+            return whole(outputs)
+        return keras.tree.map_structure(
+            lambda t: t if _shard_axis(t) is not None else whole(t), outputs
+        )
 
     def joined(self, losses, predictions):
         if self.stage != self.num_stages - 1:
@@ -174,11 +190,15 @@ class TorchStages(StagePrimitives):
     def send(self, value, stage, direction):
         if value is None:
             return None
-        tensors = [t.detach().contiguous() for t in keras.tree.flatten(value)]
+        leaves = keras.tree.flatten(value)
+        tensors = [_local(t).detach().contiguous() for t in leaves]
         # The ranks of `pipe_group` are the stages, in order.
         group = self.pipeline.pipe_group
         if direction == schedules.FORWARD and not self._told_specs:
-            specs = [(tuple(t.shape), t.dtype) for t in tensors]
+            specs = [
+                (tuple(t.shape), t.dtype, _shard_axis(leaf))
+                for t, leaf in zip(tensors, leaves)
+            ]
             dist.send_object_list([specs], group=group, group_dst=stage)
             self._told_specs = True
         for tensor in tensors:
@@ -196,14 +216,26 @@ class TorchStages(StagePrimitives):
         if forward:
             specs = self._specs_of(sender)
         else:
-            specs = [(t.shape, t.dtype) for t in self._held[m][1]]
+            specs = [(_local(t).shape, t.dtype, None) for t in self._held[m][1]]
         device = self.pipeline.device
-        tensors = [torch.empty(s, dtype=d, device=device) for s, d in specs]
+        tensors = [torch.empty(s, dtype=d, device=device) for s, d, _ in specs]
         for tensor in tensors:
             dist.recv(tensor, group=group, group_src=sender)
-        if forward:
-            return keras.tree.pack_sequence_as(self.model.input, tensors)
-        return tensors
+        if not forward:
+            return tensors
+        # The floats take gradients; a sequence shard is one again.
+        self._received[m] = [t.requires_grad_() for t in _floating(tensors)]
+        tensors = [
+            t if axis is None else self._sequence_shard(t, axis)
+            for t, (_, _, axis) in zip(tensors, specs)
+        ]
+        return keras.tree.pack_sequence_as(self.model.input, tensors)
+
+    def _sequence_shard(self, local, axis):
+        """`local`, this rank's part of a sequence split on `axis` over
+        the stage's `model` ranks, as a `DTensor`."""
+        mesh = self.pipeline.stage_runtime.adapter.inner.device_mesh
+        return DTensor.from_local(local, mesh, [Shard(axis)], run_check=False)
 
     def _specs_of(self, sender):
         """The received tensors' `(shape, dtype)`s, told by stage
@@ -223,3 +255,25 @@ def _floating(structure):
 
 def _detached(structure):
     return keras.tree.map_structure(torch.Tensor.detach, structure)
+
+
+def _shard_axis(tensor):
+    """The axis a sequence shard (a `DTensor`) is split on, else `None`."""
+    if not isinstance(tensor, DTensor):
+        return None
+    (placement,) = tensor.placements
+    return placement.dim if isinstance(placement, Shard) else None
+
+
+def _local(tensor):
+    """This rank's part of a `DTensor`; any other tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _like(output, grad):
+    """`grad`, this rank's part of `output`'s gradient, as `output` is."""
+    if not isinstance(output, DTensor):
+        return grad
+    return DTensor.from_local(
+        grad, output.device_mesh, output.placements, run_check=False
+    )

@@ -240,10 +240,11 @@ def test_refusals_name_the_fix():
     tp = _pipelined(models.mlp())
     with pytest.raises(ValueError, match="jit_compile=False"):
         tp.compile(optimizer="adam", loss=models.loss_fn(), jit_compile=True)
-    # EMA with replicas trained 1.0e-2 away from one device.
-    averaging = keras.optimizers.SGD(0.1, use_ema=True)
-    with pytest.raises(ValueError, match=r"\['use_ema'\] are not supported"):
-        tp.compile(optimizer=averaging, loss=models.loss_fn())
+    clipped = keras.optimizers.SGD(
+        0.1, global_clipnorm=1.0, gradient_accumulation_steps=2
+    )
+    with pytest.raises(ValueError, match="Pass one of the two"):
+        tp.compile(optimizer=clipped, loss=models.loss_fn())
     tp.compile(optimizer="adam", loss=models.loss_fn())
     x, y = models.data_for("mlp", batch=12)
     # 12 samples in batches of 8: Keras traces the step for any size.
@@ -255,6 +256,22 @@ def test_refusals_name_the_fix():
     replicated.compile(optimizer="adam", loss=models.loss_fn())
     with pytest.raises(ValueError, match="divides by 2"):
         replicated.fit(x[:3], y[:3], batch_size=3, verbose=0)
+
+
+@pytest.mark.parametrize("data_parallel", [1, 2])
+def test_optimizer_averages_and_accumulation_equal_one_devices(data_parallel):
+    # Each stage's copy of the optimizer averages (use_ema) and
+    # accumulates (gradient_accumulation_steps) its own weights through a
+    # CoordinatedOptimizer; Keras' end of fit() writes every stage's
+    # averages. With replicas, each device its ZeRO-1 partition.
+    tp_of = pipeline_cases.two_stages(
+        data_parallel, zero_stage=int(data_parallel > 1)
+    )
+    assert pipeline_cases.weight_averages_difference(tp_of(models.mlp())) < 1e-6
+    difference = pipeline_cases.accumulated_gradients_difference(
+        tp_of(models.mlp())
+    )
+    assert difference < 1e-6
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

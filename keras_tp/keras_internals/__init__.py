@@ -75,6 +75,7 @@ from keras_tp.keras_internals.optimizers import model_variables_of
 from keras_tp.keras_internals.optimizers import moving_average
 from keras_tp.keras_internals.optimizers import own_optimizer_variables
 from keras_tp.keras_internals.optimizers import place_slots_on_creation
+from keras_tp.keras_internals.optimizers import step_counter
 from keras_tp.keras_internals.optimizers import updating_only
 from keras_tp.keras_internals.scopes import StatelessScope
 from keras_tp.keras_internals.scopes import bind_values
@@ -89,7 +90,6 @@ from keras_tp.keras_internals.variables import set_stored_value
 from keras_tp.keras_internals.variables import stored_value
 
 __all__ = [
-    "updating_only",
     "ATTENTION_OUTPUT_PROJECTION",
     "BuildsBeforeTracing",
     "RunsModelsOwnLoss",
@@ -97,13 +97,13 @@ __all__ = [
     "UpdatesThroughAssign",
     "added_loss_count",
     "adds_loss_in_call",
-    "clear_added_losses",
     "attach_trainer_state",
     "attention_projections",
     "backend_free_add_variable_from_reference",
     "batch_moments",
     "bind_values",
     "build_shapes",
+    "clear_added_losses",
     "compile_arguments",
     "compiled_loss",
     "compiled_user_losses",
@@ -112,14 +112,14 @@ __all__ = [
     "draw_from_state",
     "get_keras_mask",
     "get_stateless_scope",
-    "input_structure",
     "graph_constants",
+    "input_structure",
     "is_input_node",
     "jax_layout",
     "jax_update_metrics",
     "layer_call_nodes",
-    "loss_function_arguments",
     "local_shapes",
+    "loss_function_arguments",
     "losses_override",
     "metric_function",
     "model_variables_of",
@@ -136,23 +136,25 @@ __all__ = [
     "own_variables",
     "place_slots_on_creation",
     "print_msg",
-    "set_batch_moments",
-    "set_initial_epoch",
     "producer_node",
     "reduction_axes",
     "seed_generators",
+    "set_batch_moments",
+    "set_initial_epoch",
     "set_jax_layout",
     "set_keras_mask",
     "set_metric_function",
-    "tracked_loss",
     "set_reported_shape",
     "set_stored_value",
     "shifted_seed_draws",
     "stateful_cond",
+    "step_counter",
     "stored_kernel",
     "stored_value",
     "sublayers",
     "take_added_losses",
+    "tracked_loss",
     "update_loss_tracker",
+    "updating_only",
     "wrapped_loss_function",
 ]

@@ -45,6 +45,12 @@ def updating_only(optimizer, variables, optimizer_variables):
             object.__setattr__(optimizer, name, value)
 
 
+def step_counter(optimizer):
+    """The variable that counts `optimizer`'s steps, accumulating ones
+    too: its `iterations` divides it by `gradient_accumulation_steps`."""
+    return optimizer._iterations
+
+
 def own_optimizer_variables(optimizer):
     """The variables an optimizer tracks itself, not through an inner one."""
     return optimizer._variables

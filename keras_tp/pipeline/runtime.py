@@ -61,6 +61,9 @@ class PipelineRuntime(Runtime):
     trained_order = None
     # Each stage's update is the backend's (see `Runtime`).
     coordinating_runtime = None
+    # Whether `global_clipnorm` clips accumulated gradients (where each
+    # rank runs one stage's optimizer), not each step's.
+    clips_accumulated_gradients = False
 
     def __init__(self, model, config):
         super().__init__(config)
@@ -196,6 +199,16 @@ class PipelineRuntime(Runtime):
                 "`compile(..., jit_compile=False)` (the default)."
             )
         optimizer = trainer.optimizer
+        accumulating = getattr(optimizer, "gradient_accumulation_steps", None)
+        clipping = getattr(optimizer, "global_clipnorm", None)
+        if clipping and accumulating and not self.clips_accumulated_gradients:
+            raise ValueError(
+                f"A pipeline on {self.backend} takes global_clipnorm over "
+                "every stage's gradients at each step, but Keras clips "
+                "accumulated gradients (gradient_accumulation_steps) once "
+                "they are applied. Pass one of the two, or use the torch "
+                "backend, whose pipelines clip the accumulated gradients."
+            )
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             raise ValueError(
                 "LossScaleOptimizer is not supported with pipeline_parallel "

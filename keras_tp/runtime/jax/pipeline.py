@@ -66,15 +66,6 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
 
     def check_compiled(self, trainer):
         super().check_compiled(trainer)
-        optimizer = trainer.optimizer
-        if optimizer.global_clipnorm and optimizer.gradient_accumulation_steps:
-            raise ValueError(
-                "A JAX pipeline takes global_clipnorm over every stage's "
-                "gradients at each step, but Keras clips accumulated "
-                "gradients (gradient_accumulation_steps) once they are "
-                "applied. Pass one of the two, or use the torch backend, "
-                "whose pipelines clip the accumulated gradients."
-            )
         # The training programs and updates hold the last compile()'s loss
         # and optimizer.
         self._compiled = {

@@ -1,12 +1,15 @@
 """Pipelines on TensorFlow: every stage a `tf.distribute` runtime of its own,
 the schedule replica steps of the stages (`.stages`)."""
 
+import functools
+
 import keras
 import tensorflow as tf
 
 from keras_tp.collectives.tensorflow import ReplicaStats
 from keras_tp.compiling import coordinated
 from keras_tp.compiling import place_slots
+from keras_tp.keras_internals import step_counter
 from keras_tp.keras_internals import update_loss_tracker
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.parallel.clipping import global_norm_taken
@@ -95,16 +98,12 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
     def check_compiled(self, trainer):
         super().check_compiled(trainer)
         optimizer = trainer.optimizer
-        stateful = ("use_ema", "gradient_accumulation_steps")
-        used = [name for name in stateful if getattr(optimizer, name)]
-        if used:
-            raise ValueError(
-                f"Optimizer options {used} are not supported by pipelines on "
-                "TensorFlow yet: each stage updates with a copy of the "
-                "optimizer, whose weight averages and accumulated gradients "
-                "fit() would not finish. Remove them, or use the JAX or "
-                "torch backend, whose pipelines run them."
+        if optimizer.use_ema and not isinstance(optimizer, _FinalizesStages):
+            # Keras' end of fit() finalizes the compiled optimizer.
+            object.__setattr__(
+                optimizer, "__class__", _finalizing_stages(type(optimizer))
             )
+            object.__setattr__(optimizer, "_keras_tp_pipeline", self)
         # Built on no variable, the compiled optimizer keeps the step count
         # that each stage's copy takes (`build_optimizer`).
         if not trainer.optimizer.built:
@@ -126,10 +125,15 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
                     self.stage_models[stage], self.owners.owned(stage)
                 )
                 copy = type(optimizer).from_config(config)
-                if optimizer.global_clipnorm:
-                    # Its synchronised gradients join the global norm
-                    # before it applies them (`_globally_clipped`).
-                    copy = CoordinatedOptimizer(copy, self.zero_stage)
+                if any(getattr(optimizer, name) for name in _COORDINATED):
+                    # It accumulates, averages the weights and takes the
+                    # norms over the stage's devices (and its synchronised
+                    # gradients join the global norm, `_globally_clipped`).
+                    steps = copy.gradient_accumulation_steps or 1
+                    copy.gradient_accumulation_steps = None
+                    copy = CoordinatedOptimizer(
+                        copy, self.zero_stage, gradient_accumulation_steps=steps
+                    )
                 # As the stage's runtime would compile it: coordinated over
                 # its replicas, or its shards' norms.
                 trainer.optimizer = coordinated(copy, runtime, trainer)
@@ -163,7 +167,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             owned, scale = self._globally_clipped(owned)
         for stage in range(self.pipeline_parallel):
             self._update(stage, owned, scale)
-        self.trainer.optimizer.iterations.assign_add(1)
+        step_counter(self.trainer.optimizer).assign_add(1)
         return self._logs(x, targets, loss, y_pred)
 
     def test_step(self, data):
@@ -283,6 +287,26 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         return self._traced(self._forward, "call", inputs, bool(training))
 
 
+class _FinalizesStages:
+    """Mixed into the class of a compiled optimizer whose stages' copies
+    average the weights (`use_ema`): Keras' end of `fit()` writes each
+    stage's averages, where one device's optimizer writes its own."""
+
+    def finalize_variable_values(self, var_list):
+        for stage in self._keras_tp_pipeline.stage_optimizers:
+            stage.optimizer.finalize_variable_values(stage.trainable_variables)
+
+
+@functools.cache
+def _finalizing_stages(optimizer_class):
+    """The subclass of `optimizer_class` with `_FinalizesStages`."""
+    return type(
+        f"StagesOf{optimizer_class.__name__}",
+        (_FinalizesStages, optimizer_class),
+        {"__module__": __name__},
+    )
+
+
 class _StageTrainer:
     """What a stage's `TensorFlowRuntime` reads of the model it trains:
     its `optimizer` is set once compiled for the stage."""
@@ -299,5 +323,9 @@ class _StageTrainer:
         """The optimizer holding the stage's step count and slots."""
         return getattr(self.optimizer, "inner_optimizer", self.optimizer)
 
+
+# Options of the compiled optimizer that each stage's copy runs through a
+# `CoordinatedOptimizer`.
+_COORDINATED = ("global_clipnorm", "use_ema", "gradient_accumulation_steps")
 
 PIPELINE_RUNTIME = TensorFlowPipelineRuntime

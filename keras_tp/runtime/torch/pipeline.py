@@ -69,6 +69,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
     backend = "torch"
     # Each rank runs the code between split layers on its own tensors.
     local_ranks = True
+    clips_accumulated_gradients = True
 
     def __init__(self, model, config):
         pipeline_parallel = config.pipeline_parallel

@@ -43,6 +43,13 @@ export JAX_COMPILATION_CACHE_MAX_SIZE=$((2 * 1024 * 1024 * 1024))
 # be starved that long (a notebook's kernel died so), so the suite waits
 # 5 minutes.
 export XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false --xla_cpu_multi_thread_eigen=false --xla_cpu_collective_call_terminate_timeout_seconds=300"
+# JAX's CPU client runs each device's programs on a pool of max(cores,
+# devices) threads: 4 virtual devices on 2 cores get exactly 4, and a
+# collective of all 4 then waits forever when one of the threads is busy
+# with other work (the compression notebook's kernel died so, with 3 of
+# 4 devices in an all-reduce after 300 s). XLA reads the pool's size
+# from PJRT_NPROC; the threads wait without computing (no Eigen pool).
+export PJRT_NPROC=16
 # Two test processes share the two cores: TensorFlow's default of a thread
 # per core for each op's own work oversubscribes them (20% slower).
 export TF_NUM_INTRAOP_THREADS=1

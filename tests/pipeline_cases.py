@@ -121,6 +121,15 @@ def weight_averages_difference(tp):
     return max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected))
 
 
+def check_averages_and_accumulation(data_parallel):
+    """On 2 stages of `data_parallel` replicas (ZeRO-1 with replicas):
+    `weight_averages_difference` and `accumulated_gradients_difference`,
+    each within 1e-6 of one device."""
+    tp_of = two_stages(data_parallel, zero_stage=int(data_parallel > 1))
+    assert weight_averages_difference(tp_of(models.mlp())) < 1e-6
+    assert accumulated_gradients_difference(tp_of(models.mlp())) < 1e-6
+
+
 def lamb_clipped():
     """Lamb (each variable's trust ratio of norms), each variable's norm
     clipped."""

@@ -267,14 +267,7 @@ def test_optimizer_averages_and_accumulation_equal_one_devices(data_parallel):
     # Each stage's update averages (use_ema) and accumulates the gradients
     # of (gradient_accumulation_steps) its own weights only; with replicas
     # each device its ZeRO-1 partition.
-    tp_of = pipeline_cases.two_stages(
-        data_parallel, zero_stage=int(data_parallel > 1)
-    )
-    assert pipeline_cases.weight_averages_difference(tp_of(models.mlp())) < 1e-6
-    difference = pipeline_cases.accumulated_gradients_difference(
-        tp_of(models.mlp())
-    )
-    assert difference < 1e-6
+    pipeline_cases.check_averages_and_accumulation(data_parallel)
 
 
 def _split_stages_with_replicas():

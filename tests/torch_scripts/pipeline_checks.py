@@ -433,22 +433,30 @@ def four_rank_runs(directory):
     }
 
 
-def sequence_parallel_run():
-    """`tensor_parallel_run`'s training with sequence parallelism inside
-    the stages: each rank asserts that the unsplit weights equal one
-    device's; every rank's collectives."""
+def _trained_backbone(**options):
+    """GPT2's backbone on 2 stages (1F1B), each split over 2
+    tensor-parallel ranks, with `options`, trained next to one device:
+    `(reference, tp, history, x, y)`. Each rank asserts that the unsplit
+    weights equal one device's."""
     loss, reference, _, x, y = pipeline_cases.backbone_reference()
     tp = keras_tp.TensorParallelKeras(
         models.gpt2_backbone(length=pipeline_cases.LENGTH),
         world_size=STAGES * TENSOR_PARALLEL,
         pipeline_parallel=STAGES,
         num_microbatches=MICROBATCHES,
-        sequence_parallel=True,
+        **options,
     )
     tp.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
-    tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    history = tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    pipeline_cases.check_unsplit_weights(reference, tp.get_weights())
+    return reference, tp, history, x, y
+
+
+def sequence_parallel_run():
+    """`tensor_parallel_run`'s training with sequence parallelism inside
+    the stages: every rank's collectives."""
+    reference, tp, _, _, _ = _trained_backbone(sequence_parallel=True)
     weights = tp.get_weights()
-    pipeline_cases.check_unsplit_weights(reference, weights)
     return _gathered(
         {
             "weights_error": _largest_difference(
@@ -471,17 +479,8 @@ def tensor_parallel_run(path):
     Args:
         path: where to save the model.
     """
-    loss, reference, _, x, y = pipeline_cases.backbone_reference()
-    tp = keras_tp.TensorParallelKeras(
-        models.gpt2_backbone(length=pipeline_cases.LENGTH),
-        world_size=STAGES * TENSOR_PARALLEL,
-        pipeline_parallel=STAGES,
-        num_microbatches=MICROBATCHES,
-    )
-    tp.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
-    history = tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    reference, tp, history, x, y = _trained_backbone()
     weights = tp.get_weights()
-    pipeline_cases.check_unsplit_weights(reference, weights)
     expected = reference.get_weights()
     held, stage = _stage_paths(tp)
     result = {

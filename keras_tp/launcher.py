@@ -1,13 +1,13 @@
 """`launch`: run a training function on every rank, from a notebook or script.
 
-On the torch backend each rank is a process: `launch` starts them with
-`torch.multiprocessing` (forked from a server that imported keras once),
-points them at a rendezvous on loopback, and brings rank 0's result (or a
-rank's exception) back to the caller. With `max_restarts`, a job that
-loses ranks starts again on the ranks that are left, as torchrun's elastic
-agent does when a node leaves. JAX and TensorFlow put ranks on devices of
-one process, so there `launch` simply calls the function: one notebook
-cell works on every backend.
+On the torch backend each rank is a process: `launch` runs them under
+`torch.distributed.elastic`'s agent, as torchrun does (forked from a server
+that imported keras once, with the agent's rendezvous on loopback), and
+brings rank 0's result (or a rank's exception) back to the caller. With
+`max_restarts`, a job that loses ranks starts again on the ranks that are
+left, as torchrun's elastic agent does when a node leaves. JAX and
+TensorFlow put ranks on devices of one process, so there `launch` simply
+calls the function: one notebook cell works on every backend.
 """
 
 import contextlib
@@ -15,7 +15,10 @@ import functools
 import logging
 import os
 import pickle
+import signal
 import tempfile
+import time
+import uuid
 import warnings
 
 import keras
@@ -62,12 +65,12 @@ def launch(
 ):
     """Runs `train_fn(*args, **kwargs)` on `world_size` ranks.
 
-    On the torch backend, each rank is a fresh process started with
-    `torch.multiprocessing` (forkserver), with the caller's environment
-    and `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `MASTER_ADDR` and
-    `MASTER_PORT` set as torchrun sets them, so
-    `keras_tp.TensorParallelKeras(model, world_size=world_size)` inside
-    `train_fn` joins the process group. On GPUs rank `r` uses
+    On the torch backend, each rank is a fresh process that
+    `torch.distributed.elastic`'s agent starts (forkserver) and
+    supervises, with the caller's environment and `RANK`, `LOCAL_RANK`,
+    `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` set as torchrun sets
+    them, so `keras_tp.TensorParallelKeras(model, world_size=world_size)`
+    inside `train_fn` joins the process group. On GPUs rank `r` uses
     `cuda:r`. `train_fn` may be defined in a script's `__main__` (guard the
     script's top level with `if __name__ == "__main__":`) or in a notebook
     cell: it is sent to the ranks by value with cloudpickle.
@@ -275,16 +278,24 @@ def _run_attempt(
     world_size,
     nproc_per_node,
 ):
-    """Runs one attempt of the job; returns rank 0's result.
+    """Runs one attempt of the job under `torch.distributed.elastic`'s
+    agent, which starts and supervises the ranks and hosts their
+    rendezvous; returns rank 0's result.
 
     `rendezvous` is `(master_addr, master_port)`, the port `None` for a
-    free one.
+    free one. The agent restarts nothing: `launch` decides on which ranks
+    a failed job starts again, where one agent would restart its node's
+    ranks at their number.
 
     Raises:
         AttemptFailed: if a rank failed; the other ranks were stopped.
         RankTimeoutError: if ranks were still running after `timeout`.
     """
-    import torch.multiprocessing as mp
+    from torch.distributed.elastic.multiprocessing.errors import (
+        ChildFailedError,
+    )
+    from torch.distributed.launcher.api import LaunchConfig
+    from torch.distributed.launcher.api import elastic_launch
 
     cores = usable_cores()
     threads = (
@@ -301,51 +312,39 @@ def _run_attempt(
             stacklevel=3,
         )
     master_addr, master_port = rendezvous
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world_size,
+        run_id=f"keras_tp_{uuid.uuid4().hex}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"{master_addr}:{master_port or 0}",
+        max_restarts=0,
+        start_method="forkserver",
+        shutdown_timeout=rank_processes.GRACE_SECONDS,
+    )
     rank_environment = {
         **os.environ,
         **environment,
         "OMP_NUM_THREADS": str(threads),
     }
-    if master_port is None:
-        # Held until the attempt ends: the ranks' rendezvous.
-        store = _agent_store(master_addr)
-        port = store.port
-        rank_environment["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-    else:
-        port = master_port
     with tempfile.TemporaryDirectory(prefix="keras_tp_launch_") as workdir:
         _start_forkserver()
-        context = mp.start_processes(
-            rank_processes.run_rank,
-            args=(
-                world_size,
-                nproc_per_node,
-                master_addr,
-                port,
-                payload,
+        start = time.monotonic()
+        try:
+            with _signal_handlers_kept(), _agent_logs_quiet():
+                results = elastic_launch(config, rank_processes.run_rank)(
+                    nproc_per_node, payload, workdir, rank_environment, timeout
+                )
+        except ChildFailedError as failed:
+            raise rank_processes.failure(
+                failed.failures,
                 workdir,
-                rank_environment,
-            ),
-            nprocs=world_size,
-            join=False,
-            start_method="forkserver",
-        )
-        try:
-            rank_processes.wait(context.processes, timeout, workdir)
-        finally:
-            # Also on an interrupt of the caller (Ctrl-C in a notebook).
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-                    process.join()
-        try:
-            with open(os.path.join(workdir, "result.pkl"), "rb") as f:
-                return pickle.load(f)
-        except FileNotFoundError:
-            raise RankError(
-                "Rank 0 exited without returning from train_fn (did it call "
-                "sys.exit?)."
+                world_size,
+                timeout,
+                time.monotonic() - start,
             ) from None
+    return results[0]
 
 
 def _start_forkserver():
@@ -400,17 +399,40 @@ def usable_cores():
     return os.cpu_count() or 1
 
 
-def _agent_store(address):
-    """The attempt's rendezvous store, hosted here as torchrun's agent does.
+@contextlib.contextmanager
+def _agent_logs_quiet():
+    """Keeps the agent's logs of failed ranks out of the caller's output:
+    `launch` raises the rank's own exception, with its traceback."""
+    loggers = [
+        logging.getLogger(name)
+        for name in ("torch.distributed.elastic", "torch.multiprocessing")
+    ]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
-    It listens before any rank starts, on a port the system picks: a port
-    found free and handed to rank 0 to listen on could be taken by another
-    process in between (EADDRINUSE). The ranks join it as clients
-    (`TORCHELASTIC_USE_AGENT_STORE`), and it outlives a rank that dies.
-    """
-    import torch.distributed as dist
 
-    return dist.TCPStore(address, 0, is_master=True, wait_for_workers=False)
+@contextlib.contextmanager
+def _signal_handlers_kept():
+    """Restores the handlers of the signals the agent handles (a
+    notebook's Ctrl-C) once it has run."""
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    kept = {
+        number: signal.getsignal(number)
+        for number in (getattr(signal, name, None) for name in names)
+        if number is not None
+    }
+    try:
+        yield
+    finally:
+        for number, handler in kept.items():
+            if handler is not None:
+                signal.signal(number, handler)
 
 
 @contextlib.contextmanager

@@ -1,75 +1,80 @@
 """The rank processes of `keras_tp.launch`: their body, and how they end.
 
-`launch` starts the ranks (`run_rank` in each) and `wait`s for them. A rank
-writes its result, or its exception with its traceback, to the attempt's
-working directory; `wait` turns what the ranks left there, and how their
-processes ended, into the one failure `launch` raises (`AttemptFailed`),
-and stops ranks that outlive the timeout after asking each for its stack.
+`torch.distributed.elastic`'s agent starts the ranks (`run_rank` in each),
+supervises them and hosts their rendezvous. A rank writes its exception,
+with its traceback, to the attempt's working directory; `failure` turns
+what the ranks left there, and how the agent saw their processes end,
+into the one failure `launch` raises (`AttemptFailed`).
 """
 
 import ast
-import contextlib
 import faulthandler
-import multiprocessing.connection
 import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 
 from keras_tp.errors import AttemptFailed
 from keras_tp.errors import RankError
 from keras_tp.errors import RankLostError
-from keras_tp.errors import RankStuckError
 from keras_tp.errors import RankTimeoutError
 from keras_tp.errors import RemoteTraceback
 
-# Seconds a rank has to write its stack after a timeout, and to exit after
-# another rank failed.
-_GRACE_SECONDS = 3.0
+# Seconds the other ranks have to end by themselves once a rank failed
+# (they usually raise about the lost rank, which names it), before the
+# agent kills them.
+GRACE_SECONDS = 3
+
+# How long a rank that raised waits before it exits (`run_rank`): a few
+# of the agent's polls.
+_REPORTED_FIRST_SECONDS = 0.5
 
 # What every rank imports before `train_fn` runs, in the order the fork
 # server imports them for the ranks (`launcher._start_forkserver`).
 RANK_MODULES = (
     "torch",
     "torch.distributed",
+    "torch.distributed.elastic.multiprocessing.api",
     "keras",
     "keras_tp.collectives.torch",
     "keras_tp.runtime.torch.liveness",
 )
 
+# What the agent tells each rank, kept over the launching process'
+# environment (`run_rank`).
+_AGENT_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
-def run_rank(
-    rank,
-    world_size,
-    nproc_per_node,
-    master_addr,
-    master_port,
-    payload,
-    workdir,
-    environment,
-):
-    """The body of one rank's process (top level, so the fork server can
-    import it).
+
+def run_rank(nproc_per_node, payload, workdir, environment, timeout):
+    """The body of one rank's process, which the agent starts.
 
     The rank runs with `environment` (the launching process' at launch
-    time) as its own, as a spawned process would. The ranks are numbered
-    as torchrun numbers them on nodes of `nproc_per_node` ranks each.
+    time, and `launch`'s restart count) as its own, as a spawned process
+    would, and the agent's rank and rendezvous; it is numbered as torchrun
+    numbers the ranks of nodes of `nproc_per_node` ranks each. After
+    `timeout` seconds it writes its stack and exits. Returns `train_fn`'s
+    result on rank 0, `None` on the others.
     """
-    node, local_rank = divmod(rank, nproc_per_node)
-    ranks_on_node = min(nproc_per_node, world_size - node * nproc_per_node)
+    agent = {
+        name: value
+        for name, value in os.environ.items()
+        if name in _AGENT_VARIABLES or name.startswith("TORCHELASTIC_")
+    }
     os.environ.clear()
-    os.environ.update(environment)
+    os.environ.update({**agent, **environment})
+    rank, world_size = int(agent["RANK"]), int(agent["WORLD_SIZE"])
+    node, local_rank = divmod(rank, nproc_per_node)
     os.environ.update(
-        RANK=str(rank),
         LOCAL_RANK=str(local_rank),
         GROUP_RANK=str(node),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(ranks_on_node),
-        MASTER_ADDR=master_addr,
-        MASTER_PORT=str(master_port),
+        LOCAL_WORLD_SIZE=str(
+            min(nproc_per_node, world_size - node * nproc_per_node)
+        ),
     )
+    ending = _EndAfterGrace()
     import torch
     import torch.distributed as dist
 
@@ -79,128 +84,87 @@ def run_rank(
     # The fork server imported torch before this rank's OMP_NUM_THREADS.
     torch.set_num_threads(int(environment["OMP_NUM_THREADS"]))
     if torch.cuda.is_available():
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(local_rank)
     with open(_stack_path(workdir, rank), "w") as stack_file:
-        # On timeout the parent sends SIGUSR1 to learn where each rank is.
-        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+        faulthandler.dump_traceback_later(timeout, exit=True, file=stack_file)
         try:
             train_fn, args, kwargs = pickle.loads(payload)
             # `keras_tp.collectives` functions work anywhere in the rank.
             with TorchCollectiveAdapter().activated():
                 result = train_fn(*args, **kwargs)
-            if rank == 0:
-                with open(os.path.join(workdir, "result.pkl"), "wb") as f:
-                    pickle.dump(result, f)
         except Exception as e:
             # A collective that failed for a lost or stuck rank says which.
             named = liveness.rank_lost_error(e)
-            if named is None:
-                _write_error(workdir, rank, e)
-                raise
-            named.__cause__ = e
-            _write_error(workdir, rank, named)
-            raise named from e
+            if named is not None:
+                named.__cause__ = e
+            _write_error(workdir, rank, named or e)
+            # The agent reports the first rank it sees end: a rank that died
+            # without an exception, whose peers' collectives fail at once,
+            # ends before this one.
+            time.sleep(_REPORTED_FIRST_SECONDS)
+            # Said in full by `launch`, in the caller's process.
+            sys.exit(1)
         finally:
+            ending.training = False
+            faulthandler.cancel_dump_traceback_later()
             liveness.stop_watching()
             if dist.is_initialized():
                 dist.destroy_process_group()
+    return result if rank == 0 else None
 
 
-def wait(processes, timeout, workdir):
-    """Waits for the ranks; returns when every rank finished.
+class _EndAfterGrace:
+    """Once one rank failed, the agent stops the others with SIGTERM: a
+    rank still in `train_fn` gets `GRACE_SECONDS` to end by itself
+    (naming the lost rank), then exits. SIGTERM is blocked in every thread
+    but this one's, made before any other, so it comes here even while
+    the main thread waits in a collective's native code."""
 
-    On the first failure, the other ranks get `_GRACE_SECONDS` to end by
-    themselves (they usually raise about the lost rank, which names it),
-    then are stopped; ranks that a `RankStuckError` named as stuck are
-    stopped at once.
+    def __init__(self):
+        self.training = True
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        threading.Thread(target=self._wait, daemon=True).start()
 
-    Raises:
-        AttemptFailed: if a rank failed.
-        RankTimeoutError: if ranks were still running after `timeout`.
+    def _wait(self):
+        signal.sigwait({signal.SIGTERM})
+        if self.training:
+            time.sleep(GRACE_SECONDS)
+        os._exit(128 + signal.SIGTERM)
+
+
+def failure(failures, workdir, world_size, timeout, elapsed):
+    """What `launch` raises for an attempt whose ranks failed.
+
+    Args:
+        failures: `{rank: ProcessFailure}` of the ranks the agent saw fail
+            first (`ChildFailedError.failures`); it stopped the others.
+        workdir: the attempt's working directory.
+        world_size: the attempt's number of ranks.
+        timeout: the attempt's timeout, in seconds.
+        elapsed: how long the attempt ran, in seconds.
+
+    Returns:
+        `RankTimeoutError` if ranks outlived `timeout`, else the
+        `AttemptFailed` of the attempt: a rank that ended without an
+        exception (killed, crashed, `os._exit`) is lost, and is the
+        cause; otherwise the first exception raised is.
     """
-    deadline = time.monotonic() + timeout
-    while True:
-        failed = [r for r, p in enumerate(processes) if p.exitcode]
-        running = [p for p in processes if p.exitcode is None]
-        if failed or not running:
-            break
-        left = deadline - time.monotonic()
-        if left <= 0:
-            _stop_on_timeout(processes, timeout, workdir)
-        multiprocessing.connection.wait(
-            [p.sentinel for p in running], timeout=min(1.0, left)
-        )
-    if not failed:
-        return
-    running = {r for r, p in enumerate(processes) if p.is_alive()}
-    if not running <= _named_stuck(workdir, failed):
-        _join_all(processes, _GRACE_SECONDS)
-    stopped = [r for r, p in enumerate(processes) if p.is_alive()]
-    for rank in stopped:
-        processes[rank].terminate()
-    _join_all(processes, _GRACE_SECONDS)
-    for rank in stopped:
-        if processes[rank].is_alive():
-            processes[rank].kill()
-        processes[rank].join()
-    raise _failure(processes, failed, stopped, workdir)
-
-
-def _named_stuck(workdir, failed):
-    """The ranks that the `RankStuckError`s of ranks `failed` name."""
-    named = set()
-    for blob, _, _ in _read_errors(workdir, max(failed) + 1).values():
-        error = pickle.loads(blob) if blob is not None else None
-        if isinstance(error, RankStuckError):
-            named.update(error.ranks)
-    return named
-
-
-def _join_all(processes, seconds):
-    deadline = time.monotonic() + seconds
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-
-
-def _unguarded_script():
-    """The path of the script Python runs, when it has no `if __name__ ==
-    "__main__":` block at its top level; `None` in a notebook, under
-    `python -c` or `-m`, and for a guarded script."""
-    path = getattr(sys.modules.get("__main__"), "__file__", None)
-    if not path or not path.endswith(".py") or not os.path.exists(path):
-        return None
-    with open(path) as f:
-        tree = ast.parse(f.read())
-    for node in tree.body:
-        test = node.test if isinstance(node, ast.If) else None
-        if isinstance(test, ast.Compare) and "__main__" in ast.dump(test):
-            return None
-    return path
-
-
-def _failure(processes, first_failed, stopped, workdir):
-    """The `AttemptFailed` of an attempt whose ranks `first_failed` failed.
-
-    A rank that ended without an exception (killed, crashed, `os._exit`)
-    before `launch` stopped anyone is lost, and is the cause; otherwise the
-    first exception raised is.
-    """
-    errors = _read_errors(workdir, len(processes))
-    died = [
-        r
-        for r, p in enumerate(processes)
-        if r not in stopped and r not in errors and p.exitcode
-    ]
-    named = set()
+    stacks = {
+        rank: _read(_stack_path(workdir, rank)) for rank in range(world_size)
+    }
+    running = [rank for rank, stack in stacks.items() if stack]
+    if running and elapsed >= timeout:
+        return _timed_out(running, stacks, world_size, timeout)
+    errors = _read_errors(workdir, world_size)
+    died = sorted(rank for rank in failures if rank not in errors)
+    lost = set(died)
     for blob, _, _ in errors.values():
         error = pickle.loads(blob) if blob is not None else None
         if isinstance(error, RankLostError):
-            named.update(error.ranks)
-    lost = set(died) | named
-    silent = [r for r in first_failed if r in died]
-    if silent or not errors:
-        rank = (silent or died or first_failed)[0]
-        process = processes[rank]
+            lost.update(error.ranks)
+    if died or not errors:
+        rank = (died or sorted(failures))[0]
+        process = failures[rank]
         how = _describe_exit(process.exitcode)
         error = RankError(
             f"Rank {rank} (pid {process.pid}) died without raising an "
@@ -234,6 +198,34 @@ def _failure(processes, first_failed, stopped, workdir):
     return AttemptFailed(error, cause, lost, summary)
 
 
+def _timed_out(running, stacks, world_size, timeout):
+    finished = sorted(set(range(world_size)) - set(running))
+    shown = [f"-- Rank {rank} was at:\n{stacks[rank]}" for rank in running]
+    return RankTimeoutError(
+        f"keras_tp.launch timed out after {timeout} s: rank(s) "
+        f"{', '.join(map(str, running))} still running and were stopped "
+        f"(finished: {finished or 'none'}). A rank waiting in a collective "
+        "is usually waiting for a rank that is elsewhere.\n\n"
+        + "\n\n".join(shown)
+    )
+
+
+def _unguarded_script():
+    """The path of the script Python runs, when it has no `if __name__ ==
+    "__main__":` block at its top level; `None` in a notebook, under
+    `python -c` or `-m`, and for a guarded script."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path or not path.endswith(".py") or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        test = node.test if isinstance(node, ast.If) else None
+        if isinstance(test, ast.Compare) and "__main__" in ast.dump(test):
+            return None
+    return path
+
+
 def _describe_exit(exitcode):
     if exitcode < 0:
         try:
@@ -241,29 +233,6 @@ def _describe_exit(exitcode):
         except ValueError:
             return f"signal {-exitcode}"
     return f"exit code {exitcode}"
-
-
-def _stop_on_timeout(processes, timeout, workdir):
-    running = [r for r, p in enumerate(processes) if p.is_alive()]
-    for rank in running:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(processes[rank].pid, signal.SIGUSR1)
-    time.sleep(_GRACE_SECONDS)
-    for rank in running:
-        processes[rank].kill()
-        processes[rank].join()
-    stacks = []
-    for rank in running:
-        with open(_stack_path(workdir, rank)) as f:
-            stacks.append(f"-- Rank {rank} was at:\n{f.read().strip()}")
-    finished = sorted(set(range(len(processes))) - set(running))
-    raise RankTimeoutError(
-        f"keras_tp.launch timed out after {timeout} s: rank(s) "
-        f"{', '.join(map(str, running))} still running and were stopped "
-        f"(finished: {finished or 'none'}). A rank waiting in a collective "
-        "is usually waiting for a rank that is elsewhere.\n\n"
-        + "\n\n".join(stacks)
-    )
 
 
 def _write_error(workdir, rank, error):
@@ -286,6 +255,13 @@ def _read_errors(workdir, world_size):
             with open(path, "rb") as f:
                 errors[rank] = pickle.load(f)
     return errors
+
+
+def _read(path):
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        return f.read().strip()
 
 
 def _stack_path(workdir, rank):

@@ -34,11 +34,20 @@ class StagePrimitives:
     # it (`joined_loss`).
     gradient_scale = None
 
+    # The data-parallel rows each micro-batch holds a slice of.
+    replicas = 1
+
     def microbatches(self, x, y):
         """`(inputs, targets)`: per micro-batch, in order, the first
-        stage's inputs and the last stage's targets (`None` without
-        `y`)."""
-        raise NotImplementedError
+        stage's inputs and the last stage's targets (`None` without `y`).
+        Micro-batch `m` holds the `m`-th slice of each of the batch's
+        `replicas` rows, row by row."""
+
+        def split(tree):
+            rows = split_rows(tree, self.replicas, self.num_microbatches)
+            return [concatenated(micro) for micro in rows]
+
+        return split(x), None if y is None else split(y)
 
     def forward(self, stage, m, inputs, target):
         """Runs micro-batch `m`'s training forward pass of `stage` on what
@@ -72,9 +81,10 @@ class StagePrimitives:
         return None
 
     def infer(self, stage, inputs):
-        """A stage's forward pass of one micro-batch, without gradients;
-        the last stage's is `(outputs, carried_masks(outputs))`, as its
-        outputs leave a compiled program without their Keras masks."""
+        """A stage's forward pass of one micro-batch, without gradients
+        (`None` where another process runs the stage); the last stage's is
+        `(outputs, carried_masks(outputs))`, as its outputs leave a
+        compiled program without their Keras masks."""
         raise NotImplementedError
 
     def joined(self, losses, predictions):
@@ -113,31 +123,33 @@ class StagePrimitives:
         return sum(means[1:], means[0]) / self.num_microbatches
 
 
-def run_schedule(primitives, order, x, y):
-    """Runs one batch's forward and backward passes through `primitives`
-    in the `order` of the actions (`schedules.issue_order`): `(loss,
-    y_pred)` of the batch, as `primitives.joined` makes them; each stage's
-    gradients are then held by `primitives`."""
+def run_schedule(primitives, order, x, y, infer=False):
+    """Runs one batch's passes through `primitives` in the `order` of the
+    actions (`schedules.issue_order`): `(loss, y_pred)` of the batch, as
+    `primitives.joined` makes them; each stage's gradients are then held
+    by `primitives`. With `infer`, the forward passes are `infer`'s,
+    without gradients or loss."""
     last = primitives.num_stages - 1
     inputs, targets = primitives.microbatches(x, y)
     received = {(0, m): part for m, part in enumerate(inputs)}
     cotangents = {}
     losses, predictions = [], [None] * len(inputs)
     for stage, kind, m in order:
-        if kind == schedules.FORWARD:
-            outputs, predicted = primitives.forward(
-                stage,
-                m,
-                _taken(primitives, received, stage, m, kind),
-                targets[m] if stage == last else None,
-            )
-            if stage == last:
-                losses.append(outputs)
-                predictions[m] = predicted
+        if kind == FORWARD:
+            taken = _taken(primitives, received, stage, m, kind)
+            if infer:
+                outputs = predicted = primitives.infer(stage, taken)
             else:
+                target = targets[m] if stage == last else None
+                outputs, predicted = primitives.forward(stage, m, taken, target)
+            if stage < last:
                 received[stage + 1, m] = primitives.send(
-                    outputs, stage + 1, schedules.FORWARD
+                    outputs, stage + 1, FORWARD
                 )
+            else:
+                predictions[m] = predicted
+                if not infer:
+                    losses.append(outputs)
             continue
         sent = primitives.backward(
             stage, m, _taken(primitives, cotangents, stage, m, kind)
@@ -157,21 +169,16 @@ def _taken(primitives, held, stage, m, kind):
 
 
 def run_forward(primitives, x):
-    """The outputs of the batch `x`, as `primitives.joined` makes them, one
-    micro-batch after the other, without gradients (evaluation,
-    prediction, direct calls), with their Keras masks; `None` in a
-    process without the last stage. `infer` of a stage another process
-    runs returns `None`."""
-    outputs = []
-    for m, tensors in enumerate(primitives.microbatches(x, None)[0]):
-        for stage in range(primitives.num_stages):
-            if stage:
-                tensors = primitives.send(tensors, stage, FORWARD)
-                if tensors is None:
-                    tensors = primitives.receive(stage, m, FORWARD)
-            tensors = primitives.infer(stage, tensors)
-        outputs.append(tensors)
-    joined = primitives.joined([], outputs)[1]
+    """The outputs of the batch `x` (evaluation, prediction, direct calls)
+    with their Keras masks: `run_schedule` of the forward passes, one
+    micro-batch after the other; `None` in a process without the last
+    stage."""
+    order = [
+        schedules.Action(stage, FORWARD, m)
+        for m in range(primitives.num_microbatches)
+        for stage in range(primitives.num_stages)
+    ]
+    joined = run_schedule(primitives, order, x, None, infer=True)[1]
     return None if joined is None else with_masks(*joined)
 
 

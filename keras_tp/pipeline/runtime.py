@@ -11,6 +11,7 @@ from keras import ops
 
 from keras_tp.keras_internals import compiled_loss
 from keras_tp.keras_internals import sublayers
+from keras_tp.keras_internals import update_loss_tracker
 from keras_tp.parallel.batch_loss import MEAN_REDUCTIONS
 from keras_tp.parallel.batch_loss import adds_losses
 from keras_tp.parallel.batch_loss import averages_over_rows
@@ -322,6 +323,15 @@ class PipelineRuntime(Runtime):
         y, weights = weighted(targets)
         loss = self._compiled_loss()(y, y_pred, weights)
         return loss if added is None else loss + added
+
+    def update_metrics(self, x, targets, loss, y_pred):
+        """Keras' loss tracker and compiled metrics updated with a step's
+        `loss` and predictions, as Keras' own step updates them; returns
+        the logs."""
+        batch = keras.tree.flatten(x)[0].shape[0]
+        update_loss_tracker(self.trainer, loss, batch)
+        y, weights = weighted(targets)
+        return self.trainer.compute_metrics(x, y, y_pred, weights)
 
     @staticmethod
     def unpacked(data):

@@ -255,10 +255,12 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         return clipped
 
     def _update_of(self, stage, shared):
-        """A stage's `StageUpdate`, compiled: its `update` of `(values,
-        slot values, shared values, gradients)` to the new values takes
-        the gradients as `synchronise` leaves them, and leaves the clip by
-        a global norm to its caller (`_globally_clipped`)."""
+        """A stage's compiled `StageUpdate`: `synchronise` of its gradients
+        as the backward passes leave them; `update` of `(values, slot
+        values, shared values, gradients)` to the new values, from the
+        gradients `synchronise` leaves, clipped by a global norm by its
+        caller (`_globally_clipped`) with their `squared_norm`; the
+        `variables` and `slots` it updates."""
         optimizer = self.trainer.optimizer
         own = self.owners.owned(stage)
         slots = [
@@ -305,10 +307,6 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
 StageUpdate = collections.namedtuple(
     "StageUpdate", "synchronise update variables slots squared_norm"
 )
-StageUpdate.__doc__ = """A stage's optimizer update (`_update_of`):
-`synchronise` of its gradients as the backward passes leave them,
-`update` of the stage's values from those, the `variables` and `slots` it
-updates, and the `squared_norm` of synchronised gradients."""
 
 
 def squared_norm(runtime, variables, specs):

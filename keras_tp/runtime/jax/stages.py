@@ -17,7 +17,6 @@ from keras_tp.collectives.jax import counted_jit
 from keras_tp.collectives.jax import signature
 from keras_tp.keras_internals import local_shapes
 from keras_tp.pipeline.executor import StagePrimitives
-from keras_tp.pipeline.executor import concatenated
 from keras_tp.pipeline.executor import join_rows
 from keras_tp.pipeline.executor import split_rows
 from keras_tp.runtime.jax.storage import onto
@@ -269,6 +268,7 @@ class JaxStages(StagePrimitives):
     def __init__(self, programs, trainable, non_trainable, num_microbatches):
         self.programs = programs
         self.num_stages = len(programs.stage_models)
+        self.replicas = programs.replicas
         self.trainable = trainable
         self.non_trainable = list(non_trainable)
         self.num_microbatches = num_microbatches
@@ -276,17 +276,6 @@ class JaxStages(StagePrimitives):
         # See `StagePrimitives.added`: one row per device.
         self.added = []
         self._residuals = {}
-
-    def microbatches(self, x, y):
-        # Micro-batch `m` holds the `m`-th slice of each replica's part of
-        # the batch, replica by replica.
-        def split(tree):
-            rows = split_rows(
-                tree, self.programs.replicas, self.num_microbatches
-            )
-            return [concatenated(micro) for micro in rows]
-
-        return split(x), None if y is None else split(y)
 
     def _values(self, stage, inputs):
         placed = self.programs.place(stage, inputs)
@@ -338,9 +327,8 @@ class JaxStages(StagePrimitives):
 
     def joined(self, losses, predictions):
         # Each replica's loss is its slice's; the batch's is their mean.
-        replicas = self.programs.replicas
-        loss = self.joined_loss(losses, replicas) if losses else None
-        rows = [split_rows(part, replicas, 1)[0] for part in predictions]
+        loss = self.joined_loss(losses, self.replicas) if losses else None
+        rows = [split_rows(p, self.replicas, 1)[0] for p in predictions]
         return loss, join_rows(rows)
 
 

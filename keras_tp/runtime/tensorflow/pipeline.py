@@ -10,12 +10,10 @@ from keras_tp.collectives.tensorflow import ReplicaStats
 from keras_tp.compiling import coordinated
 from keras_tp.compiling import place_slots
 from keras_tp.keras_internals import step_counter
-from keras_tp.keras_internals import update_loss_tracker
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.parallel.clipping import global_norm_taken
 from keras_tp.parallel.clipping import global_scale
 from keras_tp.pipeline.runtime import PipelineRuntime
-from keras_tp.pipeline.runtime import weighted
 from keras_tp.runtime.tensorflow import TensorFlowRuntime
 from keras_tp.runtime.tensorflow import devices as tf_devices
 from keras_tp.runtime.tensorflow.optimizer import prepare_optimizer
@@ -168,7 +166,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         for stage in range(self.pipeline_parallel):
             self._update(stage, owned, scale)
         step_counter(self.trainer.optimizer).assign_add(1)
-        return self._logs(x, targets, loss, y_pred)
+        return self.update_metrics(x, targets, loss, y_pred)
 
     def test_step(self, data):
         x, targets = self.unpacked(data)
@@ -176,15 +174,10 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         self.refresh_copies()
         y_pred = stages.predict(x)
         loss = self.whole_batch_loss(targets, y_pred, stages.added_loss())
-        return self._logs(x, targets, loss, y_pred)
+        return self.update_metrics(x, targets, loss, y_pred)
 
     def predict_step(self, data):
         return self._forward(keras.utils.unpack_x_y_sample_weight(data)[0])
-
-    def _logs(self, x, targets, loss, y_pred):
-        update_loss_tracker(self.trainer, loss, traced_batch_size(x))
-        y, weights = weighted(targets)
-        return self.trainer.compute_metrics(x, y, y_pred, weights)
 
     def _owned_gradients(self, gradients):
         """By replica, `WeightOwners.owned_gradients` of its gradients: a

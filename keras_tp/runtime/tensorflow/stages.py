@@ -95,13 +95,10 @@ class TensorFlowStages(StagePrimitives):
                     received,
                     [*floating(outputs), share] if adding else outputs,
                 )
-                return (outputs, added) if adding else outputs
+                return outputs, added
 
-            outputs = self._replica_results(stage, forward)
-            if adding:
-                outputs, added = map(list, zip(*outputs))
-                self.added.append(added)
-                done.extend(added)
+            outputs = self._replica_outputs(stage, forward)
+            done.extend(self.added[-1] if adding else ())
             predicted = outputs
             if target is None:
                 predicted = None
@@ -146,20 +143,15 @@ class TensorFlowStages(StagePrimitives):
 
     def infer(self, stage, inputs):
         replica_id = self.runtimes[stage].replica_id
-        adding = self.adding_stages[stage]
 
         def call():
             received = inputs[replica_id()]
             outputs, added = self._added_call(stage, received, self._training)
             if stage == self.num_stages - 1:
                 outputs = (outputs, carried_masks(outputs))
-            return (outputs, added) if adding else outputs
+            return outputs, added
 
-        outputs = self._replica_results(stage, call)
-        if adding:
-            outputs, added = map(list, zip(*outputs))
-            self.added.append(added)
-        return outputs
+        return self._replica_outputs(stage, call)
 
     def _added_call(self, stage, inputs, training):
         """`(outputs, losses added)` of a replica's call of `stage`: the sum
@@ -188,6 +180,15 @@ class TensorFlowStages(StagePrimitives):
             return runtime.whole_outputs(
                 self.stage_models[stage](inputs, training=training)
             )
+
+    def _replica_outputs(self, stage, fn):
+        """Per replica, the outputs of `fn`, which returns them with the
+        losses the stage's layers added (`_added_call`): those go to
+        `added` where its layers add any."""
+        outputs, added = map(list, zip(*self._replica_results(stage, fn)))
+        if self.adding_stages[stage]:
+            self.added.append(added)
+        return outputs
 
     def _replica_results(self, stage, fn):
         """`fn` run on each replica of `stage` (`reading_copies`)."""

@@ -10,11 +10,9 @@ import torch.distributed as dist
 
 from keras_tp.collectives.torch import TorchCollectiveAdapter
 from keras_tp.collectives.torch import is_symbolic
-from keras_tp.keras_internals import update_loss_tracker
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.runtime import PipelineRuntime
-from keras_tp.pipeline.runtime import weighted
 from keras_tp.runtime.mesh import MeshRuntime
 from keras_tp.runtime.torch import TorchRuntime
 from keras_tp.runtime.torch.devices import join_ranks
@@ -324,10 +322,8 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         variables = trainer.metrics_variables
         if self.stage_index == self.last_stage:
             before = [v.value.detach().clone() for v in variables]
-            update_loss_tracker(trainer, loss, len(keras.tree.flatten(x)[0]))
             with torch.no_grad():
-                y, weights = weighted(targets)
-                trainer.compute_metrics(x, y, y_pred, weights)
+                self.update_metrics(x, targets, loss, y_pred)
             if self.data_adapter is not None:
                 totals, _ = self.stage_runtime.synchronised_state(
                     [], [], before, [v.value.detach() for v in variables]

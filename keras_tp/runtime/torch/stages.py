@@ -16,7 +16,6 @@ from keras_tp.pipeline.executor import StagePrimitives
 from keras_tp.pipeline.executor import concatenated
 from keras_tp.pipeline.executor import run_forward
 from keras_tp.pipeline.executor import run_schedule
-from keras_tp.pipeline.executor import split_rows
 from keras_tp.tensors import carried_masks
 from keras_tp.tensors import nbytes
 
@@ -109,13 +108,6 @@ class TorchStages(StagePrimitives):
             for work in self._sending:
                 work.wait()
             self._sending = []
-
-    def microbatches(self, x, y):
-        count = self.num_microbatches
-        inputs = [row for (row,) in split_rows(x, 1, count)]
-        if y is None:
-            return inputs, None
-        return inputs, [row for (row,) in split_rows(y, 1, count)]
 
     def forward(self, stage, m, inputs, target):
         start = time.perf_counter()

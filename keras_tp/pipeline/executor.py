@@ -16,10 +16,9 @@ from keras_tp.tensors import with_masks
 
 
 class StagePrimitives:
-    """What a backend supplies for the executor to run a pipeline's actions:
-    the passes of one stage on one micro-batch (`stage` and `m` are their
-    indices). The executor decides which runs when and routes the values
-    between them."""
+    """The passes of one stage on one micro-batch (`stage` and `m` are their
+    indices) that a backend supplies, which the executor orders and routes
+    values between."""
 
     num_stages = None
     num_microbatches = None

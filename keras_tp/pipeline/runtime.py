@@ -374,13 +374,11 @@ class CallingStageRegions:
             runtime.prepare_region(region)
 
     def __getattr__(self, name):
-        # What else a region reads of its runtime is the calling stage's.
         return getattr(self.calling_runtime(), name)
 
 
 class _CallingStageAdapter:
-    """The collective adapter of the calling stage's runtime, read at each
-    use."""
+    """The calling stage's runtime's collective adapter, read at each use."""
 
     def __init__(self, regions):
         self._regions = regions

@@ -157,7 +157,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         return outputs, self._merged(non_trainable, stages.non_trainable)
 
     def _merged(self, values, stage_values):
-        """Keras' non-trainable `values`, each stage's new ones written in."""
+        """Keras' non-trainable `values`, with each stage's new ones."""
         variables = self.trainer.non_trainable_variables
         merged = dict(zip(map(id, variables), values))
         for stage, new in zip(self.stage_models, stage_values):

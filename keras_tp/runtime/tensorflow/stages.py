@@ -40,7 +40,7 @@ class TensorFlowStages(StagePrimitives):
         self._training = False
 
     def step(self, x, y):
-        """`(loss, y_pred)` of `run_schedule` on one batch."""
+        """`run_schedule` of one batch."""
         self._tapes, self.gradients, self._ends, self.times = {}, {}, {}, []
         self._previous = [[] for _ in self.stage_models]
         # See `StagePrimitives.added`: a list of one per replica.

@@ -28,13 +28,8 @@ class TorchStages(StagePrimitives):
     micro-batch's loss, and the losses the stage's layers add, weigh
     `1 / num_microbatches`. `timeline` holds `(kind, micro_batch, start,
     end)` of each pass of the last run, in `time.perf_counter()` seconds
-    (one clock for every process of a Linux machine).
-
-    Args:
-        pipeline: the `TorchPipelineRuntime`.
-        num_microbatches: the micro-batches of each batch.
-        loss: `PipelineRuntime.loss_function`'s; `None` for `predict`
-            only.
+    (one clock for every process of a Linux machine). `loss` is
+    `PipelineRuntime.loss_function`'s, `None` for `predict` only.
     """
 
     def __init__(self, pipeline, num_microbatches, loss):

@@ -28,9 +28,9 @@ from keras_tp.errors import RemoteTraceback
 # agent kills them.
 GRACE_SECONDS = 3
 
-# How long a rank that raised waits before it exits (`run_rank`): a few
-# of the agent's polls.
-_REPORTED_FIRST_SECONDS = 0.5
+# How long a rank that raised waits before it exits (`run_rank`): ten of
+# the agent's polls.
+_REPORTED_FIRST_SECONDS = 1.0
 
 # What every rank imports before `train_fn` runs, in the order the fork
 # server imports them for the ranks (`launcher._start_forkserver`).
@@ -98,9 +98,10 @@ def run_rank(nproc_per_node, payload, workdir, environment, timeout):
             if named is not None:
                 named.__cause__ = e
             _write_error(workdir, rank, named or e)
+            ending.training = False
             # The agent reports the first rank it sees end: a rank that died
             # without an exception, whose peers' collectives fail at once,
-            # ends before this one.
+            # ends before this one, which the agent then stops.
             time.sleep(_REPORTED_FIRST_SECONDS)
             # Said in full by `launch`, in the caller's process.
             sys.exit(1)
@@ -116,9 +117,10 @@ def run_rank(nproc_per_node, payload, workdir, environment, timeout):
 class _EndAfterGrace:
     """Once one rank failed, the agent stops the others with SIGTERM: a
     rank still in `train_fn` gets `GRACE_SECONDS` to end by itself
-    (naming the lost rank), then exits. SIGTERM is blocked in every thread
-    but this one's, made before any other, so it comes here even while
-    the main thread waits in a collective's native code."""
+    (naming the lost rank), then exits; one done with it exits at once.
+    SIGTERM is blocked in every thread but this one's, made before any
+    other, so it comes here even while the main thread waits in a
+    collective's native code."""
 
     def __init__(self):
         self.training = True

@@ -12,6 +12,7 @@ from keras_tp.keras_internals import place_slots_on_creation
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.parallel.entrywise import constraint_reads_across
 from keras_tp.parallel.entrywise import reads_across_entries
+from keras_tp.parallel.loss_scaling import scaled_loss_optimizer
 
 # `keras.Model.compile`'s parameters after `optimizer`.
 _COMPILE_PARAMETERS = list(inspect.signature(keras.Model.compile).parameters)[
@@ -52,6 +53,19 @@ def arguments_of(model):
             optimizer.get_config()
         )
     return arguments
+
+
+def compiled_optimizer(optimizer, runtime, trainer, auto_scale_loss=True):
+    """The optimizer `trainer` compiles with: `coordinated` over its
+    `runtime`, with loss scaling that every rank decides alike where the
+    loss is scaled (`keras_tp.parallel.loss_scaling`)."""
+    return scaled_loss_optimizer(
+        optimizer,
+        trainer,
+        runtime,
+        lambda inner: coordinated(inner, runtime, trainer),
+        auto_scale_loss,
+    )
 
 
 def coordinated(optimizer, runtime, trainer):

@@ -217,7 +217,12 @@ class TensorParallelKeras(
     def _compile(self, optimizer="rmsprop", *args, **kwargs):
         kwargs = compiling.by_name(args, kwargs)
         kwargs.setdefault("jit_compile", self._runtime.jit_compile_default)
-        optimizer = compiling.coordinated(optimizer, self._runtime, self)
+        optimizer = compiling.compiled_optimizer(
+            optimizer,
+            self._runtime,
+            self,
+            kwargs.get("auto_scale_loss", True),
+        )
         kwargs, self._vocab_head = with_split_logits(
             self.model, self._plan, self._runtime, kwargs
         )

@@ -776,3 +776,46 @@ def check_gradient_accumulation(zero_stage):
     )
     _, gradients, _ = kept_bytes(psi, 2, zero_stage, 2)
     assert set(tp.gradient_bytes_per_device().values()) == {gradients}
+
+
+def loss_scale_overflow(world_size, data_parallel):
+    """`mixed_float16` training whose first batch overflows in its last
+    sample only, so on one data-parallel row: the step is skipped and the
+    loss scale halved on every rank, as on one device, and the next steps
+    match one device's.
+
+    Returns:
+        `{"optimizer", "difference", "scales"}`: the compiled optimizer's
+        class, the largest weight difference from one device, and the
+        dynamic scale of one device and of the mesh.
+    """
+    policy = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        reference = models.mlp()
+        tp = keras_tp.TensorParallelKeras(
+            models.mlp(), world_size=world_size, data_parallel=data_parallel
+        )
+        x, y = models.data_for("mlp", batch=3 * BATCH)
+        # Past float16's largest value: inf in the first layer's inputs.
+        x[BATCH - 1] = 1e5
+        for model in (reference, tp):
+            model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss_fn())
+            model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        return {
+            "optimizer": type(tp.optimizer).__name__,
+            "difference": max_diff(reference.get_weights(), tp.get_weights()),
+            "scales": [
+                float(keras.ops.convert_to_numpy(m.optimizer.dynamic_scale))
+                for m in (reference, tp)
+            ],
+        }
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
+
+
+def check_loss_scale_overflow(result):
+    assert result["optimizer"] == "GlobalLossScaleOptimizer", result
+    # 32768 at the start, halved once, on one device and on every rank.
+    assert result["scales"] == [16384.0, 16384.0], result
+    assert result["difference"] < 2e-3, result

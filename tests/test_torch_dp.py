@@ -28,6 +28,7 @@ from tests.dp_cases import check_any_sample_count  # noqa: E402
 from tests.dp_cases import check_global_batch_losses  # noqa: E402
 from tests.dp_cases import check_link_probe  # noqa: E402
 from tests.dp_cases import check_local_sgd_runs  # noqa: E402
+from tests.dp_cases import check_loss_scale_overflow  # noqa: E402
 from tests.dp_cases import check_zero_memory  # noqa: E402
 from tests.dp_cases import kept_bytes  # noqa: E402
 from tests.models import max_diff  # noqa: E402
@@ -342,3 +343,11 @@ def test_the_first_rank_speaks_for_the_job(tmp_path):
         timeout=LAUNCH_TIMEOUT,
     )
     speaker_cases.check_one_speaker(ranks)
+
+
+def test_a_loss_scale_overflow_on_one_row_skips_the_step_everywhere(
+    two_ranks,
+):
+    _, ranks = two_ranks
+    for rank in ranks:
+        check_loss_scale_overflow(rank["loss_scale"])

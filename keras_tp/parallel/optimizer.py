@@ -125,9 +125,10 @@ class CoordinatedOptimizer(WrappingOptimizer):
         if isinstance(optimizer, CoordinatedOptimizer):
             raise ValueError("The optimizer is already a CoordinatedOptimizer.")
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            raise NotImplementedError(
-                "LossScaleOptimizer inside CoordinatedOptimizer is not "
-                "supported yet; train in float32 or bfloat16."
+            raise ValueError(
+                "A LossScaleOptimizer wraps the CoordinatedOptimizer, not "
+                "the other way round: pass LossScaleOptimizer("
+                "CoordinatedOptimizer(...)) to compile()."
             )
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(
@@ -240,8 +241,7 @@ class CoordinatedOptimizer(WrappingOptimizer):
         self.inner_optimizer.build(var_list)
         self.synchronisation.build(self, var_list, axes)
         self.gradient_buffers = list(self.synchronisation.gradient_buffers)
-        # Errors and PowerSGD's `Q`s are optimizer variables, so that
-        # checkpoints keep them.
+        # Errors and `Q`s are optimizer variables: checkpoints keep them.
         self._codec = make_codec(self.compression, self, placement, var_list)
         super().build(var_list)
 

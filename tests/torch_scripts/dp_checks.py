@@ -116,5 +116,6 @@ def api_checks(configurations, save_path):
     result["global_losses"] = dp_cases.global_batch_losses(2, 2)
     result["accumulation_buffers"] = dp_cases.accumulation_buffer_bytes(2)
     result["local_sgd"] = dp_cases.local_sgd_runs()
+    result["loss_scale"] = dp_cases.loss_scale_overflow(2, 2)
     result["rank"] = dist.get_rank()
     return _all_ranks(result)

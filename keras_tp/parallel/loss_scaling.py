@@ -1,0 +1,86 @@
+"""Dynamic loss scaling (`mixed_float16`) that every rank decides alike.
+
+Keras' `LossScaleOptimizer` skips a step, and halves its scale, when the
+gradients it holds are not all finite. Where each rank holds its own
+gradients (a shard's, or a data-parallel row's before they are averaged),
+one rank's overflow would make it alone skip: its scale and weights would
+part from the others', and a data-parallel rank would leave the others
+waiting in the gradients' all-reduce. Here the ranks count their
+non-finite entries together, so all of them skip or none does.
+"""
+
+import keras
+from keras import ops
+
+
+class GlobalLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """A `LossScaleOptimizer` whose finiteness check spans every rank.
+
+    `TensorParallelKeras.compile()` makes one where each rank computes
+    its own gradients: from a `LossScaleOptimizer` given to it, or, as
+    Keras does, around the optimizer of a model whose dtype policy is
+    `mixed_float16`.
+
+    Args:
+        inner_optimizer: the optimizer that updates the variables (a
+            `CoordinatedOptimizer` with a data axis).
+        world: the collective adapter over every rank of the mesh.
+        **kwargs: `keras.optimizers.LossScaleOptimizer`'s arguments.
+    """
+
+    def __init__(self, inner_optimizer, world, **kwargs):
+        super().__init__(inner_optimizer, **kwargs)
+        self._world = world
+
+    def check_finite(self, grads):
+        """Whether every rank's `grads` are all finite: one all-reduce of
+        their counts of entries that are not."""
+        counts = [
+            ops.sum(ops.cast(ops.logical_not(ops.isfinite(g)), "float32"))
+            for g in grads
+            if g is not None
+        ]
+        local = ops.sum(ops.stack(counts)) if counts else ops.zeros(())
+        with self._world.stats.labelled("optimizer"):
+            total = self._world.all_reduce(local, "sum")
+        return ops.equal(total, 0.0)
+
+
+def scaled_loss_optimizer(
+    optimizer, trainer, runtime, coordinate, auto_scale_loss=True
+):
+    """`optimizer` with the loss scaling `compile()` gives it.
+
+    Args:
+        optimizer: the optimizer given to `compile()`.
+        trainer: the `TensorParallelKeras` being compiled.
+        runtime: its runtime.
+        coordinate: a function of an optimizer returning it as the runtime
+            updates with it (`compiling.coordinated`).
+        auto_scale_loss: `compile()`'s argument of that name.
+
+    Returns:
+        A `GlobalLossScaleOptimizer` around the coordinated optimizer
+        where ranks compute their own gradients and the loss is scaled (a
+        `LossScaleOptimizer` given, or a `mixed_float16` model compiled
+        with `auto_scale_loss`); else `coordinate(optimizer)`.
+    """
+    given = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    automatic = auto_scale_loss and trainer.dtype_policy.name == (
+        "mixed_float16"
+    )
+    # A pipeline refuses loss scaling when it checks the compiled model.
+    per_rank = runtime.local_ranks and runtime.pipeline_parallel == 1
+    if not per_rank or not (given or automatic):
+        return coordinate(optimizer)
+    if given:
+        options = {
+            "initial_scale": optimizer.initial_scale,
+            "dynamic_growth_steps": optimizer.dynamic_growth_steps,
+            "name": optimizer.name,
+        }
+        optimizer = optimizer.inner_optimizer
+    else:
+        options = {"name": "loss_scale_optimizer"}
+    inner = keras.optimizers.get(coordinate(optimizer))
+    return GlobalLossScaleOptimizer(inner, runtime.world_adapter, **options)

@@ -63,12 +63,14 @@ def compiled_optimizer(optimizer, runtime, trainer, auto_scale_loss=True):
         optimizer,
         trainer,
         runtime,
-        lambda inner: coordinated(inner, runtime, trainer),
+        lambda inner, loss_scaled: coordinated(
+            inner, runtime, trainer, loss_scaled
+        ),
         auto_scale_loss,
     )
 
 
-def coordinated(optimizer, runtime, trainer):
+def coordinated(optimizer, runtime, trainer, loss_scaled=False):
     """`optimizer` as `runtime` runs it: a `CoordinatedOptimizer` bound to
     it where its steps run per rank, or where ranks hold shards and the
     optimizer clips by norms or keeps state (`WHOLE_VARIABLE_OPTIONS`),
@@ -79,6 +81,9 @@ def coordinated(optimizer, runtime, trainer):
         runtime: the runtime of the model being compiled.
         trainer: the `TensorParallelKeras` being compiled; its current
             optimizer may be compiled again, built.
+        loss_scaled: whether a `GlobalLossScaleOptimizer` wraps it, which
+            applies it inside a conditional: a `CoordinatedOptimizer`
+            updates the pieces of the variables there on every backend.
 
     Returns:
         The optimizer to compile with.
@@ -104,7 +109,11 @@ def coordinated(optimizer, runtime, trainer):
             )
         # Without a data axis it still clips and accumulates.
         bound_to = bound_to or runtime.coordinating_runtime
-    elif bound_to is not None or _needs_whole_variables(optimizer, runtime):
+    elif (
+        bound_to is not None
+        or loss_scaled
+        or _needs_whole_variables(optimizer, runtime)
+    ):
         bound_to = bound_to or runtime.coordinating_runtime
         inner = keras.optimizers.get(optimizer)
         # The wrapper accumulates instead, synchronising only at the

@@ -44,6 +44,7 @@ from tests.dp_cases import check_global_batch_losses  # noqa: E402
 from tests.dp_cases import check_gradient_accumulation  # noqa: E402
 from tests.dp_cases import check_link_probe  # noqa: E402
 from tests.dp_cases import check_local_sgd_runs  # noqa: E402
+from tests.dp_cases import check_loss_scale_overflow  # noqa: E402
 from tests.dp_cases import check_matches_one_device  # noqa: E402
 from tests.dp_cases import check_norms_with_tensor_parallelism_alone  # noqa: E402
 from tests.dp_cases import check_zero_memory  # noqa: E402
@@ -52,6 +53,7 @@ from tests.dp_cases import constraint_refusal  # noqa: E402
 from tests.dp_cases import global_batch_losses  # noqa: E402
 from tests.dp_cases import lamb_refusal  # noqa: E402
 from tests.dp_cases import local_sgd_runs  # noqa: E402
+from tests.dp_cases import loss_scale_overflow  # noqa: E402
 from tests.dp_cases import make_optimizer  # noqa: E402
 from tests.dp_cases import train_pair  # noqa: E402
 from tests.models import loss_fn  # noqa: E402
@@ -341,3 +343,10 @@ def test_local_sgd_matches_replicas_trained_apart():
     """Each replica's components step alone and synchronise every
     `local_sgd_steps`; only those steps send."""
     check_local_sgd_runs(local_sgd_runs())
+
+
+@pytest.mark.parametrize("world_size,data_parallel", [(2, 2), (4, 2), (2, 1)])
+def test_a_loss_scale_overflow_on_one_row_skips_the_step_everywhere(
+    world_size, data_parallel
+):
+    check_loss_scale_overflow(loss_scale_overflow(world_size, data_parallel))

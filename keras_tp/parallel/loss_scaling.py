@@ -32,6 +32,43 @@ class GlobalLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         super().__init__(inner_optimizer, **kwargs)
         self._world = world
 
+    def apply(self, grads, trainable_variables=None):
+        """Applies the unscaled `grads` where every rank's are finite, and
+        grows or halves the scale, as `LossScaleOptimizer` does, in the
+        replica step itself: the ranks' decision is already one (no
+        TensorFlow `merge_call`)."""
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        ops.cond(
+            self.check_finite(grads),
+            lambda: self._apply_unscaled(grads, trainable_variables),
+            self._halve_scale,
+        )
+
+    def _apply_unscaled(self, grads, trainable_variables):
+        variables = trainable_variables or [None] * len(grads)
+        scale = self.dynamic_scale
+        unscaled = [
+            g
+            if g is None or getattr(v, "overwrite_with_gradient", False)
+            else ops.divide(g, scale)
+            for g, v in zip(grads, variables)
+        ]
+        self.inner_optimizer.apply(unscaled, trainable_variables)
+        grows = ops.equal(self.step_counter, self.dynamic_growth_steps - 1)
+        self.step_counter.assign(
+            ops.where(grows, 0, ops.add(self.step_counter, 1))
+        )
+        self.dynamic_scale.assign(
+            ops.where(grows, ops.multiply(scale, 2.0), scale)
+        )
+
+    def _halve_scale(self):
+        self.step_counter.assign(0)
+        self.dynamic_scale.assign(ops.multiply(self.dynamic_scale, 0.5))
+
     def check_finite(self, grads):
         """Whether every rank's `grads` are all finite: one all-reduce of
         their counts of entries that are not."""
@@ -55,8 +92,9 @@ def scaled_loss_optimizer(
         optimizer: the optimizer given to `compile()`.
         trainer: the `TensorParallelKeras` being compiled.
         runtime: its runtime.
-        coordinate: a function of an optimizer returning it as the runtime
-            updates with it (`compiling.coordinated`).
+        coordinate: a function of an optimizer, and of whether the loss
+            is scaled, returning it as the runtime updates with it
+            (`compiling.coordinated`).
         auto_scale_loss: `compile()`'s argument of that name.
 
     Returns:
@@ -72,7 +110,7 @@ def scaled_loss_optimizer(
     # A pipeline refuses loss scaling when it checks the compiled model.
     per_rank = runtime.local_ranks and runtime.pipeline_parallel == 1
     if not per_rank or not (given or automatic):
-        return coordinate(optimizer)
+        return coordinate(optimizer, False)
     if given:
         options = {
             "initial_scale": optimizer.initial_scale,
@@ -82,5 +120,5 @@ def scaled_loss_optimizer(
         optimizer = optimizer.inner_optimizer
     else:
         options = {"name": "loss_scale_optimizer"}
-    inner = keras.optimizers.get(coordinate(optimizer))
+    inner = keras.optimizers.get(coordinate(optimizer, True))
     return GlobalLossScaleOptimizer(inner, runtime.world_adapter, **options)

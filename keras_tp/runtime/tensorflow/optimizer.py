@@ -43,8 +43,10 @@ def prepare_optimizer(runtime, model):
         # Built before its first step: on another model's variables.
         check_unbuilt(optimizer)
         wrapped = [optimizer]
-        if isinstance(optimizer, CoordinatedOptimizer):
-            wrapped += optimizer.wrapped_optimizers
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            wrapped.append(optimizer.inner_optimizer)
+        if isinstance(wrapped[-1], CoordinatedOptimizer):
+            wrapped += wrapped[-1].wrapped_optimizers
         for each in wrapped:
             object.__setattr__(
                 each, "__class__", tensor_parallel_class(type(each))
@@ -257,11 +259,6 @@ def _is_bound(variable):
 def _check_optimizer_supported(optimizer, model, runtime):
     if optimizer is None:
         raise ValueError("The model has no optimizer: compile it first.")
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        raise NotImplementedError(
-            "LossScaleOptimizer (mixed_float16) is not supported by "
-            "keras_tp on TensorFlow yet; use float32 or bfloat16."
-        )
     # `compile()` makes the optimizer a CoordinatedOptimizer where replicas
     # hold shards; on whole variables Keras' norms and averages work, but
     # its accumulation calls `merge_call` inside the replica step.

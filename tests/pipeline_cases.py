@@ -670,3 +670,44 @@ def check_added_losses(tp_of):
     tokens = np.ones((BATCH, 6), "int32")
     with pytest.raises(ValueError, match="would scale the added losses"):
         tp.train_on_batch(tokens, np.zeros((BATCH, 6), "int32"))
+
+
+def loss_scale_overflow(tp_of):
+    """`mixed_float16` training of the MLP on the pipeline `tp_of(model)`
+    makes and on one device, for 3 batches whose first overflows in its
+    last sample (on the last micro-batch and replica): the step is
+    skipped and the scale halved on every stage, as on one device.
+
+    Returns:
+        `(largest weight difference, [one device's scale, the
+        pipeline's])`.
+    """
+    policy = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        x, y = models.data_for("mlp", batch=3 * BATCH)
+        # Past float16's largest value: inf in the first layer's inputs.
+        x[BATCH - 1] = 1e5
+        trained = (models.mlp(), tp_of(models.mlp()))
+        for model in trained:
+            model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+            model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        expected, got = (model.get_weights() for model in trained)
+        difference = max(
+            float(np.max(np.abs(a - b))) for a, b in zip(got, expected)
+        )
+        scales = [
+            float(keras.ops.convert_to_numpy(m.optimizer.dynamic_scale))
+            for m in trained
+        ]
+        return difference, scales
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
+
+
+def check_loss_scale_overflow(result):
+    difference, scales = result
+    # 32768 at the start, halved once, on one device and on every stage.
+    assert scales == [16384.0, 16384.0], result
+    assert difference < 2e-3, result

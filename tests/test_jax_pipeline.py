@@ -196,6 +196,9 @@ def test_refusals_name_the_fix():
             ),
             loss=models.loss_fn(),
         )
+    scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())
+    with pytest.raises(ValueError, match="use the torch backend, whose stages"):
+        tp.compile(optimizer=scaled, loss=models.loss_fn())
     x, y = models.data_for("mlp", batch=8)
     tp.compile(optimizer="adam", loss=models.loss_fn())
     with pytest.raises(ValueError, match="num_microbatches=3 equal"):

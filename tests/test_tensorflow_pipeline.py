@@ -245,6 +245,9 @@ def test_refusals_name_the_fix():
     )
     with pytest.raises(ValueError, match="Pass one of the two"):
         tp.compile(optimizer=clipped, loss=models.loss_fn())
+    scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())
+    with pytest.raises(ValueError, match="use the torch backend, whose stages"):
+        tp.compile(optimizer=scaled, loss=models.loss_fn())
     tp.compile(optimizer="adam", loss=models.loss_fn())
     x, y = models.data_for("mlp", batch=12)
     # 12 samples in batches of 8: Keras traces the step for any size.

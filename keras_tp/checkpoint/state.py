@@ -15,6 +15,7 @@ import keras
 import numpy as np
 
 from keras_tp.parallel import CoordinatedOptimizer
+from keras_tp.parallel.loss_scaling import unscaled
 
 
 def checkpoint_state(model, build_optimizer=False):
@@ -35,6 +36,10 @@ def checkpoint_state(model, build_optimizer=False):
         if not build_optimizer:
             return state
         storage_of(model).build_optimizer(model)
+    # A loss scale's variables are its own, whichever optimizer it wraps.
+    scaled, optimizer = optimizer, unscaled(optimizer)
+    scales = _own_variables(scaled, optimizer)
+    state += [(f"loss_scale/{i}", v) for i, v in enumerate(scales)]
     if runtime is not None:
         held = runtime.checkpoint_optimizer_state(optimizer)
         if held is not None:
@@ -43,11 +48,14 @@ def checkpoint_state(model, build_optimizer=False):
     if isinstance(optimizer, CoordinatedOptimizer):
         inner = optimizer.inner_optimizer
     state += [(f"optimizer/{i}", v) for i, v in enumerate(inner.variables)]
-    if inner is not optimizer:
-        inner_ids = {id(v) for v in inner.variables}
-        own = [v for v in optimizer.variables if id(v) not in inner_ids]
-        state += [(f"coordinated/{i}", v) for i, v in enumerate(own)]
-    return state
+    own = _own_variables(optimizer, inner)
+    return state + [(f"coordinated/{i}", v) for i, v in enumerate(own)]
+
+
+def _own_variables(wrapper, inner):
+    """The variables of optimizer `wrapper` that `inner` does not hold."""
+    held = {id(v) for v in inner.variables}
+    return [v for v in wrapper.variables if id(v) not in held]
 
 
 def stage_slots(optimizer, references):

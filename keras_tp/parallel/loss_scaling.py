@@ -83,6 +83,21 @@ class GlobalLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         return ops.equal(total, 0.0)
 
 
+def unscaled(optimizer):
+    """The optimizer a `LossScaleOptimizer` wraps; any other itself."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer.inner_optimizer
+    return optimizer
+
+
+def loss_scale(optimizer):
+    """The factor a `LossScaleOptimizer` scales the loss by now (its
+    dynamic scale), `None` for any other optimizer."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer.dynamic_scale
+    return None
+
+
 def scaled_loss_optimizer(
     optimizer, trainer, runtime, coordinate, auto_scale_loss=True
 ):
@@ -107,8 +122,11 @@ def scaled_loss_optimizer(
     automatic = auto_scale_loss and trainer.dtype_policy.name == (
         "mixed_float16"
     )
-    # A pipeline refuses loss scaling when it checks the compiled model.
-    per_rank = runtime.local_ranks and runtime.pipeline_parallel == 1
+    # A pipeline whose stages do not scale their losses refuses them when
+    # it checks the compiled model.
+    per_rank = runtime.local_ranks and (
+        runtime.pipeline_parallel == 1 or runtime.scales_losses
+    )
     if not per_rank or not (given or automatic):
         return coordinate(optimizer, False)
     if given:

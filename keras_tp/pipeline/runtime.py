@@ -17,6 +17,7 @@ from keras_tp.parallel.batch_loss import adds_losses
 from keras_tp.parallel.batch_loss import averages_over_rows
 from keras_tp.parallel.batch_loss import kept_fraction
 from keras_tp.parallel.batch_loss import warn_of_added_losses
+from keras_tp.parallel.loss_scaling import loss_scale
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.cutting import split_stages
 from keras_tp.pipeline.ownership import WeightOwners
@@ -65,6 +66,10 @@ class PipelineRuntime(Runtime):
     # Whether `global_clipnorm` clips accumulated gradients (where each
     # rank runs one stage's optimizer), not each step's.
     clips_accumulated_gradients = False
+    # Whether the stages seed their backward passes with a
+    # `LossScaleOptimizer`'s scale (`loss_scale`), whose finiteness check
+    # spans every stage (`world_adapter`).
+    scales_losses = False
 
     def __init__(self, model, config):
         super().__init__(config)
@@ -210,10 +215,13 @@ class PipelineRuntime(Runtime):
                 "they are applied. Pass one of the two, or use the torch "
                 "backend, whose pipelines clip the accumulated gradients."
             )
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        if scaled and not self.scales_losses:
             raise ValueError(
-                "LossScaleOptimizer is not supported with pipeline_parallel "
-                "yet; train in float32 or bfloat16 without loss scaling."
+                "LossScaleOptimizer (mixed_float16) is not supported with "
+                f"pipeline_parallel on {self.backend} yet: train in float32 "
+                "or bfloat16, or use the torch backend, whose stages scale "
+                "their losses."
             )
         for loss in keras.tree.flatten(trainer.loss):
             name = getattr(loss, "name", getattr(loss, "__name__", loss))
@@ -232,6 +240,11 @@ class PipelineRuntime(Runtime):
                     "where it pairs samples or divides by counts over it.",
                     stacklevel=3,
                 )
+
+    def loss_scale(self):
+        """What the backward passes seed the loss's gradient with: the
+        compiled `LossScaleOptimizer`'s scale, `None` without one."""
+        return loss_scale(getattr(self.trainer, "optimizer", None))
 
     def microbatches(self, batch_size):
         """The number of micro-batches for a batch of `batch_size`."""

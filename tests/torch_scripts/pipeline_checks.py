@@ -394,8 +394,9 @@ def four_rank_runs(directory):
     """`replicated_run` (DDP and ZeRO-1), `tensor_parallel_run`,
     `split_cut_run`, checkpoint round trips of 2 tensor-parallel stages
     and of 2 replicas of 2 stages with ZeRO-1, and `masked_run`,
-    `added_run` and `optimizer_state_run` of 2 replicas, in one launch of
-    4 ranks; every rank's results of each.
+    `added_run`, `optimizer_state_run` and `loss_scale_overflow` of 2
+    replicas (with ZeRO-1), in one launch of 4 ranks; every rank's results
+    of each.
 
     Args:
         directory: where `tensor_parallel_run` saves its model and the
@@ -430,6 +431,11 @@ def four_rank_runs(directory):
         "replicas_masked": masked_run(data_parallel=REPLICAS),
         "replicas_added": added_run(data_parallel=REPLICAS),
         "replicas_optimizer_state": optimizer_state_run(REPLICAS),
+        "replicas_loss_scale": _gathered(
+            pipeline_cases.loss_scale_overflow(
+                pipeline_cases.two_stages(REPLICAS, zero_stage=1)
+            )
+        ),
     }
 
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from keras_tp.collectives.torch import TorchCollectiveAdapter
 from keras_tp.collectives.torch import is_symbolic
 from keras_tp.parallel import CoordinatedOptimizer
+from keras_tp.parallel.loss_scaling import unscaled
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.runtime import PipelineRuntime
 from keras_tp.runtime.mesh import MeshRuntime
@@ -68,6 +69,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
     # Each rank runs the code between split layers on its own tensors.
     local_ranks = True
     clips_accumulated_gradients = True
+    scales_losses = True
 
     def __init__(self, model, config):
         pipeline_parallel = config.pipeline_parallel
@@ -100,6 +102,8 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         self.pipe_adapter.stats = self.stats
         job_adapter = TorchCollectiveAdapter(None, ("data", "pipe", "model"))
         job_adapter.stats = self.stats
+        # Every rank of the job: a loss scale's finiteness check spans it.
+        self.world_adapter = job_adapter
         stage_model = self.stage_models[self.stage_index]
         copies = {
             id(v)
@@ -157,7 +161,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         # axis combines their gradients; one takes the norms over the
         # stage's shards where `compile()` made one (`coordinating_runtime`).
         optimizer = getattr(self.trainer, "optimizer", None)
-        coordinated = isinstance(optimizer, CoordinatedOptimizer)
+        coordinated = isinstance(unscaled(optimizer), CoordinatedOptimizer)
         return (
             self.stage_runtime
             if self.data_parallel > 1 or coordinated

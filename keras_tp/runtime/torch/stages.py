@@ -136,7 +136,16 @@ class TorchStages(StagePrimitives):
             _like(output, grad)
             for output, grad in zip(outputs, cotangent or ())
         ]
-        grads = [*cotangent, *map(torch.ones_like, ones)]
+        # The loss's gradient, and its share of the added losses': 1, or
+        # a loss scale's factor.
+        scale = self.pipeline.loss_scale()
+        seeds = [
+            torch.ones_like(one)
+            if scale is None
+            else scale.value.to(one.dtype).expand_as(one)
+            for one in ones
+        ]
+        grads = [*cotangent, *seeds]
         pairs = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
         if pairs:
             torch.autograd.backward(*zip(*pairs))

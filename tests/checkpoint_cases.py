@@ -355,3 +355,41 @@ def main(directory, world_size, data_parallel=1, zero_stage=0, name=None):
 
 if __name__ == "__main__":
     main(sys.argv[1], *(int(a) for a in sys.argv[2:]))
+
+
+def loss_scale_round_trip(directory, save_layout, load_layouts):
+    """A `mixed_float16` MLP trained at `save_layout` (`(world_size,
+    data_parallel)`, `None` for one device), its loss scale set to 256,
+    saved, and loaded at each of `load_layouts`: the loaded loss scales
+    and the largest difference of the next steps' losses from the saved
+    model's."""
+    policy = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+
+    def build(layout):
+        model = models.mlp()
+        if layout is not None:
+            model = keras_tp.TensorParallelKeras(
+                model, world_size=layout[0], data_parallel=layout[1]
+            )
+        return compiled(model, "mlp")
+
+    try:
+        saved = build(save_layout)
+        x, y = data("mlp")
+        first = STEPS * BATCH
+        saved.fit(x[:first], y[:first], batch_size=BATCH, verbose=0)
+        saved.optimizer.dynamic_scale.assign(256.0)
+        keras_tp.save_checkpoint(saved, directory, epoch=1)
+        reference = record_after(saved, "mlp")["losses"]
+        scales, differences = [], []
+        for layout in load_layouts:
+            loaded = build(layout)
+            keras_tp.load_checkpoint(loaded, directory)
+            scale = keras.ops.convert_to_numpy(loaded.optimizer.dynamic_scale)
+            scales.append(float(scale))
+            losses = record_after(loaded, "mlp")["losses"]
+            differences.append(float(np.abs(losses - reference).max()))
+        return scales, differences
+    finally:
+        keras.mixed_precision.set_global_policy(policy)

@@ -239,3 +239,14 @@ def test_model_checkpoint_each_epoch_loads_at_another_layout(tmp_path):
         "epoch2.weights.h5",
     ]
     assert read_manifest(str(tmp_path / "epoch2.weights.h5"))["step"] == 12
+
+
+def test_a_loss_scale_loads_with_its_optimizer_at_any_layout(tmp_path):
+    # Saved where a GlobalLossScaleOptimizer wraps a CoordinatedOptimizer
+    # (a data axis), loaded where Keras' own wraps Adam (one device, and
+    # tensor parallelism alone): the scale and the slots come back.
+    scales, differences = cases.loss_scale_round_trip(
+        str(tmp_path), (2, 2), [None, (2, 1), (4, 2)]
+    )
+    assert scales == [256.0] * 3
+    assert max(differences) < 1e-3, differences

@@ -662,6 +662,16 @@ def check_added_losses(tp_of):
         assert bool(named) == (microbatches * data_parallel > 1)
         np.testing.assert_allclose(logged, expected, rtol=1e-5)
         check_unsplit_weights(reference, tp.get_weights())
+    # A loss scale (in float32, a power of two: exact) seeds the added
+    # losses' gradients as it seeds the loss's.
+    tp = tp_of(regularized_mlp(), 2)
+    scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    tp.compile(optimizer=scaled, loss="mse")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logged = [float(tp.train_on_batch(x, y)) for _ in range(2)]
+    np.testing.assert_allclose(logged, expected, rtol=1e-5)
+    check_unsplit_weights(reference, tp.get_weights())
     tokens = keras.Input((6,), dtype="int32")
     h = keras.layers.Embedding(10, 8, mask_zero=True)(tokens)
     h = keras.layers.Dense(4, kernel_regularizer="l2")(h)
@@ -673,14 +683,14 @@ def check_added_losses(tp_of):
 
 
 def loss_scale_overflow(tp_of):
-    """`mixed_float16` training of the MLP on the pipeline `tp_of(model)`
+    """`mixed_float16` SGD of the MLP on the pipeline `tp_of(model)`
     makes and on one device, for 3 batches whose first overflows in its
     last sample (on the last micro-batch and replica): the step is
     skipped and the scale halved on every stage, as on one device.
 
     Returns:
         `(largest weight difference, [one device's scale, the
-        pipeline's])`.
+        pipeline's], [their steps applied])`.
     """
     policy = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -691,7 +701,7 @@ def loss_scale_overflow(tp_of):
         x[BATCH - 1] = 1e5
         trained = (models.mlp(), tp_of(models.mlp()))
         for model in trained:
-            model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
             model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
         expected, got = (model.get_weights() for model in trained)
         difference = max(
@@ -701,13 +711,19 @@ def loss_scale_overflow(tp_of):
             float(keras.ops.convert_to_numpy(m.optimizer.dynamic_scale))
             for m in trained
         ]
-        return difference, scales
+        steps = [
+            int(keras.ops.convert_to_numpy(m.optimizer.iterations))
+            for m in trained
+        ]
+        return difference, scales, steps
     finally:
         keras.mixed_precision.set_global_policy(policy)
 
 
 def check_loss_scale_overflow(result):
-    difference, scales = result
-    # 32768 at the start, halved once, on one device and on every stage.
+    difference, scales, steps = result
+    # 32768 at the start, halved once, on one device and on every stage;
+    # 2 of the 3 steps applied.
     assert scales == [16384.0, 16384.0], result
-    assert difference < 2e-3, result
+    assert steps == [2, 2], result
+    assert difference < 1e-4, result

@@ -245,9 +245,6 @@ def test_refusals_name_the_fix():
     )
     with pytest.raises(ValueError, match="Pass one of the two"):
         tp.compile(optimizer=clipped, loss=models.loss_fn())
-    scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam())
-    with pytest.raises(ValueError, match="use the torch backend, whose stages"):
-        tp.compile(optimizer=scaled, loss=models.loss_fn())
     tp.compile(optimizer="adam", loss=models.loss_fn())
     x, y = models.data_for("mlp", batch=12)
     # 12 samples in batches of 8: Keras traces the step for any size.
@@ -443,3 +440,15 @@ def test_a_keras_mask_crosses_the_cut_to_the_loss():
             model, num_microbatches=microbatches
         )
     )
+
+
+@pytest.mark.parametrize("data_parallel", [1, 2])
+def test_a_loss_scale_overflow_skips_the_step_on_every_stage(data_parallel):
+    # mixed_float16: the first batch overflows on the last replica's last
+    # micro-batch only; every stage skips it, as one device does, and
+    # halves its scale.
+    tp_of = pipeline_cases.two_stages(
+        data_parallel, zero_stage=int(data_parallel > 1)
+    )
+    result = pipeline_cases.loss_scale_overflow(tp_of)
+    pipeline_cases.check_loss_scale_overflow(result)

@@ -57,17 +57,15 @@ class GlobalLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             for g, v in zip(grads, variables)
         ]
         self.inner_optimizer.apply(unscaled, trainable_variables)
-        grows = ops.equal(self.step_counter, self.dynamic_growth_steps - 1)
-        self.step_counter.assign(
-            ops.where(grows, 0, ops.add(self.step_counter, 1))
-        )
-        self.dynamic_scale.assign(
-            ops.where(grows, ops.multiply(scale, 2.0), scale)
-        )
+        self._move_scale(True)
 
     def _halve_scale(self):
-        self.step_counter.assign(0)
-        self.dynamic_scale.assign(ops.multiply(self.dynamic_scale, 0.5))
+        self._move_scale(False)
+
+    def _move_scale(self, finite):
+        new = next_scale(self, finite, self.dynamic_scale, self.step_counter)
+        self.dynamic_scale.assign(new[0])
+        self.step_counter.assign(new[1])
 
     def check_finite(self, grads):
         """Whether every rank's `grads` are all finite: one all-reduce of
@@ -81,6 +79,25 @@ class GlobalLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         with self._world.stats.labelled("optimizer"):
             total = self._world.all_reduce(local, "sum")
         return ops.equal(total, 0.0)
+
+
+def next_scale(optimizer, finite, scale, counter):
+    """`(scale, counter)` after a step, as `LossScaleOptimizer` moves
+    them: halved, and the count of finite steps restarted, where the
+    gradients were not `finite` (a bool, or a boolean tensor); doubled
+    once `dynamic_growth_steps` steps in a row were finite."""
+    grows = ops.logical_and(
+        finite, ops.equal(counter, optimizer.dynamic_growth_steps - 1)
+    )
+    zero = ops.zeros_like(counter)
+    return (
+        ops.where(
+            finite,
+            ops.where(grows, ops.multiply(scale, 2.0), scale),
+            ops.multiply(scale, 0.5),
+        ),
+        ops.where(finite, ops.where(grows, zero, ops.add(counter, 1)), zero),
+    )
 
 
 def unscaled(optimizer):
@@ -122,12 +139,10 @@ def scaled_loss_optimizer(
     automatic = auto_scale_loss and trainer.dtype_policy.name == (
         "mixed_float16"
     )
-    # A pipeline whose stages do not scale their losses refuses them when
-    # it checks the compiled model.
-    per_rank = runtime.local_ranks and (
-        runtime.pipeline_parallel == 1 or runtime.scales_losses
-    )
-    if not per_rank or not (given or automatic):
+    # One process's pipelines (JAX, TensorFlow) decide for all stages
+    # themselves: they have no adapter over every rank.
+    world = getattr(runtime, "world_adapter", None)
+    if not runtime.local_ranks or world is None or not (given or automatic):
         return coordinate(optimizer, False)
     if given:
         options = {
@@ -139,4 +154,4 @@ def scaled_loss_optimizer(
     else:
         options = {"name": "loss_scale_optimizer"}
     inner = keras.optimizers.get(coordinate(optimizer, True))
-    return GlobalLossScaleOptimizer(inner, runtime.world_adapter, **options)
+    return GlobalLossScaleOptimizer(inner, world, **options)

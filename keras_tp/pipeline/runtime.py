@@ -66,10 +66,6 @@ class PipelineRuntime(Runtime):
     # Whether `global_clipnorm` clips accumulated gradients (where each
     # rank runs one stage's optimizer), not each step's.
     clips_accumulated_gradients = False
-    # Whether the stages seed their backward passes with a
-    # `LossScaleOptimizer`'s scale (`loss_scale`), whose finiteness check
-    # spans every stage (`world_adapter`).
-    scales_losses = False
 
     def __init__(self, model, config):
         super().__init__(config)
@@ -214,14 +210,6 @@ class PipelineRuntime(Runtime):
                 "accumulated gradients (gradient_accumulation_steps) once "
                 "they are applied. Pass one of the two, or use the torch "
                 "backend, whose pipelines clip the accumulated gradients."
-            )
-        scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-        if scaled and not self.scales_losses:
-            raise ValueError(
-                "LossScaleOptimizer (mixed_float16) is not supported with "
-                f"pipeline_parallel on {self.backend} yet: train in float32 "
-                "or bfloat16, or use the torch backend, whose stages scale "
-                "their losses."
             )
         for loss in keras.tree.flatten(trainer.loss):
             name = getattr(loss, "name", getattr(loss, "__name__", loss))

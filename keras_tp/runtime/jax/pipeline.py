@@ -15,6 +15,9 @@ from keras_tp.keras_internals import updating_only
 from keras_tp.parallel.clipping import global_norm_taken
 from keras_tp.parallel.clipping import global_scale
 from keras_tp.parallel.clipping import weighted_squares
+from keras_tp.parallel.loss_scaling import loss_scale
+from keras_tp.parallel.loss_scaling import next_scale
+from keras_tp.parallel.loss_scaling import unscaled
 from keras_tp.parallel.optimizer import BUCKET_CAP_MB
 from keras_tp.parallel.zero import ZeroLayout
 from keras_tp.pipeline import schedules
@@ -77,9 +80,18 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
     def action_times(self):
         return self._trained.clock.times(self.trained_order)
 
-    def _stages(self, x, trainable, non_trainable, training, per_device=True):
+    def _stages(
+        self,
+        x,
+        trainable,
+        non_trainable,
+        training,
+        per_device=True,
+        seed=None,
+    ):
         """The `JaxStages` of a step on the batch `x` and Keras' values; per
-        device with replicas unless `per_device=False`."""
+        device with replicas unless `per_device=False`, seeding the loss's
+        gradient with `seed` (default 1)."""
         per_device = per_device and self.data_parallel > 1
         replicas = self.data_parallel if per_device else 1
         batch = batch_size(x)
@@ -97,12 +109,17 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             self.stage_lists(trainer.trainable_variables, trainable),
             self.stage_lists(trainer.non_trainable_variables, non_trainable),
             count,
+            seed,
         )
 
     def train_step(self, state, data):
         trainable, non_trainable, optimizer_values, metrics = state
         x, targets = self.unpacked(data)
-        stages = self._stages(x, trainable, non_trainable, training=True)
+        scale = loss_scale(self.trainer.optimizer)
+        if scale is not None:
+            ids = [id(v) for v in self.trainer.optimizer.variables]
+            scale = optimizer_values[ids.index(id(scale))]
+        stages = self._stages(x, trainable, non_trainable, True, seed=scale)
         order = schedules.issue_order(
             self.schedule, self.pipeline_parallel, stages.num_microbatches
         )
@@ -213,9 +230,12 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             self._updates[stage].synchronise(grads)
             for stage, grads in enumerate(owned)
         ]
-        if trainer.optimizer.global_clipnorm:
-            owned = self._globally_clipped(owned)
-        for stage, grads in enumerate(owned):
+        scaler = trainer.optimizer
+        finite = True
+        if unscaled(scaler).global_clipnorm or loss_scale(scaler) is not None:
+            owned, finite = self._globally_clipped(owned, values)
+        # Every stage skips a step whose gradients overflowed anywhere.
+        for stage, grads in enumerate(owned if finite else ()):
             stage_update = self._updates[stage]
             own, slots = stage_update.variables, stage_update.slots
             new_values, new_slots, new_shared = stage_update.update(
@@ -226,17 +246,24 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             )
             values.update(zip(map(id, own), new_values))
             values.update(zip(map(id, slots), new_slots))
-        values.update(zip(map(id, shared), new_shared))
+            values.update(zip(map(id, shared), new_shared))
+        if loss_scale(scaler) is not None:
+            scale, counter = (scaler.dynamic_scale, scaler.step_counter)
+            values[id(scale)], values[id(counter)] = next_scale(
+                scaler, finite, values[id(scale)], values[id(counter)]
+            )
         return (
             [values[id(v)] for v in variables],
             [values[id(v)] for v in optimizer_variables],
         )
 
-    def _globally_clipped(self, owned):
-        """Each stage's gradients in `owned` clipped by the norm of them
-        all (`global_clipnorm`): each stage's squared norm, summed over
-        its devices, is sent to the last stage's devices, which add them;
-        every stage scales its gradients by the same factor."""
+    def _globally_clipped(self, owned, values):
+        """`(gradients, finite)`: each stage's gradients in `owned` clipped
+        by the norm of them all (`global_clipnorm`) and divided by a loss
+        scale, and whether they are all finite (a Python bool). Each
+        stage's squared norm, summed over its devices, is sent to the last
+        stage's devices, which add them; every stage scales its gradients
+        by the same factor."""
         last = self.pipeline_parallel - 1
         squares = [
             self.sent(
@@ -245,14 +272,17 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             for stage, grads in enumerate(owned)
         ]
         total = sum(squares[1:], squares[0])
-        scale = global_scale(
-            jax.numpy.sqrt(total), self.trainer.optimizer.global_clipnorm
-        )
+        optimizer = self.trainer.optimizer
+        clip = unscaled(optimizer).global_clipnorm
+        scale = global_scale(jax.numpy.sqrt(total), clip) if clip else 1.0
+        factor = loss_scale(optimizer)
+        if factor is not None:
+            scale = scale / values[id(factor)]
         clipped = []
         for stage, grads in enumerate(owned):
-            factor = self.sent(scale, stage, "optimizer")
+            factor = self.sent(jax.numpy.asarray(scale), stage, "optimizer")
             clipped.append([g * factor.astype(g.dtype) for g in grads])
-        return clipped
+        return clipped, bool(jax.numpy.isfinite(total))
 
     def _update_of(self, stage, shared):
         """A stage's compiled `StageUpdate`: `synchronise` of its gradients
@@ -261,7 +291,8 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         gradients `synchronise` leaves, clipped by a global norm by its
         caller (`_globally_clipped`) with their `squared_norm`; the
         `variables` and `slots` it updates."""
-        optimizer = self.trainer.optimizer
+        # A loss scale's own variables are `_apply`'s (it skips or not).
+        optimizer = unscaled(self.trainer.optimizer)
         own = self.owners.owned(stage)
         slots = [
             v for v in optimizer.variables if self.stage_of.get(id(v)) == stage

@@ -232,7 +232,9 @@ class StagePrograms:
         from the forward's arguments, residuals and output gradients."""
         last = index == self.last
 
-        def local(trainable, non_trainable, inputs, targets, kept, cotangent):
+        def local(
+            trainable, non_trainable, inputs, targets, kept, cotangent, seed
+        ):
             _, leaves = self._arguments(
                 index, trainable, non_trainable, inputs, targets
             )
@@ -242,10 +244,11 @@ class StagePrograms:
                 treedef,
                 [next(kept) if s is None else leaves[s] for s in sources],
             )
+            # The loss's gradient: 1, or a loss scale's factor.
             if last:
-                cotangent = np.float32(1.0)
+                cotangent = seed
             elif self.adding_stages[index]:
-                cotangent = (self._from_rows(cotangent), np.float32(1.0))
+                cotangent = (self._from_rows(cotangent), seed)
             else:
                 cotangent = self._from_rows(cotangent)
             gradients, input_gradients = vjp(cotangent)
@@ -254,7 +257,7 @@ class StagePrograms:
 
         runtime = self.runtimes[index]
         variables = self.stage_models[index].trainable_variables
-        in_specs = (*self._specs(index), ROWS, ROWS)
+        in_specs = (*self._specs(index), ROWS, ROWS, PartitionSpec())
         out_specs = (replica_rows(runtime, variables), ROWS)
         return self._mapped(index, local, in_specs, out_specs)
 
@@ -265,8 +268,12 @@ class JaxStages(StagePrimitives):
     holds the new ones, `gradients` the sums over the micro-batches, one
     row per replica with replicas), in `num_microbatches` micro-batches."""
 
-    def __init__(self, programs, trainable, non_trainable, num_microbatches):
+    def __init__(
+        self, programs, trainable, non_trainable, num_microbatches, seed=None
+    ):
         self.programs = programs
+        # What the backward passes seed the loss's gradient with.
+        self.seed = np.float32(1.0) if seed is None else seed
         self.num_stages = len(programs.stage_models)
         self.replicas = programs.replicas
         self.trainable = trainable
@@ -295,7 +302,8 @@ class JaxStages(StagePrimitives):
     def backward(self, stage, m, cotangent):
         args, kept = self._residuals.pop((stage, m))
         program = self.programs.program("backward", stage)
-        grads, input_grads = program(*args, kept, cotangent)
+        seed = onto(self.seed, self.programs.runtimes[stage].mesh)
+        grads, input_grads = program(*args, kept, cotangent, seed)
         if self.gradients[stage] is not None:
             grads = jax.tree.map(jax.numpy.add, self.gradients[stage], grads)
         self.gradients[stage] = grads

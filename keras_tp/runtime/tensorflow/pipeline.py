@@ -13,6 +13,9 @@ from keras_tp.keras_internals import step_counter
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.parallel.clipping import global_norm_taken
 from keras_tp.parallel.clipping import global_scale
+from keras_tp.parallel.loss_scaling import loss_scale
+from keras_tp.parallel.loss_scaling import next_scale
+from keras_tp.parallel.loss_scaling import unscaled
 from keras_tp.pipeline.runtime import PipelineRuntime
 from keras_tp.runtime.tensorflow import TensorFlowRuntime
 from keras_tp.runtime.tensorflow import devices as tf_devices
@@ -112,9 +115,12 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
 
     def build_optimizer(self, trainer):
         """Makes each stage's copy of the compiled optimizer, once."""
-        optimizer = trainer.optimizer
-        if self._optimizers_of is optimizer:
+        compiled = trainer.optimizer
+        if self._optimizers_of is compiled:
             return
+        # A loss scale is the pipeline's (`train_step`): the stages copy
+        # the optimizer it wraps.
+        scaled, optimizer = loss_scale(compiled), unscaled(compiled)
         # Made eagerly, to outlive the trace of the first step.
         with tf.init_scope():
             config, trainers = optimizer.get_config(), []
@@ -123,7 +129,8 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
                     self.stage_models[stage], self.owners.owned(stage)
                 )
                 copy = type(optimizer).from_config(config)
-                if any(getattr(optimizer, name) for name in _COORDINATED):
+                options = [getattr(optimizer, name) for name in _COORDINATED]
+                if scaled is not None or any(options):
                     # It accumulates, averages the weights and takes the
                     # norms over the stage's devices (and its synchronised
                     # gradients join the global norm, `_globally_clipped`).
@@ -139,7 +146,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
                 prepare_optimizer(runtime, trainer)
                 trainers.append(trainer)
         self.stage_optimizers = trainers
-        self._optimizers_of = optimizer
+        self._optimizers_of = compiled
 
     def run_step(self, phase, step, *args, **kwargs):
         step = getattr(self, f"{phase}_step")
@@ -160,12 +167,21 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         loss, y_pred = stages.step(x, targets)
         self.trained_order = stages.order
         owned = self._owned_gradients(stages.scaled_gradients())
-        scale = None
-        if self.trainer.optimizer.global_clipnorm:
-            owned, scale = self._globally_clipped(owned)
+        compiled = self.trainer.optimizer
+        scaler = loss_scale(compiled)
+        scale = finite = None
+        if unscaled(compiled).global_clipnorm or scaler is not None:
+            owned, scale, finite = self._globally_clipped(owned)
         for stage in range(self.pipeline_parallel):
-            self._update(stage, owned, scale)
-        step_counter(self.trainer.optimizer).assign_add(1)
+            self._update(stage, owned, scale, finite)
+        if scaler is None:
+            step_counter(compiled).assign_add(1)
+            return self.update_metrics(x, targets, loss, y_pred)
+        # A step whose gradients overflowed anywhere is skipped everywhere.
+        step_counter(unscaled(compiled)).assign_add(tf.cast(finite, "int64"))
+        new = next_scale(compiled, finite, scaler, compiled.step_counter)
+        scaler.assign(new[0])
+        compiled.step_counter.assign(new[1])
         return self.update_metrics(x, targets, loss, y_pred)
 
     def test_step(self, data):
@@ -230,22 +246,33 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
                 "send", 4 * len(runtime.devices), "optimizer", "pipe"
             )
         with tf.device(self.stage_runtimes[-1].devices[0]):
-            norm = tf.sqrt(tf.add_n(squares))
-            clip = self.trainer.optimizer.global_clipnorm
-            return synchronised, global_scale(norm, clip)
+            total = tf.add_n(squares)
+            compiled = self.trainer.optimizer
+            clip = unscaled(compiled).global_clipnorm
+            scale = global_scale(tf.sqrt(total), clip) if clip else 1.0
+            scaler = loss_scale(compiled)
+            if scaler is not None:
+                scale = scale / tf.convert_to_tensor(scaler)
+            return synchronised, scale, tf.math.is_finite(total)
 
-    def _update(self, index, gradients, scale=None):
+    def _update(self, index, gradients, scale=None, finite=None):
         """Stage `index`'s update on each of its replicas, with the compiled
         optimizer's step count and learning rate (which a callback or a
         load sets): from its replicas' `gradients`, or, with a `scale`,
         from those its optimizer synchronised (`_globally_clipped`),
-        multiplied by it."""
+        multiplied by it; only where every stage's are `finite`, if
+        given."""
         runtime = self.stage_runtimes[index]
         stage = self.stage_optimizers[index]
-        compiled = self.trainer.optimizer
+        compiled = unscaled(self.trainer.optimizer)
         optimizer = stage.inner_optimizer
 
         def update():
+            if finite is None:
+                return apply()
+            return tf.cond(finite, apply, lambda: tf.zeros(()))
+
+        def apply():
             optimizer.iterations.assign(compiled.iterations)
             # A schedule computes the rate from the step count.
             if isinstance(compiled.learning_rate, keras.Variable):

@@ -115,8 +115,9 @@ class TensorFlowStages(StagePrimitives):
             started = self.times[-1][0]
             if cotangent is None:
                 cotangent = self._loss_cotangents.pop(m)
-            # The gradient of a stage's added losses' share is 1.
-            added = [tf.ones(())] if self.adding_stages[stage] else []
+            # The gradient of a stage's added losses' share is 1, or a
+            # loss scale's factor.
+            added = [self._seed()] if self.adding_stages[stage] else []
 
             def backward():
                 replica = runtime.replica_id()
@@ -221,10 +222,11 @@ class TensorFlowStages(StagePrimitives):
                 )
                 loss, fraction = loss_function(target[first], outputs[first])
                 loss = loss / self.num_microbatches
+                seeded = loss * tf.cast(self._seed(), loss.dtype)
             losses.append((loss, fraction))
             cotangents.append(
                 tape.gradient(
-                    loss,
+                    seeded,
                     predicted,
                     unconnected_gradients=tf.UnconnectedGradients.ZERO,
                 )
@@ -233,6 +235,14 @@ class TensorFlowStages(StagePrimitives):
             cotangents[r // self.tensor_parallel] for r in range(len(outputs))
         ]
         return losses
+
+    def _seed(self):
+        """What the loss's gradient is seeded with: 1, or a loss scale's
+        factor (`PipelineRuntime.loss_scale`)."""
+        scale = self.pipeline.loss_scale()
+        if scale is None:
+            return tf.ones(())
+        return tf.cast(tf.convert_to_tensor(scale), "float32")
 
     def _accumulate(self, key, variables, grads):
         """Adds `grads` of `variables` to `gradients[key]`, dense (zero for

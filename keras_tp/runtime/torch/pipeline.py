@@ -69,7 +69,6 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
     # Each rank runs the code between split layers on its own tensors.
     local_ranks = True
     clips_accumulated_gradients = True
-    scales_losses = True
 
     def __init__(self, model, config):
         pipeline_parallel = config.pipeline_parallel

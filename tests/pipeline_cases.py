@@ -682,11 +682,12 @@ def check_added_losses(tp_of):
         tp.train_on_batch(tokens, np.zeros((BATCH, 6), "int32"))
 
 
-def loss_scale_overflow(tp_of):
-    """`mixed_float16` SGD of the MLP on the pipeline `tp_of(model)`
-    makes and on one device, for 3 batches whose first overflows in its
-    last sample (on the last micro-batch and replica): the step is
-    skipped and the scale halved on every stage, as on one device.
+def loss_scale_overflow(data_parallel):
+    """`mixed_float16` SGD of the MLP on 2 stages of `data_parallel`
+    replicas (ZeRO-1 with replicas) and on one device, for 3 batches
+    whose first overflows in its last sample (on the last micro-batch and
+    replica): the step is skipped and the scale halved on every stage, as
+    on one device.
 
     Returns:
         `(largest weight difference, [one device's scale, the
@@ -699,6 +700,7 @@ def loss_scale_overflow(tp_of):
         x, y = models.data_for("mlp", batch=3 * BATCH)
         # Past float16's largest value: inf in the first layer's inputs.
         x[BATCH - 1] = 1e5
+        tp_of = two_stages(data_parallel, zero_stage=int(data_parallel > 1))
         trained = (models.mlp(), tp_of(models.mlp()))
         for model in trained:
             model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)

@@ -447,8 +447,5 @@ def test_a_loss_scale_overflow_skips_the_step_on_every_stage(data_parallel):
     # mixed_float16: the first batch overflows on the last replica's last
     # micro-batch only; every stage skips it, as one device does, and
     # halves its scale.
-    tp_of = pipeline_cases.two_stages(
-        data_parallel, zero_stage=int(data_parallel > 1)
-    )
-    result = pipeline_cases.loss_scale_overflow(tp_of)
+    result = pipeline_cases.loss_scale_overflow(data_parallel)
     pipeline_cases.check_loss_scale_overflow(result)

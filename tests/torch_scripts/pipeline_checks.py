@@ -432,9 +432,7 @@ def four_rank_runs(directory):
         "replicas_added": added_run(data_parallel=REPLICAS),
         "replicas_optimizer_state": optimizer_state_run(REPLICAS),
         "replicas_loss_scale": _gathered(
-            pipeline_cases.loss_scale_overflow(
-                pipeline_cases.two_stages(REPLICAS, zero_stage=1)
-            )
+            pipeline_cases.loss_scale_overflow(REPLICAS)
         ),
     }
 

@@ -133,7 +133,7 @@ def scaled_loss_optimizer(
         A `GlobalLossScaleOptimizer` around the coordinated optimizer
         where ranks compute their own gradients and the loss is scaled (a
         `LossScaleOptimizer` given, or a `mixed_float16` model compiled
-        with `auto_scale_loss`); else `coordinate(optimizer)`.
+        with `auto_scale_loss`); else `coordinate(optimizer, False)`.
     """
     given = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
     automatic = auto_scale_loss and trainer.dtype_policy.name == (

@@ -17,7 +17,9 @@ from keras_tp.parallel.batch_loss import adds_losses
 from keras_tp.parallel.batch_loss import averages_over_rows
 from keras_tp.parallel.batch_loss import kept_fraction
 from keras_tp.parallel.batch_loss import warn_of_added_losses
+from keras_tp.parallel.clipping import global_scale
 from keras_tp.parallel.loss_scaling import loss_scale
+from keras_tp.parallel.loss_scaling import unscaled
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.cutting import split_stages
 from keras_tp.pipeline.ownership import WeightOwners
@@ -200,7 +202,7 @@ class PipelineRuntime(Runtime):
                 "the step is not one compiled program: call "
                 "`compile(..., jit_compile=False)` (the default)."
             )
-        optimizer = trainer.optimizer
+        optimizer = unscaled(trainer.optimizer)
         accumulating = getattr(optimizer, "gradient_accumulation_steps", None)
         clipping = getattr(optimizer, "global_clipnorm", None)
         if clipping and accumulating and not self.clips_accumulated_gradients:
@@ -233,6 +235,21 @@ class PipelineRuntime(Runtime):
         """What the backward passes seed the loss's gradient with: the
         compiled `LossScaleOptimizer`'s scale, `None` without one."""
         return loss_scale(getattr(self.trainer, "optimizer", None))
+
+    def takes_global_norm(self):
+        """Whether the stages' updates take the norm of every stage's
+        gradients: to clip them (`global_clipnorm`), or to find whether
+        they are all finite (a loss scale's check)."""
+        clip = unscaled(self.trainer.optimizer).global_clipnorm
+        return bool(clip) or self.loss_scale() is not None
+
+    def gradient_factor(self, squares, scale):
+        """What every stage multiplies its synchronised gradients by, from
+        the sum of their `squares`: the global clip's factor, divided by
+        the loss scale's value `scale` (`None` without one)."""
+        clip = unscaled(self.trainer.optimizer).global_clipnorm
+        factor = global_scale(ops.sqrt(squares), clip) if clip else 1.0
+        return factor if scale is None else factor / scale
 
     def microbatches(self, batch_size):
         """The number of micro-batches for a batch of `batch_size`."""

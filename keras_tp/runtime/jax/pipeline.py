@@ -13,9 +13,7 @@ from keras_tp.keras_internals import StatelessScope
 from keras_tp.keras_internals import jax_update_metrics
 from keras_tp.keras_internals import updating_only
 from keras_tp.parallel.clipping import global_norm_taken
-from keras_tp.parallel.clipping import global_scale
 from keras_tp.parallel.clipping import weighted_squares
-from keras_tp.parallel.loss_scaling import loss_scale
 from keras_tp.parallel.loss_scaling import next_scale
 from keras_tp.parallel.loss_scaling import unscaled
 from keras_tp.parallel.optimizer import BUCKET_CAP_MB
@@ -115,7 +113,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
     def train_step(self, state, data):
         trainable, non_trainable, optimizer_values, metrics = state
         x, targets = self.unpacked(data)
-        scale = loss_scale(self.trainer.optimizer)
+        scale = self.loss_scale()
         if scale is not None:
             ids = [id(v) for v in self.trainer.optimizer.variables]
             scale = optimizer_values[ids.index(id(scale))]
@@ -232,7 +230,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         ]
         scaler = trainer.optimizer
         finite = True
-        if unscaled(scaler).global_clipnorm or loss_scale(scaler) is not None:
+        if self.takes_global_norm():
             owned, finite = self._globally_clipped(owned, values)
         # Every stage skips a step whose gradients overflowed anywhere.
         for stage, grads in enumerate(owned if finite else ()):
@@ -247,7 +245,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             values.update(zip(map(id, own), new_values))
             values.update(zip(map(id, slots), new_slots))
             values.update(zip(map(id, shared), new_shared))
-        if loss_scale(scaler) is not None:
+        if self.loss_scale() is not None:
             scale, counter = (scaler.dynamic_scale, scaler.step_counter)
             values[id(scale)], values[id(counter)] = next_scale(
                 scaler, finite, values[id(scale)], values[id(counter)]
@@ -272,12 +270,10 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             for stage, grads in enumerate(owned)
         ]
         total = sum(squares[1:], squares[0])
-        optimizer = self.trainer.optimizer
-        clip = unscaled(optimizer).global_clipnorm
-        scale = global_scale(jax.numpy.sqrt(total), clip) if clip else 1.0
-        factor = loss_scale(optimizer)
-        if factor is not None:
-            scale = scale / values[id(factor)]
+        factor = self.loss_scale()
+        scale = self.gradient_factor(
+            total, None if factor is None else values[id(factor)]
+        )
         clipped = []
         for stage, grads in enumerate(owned):
             factor = self.sent(jax.numpy.asarray(scale), stage, "optimizer")

@@ -12,7 +12,6 @@ from keras_tp.compiling import place_slots
 from keras_tp.keras_internals import step_counter
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.parallel.clipping import global_norm_taken
-from keras_tp.parallel.clipping import global_scale
 from keras_tp.parallel.loss_scaling import loss_scale
 from keras_tp.parallel.loss_scaling import next_scale
 from keras_tp.parallel.loss_scaling import unscaled
@@ -168,9 +167,9 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         self.trained_order = stages.order
         owned = self._owned_gradients(stages.scaled_gradients())
         compiled = self.trainer.optimizer
-        scaler = loss_scale(compiled)
+        scaler = self.loss_scale()
         scale = finite = None
-        if unscaled(compiled).global_clipnorm or scaler is not None:
+        if self.takes_global_norm():
             owned, scale, finite = self._globally_clipped(owned)
         for stage in range(self.pipeline_parallel):
             self._update(stage, owned, scale, finite)
@@ -247,12 +246,10 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             )
         with tf.device(self.stage_runtimes[-1].devices[0]):
             total = tf.add_n(squares)
-            compiled = self.trainer.optimizer
-            clip = unscaled(compiled).global_clipnorm
-            scale = global_scale(tf.sqrt(total), clip) if clip else 1.0
-            scaler = loss_scale(compiled)
-            if scaler is not None:
-                scale = scale / tf.convert_to_tensor(scaler)
+            scaler = self.loss_scale()
+            scale = self.gradient_factor(
+                total, None if scaler is None else tf.convert_to_tensor(scaler)
+            )
             return synchronised, scale, tf.math.is_finite(total)
 
     def _update(self, index, gradients, scale=None, finite=None):

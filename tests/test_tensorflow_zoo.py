@@ -76,3 +76,11 @@ def test_a_task_that_holds_its_optimizer_saves(tmp_path):
     tp.save(tmp_path / "gpt2.keras")
     loaded = keras.saving.load_model(tmp_path / "gpt2.keras")
     assert models.max_diff(loaded.get_weights(), reference.get_weights()) < 1e-5
+
+
+def test_mixed_float16_trains_at_parity():
+    # Loss scaling whose overflow check spans the replicas (a
+    # GlobalLossScaleOptimizer); JAX's CPU has no float16 dot with float32
+    # accumulation, so it runs on GPUs only there.
+    result = zoo_cases.mixed_precision("llama", 2, "mixed_float16")
+    zoo_cases.check_mixed_precision(*result)

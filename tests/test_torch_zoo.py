@@ -120,9 +120,12 @@ def test_attention_reshaping_dense_projections_pairs(ranks):
     assert backward == pairs, results["collectives"]
 
 
-def test_mixed_bfloat16_trains_at_parity(ranks):
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_mixed_precision_trains_at_parity(ranks, policy):
+    # mixed_float16 scales the loss: every rank checks the gradients of
+    # all of them for overflow (a GlobalLossScaleOptimizer).
     for rank in ranks:
-        zoo_cases.check_mixed_precision(*rank["mixed_bfloat16"])
+        zoo_cases.check_mixed_precision(*rank[policy])
 
 
 def test_separable_convolutions_pair_through_batchnorm(ranks):

@@ -50,10 +50,12 @@ class GlobalLossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def _apply_unscaled(self, grads, trainable_variables):
         variables = trainable_variables or [None] * len(grads)
         scale = self.dynamic_scale
+        # Reshaped: a TensorFlow embedding's sparse gradient divides into
+        # a dense one whose rows are unknown until it runs.
         unscaled = [
             g
             if g is None or getattr(v, "overwrite_with_gradient", False)
-            else ops.divide(g, scale)
+            else ops.reshape(ops.divide(g, scale), tuple(g.shape))
             for g, v in zip(grads, variables)
         ]
         self.inner_optimizer.apply(unscaled, trainable_variables)

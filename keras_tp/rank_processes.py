@@ -44,8 +44,9 @@ RANK_MODULES = (
 )
 
 # What the agent tells each rank, kept over the launching process'
-# environment (`run_rank`).
+# environment (`run_rank`), but for the restarts, which `launch` counts.
 _AGENT_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_RESTART_VARIABLES = ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS")
 
 
 def run_rank(nproc_per_node, payload, workdir, environment, timeout):
@@ -61,10 +62,12 @@ def run_rank(nproc_per_node, payload, workdir, environment, timeout):
     agent = {
         name: value
         for name, value in os.environ.items()
-        if name in _AGENT_VARIABLES or name.startswith("TORCHELASTIC_")
+        if name in _AGENT_VARIABLES
+        or name.startswith("TORCHELASTIC_")
+        and name not in _RESTART_VARIABLES
     }
     os.environ.clear()
-    os.environ.update({**agent, **environment})
+    os.environ.update({**environment, **agent})
     rank, world_size = int(agent["RANK"]), int(agent["WORLD_SIZE"])
     node, local_rank = divmod(rank, nproc_per_node)
     os.environ.update(

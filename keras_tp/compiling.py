@@ -55,10 +55,11 @@ def arguments_of(model):
     return arguments
 
 
-def compiled_optimizer(optimizer, runtime, trainer, auto_scale_loss=True):
+def optimizer_for(optimizer, runtime, trainer, arguments):
     """The optimizer `trainer` compiles with: `coordinated` over its
     `runtime`, with loss scaling that every rank decides alike where the
-    loss is scaled (`keras_tp.parallel.loss_scaling`)."""
+    loss is scaled (`keras_tp.parallel.loss_scaling`); `arguments` are
+    the other arguments of `compile()`, by name."""
     return scaled_loss_optimizer(
         optimizer,
         trainer,
@@ -66,7 +67,7 @@ def compiled_optimizer(optimizer, runtime, trainer, auto_scale_loss=True):
         lambda inner, loss_scaled: coordinated(
             inner, runtime, trainer, loss_scaled
         ),
-        auto_scale_loss,
+        arguments.get("auto_scale_loss", True),
     )
 
 

@@ -215,21 +215,16 @@ class TensorParallelKeras(
         self._compile(*args, **kwargs)
 
     def _compile(self, optimizer="rmsprop", *args, **kwargs):
-        kwargs = compiling.by_name(args, kwargs)
-        kwargs.setdefault("jit_compile", self._runtime.jit_compile_default)
-        optimizer = compiling.compiled_optimizer(
-            optimizer,
-            self._runtime,
-            self,
-            kwargs.get("auto_scale_loss", True),
-        )
+        runtime, kwargs = self._runtime, compiling.by_name(args, kwargs)
+        kwargs.setdefault("jit_compile", runtime.jit_compile_default)
+        optimizer = compiling.optimizer_for(optimizer, runtime, self, kwargs)
         kwargs, self._vocab_head = with_split_logits(
-            self.model, self._plan, self._runtime, kwargs
+            self.model, self._plan, runtime, kwargs
         )
-        with self._runtime.scope():
+        with runtime.scope():
             super().compile(optimizer, **kwargs)
-        self._runtime.check_compiled(self)
-        compiling.place_slots(self.optimizer, self._runtime)
+        runtime.check_compiled(self)
+        compiling.place_slots(self.optimizer, runtime)
 
     def fit(self, *args, **kwargs):
         """Trains as `keras.Model.fit` does.

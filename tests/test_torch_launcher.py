@@ -42,6 +42,21 @@ def test_threads_per_rank_decides_over_the_cores(monkeypatch):
     assert threads == 1
 
 
+def test_the_agent_numbers_the_ranks_over_the_callers_variables(
+    monkeypatch,
+):
+    # The caller's environment reaches the ranks, but for the variables
+    # the agent sets: a caller that itself ran under a launcher keeps no
+    # say over the ranks' numbers.
+    monkeypatch.setenv("RANK", "7")
+    monkeypatch.setenv("KERAS_TP_TEST_VARIABLE", "seen")
+    assert launcher.launch(_environment_of_rank, world_size=2) == ("0", "seen")
+
+
+def _environment_of_rank():
+    return os.environ["RANK"], os.environ["KERAS_TP_TEST_VARIABLE"]
+
+
 def test_nproc_per_node_must_be_a_positive_integer():
     with pytest.raises(ValueError, match="nproc_per_node must be an integer"):
         launcher.launch(torch.get_num_threads, world_size=2, nproc_per_node=0)

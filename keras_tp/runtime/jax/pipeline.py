@@ -229,10 +229,12 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             for stage, grads in enumerate(owned)
         ]
         scaler = trainer.optimizer
-        finite = True
         if self.takes_global_norm():
-            owned, finite = self._globally_clipped(owned, values)
-        # Every stage skips a step whose gradients overflowed anywhere.
+            owned, total = self._globally_clipped(owned, values)
+        # With a loss scale, every stage skips a step whose gradients
+        # overflowed anywhere (a wait for the devices' sum of squares).
+        scaled = self.loss_scale() is not None
+        finite = not scaled or bool(jax.numpy.isfinite(total))
         for stage, grads in enumerate(owned if finite else ()):
             stage_update = self._updates[stage]
             own, slots = stage_update.variables, stage_update.slots
@@ -245,7 +247,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             values.update(zip(map(id, own), new_values))
             values.update(zip(map(id, slots), new_slots))
             values.update(zip(map(id, shared), new_shared))
-        if self.loss_scale() is not None:
+        if scaled:
             scale, counter = (scaler.dynamic_scale, scaler.step_counter)
             values[id(scale)], values[id(counter)] = next_scale(
                 scaler, finite, values[id(scale)], values[id(counter)]
@@ -256,9 +258,10 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         )
 
     def _globally_clipped(self, owned, values):
-        """`(gradients, finite)`: each stage's gradients in `owned` clipped
-        by the norm of them all (`global_clipnorm`) and divided by a loss
-        scale, and whether they are all finite (a Python bool). Each
+        """`(gradients, squares)`: each stage's gradients in `owned`
+        clipped by the norm of them all (`global_clipnorm`) and divided by
+        a loss scale, and the sum of their squares (not finite where any
+        is not), on the last stage's devices. Each
         stage's squared norm, summed over its devices, is sent to the last
         stage's devices, which add them; every stage scales its gradients
         by the same factor."""
@@ -278,7 +281,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         for stage, grads in enumerate(owned):
             factor = self.sent(jax.numpy.asarray(scale), stage, "optimizer")
             clipped.append([g * factor.astype(g.dtype) for g in grads])
-        return clipped, bool(jax.numpy.isfinite(total))
+        return clipped, total
 
     def _update_of(self, stage, shared):
         """A stage's compiled `StageUpdate`: `synchronise` of its gradients

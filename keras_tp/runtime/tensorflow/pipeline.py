@@ -171,12 +171,13 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         scale = finite = None
         if self.takes_global_norm():
             owned, scale, finite = self._globally_clipped(owned)
+        # A step whose gradients overflowed anywhere is skipped everywhere.
+        skips = None if scaler is None else finite
         for stage in range(self.pipeline_parallel):
-            self._update(stage, owned, scale, finite)
+            self._update(stage, owned, scale, skips)
         if scaler is None:
             step_counter(compiled).assign_add(1)
             return self.update_metrics(x, targets, loss, y_pred)
-        # A step whose gradients overflowed anywhere is skipped everywhere.
         step_counter(unscaled(compiled)).assign_add(tf.cast(finite, "int64"))
         new = next_scale(compiled, finite, scaler, compiled.step_counter)
         scaler.assign(new[0])

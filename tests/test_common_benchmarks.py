@@ -100,7 +100,7 @@ def test_gpu_benchmark_cpu_smoke_writes_json_and_markdown(tmp_path):
     parts = {row["part"] for row in task["rows"]}
     assert parts == {
         "world_size=1 vs plain fit",
-        "mixed_bfloat16 vs float32",
+        "mixed precision vs float32",
         "GPT2 model FLOPs utilisation",
         "keras_tp vs ModelParallel, TP=1",
     }
@@ -110,4 +110,4 @@ def test_gpu_benchmark_cpu_smoke_writes_json_and_markdown(tmp_path):
     assert gpt2["flops_per_step"] > 6 * gpt2["parameters"] * 2 * 16
     text = table.read_text()
     assert "CPU smoke sizes: not a measurement." in text
-    assert "| mixed_bfloat16 vs float32 | jax: mixed_bfloat16" in text
+    assert "| mixed precision vs float32 | jax: mixed_bfloat16" in text

@@ -8,7 +8,8 @@ backend that sees the GPU measures (each backend in processes
 of its own, since Keras reads `KERAS_BACKEND` at import):
 
 - `TensorParallelKeras(world_size=1)` against plain `fit()`: overhead;
-- `mixed_bfloat16` training against float32: step time and loss parity;
+- `mixed_bfloat16` and `mixed_float16` (its loss scaled) training
+  against float32: step time and loss parity;
 - the model FLOPs utilisation of a GPT2-medium-sized step (keras-hub's
   GPT2 built from its config, random weights, no download);
 

@@ -92,7 +92,7 @@ def parts(backend, sizes):
             dict(**lm, **timing),
         ),
         (
-            "mixed_bfloat16 vs float32",
+            "mixed precision vs float32",
             "benchmarks.gpu.measures:mixed_precision",
             dict(lm=lm, **timing),
         ),

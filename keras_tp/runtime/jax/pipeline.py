@@ -231,18 +231,22 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         scaler = trainer.optimizer
         if self.takes_global_norm():
             owned, total = self._globally_clipped(owned, values)
-        # With a loss scale, every stage skips a step whose gradients
-        # overflowed anywhere (a wait for the devices' sum of squares).
+        # With a loss scale, every stage keeps its values where the
+        # gradients overflowed anywhere, decided on the devices.
         scaled = self.loss_scale() is not None
-        finite = not scaled or bool(jax.numpy.isfinite(total))
-        for stage, grads in enumerate(owned if finite else ()):
+        finite = jax.numpy.isfinite(total) if scaled else None
+        for stage, grads in enumerate(owned):
             stage_update = self._updates[stage]
             own, slots = stage_update.variables, stage_update.slots
+            applies = finite
+            if finite is not None:
+                applies = self.sent(finite, stage, "optimizer")
             new_values, new_slots, new_shared = stage_update.update(
                 [values[id(v)] for v in own],
                 [values[id(v)] for v in slots],
                 onto(shared_values, self.stage_runtimes[stage].mesh),
                 grads,
+                applies,
             )
             values.update(zip(map(id, own), new_values))
             values.update(zip(map(id, slots), new_slots))
@@ -286,10 +290,11 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
     def _update_of(self, stage, shared):
         """A stage's compiled `StageUpdate`: `synchronise` of its gradients
         as the backward passes leave them; `update` of `(values, slot
-        values, shared values, gradients)` to the new values, from the
-        gradients `synchronise` leaves, clipped by a global norm by its
-        caller (`_globally_clipped`) with their `squared_norm`; the
-        `variables` and `slots` it updates."""
+        values, shared values, gradients, applies)` to the new values,
+        from the gradients `synchronise` leaves, clipped by a global norm
+        by its caller (`_globally_clipped`) with their `squared_norm`, the
+        old values kept where the boolean `applies` is false (`None`:
+        always new); the `variables` and `slots` it updates."""
         # A loss scale's own variables are `_apply`'s (it skips or not).
         optimizer = unscaled(self.trainer.optimizer)
         own = self.owners.owned(stage)
@@ -297,7 +302,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             v for v in optimizer.variables if self.stage_of.get(id(v)) == stage
         ]
 
-        def update(values, slot_values, shared_values, gradients):
+        def update(values, slot_values, shared_values, gradients, applies):
             groups = (
                 (own, values),
                 (slots, slot_values),
@@ -313,7 +318,9 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
 
             def new(variable, value):
                 current = scope.get_current_value(variable)
-                return value if current is None else current
+                if current is None or applies is None:
+                    return value if current is None else current
+                return jax.numpy.where(applies, current, value)
 
             return tuple([*map(new, *group)] for group in groups)
 
@@ -406,14 +413,16 @@ def over_replicas(update, runtime, variables, zero_stage):
         rows = replica_rows(runtime, variables)
         return on_devices(reduced, rows, partitioned)(gradient_rows)
 
-    def combined(values, slot_values, shared_values, gradients):
+    def combined(values, slot_values, shared_values, gradients, applies):
         values = [
             jax.lax.with_sharding_constraint(
                 value, NamedSharding(runtime.mesh, spec)
             )
             for value, spec in zip(values, partitioned)
         ]
-        new_values, *new = update(values, slot_values, shared_values, gradients)
+        new_values, *new = update(
+            values, slot_values, shared_values, gradients, applies
+        )
         new_values = on_devices(gathered, partitioned, placed)(new_values)
         return new_values, *new
 

@@ -10,18 +10,6 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 
-def _activation_counts(graph):
-    """Per cut `k`, the crossing activations that count against it: not
-    model inputs nor early outputs, which cross many cuts alike."""
-    counts = np.zeros(len(graph.nodes) + 1, dtype=np.int64)
-    outputs = set(graph.outputs)
-    for key, info in graph.tensors.items():
-        if info.producer is not None:
-            last = info.first if key in outputs else info.last
-            counts[info.first : last + 1] += 1
-    return counts
-
-
 def parameter_sizes(graph):
     """The weight scalars of each node, a weight counted at its first use
     only (a tied embedding's at the token lookup)."""
@@ -36,11 +24,17 @@ def parameter_sizes(graph):
 
 def candidate_cuts(graph):
     """`(candidates, fewest)`: the cuts where the fewest activations
-    cross, and that number."""
-    counts = _activation_counts(graph)
+    cross, and that number. Model inputs and early outputs, which cross
+    many cuts alike, are not counted."""
     allowed = range(1, len(graph.nodes))
     if not allowed:
         return [], None
+    counts = np.zeros(len(graph.nodes) + 1, dtype=np.int64)
+    outputs = set(graph.outputs)
+    for key, info in graph.tensors.items():
+        if info.producer is not None:
+            last = info.first if key in outputs else info.last
+            counts[info.first : last + 1] += 1
     fewest = min(counts[k] for k in allowed)
     return [k for k in allowed if counts[k] == fewest], fewest
 
@@ -66,9 +60,8 @@ def automatic_cuts(graph, num_stages, sizes, found):
             "Use fewer stages, or pass `cut_points=` (names of the layers "
             "at which stages start)."
         )
-    weights = list(sizes)
-    if sum(weights) == 0:
-        weights = [1] * n  # no parameters at all: balance node counts
+    # No parameters at all: balance node counts.
+    weights = sizes if sum(sizes) else [1] * n
     cuts = _balanced(weights, candidates, num_stages)
     logger.info(
         "Cut '%s' at %s among %d candidates.",
@@ -96,9 +89,7 @@ def _balanced(weights, candidates, num_stages):
         parent = [[None] * m for _ in range(num_stages + 1)]
         best[0][0] = 0
         for s in range(1, num_stages + 1):
-            for j in range(s, m):
-                if s == num_stages and j != m - 1:
-                    continue
+            for j in range(s, m) if s < num_stages else [m - 1]:
                 for i in range(s - 1, j):
                     if best[s - 1][i] == inf or load(i, j) > limit:
                         continue
@@ -131,16 +122,15 @@ def user_cuts(graph, num_stages, cut_points):
             f"{len(cut_points)}: {list(cut_points)}."
         )
     positions = [_find_node(graph, name) for name in cut_points]
-    previous = 0
-    for name, k in zip(cut_points, positions):
+    for i, (name, k) in enumerate(zip(cut_points, positions)):
         if k == 0:
             raise ValueError(
                 f"Cut point '{name}' is the first node of model "
                 f"'{graph.model.name}': stage 0 would be empty. Name the "
                 "layer at which the *second* stage starts."
             )
-        if k <= previous:
-            before = cut_points[positions.index(previous)]
+        if i and k <= positions[i - 1]:
+            before, previous = cut_points[i - 1], positions[i - 1]
             raise ValueError(
                 f"Cut point '{name}' (node {k}) does not come after "
                 f"'{before}' (node {previous}) in the order model "
@@ -148,7 +138,6 @@ def user_cuts(graph, num_stages, cut_points):
                 "that order, each once; `split.stages[i].operation_names` "
                 "shows it."
             )
-        previous = k
     return positions
 
 
@@ -164,9 +153,7 @@ def _find_node(graph, name):
         if n.operation.name == name or n.name.split(":")[0].endswith("." + name)
     ]
     if not matches:
-        names = [n.name for n in graph.nodes] + [
-            n.operation.name for n in graph.nodes
-        ]
+        names = [x for n in graph.nodes for x in (n.name, n.operation.name)]
         close = difflib.get_close_matches(name, names, n=3)
         hint = f" Did you mean {close}?" if close else ""
         opaque = ""

@@ -32,40 +32,34 @@ BALANCES = ("parameters", "time")
 
 
 def split_stages(
-    model,
-    num_stages,
-    cut_points=None,
-    balance="parameters",
-    sample=None,
+    model, num_stages, cut_points=None, balance="parameters", sample=None
 ):
     """Cuts a Functional model into consecutive pipeline stages.
 
     Each stage is a Functional model of the user's own layer objects (the
     same variables); run one after the other, they compute what `model`
     computes (`StageSplit.run`). A cut may fall between the calls of one
-    layer (a token embedding that also computes a CausalLM's logits):
-    each stage that calls it then uses the weight, which
-    `StageSplit.shared_weights` lists, and a pipeline that holds each
-    stage apart must keep their copies equal (`TensorParallelKeras`
-    adds up their gradients, as Megatron-LM does).
+    layer (a token embedding that also computes a CausalLM's logits): each
+    stage that calls it then uses the weight (`StageSplit.shared_weights`),
+    and a pipeline of separate stages must keep those copies equal
+    (`TensorParallelKeras` adds up their gradients, as Megatron-LM does).
 
     Cut points are positions in a topological order of the model's layer
-    and raw-op calls (the `x + y` of a residual add), nested Functional
-    and Sequential models called once (a keras-hub backbone) opened up.
-    Automatic cuts choose among the positions where the fewest
-    activations cross (carried model inputs and outputs not counted) the
-    `num_stages - 1` that make the largest stage smallest, then the
-    stages most even. A tensor that every block reads (T5's position
-    bias) crosses every cut up to its last reader and so keeps automatic
-    cuts outside its span; pass `cut_points` there.
+    and raw-op calls (the `x + y` of a residual add), nested Functional and
+    Sequential models called once (a keras-hub backbone) opened up.
+    Automatic cuts choose, among the positions where the fewest activations
+    cross (carried model inputs and outputs not counted), the
+    `num_stages - 1` that make the largest stage smallest, then the stages
+    most even. A tensor that every block reads (T5's position bias) crosses
+    every cut up to its last reader, so automatic cuts stay outside its
+    span; pass `cut_points` there.
 
     Args:
         model: a built Functional or Sequential Keras model.
         num_stages: number of stages, at least 1.
         cut_points: `None` for automatic cuts, or the names of the
             `num_stages - 1` layers (or ops, as `Stage.operation_names`
-            lists them) at which a new stage starts, in the order the
-            model runs them.
+            lists them) at which new stages start, in the model's order.
         balance: what automatic cuts balance: `"parameters"` (weight
             scalars per stage), or `"time"` (each block's forward time on
             `sample`: the median of a few runs after a warm-up).
@@ -76,8 +70,7 @@ def split_stages(
 
     Raises:
         NotImplementedError: for a subclassed model (its `call` is opaque).
-        ValueError: for bad arguments, or a model that computes its own
-            loss (`compute_loss`).
+        ValueError: for bad arguments, or a model with its own `compute_loss`.
 
     Example:
 
@@ -106,26 +99,6 @@ def split_stages(
             f"sample={'None' if sample is None else 'a batch'}."
         )
     graph = Dataflow(model)
-    _check_losses(model)
-    found = candidate_cuts(graph)
-    if cut_points is None:
-        if balance == "time" and num_stages > 1:
-            sizes = block_seconds(graph, found[0], sample)
-        else:
-            sizes = parameter_sizes(graph)
-        positions = automatic_cuts(graph, num_stages, sizes, found)
-        chosen_balance = balance
-    else:
-        positions = user_cuts(graph, num_stages, cut_points)
-        chosen_balance = None
-    split = _build(graph, positions, chosen_balance)
-    split.candidate_cut_points = [graph.nodes[k].name for k in found[0]]
-    logger.info("%s", split)
-    return split
-
-
-def _check_losses(model):
-    """Refuses a loss of the model's own, which no stage can compute."""
     if overrides_compute_loss(model):
         raise ValueError(
             f"Model '{model.name}' computes its loss in its own "
@@ -135,33 +108,42 @@ def _check_losses(model):
             "this model without pipeline_parallel (tensor and data "
             "parallelism run its own loss)."
         )
+    found = candidate_cuts(graph)
+    if cut_points is None:
+        if balance == "time" and num_stages > 1:
+            sizes = block_seconds(graph, found[0], sample)
+        else:
+            sizes = parameter_sizes(graph)
+        positions = automatic_cuts(graph, num_stages, sizes, found)
+    else:
+        positions = user_cuts(graph, num_stages, cut_points)
+        balance = None
+    split = _build(graph, positions, balance)
+    split.candidate_cut_points = [graph.nodes[k].name for k in found[0]]
+    logger.info("%s", split)
+    return split
 
 
 def block_seconds(graph, candidates, sample):
     """Forward seconds per node: each block's between the candidate cuts,
     measured on `sample`, counted at the block's first node."""
-    blocks = _build(graph, list(candidates), None)
+    blocks = _build(graph, candidates, None)
     seconds = [0.0] * len(graph.nodes)
-    starts = [0] + list(candidates)
     # Converted once, so that the first block's times do not include it.
     inputs = keras.tree.map_structure(keras.ops.convert_to_tensor, sample)
-    for start, stage in zip(starts, blocks.stages):
+    for start, stage in zip([0, *candidates], blocks.stages):
         outputs = []
 
         def run(model=stage.model, inputs=inputs, outputs=outputs):
-            outputs.append(_wait(model(inputs)))
+            outputs.append(model(inputs))
+            # Backends may return before the outputs are computed.
+            for tensor in keras.tree.flatten(outputs[-1]):
+                keras.ops.convert_to_numpy(tensor)
 
         # The warm-up run's outputs feed the next block.
         seconds[start] = median_seconds(run, TIMED_RUNS)
         inputs = outputs[0]
     return seconds
-
-
-def _wait(outputs):
-    """`outputs` once computed: backends may return before they are."""
-    for tensor in keras.tree.flatten(outputs):
-        keras.ops.convert_to_numpy(tensor)
-    return outputs
 
 
 def _build(graph, positions, balance):
@@ -196,9 +178,7 @@ def _build(graph, positions, balance):
                 inputs[name] = values[key] = keras.Input(
                     batch_shape=shape, dtype=dtype, name=name
                 )
-                carried = (
-                    info.producer is None or info.producer < bounds[index - 1]
-                )
+                carried = info.first <= bounds[index - 1]
                 sent.append(BoundaryTensor(info.name, shape, dtype, carried))
                 mask = get_keras_mask(info.tensor)
                 if mask is not None:  # sent as integers beside its tensor

@@ -16,23 +16,20 @@ from keras_tp.tensors import with_masks
 
 
 class StagePrimitives:
-    """The passes of one stage on one micro-batch (`stage` and `m` are their
-    indices) that a backend supplies, which the executor orders and routes
-    values between."""
+    """What a backend supplies: the passes of stage `stage` on micro-batch
+    `m`, which the executor orders and routes values between."""
 
     num_stages = None
     num_microbatches = None
     # The `CommunicationStats` that count what `send` moves.
     stats = None
-    # Per stage and micro-batch whose layers added losses, what each
-    # device (replica) of the stage added, as `send` takes it; the
-    # backend fills it in `forward` (but for the last stage's, which its
-    # share of the loss holds) and `infer`.
+    # Per stage and micro-batch whose layers added losses (but the last
+    # stage's, in its loss share), what each of its devices added, as
+    # `send` takes it: `forward` and `infer` fill it.
     added = ()
     # What the gradients are multiplied by, where masked predictions set
     # it (`joined_loss`).
     gradient_scale = None
-
     # The data-parallel rows each micro-batch holds a slice of.
     replicas = 1
 
@@ -49,55 +46,45 @@ class StagePrimitives:
         return split(x), None if y is None else split(y)
 
     def forward(self, stage, m, inputs, target):
-        """Runs micro-batch `m`'s training forward pass of `stage` on what
-        it received (`send`), with the targets on the last stage (else
-        `None`): `(what it sends on, or the last stage's share of the
-        batch's loss; the last stage's outputs, else None)`."""
+        """The training forward pass, with the targets on the last stage:
+        `(what it sends on, or the last stage's loss share; the last
+        stage's outputs, else None)`."""
         raise NotImplementedError
 
     def backward(self, stage, m, cotangent):
-        """Runs micro-batch `m`'s backward pass of `stage` from the
-        gradients of its outputs (`None` on the last stage, whose output
-        is the loss), adding its gradients to the stage's total; returns
-        the gradients of the stage's inputs."""
+        """The backward pass from its outputs' gradients (`None` on the
+        last stage): adds to the stage's gradients, returns its inputs'."""
         raise NotImplementedError
 
     def send(self, value, stage, direction):
-        """`value` (activations, or their gradients with `direction=
-        "backward"`) moved to the devices of `stage`, and counted in
-        `stats`: by default the receiving stage's operations copy it.
-        `None` where `stage` runs in another process, which `receive`s
-        it."""
+        """`value` moved to `stage`'s devices and counted in `stats` (by
+        default its operations copy it); `None` where `stage` runs in
+        another process, which `receive`s it."""
         for tensor in keras.tree.flatten(value):
             self.stats.record("send", nbytes(tensor), direction, "pipe")
         return value
 
     def receive(self, stage, m, direction):
-        """What another process sent `stage` for its pass `direction` of
-        micro-batch `m`; `None` where nothing comes (the last stage's
-        backward, whose output is the loss), as by default: one process
-        runs every stage."""
+        """What another process sent `stage` for this pass; `None` where
+        nothing comes, as where one process runs every stage."""
         return None
 
     def infer(self, stage, inputs):
-        """A stage's forward pass of one micro-batch, without gradients
-        (`None` where another process runs the stage); the last stage's is
-        `(outputs, carried_masks(outputs))`, as its outputs leave a
-        compiled program without their Keras masks."""
+        """The forward pass without gradients (`None` where another process
+        runs `stage`); the last stage's `(outputs, carried_masks(outputs))`,
+        as outputs leave a compiled program without their Keras masks."""
         raise NotImplementedError
 
     def joined(self, losses, predictions):
-        """`(loss, y_pred)` of the batch from each micro-batch's loss share
-        (none, and no loss, without targets) and outputs, in micro-batch
-        order."""
+        """`(loss, y_pred)` of the batch from its micro-batches' loss shares
+        (none without targets) and outputs."""
         raise NotImplementedError
 
     def joined_loss(self, shares, replicas):
         """The batch's loss from each micro-batch's (and replica's) `(loss
-        share, fraction)` (`PipelineRuntime.loss_function`), shares of
-        replicas apart or in one array: their sum, averaged over the
-        `replicas`, with the added losses (`added_loss`), times the
-        `gradient_scale` it sets."""
+        share, fraction)` (`PipelineRuntime.loss_function`): their sum
+        over the `replicas`, plus `added_loss`, times the `gradient_scale`
+        it sets."""
         loss = sum(keras.ops.sum(share) for share, _ in shares) / replicas
         if self.added:
             loss = loss + self.added_loss()
@@ -124,10 +111,8 @@ class StagePrimitives:
 
 def run_schedule(primitives, order, x, y, infer=False):
     """Runs one batch's passes through `primitives` in the `order` of the
-    actions (`schedules.issue_order`): `(loss, y_pred)` of the batch, as
-    `primitives.joined` makes them; each stage's gradients are then held
-    by `primitives`. With `infer`, the forward passes are `infer`'s,
-    without gradients or loss."""
+    actions (`schedules.issue_order`), leaving the gradients there; with
+    `infer`, forward passes only. Returns `primitives.joined`'s."""
     last = primitives.num_stages - 1
     inputs, targets = primitives.microbatches(x, y)
     received = {(0, m): part for m, part in enumerate(inputs)}
@@ -161,17 +146,14 @@ def run_schedule(primitives, order, x, y, infer=False):
 
 
 def _taken(primitives, held, stage, m, kind):
-    """What `stage` takes for its pass `kind` of micro-batch `m`: what a
-    stage of this process sent it (in `held`), else `receive`'s."""
+    """What a stage of this process sent (in `held`), else `receive`'s."""
     value = held.pop((stage, m), None)
     return primitives.receive(stage, m, kind) if value is None else value
 
 
 def run_forward(primitives, x):
-    """The outputs of the batch `x` (evaluation, prediction, direct calls)
-    with their Keras masks: `run_schedule` of the forward passes, one
-    micro-batch after the other; `None` in a process without the last
-    stage."""
+    """The outputs of `x`, with their Keras masks, from the forward passes
+    alone; `None` in a process without the last stage."""
     order = [
         schedules.Action(stage, FORWARD, m)
         for m in range(primitives.num_microbatches)

@@ -20,14 +20,13 @@ from keras_tp.keras_internals import producer_node
 @dataclasses.dataclass(eq=False)
 class TensorInfo:
     """One tensor of the flattened graph, keyed by `(scope, id(tensor))`:
-    named as the graph input or its producing node (with `:i` for the
-    i-th of several outputs); it crosses the cuts `first <= k <= last`.
-    """
+    named as the graph input or its producing node (with `:i` for the i-th
+    of several outputs); it crosses the cuts `first <= k <= last`."""
 
     tensor: keras.KerasTensor = dataclasses.field(repr=False)
     name: str
     producer: int
-    consumers: list = dataclasses.field(default_factory=list, repr=False)
+    last: int = dataclasses.field(default=-1, repr=False)
 
     def __post_init__(self):
         self.first = 0 if self.producer is None else self.producer + 1
@@ -81,12 +80,10 @@ class Dataflow:
         inputs, outputs, self.input_structure, self.output_structure = (
             graph_endpoints(model)
         )
-        self.inputs = []
         for tensor in inputs:
-            key = (0, id(tensor))
-            if key not in self.tensors:
-                self.tensors[key] = TensorInfo(tensor, tensor.name, None)
-                self.inputs.append(key)
+            info = TensorInfo(tensor, tensor.name, None)
+            self.tensors.setdefault((0, id(tensor)), info)
+        self.inputs = list(self.tensors)
         self._walk(outputs)
         self.outputs = [self._resolve(0, tensor) for tensor in outputs]
         # A stage's inputs are named after the tensors they receive, which
@@ -99,17 +96,13 @@ class Dataflow:
         for info in self.tensors.values():
             if info.producer is not None and info.name in repeated:
                 info.name += "_output"
-        for node in self.nodes:
-            for key in node.inputs:
-                consumers = self.tensors[key].consumers
-                if not consumers or consumers[-1] != node.index:
-                    consumers.append(node.index)
         # A tensor crosses cut `k` (nodes `[0, k)` before it) from its
         # making to its last reader, or to the end for a model output.
-        outputs = set(self.outputs)
-        for key, info in self.tensors.items():
-            last = max(info.consumers, default=-1)
-            info.last = len(self.nodes) if key in outputs else last
+        for node in self.nodes:
+            for key in node.inputs:
+                self.tensors[key].last = node.index
+        for key in self.outputs:
+            self.tensors[key].last = len(self.nodes)
 
     def crossing(self, k):
         """Keys of the tensors crossing cut `k`, in `tensors` order."""
@@ -153,14 +146,11 @@ class Dataflow:
             if _opens(operation, node):
                 inner = len(self._scopes)
                 self._scopes.append(self._scopes[scope] + operation.name + ".")
-                argument = node_call_arguments(node)[0][0]
-                for inner_t, outer_t in zip(
-                    operation.inputs, keras.tree.flatten(argument)
-                ):
+                args = keras.tree.flatten(node_call_arguments(node)[0][0])
+                results = node_outputs(node)
+                for inner_t, outer_t in zip(operation.inputs, args):
                     self._aliases[(inner, id(inner_t))] = (scope, id(outer_t))
-                for outer_t, inner_t in zip(
-                    node_outputs(node), operation.outputs
-                ):
+                for inner_t, outer_t in zip(operation.outputs, results):
                     self._aliases[(scope, id(outer_t))] = (inner, id(inner_t))
                 tasks.extend((inner, t) for t in reversed(operation.outputs))
             else:
@@ -177,15 +167,13 @@ class Dataflow:
         name = qualified if calls == 1 else f"{qualified}:{calls}"
         index = len(self.nodes)
         inputs = [self._resolve(scope, t) for t in node_inputs(node)]
-        outputs = []
         produced = node_outputs(node)
-        for i, tensor in enumerate(produced):
-            key = (scope, id(tensor))
-            outputs.append(key)
-            if key in self.tensors:
-                continue  # an op that returned a tensor it was given
-            tensor_name = name if len(produced) == 1 else f"{name}:{i}"
-            self.tensors[key] = TensorInfo(tensor, tensor_name, index)
+        outputs = [(scope, id(tensor)) for tensor in produced]
+        for i, (key, tensor) in enumerate(zip(outputs, produced)):
+            # Else an op that returned a tensor it was given.
+            if key not in self.tensors:
+                suffix = "" if len(produced) == 1 else f":{i}"
+                self.tensors[key] = TensorInfo(tensor, name + suffix, index)
         self.nodes.append(NodeInfo(index, node, name, inputs, outputs))
 
 
@@ -232,12 +220,11 @@ def _opens(operation, node):
     if len(args) != 1 or len(outputs) != len(node_outputs(node)):
         return False
     flat = keras.tree.flatten(args[0])
-    if len(flat) != len(inputs) or any(
-        not isinstance(t, keras.KerasTensor) for t in flat
-    ):
-        return False
-    if any(
-        isinstance(t, keras.KerasTensor) for t in keras.tree.flatten(kwargs)
+    flat_kwargs = keras.tree.flatten(kwargs)
+    if (
+        len(flat) != len(inputs)
+        or not all(isinstance(t, keras.KerasTensor) for t in flat)
+        or any(isinstance(t, keras.KerasTensor) for t in flat_kwargs)
     ):
         return False
     if isinstance(operation, keras.Function) and not (

@@ -30,13 +30,11 @@ from keras_tp.tensors import carried_masks
 
 
 class WeightedTargets(collections.namedtuple("WeightedTargets", "y weights")):
-    """A batch's targets with their sample weights, split into micro-batches
-    together (a tree of arrays, as `y` alone is)."""
+    """Targets and their sample weights, split into micro-batches together."""
 
 
 def weighted(targets):
-    """`(y, sample_weight)` of targets that `PipelineRuntime.unpacked`
-    made: the weights are `None` where the batch has none."""
+    """`(y, sample_weight)` of `unpacked`'s targets (weights maybe `None`)."""
     if isinstance(targets, WeightedTargets):
         return targets.y, targets.weights
     return targets, None
@@ -111,7 +109,7 @@ class PipelineRuntime(Runtime):
         self.trainer = None
 
     def stage_runtimes_of(self, runtime_class):
-        """A `runtime_class` runtime per stage, on its `data x model` mesh."""
+        """A `runtime_class` per stage, on its `data x model` devices."""
         return [
             self.counted(runtime_class(self.config.stage_config(devices)))
             for devices in self.stage_devices
@@ -134,17 +132,17 @@ class PipelineRuntime(Runtime):
         self.stage_runtimes[owner].placement.place(variable, axis)
 
     def keep_copy(self, variable, axis, stage):
-        """Stores `stage`'s copy of a weight an earlier stage owns, split on
-        `axis`; by default none: the stage receives one each step."""
+        """Stores `stage`'s copy of an earlier stage's weight; by default
+        none: the stage receives one each step."""
 
     def prepare_trainer(self, trainer):
         """Keeps the `TensorParallelKeras` whose steps this runtime runs."""
         self.trainer = trainer
 
     def stage_plans(self, plan):
-        """`(part of plan, runtime)` pairs: each stage's split layers, with
-        the runtime of the stage's devices; a layer several stages call (a
-        tied embedding) with `calling_stage_runtime` of those stages."""
+        """`(part of plan, runtime)` pairs: each stage's split layers with
+        its runtime; a layer several stages call (a tied embedding) with
+        `calling_stage_runtime` of those stages."""
         if not plan.layers and not plan.per_rank_random:
             return []
         stages_of = {}
@@ -170,8 +168,7 @@ class PipelineRuntime(Runtime):
         return CallingStageRegions(runtimes, self.calling_stage)
 
     def run_step(self, phase, step, *args, **kwargs):
-        """Runs Keras' `phase` step as this runtime's `{phase}_step(*args)`
-        (the backend trainer's arguments), not Keras' own `step`."""
+        """Runs this runtime's `{phase}_step(*args)` instead of Keras'."""
         with self.stats.recording(phase):
             return getattr(self, f"{phase}_step")(*args, **kwargs)
 
@@ -260,20 +257,16 @@ class PipelineRuntime(Runtime):
         return max(m for m in range(1, limit + 1) if batch_size % m == 0)
 
     def loss_function(self, num_microbatches):
-        """The compiled loss of one of `num_microbatches` micro-batches'
-        `(targets, y_pred)` (`targets` as `unpacked` makes them), as
+        """The compiled loss of a micro-batch's `(targets, y_pred)`, as
         `(loss, fraction)`.
 
-        Averaged over samples, equal micro-batches' (and replicas') losses
-        average to the batch's; sample weights keep that so, as Keras
-        divides a weighted loss by the number of samples. A prediction
-        carrying a Keras mask is averaged over its unmasked entries, which
-        micro-batches hold in different numbers: its `loss` is that mean
-        times `fraction`, the share of the entries its mask keeps, and the
-        batch's loss and gradients are the micro-batches' averaged, then
-        divided by the mean of their fractions (`fraction_scale`).
-        `fraction` is `None` for predictions without a mask, or in one
-        part (whose masked mean is the batch's).
+        Equal micro-batches' (and replicas') mean losses average to the
+        batch's, sample weights too (Keras divides by the sample count).
+        A prediction with a Keras mask is averaged over its unmasked
+        entries, whose number differs between micro-batches: its `loss`
+        is that mean times `fraction`, the share its mask keeps, and the
+        batch's loss is the micro-batches' mean over the mean fraction
+        (`fraction_scale`). `fraction` is `None` without a mask or split.
         """
         loss = self._compiled_loss()
         split = num_microbatches * self.data_parallel > 1
@@ -297,12 +290,11 @@ class PipelineRuntime(Runtime):
         return microbatch_loss
 
     def added_total(self, stage, losses):
-        """The sum of the `losses` stage `stage`'s layers added in a call
-        (Keras' `model.losses`, each summed as Keras sums them), `None`
-        without any. A micro-batch's passes add `1 / num_microbatches` of
-        it: the shares add up to a weight's penalty once, and to the
-        batch's mean of a mean over samples (Keras divides an activity
-        penalty by the batch size)."""
+        """The sum of the `losses` stage `stage`'s layers added in a call,
+        each summed as Keras sums it; `None` without any. Each
+        micro-batch adds `1 / num_microbatches` of it, so the shares add
+        up to a weight's penalty once and to the batch's mean of a mean
+        over samples."""
         if losses and not self.adding_stages[stage]:
             raise ValueError(
                 f"Layers of pipeline stage {stage} added "
@@ -325,10 +317,8 @@ class PipelineRuntime(Runtime):
         return loss
 
     def whole_batch_loss(self, targets, y_pred, added=None):
-        """The loss of the whole batch's predictions `y_pred` (`evaluate()`
-        on JAX and TensorFlow), as one device's where they carry the Keras
-        masks of the model's outputs; `targets` as `unpacked` makes them,
-        `added` the losses the stages' layers added (`None` for none)."""
+        """The loss of the whole batch's `y_pred` (`evaluate()` on JAX and
+        TensorFlow), plus the losses the stages' layers `added`."""
         model_masks = carried_masks(self.stage_models[-1].outputs)
         if model_masks.keys() - carried_masks(y_pred).keys():
             warnings.warn(
@@ -343,9 +333,8 @@ class PipelineRuntime(Runtime):
         return loss if added is None else loss + added
 
     def update_metrics(self, x, targets, loss, y_pred):
-        """Keras' loss tracker and compiled metrics updated with a step's
-        `loss` and predictions, as Keras' own step updates them; returns
-        the logs."""
+        """Updates Keras' loss tracker and compiled metrics as Keras' own
+        step does; returns the logs."""
         batch = keras.tree.flatten(x)[0].shape[0]
         update_loss_tracker(self.trainer, loss, batch)
         y, weights = weighted(targets)
@@ -354,7 +343,7 @@ class PipelineRuntime(Runtime):
     @staticmethod
     def unpacked(data):
         """`(x, targets)` of a step's `data`: `y`, with its sample weights
-        (Keras' `class_weight` too) where given (`WeightedTargets`)."""
+        where given (`WeightedTargets`)."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         if sample_weight is None or y is None:
             return x, y

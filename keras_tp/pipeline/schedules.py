@@ -1,7 +1,6 @@
 """Pipeline schedules: each of `P` stages' ordered list of actions on `M`
 microbatches. The forward of microbatch `m` on stage `s` needs it on stage
-`s - 1`, the backward needs it on stage `s + 1` and its own forward.
-"""
+`s - 1`; the backward needs it on stage `s + 1` and its own forward."""
 
 import collections
 import itertools
@@ -55,33 +54,26 @@ def one_f_one_b(num_stages, num_microbatches):
     # ["f0", "f1", "f2", "b0", "f3", "b1", "b2", "b3"]
     ```
     """
-    return _flushed(
-        num_stages,
-        num_microbatches,
-        lambda s: min(num_stages - s - 1, num_microbatches),
-    )
+    return _flushed(num_stages, num_microbatches, lambda s: num_stages - s - 1)
 
 
 def _flushed(num_stages, num_microbatches, warmup):
-    # As `one_f_one_b`, with `warmup(s)` warm-up forwards on stage `s`.
+    # As `one_f_one_b`, with `min(warmup(s), M)` warm-ups on stage `s`.
     check_count("num_stages", num_stages)
     check_count("num_microbatches", num_microbatches)
     schedule = []
     for s in range(num_stages):
-        first = warmup(s)
+        first = min(warmup(s), num_microbatches)
         actions = [Action(s, FORWARD, m) for m in range(first)]
-        steady = num_microbatches - first
-        for i in range(steady):
-            actions += [Action(s, FORWARD, first + i), Action(s, BACKWARD, i)]
-        actions += [
-            Action(s, BACKWARD, m) for m in range(steady, num_microbatches)
-        ]
+        for m in range(num_microbatches):
+            if first + m < num_microbatches:
+                actions.append(Action(s, FORWARD, first + m))
+            actions.append(Action(s, BACKWARD, m))
         schedule.append(actions)
     return schedule
 
 
 Span = collections.namedtuple("Span", ["action", "start", "end"])
-Span.__doc__ = """When one action ran in a timeline."""
 
 
 class Timeline:
@@ -122,28 +114,21 @@ class Timeline:
         Returns:
             A string.
         """
-        durations = [
-            s.end - s.start
-            for stage in self.spans
-            for s in stage
-            if s.end > s.start
-        ]
         if unit is None:
-            unit = min(durations, default=1.0)
+            unit = min(
+                (e - s for stage in self.spans for _, s, e in stage if e > s),
+                default=1.0,
+            )
         width = int(math.ceil(self.makespan / unit - 1e-9))
         rows = []
         for stage, spans in enumerate(self.spans):
             cells = ["."] * width
-            for span in spans:
-                m = span.action.microbatch
+            for (_, kind, m), start, end in spans:
                 mark = (
-                    str(m % 10)
-                    if span.action.kind == FORWARD
-                    else chr(ord("a") + m % 26)
+                    str(m % 10) if kind == FORWARD else chr(ord("a") + m % 26)
                 )
-                first = int(round(span.start / unit))
-                last = int(round(span.end / unit))
-                for i in range(first, min(last, width)):
+                last = min(int(round(end / unit)), width)
+                for i in range(int(round(start / unit)), last):
                     cells[i] = mark
             rows.append(f"stage {stage}: " + "".join(cells))
         return "\n".join(rows)
@@ -178,43 +163,36 @@ def simulate(schedule, forward_time=1.0, backward_time=2.0):
     forward = _per_stage(forward_time, num_stages, "forward_time")
     backward = _per_stage(backward_time, num_stages, "backward_time")
     ends = {}
-    free = [0.0] * num_stages
-    position = [0] * num_stages
-    spans = [[] for _ in range(num_stages)]
-    remaining = sum(len(actions) for actions in schedule)
-    while remaining:
+    spans = [[] for _ in schedule]
+    progressed = True
+    while progressed:
         progressed = False
         for s, actions in enumerate(schedule):
-            while position[s] < len(actions):
-                action = actions[position[s]]
+            for action in actions[len(spans[s]) :]:
                 needs = _dependencies(action, num_stages)
                 if any(need not in ends for need in needs):
                     break
-                start = max([free[s]] + [ends[need] for need in needs])
+                free = spans[s][-1].end if spans[s] else 0.0
+                start = max([free] + [ends[need] for need in needs])
                 duration = forward[s] if action.kind == FORWARD else backward[s]
-                end = start + duration
-                ends[action] = end
-                free[s] = end
-                spans[s].append(Span(action, start, end))
-                position[s] += 1
-                remaining -= 1
+                ends[action] = start + duration
+                spans[s].append(Span(action, start, ends[action]))
                 progressed = True
-        if not progressed:
-            waiting = [
-                f"stage {s} at {schedule[s][position[s]]}"
-                for s in range(num_stages)
-                if position[s] < len(schedule[s])
-            ]
-            raise ValueError(
-                "The schedule deadlocks: each stage's next action waits for "
-                "an action that cannot run first: " + "; ".join(waiting)
-            )
+    waiting = [
+        f"stage {s} at {actions[len(spans[s])]}"
+        for s, actions in enumerate(schedule)
+        if len(spans[s]) < len(actions)
+    ]
+    if waiting:
+        raise ValueError(
+            "The schedule deadlocks: each stage's next action waits for "
+            "an action that cannot run first: " + "; ".join(waiting)
+        )
     return Timeline(spans)
 
 
 def timeline_of(order, times):
-    """The `Timeline` of the actions `order` from the `(start, end)` of
-    each on one clock, moved so that the first start is at 0."""
+    """The `Timeline` of actions `order` run at `times`, moved to start at 0."""
     origin = float(min(start for start, _ in times))
     spans = [[] for _ in range(1 + max(action.stage for action in order))]
     for action, (start, end) in zip(order, times):
@@ -275,10 +253,8 @@ def _dependencies(action, num_stages):
     s, kind, m = action
     if kind == FORWARD:
         return [Action(s - 1, FORWARD, m)] if s > 0 else []
-    needs = [Action(s, FORWARD, m)]
-    if s < num_stages - 1:
-        needs.append(Action(s + 1, BACKWARD, m))
-    return needs
+    later = [Action(s + 1, BACKWARD, m)] if s < num_stages - 1 else []
+    return [Action(s, FORWARD, m)] + later
 
 
 def _per_stage(value, num_stages, name):
@@ -303,14 +279,10 @@ def _normalized(schedule):
             "A schedule is a non-empty list of per-stage action lists, "
             f"got {schedule!r}."
         )
-    forwards = backwards = None
     normalized = []
     for s, actions in enumerate(schedule):
-        seen = set()
-        normalized.append([])
-        for action in actions:
-            action = Action(*action)
-            normalized[-1].append(action)
+        seen = {}  # an ordered set
+        for action in (Action(*a) for a in actions):
             if action.stage != s:
                 raise ValueError(
                     f"Stage {s}'s list holds {action}, an action of stage "
@@ -322,7 +294,8 @@ def _normalized(schedule):
                 )
             if action in seen:
                 raise ValueError(f"{action} appears twice in stage {s}.")
-            seen.add(action)
+            seen[action] = None
+        normalized.append(list(seen))
         f = {a.microbatch for a in seen if a.kind == FORWARD}
         b = {a.microbatch for a in seen if a.kind == BACKWARD}
         if not b <= f:
@@ -330,7 +303,7 @@ def _normalized(schedule):
                 f"Stage {s} runs the backward of microbatches "
                 f"{sorted(b - f)} but not their forward."
             )
-        if forwards is None:
+        if s == 0:
             forwards, backwards = f, b
         elif (f, b) != (forwards, backwards):
             raise ValueError(
@@ -353,16 +326,12 @@ def check_schedule_name(name):
 
 
 def issue_order(name, num_stages, num_microbatches):
-    """Every stage's actions of schedule `name` (`"gpipe"`, `"1f1b"`) in
-    one list, each after the ones it needs (by their starts in a
-    simulation), for one thread that issues every stage's work."""
+    """All stages' actions of schedule `name` in one list, each after those
+    it needs (by simulated start), for one thread that issues them all."""
     check_schedule_name(name)
-    plan = SCHEDULES[name](num_stages, num_microbatches)
-    timeline = simulate(plan)
-    return sorted(
-        (action for actions in plan for action in actions),
-        key=lambda action: timeline.span_of(action).start,
-    )
+    timeline = simulate(SCHEDULES[name](num_stages, num_microbatches))
+    spans = [span for stage in timeline.spans for span in stage]
+    return [span.action for span in sorted(spans, key=lambda s: s.start)]
 
 
 def check_microbatches(batch_size, num_microbatches):

@@ -36,8 +36,7 @@ class BoundaryTensor:
         """Bytes of this tensor for a batch.
 
         Args:
-            batch_size: the batch (first) dimension, usually a
-                microbatch's.
+            batch_size: the batch (first) dimension, usually a microbatch's.
             sequence_length: the size of every other unknown dimension
                 (the sequence axis of a text model).
 
@@ -59,8 +58,7 @@ class BoundaryTensor:
         return tensors.nbytes(self, shape)
 
     def _filled_shape(self, batch_size, sequence_length):
-        """`(shape, unknown)`: the shape with its unknown dimensions
-        filled, less the `unknown` ones still unknown."""
+        """`(known dimensions, count of unknown ones)` once filled."""
         filled = [
             dim if dim is not None else sequence_length if i else batch_size
             for i, dim in enumerate(self.shape)
@@ -100,10 +98,9 @@ class Stage:
 
     Attributes:
         model: a Functional model of the user's own layers. Stage 0 takes
-            the original model's inputs, a later stage a dict of the
-            tensors it receives (`input_names`); each returns a dict of
-            the tensors it sends (`output_names`), the last the original
-            model's outputs.
+            the original model's inputs, a later stage a dict of the tensors
+            it receives (`input_names`); each returns a dict of the tensors
+            it sends (`output_names`), the last the model's outputs.
         layer_names: the layers called in this stage, in order (those of
             nested models without prefix).
         operation_names: all its nodes, raw ops included (`add`, ...), as
@@ -187,7 +184,7 @@ class StageSplit:
         Returns:
             A string.
         """
-        total = sum(self.parameter_counts) or 1
+        total = sum(self.parameter_counts)
         rows = [("stage", "layers", "parameters", "sends", "bytes/sample")]
         for stage in self.stages:
             names = stage.layer_names or stage.operation_names
@@ -195,10 +192,8 @@ class StageSplit:
                 layers = f"{names[0]} .. {names[-1]} ({len(names)})"
             else:
                 layers = ", ".join(names)
-            parameters = (
-                f"{stage.parameter_count:,} "
-                f"({100 * stage.parameter_count / total:.1f}%)"
-            )
+            count = stage.parameter_count
+            parameters = f"{count:,} ({100 * count / (total or 1):.1f}%)"
             if stage.index < len(self.boundaries):
                 boundary = self.boundaries[stage.index]
                 sends = ", ".join(
@@ -216,11 +211,12 @@ class StageSplit:
         how = f"balanced by {self.balance}" if self.balance else "user cuts"
         lines = [
             f"Pipeline stages of '{self.model.name}': {self.num_stages} "
-            f"stages, {sum(self.parameter_counts):,} parameters, {how}"
+            f"stages, {total:,} parameters, {how}"
         ]
-        for row in rows:
-            cells = [row[i].ljust(widths[i]) for i in range(4)] + [row[4]]
-            lines.append("  ".join(cells).rstrip())
+        lines += [
+            "  ".join([*map(str.ljust, row, widths), row[4]]).rstrip()
+            for row in rows
+        ]
         lines.append("* carried: passed on, not computed, by the stage")
         lines += [
             f"weight {path} is used by stages {using}"
@@ -245,12 +241,7 @@ def _bytes_text(boundary_tensors, sequence_length):
     for t in boundary_tensors:
         shape, unknown = t._filled_shape(1, sequence_length)
         terms[unknown] = terms.get(unknown, 0) + tensors.nbytes(t, shape)
-    parts = []
-    for power in sorted(terms, reverse=True):
-        value = f"{terms[power]:,.0f}"
-        if power == 1:
-            value += "·L"
-        elif power > 1:
-            value += f"·L^{power}"
-        parts.append(value)
-    return " + ".join(parts)
+    return " + ".join(
+        f"{terms[p]:,.0f}" + ("" if p == 0 else "·L" if p == 1 else f"·L^{p}")
+        for p in sorted(terms, reverse=True)
+    )

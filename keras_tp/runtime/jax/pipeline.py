@@ -87,9 +87,8 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         per_device=True,
         seed=None,
     ):
-        """The `JaxStages` of a step on the batch `x` and Keras' values; per
-        device with replicas unless `per_device=False`, seeding the loss's
-        gradient with `seed` (default 1)."""
+        """The `JaxStages` of a step on `x` and Keras' values: per device
+        with replicas unless `per_device=False`; `seed` as `JaxStages`'."""
         per_device = per_device and self.data_parallel > 1
         replicas = self.data_parallel if per_device else 1
         batch = batch_size(x)
@@ -166,13 +165,12 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         return outputs
 
     def _infer(self, trainable, non_trainable, x, per_device=True):
-        """`(outputs, new non-trainable values)` of the stages on `x`."""
         stages = self._stages(x, trainable, non_trainable, False, per_device)
         outputs = run_forward(stages, x)
         return outputs, self._merged(non_trainable, stages.non_trainable)
 
     def _merged(self, values, stage_values):
-        """Keras' non-trainable `values`, with each stage's new ones."""
+        """Keras' non-trainable `values`, updated by each stage's."""
         variables = self.trainer.non_trainable_variables
         merged = dict(zip(map(id, variables), values))
         for stage, new in zip(self.stage_models, stage_values):
@@ -180,9 +178,8 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         return [merged[id(v)] for v in variables]
 
     def stage_lists(self, variables, values):
-        """`values` (one per variable) grouped by stage in its model's order
-        (as `stateless_call` expects); a stage that uses an earlier
-        stage's weight receives a copy (`sent`)."""
+        """`values` of `variables` grouped by stage in its model's order,
+        with copies (`sent`) of earlier stages' weights."""
         by_id = dict(zip(map(id, variables), values))
         return [
             [
@@ -196,8 +193,8 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         ]
 
     def sent(self, tree, stage, direction):
-        """`tree` placed on `stage`'s devices (`onto`), each array's shards
-        counted as received there (`float0` gradients carry no data)."""
+        """`tree` placed on `stage`'s devices, its shards counted as sent
+        (`float0` gradients carry no data)."""
         tree = onto(tree, self.stage_runtimes[stage].mesh)
         for leaf in jax.tree.leaves(tree):
             if leaf.dtype != jax.dtypes.float0:
@@ -206,9 +203,8 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         return tree
 
     def _apply(self, trainable, optimizer_values, gradients):
-        """Each stage's compiled optimizer update, on its devices. Every
-        stage advances a copy of the optimizer's own variables (its step
-        count) alike; the last stage's is kept."""
+        """Each stage's compiled update on its devices. Every stage advances
+        a copy of the optimizer's own variables alike; the last's is kept."""
         trainer = self.trainer
         variables = trainer.trainable_variables
         optimizer_variables = trainer.optimizer.variables
@@ -262,13 +258,9 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         )
 
     def _globally_clipped(self, owned, values):
-        """`(gradients, squares)`: each stage's gradients in `owned`
-        clipped by the norm of them all (`global_clipnorm`) and divided by
-        a loss scale, and the sum of their squares (not finite where any
-        is not), on the last stage's devices. Each
-        stage's squared norm, summed over its devices, is sent to the last
-        stage's devices, which add them; every stage scales its gradients
-        by the same factor."""
+        """`(gradients, squares)`: each stage's gradients in `owned` times
+        `gradient_factor`, and the sum of their squares on the last stage's
+        devices, where each stage's squared norm is sent."""
         last = self.pipeline_parallel - 1
         squares = [
             self.sent(
@@ -288,13 +280,11 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         return clipped, total
 
     def _update_of(self, stage, shared):
-        """A stage's compiled `StageUpdate`: `synchronise` of its gradients
-        as the backward passes leave them; `update` of `(values, slot
-        values, shared values, gradients, applies)` to the new values,
-        from the gradients `synchronise` leaves, clipped by a global norm
-        by its caller (`_globally_clipped`) with their `squared_norm`, the
-        old values kept where the boolean `applies` is false (`None`:
-        always new); the `variables` and `slots` it updates."""
+        """A stage's compiled `StageUpdate`: `synchronise` of the backward
+        passes' gradients; `update` of `(values, slot values, shared
+        values, gradients, applies)` to new values, the old ones kept
+        where `applies` (`None`: always) is false; `squared_norm` of the
+        synchronised gradients; the `variables` and `slots` it updates."""
         # A loss scale's own variables are `_apply`'s (it skips or not).
         optimizer = unscaled(self.trainer.optimizer)
         own = self.owners.owned(stage)

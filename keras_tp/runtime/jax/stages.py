@@ -65,14 +65,14 @@ class StagePrograms:
         self._layouts = {}
 
     def place(self, stage, tree):
-        """A stage's input arrays on its devices (the first stage's split
-        over its replicas when per device)."""
+        """A stage's inputs on its devices (the first's split over `data`
+        per device)."""
         first = self.per_device and not stage
         return onto(tree, self.runtimes[stage].mesh, DATA if first else None)
 
     def program(self, kind, stage):
-        """A stage's compiled pass, made once: `"infer"`, `"forward"` or
-        `"backward"` (which stamp the clock)."""
+        """A stage's compiled `"infer"`, `"forward"` or `"backward"` pass
+        (the last two stamp the clock), made once."""
         if (kind, stage) not in self._programs:
             if kind == "infer":
                 function = self._forward_of(stage, training=False)
@@ -117,16 +117,15 @@ class StagePrograms:
         )
 
     def _arguments(self, stage, trainable, non_trainable, inputs, targets):
-        """`(inputs, leaves)`: a pass's inputs as the stage reads them, and
-        the leaves of all its arguments (where residuals are looked up)."""
+        """`(inputs as the stage reads them, leaves of all the arguments)`."""
         inputs = self._from_rows(inputs) if stage else inputs
         leaves = (trainable, non_trainable, inputs, targets)
         return inputs, jax.tree.leaves(leaves)
 
     @contextlib.contextmanager
     def _traced(self, stage):
-        """Marks the tracing of `stage`'s program (`calling_stage`); per
-        device, with its variables' local shapes and local regions."""
+        """Marks the tracing of `stage`'s program (`calling_stage`), per
+        device with local shapes and regions."""
         token = TRACING_STAGE.set(stage)
         runtime = self.runtimes[stage]
         placement = runtime.placement
@@ -144,10 +143,9 @@ class StagePrograms:
 
     def _forward_of(self, index, training=True):
         """Stage `index`'s forward pass: `(outputs, new non-trainable
-        values)` for inference; for training `(outputs, or the last stage's
-        share of the loss; kept residuals; new non-trainable values; the
-        last stage's predictions, else the share of the losses its layers
-        added, where they add any)`."""
+        values, losses added)` for inference; for training `(outputs, or
+        the last stage's loss share; kept residuals; new non-trainable
+        values; the last stage's predictions, else the losses added)`."""
         model = self.stage_models[index]
         last = index == self.last
         adding = self.adding_stages[index]
@@ -228,8 +226,7 @@ class StagePrograms:
         return self._mapped(index, local, specs, out_specs)
 
     def _backward_of(self, index):
-        """Stage `index`'s backward pass: `(gradients, input gradients)`
-        from the forward's arguments, residuals and output gradients."""
+        """Stage `index`'s backward pass: `(gradients, input gradients)`."""
         last = index == self.last
 
         def local(
@@ -263,10 +260,9 @@ class StagePrograms:
 
 
 class JaxStages(StagePrimitives):
-    """The stage primitives of a JAX pipeline: its `programs` on the
-    values of one step, per stage on its devices (`non_trainable` then
-    holds the new ones, `gradients` the sums over the micro-batches, one
-    row per replica with replicas), in `num_microbatches` micro-batches."""
+    """A JAX pipeline's `programs` on one step's values, per stage on its
+    devices: `non_trainable` then holds the new ones, `gradients` the
+    sums over the micro-batches (one row per replica)."""
 
     def __init__(
         self, programs, trainable, non_trainable, num_microbatches, seed=None
@@ -341,9 +337,8 @@ class JaxStages(StagePrimitives):
 
 
 class StageClock:
-    """When each stage's programs ran on its devices: a training pass
-    (`stamped`) calls the host once its inputs are there and once its
-    outputs are, so a stage's stamps pair up with its actions in order."""
+    """When each stage's training passes ran on its devices: each calls the
+    host once its inputs are there and once its outputs are."""
 
     def __init__(self, num_stages, num_microbatches):
         self.stamps = [
@@ -390,7 +385,7 @@ class StageClock:
 
 def _floats(tree):
     """`(float leaves, rebuild)`: a tree's differentiable leaves, and the
-    function that puts new ones back."""
+    function that puts new ones in."""
     leaves, treedef = jax.tree.flatten(tree)
     floats = [is_float(leaf) for leaf in leaves]
 

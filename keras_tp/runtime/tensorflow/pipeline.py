@@ -69,7 +69,6 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         return tf_devices.local_devices()
 
     def _stages_of(self, x):
-        """The `TensorFlowStages` of the batch `x`."""
         batch = traced_batch_size(x)
         if batch is None:
             raise ValueError(
@@ -196,9 +195,8 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         return self._forward(keras.utils.unpack_x_y_sample_weight(data)[0])
 
     def _owned_gradients(self, gradients):
-        """By replica, `WeightOwners.owned_gradients` of its gradients: a
-        shared weight's goes from replica `(d, t)` of a later stage to the
-        owner's."""
+        """By replica `(d, t)`, `WeightOwners.owned_gradients` of its
+        gradients (a later stage's replica `(d, t)` sends the owner's)."""
 
         def moved(grad, stage, owner):
             self.stats.record("send", nbytes(grad), "backward", "pipe")
@@ -214,11 +212,11 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         }
 
     def _globally_clipped(self, owned):
-        """`(synchronised, scale)`: by replica, each stage's gradients in
-        `owned` as its optimizer synchronised them, and the factor that
-        clips them all by their norm (`global_clipnorm`). Each stage's
-        squared norm, summed over its devices, goes to the last stage's
-        first device, which adds them, and the scale to every device."""
+        """`(synchronised, scale, finite)`: by replica, each stage's
+        gradients as its optimizer synchronised them, the factor that
+        clips them all (`gradient_factor`), and whether they are finite.
+        Each stage's squared norm goes to the last stage's first device,
+        which adds them, and the scale to every device."""
         synchronised, squares = {}, []
         for index, runtime in enumerate(self.stage_runtimes):
             stage = self.stage_optimizers[index]
@@ -256,10 +254,8 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
     def _update(self, index, gradients, scale=None, finite=None):
         """Stage `index`'s update on each of its replicas, with the compiled
         optimizer's step count and learning rate (which a callback or a
-        load sets): from its replicas' `gradients`, or, with a `scale`,
-        from those its optimizer synchronised (`_globally_clipped`),
-        multiplied by it; only where every stage's are `finite`, if
-        given."""
+        load sets), from `gradients` (with a `scale`, synchronised ones,
+        times it); skipped unless `finite`, where given."""
         runtime = self.stage_runtimes[index]
         stage = self.stage_optimizers[index]
         compiled = unscaled(self.trainer.optimizer)

@@ -155,9 +155,8 @@ class TensorFlowStages(StagePrimitives):
         return self._replica_outputs(stage, call)
 
     def _added_call(self, stage, inputs, training):
-        """`(outputs, losses added)` of a replica's call of `stage`: the sum
-        of the losses its layers add and of its weights' penalties
-        (`PipelineRuntime.added_total`), zero where it adds none."""
+        """`(outputs, total of the losses added)` of a replica's call of
+        `stage` (`PipelineRuntime.added_total`; zero for none)."""
         model = self.stage_models[stage]
         with added_losses.recorded(model) as added:
             outputs = self._call(stage, inputs, training)
@@ -183,9 +182,8 @@ class TensorFlowStages(StagePrimitives):
             )
 
     def _replica_outputs(self, stage, fn):
-        """Per replica, the outputs of `fn`, which returns them with the
-        losses the stage's layers added (`_added_call`): those go to
-        `added` where its layers add any."""
+        """Per replica, the outputs of `fn`; the losses added it returns
+        with them (`_added_call`) go to `added`."""
         outputs, added = map(list, zip(*self._replica_results(stage, fn)))
         if self.adding_stages[stage]:
             self.added.append(added)
@@ -237,16 +235,14 @@ class TensorFlowStages(StagePrimitives):
         return losses
 
     def _seed(self):
-        """What the loss's gradient is seeded with: 1, or a loss scale's
-        factor (`PipelineRuntime.loss_scale`)."""
+        """The loss's gradient: 1, or a loss scale's factor."""
         scale = self.pipeline.loss_scale()
         if scale is None:
             return tf.ones(())
         return tf.cast(tf.convert_to_tensor(scale), "float32")
 
     def _accumulate(self, key, variables, grads):
-        """Adds `grads` of `variables` to `gradients[key]`, dense (zero for
-        a weight the stage holds but does not read)."""
+        """Adds `grads` to `gradients[key]`, dense (zero where `None`)."""
         dense = [
             tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
             for v, g in zip(variables, grads)

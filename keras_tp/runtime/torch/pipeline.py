@@ -23,17 +23,16 @@ from keras_tp.runtime.torch.devices import this_device
 from keras_tp.runtime.torch.sequence import SequenceShards
 from keras_tp.runtime.torch.stage_storage import StageStorage
 from keras_tp.runtime.torch.stages import TorchStages
+from keras_tp.runtime.torch.stages import grad_or_zeros
 from keras_tp.runtime.torch.storage import RankProcess
 
 
 class TorchStageRuntime(TorchRuntime):
     """The `TorchRuntime` of this rank's stage, over the process `groups`
-    of its `model` axis, its `data` axis and both (`_axis_groups`).
-
-    A `global_clipnorm` takes the norm over every stage's gradients: over
-    `job_adapter`, every rank of the pipeline, with the `copies` (ids of
-    the weights an earlier stage owns, a tied embedding) counted at
-    their owner only."""
+    of its `model` axis, its `data` axis and both. A `global_clipnorm`
+    takes the norm over `job_adapter`, every rank of the pipeline, with
+    the `copies` (ids of weights an earlier stage owns, a tied embedding)
+    counted at their owner only."""
 
     def __init__(self, config, groups, job_adapter, copies):
         self._groups = groups
@@ -71,22 +70,20 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
     clips_accumulated_gradients = True
 
     def __init__(self, model, config):
-        pipeline_parallel = config.pipeline_parallel
-        data_parallel = config.data_parallel
         join_ranks(
             config.requested_world_size,
             counted=(
-                f" (pipeline_parallel={pipeline_parallel} x data_parallel="
-                f"{data_parallel} x the tensor-parallel ranks of a stage; "
-                "one rank per stage without world_size)"
+                f" (pipeline_parallel={config.pipeline_parallel} x "
+                f"data_parallel={config.data_parallel} x the tensor-parallel "
+                "ranks of a stage; one rank per stage without world_size)"
             ),
         )
         self.rank = dist.get_rank()
         self.device = this_device()
         super().__init__(model, config)
         shape = {
-            "data": data_parallel,
-            "pipe": pipeline_parallel,
+            "data": self.data_parallel,
+            "pipe": self.pipeline_parallel,
             "model": self.tensor_parallel,
         }
         self._mesh_shape = tuple(shape.values())
@@ -103,10 +100,10 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         job_adapter.stats = self.stats
         # Every rank of the job: a loss scale's finiteness check spans it.
         self.world_adapter = job_adapter
-        stage_model = self.stage_models[self.stage_index]
+        self.stage_model = self.stage_models[self.stage_index]
         copies = {
             id(v)
-            for v in stage_model.trainable_variables
+            for v in self.stage_model.trainable_variables
             if self.stage_of[id(v)] != self.stage_index
         }
         self.stage_runtime = self.counted(
@@ -117,28 +114,14 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
                 copies,
             )
         )
+        self.coordinating_runtime = self.stage_runtime
         # Every stage's split layers run with this rank's stage runtime:
         # the others run only in Keras' symbolic builds, on "meta" tensors.
-        self.stage_runtimes = [self.stage_runtime] * pipeline_parallel
-        self.stage_model = stage_model
-        self._shared_adapters = self._shared_weight_adapters()
-        # The last stage, which has the loss, the metrics and the outputs.
-        self.last_stage = pipeline_parallel - 1
-        self.data_adapter = (
-            self.stage_runtime.data_adapter if data_parallel > 1 else None
-        )
-        # This rank's `(kind, micro_batch, start, end)` spans of the last
-        # training step (`TorchStages.timeline`).
-        self.timeline = []
-        # `TorchStages` by micro-batch count and input shapes, which their
-        # first run tells the next stage's ranks.
-        self._pipelines = {}
-
-    def _shared_weight_adapters(self):
-        """`{stages: adapter}` over this rank's counterparts in the stages
-        that share weights. Every rank creates every group, in one order,
-        as `dist.new_group` requires."""
-        adapters = {}
+        self.stage_runtimes = [self.stage_runtime] * self.pipeline_parallel
+        # `{stages: adapter}` over this rank's counterparts in the stages
+        # that share weights. Every rank creates every group, in one
+        # order, as `dist.new_group` requires.
+        adapters = self._shared_adapters = {}
         for stages, d, t in itertools.product(
             self.owners.shared_groups(),
             range(self.data_parallel),
@@ -149,7 +132,15 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
             if self.rank in ranks:
                 adapters[stages] = TorchCollectiveAdapter(group, "pipe")
                 adapters[stages].stats = self.stats
-        return adapters
+        self.last_stage = self.pipeline_parallel - 1
+        self.data_adapter = (
+            self.stage_runtime.data_adapter if self.data_parallel > 1 else None
+        )
+        # The last training step's spans (`TorchStages.timeline`).
+        self.timeline = []
+        # `TorchStages` by micro-batch count and input shapes, which their
+        # first run tells the next stage's ranks.
+        self._pipelines = {}
 
     def _available_devices(self):
         return rank_devices()
@@ -161,15 +152,9 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         # stage's shards where `compile()` made one (`coordinating_runtime`).
         optimizer = getattr(self.trainer, "optimizer", None)
         coordinated = isinstance(unscaled(optimizer), CoordinatedOptimizer)
-        return (
-            self.stage_runtime
-            if self.data_parallel > 1 or coordinated
-            else None
-        )
-
-    @property
-    def coordinating_runtime(self):
-        return self.stage_runtime
+        if self.data_parallel > 1 or coordinated:
+            return self.stage_runtime
+        return None
 
     def _rank_of(self, data_index, stage_index, model_index):
         index = (data_index, stage_index, model_index)
@@ -225,8 +210,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         return self.data_index, self.data_parallel
 
     def _sliced(self, data):
-        """This replica's slice of a global batch (the batch itself where
-        it is this replica's share), as torch tensors."""
+        """This replica's share of a global batch, as torch tensors."""
         data = keras.tree.map_structure(
             lambda t: t if t is None else keras.ops.convert_to_tensor(t), data
         )
@@ -243,20 +227,18 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
             variable.value.grad = None
         loss, y_pred = pipeline.step(x, targets)
         self.timeline = pipeline.timeline
-        scale = self._fraction_scale(pipeline, every_stage=True)
+        loss, scale = self._batch_loss(pipeline, loss, every_stage=True)
         if scale is not None:
-            loss = None if loss is None else loss * scale
             for variable in variables:
                 if variable.value.grad is not None:
                     variable.value.grad *= scale
-        loss = self._with_added_loss(pipeline, loss)
         # Every copy of a shared weight takes the same update, the sum of
         # the stages' gradients, and stays equal.
         adapters = self._shared_adapters
         with self.stats.labelled("optimizer"):
             for variable, gradient in self.owners.summed_shared(
                 self.stage_index,
-                _gradient,
+                lambda variable: grad_or_zeros(variable.value),
                 lambda grad, stages: adapters[stages].all_reduce(grad),
             ):
                 variable.value.grad = gradient
@@ -272,39 +254,33 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         x, targets = self.unpacked(self._sliced(data))
         pipeline = self._pipeline(x)
         loss, y_pred = pipeline.evaluate(x, targets)
-        scale = self._fraction_scale(pipeline, every_stage=False)
-        if scale is not None and loss is not None:
-            loss = loss * scale
-        loss = self._with_added_loss(pipeline, loss)
+        loss, _ = self._batch_loss(pipeline, loss, every_stage=False)
         return self._logs(x, targets, loss, y_pred)
 
-    def _with_added_loss(self, pipeline, loss):
-        """The last stage's `loss` plus every stage's share of the losses
-        its layers added (`TorchStages.added_loss`), summed over `pipe`
-        (one float), where any stage's layers add losses."""
-        if not any(self.adding_stages):
-            return loss
-        added = self.pipe_adapter.all_reduce(pipeline.added_loss())
-        return None if loss is None else loss + added
-
-    def _fraction_scale(self, pipeline, every_stage):
-        """`fraction_scale` of the batch's micro-batches on every replica's
-        last stage, summed over `data`, then broadcast to this replica's
-        stages if `every_stage`; `None` where the loss is not scaled (see
-        `PipelineRuntime.loss_function`)."""
+    def _batch_loss(self, pipeline, loss, every_stage):
+        """`(loss, scale)`: the last stage's `loss` times `scale`, the
+        `fraction_scale` of every replica's micro-batches (summed over
+        `data`, broadcast to this replica's stages if `every_stage`; `None`
+        where the loss is not scaled), plus the stages' added losses
+        (`TorchStages.added_loss`, summed over `pipe`)."""
+        scale = None
         split = pipeline.num_microbatches * self.data_parallel > 1
-        if not (split and self.masked_predictions):
-            return None
-        scale = torch.zeros((), device=self.device)
-        if self.stage_index == self.last_stage:
-            fractions = torch.stack(pipeline.fractions)
-            total = fractions.sum()
-            if self.data_adapter is not None:
-                total = self.data_adapter.all_reduce(total)
-            scale = fractions.numel() * self.data_parallel / total
-        if every_stage:
-            scale = self.pipe_adapter.broadcast(scale, self.last_stage)
-        return scale
+        if split and self.masked_predictions:
+            scale = torch.zeros((), device=self.device)
+            if self.stage_index == self.last_stage:
+                fractions = torch.stack(pipeline.fractions)
+                total = fractions.sum()
+                if self.data_adapter is not None:
+                    total = self.data_adapter.all_reduce(total)
+                scale = fractions.numel() * self.data_parallel / total
+            if every_stage:
+                scale = self.pipe_adapter.broadcast(scale, self.last_stage)
+            if loss is not None:
+                loss = loss * scale
+        if any(self.adding_stages):
+            added = self.pipe_adapter.all_reduce(pipeline.added_loss())
+            loss = None if loss is None else loss + added
+        return loss, scale
 
     def predict_step(self, data):
         x = keras.utils.unpack_x_y_sample_weight(self._sliced(data))[0]
@@ -318,11 +294,9 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         )
 
     def _logs(self, x, targets, loss, y_pred):
-        """The step's logs, alike on every rank: the last stage of each
-        replica updates the metrics (summed over `data`) and broadcasts
-        them."""
-        trainer = self.trainer
-        variables = trainer.metrics_variables
+        """The step's logs, alike on every rank: each replica's last stage
+        updates the metrics (summed over `data`) and broadcasts them."""
+        variables = self.trainer.metrics_variables
         if self.stage_index == self.last_stage:
             before = [v.value.detach().clone() for v in variables]
             with torch.no_grad():
@@ -340,7 +314,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         parts = torch.split(buffer, [value.numel() for value in values])
         for variable, value in zip(variables, parts):
             variable.assign(value.reshape(variable.shape))
-        return trainer.get_metrics_result()
+        return self.trainer.get_metrics_result()
 
     def _last_stage_outputs(self, x, training=False):
         """The stages' outputs of `x`, broadcast from the last stage."""
@@ -356,9 +330,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
                 torch.empty(shape, dtype=dtype, device=self.device)
                 for shape, dtype in specs[0]
             ]
-        leaves = [
-            self.pipe_adapter.broadcast(t, self.last_stage) for t in leaves
-        ]
+        leaves = [self.pipe_adapter.broadcast(t, last) for t in leaves]
         return keras.tree.pack_sequence_as(self.stage_models[-1].output, leaves)
 
     def call_model(self, model, inputs, training):
@@ -369,14 +341,6 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         inputs = keras.tree.map_structure(keras.ops.convert_to_tensor, inputs)
         with self.stats.recording("call"):
             return self._last_stage_outputs(inputs, bool(training))
-
-
-def _gradient(variable):
-    """The gradient of `variable`'s parameter, zeros where it has none."""
-    parameter = variable.value
-    if parameter.grad is None:
-        return torch.zeros_like(parameter)
-    return parameter.grad
 
 
 PIPELINE_RUNTIME = TorchPipelineRuntime

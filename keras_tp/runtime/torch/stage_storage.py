@@ -47,9 +47,8 @@ class StageStorage:
         # the optimizer's own.
         if isinstance(variable, SlotOfAnotherStage):
             return
-        if id(variable) not in self.stage_of or self.owners.holds(
-            self.stage_index, variable
-        ):
+        own = id(variable) not in self.stage_of
+        if own or self.owners.holds(self.stage_index, variable):
             self.stage_runtime.assign_local_pieces(variable, read)
 
     def checkpoint_optimizer_state(self, optimizer):
@@ -77,10 +76,8 @@ class StageStorage:
         described = {p: d for stage in stages for p, d in stage.items()}
         for position, variable in enumerate(trainable):
             if id(variable) not in slots and position in described:
-                slots[id(variable)] = [
-                    SlotOfAnotherStage(*description)
-                    for description in described[position]
-                ]
+                told = described[position]
+                slots[id(variable)] = [SlotOfAnotherStage(*d) for d in told]
         own = [v for v in inner.variables if id(v) not in references]
         counts = {p: len(d) for p, d in described.items()}
         state = one_device_keys(trainable, own, slots, counts)
@@ -124,18 +121,14 @@ class StageStorage:
         first replica, `None` elsewhere."""
         if self.data_index or self.stage_of[id(variable)] != self.stage_index:
             return None
-        full = self.stage_runtime.unsplit(
-            variable, parameter_of(variable).detach()
-        )
+        value = parameter_of(variable).detach()
         # A copy: the array returned must not change with training.
-        return full.clone()
+        return self.stage_runtime.unsplit(variable, value).clone()
 
     def _empty_full(self, variable):
-        return torch.empty(
-            self.placement.full_shapes[id(variable)],
-            dtype=parameter_of(variable).dtype,
-            device=self.device,
-        )
+        shape = self.placement.full_shapes[id(variable)]
+        dtype = parameter_of(variable).dtype
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def assign_full_value(self, variable, value):
         if self.owners.holds(self.stage_index, variable):
@@ -167,8 +160,7 @@ class StageStorage:
         )
 
     def device_bytes(self, variables):
-        """`{this rank's device: bytes}` of its tensors (meta ones hold
-        none)."""
+        """`{this rank's device: bytes}` of its tensors but meta ones."""
         own = [v for v in variables if parameter_of(v).device.type != "meta"]
         return {self.devices[self.rank]: storage_bytes(own)}
 
@@ -186,7 +178,5 @@ class SlotOfAnotherStage:
 def _to_meta(variable, shape):
     """Makes `variable` (another stage's) a "meta" tensor of `shape`, for
     Keras' symbolic builds."""
-    parameter = parameter_of(variable)
-    swap_storage(
-        variable, torch.empty(shape, dtype=parameter.dtype, device="meta")
-    )
+    dtype = parameter_of(variable).dtype
+    swap_storage(variable, torch.empty(shape, dtype=dtype, device="meta"))

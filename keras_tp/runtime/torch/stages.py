@@ -24,13 +24,12 @@ class TorchStages(StagePrimitives):
     """The stage of a `TorchPipelineRuntime`'s rank: its actions of the
     schedule, in the order every backend runs them (`issue_order`).
 
-    A training step leaves the stage's gradients in `.grad`: each
-    micro-batch's loss, and the losses the stage's layers add, weigh
-    `1 / num_microbatches`. `timeline` holds `(kind, micro_batch, start,
-    end)` of each pass of the last run, in `time.perf_counter()` seconds
-    (one clock for every process of a Linux machine). `loss` is
-    `PipelineRuntime.loss_function`'s, `None` for `predict` only.
-    """
+    A training step leaves the stage's gradients in `.grad`, each
+    micro-batch's loss and added losses weighing `1 / num_microbatches`.
+    `timeline` holds `(kind, micro_batch, start, end)` of each pass of the
+    last run, in `time.perf_counter()` seconds (one clock for every
+    process of a Linux machine). `loss` is `loss_function`'s, `None` for
+    `predict` only."""
 
     def __init__(self, pipeline, num_microbatches, loss):
         self.pipeline = pipeline
@@ -40,25 +39,19 @@ class TorchStages(StagePrimitives):
         self.num_microbatches = num_microbatches
         self.stats = pipeline.stats
         self.loss = loss
-        self.order = [
-            action
-            for action in schedules.issue_order(
-                pipeline.schedule, self.num_stages, num_microbatches
-            )
-            if action.stage == self.stage
-        ]
-        # The `(shape, dtype)` of each tensor the stage receives, which the
-        # previous stage's rank tells it on the first run (`_specs_of`).
+        issued = schedules.issue_order(
+            pipeline.schedule, self.num_stages, num_microbatches
+        )
+        self.order = [a for a in issued if a.stage == self.stage]
+        # Each received tensor's `(shape, dtype, shard axis)`, which the
+        # previous stage's rank tells on the first run.
         self._received_specs = None
         self._told_specs = False
-        self.training = True
-        self._reset()
 
     def step(self, x, y):
-        """Runs the forward and backward passes of one batch (`x` read by
-        the first stage only, `y` by the last): on the last stage `(mean
-        loss of the micro-batches, the batch's outputs)`, elsewhere
-        `(None, None)`."""
+        """The forward and backward passes of one batch (`x` read by the
+        first stage, `y` by the last): `(mean loss of the micro-batches,
+        outputs)` on the last stage, elsewhere `(None, None)`."""
         return self._run(run_schedule, True, self.order, x, y)
 
     def evaluate(self, x, y):
@@ -80,18 +73,14 @@ class TorchStages(StagePrimitives):
             return torch.zeros((), device=self.pipeline.device)
         return torch.stack(self._added).sum() / self.num_microbatches
 
-    def _reset(self):
+    def _run(self, run, training, *args):
         self.timeline, self.fractions, self._added = [], [], []
         # Per micro-batch, the received tensors that take gradients.
         self._received = {}
-        # Per micro-batch, the received inputs that take gradients, the
-        # outputs whose gradients the next stage sends back, and what
-        # else takes a gradient of 1 (the loss, the added losses' share).
+        # Per micro-batch, those, the outputs whose gradients the next
+        # stage sends back, and the roots seeded with 1 (loss, added loss).
         self._held = {}
         self._sending = []
-
-    def _run(self, run, training, *args):
-        self._reset()
         self.training = training
         try:
             # Backward passes too: they read what the forward passes saved.
@@ -113,15 +102,16 @@ class TorchStages(StagePrimitives):
         if added is not None:
             self._added.append(added.detach())
             ones.append(added / self.num_microbatches)
+        detached = keras.tree.map_structure(torch.Tensor.detach, outputs)
         if target is None:
             # The next stage sends back the gradients of the floats.
-            held, result = _floating(outputs), (_detached(outputs), None)
+            held, result = _floating(outputs), (detached, None)
         else:
             value, fraction = self.loss(target, outputs)
             value = value / self.num_microbatches
             self.fractions.append(fraction)
             ones.append(value)
-            held, result = [], ((value.detach(), fraction), _detached(outputs))
+            held, result = [], ((value.detach(), fraction), detached)
         if torch.is_grad_enabled():
             self._held[m] = (received, held, ones)
         self.timeline.append(("forward", m, start, time.perf_counter()))
@@ -132,10 +122,7 @@ class TorchStages(StagePrimitives):
         received, outputs, ones = self._held.pop(m)
         roots = [*outputs, *ones]
         # A sequence shard's gradient came as its rank's part.
-        cotangent = [
-            _like(output, grad)
-            for output, grad in zip(outputs, cotangent or ())
-        ]
+        cotangent = [_like(o, g) for o, g in zip(outputs, cotangent or ())]
         # The loss's gradient, and its share of the added losses': 1, or
         # a loss scale's factor.
         scale = self.pipeline.loss_scale()
@@ -149,11 +136,10 @@ class TorchStages(StagePrimitives):
         pairs = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
         if pairs:
             torch.autograd.backward(*zip(*pairs))
-        sent = [
-            torch.zeros_like(t) if t.grad is None else t.grad for t in received
-        ]
         # Under sequence parallelism a gradient may be a shard.
-        sent = self.pipeline.stage_runtime.whole_outputs(sent)
+        sent = self.pipeline.stage_runtime.whole_outputs(
+            [grad_or_zeros(t) for t in received]
+        )
         self.timeline.append(("backward", m, start, time.perf_counter()))
         return sent
 
@@ -209,10 +195,14 @@ class TorchStages(StagePrimitives):
         if stage != self.stage or not 0 <= sender < self.num_stages:
             return None
         group = self.pipeline.pipe_group
-        if forward:
-            specs = self._specs_of(sender)
-        else:
+        if not forward:
             specs = [(_local(t).shape, t.dtype, None) for t in self._held[m][1]]
+        elif self._received_specs is None:
+            told = [None]
+            dist.recv_object_list(told, group=group, group_src=sender)
+            specs = self._received_specs = told[0]
+        else:
+            specs = self._received_specs
         device = self.pipeline.device
         tensors = [torch.empty(s, dtype=d, device=device) for s, d, _ in specs]
         for tensor in tensors:
@@ -228,29 +218,13 @@ class TorchStages(StagePrimitives):
         return keras.tree.pack_sequence_as(self.model.input, tensors)
 
     def _sequence_shard(self, local, axis):
-        """`local`, this rank's part of a sequence split on `axis` over
-        the stage's `model` ranks, as a `DTensor`."""
+        """`local` as a `DTensor` split on `axis` over the stage's ranks."""
         mesh = self.pipeline.stage_runtime.adapter.inner.device_mesh
         return DTensor.from_local(local, mesh, [Shard(axis)], run_check=False)
 
-    def _specs_of(self, sender):
-        """The received tensors' `(shape, dtype)`s, told by stage
-        `sender`'s rank."""
-        if self._received_specs is None:
-            told = [None]
-            group = self.pipeline.pipe_group
-            dist.recv_object_list(told, group=group, group_src=sender)
-            self._received_specs = told[0]
-        return self._received_specs
-
 
 def _floating(structure):
-    """The floating-point tensors of `structure`, in `keras.tree` order."""
     return [t for t in keras.tree.flatten(structure) if t.is_floating_point()]
-
-
-def _detached(structure):
-    return keras.tree.map_structure(torch.Tensor.detach, structure)
 
 
 def _shard_axis(tensor):
@@ -261,8 +235,11 @@ def _shard_axis(tensor):
     return placement.dim if isinstance(placement, Shard) else None
 
 
+def grad_or_zeros(tensor):
+    return torch.zeros_like(tensor) if tensor.grad is None else tensor.grad
+
+
 def _local(tensor):
-    """This rank's part of a `DTensor`; any other tensor itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 

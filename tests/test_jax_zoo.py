@@ -60,6 +60,18 @@ def test_transformer_families_exact_at_two_ranks(name):
         assert experts == [repr(keras_tp.ExpertParallel(0))] * 2
 
 
+def test_a_fused_projection_laid_out_block_by_block_splits_by_heads():
+    # Qwen3.5's linear attention projects its queries, keys and values
+    # block by block; on global arrays its code runs on whole tensors, so
+    # its projections pair as Megatron's (where ranks hold their own
+    # slices they gather: `test_torch_zoo.py`).
+    results = measure("qwen3_5", 2)
+    zoo_cases.check_exact(results)
+    assert not results["fallbacks"]
+    assert "all_gather" not in results["collectives"], results
+    assert results["bytes_ratio"] <= 1.02
+
+
 def test_resnet_pairs_convolutions_through_batchnorm():
     zoo_cases.check_resnet(zoo_cases.cnn_checks("resnet50", 2))
 

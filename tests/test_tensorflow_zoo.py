@@ -49,6 +49,10 @@ def test_megatron_minimum(name):
     )
 
 
+def test_a_fused_projection_laid_out_block_by_block_gathers():
+    zoo_cases.check_block_by_block_gathers(zoo_cases.measure("qwen3_5", 2))
+
+
 def test_an_attention_given_per_head_weights_splits_by_heads():
     # XLNet: see test_jax.py. Each replica takes its heads' slice of the
     # per-head biases its block hands to the attention.

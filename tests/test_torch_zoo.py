@@ -27,7 +27,8 @@ from tests.torch_scripts import zoo_checks  # noqa: E402
 # takes an ALiBi bias for every head from its decoder block; Bloom's
 # `AlibiBias` reads the heads count from its scores' shape. QwenMoE scales
 # its shared expert's output in place after the call. Gemma3n's graph holds
-# a view of its token embedding, taken when it was built.
+# a view of its token embedding, taken when it was built. Qwen3.5's linear
+# attention projects its queries, keys and values block by block.
 NAMES = list(zoo_cases.TRANSFORMERS) + [
     "t5gemma",
     "gpt_oss",
@@ -38,6 +39,7 @@ NAMES = list(zoo_cases.TRANSFORMERS) + [
     "qwen_moe",
     "gemma3n",
     "xlnet",
+    "qwen3_5",
 ]
 WORLD_SIZE = 2
 
@@ -75,6 +77,10 @@ def test_megatron_pairs_where_each_rank_runs_its_slices(ranks):
             results[name],
             zoo_cases.BLOCKS * zoo_cases.SUMMED_PER_BLOCK.get(name, 0),
         )
+
+
+def test_a_fused_projection_laid_out_block_by_block_gathers(ranks):
+    zoo_cases.check_block_by_block_gathers(ranks[0]["qwen3_5"])
 
 
 def test_attention_returning_its_split_cache_pairs(ranks):

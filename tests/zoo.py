@@ -322,6 +322,33 @@ def qwen3(seed=0):
     )
 
 
+def qwen3_5(seed=0):
+    """A tiny `Qwen3_5CausalLM`: a linear-attention block (Gated DeltaNet,
+    its query, key and value projected by one layer, block by block, and
+    convolved with a weight of its own) before a full-attention one.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    return _causal_lm(
+        seed,
+        "Qwen3_5",
+        num_query_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        hidden_dim=32,
+        intermediate_dim=64,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+    )
+
+
 def phi3(seed=0):
     """A tiny `Phi3CausalLM`: 8 query and 8 key/value heads, untied.
 
@@ -1000,6 +1027,7 @@ ZOO = {
     "llama": llama,
     "mistral": mistral,
     "qwen3": qwen3,
+    "qwen3_5": qwen3_5,
     "phi3": phi3,
     "mixtral": mixtral,
     "distilbert": distilbert,

@@ -87,6 +87,29 @@ def check_exact(results, tolerance=1e-5):
     assert results["weights"] <= tolerance, results
 
 
+def check_block_by_block_gathers(results):
+    """Qwen3.5 (`zoo.qwen3_5`) where ranks hold their own slices.
+
+    A rank's contiguous slice of its linear attention's fused projection
+    is not its heads' queries, keys and values (and a convolution of the
+    layer's own reads every channel): its five projections fall back to
+    gathering Columns, named with the error a rank's slice raised, one
+    all-gather each; the full attention and the MLPs pair as Megatron's.
+    """
+    check_exact(results)
+    fallbacks = results["fallbacks"]
+    linear = "transformer_layer_0/linear_attn/"
+    names = ("in_proj_a", "in_proj_b", "in_proj_qkv", "in_proj_z", "out_proj")
+    assert sorted(fallbacks) == [linear + name for name in names], fallbacks
+    assert all("input channels" in reason for reason in fallbacks.values())
+    gathering = repr(keras_tp.Column(gather_output=True))
+    assert [results["plan"][path] for path in fallbacks] == [gathering] * 5
+    assert results["collectives"]["all_gather"]["forward"] == 5
+    rows = [s for s in results["plan"].values() if s == repr(_ROW)]
+    assert len(rows) == 3  # the full attention's and the two MLPs'
+    assert results["bytes_ratio"] <= 1.02
+
+
 def trained(name, world_size, **wrap_kwargs):
     """`(one-device model, split copy)` of zoo model `name` after 2 SGD
     steps (the split copy's collectives are those of its last step)."""

@@ -27,7 +27,6 @@ from keras_tp.runtime.jax import JaxRuntime
 from keras_tp.runtime.jax.stage_storage import StageStorage
 from keras_tp.runtime.jax.stages import TRACING_STAGE
 from keras_tp.runtime.jax.stages import JaxStages
-from keras_tp.runtime.jax.stages import StageClock
 from keras_tp.runtime.jax.stages import StagePrograms
 from keras_tp.runtime.jax.steps import is_concrete
 from keras_tp.runtime.jax.storage import onto
@@ -53,7 +52,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         # `StagePrograms` by `(micro-batch count, or None for inference;
         # per device)` (see `_stages`), and each stage's optimizer update.
         self._compiled = {}
-        self._updates = {}
+        self._updates = []
         # The programs of the last training step.
         self._trained = None
 
@@ -98,8 +97,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         # Inference programs serve every micro-batch count.
         key = (count if training else None, per_device)
         if key not in self._compiled:
-            clock = StageClock(self.pipeline_parallel, key[0] or 1)
-            self._compiled[key] = StagePrograms(self, per_device, key[0], clock)
+            self._compiled[key] = StagePrograms(self, per_device, key[0])
         trainer = self.trainer
         return JaxStages(
             self._compiled[key],
@@ -154,15 +152,13 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         devices; a symbolic one (Keras building its metrics) as a graph."""
         if not all(map(is_concrete, jax.tree_util.tree_leaves(inputs))):
             return super().call_model(model, inputs, training)
-        trainer = self.trainer
         with self.stats.recording("call"):
-            outputs, _ = self._infer(
-                [v.value for v in trainer.trainable_variables],
-                [v.value for v in trainer.non_trainable_variables],
+            return self._infer(
+                [v.value for v in self.trainer.trainable_variables],
+                [v.value for v in self.trainer.non_trainable_variables],
                 inputs,
                 per_device=False,
-            )
-        return outputs
+            )[0]
 
     def _infer(self, trainable, non_trainable, x, per_device=True):
         stages = self._stages(x, trainable, non_trainable, False, per_device)
@@ -215,16 +211,12 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         owned = self.owners.owned_gradients(
             gradients, lambda grad, _, owner: self.sent(grad, owner, "backward")
         )
-        for stage in range(self.pipeline_parallel):
-            if stage not in self._updates:
-                self._updates[stage] = self._update_of(stage, shared)
+        if not self._updates:
+            stages = range(self.pipeline_parallel)
+            self._updates = [self._update_of(s, shared) for s in stages]
         # Each stage's gradients as its update takes them: averaged over
         # its replicas (with ZeRO-1 each device's partition).
-        owned = [
-            self._updates[stage].synchronise(grads)
-            for stage, grads in enumerate(owned)
-        ]
-        scaler = trainer.optimizer
+        owned = [u.synchronise(g) for u, g in zip(self._updates, owned)]
         if self.takes_global_norm():
             owned, total = self._globally_clipped(owned, values)
         # With a loss scale, every stage keeps its values where the
@@ -233,22 +225,20 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         finite = jax.numpy.isfinite(total) if scaled else None
         for stage, grads in enumerate(owned):
             stage_update = self._updates[stage]
-            own, slots = stage_update.variables, stage_update.slots
-            applies = finite
-            if finite is not None:
-                applies = self.sent(finite, stage, "optimizer")
-            new_values, new_slots, new_shared = stage_update.update(
-                [values[id(v)] for v in own],
-                [values[id(v)] for v in slots],
+            groups = (stage_update.variables, stage_update.slots, shared)
+            applies = self.sent(finite, stage, "optimizer") if scaled else None
+            new = stage_update.update(
+                [values[id(v)] for v in groups[0]],
+                [values[id(v)] for v in groups[1]],
                 onto(shared_values, self.stage_runtimes[stage].mesh),
                 grads,
                 applies,
             )
-            values.update(zip(map(id, own), new_values))
-            values.update(zip(map(id, slots), new_slots))
-            values.update(zip(map(id, shared), new_shared))
+            for group, new_values in zip(groups, new):
+                values.update(zip(map(id, group), new_values))
         if scaled:
-            scale, counter = (scaler.dynamic_scale, scaler.step_counter)
+            scaler = trainer.optimizer
+            scale, counter = scaler.dynamic_scale, scaler.step_counter
             values[id(scale)], values[id(counter)] = next_scale(
                 scaler, finite, values[id(scale)], values[id(counter)]
             )
@@ -261,12 +251,9 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         """`(gradients, squares)`: each stage's gradients in `owned` times
         `gradient_factor`, and the sum of their squares on the last stage's
         devices, where each stage's squared norm is sent."""
-        last = self.pipeline_parallel - 1
         squares = [
-            self.sent(
-                self._updates[stage].squared_norm(grads), last, "optimizer"
-            )
-            for stage, grads in enumerate(owned)
+            self.sent(update.squared_norm(grads), -1, "optimizer")
+            for update, grads in zip(self._updates, owned)
         ]
         total = sum(squares[1:], squares[0])
         factor = self.loss_scale()
@@ -291,13 +278,10 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         slots = [
             v for v in optimizer.variables if self.stage_of.get(id(v)) == stage
         ]
+        variables = (own, slots, shared)
 
         def update(values, slot_values, shared_values, gradients, applies):
-            groups = (
-                (own, values),
-                (slots, slot_values),
-                (shared, shared_values),
-            )
+            groups = list(zip(variables, (values, slot_values, shared_values)))
             mapping = [pair for group in groups for pair in zip(*group)]
             with (
                 StatelessScope(state_mapping=mapping) as scope,
@@ -340,21 +324,12 @@ def squared_norm(runtime, variables, specs):
     """The squared norm of whole gradients of `variables`, laid out on
     `runtime`'s devices as `specs` say, from each device's pieces
     (`clipping.weighted_squares`) summed over the stage's devices."""
-    placement = runtime.placement
-    adapter = runtime.world_adapter
 
     def local(gradients):
-        with adapter.stats.labelled("optimizer"):
-            squares = weighted_squares(gradients, variables, placement)
-            return adapter.all_reduce(sum(squares), "sum")
+        squares = weighted_squares(gradients, variables, runtime.placement)
+        return runtime.world_adapter.all_reduce(sum(squares), "sum")
 
-    return jax.shard_map(
-        local,
-        mesh=runtime.mesh,
-        in_specs=(specs,),
-        out_specs=PartitionSpec(),
-        check_vma=False,
-    )
+    return on_devices(runtime, local, specs, PartitionSpec())
 
 
 def over_replicas(update, runtime, variables, zero_stage):
@@ -378,45 +353,43 @@ def over_replicas(update, runtime, variables, zero_stage):
         for v in variables
     ]
 
-    def on_devices(local, in_specs, out_specs):
-        def labelled(values):
-            with adapter.stats.labelled("optimizer"):
-                return local(values)
-
-        return jax.shard_map(
-            labelled,
-            mesh=runtime.mesh,
-            in_specs=(in_specs,),
-            out_specs=out_specs,
-            check_vma=False,
-        )
-
     def reduced(rows):
-        grads = [row[0] for row in rows]
-        return layout.synchronised(grads, variables, adapter)
+        return layout.synchronised([row[0] for row in rows], variables, adapter)
 
     def gathered(partitions):
         whole = layout.gathered(partitions, variables, adapter)
         return [whole.get(i, p) for i, p in enumerate(partitions)]
 
-    def synchronise(gradient_rows):
-        rows = replica_rows(runtime, variables)
-        return on_devices(reduced, rows, partitioned)(gradient_rows)
+    gather = on_devices(runtime, gathered, partitioned, placed)
 
-    def combined(values, slot_values, shared_values, gradients, applies):
+    def combined(values, *rest):
         values = [
-            jax.lax.with_sharding_constraint(
-                value, NamedSharding(runtime.mesh, spec)
-            )
-            for value, spec in zip(values, partitioned)
+            jax.lax.with_sharding_constraint(v, NamedSharding(runtime.mesh, s))
+            for v, s in zip(values, partitioned)
         ]
-        new_values, *new = update(
-            values, slot_values, shared_values, gradients, applies
-        )
-        new_values = on_devices(gathered, partitioned, placed)(new_values)
-        return new_values, *new
+        new_values, *new = update(values, *rest)
+        return gather(new_values), *new
 
+    rows = replica_rows(runtime, variables)
+    synchronise = on_devices(runtime, reduced, rows, partitioned)
     return synchronise, combined, partitioned
+
+
+def on_devices(runtime, local, in_specs, out_specs):
+    """`local` of one argument on each of `runtime`'s devices, its
+    collectives counted as the optimizer's."""
+
+    def labelled(values):
+        with runtime.world_adapter.stats.labelled("optimizer"):
+            return local(values)
+
+    return jax.shard_map(
+        labelled,
+        mesh=runtime.mesh,
+        in_specs=(in_specs,),
+        out_specs=out_specs,
+        check_vma=False,
+    )
 
 
 PIPELINE_RUNTIME = JaxPipelineRuntime

@@ -27,10 +27,8 @@ class StageStorage:
         partitioned over the stage's replicas."""
         stage = self.owners.adopt(variable, reference)
         placement = self.stage_runtimes[stage].placement
-        partition_axis = (
-            placement.partition_axis(reference) if self.zero_stage else None
-        )
-        placement.place_like(variable, reference, partition_axis)
+        axis = placement.partition_axis(reference) if self.zero_stage else None
+        placement.place_like(variable, reference, axis)
 
     def device_bytes(self, variables):
         """`{device: bytes}` of these variables, each stage runtime reading

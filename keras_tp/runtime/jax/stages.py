@@ -44,7 +44,7 @@ class StagePrograms:
     takes them again.
     """
 
-    def __init__(self, pipeline, per_device, num_microbatches, clock):
+    def __init__(self, pipeline, per_device, num_microbatches):
         self.pipeline = pipeline
         self.stage_models = pipeline.stage_models
         self.runtimes = pipeline.stage_runtimes
@@ -57,18 +57,11 @@ class StagePrograms:
         )
         self.num_microbatches = num_microbatches
         self.last = len(self.stage_models) - 1
-        self.adding_stages = pipeline.adding_stages
-        self.clock = clock
+        self.clock = StageClock(len(self.stage_models), num_microbatches or 1)
         self._programs = {}
         # How to rebuild a forward pass's VJP from its kept residuals, by
         # stage and the signature of the pass's arguments on each device.
         self._layouts = {}
-
-    def place(self, stage, tree):
-        """A stage's inputs on its devices (the first's split over `data`
-        per device)."""
-        first = self.per_device and not stage
-        return onto(tree, self.runtimes[stage].mesh, DATA if first else None)
 
     def program(self, kind, stage):
         """A stage's compiled `"infer"`, `"forward"` or `"backward"` pass
@@ -100,10 +93,6 @@ class StagePrograms:
 
     def _from_rows(self, tree):
         return jax.tree.map(lambda a: a[0], tree) if self.per_device else tree
-
-    def _added_rows(self, added):
-        # A stage's added losses leave a program only where it adds any.
-        return None if added is None else self._rows(added)
 
     def _specs(self, stage):
         # Of `(trainable, non_trainable, inputs, targets)`.
@@ -148,19 +137,17 @@ class StagePrograms:
         values; the last stage's predictions, else the losses added)`."""
         model = self.stage_models[index]
         last = index == self.last
-        adding = self.adding_stages[index]
+        adding = self.pipeline.adding_stages[index]
 
         def called(trainable, non_trainable, inputs, training):
-            # `(outputs, new non-trainable values, the losses added)`.
-            outputs, new_non_trainable, losses = model.stateless_call(
+            *results, losses = model.stateless_call(
                 trainable,
                 non_trainable,
                 inputs,
                 training=training,
                 return_losses=True,
             )
-            added = self.pipeline.added_total(index, losses)
-            return outputs, new_non_trainable, added
+            return *results, self.pipeline.added_total(index, losses)
 
         def local(trainable, non_trainable, inputs, targets=None):
             inputs, leaves = self._arguments(
@@ -175,7 +162,7 @@ class StagePrograms:
                     outputs = (outputs, carried_masks(outputs))
                 else:
                     outputs = self._rows(outputs)
-                return outputs, new_non_trainable, self._added_rows(added)
+                return outputs, new_non_trainable, self._rows(added)
             floats, rebuild = _floats(inputs)
 
             def stage(trainable, floats):
@@ -211,13 +198,14 @@ class StagePrograms:
             if last:
                 sent = self._rows((primal, extra))
                 return sent, kept, new_non_trainable, outputs
-            added = self._added_rows(extra)
+            added = self._rows(extra)
             return self._rows(outputs), kept, new_non_trainable, added
 
         specs = self._specs(index)
         # The last stage's outputs (its predictions) and its share of the
         # loss are whole on each replica's devices.
         sent_spec = DATA if last else ROWS
+        # A stage's added losses leave a program only where it adds any.
         added_spec = ROWS if adding else None
         if not training:
             out_specs = (sent_spec, specs[1], added_spec)
@@ -242,20 +230,16 @@ class StagePrograms:
                 [next(kept) if s is None else leaves[s] for s in sources],
             )
             # The loss's gradient: 1, or a loss scale's factor.
-            if last:
-                cotangent = seed
-            elif self.adding_stages[index]:
-                cotangent = (self._from_rows(cotangent), seed)
-            else:
-                cotangent = self._from_rows(cotangent)
+            cotangent = seed if last else self._from_rows(cotangent)
+            if self.pipeline.adding_stages[index] and not last:
+                cotangent = (cotangent, seed)
             gradients, input_gradients = vjp(cotangent)
             input_gradients = self._rows(input_gradients) if index else None
             return self._rows(gradients), input_gradients
 
-        runtime = self.runtimes[index]
         variables = self.stage_models[index].trainable_variables
         in_specs = (*self._specs(index), ROWS, ROWS, PartitionSpec())
-        out_specs = (replica_rows(runtime, variables), ROWS)
+        out_specs = (replica_rows(self.runtimes[index], variables), ROWS)
         return self._mapped(index, local, in_specs, out_specs)
 
 
@@ -281,7 +265,9 @@ class JaxStages(StagePrimitives):
         self._residuals = {}
 
     def _values(self, stage, inputs):
-        placed = self.programs.place(stage, inputs)
+        # The first stage's inputs are split over `data` per device.
+        split = DATA if self.programs.per_device and not stage else None
+        placed = onto(inputs, self.programs.runtimes[stage].mesh, split)
         return self.trainable[stage], self.non_trainable[stage], placed
 
     def forward(self, stage, m, inputs, target):
@@ -315,9 +301,7 @@ class JaxStages(StagePrimitives):
         scaled = []
         for grads, runtime in zip(self.gradients, self.programs.runtimes):
             scale = onto(self.gradient_scale, runtime.mesh)
-            scaled.append(
-                jax.tree.map(lambda g, s=scale: g * s.astype(g.dtype), grads)
-            )
+            scaled.append([g * scale.astype(g.dtype) for g in grads])
         return scaled
 
     def infer(self, stage, inputs):

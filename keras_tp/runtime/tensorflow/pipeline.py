@@ -1,6 +1,7 @@
 """Pipelines on TensorFlow: every stage a `tf.distribute` runtime of its own,
 the schedule replica steps of the stages (`.stages`)."""
 
+import contextlib
 import functools
 
 import keras
@@ -21,7 +22,6 @@ from keras_tp.runtime.tensorflow import devices as tf_devices
 from keras_tp.runtime.tensorflow.optimizer import prepare_optimizer
 from keras_tp.runtime.tensorflow.stage_storage import StageStorage
 from keras_tp.runtime.tensorflow.stages import TensorFlowStages
-from keras_tp.runtime.tensorflow.stages import traced_batch_size
 from keras_tp.tensors import nbytes
 
 
@@ -69,7 +69,9 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         return tf_devices.local_devices()
 
     def _stages_of(self, x):
-        batch = traced_batch_size(x)
+        """The stage primitives of the batch `x`, the shared weights'
+        copies refreshed."""
+        batch = tf.nest.flatten(x)[0].shape[0]
         if batch is None:
             raise ValueError(
                 "The batch size is unknown when Keras traces the step (a "
@@ -84,6 +86,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         count = self.microbatches(batch // self.data_parallel)
         if count not in self._stages:
             self._stages[count] = TensorFlowStages(self, count)
+        self.refresh_copies()
         return self._stages[count]
 
     def action_times(self):
@@ -105,8 +108,8 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             object.__setattr__(optimizer, "_keras_tp_pipeline", self)
         # Built on no variable, the compiled optimizer keeps the step count
         # that each stage's copy takes (`build_optimizer`).
-        if not trainer.optimizer.built:
-            trainer.optimizer.build([])
+        if not optimizer.built:
+            optimizer.build([])
         # Made now rather than in the first step's trace, which would be
         # traced again for the variables it made.
         self.build_optimizer(trainer)
@@ -118,7 +121,9 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             return
         # A loss scale is the pipeline's (`train_step`): the stages copy
         # the optimizer it wraps.
-        scaled, optimizer = loss_scale(compiled), unscaled(compiled)
+        optimizer = unscaled(compiled)
+        options = [getattr(optimizer, name) for name in _COORDINATED]
+        coordinating = loss_scale(compiled) is not None or any(options)
         # Made eagerly, to outlive the trace of the first step.
         with tf.init_scope():
             config, trainers = optimizer.get_config(), []
@@ -127,8 +132,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
                     self.stage_models[stage], self.owners.owned(stage)
                 )
                 copy = type(optimizer).from_config(config)
-                options = [getattr(optimizer, name) for name in _COORDINATED]
-                if scaled is not None or any(options):
+                if coordinating:
                     # It accumulates, averages the weights and takes the
                     # norms over the stage's devices (and its synchronised
                     # gradients join the global norm, `_globally_clipped`).
@@ -161,12 +165,10 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         x, targets = self.unpacked(data)
         self.build_optimizer(self.trainer)
         stages = self._stages_of(x)
-        self.refresh_copies()
         loss, y_pred = stages.step(x, targets)
         self.trained_order = stages.order
         owned = self._owned_gradients(stages.scaled_gradients())
-        compiled = self.trainer.optimizer
-        scaler = self.loss_scale()
+        compiled, scaler = self.trainer.optimizer, self.loss_scale()
         scale = finite = None
         if self.takes_global_norm():
             owned, scale, finite = self._globally_clipped(owned)
@@ -174,19 +176,17 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         skips = None if scaler is None else finite
         for stage in range(self.pipeline_parallel):
             self._update(stage, owned, scale, skips)
-        if scaler is None:
-            step_counter(compiled).assign_add(1)
-            return self.update_metrics(x, targets, loss, y_pred)
-        step_counter(unscaled(compiled)).assign_add(tf.cast(finite, "int64"))
-        new = next_scale(compiled, finite, scaler, compiled.step_counter)
-        scaler.assign(new[0])
-        compiled.step_counter.assign(new[1])
+        counted = 1 if scaler is None else tf.cast(finite, "int64")
+        step_counter(unscaled(compiled)).assign_add(counted)
+        if scaler is not None:
+            new = next_scale(compiled, finite, scaler, compiled.step_counter)
+            scaler.assign(new[0])
+            compiled.step_counter.assign(new[1])
         return self.update_metrics(x, targets, loss, y_pred)
 
     def test_step(self, data):
         x, targets = self.unpacked(data)
         stages = self._stages_of(x)
-        self.refresh_copies()
         y_pred = stages.predict(x)
         loss = self.whole_batch_loss(targets, y_pred, stages.added_loss())
         return self.update_metrics(x, targets, loss, y_pred)
@@ -202,14 +202,12 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             self.stats.record("send", nbytes(grad), "backward", "pipe")
             return grad
 
-        replicas = sorted({replica for _, replica in gradients})
-        return {
-            replica: self.owners.owned_gradients(
-                [gradients[s, replica] for s in range(self.pipeline_parallel)],
-                moved,
+        return [
+            self.owners.owned_gradients(
+                [gradients[s, r] for s in range(self.pipeline_parallel)], moved
             )
-            for replica in replicas
-        }
+            for r in range(self.data_parallel * self.tensor_parallel)
+        ]
 
     def _globally_clipped(self, owned):
         """`(synchronised, scale, finite)`: by replica, each stage's
@@ -217,7 +215,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         clips them all (`gradient_factor`), and whether they are finite.
         Each stage's squared norm goes to the last stage's first device,
         which adds them, and the scale to every device."""
-        synchronised, squares = {}, []
+        synchronised, squares = [], []
         for index, runtime in enumerate(self.stage_runtimes):
             stage = self.stage_optimizers[index]
 
@@ -236,8 +234,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
                 return grads, square
 
             results = runtime.replica_results(synchronise, stage)
-            for replica, (grads, _) in enumerate(results):
-                synchronised.setdefault(replica, []).append(grads)
+            synchronised.append([grads for grads, _ in results])
             squares.append(results[0][1])
             self.stats.record("send", 4, "optimizer", "pipe")
             self.stats.record(
@@ -249,7 +246,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             scale = self.gradient_factor(
                 total, None if scaler is None else tf.convert_to_tensor(scaler)
             )
-            return synchronised, scale, tf.math.is_finite(total)
+            return list(zip(*synchronised)), scale, tf.math.is_finite(total)
 
     def _update(self, index, gradients, scale=None, finite=None):
         """Stage `index`'s update on each of its replicas, with the compiled
@@ -261,11 +258,6 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         compiled = unscaled(self.trainer.optimizer)
         optimizer = stage.inner_optimizer
 
-        def update():
-            if finite is None:
-                return apply()
-            return tf.cond(finite, apply, lambda: tf.zeros(()))
-
         def apply():
             optimizer.iterations.assign(compiled.iterations)
             # A schedule computes the rate from the step count.
@@ -273,25 +265,24 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
                 optimizer.learning_rate.assign(compiled.learning_rate)
             grads = gradients[runtime.replica_id()][index]
             variables = stage.trainable_variables
-            if scale is None:
-                runtime.apply_on_replica(
-                    stage.optimizer, grads, variables, stage
-                )
-            else:
+            taken = contextlib.nullcontext()
+            if scale is not None:
                 grads = [g * tf.cast(scale, g.dtype) for g in grads]
-                with global_norm_taken(stage.optimizer.clipping):
-                    runtime.apply_on_replica(
-                        stage.optimizer, grads, variables, stage, True
-                    )
+                taken = global_norm_taken(stage.optimizer.clipping)
+            with taken:
+                runtime.apply_on_replica(
+                    stage.optimizer, grads, variables, stage, scale is not None
+                )
             # `strategy.run` needs a result to return.
             return tf.zeros(())
 
-        runtime.replica_results(update, stage)
+        def skippable():
+            return tf.cond(finite, apply, lambda: tf.zeros(()))
+
+        runtime.replica_results(apply if finite is None else skippable, stage)
 
     def _forward(self, x, training=False):
-        stages = self._stages_of(x)
-        self.refresh_copies()
-        return stages.predict(x, training)
+        return self._stages_of(x).predict(x, training)
 
     def call_model(self, model, inputs, training):
         """A direct call (`tp(x)`); under sequence parallelism as `predict`

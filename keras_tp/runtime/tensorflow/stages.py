@@ -75,13 +75,12 @@ class TensorFlowStages(StagePrimitives):
         return self._per_replica(x), targets
 
     def forward(self, stage, m, inputs, target):
-        runtime = self.runtimes[stage]
         adding = self.adding_stages[stage]
         with self._issued(stage, schedules.FORWARD, m, inputs) as done:
             started = self.times[-1][0]
 
             def forward():
-                replica = runtime.replica_id()
+                replica = self.runtimes[stage].replica_id()
                 with tf.control_dependencies([started]):
                     received = tf.nest.map_structure(
                         tf.identity, inputs[replica]
@@ -99,28 +98,24 @@ class TensorFlowStages(StagePrimitives):
 
             outputs = self._replica_outputs(stage, forward)
             done.extend(self.added[-1] if adding else ())
-            predicted = outputs
-            if target is None:
-                predicted = None
-            else:
+            predicted = None if target is None else outputs
+            if target is not None:
                 outputs = self._row_losses(m, outputs, target)
             done.extend(t for t in tf.nest.flatten(outputs) if t is not None)
         return outputs, predicted
 
     def backward(self, stage, m, cotangent):
-        runtime = self.runtimes[stage]
         variables = self.stage_models[stage].trainable_variables
-        received = [] if cotangent is None else cotangent
+        received = cotangent or []
         with self._issued(stage, schedules.BACKWARD, m, received) as done:
             started = self.times[-1][0]
-            if cotangent is None:
-                cotangent = self._loss_cotangents.pop(m)
+            cotangent = cotangent or self._loss_cotangents.pop(m)
             # The gradient of a stage's added losses' share is 1, or a
             # loss scale's factor.
             added = [self._seed()] if self.adding_stages[stage] else []
 
             def backward():
-                replica = runtime.replica_id()
+                replica = self.runtimes[stage].replica_id()
                 tape, inputs, outputs = self._tapes.pop((stage, m, replica))
                 sources = floating(inputs) if stage else []
                 with tf.control_dependencies([started]):
@@ -143,10 +138,8 @@ class TensorFlowStages(StagePrimitives):
         return [sent for sent, _ in results]
 
     def infer(self, stage, inputs):
-        replica_id = self.runtimes[stage].replica_id
-
         def call():
-            received = inputs[replica_id()]
+            received = inputs[self.runtimes[stage].replica_id()]
             outputs, added = self._added_call(stage, received, self._training)
             if stage == self.num_stages - 1:
                 outputs = (outputs, carried_masks(outputs))
@@ -156,10 +149,11 @@ class TensorFlowStages(StagePrimitives):
 
     def _added_call(self, stage, inputs, training):
         """`(outputs, total of the losses added)` of a replica's call of
-        `stage` (`PipelineRuntime.added_total`; zero for none)."""
-        model = self.stage_models[stage]
-        with added_losses.recorded(model) as added:
-            outputs = self._call(stage, inputs, training)
+        `stage`, its sequence shards gathered (`PipelineRuntime.added_total`;
+        zero for none)."""
+        model, runtime = self.stage_models[stage], self.runtimes[stage]
+        with added_losses.recorded(model) as added, runtime.sequence_shards():
+            outputs = runtime.whole_outputs(model(inputs, training=training))
         losses = added + added_losses.penalties(model)
         total = self.pipeline.added_total(stage, losses)
         return outputs, tf.zeros(()) if total is None else total
@@ -172,14 +166,6 @@ class TensorFlowStages(StagePrimitives):
         # The batch's outputs, from the first replica of each row.
         rows = [micro[:: self.tensor_parallel] for micro in predictions]
         return loss, join_rows(rows)
-
-    def _call(self, stage, inputs, training):
-        """A replica's outputs of `stage`, its sequence shards gathered."""
-        runtime = self.runtimes[stage]
-        with runtime.sequence_shards():
-            return runtime.whole_outputs(
-                self.stage_models[stage](inputs, training=training)
-            )
 
     def _replica_outputs(self, stage, fn):
         """Per replica, the outputs of `fn`; the losses added it returns
@@ -198,12 +184,9 @@ class TensorFlowStages(StagePrimitives):
 
     def _per_replica(self, x):
         """Per micro-batch, per replica, its part of `x`."""
-        rows, count = self.data_parallel, self.num_microbatches
-        replicas = range(rows * self.tensor_parallel)
-        return [
-            [micro[r // self.tensor_parallel] for r in replicas]
-            for micro in split_rows(x, rows, count)
-        ]
+        tensor = self.tensor_parallel
+        micros = split_rows(x, self.data_parallel, self.num_microbatches)
+        return [[row for row in rows for _ in range(tensor)] for rows in micros]
 
     def _row_losses(self, m, outputs, target):
         """Each data-parallel row's share of the batch's loss, computed
@@ -222,16 +205,13 @@ class TensorFlowStages(StagePrimitives):
                 loss = loss / self.num_microbatches
                 seeded = loss * tf.cast(self._seed(), loss.dtype)
             losses.append((loss, fraction))
-            cotangents.append(
-                tape.gradient(
-                    seeded,
-                    predicted,
-                    unconnected_gradients=tf.UnconnectedGradients.ZERO,
-                )
+            cotangent = tape.gradient(
+                seeded,
+                predicted,
+                unconnected_gradients=tf.UnconnectedGradients.ZERO,
             )
-        self._loss_cotangents[m] = [
-            cotangents[r // self.tensor_parallel] for r in range(len(outputs))
-        ]
+            cotangents.extend([cotangent] * self.tensor_parallel)
+        self._loss_cotangents[m] = cotangents
         return losses
 
     def _seed(self):
@@ -247,10 +227,9 @@ class TensorFlowStages(StagePrimitives):
             tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
             for v, g in zip(variables, grads)
         ]
-        total = self.gradients.get(key)
-        self.gradients[key] = (
-            dense if total is None else [a + b for a, b in zip(total, dense)]
-        )
+        if key in self.gradients:
+            dense = [a + b for a, b in zip(self.gradients[key], dense)]
+        self.gradients[key] = dense
 
     @contextlib.contextmanager
     def _issued(self, stage, kind, m, inputs):
@@ -276,11 +255,6 @@ class TensorFlowStages(StagePrimitives):
                 with tf.control_dependencies(done):
                     self._ends[stage, kind, m] = end = tf.timestamp()
                 self.times[-1].append(end)
-
-
-def traced_batch_size(x):
-    """The batch size of `x` as traced: `None` where it is unknown."""
-    return tf.nest.flatten(x)[0].shape[0]
 
 
 def floating(structure):

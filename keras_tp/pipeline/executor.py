@@ -99,14 +99,12 @@ class StagePrimitives:
         the micro-batches; `None` without any."""
         if not self.added:
             return None
-        means = [
-            keras.ops.mean(keras.ops.stack(keras.tree.flatten(sent)))
-            for sent in (
-                self.send(added, self.num_stages - 1, schedules.FORWARD)
-                for added in self.added
-            )
-        ]
-        return sum(means[1:], means[0]) / self.num_microbatches
+        total = None
+        for added in self.added:
+            sent = self.send(added, self.num_stages - 1, FORWARD)
+            mean = keras.ops.mean(keras.ops.stack(keras.tree.flatten(sent)))
+            total = mean if total is None else total + mean
+        return total / self.num_microbatches
 
 
 def run_schedule(primitives, order, x, y, infer=False):
@@ -115,40 +113,32 @@ def run_schedule(primitives, order, x, y, infer=False):
     `infer`, forward passes only. Returns `primitives.joined`'s."""
     last = primitives.num_stages - 1
     inputs, targets = primitives.microbatches(x, y)
-    received = {(0, m): part for m, part in enumerate(inputs)}
-    cotangents = {}
+    # What a stage of this process sent, by the action that takes it.
+    held = {(0, FORWARD, m): part for m, part in enumerate(inputs)}
     losses, predictions = [], [None] * len(inputs)
     for stage, kind, m in order:
+        taken = held.pop((stage, kind, m), None)
+        if taken is None:
+            taken = primitives.receive(stage, m, kind)
         if kind == FORWARD:
-            taken = _taken(primitives, received, stage, m, kind)
             if infer:
                 outputs = predicted = primitives.infer(stage, taken)
             else:
                 target = targets[m] if stage == last else None
                 outputs, predicted = primitives.forward(stage, m, taken, target)
             if stage < last:
-                received[stage + 1, m] = primitives.send(
-                    outputs, stage + 1, FORWARD
+                held[stage + 1, kind, m] = primitives.send(
+                    outputs, stage + 1, kind
                 )
             else:
                 predictions[m] = predicted
                 if not infer:
                     losses.append(outputs)
             continue
-        sent = primitives.backward(
-            stage, m, _taken(primitives, cotangents, stage, m, kind)
-        )
+        sent = primitives.backward(stage, m, taken)
         if stage:
-            cotangents[stage - 1, m] = primitives.send(
-                sent, stage - 1, schedules.BACKWARD
-            )
+            held[stage - 1, kind, m] = primitives.send(sent, stage - 1, kind)
     return primitives.joined(losses, predictions)
-
-
-def _taken(primitives, held, stage, m, kind):
-    """What a stage of this process sent (in `held`), else `receive`'s."""
-    value = held.pop((stage, m), None)
-    return primitives.receive(stage, m, kind) if value is None else value
 
 
 def run_forward(primitives, x):

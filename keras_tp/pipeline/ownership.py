@@ -23,13 +23,11 @@ class WeightOwners:
         for index, stage in enumerate(self.stage_models):
             for variable in stage.variables:
                 key = id(variable)
-                if key not in self.stage_of:
-                    self.stage_of[key] = index
-                    continue
-                owner = self.stage_of[key]
-                stages = self.shared_stages.setdefault(key, [owner])
-                if index not in stages:
-                    stages.append(index)
+                owner = self.stage_of.setdefault(key, index)
+                if owner != index:
+                    stages = self.shared_stages.setdefault(key, [owner])
+                    if index not in stages:
+                        stages.append(index)
         strays = [v.path for v in model.variables if id(v) not in self.stage_of]
         if strays:
             raise ValueError(
@@ -65,16 +63,16 @@ class WeightOwners:
         gradients over the stages that use it, from each stage's
         `gradients`; `moved(gradient, stage, owner)` moves a later
         stage's to the owner's devices."""
-        addends = {}
+        sums = {}
         for stage, grads in enumerate(gradients):
             variables = self.stage_models[stage].trainable_variables
             for variable, grad in zip(variables, grads):
-                owner = self.stage_of[id(variable)]
-                if owner != stage:
-                    grad = moved(grad, stage, owner)
-                addends.setdefault(id(variable), []).append(grad)
+                key = id(variable)
+                if self.stage_of[key] != stage:
+                    grad = moved(grad, stage, self.stage_of[key])
+                sums[key] = sums[key] + grad if key in sums else grad
         return [
-            [sum(addends[id(v)][1:], addends[id(v)][0]) for v in self.owned(s)]
+            [sums[id(v)] for v in self.owned(s)]
             for s in range(len(self.stage_models))
         ]
 

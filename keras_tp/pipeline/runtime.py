@@ -28,9 +28,8 @@ from keras_tp.runtime.base import Runtime
 from keras_tp.stats import CommunicationStats
 from keras_tp.tensors import carried_masks
 
-
-class WeightedTargets(collections.namedtuple("WeightedTargets", "y weights")):
-    """Targets and their sample weights, split into micro-batches together."""
+# Targets and their sample weights, split into micro-batches together.
+WeightedTargets = collections.namedtuple("WeightedTargets", "y weights")
 
 
 def weighted(targets):
@@ -46,7 +45,6 @@ class PipelineRuntime(Runtime):
     the variables its stage owns and runs its split layers; Keras' steps
     run as a schedule of micro-batches (`keras_tp.pipeline.executor`)."""
 
-    backend = None
     whole_logits_reason = (
         "a pipeline's last stage computes the loss from whole logits"
     )
@@ -89,8 +87,7 @@ class PipelineRuntime(Runtime):
                 stage_model.input_spec = None
         self.owners = WeightOwners(self.stage_models, model)
         self.stage_of = self.owners.stage_of
-        self.shared_stages = self.owners.shared_stages
-        _check_shared_regularizers(model, self.shared_stages)
+        _check_shared_regularizers(model, self.owners.shared_stages)
         # Whether each stage's layers add losses (regularizers, add_loss),
         # which its passes add, per micro-batch, to the compiled loss.
         self.adding_stages = [adds_losses(m) for m in self.stage_models]
@@ -125,10 +122,10 @@ class PipelineRuntime(Runtime):
         """Places `variable` on its owner's devices; each later stage that
         uses it (a tied embedding) borrows the split (see `keep_copy`)."""
         owner = self.stage_of[id(variable)]
-        for stage in self.shared_stages.get(id(variable), ()):
-            if stage != owner:
-                self.stage_runtimes[stage].placement.borrow(variable, axis)
-                self.keep_copy(variable, axis, stage)
+        # The owner comes first in its stages.
+        for stage in self.owners.shared_stages.get(id(variable), ())[1:]:
+            self.stage_runtimes[stage].placement.borrow(variable, axis)
+            self.keep_copy(variable, axis, stage)
         self.stage_runtimes[owner].placement.place(variable, axis)
 
     def keep_copy(self, variable, axis, stage):
@@ -142,9 +139,8 @@ class PipelineRuntime(Runtime):
     def stage_plans(self, plan):
         """`(part of plan, runtime)` pairs: each stage's split layers with
         its runtime; a layer several stages call (a tied embedding) with
-        `calling_stage_runtime` of those stages."""
-        if not plan.layers and not plan.per_rank_random:
-            return []
+        `CallingStageRegions` of those stages' runtimes where one process
+        runs them all (else the first stage's)."""
         stages_of = {}
         for index, stage in enumerate(self.stage_models):
             for layer in sublayers(stage):
@@ -154,18 +150,14 @@ class PipelineRuntime(Runtime):
             part = plan.part_for(
                 lambda layer, stages=stages: stages_of[id(layer)] == stages
             )
-            if part.layers or part.per_rank_random:
-                parts.append((part, self.calling_stage_runtime(stages)))
+            if not (part.layers or part.per_rank_random):
+                continue
+            runtime = self.stage_runtimes[stages[0]]
+            if self.calling_stage is not None and len(stages) > 1:
+                runtimes = {s: self.stage_runtimes[s] for s in stages}
+                runtime = CallingStageRegions(runtimes, self.calling_stage)
+            parts.append((part, runtime))
         return parts
-
-    def calling_stage_runtime(self, stages):
-        """The runtime that runs the split layers that `stages` all call,
-        each call on the devices of the stage that makes it (the first
-        stage's where a rank runs one stage)."""
-        if self.calling_stage is None or len(stages) == 1:
-            return self.stage_runtimes[stages[0]]
-        runtimes = {s: self.stage_runtimes[s] for s in stages}
-        return CallingStageRegions(runtimes, self.calling_stage)
 
     def run_step(self, phase, step, *args, **kwargs):
         """Runs this runtime's `{phase}_step(*args)` instead of Keras'."""
@@ -270,9 +262,17 @@ class PipelineRuntime(Runtime):
         """
         loss = self._compiled_loss()
         split = num_microbatches * self.data_parallel > 1
-        if split and self.masked_predictions and any(self.adding_stages):
-            raise ValueError(_MASKED_AND_ADDED)
         if split:
+            if self.masked_predictions and any(self.adding_stages):
+                raise ValueError(
+                    "The predictions carry a Keras mask and the model's "
+                    "layers add losses (regularizers, add_loss): a pipeline "
+                    "scales its micro-batches' gradients by their shares of "
+                    "unmasked entries, known once every micro-batch has run, "
+                    "and would scale the added losses' too. Pass "
+                    "num_microbatches=1 and data_parallel=1, or use AdamW's "
+                    "weight_decay instead of the regularizers."
+                )
             warn_of_added_losses(
                 self.split.model,
                 f"num_microbatches={num_microbatches} and "
@@ -397,10 +397,8 @@ class _CallingStageAdapter:
 def _check_layers(model):
     """Refuses layers whose training a pipeline would change."""
     for layer in sublayers(model):
-        if (
-            isinstance(layer, keras.layers.BatchNormalization)
-            and layer.trainable
-        ):
+        batch_norm = isinstance(layer, keras.layers.BatchNormalization)
+        if batch_norm and layer.trainable:
             raise ValueError(
                 f"Layer '{layer.name}' is a trainable BatchNormalization: "
                 "with pipeline_parallel each micro-batch would be "
@@ -422,13 +420,3 @@ def _check_shared_regularizers(model, shared_stages):
                 "regularizer (AdamW's weight_decay decays it once) or cut "
                 "the model where one stage holds all its calls."
             )
-
-
-_MASKED_AND_ADDED = (
-    "The predictions carry a Keras mask and the model's layers add losses "
-    "(regularizers, add_loss): a pipeline scales its micro-batches' "
-    "gradients by their shares of unmasked entries, known once every "
-    "micro-batch has run, and would scale the added losses' too. Pass "
-    "num_microbatches=1 and data_parallel=1, or use AdamW's weight_decay "
-    "instead of the regularizers."
-)

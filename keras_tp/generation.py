@@ -11,9 +11,13 @@ those layers' `call` so that the cache enters split on its heads axis (on
 JAX a global array laid out split over `model`; on torch and TensorFlow a
 rank's own slice) and the updated cache leaves so. Each device then holds
 1/T of one device's cache. Key/value heads fewer than the ranks stay
-whole, as in training, and so does their cache.
+whole, as in training, and so does their cache. The task's own
+`call_with_cache` splits its cache the same way before its layers read
+it, so that a layer handing its slice back unchanged (Qwen3.5's linear
+attention) hands back what the split attention layers do.
 """
 
+import inspect
 import weakref
 
 import keras
@@ -32,6 +36,8 @@ from keras_tp.regions import set_call
 # Tasks whose generate function was made before they were wrapped; it is
 # made again at their first `TensorParallelKeras.generate()`.
 _READY = weakref.WeakSet()
+# The task method keras-hub's generation calls once per step.
+CACHED_CALL = "call_with_cache"
 
 
 def cached_attention_layers(model, plan):
@@ -73,8 +79,50 @@ def install_caches(model, plan, runtime):
         plan: its bound `ShardingPlan`.
         runtime: the `MeshRuntime` running it.
     """
-    for layer, projections in cached_attention_layers(model, plan):
+    layers = cached_attention_layers(model, plan)
+    for layer, projections in layers:
         set_call(layer, _split_cache_call(layer, projections, runtime))
+    call = getattr(model, CACHED_CALL, None)
+    if layers and callable(call):
+        # A decoder-only task's; an encoder-decoder's caches go by other
+        # names and enter their layers whole.
+        parameters = list(inspect.signature(call).parameters)
+        if CACHE_ARGUMENT in parameters:
+            index = parameters.index(CACHE_ARGUMENT)
+            split_call = _split_task_cache_call(call, index, layers, runtime)
+            object.__setattr__(model, CACHED_CALL, split_call)
+
+
+def _split_task_cache_call(call, index, layers, runtime):
+    """The task's `call_with_cache`, its cache (argument `index`) split
+    before its layers read it: keras-hub stacks the layers' caches on
+    axis 1, and a layer that hands its slice back unchanged (Qwen3.5's
+    linear attention) must hand back what a split attention layer does,
+    its rank's heads."""
+
+    def leaf(tensor):
+        if tensor is None or len(tensor.shape) < 3:
+            return tensor
+        shape = tuple(tensor.shape)
+        layer_shape = shape[:1] + shape[2:]
+        for _, projections in layers:
+            axis = key_value_cache_axis(
+                projections, layer_shape, runtime.full_shape
+            )
+            if axis is not None and axis >= 1:
+                return runtime.split_on_model(tensor, axis + 1)
+        return tensor
+
+    def call_with_split_cache(*args, **kwargs):
+        if index < len(args):
+            cache = keras.tree.map_structure(leaf, args[index])
+            args = (*args[:index], cache, *args[index + 1 :])
+        elif CACHE_ARGUMENT in kwargs:
+            cache = keras.tree.map_structure(leaf, kwargs[CACHE_ARGUMENT])
+            kwargs = {**kwargs, CACHE_ARGUMENT: cache}
+        return call(*args, **kwargs)
+
+    return call_with_split_cache
 
 
 def _split_cache_call(layer, projections, runtime):

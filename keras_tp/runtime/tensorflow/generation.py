@@ -12,10 +12,8 @@ LM head gathers them) and the first replica's feed the sampler.
 
 import contextlib
 
+from keras_tp.generation import CACHED_CALL
 from keras_tp.regions import forward_pass
-
-# The task method keras-hub's generation calls once per step.
-CACHED_CALL = "call_with_cache"
 
 
 class ReplicaGeneration:

@@ -60,11 +60,12 @@ def test_transformer_families_exact_at_two_ranks(name):
         assert experts == [repr(keras_tp.ExpertParallel(0))] * 2
 
 
-def test_a_fused_projection_laid_out_block_by_block_splits_by_heads():
+def test_a_fused_projection_laid_out_block_by_block_splits_on_global_arrays():
     # Qwen3.5's linear attention projects its queries, keys and values
-    # block by block; on global arrays its code runs on whole tensors, so
-    # its projections pair as Megatron's (where ranks hold their own
-    # slices they gather: `test_torch_zoo.py`).
+    # block by block; on global arrays its code between the split layers
+    # runs on whole-shaped tensors (XLA moves what the split needs), so
+    # no projection falls back (where ranks hold their own slices they
+    # gather: `test_torch_zoo.py`).
     results = measure("qwen3_5", 2)
     zoo_cases.check_exact(results)
     assert not results["fallbacks"]

@@ -124,10 +124,13 @@ def weight_averages_difference(tp):
 def check_averages_and_accumulation(data_parallel):
     """On 2 stages of `data_parallel` replicas (ZeRO-1 with replicas):
     `weight_averages_difference` and `accumulated_gradients_difference`,
-    each within 1e-6 of one device."""
+    each within 1e-5 of one device: the default 8 micro-batches add up
+    their gradients in another order than one batch, and Adam divides a
+    near-zero entry by its own size (5.0e-6 on TensorFlow here, 0.0 with
+    one micro-batch, 8.9e-8 with two)."""
     tp_of = two_stages(data_parallel, zero_stage=int(data_parallel > 1))
-    assert weight_averages_difference(tp_of(models.mlp())) < 1e-6
-    assert accumulated_gradients_difference(tp_of(models.mlp())) < 1e-6
+    assert weight_averages_difference(tp_of(models.mlp())) < 1e-5
+    assert accumulated_gradients_difference(tp_of(models.mlp())) < 1e-5
 
 
 def lamb_clipped():
@@ -219,7 +222,7 @@ def check_mlp_traffic(sent):
     assert sent["calls"] == 2 * MICROBATCHES
 
 
-def check_backbone_traffic(sent, split, replicas=1, copies=1):
+def check_backbone_traffic(sent, split, replicas=1, copies=1, shards=False):
     """At each cut, the hidden states and the carried mask forward; the
     hidden states' gradients back (the integer mask has none).
 
@@ -229,15 +232,17 @@ def check_backbone_traffic(sent, split, replicas=1, copies=1):
         replicas: the pipeline's replicas, each on its slice of a batch
             in `MICROBATCHES` micro-batches.
         copies: devices of a stage that each receive a whole copy (the
-            tensor-parallel devices on JAX).
+            tensor-parallel devices on JAX), or with `shards` their own
+            sequence shard of the hidden states (the mask whole).
+        shards: whether the hidden states cross as sequence shards.
     """
     micro = BATCH // (replicas * MICROBATCHES)
     cuts = split.bytes_per_cut(micro, LENGTH)
+    hidden = micro * LENGTH * 16 * 4
+    saved = len(cuts) * hidden * (copies - 1) // copies if shards else 0
     times = replicas * copies * MICROBATCHES
-    assert sent["forward_bytes"] == times * sum(cuts)
-    assert sent["backward_bytes"] == (
-        times * len(cuts) * micro * LENGTH * 16 * 4
-    )
+    assert sent["forward_bytes"] == times * (sum(cuts) - saved)
+    assert sent["backward_bytes"] == times * (len(cuts) * hidden - saved)
 
 
 def check_measured_timeline(timeline, schedule, num_microbatches):
@@ -339,6 +344,7 @@ def check_backbone_pipeline(tp, reference_optimizer=None):
         split,
         tp._runtime.data_parallel,
         tp._runtime.tensor_parallel,
+        tp._runtime.sequence_parallel,
     )
     return tp, x, y
 

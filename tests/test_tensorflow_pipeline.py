@@ -380,7 +380,9 @@ def test_split_stages_run_sequence_parallelism():
     """GPT2's backbone on 2 stages x 2 devices with sequence parallelism:
     between its split layers each device holds its half of the sequence
     (each split layer's all-reduce a reduce-scatter, its input an
-    all-gather), and the stages exchange whole activations."""
+    all-gather), and the hidden states cross the cut as each device's
+    half (`check_backbone_traffic`), which the next stage's device takes
+    as its shard again, as their gradients come back."""
     tp, x, y = pipeline_cases.check_backbone_pipeline(
         _pipelined(
             models.gpt2_backbone(length=pipeline_cases.LENGTH),

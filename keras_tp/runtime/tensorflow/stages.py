@@ -4,6 +4,7 @@ import contextlib
 
 import tensorflow as tf
 
+from keras_tp.collectives.tensorflow_sequence import SequenceShard
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.executor import StagePrimitives
 from keras_tp.pipeline.executor import join_rows
@@ -38,6 +39,10 @@ class TensorFlowStages(StagePrimitives):
             pipeline.schedule, self.num_stages, num_microbatches
         )
         self._training = False
+        # Per stage, the whole sequence's length of each output a replica
+        # sends as its sequence shard's slice, else `None`; read when the
+        # step is traced.
+        self._lengths = {}
 
     def step(self, x, y):
         """`run_schedule` of one batch."""
@@ -149,11 +154,23 @@ class TensorFlowStages(StagePrimitives):
 
     def _added_call(self, stage, inputs, training):
         """`(outputs, total of the losses added)` of a replica's call of
-        `stage`, its sequence shards gathered (`PipelineRuntime.added_total`;
-        zero for none)."""
+        `stage` (`PipelineRuntime.added_total`; zero for none). Under
+        sequence parallelism the last stage's outputs are gathered whole;
+        a sequence shard the others send crosses the cut as this rank's
+        slice, which the next stage's replica of the same rank takes as a
+        shard of its own ranks again, as Megatron-LM sends them."""
         model, runtime = self.stage_models[stage], self.runtimes[stage]
         with added_losses.recorded(model) as added, runtime.sequence_shards():
-            outputs = runtime.whole_outputs(model(inputs, training=training))
+            if stage:
+                inputs = tf.nest.map_structure(
+                    _as_shard, inputs, self._lengths[stage - 1]
+                )
+            outputs = model(inputs, training=training)
+            if stage == self.num_stages - 1:
+                outputs = runtime.whole_outputs(outputs)
+            else:
+                self._lengths[stage] = tf.nest.map_structure(_length, outputs)
+                outputs = tf.nest.map_structure(_local, outputs)
         losses = added + added_losses.penalties(model)
         total = self.pipeline.added_total(stage, losses)
         return outputs, tf.zeros(()) if total is None else total
@@ -260,3 +277,20 @@ class TensorFlowStages(StagePrimitives):
 def floating(structure):
     """The floating-point tensors of `structure`, in `tf.nest` order."""
     return [t for t in tf.nest.flatten(structure) if t.dtype.is_floating]
+
+
+def _length(value):
+    """A sequence shard's whole length, else `None`."""
+    return value.length if isinstance(value, SequenceShard) else None
+
+
+def _local(value):
+    """A sequence shard's slice, else `value`."""
+    return value.local if isinstance(value, SequenceShard) else value
+
+
+def _as_shard(value, length):
+    """`value`, a received slice, as a sequence shard where `length`."""
+    return (
+        value if length is None else SequenceShard(local=value, length=length)
+    )

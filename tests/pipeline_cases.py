@@ -149,6 +149,14 @@ def global_clipped():
     return keras.optimizers.AdamW(1e-2, global_clipnorm=0.05)
 
 
+def accumulated_and_clipped():
+    """SGD with momentum accumulating 2 steps' gradients, the norm of
+    all of their mean clipped at each update (`global_clipnorm`)."""
+    return keras.optimizers.SGD(
+        0.1, momentum=0.9, global_clipnorm=0.05, gradient_accumulation_steps=2
+    )
+
+
 def whole_variable_updates_difference(tp, optimizer=lamb_clipped):
     """An optimizer reading each whole variable (`optimizer()`, by default
     `lamb_clipped`) on the pipelined MLP `tp` and on one device, 2 epochs
@@ -688,12 +696,14 @@ def check_added_losses(tp_of):
         tp.train_on_batch(tokens, np.zeros((BATCH, 6), "int32"))
 
 
-def loss_scale_overflow(data_parallel):
+def loss_scale_overflow(data_parallel, global_clipnorm=None):
     """`mixed_float16` SGD of the MLP on 2 stages of `data_parallel`
     replicas (ZeRO-1 with replicas) and on one device, for 3 batches
     whose first overflows in its last sample (on the last micro-batch and
     replica): the step is skipped and the scale halved on every stage, as
-    on one device.
+    on one device. With `global_clipnorm`, the norm of every stage's
+    gradients once unscaled clips them, as the scale's inner optimizer
+    clips them on one device.
 
     Returns:
         `(largest weight difference, [one device's scale, the
@@ -709,7 +719,12 @@ def loss_scale_overflow(data_parallel):
         tp_of = two_stages(data_parallel, zero_stage=int(data_parallel > 1))
         trained = (models.mlp(), tp_of(models.mlp()))
         for model in trained:
-            model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+            model.compile(
+                optimizer=keras.optimizers.SGD(
+                    0.1, global_clipnorm=global_clipnorm
+                ),
+                loss=loss,
+            )
             model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
         expected, got = (model.get_weights() for model in trained)
         difference = max(

@@ -189,13 +189,6 @@ def test_refusals_name_the_fix():
         UserWarning, match="Loss 'mean_square' is not one of Keras'"
     ):
         tp.compile(optimizer="adam", loss=mean_square)
-    with pytest.raises(ValueError, match="Pass one of the two"):
-        tp.compile(
-            optimizer=keras.optimizers.Adam(
-                global_clipnorm=1.0, gradient_accumulation_steps=2
-            ),
-            loss=models.loss_fn(),
-        )
     x, y = models.data_for("mlp", batch=8)
     tp.compile(optimizer="adam", loss=models.loss_fn())
     with pytest.raises(ValueError, match="num_microbatches=3 equal"):
@@ -313,6 +306,18 @@ def test_global_clipnorm_spans_every_stage():
     )
 
 
+def test_global_clipnorm_clips_the_accumulated_gradients():
+    # With gradient_accumulation_steps, an update clips the mean of the
+    # gradients accumulated since the last by its norm over every stage,
+    # as one device does: read from each stage's accumulators, ZeRO-1's
+    # partitions with replicas.
+    for tp in (_pipelined(models.mlp(), 2), _split_stages_with_replicas()):
+        difference = pipeline_cases.whole_variable_updates_difference(
+            tp, pipeline_cases.accumulated_and_clipped
+        )
+        assert difference < 1e-6
+
+
 @pytest.mark.parametrize("data_parallel", [1, 2])
 def test_losses_the_layers_add_enter_the_loss_and_gradients(data_parallel):
     # Each stage's regularizers and add_loss enter its passes, a
@@ -334,6 +339,7 @@ def test_a_keras_mask_crosses_the_cut_to_the_loss(data_parallel):
 def test_a_loss_scale_overflow_skips_the_step_on_every_stage():
     # mixed_float16: the first batch overflows on the last replica's last
     # micro-batch only; every stage of both replicas skips it, as one
-    # device does, and halves its scale.
-    result = pipeline_cases.loss_scale_overflow(data_parallel=2)
+    # device does, and halves its scale. The clip takes the norm of the
+    # unscaled gradients.
+    result = pipeline_cases.loss_scale_overflow(2, global_clipnorm=0.05)
     pipeline_cases.check_loss_scale_overflow(result)

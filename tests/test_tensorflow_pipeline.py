@@ -447,6 +447,7 @@ def test_a_keras_mask_crosses_the_cut_to_the_loss():
 def test_a_loss_scale_overflow_skips_the_step_on_every_stage():
     # mixed_float16: the first batch overflows on the last replica's last
     # micro-batch only; every stage of both replicas skips it, as one
-    # device does, and halves its scale.
-    result = pipeline_cases.loss_scale_overflow(data_parallel=2)
+    # device does, and halves its scale. The clip takes the norm of the
+    # unscaled gradients.
+    result = pipeline_cases.loss_scale_overflow(2, global_clipnorm=0.05)
     pipeline_cases.check_loss_scale_overflow(result)

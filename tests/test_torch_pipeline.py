@@ -294,7 +294,8 @@ def test_replicas_average_and_accumulate_like_one_device(four_ranks):
 def test_a_loss_scale_overflow_skips_the_step_on_every_stage(four_ranks):
     # mixed_float16: the first batch overflows on the last replica's last
     # micro-batch only; every stage of every replica skips it, as one
-    # device does, and halves its scale.
+    # device does, and halves its scale. The clip takes the norm of the
+    # unscaled gradients.
     for result in four_ranks["replicas_loss_scale"]:
         pipeline_cases.check_loss_scale_overflow(result)
 

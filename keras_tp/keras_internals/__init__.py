@@ -68,9 +68,11 @@ from keras_tp.keras_internals.models import tracked_loss
 from keras_tp.keras_internals.models import update_loss_tracker
 from keras_tp.keras_internals.models import wrapped_loss_function
 from keras_tp.keras_internals.optimizers import UpdatesThroughAssign
+from keras_tp.keras_internals.optimizers import accumulated_gradient
 from keras_tp.keras_internals.optimizers import (
     backend_free_add_variable_from_reference,
 )
+from keras_tp.keras_internals.optimizers import clipping_by
 from keras_tp.keras_internals.optimizers import model_variables_of
 from keras_tp.keras_internals.optimizers import moving_average
 from keras_tp.keras_internals.optimizers import own_optimizer_variables
@@ -95,6 +97,7 @@ __all__ = [
     "RunsModelsOwnLoss",
     "StatelessScope",
     "UpdatesThroughAssign",
+    "accumulated_gradient",
     "added_loss_count",
     "adds_loss_in_call",
     "attach_trainer_state",
@@ -104,6 +107,7 @@ __all__ = [
     "bind_values",
     "build_shapes",
     "clear_added_losses",
+    "clipping_by",
     "compile_arguments",
     "compiled_loss",
     "compiled_user_losses",

@@ -12,6 +12,34 @@ def moving_average(optimizer, variable):
     return averages[optimizer._get_variable_index(variable)]
 
 
+def accumulated_gradient(optimizer, variable):
+    """The sum of `variable`'s gradients that `optimizer` accumulates
+    (`gradient_accumulation_steps`) until its next update."""
+    accumulated = optimizer._accumulated_gradients
+    return accumulated[optimizer._get_variable_index(variable)]
+
+
+@contextlib.contextmanager
+def clipping_by(optimizer, factor):
+    """Inside, `optimizer` clips the gradients it applies (at an update,
+    the mean of those it accumulated) by multiplying them by `factor`,
+    which its caller takes from more gradients than it is given: a
+    pipeline's global norm over every stage. `None` leaves its clipping
+    as it is."""
+    if factor is None:
+        yield
+        return
+    object.__setattr__(
+        optimizer,
+        "_clip_gradients",
+        lambda grads: [g * keras.ops.cast(factor, g.dtype) for g in grads],
+    )
+    try:
+        yield
+    finally:
+        object.__delattr__(optimizer, "_clip_gradients")
+
+
 def model_variables_of(optimizer):
     """The model variables `optimizer` was built for, in order."""
     return optimizer._trainable_variables

@@ -61,8 +61,8 @@ class PipelineRuntime(Runtime):
     trained_order = None
     # Each stage's update is the backend's (see `Runtime`).
     coordinating_runtime = None
-    # Whether `global_clipnorm` clips accumulated gradients (where each
-    # rank runs one stage's optimizer), not each step's.
+    # Whether `global_clipnorm` clips accumulated gradients, not each
+    # step's.
     clips_accumulated_gradients = False
 
     def __init__(self, model, config):
@@ -200,7 +200,8 @@ class PipelineRuntime(Runtime):
                 "every stage's gradients at each step, but Keras clips "
                 "accumulated gradients (gradient_accumulation_steps) once "
                 "they are applied. Pass one of the two, or use the torch "
-                "backend, whose pipelines clip the accumulated gradients."
+                "or JAX backend, whose pipelines clip the accumulated "
+                "gradients."
             )
         for loss in keras.tree.flatten(trainer.loss):
             name = getattr(loss, "name", getattr(loss, "__name__", loss))
@@ -234,10 +235,12 @@ class PipelineRuntime(Runtime):
 
     def gradient_factor(self, squares, scale):
         """What every stage multiplies its synchronised gradients by, from
-        the sum of their `squares`: the global clip's factor, divided by
-        the loss scale's value `scale` (`None` without one)."""
+        the sum of their `squares`: the global clip's factor, of their
+        norm once divided by the loss scale's value `scale` (`None`
+        without one), divided by `scale` too."""
         clip = unscaled(self.trainer.optimizer).global_clipnorm
-        factor = global_scale(ops.sqrt(squares), clip) if clip else 1.0
+        norm = ops.sqrt(squares) if scale is None else ops.sqrt(squares) / scale
+        factor = global_scale(norm, clip) if clip else 1.0
         return factor if scale is None else factor / scale
 
     def microbatches(self, batch_size):

@@ -10,9 +10,10 @@ from jax.sharding import PartitionSpec
 
 from keras_tp.collectives.jax import counted_jit
 from keras_tp.keras_internals import StatelessScope
+from keras_tp.keras_internals import accumulated_gradient
+from keras_tp.keras_internals import clipping_by
 from keras_tp.keras_internals import jax_update_metrics
 from keras_tp.keras_internals import updating_only
-from keras_tp.parallel.clipping import global_norm_taken
 from keras_tp.parallel.clipping import weighted_squares
 from keras_tp.parallel.loss_scaling import next_scale
 from keras_tp.parallel.loss_scaling import unscaled
@@ -45,6 +46,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
     calling_stage = staticmethod(TRACING_STAGE.get)
     # Each stage's update runs on its whole arrays (`_update_of`).
     updates_pieces = False
+    clips_accumulated_gradients = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -217,8 +219,9 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         # Each stage's gradients as its update takes them: averaged over
         # its replicas (with ZeRO-1 each device's partition).
         owned = [u.synchronise(g) for u, g in zip(self._updates, owned)]
+        clips = [None] * len(owned)
         if self.takes_global_norm():
-            owned, total = self._globally_clipped(owned, values)
+            owned, clips, total = self._globally_clipped(owned, values)
         # With a loss scale, every stage keeps its values where the
         # gradients overflowed anywhere, decided on the devices.
         scaled = self.loss_scale() is not None
@@ -233,6 +236,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
                 onto(shared_values, self.stage_runtimes[stage].mesh),
                 grads,
                 applies,
+                clips[stage],
             )
             for group, new_values in zip(groups, new):
                 values.update(zip(map(id, group), new_values))
@@ -248,30 +252,49 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         )
 
     def _globally_clipped(self, owned, values):
-        """`(gradients, squares)`: each stage's gradients in `owned` times
-        `gradient_factor`, and the sum of their squares on the last stage's
-        devices, where each stage's squared norm is sent."""
-        squares = [
-            self.sent(update.squared_norm(grads), -1, "optimizer")
-            for update, grads in zip(self._updates, owned)
-        ]
+        """`(gradients, clips, total)`: each stage's gradients in `owned`,
+        divided by a loss scale's value; per stage, on its devices, the
+        factor that clips what its optimizer clips of them (with
+        `gradient_accumulation_steps`, the mean of the accumulated ones)
+        by the norm over every stage, or `None`s without
+        `global_clipnorm`; and the sum of those squared norms, on the last
+        stage's devices, where each stage sends its own."""
+        scale = self.loss_scale()
+        if scale is not None:
+            inverse = 1 / values[id(scale)]
+            owned = [
+                _times(grads, self.sent(inverse, stage, "optimizer"))
+                for stage, grads in enumerate(owned)
+            ]
+        optimizer = unscaled(self.trainer.optimizer)
+        steps = optimizer.gradient_accumulation_steps
+        squares = []
+        for update, grads in zip(self._updates, owned):
+            if steps:
+                grads = [
+                    (g + values[id(accumulated_gradient(optimizer, v))]) / steps
+                    for g, v in zip(grads, update.variables)
+                ]
+            squares.append(
+                self.sent(update.squared_norm(grads), -1, "optimizer")
+            )
         total = sum(squares[1:], squares[0])
-        factor = self.loss_scale()
-        scale = self.gradient_factor(
-            total, None if factor is None else values[id(factor)]
-        )
-        clipped = []
-        for stage, grads in enumerate(owned):
-            factor = self.sent(jax.numpy.asarray(scale), stage, "optimizer")
-            clipped.append([g * factor.astype(g.dtype) for g in grads])
-        return clipped, total
+        if not optimizer.global_clipnorm:
+            return owned, [None] * len(owned), total
+        factor = jax.numpy.asarray(self.gradient_factor(total, None))
+        clips = [
+            self.sent(factor, stage, "optimizer") for stage in range(len(owned))
+        ]
+        return owned, clips, total
 
     def _update_of(self, stage, shared):
         """A stage's compiled `StageUpdate`: `synchronise` of the backward
         passes' gradients; `update` of `(values, slot values, shared
-        values, gradients, applies)` to new values, the old ones kept
-        where `applies` (`None`: always) is false; `squared_norm` of the
-        synchronised gradients; the `variables` and `slots` it updates."""
+        values, gradients, applies, clip)` to new values, the old ones
+        kept where `applies` (`None`: always) is false, the gradients it
+        applies multiplied by `clip` where given (`clipping_by`);
+        `squared_norm` of the synchronised gradients; the `variables` and
+        `slots` it updates."""
         # A loss scale's own variables are `_apply`'s (it skips or not).
         optimizer = unscaled(self.trainer.optimizer)
         own = self.owners.owned(stage)
@@ -280,13 +303,15 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         ]
         variables = (own, slots, shared)
 
-        def update(values, slot_values, shared_values, gradients, applies):
+        def update(
+            values, slot_values, shared_values, gradients, applies, clip
+        ):
             groups = list(zip(variables, (values, slot_values, shared_values)))
             mapping = [pair for group in groups for pair in zip(*group)]
             with (
                 StatelessScope(state_mapping=mapping) as scope,
                 updating_only(optimizer, own, slots + shared),
-                global_norm_taken(optimizer),
+                clipping_by(optimizer, clip),
             ):
                 optimizer.apply(gradients, own)
 
@@ -313,6 +338,10 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             slots,
             counted_jit(squared_norm(runtime, own, specs), self.stats),
         )
+
+
+def _times(gradients, factor):
+    return [g * factor.astype(g.dtype) for g in gradients]
 
 
 StageUpdate = collections.namedtuple(

@@ -114,12 +114,10 @@ def _split_task_cache_call(call, index, layers, runtime):
         return tensor
 
     def call_with_split_cache(*args, **kwargs):
-        if index < len(args):
-            cache = keras.tree.map_structure(leaf, args[index])
-            args = (*args[:index], cache, *args[index + 1 :])
-        elif CACHE_ARGUMENT in kwargs:
-            cache = keras.tree.map_structure(leaf, kwargs[CACHE_ARGUMENT])
-            kwargs = {**kwargs, CACHE_ARGUMENT: cache}
+        if index < len(args) or CACHE_ARGUMENT in kwargs:
+            cache = args[index] if index < len(args) else kwargs[CACHE_ARGUMENT]
+            split = keras.tree.map_structure(leaf, cache)
+            args, kwargs = _with_cache(index, split, args, kwargs)
         return call(*args, **kwargs)
 
     return call_with_split_cache
@@ -153,7 +151,8 @@ def _split_cache_call(layer, projections, runtime):
         if all(whole is part for whole, part in leaves):
             # No cache, a whole one that stays whole, or a rank's own.
             return call(*args, **kwargs)
-        args, kwargs = _with_cache(layer, split_cache, args, kwargs)
+        index = call_arguments(layer).index(CACHE_ARGUMENT)
+        args, kwargs = _with_cache(index, split_cache, args, kwargs)
         outputs = call(*args, **kwargs)
         if not _returns_cache(outputs, cache):
             raise ValueError(
@@ -183,9 +182,9 @@ def _returns_cache(outputs, cache):
     return ranks == returned
 
 
-def _with_cache(layer, cache, args, kwargs):
-    """The call arguments with `cache` in the cache argument's place."""
-    index = call_arguments(layer).index(CACHE_ARGUMENT)
+def _with_cache(index, cache, args, kwargs):
+    """The call arguments with `cache` in the place of the cache argument,
+    the `index`-th parameter."""
     if index < len(args):
         args = args[:index] + (cache,) + args[index + 1 :]
     else:

@@ -43,6 +43,11 @@ def is_float(x):
     )
 
 
+def floats_of(structure):
+    """The floating-point tensors of `structure`, in `keras.tree` order."""
+    return [t for t in keras.tree.flatten(structure) if is_float(t)]
+
+
 def collect_flat(tensors, collective):
     """Runs `collective` once per dtype on `tensors` joined flat.
 

@@ -13,6 +13,7 @@ from keras_tp.pipeline.executor import run_schedule
 from keras_tp.pipeline.executor import split_rows
 from keras_tp.runtime.tensorflow import added_losses
 from keras_tp.tensors import carried_masks
+from keras_tp.tensors import floats_of
 
 
 class TensorFlowStages(StagePrimitives):
@@ -91,13 +92,13 @@ class TensorFlowStages(StagePrimitives):
                         tf.identity, inputs[replica]
                     )
                 with tf.GradientTape() as tape:
-                    tape.watch(floating(received))
+                    tape.watch(floats_of(received))
                     outputs, added = self._added_call(stage, received, True)
                     share = added / self.num_microbatches if adding else None
                 self._tapes[stage, m, replica] = (
                     tape,
                     received,
-                    [*floating(outputs), share] if adding else outputs,
+                    [*floats_of(outputs), share] if adding else outputs,
                 )
                 return outputs, added
 
@@ -122,10 +123,10 @@ class TensorFlowStages(StagePrimitives):
             def backward():
                 replica = self.runtimes[stage].replica_id()
                 tape, inputs, outputs = self._tapes.pop((stage, m, replica))
-                sources = floating(inputs) if stage else []
+                sources = floats_of(inputs) if stage else []
                 with tf.control_dependencies([started]):
                     grads = tape.gradient(
-                        floating(outputs),
+                        floats_of(outputs),
                         [*variables, *sources],
                         output_gradients=[*cotangent[replica], *added],
                     )
@@ -211,7 +212,7 @@ class TensorFlowStages(StagePrimitives):
         number); its gradient is kept for the row's backward passes."""
         losses, cotangents = [], []
         for first in range(0, len(outputs), self.tensor_parallel):
-            predicted = floating(outputs[first])
+            predicted = floats_of(outputs[first])
             with tf.GradientTape() as tape:
                 tape.watch(predicted)
                 # Read when traced: a model compiled again uses its new loss.
@@ -272,11 +273,6 @@ class TensorFlowStages(StagePrimitives):
                 with tf.control_dependencies(done):
                     self._ends[stage, kind, m] = end = tf.timestamp()
                 self.times[-1].append(end)
-
-
-def floating(structure):
-    """The floating-point tensors of `structure`, in `tf.nest` order."""
-    return [t for t in tf.nest.flatten(structure) if t.dtype.is_floating]
 
 
 def _length(value):

@@ -17,6 +17,7 @@ from keras_tp.pipeline.executor import concatenated
 from keras_tp.pipeline.executor import run_forward
 from keras_tp.pipeline.executor import run_schedule
 from keras_tp.tensors import carried_masks
+from keras_tp.tensors import floats_of
 from keras_tp.tensors import nbytes
 
 
@@ -105,7 +106,7 @@ class TorchStages(StagePrimitives):
         detached = keras.tree.map_structure(torch.Tensor.detach, outputs)
         if target is None:
             # The next stage sends back the gradients of the floats.
-            held, result = _floating(outputs), (detached, None)
+            held, result = floats_of(outputs), (detached, None)
         else:
             value, fraction = self.loss(target, outputs)
             value = value / self.num_microbatches
@@ -210,7 +211,7 @@ class TorchStages(StagePrimitives):
         if not forward:
             return tensors
         # The floats take gradients; a sequence shard is one again.
-        self._received[m] = [t.requires_grad_() for t in _floating(tensors)]
+        self._received[m] = [t.requires_grad_() for t in floats_of(tensors)]
         tensors = [
             t if axis is None else self._sequence_shard(t, axis)
             for t, (_, _, axis) in zip(tensors, specs)
@@ -221,10 +222,6 @@ class TorchStages(StagePrimitives):
         """`local` as a `DTensor` split on `axis` over the stage's ranks."""
         mesh = self.pipeline.stage_runtime.adapter.inner.device_mesh
         return DTensor.from_local(local, mesh, [Shard(axis)], run_check=False)
-
-
-def _floating(structure):
-    return [t for t in keras.tree.flatten(structure) if t.is_floating_point()]
 
 
 def _shard_axis(tensor):

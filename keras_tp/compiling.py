@@ -13,6 +13,7 @@ from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.parallel.entrywise import constraint_reads_across
 from keras_tp.parallel.entrywise import reads_across_entries
 from keras_tp.parallel.loss_scaling import scaled_loss_optimizer
+from keras_tp.parallel.loss_scaling import unscaled
 
 # `keras.Model.compile`'s parameters after `optimizer`.
 _COMPILE_PARAMETERS = list(inspect.signature(keras.Model.compile).parameters)[
@@ -252,6 +253,8 @@ def check_unbuilt(optimizer, own=None):
 
 def place_slots(optimizer, runtime):
     """Splits the slots of a compiled plain optimizer like their variables
-    (a `CoordinatedOptimizer` places them with their ZeRO partitions)."""
+    (a `CoordinatedOptimizer` places them with their ZeRO partitions); a
+    `LossScaleOptimizer`'s are its inner optimizer's."""
+    optimizer = unscaled(optimizer)
     if not isinstance(optimizer, CoordinatedOptimizer):
         place_slots_on_creation(optimizer, runtime.placement.place_like)

@@ -131,6 +131,10 @@ def check_averages_and_accumulation(data_parallel):
     tp_of = two_stages(data_parallel, zero_stage=int(data_parallel > 1))
     assert weight_averages_difference(tp_of(models.mlp())) < 1e-5
     assert accumulated_gradients_difference(tp_of(models.mlp())) < 1e-5
+    # Under a loss scale (mixed_float16's), whose inner optimizer keeps
+    # the momenta and accumulates.
+    scaled = accumulated_gradients_difference(tp_of(models.mlp()), True)
+    assert scaled < 1e-5
 
 
 def lamb_clipped():
@@ -170,19 +174,20 @@ def whole_variable_updates_difference(tp, optimizer=lamb_clipped):
     return max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected))
 
 
-def accumulated_gradients_difference(tp):
+def accumulated_gradients_difference(tp, loss_scaled=False):
     """SGD with momentum accumulating 2 steps' gradients
     (`gradient_accumulation_steps`) on the pipelined MLP `tp` and on one
-    device, 2 epochs of `fit()`: the largest weight difference."""
+    device, 2 epochs of `fit()`, wrapped in a `LossScaleOptimizer` if
+    `loss_scaled`: the largest weight difference."""
     loss, _, _, x, y = mlp_reference()
     trained = (models.mlp(), tp)
     for model in trained:
-        model.compile(
-            optimizer=keras.optimizers.SGD(
-                0.1, momentum=0.9, gradient_accumulation_steps=2
-            ),
-            loss=loss,
+        optimizer = keras.optimizers.SGD(
+            0.1, momentum=0.9, gradient_accumulation_steps=2
         )
+        if loss_scaled:
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        model.compile(optimizer=optimizer, loss=loss)
         model.fit(x, y, epochs=2, batch_size=BATCH, shuffle=False, verbose=0)
     expected, got = (model.get_weights() for model in trained)
     return max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected))

@@ -225,6 +225,7 @@ def test_optimizer_averages_and_accumulation_equal_one_devices(runs):
         assert result == {
             "averaged": pytest.approx(0, abs=1e-6),
             "accumulated": pytest.approx(0, abs=1e-6),
+            "loss_scaled": pytest.approx(0, abs=1e-6),
         }
 
 
@@ -288,6 +289,7 @@ def test_replicas_average_and_accumulate_like_one_device(four_ranks):
         assert result == {
             "averaged": pytest.approx(0, abs=1e-6),
             "accumulated": pytest.approx(0, abs=1e-6),
+            "loss_scaled": pytest.approx(0, abs=1e-6),
         }
 
 

@@ -137,16 +137,23 @@ def masked_run(data_parallel=1):
 
 def optimizer_state_run(data_parallel=1):
     """`pipeline_cases.weight_averages_difference` and
-    `accumulated_gradients_difference` on 2 stages of `data_parallel`
-    replicas (with ZeRO-1)."""
+    `accumulated_gradients_difference` (also under a loss scale) on 2
+    stages of `data_parallel` replicas (with ZeRO-1)."""
     tp_of = pipeline_cases.two_stages(
         data_parallel, zero_stage=int(data_parallel > 1)
     )
     averaged = pipeline_cases.weight_averages_difference(tp_of(models.mlp()))
-    accumulated = pipeline_cases.accumulated_gradients_difference(
-        tp_of(models.mlp())
+    accumulated, loss_scaled = (
+        pipeline_cases.accumulated_gradients_difference(tp_of(models.mlp()), s)
+        for s in (False, True)
     )
-    return _gathered({"averaged": averaged, "accumulated": accumulated})
+    return _gathered(
+        {
+            "averaged": averaged,
+            "accumulated": accumulated,
+            "loss_scaled": loss_scaled,
+        }
+    )
 
 
 def added_run(data_parallel=1):

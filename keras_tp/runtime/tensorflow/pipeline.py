@@ -210,24 +210,26 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         ]
 
     def _globally_clipped(self, owned):
-        """`(synchronised, scale, finite)`: by replica, each stage's
-        gradients as its optimizer synchronised them, the factor that
-        clips them all (`gradient_factor`), and whether they are finite.
-        Each stage's squared norm goes to the last stage's first device,
-        which adds them, and the scale to every device."""
+        """`(gradients, scale, finite)`: by replica, each stage's
+        gradients, as its optimizer synchronised them where
+        `global_clipnorm` clips them (`_clips`), else as given; the
+        factor that clips and unscales them (`gradient_factor`); and
+        whether they are finite. Each stage's squared norm goes to the
+        last stage's first device, which adds them, and the scale to
+        every device."""
         synchronised, squares = [], []
         for index, runtime in enumerate(self.stage_runtimes):
             stage = self.stage_optimizers[index]
 
             def synchronise(runtime=runtime, stage=stage, index=index):
                 variables = stage.trainable_variables
-                grads = runtime.replica_gradients(
-                    owned[runtime.replica_id()][index], variables
-                )
+                grads = owned[runtime.replica_id()][index]
                 with self.stats.labelled("optimizer"):
-                    grads = stage.optimizer.synchronised_gradients(
-                        grads, variables
-                    )
+                    if self._clips():
+                        grads = stage.optimizer.synchronised_gradients(
+                            runtime.replica_gradients(grads, variables),
+                            variables,
+                        )
                     square = stage.optimizer.clipping.squared_norm(
                         grads, variables
                     )
@@ -251,8 +253,9 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
     def _update(self, index, gradients, scale=None, finite=None):
         """Stage `index`'s update on each of its replicas, with the compiled
         optimizer's step count and learning rate (which a callback or a
-        load sets), from `gradients` (with a `scale`, synchronised ones,
-        times it); skipped unless `finite`, where given."""
+        load sets), from `gradients` (times a `scale`, where given; those
+        `global_clipnorm` clips are synchronised); skipped unless
+        `finite`, where given."""
         runtime = self.stage_runtimes[index]
         stage = self.stage_optimizers[index]
         compiled = unscaled(self.trainer.optimizer)
@@ -265,13 +268,17 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
                 optimizer.learning_rate.assign(compiled.learning_rate)
             grads = gradients[runtime.replica_id()][index]
             variables = stage.trainable_variables
-            taken = contextlib.nullcontext()
             if scale is not None:
                 grads = [g * tf.cast(scale, g.dtype) for g in grads]
+            # A loss scale's alone leaves the gradients to the optimizer,
+            # which accumulates and synchronises them.
+            clips = self._clips()
+            taken = contextlib.nullcontext()
+            if clips:
                 taken = global_norm_taken(stage.optimizer.clipping)
             with taken:
                 runtime.apply_on_replica(
-                    stage.optimizer, grads, variables, stage, scale is not None
+                    stage.optimizer, grads, variables, stage, clips
                 )
             # `strategy.run` needs a result to return.
             return tf.zeros(())
@@ -280,6 +287,10 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             return tf.cond(finite, apply, lambda: tf.zeros(()))
 
         runtime.replica_results(apply if finite is None else skippable, stage)
+
+    def _clips(self):
+        """Whether the compiled optimizer clips by `global_clipnorm`."""
+        return bool(unscaled(self.trainer.optimizer).global_clipnorm)
 
     def _forward(self, x, training=False):
         return self._stages_of(x).predict(x, training)

@@ -135,6 +135,33 @@ def check_averages_and_accumulation(data_parallel):
     # the momenta and accumulates.
     scaled = accumulated_gradients_difference(tp_of(models.mlp()), True)
     assert scaled < 1e-5
+    for name, difference in state_differences(tp_of, data_parallel).items():
+        assert difference < 1e-5, name
+
+
+# Optimizers that keep state Keras does not make from a variable as its
+# slot: Nadam's product of momenta, advanced by its own update step;
+# Adafactor's factored moments (`add_variable`); moving averages written
+# over the weights every other step.
+OWN_STATES = {
+    "nadam": lambda: keras.optimizers.Nadam(1e-2),
+    "adafactor": lambda: keras.optimizers.Adafactor(1e-2),
+    "ema_overwrites": lambda: keras.optimizers.Adam(
+        1e-2, use_ema=True, ema_overwrite_frequency=2
+    ),
+}
+
+
+def state_differences(tp_of, data_parallel):
+    """`{name: whole_variable_updates_difference}` of each of
+    `OWN_STATES` on the pipelined MLP `tp_of(models.mlp())`; Adafactor's
+    only without replicas (which update pieces of its factored
+    variables)."""
+    return {
+        name: whole_variable_updates_difference(tp_of(models.mlp()), optimizer)
+        for name, optimizer in OWN_STATES.items()
+        if name != "adafactor" or data_parallel == 1
+    }
 
 
 def lamb_clipped():

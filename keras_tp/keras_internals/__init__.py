@@ -76,6 +76,7 @@ from keras_tp.keras_internals.optimizers import clipping_by
 from keras_tp.keras_internals.optimizers import model_variables_of
 from keras_tp.keras_internals.optimizers import moving_average
 from keras_tp.keras_internals.optimizers import own_optimizer_variables
+from keras_tp.keras_internals.optimizers import per_variable_update_steps
 from keras_tp.keras_internals.optimizers import place_slots_on_creation
 from keras_tp.keras_internals.optimizers import step_counter
 from keras_tp.keras_internals.optimizers import updating_only
@@ -97,6 +98,7 @@ __all__ = [
     "RunsModelsOwnLoss",
     "StatelessScope",
     "UpdatesThroughAssign",
+    "per_variable_update_steps",
     "accumulated_gradient",
     "added_loss_count",
     "adds_loss_in_call",

@@ -1,6 +1,7 @@
 """Keras optimizers: their slots, their variables, their update hooks."""
 
 import contextlib
+import functools
 
 import keras
 from keras.src.optimizers.base_optimizer import BaseOptimizer
@@ -125,26 +126,36 @@ class UpdatesThroughAssign:
     variable's distributed container). With this mixin every variable is
     updated by the optimizer's own `update_step`, `assign` and
     `assign_sub`, and keyed by identity, so a subclass that overrides
-    those methods decides where each update goes.
+    those methods decides where each update goes. Its class also takes
+    `per_variable_update_steps()` as its last base.
     """
+
+    def _update_model_variables_moving_average(self, trainable_variables):
+        super()._update_model_variables_moving_average(trainable_variables)
+        if not self.ema_overwrite_frequency:
+            return
+        # Keras overwrites the variables with their averages inside a
+        # conditional, whose branch cannot assign a variable bound to a
+        # value (a ZeRO partition); here, every step, by selection.
+        frequency = self.ema_overwrite_frequency
+        overwrites = keras.ops.equal((self.iterations + 1) % frequency, 0)
+        for variable, average in zip(
+            trainable_variables, self._model_variables_moving_average
+        ):
+            self.assign(
+                variable, keras.ops.where(overwrites, average, variable)
+            )
 
     def _overwrite_model_variables_with_average_value(
         self, trainable_variables
     ):
-        for variable, average in zip(
-            trainable_variables, self._model_variables_moving_average
-        ):
-            self.assign(variable, average)
+        """Done in `_update_model_variables_moving_average`."""
 
     def _var_key(self, variable):
         # The TensorFlow optimizer keys variables by their distributed
         # container, whose handle exists only inside a replica; this path
         # always passes Keras variables, which are their own key.
         return id(variable)
-
-    def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        for grad, variable in zip(grads, trainable_variables):
-            self.update_step(grad, variable, learning_rate)
 
     def _apply_weight_decay(self, variables):
         if self.weight_decay is None:
@@ -156,3 +167,24 @@ class UpdatesThroughAssign:
                 # The optimizer's `assign_sub`, as a Keras variable's would
                 # compare the local shard's shape with the full shape.
                 self.assign_sub(variable, variable * wd * lr)
+
+
+@functools.cache
+def per_variable_update_steps():
+    """The backend's optimizer class, its gradients applied one variable at
+    a time by `update_step`: the last base of a class with
+    `UpdatesThroughAssign`, so that an optimizer's own
+    `_backend_update_step` (Nadam's, which advances its `_u_product`
+    first) still runs and then reaches this one through `super()`."""
+    # `keras.optimizers.Optimizer` derives from the backend's first.
+    backend_optimizer = keras.optimizers.Optimizer.__mro__[1]
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        for grad, variable in zip(grads, trainable_variables):
+            self.update_step(grad, variable, learning_rate)
+
+    return type(
+        "PerVariableUpdateSteps",
+        (backend_optimizer,),
+        {"_backend_update_step": _backend_update_step, "__module__": __name__},
+    )

@@ -147,11 +147,13 @@ def optimizer_state_run(data_parallel=1):
         pipeline_cases.accumulated_gradients_difference(tp_of(models.mlp()), s)
         for s in (False, True)
     )
+    states = pipeline_cases.state_differences(tp_of, data_parallel)
     return _gathered(
         {
             "averaged": averaged,
             "accumulated": accumulated,
             "loss_scaled": loss_scaled,
+            **states,
         }
     )
 

@@ -238,8 +238,17 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
                 applies,
                 clips[stage],
             )
-            for group, new_values in zip(groups, new):
-                values.update(zip(map(id, group), new_values))
+            values.update(zip(map(id, groups[0]), new[0]))
+            values.update(zip(map(id, groups[1]), new[1]))
+            # Of the rest, what this stage's update assigned: state every
+            # stage advances alike (the step count), or the state of its
+            # own variables that an optimizer makes without a reference
+            # (Adafactor's factored moments).
+            values.update(
+                (id(v), value)
+                for v, value in zip(shared, new[2])
+                if id(v) in stage_update.assigned
+            )
         if scaled:
             scaler = trainer.optimizer
             scale, counter = scaler.dynamic_scale, scaler.step_counter
@@ -294,7 +303,8 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         kept where `applies` (`None`: always) is false, the gradients it
         applies multiplied by `clip` where given (`clipping_by`);
         `squared_norm` of the synchronised gradients; the `variables` and
-        `slots` it updates."""
+        `slots` it updates; the ids of the `shared` variables it
+        `assigned`, known once traced."""
         # A loss scale's own variables are `_apply`'s (it skips or not).
         optimizer = unscaled(self.trainer.optimizer)
         own = self.owners.owned(stage)
@@ -302,6 +312,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             v for v in optimizer.variables if self.stage_of.get(id(v)) == stage
         ]
         variables = (own, slots, shared)
+        assigned = set()
 
         def update(
             values, slot_values, shared_values, gradients, applies, clip
@@ -313,7 +324,13 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
                 updating_only(optimizer, own, slots + shared),
                 clipping_by(optimizer, clip),
             ):
+                before = [scope.get_current_value(v) for v in shared]
                 optimizer.apply(gradients, own)
+            assigned.update(
+                id(v)
+                for v, value in zip(shared, before)
+                if scope.get_current_value(v) is not value
+            )
 
             def new(variable, value):
                 current = scope.get_current_value(variable)
@@ -337,6 +354,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             own,
             slots,
             counted_jit(squared_norm(runtime, own, specs), self.stats),
+            assigned,
         )
 
 
@@ -345,7 +363,7 @@ def _times(gradients, factor):
 
 
 StageUpdate = collections.namedtuple(
-    "StageUpdate", "synchronise update variables slots squared_norm"
+    "StageUpdate", "synchronise update variables slots squared_norm assigned"
 )
 
 

@@ -14,6 +14,7 @@ from keras_tp.compiling import check_unbuilt
 from keras_tp.keras_internals import UpdatesThroughAssign
 from keras_tp.keras_internals import backend_free_add_variable_from_reference
 from keras_tp.keras_internals import get_stateless_scope
+from keras_tp.keras_internals import per_variable_update_steps
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.runtime.tensorflow.devices import HOST
 from keras_tp.runtime.tensorflow.storage import local_read
@@ -231,7 +232,11 @@ def tensor_parallel_class(optimizer_class):
     if optimizer_class not in _TENSOR_PARALLEL_CLASSES:
         _TENSOR_PARALLEL_CLASSES[optimizer_class] = type(
             f"TensorParallel{optimizer_class.__name__}",
-            (TensorParallelOptimizer, optimizer_class),
+            (
+                TensorParallelOptimizer,
+                optimizer_class,
+                per_variable_update_steps(),
+            ),
             {"__module__": __name__},
         )
     return _TENSOR_PARALLEL_CLASSES[optimizer_class]

@@ -23,9 +23,9 @@ BATCH = 8  # global batch, split over the data axis
 
 
 def make_optimizer(kind):
-    """SGD with momentum, Adam, AdamW with clipping and a schedule, or
+    """SGD with momentum, Adam, AdamW with clipping and a schedule,
     ("clipped") SGD with momentum, a norm clip per variable and weight
-    averages."""
+    averages, or ("scaled_nadam") Nadam under a loss scale."""
     if kind == "sgd":
         return keras.optimizers.SGD(0.05, momentum=0.9)
     if kind == "clipped":
@@ -36,6 +36,8 @@ def make_optimizer(kind):
         return keras.optimizers.Lamb(1e-2)
     if kind == "adam":
         return keras.optimizers.Adam(1e-3)
+    if kind == "scaled_nadam":
+        return keras.optimizers.LossScaleOptimizer(keras.optimizers.Nadam(1e-2))
     schedule = keras.optimizers.schedules.ExponentialDecay(1e-2, 2, 0.8)
     return keras.optimizers.AdamW(
         schedule, weight_decay=0.05, global_clipnorm=0.5
@@ -89,6 +91,18 @@ def check_norms_with_tensor_parallelism_alone():
         assert max_diff(reference.get_weights(), tp.get_weights()) <= (
             tolerance
         ), kind
+
+
+def check_state_kept_beside_the_variables():
+    """Nadam under a loss scale keeps its product of momenta in a variable
+    it does not list: each replica advances its own copy, with tensor
+    parallelism alone and with 2 data ranks, as one device does."""
+    for world_size, data_parallel in ((2, 1), (2, 2)):
+        reference, tp, _, _ = train_pair(
+            "mlp", world_size, data_parallel, 0, "scaled_nadam"
+        )
+        difference = max_diff(reference.get_weights(), tp.get_weights())
+        assert difference <= 1e-5, (world_size, data_parallel, difference)
 
 
 def lamb_refusal(world_size, data_parallel, zero_stage):

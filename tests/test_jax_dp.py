@@ -41,6 +41,7 @@ from tests.dp_cases import check_local_sgd_runs  # noqa: E402
 from tests.dp_cases import check_loss_scale_overflow  # noqa: E402
 from tests.dp_cases import check_matches_one_device  # noqa: E402
 from tests.dp_cases import check_norms_with_tensor_parallelism_alone  # noqa: E402
+from tests.dp_cases import check_state_kept_beside_the_variables  # noqa: E402
 from tests.dp_cases import check_zero_memory  # noqa: E402
 from tests.dp_cases import communication_run  # noqa: E402
 from tests.dp_cases import constrained_difference  # noqa: E402
@@ -76,6 +77,10 @@ def test_norms_with_tensor_parallelism_alone_match_one_device():
     check_norms_with_tensor_parallelism_alone()
     reference, tp, _, _ = train_pair("mlp", 2, 1, 0, "lamb")
     assert max_diff(reference.get_weights(), tp.get_weights()) <= 1e-5
+
+
+def test_state_an_optimizer_keeps_beside_its_variables_matches():
+    check_state_kept_beside_the_variables()
 
 
 def test_a_constraint_reading_across_a_cut_is_refused():

@@ -47,6 +47,7 @@ from tests.dp_cases import check_local_sgd_runs  # noqa: E402
 from tests.dp_cases import check_loss_scale_overflow  # noqa: E402
 from tests.dp_cases import check_matches_one_device  # noqa: E402
 from tests.dp_cases import check_norms_with_tensor_parallelism_alone  # noqa: E402
+from tests.dp_cases import check_state_kept_beside_the_variables  # noqa: E402
 from tests.dp_cases import check_zero_memory  # noqa: E402
 from tests.dp_cases import communication_run  # noqa: E402
 from tests.dp_cases import constraint_refusal  # noqa: E402
@@ -123,6 +124,10 @@ def test_adamw_clipnorm_schedule_match(world_size, data_parallel, zero_stage):
 
 def test_norms_with_tensor_parallelism_alone_match_one_device():
     check_norms_with_tensor_parallelism_alone()
+
+
+def test_state_an_optimizer_keeps_beside_its_variables_matches():
+    check_state_kept_beside_the_variables()
     # Each replica updates its shards: LAMB's norms would be a shard's.
     message = lamb_refusal(2, 1, 0)
     assert "(Lamb) updates an entry of a variable" in message

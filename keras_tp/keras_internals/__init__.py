@@ -79,6 +79,7 @@ from keras_tp.keras_internals.optimizers import own_optimizer_variables
 from keras_tp.keras_internals.optimizers import per_variable_update_steps
 from keras_tp.keras_internals.optimizers import place_slots_on_creation
 from keras_tp.keras_internals.optimizers import step_counter
+from keras_tp.keras_internals.optimizers import untracked_variables
 from keras_tp.keras_internals.optimizers import updating_only
 from keras_tp.keras_internals.scopes import StatelessScope
 from keras_tp.keras_internals.scopes import bind_values
@@ -161,6 +162,7 @@ __all__ = [
     "take_added_losses",
     "tracked_loss",
     "update_loss_tracker",
+    "untracked_variables",
     "updating_only",
     "wrapped_loss_function",
 ]

@@ -169,6 +169,18 @@ class UpdatesThroughAssign:
                 self.assign_sub(variable, variable * wd * lr)
 
 
+def untracked_variables(optimizer):
+    """The Keras variables `optimizer` holds as its attributes but does not
+    list in its `variables` (Nadam's `_u_product`, made in `build` after
+    Keras stopped tracking its attributes)."""
+    listed = {id(v) for v in optimizer.variables}
+    return [
+        value
+        for value in vars(optimizer).values()
+        if isinstance(value, keras.Variable) and id(value) not in listed
+    ]
+
+
 @functools.cache
 def per_variable_update_steps():
     """The backend's optimizer class, its gradients applied one variable at

@@ -15,6 +15,7 @@ from keras_tp.keras_internals import UpdatesThroughAssign
 from keras_tp.keras_internals import backend_free_add_variable_from_reference
 from keras_tp.keras_internals import get_stateless_scope
 from keras_tp.keras_internals import per_variable_update_steps
+from keras_tp.keras_internals import untracked_variables
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.runtime.tensorflow.devices import HOST
 from keras_tp.runtime.tensorflow.storage import local_read
@@ -43,12 +44,7 @@ def prepare_optimizer(runtime, model):
         _check_optimizer_supported(optimizer, model, runtime)
         # Built before its first step: on another model's variables.
         check_unbuilt(optimizer)
-        wrapped = [optimizer]
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            wrapped.append(optimizer.inner_optimizer)
-        if isinstance(wrapped[-1], CoordinatedOptimizer):
-            wrapped += wrapped[-1].wrapped_optimizers
-        for each in wrapped:
+        for each in _optimizers_run_by(optimizer):
             object.__setattr__(
                 each, "__class__", tensor_parallel_class(type(each))
             )
@@ -64,8 +60,15 @@ def prepare_optimizer(runtime, model):
             with keras.name_scope(optimizer.name, caller=optimizer):
                 optimizer.build(model.trainable_variables)
             # Iterations, learning rate and the like: a copy per replica,
-            # since every replica steps its own optimizer.
-            for variable in optimizer.variables:
+            # since every replica steps its own optimizer; so are the
+            # variables an optimizer keeps without listing them (Nadam's
+            # product of momenta), which each replica advances.
+            held = [
+                variable
+                for each in _optimizers_run_by(optimizer)
+                for variable in untracked_variables(each)
+            ]
+            for variable in [*optimizer.variables, *held]:
                 if not runtime.placement.is_placed(variable):
                     runtime.placement.place(variable, None)
 
@@ -259,6 +262,17 @@ def _is_bound(variable):
     """Whether a Keras scope binds `variable` to a value of its own."""
     scope = get_stateless_scope()
     return scope is not None and scope.get_current_value(variable) is not None
+
+
+def _optimizers_run_by(optimizer):
+    """`optimizer`, a loss scale's inner optimizer, and the optimizers a
+    `CoordinatedOptimizer` among them runs."""
+    optimizers = [optimizer]
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizers.append(optimizer.inner_optimizer)
+    if isinstance(optimizers[-1], CoordinatedOptimizer):
+        optimizers += optimizers[-1].wrapped_optimizers
+    return optimizers
 
 
 def _check_optimizer_supported(optimizer, model, runtime):

@@ -22,12 +22,35 @@ STEPS = 5
 BATCH = 8  # global batch, split over the data axis
 
 
+# The optimizers of `make_optimizer` that accumulate gradients themselves:
+# a step of each is a micro-batch, on one device too.
+ACCUMULATING = {"averaged_accumulating": 2}
+
+
+def accumulation_steps(kind, options):
+    """The micro-batches of an update of `kind` with `options`."""
+    steps = options.get("gradient_accumulation_steps", 1)
+    return steps * ACCUMULATING.get(kind, 1)
+
+
 def make_optimizer(kind):
     """SGD with momentum, Adam, AdamW with clipping and a schedule,
     ("clipped") SGD with momentum, a norm clip per variable and weight
-    averages, or ("scaled_nadam") Nadam under a loss scale."""
+    averages, ("scaled_nadam") Nadam under a loss scale, or
+    ("averaged_accumulating") SGD with momentum accumulating 2 steps'
+    gradients, weight averages written over the weights before every
+    third update (`ACCUMULATING`)."""
     if kind == "sgd":
         return keras.optimizers.SGD(0.05, momentum=0.9)
+    if kind == "averaged_accumulating":
+        return keras.optimizers.SGD(
+            0.05,
+            momentum=0.9,
+            use_ema=True,
+            ema_momentum=0.5,
+            ema_overwrite_frequency=3,
+            gradient_accumulation_steps=ACCUMULATING[kind],
+        )
     if kind == "clipped":
         return keras.optimizers.SGD(
             0.05, momentum=0.9, clipnorm=0.05, use_ema=True
@@ -96,13 +119,19 @@ def check_norms_with_tensor_parallelism_alone():
 def check_state_kept_beside_the_variables():
     """Nadam under a loss scale keeps its product of momenta in a variable
     it does not list: each replica advances its own copy, with tensor
-    parallelism alone and with 2 data ranks, as one device does."""
-    for world_size, data_parallel in ((2, 1), (2, 2)):
+    parallelism alone and with 2 data ranks, as one device does. Weight
+    averages of an optimizer that accumulates gradients move after every
+    step, as one device's do, on ZeRO-1's partitions too."""
+    for world_size, data_parallel, zero_stage, kind in (
+        (2, 1, 0, "scaled_nadam"),
+        (2, 2, 0, "scaled_nadam"),
+        (2, 2, 1, "averaged_accumulating"),
+    ):
         reference, tp, _, _ = train_pair(
-            "mlp", world_size, data_parallel, 0, "scaled_nadam"
+            "mlp", world_size, data_parallel, zero_stage, kind
         )
         difference = max_diff(reference.get_weights(), tp.get_weights())
-        assert difference <= 1e-5, (world_size, data_parallel, difference)
+        assert difference <= 1e-5, (world_size, data_parallel, kind)
 
 
 def lamb_refusal(world_size, data_parallel, zero_stage):

@@ -23,6 +23,7 @@ from keras_tp.launcher import launch  # noqa: E402
 from tests import hierarchy_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests.dp_cases import STEPS  # noqa: E402
+from tests.dp_cases import accumulation_steps  # noqa: E402
 from tests.dp_cases import check_accumulation_buffers  # noqa: E402
 from tests.dp_cases import check_any_sample_count  # noqa: E402
 from tests.dp_cases import check_global_batch_losses  # noqa: E402
@@ -50,6 +51,7 @@ TWO_RANKS = (
         # Tensor parallelism alone: norms over each variable's shards.
         ("mlp", 2, 1, 0, "adamw", {}),
         ("mlp", 2, 1, 0, "clipped", {}),
+        ("mlp", 2, 2, 1, "averaged_accumulating", {}),
     ]
 )
 FOUR_RANKS = (
@@ -102,9 +104,9 @@ def test_matches_one_device(two_ranks, four_ranks):
         name, _, _, _, kind, options = run["case"]
         tolerance = 1e-4 if kind == "adamw" else 1e-5
         assert run["weights"] <= tolerance, run["case"]
-        steps = options.get("gradient_accumulation_steps", 1)
+        steps = accumulation_steps(kind, options)
         assert run["iterations"] == STEPS // steps, run["case"]
-        if steps == 1:
+        if "gradient_accumulation_steps" not in options:
             # The logged loss is the global batch's, not this rank's.
             np.testing.assert_allclose(
                 run["losses"], run["reference_losses"], rtol=1e-5
@@ -138,8 +140,8 @@ def test_only_accumulation_keeps_gradients(two_ranks, four_ranks):
     """No gradient byte is kept between steps with one micro-batch per
     update; with two, a whole gradient (DDP, ZeRO-1) or a partition."""
     for run in all_runs(two_ranks, four_ranks):
-        _, _, data_parallel, zero_stage, _, options = run["case"]
-        steps = options.get("gradient_accumulation_steps", 1)
+        _, _, data_parallel, zero_stage, kind, options = run["case"]
+        steps = accumulation_steps(kind, options)
         _, expected, _ = kept_bytes(
             run["psi"], data_parallel, zero_stage, steps
         )

@@ -69,6 +69,7 @@ from keras_tp.keras_internals.models import update_loss_tracker
 from keras_tp.keras_internals.models import wrapped_loss_function
 from keras_tp.keras_internals.optimizers import UpdatesThroughAssign
 from keras_tp.keras_internals.optimizers import accumulated_gradient
+from keras_tp.keras_internals.optimizers import average_weights
 from keras_tp.keras_internals.optimizers import (
     backend_free_add_variable_from_reference,
 )
@@ -129,6 +130,7 @@ __all__ = [
     "losses_override",
     "metric_function",
     "model_variables_of",
+    "average_weights",
     "moving_average",
     "node_call_arguments",
     "node_filled_arguments",

@@ -117,6 +117,32 @@ def place_slots_on_creation(optimizer, placed):
     optimizer.add_variable_from_reference = add_placed_variable
 
 
+def average_weights(optimizer):
+    """Keras' weight averages (`use_ema`) after a step that accumulates
+    gradients without updating: Keras' `apply` averages after every step,
+    and before the `ema_overwrite_frequency`-th update overwrites the
+    variables with the averages on each of its steps."""
+    variables = model_variables_of(optimizer)
+    optimizer._update_model_variables_moving_average(variables)
+    if not isinstance(optimizer, UpdatesThroughAssign):
+        _overwrite_with_averages(optimizer, variables)
+
+
+def _overwrite_with_averages(optimizer, variables):
+    """Every `ema_overwrite_frequency`-th step, `variables` take their
+    averages. Keras assigns them inside a conditional, whose branch cannot
+    assign a variable bound to a value (a ZeRO partition); here, every
+    step, by selection."""
+    frequency = optimizer.ema_overwrite_frequency
+    if not frequency:
+        return
+    overwrites = keras.ops.equal((optimizer.iterations + 1) % frequency, 0)
+    for variable in variables:
+        average = moving_average(optimizer, variable)
+        value = keras.ops.where(overwrites, average.value, variable.value)
+        optimizer.assign(variable, value)
+
+
 class UpdatesThroughAssign:
     """Mixin: an optimizer's private update hooks, each variable on its own.
 
@@ -132,19 +158,7 @@ class UpdatesThroughAssign:
 
     def _update_model_variables_moving_average(self, trainable_variables):
         super()._update_model_variables_moving_average(trainable_variables)
-        if not self.ema_overwrite_frequency:
-            return
-        # Keras overwrites the variables with their averages inside a
-        # conditional, whose branch cannot assign a variable bound to a
-        # value (a ZeRO partition); here, every step, by selection.
-        frequency = self.ema_overwrite_frequency
-        overwrites = keras.ops.equal((self.iterations + 1) % frequency, 0)
-        for variable, average in zip(
-            trainable_variables, self._model_variables_moving_average
-        ):
-            self.assign(
-                variable, keras.ops.where(overwrites, average, variable)
-            )
+        _overwrite_with_averages(self, trainable_variables)
 
     def _overwrite_model_variables_with_average_value(
         self, trainable_variables

@@ -10,6 +10,7 @@ in buffers first, and the update runs once per accumulation boundary.
 from keras import ops
 
 from keras_tp.errors import check_count
+from keras_tp.keras_internals import average_weights
 from keras_tp.keras_internals import stateful_cond
 
 
@@ -48,9 +49,11 @@ class GradientAccumulation:
         self.micro_step = None
 
     def bind(self, placement, data_adapter, run_on_ranks):
-        """Attaches the `Placement` the buffers are placed with; the
-        adapter and `run_on_ranks` serve `LocalSGD`, not this."""
+        """Attaches the `Placement` the buffers are placed with and the
+        `data` axis's adapter; `run_on_ranks` serves `LocalSGD`, not
+        this."""
         self._placement = placement
+        self._data_adapter = data_adapter
 
     def build(self, optimizer, var_list, partition_axes):
         """The buffers in which micro-batches accumulate, and their counter.
@@ -124,6 +127,16 @@ class GradientAccumulation:
             for buffer, value in zip(self.gradient_buffers, accumulated):
                 buffer.assign(value)
             self.micro_step.assign_add(1)
+            inner = optimizer.inner_optimizer
+            if inner.use_ema:
+                # Keras averages the weights after every step; only an
+                # overwrite with the averages changes the variables.
+                optimizer.layout.on_partitions(
+                    lambda: average_weights(inner),
+                    variables,
+                    self._data_adapter,
+                    gathers=bool(inner.ema_overwrite_frequency),
+                )
 
         stateful_cond(boundary, update, accumulate, touched)
 

@@ -71,13 +71,7 @@ class ZeroLayout:
         return out
 
     def update(self, optimizer, grads, variables, adapter):
-        """Applies `grads` with `optimizer`: the whole variables (DDP,
-        ZeRO-3's partitions), or this rank's partitions, all-gathered after.
-
-        Under ZeRO-1 and 2 each partitioned variable is bound to this
-        rank's partition while `optimizer` applies the gradient
-        partitions, so that only the partition and its slots update; the
-        updated partitions are then all-gathered, one call per bucket.
+        """Applies `grads` with `optimizer` (`on_partitions`).
 
         Args:
             optimizer: the inner Keras optimizer.
@@ -85,8 +79,22 @@ class ZeroLayout:
             variables: the trainable variables.
             adapter: the collective adapter of the `data` axis.
         """
+        self.on_partitions(
+            lambda: optimizer.apply(grads, variables), variables, adapter
+        )
+
+    def on_partitions(self, update, variables, adapter, gathers=True):
+        """Runs `update`, which writes `variables` and their optimizer
+        state: on the whole variables (DDP, ZeRO-3's partitions), or on
+        this rank's partitions, all-gathered after where `gathers`.
+
+        Under ZeRO-1 and 2 each partitioned variable is bound to this
+        rank's partition while `update` runs, so that only the partition
+        and its slots update; the updated partitions are then all-gathered,
+        one call per bucket.
+        """
         if self.zero_stage in (0, 3):
-            optimizer.apply(grads, variables)
+            update()
             return
         rank = adapter.rank()
         parts = adapter.size()
@@ -97,11 +105,13 @@ class ZeroLayout:
             if axis is not None
         ]
         with bind_values(bound) as scope:
-            optimizer.apply(grads, variables)
+            update()
             partitions = [
                 None if axis is None else scope.get_current_value(variable)
                 for variable, axis in zip(variables, axes)
             ]
+        if not gathers:
+            return
         for i, full in self.gathered(partitions, variables, adapter).items():
             variables[i].assign(full)
 

@@ -141,13 +141,19 @@ def check_averages_and_accumulation(data_parallel):
 
 # Optimizers that keep state Keras does not make from a variable as its
 # slot: Nadam's product of momenta, advanced by its own update step;
-# Adafactor's factored moments (`add_variable`); moving averages written
-# over the weights every other step.
+# Adafactor's factored moments (`add_variable`); moving averages, which
+# Keras moves after every step (accumulating ones too) and writes over
+# the weights before every third update.
 OWN_STATES = {
     "nadam": lambda: keras.optimizers.Nadam(1e-2),
     "adafactor": lambda: keras.optimizers.Adafactor(1e-2),
-    "ema_overwrites": lambda: keras.optimizers.Adam(
-        1e-2, use_ema=True, ema_overwrite_frequency=2
+    "ema_overwrites": lambda: keras.optimizers.SGD(
+        0.1,
+        momentum=0.9,
+        use_ema=True,
+        ema_momentum=0.5,
+        ema_overwrite_frequency=3,
+        gradient_accumulation_steps=2,
     ),
 }
 

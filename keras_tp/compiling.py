@@ -8,7 +8,9 @@ import inspect
 import keras
 
 from keras_tp.keras_internals import compile_arguments
+from keras_tp.keras_internals import exclude_from_weight_decay
 from keras_tp.keras_internals import place_slots_on_creation
+from keras_tp.keras_internals import weight_decay_excluded
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.parallel.entrywise import constraint_reads_across
 from keras_tp.parallel.entrywise import reads_across_entries
@@ -53,6 +55,10 @@ def arguments_of(model):
         arguments["optimizer"] = type(optimizer).from_config(
             optimizer.get_config()
         )
+        excluded = weight_decay_excluded(
+            unscaled(optimizer), model.trainable_variables
+        )
+        exclude_from_weight_decay(unscaled(arguments["optimizer"]), excluded)
     return arguments
 
 

@@ -24,7 +24,7 @@ BATCH = 8  # global batch, split over the data axis
 
 # The optimizers of `make_optimizer` that accumulate gradients themselves:
 # a step of each is a micro-batch, on one device too.
-ACCUMULATING = {"averaged_accumulating": 2}
+ACCUMULATING = {"averaged_accumulating": 2, "options": 2}
 
 
 def accumulation_steps(kind, options):
@@ -33,15 +33,29 @@ def accumulation_steps(kind, options):
     return steps * ACCUMULATING.get(kind, 1)
 
 
-def make_optimizer(kind):
+def make_optimizer(kind, model=None):
     """SGD with momentum, Adam, AdamW with clipping and a schedule,
     ("clipped") SGD with momentum, a norm clip per variable and weight
-    averages, ("scaled_nadam") Nadam under a loss scale, or
+    averages, ("scaled_nadam") Nadam under a loss scale,
     ("averaged_accumulating") SGD with momentum accumulating 2 steps'
     gradients, weight averages written over the weights before every
-    third update (`ACCUMULATING`)."""
+    third update, or ("options") SGD with momentum accumulating 2 steps'
+    gradients, with a schedule Keras evaluates at the micro-batches
+    counted, a `loss_scale_factor`, and weight decay but on `model`'s
+    biases (`ACCUMULATING`)."""
     if kind == "sgd":
         return keras.optimizers.SGD(0.05, momentum=0.9)
+    if kind == "options":
+        optimizer = keras.optimizers.SGD(
+            keras.optimizers.schedules.ExponentialDecay(0.05, 1, 0.7),
+            momentum=0.9,
+            weight_decay=0.5,
+            loss_scale_factor=64.0,
+            gradient_accumulation_steps=ACCUMULATING[kind],
+        )
+        biases = [v for v in model.trainable_variables if "bias" in v.path]
+        optimizer.exclude_from_weight_decay(var_list=biases)
+        return optimizer
     if kind == "averaged_accumulating":
         return keras.optimizers.SGD(
             0.05,
@@ -80,8 +94,9 @@ def train_pair(name, world_size, data_parallel, zero_stage, kind, **options):
         `(reference, tp, reference_history, tp_history)`.
     """
     reference = models.BUILDERS[name]()
+    wrapped = models.BUILDERS[name]()
     tp = keras_tp.TensorParallelKeras(
-        models.BUILDERS[name](),
+        wrapped,
         world_size=world_size,
         data_parallel=data_parallel,
         zero_stage=zero_stage,
@@ -90,8 +105,8 @@ def train_pair(name, world_size, data_parallel, zero_stage, kind, **options):
     # Whole updates only: a trailing partial accumulation is not applied.
     samples = (STEPS // steps) * steps * BATCH
     x, y = models.data_for(name, batch=samples)
-    reference.compile(optimizer=make_optimizer(kind), loss=loss_fn())
-    optimizer = make_optimizer(kind)
+    reference.compile(optimizer=make_optimizer(kind, reference), loss=loss_fn())
+    optimizer = make_optimizer(kind, wrapped)
     if options:
         optimizer = keras_tp.CoordinatedOptimizer(
             optimizer, zero_stage=zero_stage, **options
@@ -121,11 +136,14 @@ def check_state_kept_beside_the_variables():
     it does not list: each replica advances its own copy, with tensor
     parallelism alone and with 2 data ranks, as one device does. Weight
     averages of an optimizer that accumulates gradients move after every
-    step, as one device's do, on ZeRO-1's partitions too."""
+    step, as one device's do, on ZeRO-1's partitions too; so does its
+    schedule, and its loss scale factor and the variables it keeps from
+    weight decay hold."""
     for world_size, data_parallel, zero_stage, kind in (
         (2, 1, 0, "scaled_nadam"),
         (2, 2, 0, "scaled_nadam"),
         (2, 2, 1, "averaged_accumulating"),
+        (2, 2, 1, "options"),
     ):
         reference, tp, _, _ = train_pair(
             "mlp", world_size, data_parallel, zero_stage, kind

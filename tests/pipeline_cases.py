@@ -139,22 +139,43 @@ def check_averages_and_accumulation(data_parallel):
         assert difference < 1e-5, name
 
 
+def _options():
+    """SGD with momentum accumulating 2 steps' gradients, with a schedule
+    Keras evaluates at the micro-batches counted, a `loss_scale_factor`
+    the backward passes seed, weight decay but on the biases, and moving
+    averages Keras moves after every step, accumulating ones too."""
+    optimizer = keras.optimizers.SGD(
+        keras.optimizers.schedules.ExponentialDecay(0.1, 1, 0.7),
+        momentum=0.9,
+        weight_decay=0.5,
+        loss_scale_factor=64.0,
+        gradient_accumulation_steps=2,
+        use_ema=True,
+        ema_momentum=0.5,
+    )
+    optimizer.exclude_from_weight_decay(var_names=["bias"])
+    return optimizer
+
+
 # Optimizers that keep state Keras does not make from a variable as its
 # slot: Nadam's product of momenta, advanced by its own update step;
-# Adafactor's factored moments (`add_variable`); moving averages, which
-# Keras moves after every step (accumulating ones too) and writes over
-# the weights before every third update.
+# Adafactor's factored moments (`add_variable`); moving averages written
+# over the weights before every other update, under a loss scale, whose
+# optimizer's end of `fit()` writes the averages; and `_options`.
 OWN_STATES = {
     "nadam": lambda: keras.optimizers.Nadam(1e-2),
     "adafactor": lambda: keras.optimizers.Adafactor(1e-2),
-    "ema_overwrites": lambda: keras.optimizers.SGD(
-        0.1,
-        momentum=0.9,
-        use_ema=True,
-        ema_momentum=0.5,
-        ema_overwrite_frequency=3,
-        gradient_accumulation_steps=2,
+    "ema_overwrites": lambda: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(
+            0.1,
+            momentum=0.9,
+            use_ema=True,
+            ema_momentum=0.5,
+            ema_overwrite_frequency=2,
+            gradient_accumulation_steps=2,
+        )
     ),
+    "options": _options,
 }
 
 

@@ -74,14 +74,17 @@ from keras_tp.keras_internals.optimizers import (
     backend_free_add_variable_from_reference,
 )
 from keras_tp.keras_internals.optimizers import clipping_by
+from keras_tp.keras_internals.optimizers import exclude_from_weight_decay
 from keras_tp.keras_internals.optimizers import model_variables_of
 from keras_tp.keras_internals.optimizers import moving_average
 from keras_tp.keras_internals.optimizers import own_optimizer_variables
 from keras_tp.keras_internals.optimizers import per_variable_update_steps
 from keras_tp.keras_internals.optimizers import place_slots_on_creation
+from keras_tp.keras_internals.optimizers import schedule_at_micro_steps
 from keras_tp.keras_internals.optimizers import step_counter
 from keras_tp.keras_internals.optimizers import untracked_variables
 from keras_tp.keras_internals.optimizers import updating_only
+from keras_tp.keras_internals.optimizers import weight_decay_excluded
 from keras_tp.keras_internals.scopes import StatelessScope
 from keras_tp.keras_internals.scopes import bind_values
 from keras_tp.keras_internals.scopes import get_stateless_scope
@@ -111,6 +114,7 @@ __all__ = [
     "build_shapes",
     "clear_added_losses",
     "clipping_by",
+    "exclude_from_weight_decay",
     "compile_arguments",
     "compiled_loss",
     "compiled_user_losses",
@@ -144,6 +148,7 @@ __all__ = [
     "own_trainable_variables",
     "own_variables",
     "place_slots_on_creation",
+    "schedule_at_micro_steps",
     "print_msg",
     "producer_node",
     "reduction_axes",
@@ -165,6 +170,7 @@ __all__ = [
     "tracked_loss",
     "update_loss_tracker",
     "untracked_variables",
+    "weight_decay_excluded",
     "updating_only",
     "wrapped_loss_function",
 ]

@@ -117,6 +117,51 @@ def place_slots_on_creation(optimizer, placed):
     optimizer.add_variable_from_reference = add_placed_variable
 
 
+def weight_decay_excluded(optimizer, variables, former_keys=None):
+    """Those of `variables` that `optimizer` excludes from its weight
+    decay (`exclude_from_weight_decay`, which `get_config` leaves out),
+    by the key it gives them now or by one it gave them before their
+    storage changed (`former_keys`: `{key: variable}`)."""
+    keys = getattr(optimizer, "_exclude_from_weight_decay", set())
+    formerly = {id(v) for k, v in (former_keys or {}).items() if k in keys}
+    return [
+        v
+        for v in variables
+        if id(v) in formerly or not optimizer._use_weight_decay(v)
+    ]
+
+
+def exclude_from_weight_decay(optimizer, variables):
+    """Excludes `variables` from `optimizer`'s weight decay, keyed as its
+    class keys variables now (a class mixed in may key them otherwise),
+    built or not; its excluded names stay excluded."""
+    optimizer._exclude_from_weight_decay = set(
+        map(optimizer._var_key, variables)
+    )
+    optimizer._exclude_from_weight_decay_cache = {}
+
+
+@contextlib.contextmanager
+def schedule_at_micro_steps(optimizer, steps):
+    """Inside, a `LearningRateSchedule` of `optimizer`, which updates once
+    per `steps` micro-batches without counting them, gives the rate one
+    device's optimizer accumulating `steps` micro-batches gives: Keras
+    evaluates it at the micro-batches counted (`_iterations`), so an
+    update after `k` others at `k * steps + steps - 1`."""
+    schedule = optimizer._learning_rate
+    if steps == 1 or not isinstance(
+        schedule, keras.optimizers.schedules.LearningRateSchedule
+    ):
+        yield
+        return
+    counted = optimizer._iterations * steps + steps - 1
+    object.__setattr__(optimizer, "_learning_rate", lambda: schedule(counted))
+    try:
+        yield
+    finally:
+        object.__setattr__(optimizer, "_learning_rate", schedule)
+
+
 def average_weights(optimizer):
     """Keras' weight averages (`use_ema`) after a step that accumulates
     gradients without updating: Keras' `apply` averages after every step,

@@ -11,6 +11,7 @@ from keras import ops
 
 from keras_tp.errors import check_count
 from keras_tp.keras_internals import average_weights
+from keras_tp.keras_internals import schedule_at_micro_steps
 from keras_tp.keras_internals import stateful_cond
 
 
@@ -118,7 +119,9 @@ class GradientAccumulation:
             mean = [ops.divide(g, steps) for g in accumulated]
             if not partial:
                 mean = optimizer.synchronised_gradients(mean, variables)
-            optimizer.update_parameters(mean)
+            # The inner optimizer counts updates, Keras' micro-batches.
+            with schedule_at_micro_steps(optimizer.inner_optimizer, steps):
+                optimizer.update_parameters(mean)
             for buffer in self.gradient_buffers:
                 buffer.assign(ops.zeros_like(buffer.value))
             self.micro_step.assign(0)

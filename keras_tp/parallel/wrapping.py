@@ -35,6 +35,11 @@ class WrappingOptimizer(keras.optimizers.Optimizer):
             for v in optimizer.variables
         ]
 
+    def scale_loss(self, loss):
+        # As the inner optimizer's `apply` unscales the gradients
+        # (`loss_scale_factor`).
+        return self.inner_optimizer.scale_loss(loss)
+
     @property
     def learning_rate(self):
         return self.inner_optimizer.learning_rate

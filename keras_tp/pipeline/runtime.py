@@ -222,9 +222,15 @@ class PipelineRuntime(Runtime):
                 )
 
     def loss_scale(self):
-        """What the backward passes seed the loss's gradient with: the
-        compiled `LossScaleOptimizer`'s scale, `None` without one."""
+        """The compiled `LossScaleOptimizer`'s scale, `None` without one."""
         return loss_scale(getattr(self.trainer, "optimizer", None))
+
+    def loss_seed(self):
+        """What the backward passes seed the loss's gradient with, as
+        Keras' steps scale the loss: the compiled optimizer's `scale_loss`
+        of 1 (a `LossScaleOptimizer`'s scale, an optimizer's
+        `loss_scale_factor`, which its `apply` divides out)."""
+        return self.trainer.optimizer.scale_loss(ops.ones(()))
 
     def takes_global_norm(self):
         """Whether the stages' updates take the norm of every stage's

@@ -112,11 +112,10 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
     def train_step(self, state, data):
         trainable, non_trainable, optimizer_values, metrics = state
         x, targets = self.unpacked(data)
-        scale = self.loss_scale()
-        if scale is not None:
-            ids = [id(v) for v in self.trainer.optimizer.variables]
-            scale = optimizer_values[ids.index(id(scale))]
-        stages = self._stages(x, trainable, non_trainable, True, seed=scale)
+        mapping = zip(self.trainer.optimizer.variables, optimizer_values)
+        with StatelessScope(state_mapping=list(mapping)):
+            seed = self.loss_seed()
+        stages = self._stages(x, trainable, non_trainable, True, seed=seed)
         order = schedules.issue_order(
             self.schedule, self.pipeline_parallel, stages.num_microbatches
         )

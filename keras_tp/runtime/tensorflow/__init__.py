@@ -70,6 +70,9 @@ class TensorFlowRuntime(
 
     def _build(self):
         self._local_shapes = ReplicaShapes(self.placement)
+        # `{key: variable}`: what an optimizer keyed each variable by
+        # before it was placed (`ReplicaStorage._store`).
+        self.former_keys = {}
         self._build_strategy()
 
 

@@ -13,9 +13,11 @@ import tensorflow as tf
 from keras_tp.compiling import check_unbuilt
 from keras_tp.keras_internals import UpdatesThroughAssign
 from keras_tp.keras_internals import backend_free_add_variable_from_reference
+from keras_tp.keras_internals import exclude_from_weight_decay
 from keras_tp.keras_internals import get_stateless_scope
 from keras_tp.keras_internals import per_variable_update_steps
 from keras_tp.keras_internals import untracked_variables
+from keras_tp.keras_internals import weight_decay_excluded
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.runtime.tensorflow.devices import HOST
 from keras_tp.runtime.tensorflow.storage import local_read
@@ -45,10 +47,15 @@ def prepare_optimizer(runtime, model):
         # Built before its first step: on another model's variables.
         check_unbuilt(optimizer)
         for each in _optimizers_run_by(optimizer):
+            excluded = weight_decay_excluded(
+                each, model.trainable_variables, runtime.former_keys
+            )
             object.__setattr__(
                 each, "__class__", tensor_parallel_class(type(each))
             )
             object.__setattr__(each, "_tensor_parallel_runtime", runtime)
+            # Keyed by identity now (`UpdatesThroughAssign._var_key`).
+            exclude_from_weight_decay(each, excluded)
     elif optimizer._tensor_parallel_runtime is not runtime:
         raise ValueError(
             f"Optimizer '{optimizer.name}' belongs to another "

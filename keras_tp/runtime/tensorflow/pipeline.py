@@ -10,7 +10,9 @@ import tensorflow as tf
 from keras_tp.collectives.tensorflow import ReplicaStats
 from keras_tp.compiling import coordinated
 from keras_tp.compiling import place_slots
+from keras_tp.keras_internals import exclude_from_weight_decay
 from keras_tp.keras_internals import step_counter
+from keras_tp.keras_internals import weight_decay_excluded
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.parallel.clipping import global_norm_taken
 from keras_tp.parallel.loss_scaling import loss_scale
@@ -100,12 +102,14 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
     def check_compiled(self, trainer):
         super().check_compiled(trainer)
         optimizer = trainer.optimizer
-        if optimizer.use_ema and not isinstance(optimizer, _FinalizesStages):
-            # Keras' end of fit() finalizes the compiled optimizer.
+        # Keras' end of fit() finalizes the compiled optimizer, which a
+        # loss scale's passes on to the one it wraps.
+        averaging = unscaled(optimizer)
+        if averaging.use_ema and not isinstance(averaging, _FinalizesStages):
             object.__setattr__(
-                optimizer, "__class__", _finalizing_stages(type(optimizer))
+                averaging, "__class__", _finalizing_stages(type(averaging))
             )
-            object.__setattr__(optimizer, "_keras_tp_pipeline", self)
+            object.__setattr__(averaging, "_keras_tp_pipeline", self)
         # Built on no variable, the compiled optimizer keeps the step count
         # that each stage's copy takes (`build_optimizer`).
         if not optimizer.built:
@@ -132,6 +136,10 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
                     self.stage_models[stage], self.owners.owned(stage)
                 )
                 copy = type(optimizer).from_config(config)
+                excluded = weight_decay_excluded(
+                    optimizer, trainer.trainable_variables, runtime.former_keys
+                )
+                exclude_from_weight_decay(copy, excluded)
                 if coordinating:
                     # It accumulates, averages the weights and takes the
                     # norms over the stage's devices (and its synchronised

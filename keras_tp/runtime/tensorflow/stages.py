@@ -233,11 +233,8 @@ class TensorFlowStages(StagePrimitives):
         return losses
 
     def _seed(self):
-        """The loss's gradient: 1, or a loss scale's factor."""
-        scale = self.pipeline.loss_scale()
-        if scale is None:
-            return tf.ones(())
-        return tf.cast(tf.convert_to_tensor(scale), "float32")
+        """The loss's gradient (`PipelineRuntime.loss_seed`)."""
+        return tf.cast(self.pipeline.loss_seed(), "float32")
 
     def _accumulate(self, key, variables, grads):
         """Adds `grads` to `gradients[key]`, dense (zero where `None`)."""

@@ -59,6 +59,10 @@ class ReplicaStorage:
                 `None`.
             full: the full value, for a variable already placed.
         """
+        # TensorFlow's optimizers key a variable by its storage (as
+        # `exclude_from_weight_decay(var_list=...)` did before placement).
+        key = getattr(stored_value(variable), "_unique_id", None)
+        self.former_keys.setdefault(key, variable)
         with tf.init_scope():
             if full is None:
                 full = keras.ops.convert_to_numpy(variable.value)

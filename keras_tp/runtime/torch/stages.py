@@ -124,15 +124,10 @@ class TorchStages(StagePrimitives):
         roots = [*outputs, *ones]
         # A sequence shard's gradient came as its rank's part.
         cotangent = [_like(o, g) for o, g in zip(outputs, cotangent or ())]
-        # The loss's gradient, and its share of the added losses': 1, or
-        # a loss scale's factor.
-        scale = self.pipeline.loss_scale()
-        seeds = [
-            torch.ones_like(one)
-            if scale is None
-            else scale.value.to(one.dtype).expand_as(one)
-            for one in ones
-        ]
+        # The loss's gradient, and its share of the added losses'
+        # (`PipelineRuntime.loss_seed`).
+        seed = self.pipeline.loss_seed()
+        seeds = [seed.to(one.device, one.dtype).expand_as(one) for one in ones]
         grads = [*cotangent, *seeds]
         pairs = [(r, g) for r, g in zip(roots, grads) if r.requires_grad]
         if pairs:

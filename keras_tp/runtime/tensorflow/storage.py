@@ -62,7 +62,8 @@ class ReplicaStorage:
         # TensorFlow's optimizers key a variable by its storage (as
         # `exclude_from_weight_decay(var_list=...)` did before placement).
         key = getattr(stored_value(variable), "_unique_id", None)
-        self.former_keys.setdefault(key, variable)
+        if key is not None:
+            self.former_keys.setdefault(key, variable)
         with tf.init_scope():
             if full is None:
                 full = keras.ops.convert_to_numpy(variable.value)

@@ -52,6 +52,7 @@ TWO_RANKS = (
         ("mlp", 2, 1, 0, "adamw", {}),
         ("mlp", 2, 1, 0, "clipped", {}),
         ("mlp", 2, 2, 1, "averaged_accumulating", {}),
+        ("mlp", 2, 2, 1, "options", {}),
     ]
 )
 FOUR_RANKS = (

@@ -48,6 +48,21 @@ def floats_of(structure):
     return [t for t in keras.tree.flatten(structure) if is_float(t)]
 
 
+def with_floats_replaced(structure):
+    """`(floats_of(structure), rebuild)`: `rebuild(new_floats)` is
+    `structure` with `new_floats` in their places (a function to
+    differentiate with respect to its floats alone)."""
+    leaves = keras.tree.flatten(structure)
+    floats = [is_float(leaf) for leaf in leaves]
+
+    def rebuild(new_floats):
+        new = iter(new_floats)
+        replaced = [next(new) if f else x for x, f in zip(leaves, floats)]
+        return keras.tree.pack_sequence_as(structure, replaced)
+
+    return [x for x, f in zip(leaves, floats) if f], rebuild
+
+
 def collect_flat(tensors, collective):
     """Runs `collective` once per dtype on `tensors` joined flat.
 

@@ -20,11 +20,13 @@ names as the other backends' runtimes:
 - `storage`: global arrays laid out on the mesh; full values, checkpoint
   pieces and the bytes on each device;
 - `steps`: Keras' steps and direct calls on the mesh;
-- `regions`: where and how a split layer's call runs.
+- `regions`: where and how a split layer's call runs;
+- `optimizer`: updates of whole arrays over the data axis.
 """
 
 from keras_tp.runtime.jax.devices import MeshDevices
 from keras_tp.runtime.jax.devices import configure_virtual_devices
+from keras_tp.runtime.jax.optimizer import MeshUpdates
 from keras_tp.runtime.jax.regions import MeshRegions
 from keras_tp.runtime.jax.steps import MeshSteps
 from keras_tp.runtime.jax.storage import MeshStorage
@@ -33,7 +35,9 @@ from keras_tp.runtime.mesh import MeshRuntime
 __all__ = ["RUNTIME", "JaxRuntime", "configure_virtual_devices"]
 
 
-class JaxRuntime(MeshDevices, MeshStorage, MeshSteps, MeshRegions, MeshRuntime):
+class JaxRuntime(
+    MeshDevices, MeshStorage, MeshSteps, MeshRegions, MeshUpdates, MeshRuntime
+):
     """Runs tensor parallelism on the devices of a `jax.sharding.Mesh`."""
 
     backend = "jax"

@@ -5,8 +5,6 @@ import collections
 
 import jax
 import keras
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec
 
 from keras_tp.collectives.jax import counted_jit
 from keras_tp.keras_internals import StatelessScope
@@ -14,11 +12,8 @@ from keras_tp.keras_internals import accumulated_gradient
 from keras_tp.keras_internals import clipping_by
 from keras_tp.keras_internals import jax_update_metrics
 from keras_tp.keras_internals import updating_only
-from keras_tp.parallel.clipping import weighted_squares
 from keras_tp.parallel.loss_scaling import next_scale
 from keras_tp.parallel.loss_scaling import unscaled
-from keras_tp.parallel.optimizer import BUCKET_CAP_MB
-from keras_tp.parallel.zero import ZeroLayout
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.executor import run_forward
 from keras_tp.pipeline.executor import run_schedule
@@ -31,8 +26,6 @@ from keras_tp.runtime.jax.stages import JaxStages
 from keras_tp.runtime.jax.stages import StagePrograms
 from keras_tp.runtime.jax.steps import is_concrete
 from keras_tp.runtime.jax.storage import onto
-from keras_tp.runtime.jax.storage import placement_spec
-from keras_tp.runtime.jax.storage import replica_rows
 from keras_tp.runtime.padding import batch_size
 
 
@@ -343,16 +336,14 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         specs = [runtime.variable_spec(v) for v in own]
         synchronise = None
         if self.data_parallel > 1:
-            synchronise, update, specs = over_replicas(
-                update, runtime, own, self.zero_stage
-            )
+            synchronise, update, specs = runtime.over_replicas(update, own)
             synchronise = counted_jit(synchronise, self.stats)
         return StageUpdate(
             synchronise or (lambda gradients: gradients),
             counted_jit(update, self.stats),
             own,
             slots,
-            counted_jit(squared_norm(runtime, own, specs), self.stats),
+            counted_jit(runtime.squared_norm(own, specs), self.stats),
             assigned,
         )
 
@@ -364,78 +355,6 @@ def _times(gradients, factor):
 StageUpdate = collections.namedtuple(
     "StageUpdate", "synchronise update variables slots squared_norm assigned"
 )
-
-
-def squared_norm(runtime, variables, specs):
-    """The squared norm of whole gradients of `variables`, laid out on
-    `runtime`'s devices as `specs` say, from each device's pieces
-    (`clipping.weighted_squares`) summed over the stage's devices."""
-
-    def local(gradients):
-        squares = weighted_squares(gradients, variables, runtime.placement)
-        return runtime.world_adapter.all_reduce(sum(squares), "sum")
-
-    return on_devices(runtime, local, specs, PartitionSpec())
-
-
-def over_replicas(update, runtime, variables, zero_stage):
-    """A stage's optimizer `update` (`_update_of`) on its `runtime`, from
-    the gradients' rows, one per replica: `(synchronise, update, specs)`.
-    `synchronise` averages them over `data` (DDP) or, with ZeRO-1,
-    reduce-scatters them, in the `CoordinatedOptimizer`'s buckets
-    (`ZeroLayout`), laid out as `specs`; `update` updates each device's
-    partition and all-gathers the new values.
-    """
-    placement = runtime.placement
-    adapter = runtime.data_adapter
-    layout = ZeroLayout(placement, variables, zero_stage, BUCKET_CAP_MB * 2**20)
-    placed = [runtime.variable_spec(v) for v in variables]
-    partitioned = [
-        placement_spec(
-            len(placement.full_shapes[id(v)]),
-            placement.split_axis(v),
-            layout.partition_axes[id(v)],
-        )
-        for v in variables
-    ]
-
-    def reduced(rows):
-        return layout.synchronised([row[0] for row in rows], variables, adapter)
-
-    def gathered(partitions):
-        whole = layout.gathered(partitions, variables, adapter)
-        return [whole.get(i, p) for i, p in enumerate(partitions)]
-
-    gather = on_devices(runtime, gathered, partitioned, placed)
-
-    def combined(values, *rest):
-        values = [
-            jax.lax.with_sharding_constraint(v, NamedSharding(runtime.mesh, s))
-            for v, s in zip(values, partitioned)
-        ]
-        new_values, *new = update(values, *rest)
-        return gather(new_values), *new
-
-    rows = replica_rows(runtime, variables)
-    synchronise = on_devices(runtime, reduced, rows, partitioned)
-    return synchronise, combined, partitioned
-
-
-def on_devices(runtime, local, in_specs, out_specs):
-    """`local` of one argument on each of `runtime`'s devices, its
-    collectives counted as the optimizer's."""
-
-    def labelled(values):
-        with runtime.world_adapter.stats.labelled("optimizer"):
-            return local(values)
-
-    return jax.shard_map(
-        labelled,
-        mesh=runtime.mesh,
-        in_specs=(in_specs,),
-        out_specs=out_specs,
-        check_vma=False,
-    )
 
 
 PIPELINE_RUNTIME = JaxPipelineRuntime

@@ -22,7 +22,8 @@ from keras_tp.pipeline.executor import split_rows
 from keras_tp.runtime.jax.storage import onto
 from keras_tp.runtime.jax.storage import replica_rows
 from keras_tp.tensors import carried_masks
-from keras_tp.tensors import is_float
+from keras_tp.tensors import floats_of
+from keras_tp.tensors import with_floats_replaced
 
 # The index of the stage whose program is being traced in this context.
 TRACING_STAGE = contextvars.ContextVar("keras_tp_tracing_stage", default=None)
@@ -163,14 +164,14 @@ class StagePrograms:
                 else:
                     outputs = self._rows(outputs)
                 return outputs, new_non_trainable, self._rows(added)
-            floats, rebuild = _floats(inputs)
+            floats, rebuild = with_floats_replaced(inputs)
 
             def stage(trainable, floats):
                 outputs, new_non_trainable, added = called(
                     trainable, non_trainable, rebuild(floats), True
                 )
                 if not last:
-                    floats = _floats(outputs)[0]
+                    floats = floats_of(outputs)
                     if not adding:
                         return floats, (new_non_trainable, outputs, None)
                     added = jax.numpy.zeros(()) if added is None else added
@@ -365,19 +366,3 @@ class StageClock:
         jax.effects_barrier()
         spans = [iter(zip(*[iter(stamps)] * 2)) for stamps in self.stamps]
         return [next(spans[stage]) for stage, _, _ in order]
-
-
-def _floats(tree):
-    """`(float leaves, rebuild)`: a tree's differentiable leaves, and the
-    function that puts new ones in."""
-    leaves, treedef = jax.tree.flatten(tree)
-    floats = [is_float(leaf) for leaf in leaves]
-
-    def rebuild(new_floats):
-        new = iter(new_floats)
-        return jax.tree.unflatten(
-            treedef,
-            [next(new) if f else leaf for leaf, f in zip(leaves, floats)],
-        )
-
-    return [leaf for leaf, f in zip(leaves, floats) if f], rebuild

@@ -65,13 +65,14 @@ def test_megatron_pairs_where_each_rank_runs_its_slices(ranks):
     # Llama's attention and MLP run on a rank's heads and features as
     # they are. Gemma's attention reshapes to its config's head counts,
     # which each rank reads as its own; its single key/value head stays
-    # whole, and Qwen3 normalises each head with whole weights: the ranks
-    # sum those weights' gradients. Falcon's and GPT-NeoX's attention
-    # read their head counts and their heads' slice of Falcon's ALiBi
-    # bias; Bloom's `AlibiBias` runs on all heads, the rank's in place.
-    # Every block pairs.
-    names = ("gpt2", "llama", "gemma", "qwen3", "falcon", "bloom", "gpt_neox")
-    for name in names:
+    # whole, and Qwen3 and Gemma 4 normalise each head with whole weights:
+    # the ranks sum those weights' gradients. Gemma 4's MLP multiplies by
+    # its projections' kernels itself: they run as calls of the
+    # projections. Falcon's and GPT-NeoX's attention read their head
+    # counts and their heads' slice of Falcon's ALiBi bias; Bloom's
+    # `AlibiBias` runs on all heads, the rank's in place. Every block
+    # pairs.
+    for name in (*zoo_cases.DECODER_LMS, "falcon", "bloom", "gpt_neox"):
         assert not results[name]["fallbacks"], results[name]["fallbacks"]
         zoo_cases.check_megatron(
             results[name],

@@ -336,6 +336,35 @@ def qwen3(seed=0):
     )
 
 
+def gemma4(seed=0):
+    """A tiny `Gemma4CausalLM`: 4 query heads share 2 key/value heads,
+    normed per head, and each block's MLP multiplies by its gate, up and
+    down projections' kernels itself (`ops.matmul`), never calling them.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring; `x`
+        also holds the `position_ids` Gemma 4 reads.
+    """
+    model, x, y = _causal_lm(
+        seed,
+        "Gemma4",
+        image_size=16,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        hidden_dim=64,
+        intermediate_dim=128,
+        head_dim=16,
+        dropout=0.0,
+        sliding_window_size=8,
+    )
+    positions = np.arange(x["token_ids"].shape[1], dtype="int32")
+    x["position_ids"] = np.tile(positions, (x["token_ids"].shape[0], 1))
+    return model, x, y
+
+
 def qwen3_5(seed=0):
     """A tiny `Qwen3_5CausalLM`: a linear-attention block (Gated DeltaNet,
     its query, key and value projected by one layer, block by block, and
@@ -1042,6 +1071,7 @@ ZOO = {
     "llama": llama,
     "mistral": mistral,
     "qwen3": qwen3,
+    "gemma4": gemma4,
     "qwen3_5": qwen3_5,
     "phi3": phi3,
     "mixtral": mixtral,

@@ -30,6 +30,7 @@ TRANSFORMERS = (
     "llama",
     "mistral",
     "qwen3",
+    "gemma4",
     "phi3",
     "mixtral",
     "distilbert",
@@ -42,12 +43,12 @@ TRANSFORMERS = (
 )
 # Decoder-only LMs of the zoo: 2 blocks, token embedding and LM head in one
 # ReversibleEmbedding (tied or not).
-DECODER_LMS = ("gemma", "gpt2", "llama", "mistral", "qwen3", "phi3")
+DECODER_LMS = ("gemma", "gpt2", "llama", "mistral", "qwen3", "gemma4", "phi3")
 # Where ranks hold their own slices, the whole layers of each of these
 # LMs' blocks that compute on a rank's heads: Gemma's single key/value
-# head (key and value), Qwen3's per-head query and key norms. The ranks
-# sum their gradients, one all-reduce each.
-SUMMED_PER_BLOCK = {"gemma": 2, "qwen3": 2}
+# head (key and value), Qwen3's and Gemma 4's per-head query and key
+# norms. The ranks sum their gradients, one all-reduce each.
+SUMMED_PER_BLOCK = {"gemma": 2, "qwen3": 2, "gemma4": 2}
 BLOCKS = 2
 # A keras-hub CausalLM compiles itself with an accuracy metric. From split
 # logits the loss all-reduces one float per token twice (the maximum, then

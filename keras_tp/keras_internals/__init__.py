@@ -33,12 +33,14 @@ from keras_tp.keras_internals.layers import added_loss_count
 from keras_tp.keras_internals.layers import adds_loss_in_call
 from keras_tp.keras_internals.layers import attention_projections
 from keras_tp.keras_internals.layers import batch_moments
+from keras_tp.keras_internals.layers import calls_layers_for_kernel_reads
 from keras_tp.keras_internals.layers import clear_added_losses
 from keras_tp.keras_internals.layers import draw_from_state
 from keras_tp.keras_internals.layers import get_keras_mask
 from keras_tp.keras_internals.layers import own_seed_generators
 from keras_tp.keras_internals.layers import own_trainable_variables
 from keras_tp.keras_internals.layers import own_variables
+from keras_tp.keras_internals.layers import reads_as_matmul
 from keras_tp.keras_internals.layers import reduction_axes
 from keras_tp.keras_internals.layers import seed_generators
 from keras_tp.keras_internals.layers import set_batch_moments
@@ -113,6 +115,7 @@ __all__ = [
     "batch_moments",
     "bind_values",
     "build_shapes",
+    "calls_layers_for_kernel_reads",
     "clear_added_losses",
     "clipping_by",
     "compile_arguments",
@@ -150,6 +153,7 @@ __all__ = [
     "place_slots_on_creation",
     "print_msg",
     "producer_node",
+    "reads_as_matmul",
     "reduction_axes",
     "schedule_at_micro_steps",
     "seed_generators",

@@ -1,7 +1,9 @@
 """What a Keras layer tracks: its own variables, sublayers, seeds."""
 
 import contextlib
+import contextvars
 import inspect
+import weakref
 
 import keras
 from keras import ops
@@ -181,3 +183,73 @@ def set_batch_moments(layer, moments):
 def reduction_axes(layer):
     """The axes a BatchNormalization layer's statistics reduce."""
     return layer._reduction_axes
+
+
+# `id(kernel)` -> `(weakref of the kernel, weakref of its layer)`: the
+# layers whose kernel `keras.ops.matmul` reads as a call of the layer.
+_KERNEL_READS = {}
+# The layers being called for a kernel read (Keras' own layers multiply
+# with `keras.src.ops`, but a subclass may call `keras.ops.matmul`).
+_CALLING = contextvars.ContextVar("keras_tp_kernel_reads", default=())
+_matmul = keras.ops.matmul
+
+
+def calls_layers_for_kernel_reads(layers):
+    """Makes `keras.ops.matmul(x, layer.kernel)` call `layer(x)`, for each
+    of `layers`, wherever the model's code multiplies by their kernels
+    itself (a block that reads its sublayers' kernels, as Gemma 4's MLP
+    does, never calls them): a split layer then runs its split math, and
+    the planner sees the calls. Each of `layers` computes exactly that
+    product (`reads_as_matmul`)."""
+    for layer in layers:
+        kernel = layer.kernel
+        _KERNEL_READS[id(kernel)] = (weakref.ref(kernel), weakref.ref(layer))
+    keras.ops.matmul = _matmul_calling_layers
+
+
+def reads_as_matmul(layer):
+    """Whether `layer(x)` is `ops.matmul(x, layer.kernel)`, with the
+    kernel a variable: a `Dense` or an `EinsumDense` that contracts its
+    input's last axis with a 2-D kernel, without bias or activation,
+    neither quantized nor with LoRA."""
+    if getattr(layer, "quantization_mode", None) or getattr(
+        layer, "lora_enabled", False
+    ):
+        return False
+    linear = getattr(layer, "activation", None) in (
+        None,
+        keras.activations.linear,
+    )
+    if isinstance(layer, keras.layers.Dense):
+        return linear and not layer.use_bias
+    if not isinstance(layer, keras.layers.EinsumDense) or layer.bias_axes:
+        return False
+    inputs, _, output = layer.equation.partition("->")
+    read, _, kernel = inputs.partition(",")
+    return (
+        linear
+        and len(kernel) == 2
+        and read.endswith(kernel[0])
+        and output == read[:-1] + kernel[1]
+        and kernel[1] not in read
+    )
+
+
+def _matmul_calling_layers(x1, x2):
+    """`keras.ops.matmul`, which calls the layer whose kernel `x2` is
+    (`calls_layers_for_kernel_reads`) on a batch of concrete `x1`."""
+    entry = _KERNEL_READS.get(id(x2))
+    layer = entry and entry[0]() is x2 and entry[1]()
+    called = (
+        layer
+        and layer not in _CALLING.get()
+        and not isinstance(x1, keras.KerasTensor)
+        and len(getattr(x1, "shape", ())) >= 2
+    )
+    if not called:
+        return _matmul(x1, x2)
+    token = _CALLING.set(_CALLING.get() + (layer,))
+    try:
+        return layer(x1)
+    finally:
+        _CALLING.reset(token)

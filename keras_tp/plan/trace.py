@@ -17,7 +17,9 @@ import numpy as np
 from keras import ops
 
 from keras_tp.keras_internals import build_shapes
+from keras_tp.keras_internals import calls_layers_for_kernel_reads
 from keras_tp.keras_internals import input_structure
+from keras_tp.keras_internals import reads_as_matmul
 from keras_tp.plan.sharding_plan import walk_layers
 
 logger = logging.getLogger(__name__)
@@ -149,10 +151,10 @@ def trace_model(model, inputs=None):
         A `Trace`.
     """
     if inputs is not None:
-        return _record(model, inputs)
+        return _routed(model, inputs)
     probe = probe_inputs(model)
     try:
-        trace = _record(model, probe)
+        trace = _routed(model, probe)
     except Exception as e:
         shapes = keras.tree.map_structure(lambda t: tuple(t.shape), probe)
         e.add_note(
@@ -210,6 +212,23 @@ def _record(model, inputs):
         outputs = model(inputs, training=False)
     # A call that raised leaves no record; nothing else can be missing.
     return Trace([c for c in calls if c is not None], inputs, outputs)
+
+
+def _routed(model, inputs):
+    """`_record`'s trace, once the layers the model ran without calling
+    them (a block that multiplies by its sublayers' kernels itself) run
+    as calls of the layers, which the planner can split
+    (`calls_layers_for_kernel_reads`)."""
+    trace = _record(model, inputs)
+    uncalled = [
+        layer
+        for layer in walk_layers(model)
+        if not trace.calls_of[id(layer)] and reads_as_matmul(layer)
+    ]
+    if not uncalled:
+        return trace
+    calls_layers_for_kernel_reads(uncalled)
+    return _record(model, inputs)
 
 
 def _random_token_ids(trace, seed=1):

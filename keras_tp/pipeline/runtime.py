@@ -56,8 +56,9 @@ class PipelineRuntime(Runtime):
     # work is issued now (see `CallingStageRegions`); `None` where a rank
     # runs one stage (torch).
     calling_stage = None
-    # The actions of the last training step, in the order issued, where
-    # one process issues every stage's (JAX, TensorFlow).
+    # Every stage's actions of the last training step, in the order one
+    # process issues them (JAX, TensorFlow; torch's ranks each issue
+    # their stage's in this order).
     trained_order = None
     # Each stage's update is the backend's (see `Runtime`).
     coordinating_runtime = None

@@ -12,7 +12,6 @@ from keras_tp.collectives.torch import TorchCollectiveAdapter
 from keras_tp.collectives.torch import is_symbolic
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.parallel.loss_scaling import unscaled
-from keras_tp.pipeline import schedules
 from keras_tp.pipeline.runtime import PipelineRuntime
 from keras_tp.runtime.mesh import MeshRuntime
 from keras_tp.runtime.torch import TorchRuntime
@@ -165,26 +164,17 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         # stage's seed generators hold their state here.
         self.stage_runtime.prepare_model(self.stage_model)
 
-    @property
-    def peak_activations(self):
-        """The peak of this rank's stage alone (an int)."""
-        actions = [schedules.Action(0, k, m) for k, m, *_ in self.timeline]
-        return schedules.peak_activations([actions])[0]
-
-    def measured_timeline(self):
-        """The last training step's `schedules.Timeline`, gathered from
-        this rank's pipeline (a collective)."""
+    def action_times(self):
+        """The `(start, end)` of each action of `trained_order`, gathered
+        from this replica's stages (a collective)."""
         records = [None] * self.pipeline_parallel
         dist.all_gather_object(records, self.timeline, group=self.pipe_group)
-        if not all(records):
-            return None
-        order = [
-            schedules.Action(stage, kind, m)
+        times = {
+            (stage, kind, m): (start, end)
             for stage, spans in enumerate(records)
-            for kind, m, _, _ in spans
-        ]
-        times = [(start, end) for spans in records for *_, start, end in spans]
-        return schedules.timeline_of(order, times)
+            for kind, m, start, end in spans
+        }
+        return [times[tuple(action)] for action in self.trained_order]
 
     def build_optimizer(self, trainer):
         """Builds the optimizer's slots in one device's order on every
@@ -227,6 +217,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
             variable.value.grad = None
         loss, y_pred = pipeline.step(x, targets)
         self.timeline = pipeline.timeline
+        self.trained_order = pipeline.issued
         loss, scale = self._batch_loss(pipeline, loss, every_stage=True)
         if scale is not None:
             for variable in variables:

@@ -40,10 +40,12 @@ class TorchStages(StagePrimitives):
         self.num_microbatches = num_microbatches
         self.stats = pipeline.stats
         self.loss = loss
-        issued = schedules.issue_order(
+        # Every stage's actions, in the order one process would issue
+        # them, and this stage's.
+        self.issued = schedules.issue_order(
             pipeline.schedule, self.num_stages, num_microbatches
         )
-        self.order = [a for a in issued if a.stage == self.stage]
+        self.order = [a for a in self.issued if a.stage == self.stage]
         # Each received tensor's `(shape, dtype, shard axis)`, which the
         # previous stage's rank tells on the first run.
         self._received_specs = None

@@ -181,7 +181,7 @@ def test_allow_replicated_lists_the_layers_left_whole(saved_lm, capsys):
         (
             ["--world-size", "3"],
             "--world-size 3 gives tensor-parallel size 3, which does not "
-            "divide the dimensions of 14 layer(s) of 'transformer_lm'",
+            "divide the dimensions of 9 layer(s) of 'transformer_lm'",
         ),
         (
             ["--world-size", "6", "--data-parallel", "4"],

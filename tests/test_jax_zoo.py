@@ -58,6 +58,11 @@ def test_transformer_families_exact_at_two_ranks(name):
         # Each rank holds half of every layer's experts.
         experts = [s for s in results["plan"].values() if "Expert" in s]
         assert experts == [repr(keras_tp.ExpertParallel(0))] * 2
+        # Its routers stay whole: the one all-gather forward per block is
+        # its experts' outputs'.
+        zoo_cases.check_small_layers_whole(name, results)
+        gathers = results["collectives"]["all_gather"]["forward"]
+        assert gathers == zoo_cases.BLOCKS, results["collectives"]
 
 
 def test_a_fused_projection_laid_out_block_by_block_splits_on_global_arrays():

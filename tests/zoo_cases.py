@@ -88,6 +88,27 @@ def check_exact(results, tolerance=1e-5):
     assert results["weights"] <= tolerance, results
 
 
+# Per MoE family of the zoo, its layers under 1% of the parameter bytes
+# that no Megatron pair splits: each block's router (Mixtral's, and
+# Qwen-MoE's, which keras-hub's layout map lists) and Qwen-MoE's shared
+# expert gate.
+SMALL_WHOLE = {"mixtral": 2, "qwen_moe": 4}
+
+
+def check_small_layers_whole(name, results):
+    """The MoE family `name`'s routers and gates stay whole, as
+    Megatron keeps them, with the reason: split alone, each would cost a
+    collective at every call."""
+    small = [
+        path
+        for path, reason in results["replicated"].items()
+        if reason.startswith("kept whole: ")
+        and "of the model's parameter bytes" in reason
+    ]
+    assert len(small) == SMALL_WHOLE[name], results["replicated"]
+    assert all("gate" in path or "router" in path for path in small), small
+
+
 def check_block_by_block_gathers(results):
     """Qwen3.5 (`zoo.qwen3_5`) where ranks hold their own slices.
 

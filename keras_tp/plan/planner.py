@@ -24,10 +24,16 @@ from keras_tp.plan.styles import ExpertParallel
 from keras_tp.plan.styles import Replicate
 from keras_tp.plan.styles import Row
 from keras_tp.plan.styles import Vocab
+from keras_tp.tensors import nbytes
 
 logger = logging.getLogger(__name__)
 
 _PAIRED = "auto: Column -> Row"
+# A layer no Megatron pair splits, whose weights are under this share of
+# the model's, stays whole: split alone, it would cost a collective at
+# every call (a MoE router's all-gather in every block) to save almost no
+# memory. Megatron-LM and torchtitan keep such layers whole.
+NEGLIGIBLE_SHARE = 0.01
 _FALLBACKS = (Vocab(), Column(gather_output=True), Row(input_is_parallel=False))
 
 
@@ -96,6 +102,7 @@ class Planner(MegatronPairing):
         self.tensor_parallel = tensor_parallel
         self.trace = trace
         self.layout_map = layout_map
+        self.model_bytes = sum(map(nbytes, model.weights)) or 1
         self.reasons = {}
         # Groups fed by a whole layer (key/value heads fewer than ranks).
         self.whole_inputs = {}
@@ -175,7 +182,7 @@ class Planner(MegatronPairing):
                 )
                 continue
             style = self._fallback_style(layer, ()) or self._expert_style(layer)
-            if style is not None:
+            if style is not None and not self._negligible(layer):
                 decisions[id(layer)] = Decision(
                     layer, style, id(layer), "auto: alone"
                 )
@@ -223,7 +230,9 @@ class Planner(MegatronPairing):
         it and kept whole where the map does; its style is the Megatron
         pairing's when the planner found one (a GSPMD layout may name
         another axis of the same pair, which GSPMD reconciles with extra
-        collectives), else the style of the axis the map names.
+        collectives), else the style of the axis the map names; but a
+        layer the model's map would split alone stays whole where its
+        weights are negligible (`NEGLIGIBLE_SHARE`).
         """
         layout_map = self.layout_map or model_layout_map(
             self.model, self.tensor_parallel
@@ -255,8 +264,10 @@ class Planner(MegatronPairing):
                     source=source + axis_note
                 )
             else:
+                # A LayoutMap given as the plan is followed to the letter.
                 style = self._style_of_axis(layer, axis)
-                if style is not None:
+                given = self.layout_map is not None
+                if style is not None and (given or not self._negligible(layer)):
                     decisions[id(layer)] = Decision(
                         layer, style, id(layer), source
                     )
@@ -296,6 +307,18 @@ class Planner(MegatronPairing):
                     key,
                     "LayoutMap (its Megatron pair stays whole)",
                 )
+
+    def _negligible(self, layer):
+        """Whether `layer` stays whole rather than split alone, its
+        weights under `NEGLIGIBLE_SHARE` of the model's; records why."""
+        share = sum(map(nbytes, layer.weights)) / self.model_bytes
+        if share >= NEGLIGIBLE_SHARE:
+            return False
+        self.reasons[layer.path] = (
+            f"kept whole: {share:.2%} of the model's parameter bytes; split "
+            "without a Megatron pair it would cost a collective at every call"
+        )
+        return True
 
     def _style_of_axis(self, layer, axis):
         """The unpaired style splitting `layer`'s main variable on `axis`."""

@@ -61,6 +61,7 @@ from keras_tp.keras_internals.models import input_structure
 from keras_tp.keras_internals.models import jax_update_metrics
 from keras_tp.keras_internals.models import loss_function_arguments
 from keras_tp.keras_internals.models import losses_override
+from keras_tp.keras_internals.models import map_added_losses
 from keras_tp.keras_internals.models import metric_function
 from keras_tp.keras_internals.models import overrides_compute_loss
 from keras_tp.keras_internals.models import print_msg
@@ -136,6 +137,7 @@ __all__ = [
     "local_shapes",
     "loss_function_arguments",
     "losses_override",
+    "map_added_losses",
     "metric_function",
     "model_variables_of",
     "moving_average",

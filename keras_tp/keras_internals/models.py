@@ -151,6 +151,13 @@ def losses_override(model, losses):
         model._losses_override = []
 
 
+def map_added_losses(model, fn):
+    """Replaces each loss the layers of `model` added in an eager call
+    (`add_loss`, kept on the layers until the next) by `fn` of it."""
+    for layer in model._flatten_layers(include_self=True):
+        layer._losses[:] = [fn(loss) for loss in layer._losses]
+
+
 def update_loss_tracker(model, loss, sample_weight):
     """Adds a step's loss to the mean loss `fit()` reports."""
     model._loss_tracker.update_state(loss, sample_weight=sample_weight)

@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import torch
 
+from keras_tp.keras_internals import map_added_losses
 from keras_tp.keras_internals import tracked_loss
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.parallel.overlap import BackwardOverlap
@@ -160,6 +161,9 @@ class ProcessSteps:
             return super().call_model(model, inputs, training)
         with self._sequence.step():
             outputs = super().call_model(model, inputs, training)
+            # A whole layer computing on shards (a MoE router) adds its
+            # losses as `DTensor`s, which Keras' loss adds to its own.
+            map_added_losses(model, self._sequence.whole)
             return self._sequence.whole(outputs)
 
     def whole_outputs(self, outputs):

@@ -477,6 +477,14 @@ def test_sequence_parallel_inside_the_stages(four_ranks):
             assert sent["backward_bytes"] == MICROBATCHES * hidden
 
 
+def test_a_routers_added_loss_under_sequence_parallelism(four_ranks):
+    """Mixtral's routers run whole on sequence shards and add their
+    load-balancing loss as a `DTensor`, which each stage makes whole as
+    a direct call does: the same weights as one device."""
+    for difference in four_ranks["moe_sequence_parallel"]:
+        assert difference < 1e-5
+
+
 def test_tensor_parallel_ranks_send_their_own_copy(tensor_parallel):
     """Each rank of the first stage sends its copy of the hidden states
     and the mask to its counterpart of the second stage, which sends the

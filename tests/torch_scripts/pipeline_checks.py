@@ -22,6 +22,7 @@ from keras_tp.runtime.torch.storage import parameter_of
 from tests import checkpoint_cases
 from tests import models
 from tests import pipeline_cases
+from tests import zoo_cases
 from tests.pipeline_cases import BATCH
 from tests.pipeline_cases import MICROBATCHES
 
@@ -401,8 +402,9 @@ def _one_batch_error(loss, x, y, zero_stage):
 
 def four_rank_runs(directory):
     """`replicated_run` (DDP and ZeRO-1), `tensor_parallel_run`,
-    `split_cut_run`, checkpoint round trips of 2 tensor-parallel stages
-    and of 2 replicas of 2 stages with ZeRO-1, and `masked_run`,
+    `split_cut_run`, `sequence_parallel_run`, `moe_sequence_parallel_run`,
+    checkpoint round trips of 2 tensor-parallel stages and of 2 replicas
+    of 2 stages with ZeRO-1, and `masked_run`,
     `added_run`, `optimizer_state_run` and `loss_scale_overflow` of 2
     replicas (with ZeRO-1), in one launch of 4 ranks; every rank's results
     of each.
@@ -419,6 +421,7 @@ def four_rank_runs(directory):
         ),
         "split_cut": split_cut_run(),
         "sequence_parallel": sequence_parallel_run(),
+        "moe_sequence_parallel": moe_sequence_parallel_run(),
         "checkpoint": checkpoint_cases.pipeline_round_trip(
             lambda model: keras_tp.TensorParallelKeras(
                 model, world_size=4, pipeline_parallel=STAGES
@@ -479,6 +482,21 @@ def sequence_parallel_run():
             "pipe": tp.communication_stats(axis="pipe"),
         }
     )
+
+
+def moe_sequence_parallel_run():
+    """Mixtral, whose routers add a load-balancing loss, on 2 stages of 2
+    tensor-parallel ranks with sequence parallelism, 2 SGD steps next to
+    one device: every rank's largest weight difference."""
+    reference, tp = zoo_cases.trained(
+        "mixtral",
+        STAGES * TENSOR_PARALLEL,
+        pipeline_parallel=STAGES,
+        num_microbatches=1,
+        sequence_parallel=True,
+    )
+    weights = tp.get_weights()
+    return _gathered(_largest_difference(weights, reference.get_weights()))
 
 
 def tensor_parallel_run(path):

@@ -154,6 +154,7 @@ class TorchStages(StagePrimitives):
         others' sequence shards stay shards (sent so, as Megatron-LM
         sends them), any other `DTensor` is made whole."""
         outputs = self.model(inputs, training=self.training)
+        self.pipeline.stage_runtime.whole_losses(self.model)
         whole = self.pipeline.stage_runtime.whole_outputs
         if self.stage == self.num_stages - 1:
             return whole(outputs)

@@ -161,10 +161,15 @@ class ProcessSteps:
             return super().call_model(model, inputs, training)
         with self._sequence.step():
             outputs = super().call_model(model, inputs, training)
-            # A whole layer computing on shards (a MoE router) adds its
-            # losses as `DTensor`s, which Keras' loss adds to its own.
-            map_added_losses(model, self._sequence.whole)
+            self.whole_losses(model)
             return self._sequence.whole(outputs)
+
+    def whole_losses(self, model):
+        """Makes whole the losses `model`'s layers added in its last call:
+        a whole layer computing on shards (a MoE router) adds them as
+        `DTensor`s, which Keras' loss adds to its own."""
+        if self._sequence is not None:
+            map_added_losses(model, self._sequence.whole)
 
     def whole_outputs(self, outputs):
         """A model's `outputs` with every sequence shard gathered (inside

@@ -799,6 +799,58 @@ def test_the_pair_a_residual_breaks_falls_back_alone():
     assert styles["down"] == keras_tp.Row(), styles
 
 
+class TokenMix(layers.Layer):
+    """RWKV's time mix in small: the key projection reads the block's
+    input mixed with its shifted copy (raw ops), not the receptance
+    projection's output, which raw ops carry to the output projection."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.receptance = layers.Dense(16, name="receptance")
+        self.key = layers.Dense(16, name="key")
+        self.value = layers.Dense(16, name="value")
+        self.output_layer = layers.Dense(16, name="output_layer")
+
+    def call(self, x):
+        r = self.receptance(x)
+        shifted = keras.ops.pad(x[:, :-1], [[0, 0], [1, 0], [0, 0]])
+        k = self.key(x + 0.5 * (shifted - x))
+        v = self.value(x)
+        return self.output_layer(keras.ops.sigmoid(r) * k * v)
+
+
+@pytest.mark.parametrize("check_local", [False, True])
+def test_a_row_pairs_only_with_columns_whose_output_reaches_it(check_local):
+    # The key's input is made by raw ops, and the receptance's output is
+    # open: only running the block with the open outputs poisoned shows
+    # that the key does not read it. Paired with it as a Row, the key
+    # would cost an all-reduce of its own (and RWKV7's recurrence, which
+    # reads the split receptance against the whole key, collectives XLA
+    # adds uncounted); as a Column it joins the one Megatron pair.
+    def build():
+        keras.utils.set_random_seed(3)
+        inputs = keras.Input((4, 16))
+        return keras.Model(inputs, TokenMix(name="mix")(inputs))
+
+    plan = keras_tp.auto_plan(build(), 2, check_local=check_local)
+    styles = {e.layer.path: e.style for e in plan.leaf_layers()}
+    assert not plan.fallbacks, plan.fallbacks
+    for name in ("receptance", "key", "value"):
+        assert styles[f"mix/{name}"] == keras_tp.Column(), styles
+    assert styles["mix/output_layer"] == keras_tp.Row(), styles
+    if check_local:
+        return
+    x = np.random.default_rng(0).normal(size=(4, 4, 16)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(4, 4, 16)).astype("float32")
+    reference, tp = build(), keras_tp.TensorParallelKeras(build(), 2)
+    for model in (reference, tp):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.train_on_batch(x, y)
+    assert max_diff(reference.get_weights(), tp.get_weights()) <= ATOL
+    stats = tp.communication_stats("train", axis="model")
+    assert stats["all_reduce"]["forward_calls"] == 1, stats
+
+
 def test_a_gate_made_by_raw_ops_joins_the_squeeze_excite_group():
     # MobileNetV3's block: the squeeze-and-excitation gate is a hard
     # sigmoid written in raw ops, multiplied into the split channels. Its

@@ -16,6 +16,7 @@ from keras_tp.plan.commuting import commutes
 from keras_tp.plan.commuting import open_target
 from keras_tp.plan.commuting import take
 from keras_tp.plan.commuting import weightless_passing
+from keras_tp.plan.dependence import reads_outputs_of
 from keras_tp.plan.layers import leaf_handler
 from keras_tp.plan.styles import Channelwise
 from keras_tp.plan.styles import Column
@@ -23,7 +24,7 @@ from keras_tp.plan.styles import Row
 
 
 class MegatronPairing:
-    """The pairing walk of a `Planner` (which provides `trace`,
+    """The pairing walk of a `Planner` (which provides `model`, `trace`,
     `tensor_parallel`, `reasons`, `through`, `reshapes`,
     `split_tensors`, `raw_gated`, `group_of_column` and `_can_split`)."""
 
@@ -155,7 +156,11 @@ class MegatronPairing:
             for c, s in open_columns
             if not s and not any(t is source for t in c.inputs)
         ]
-        if any(self._fits(call, row) for call, _ in opaque):
+        if any(self._fits(call, row) for call, _ in opaque) and (
+            reads_outputs_of(
+                self.model, self.trace, row, [c for c, _ in opaque]
+            )
+        ):
             return opaque
         return []
 

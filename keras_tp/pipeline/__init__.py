@@ -1,10 +1,6 @@
-"""Pipeline parallelism: stages cut from a model, and their schedules.
-
-`split_stages` cuts a Functional model into consecutive stages made of the
-user's own layers; `schedules` says in which order each stage runs the
-forward and backward passes of the microbatches (GPipe, 1F1B), and
-simulates them to measure the pipeline bubble.
-"""
+"""Pipeline parallelism: `split_stages` cuts a Functional model into stages
+of the user's own layers; `schedules` orders each stage's passes of the
+microbatches (GPipe, 1F1B) and simulates them to measure the bubble."""
 
 from keras_tp.pipeline.cutting import split_stages
 from keras_tp.pipeline.schedules import Action

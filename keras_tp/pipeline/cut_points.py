@@ -1,6 +1,6 @@
-"""Where a pipeline's cuts may fall, and which of them `split_stages` takes:
-from the activations crossing each position of a model's dataflow graph
-and each node's parameters, or by name."""
+"""Where a pipeline's cuts may fall, and which `split_stages` takes: by the
+activations crossing each position of a model's dataflow graph and each
+node's parameters, or by name."""
 
 import difflib
 import logging

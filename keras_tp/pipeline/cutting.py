@@ -36,23 +36,20 @@ def split_stages(
 ):
     """Cuts a Functional model into consecutive pipeline stages.
 
-    Each stage is a Functional model of the user's own layer objects (the
-    same variables); run one after the other, they compute what `model`
-    computes (`StageSplit.run`). A cut may fall between the calls of one
-    layer (a token embedding that also computes a CausalLM's logits): each
-    stage that calls it then uses the weight (`StageSplit.shared_weights`),
-    and a pipeline of separate stages must keep those copies equal
-    (`TensorParallelKeras` adds up their gradients, as Megatron-LM does).
+    Each stage is a Functional model of the user's own layers (the same
+    variables); run one after the other, they compute what `model` does
+    (`StageSplit.run`). A cut may fall between the calls of one layer (a
+    token embedding that also computes a CausalLM's logits): each stage
+    that calls it uses the weight (`StageSplit.shared_weights`), whose
+    copies a pipeline keeps equal by adding up their gradients.
 
     Cut points are positions in a topological order of the model's layer
-    and raw-op calls (the `x + y` of a residual add), nested Functional and
-    Sequential models called once (a keras-hub backbone) opened up.
-    Automatic cuts choose, among the positions where the fewest activations
-    cross (carried model inputs and outputs not counted), the
+    and raw-op calls (the `x + y` of a residual add), nested models called
+    once (a keras-hub backbone) opened up. Automatic cuts choose, where the
+    fewest activations cross (carried inputs and outputs not counted), the
     `num_stages - 1` that make the largest stage smallest, then the stages
-    most even. A tensor that every block reads (T5's position bias) crosses
-    every cut up to its last reader, so automatic cuts stay outside its
-    span; pass `cut_points` there.
+    most even. A tensor every block reads (T5's position bias) crosses
+    every cut up to its last reader: pass `cut_points` inside its span.
 
     Args:
         model: a built Functional or Sequential Keras model.
@@ -126,7 +123,7 @@ def split_stages(
 
 def block_seconds(graph, candidates, sample):
     """Forward seconds per node: each block's between the candidate cuts,
-    measured on `sample`, counted at the block's first node."""
+    measured on `sample`, at the block's first node."""
     blocks = _build(graph, candidates, None)
     seconds = [0.0] * len(graph.nodes)
     # Converted once, so that the first block's times do not include it.

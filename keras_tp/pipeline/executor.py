@@ -1,10 +1,9 @@
-"""The one executor of a pipeline schedule, over a backend's stage primitives.
+"""The one executor of a pipeline schedule: as torch's
+`_PipelineScheduleRuntime`, it runs a list of `Action`s alike on every
+backend, over its `StagePrimitives`: one process issues every stage's
+actions (JAX, TensorFlow), or each rank its own stage's (torch)."""
 
-As torch's `_PipelineScheduleRuntime` does, it runs a list of `Action`s
-the same way on every backend, leaving every computation and transfer to
-the `StagePrimitives`: one process issues every stage's actions (JAX,
-TensorFlow), or each rank its own stage's (torch), whose values another
-rank sends and it `receive`s."""
+import functools
 
 import keras
 
@@ -17,21 +16,32 @@ from keras_tp.tensors import with_masks
 
 class StagePrimitives:
     """What a backend supplies: the passes of stage `stage` on micro-batch
-    `m`, which the executor orders and routes values between."""
+    `m` of a `PipelineRuntime`'s step, which the executor orders and
+    routes values between (`send` counts them in the pipeline's `stats`).
+    """
 
-    num_stages = None
-    num_microbatches = None
-    # The `CommunicationStats` that count what `send` moves.
-    stats = None
     # Per stage and micro-batch whose layers added losses (but the last
     # stage's, in its loss share), what each of its devices added, as
     # `send` takes it: `forward` and `infer` fill it.
     added = ()
-    # What the gradients are multiplied by, where masked predictions set
-    # it (`joined_loss`).
+    # What masked predictions multiply the gradients by (`joined_loss`).
     gradient_scale = None
     # The data-parallel rows each micro-batch holds a slice of.
     replicas = 1
+
+    def __init__(self, pipeline, num_microbatches):
+        self.pipeline = pipeline
+        self.stats = pipeline.stats
+        self.num_stages = pipeline.pipeline_parallel
+        self.num_microbatches = num_microbatches
+
+    @functools.cached_property
+    def order(self):
+        """Every stage's actions of a training step, in the order one
+        process issues them (`schedules.issue_order`)."""
+        return schedules.issue_order(
+            self.pipeline.schedule, self.num_stages, self.num_microbatches
+        )
 
     def microbatches(self, x, y):
         """`(inputs, targets)`: per micro-batch, in order, the first
@@ -46,7 +56,7 @@ class StagePrimitives:
         return split(x), None if y is None else split(y)
 
     def forward(self, stage, m, inputs, target):
-        """The training forward pass, with the targets on the last stage:
+        """The training forward pass (the last stage's with `target`):
         `(what it sends on, or the last stage's loss share; the last
         stage's outputs, else None)`."""
         raise NotImplementedError
@@ -57,9 +67,9 @@ class StagePrimitives:
         raise NotImplementedError
 
     def send(self, value, stage, direction):
-        """`value` moved to `stage`'s devices and counted in `stats` (by
-        default its operations copy it); `None` where `stage` runs in
-        another process, which `receive`s it."""
+        """`value` moved to `stage`'s devices and counted in `stats`;
+        `None` where `stage` runs in another process, which `receive`s it.
+        """
         for tensor in keras.tree.flatten(value):
             self.stats.record("send", nbytes(tensor), direction, "pipe")
         return value
@@ -82,9 +92,8 @@ class StagePrimitives:
 
     def joined_loss(self, shares, replicas):
         """The batch's loss from each micro-batch's (and replica's) `(loss
-        share, fraction)` (`PipelineRuntime.loss_function`): their sum
-        over the `replicas`, plus `added_loss`, times the `gradient_scale`
-        it sets."""
+        share, fraction)`: their sum over the `replicas`, plus
+        `added_loss`, times the `gradient_scale` it sets."""
         loss = sum(keras.ops.sum(share) for share, _ in shares) / replicas
         if self.added:
             loss = loss + self.added_loss()
@@ -95,8 +104,8 @@ class StagePrimitives:
 
     def added_loss(self):
         """The batch's share of the losses in `added`, on the last stage's
-        devices: each micro-batch's mean over the devices, averaged over
-        the micro-batches; `None` without any."""
+        devices: the micro-batches' means over the devices, averaged;
+        `None` without any."""
         if not self.added:
             return None
         total = None
@@ -109,8 +118,8 @@ class StagePrimitives:
 
 def run_schedule(primitives, order, x, y, infer=False):
     """Runs one batch's passes through `primitives` in the `order` of the
-    actions (`schedules.issue_order`), leaving the gradients there; with
-    `infer`, forward passes only. Returns `primitives.joined`'s."""
+    actions, leaving the gradients there (with `infer`, forward passes
+    only); returns `primitives.joined`'s."""
     last = primitives.num_stages - 1
     inputs, targets = primitives.microbatches(x, y)
     # What a stage of this process sent, by the action that takes it.

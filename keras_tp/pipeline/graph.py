@@ -1,7 +1,6 @@
 """The dataflow graph of a Functional model, nested models flattened: a
 node per call of a layer or raw op (the `x + y` of a residual add), in an
-order that runs, with the tensors each reads and writes, read from Keras'
-private structures through `keras_tp.keras_internals`."""
+order that runs, with the tensors each reads and writes."""
 
 import collections
 import dataclasses
@@ -61,11 +60,11 @@ class NodeInfo:
 
 
 class Dataflow:
-    """The nodes of a Functional or Sequential model in a topological order:
-    a depth-first walk from the outputs that visits a node's arguments in
-    their order, so blocks follow each other as in the code that built the
-    model. Nested graph models called once on one structure of tensors are
-    opened up; any other stays one node (`opaque` names them)."""
+    """The nodes of a Functional or Sequential model in a topological order,
+    a depth-first walk from the outputs visiting a node's arguments in
+    order (blocks follow each other as in the code that built the model).
+    Nested graph models called once on one structure of tensors are opened
+    up; any other stays one node (`opaque` names them)."""
 
     def __init__(self, model):
         self.model = model
@@ -73,7 +72,7 @@ class Dataflow:
         self.tensors = {}
         self.opaque = []
         # A nested model's inputs stand for the tensors it is called on,
-        # and its call's outputs for its own outputs: `_resolve` follows.
+        # its call's outputs for its own (`_resolve` follows them).
         self._aliases = {}
         self._scopes = [""]
         self._calls = collections.Counter()
@@ -119,8 +118,8 @@ class Dataflow:
         return key
 
     def _walk(self, outputs):
-        # An explicit stack, for deep models: a node is emitted after the
-        # tensors it reads, pushed after it, so popped before it.
+        # An explicit stack, for deep models: the tensors a node reads are
+        # pushed after it, so emitted before it.
         opened = set()
         tasks = [(0, t) for t in reversed(outputs)]
         while tasks:

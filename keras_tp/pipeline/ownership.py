@@ -1,20 +1,15 @@
-"""Which stage of a pipeline owns each weight, and a shared weight's gradient.
-
-A weight belongs to the first stage that uses it, which stores and updates
-it. Later stages that use it (a tied embedding, which also computes the
-logits) read a copy, and their gradients of it are added to the owner's,
-as Megatron-LM all-reduces its word embeddings' gradients between its
-first and last stages.
-"""
+"""Which stage of a pipeline owns each weight: the first that uses it,
+which stores and updates it. Later stages that use it (a tied embedding)
+read a copy and add their gradients to the owner's, as Megatron-LM
+all-reduces its word embeddings' gradients between its first and last
+stages."""
 
 
 class WeightOwners:
-    """The owning stage of every variable of a pipeline's stages, by id
-    (`stage_of`; optimizer slots join their variable's when made), and
-    the stages of each variable several use, the owner first
-    (`shared_stages`). Raises `ValueError` for a variable of `model`
-    that no stage uses.
-    """
+    """The owning stage of each variable, by id (`stage_of`; optimizer
+    slots join their variable's), and the stages of each variable several
+    use, the owner first (`shared_stages`). Raises `ValueError` for a
+    variable of `model` that no stage uses."""
 
     def __init__(self, stage_models, model):
         self.stage_models = list(stage_models)
@@ -50,8 +45,7 @@ class WeightOwners:
         return stage in self.shared_stages.get(id(variable), [owner])
 
     def owned(self, stage):
-        """The trainable variables `stage` owns and updates, in its model's
-        order."""
+        """The trainable variables `stage` owns, in its model's order."""
         return [
             v
             for v in self.stage_models[stage].trainable_variables
@@ -59,10 +53,9 @@ class WeightOwners:
         ]
 
     def owned_gradients(self, gradients, moved):
-        """Per stage, per variable it owns (`owned`), the sum of its
-        gradients over the stages that use it, from each stage's
-        `gradients`; `moved(gradient, stage, owner)` moves a later
-        stage's to the owner's devices."""
+        """Per stage, per variable it owns (`owned`), the sum of each
+        stage's `gradients` of it; `moved(gradient, stage, owner)` moves a
+        later stage's to the owner's devices."""
         sums = {}
         for stage, grads in enumerate(gradients):
             variables = self.stage_models[stage].trainable_variables
@@ -81,10 +74,9 @@ class WeightOwners:
         return sorted(set(map(tuple, self.shared_stages.values())))
 
     def summed_shared(self, stage, gradient_of, all_reduce):
-        """`[(variable, gradient)]` of the weights `stage` shares, where
-        each process holds one stage: `all_reduce(gradient_of(variable),
-        stages)` sums it over the processes of the `stages` that use it,
-        in the model's order (the same on every process)."""
+        """`[(variable, gradient)]` of the weights `stage` shares, in the
+        model's order, where a process holds one stage:
+        `all_reduce(gradient_of(variable), stages)` sums it over them."""
         return [
             (v, all_reduce(gradient_of(v), tuple(self.shared_stages[id(v)])))
             for v in self.model.trainable_variables

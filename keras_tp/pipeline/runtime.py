@@ -1,6 +1,5 @@
-"""`PipelineRuntime`: what `TensorParallelKeras(pipeline_parallel=P)` runs,
-as far as every backend's (`keras_tp.runtime.<backend>.pipeline`) shares
-it."""
+"""`PipelineRuntime`: what every backend's pipeline
+(`keras_tp.runtime.<backend>.pipeline`) shares."""
 
 import collections
 import warnings
@@ -49,21 +48,16 @@ class PipelineRuntime(Runtime):
         "a pipeline's last stage computes the loss from whole logits"
     )
     local_ranks = False
-    # Python issues each stage's work in the schedule's order: the step as
-    # a whole is not one compiled program.
+    # Python issues each stage's work: the step is not one program.
     jit_compile_default = False
-    # A function of no argument returning the index of the stage whose
-    # work is issued now (see `CallingStageRegions`); `None` where a rank
-    # runs one stage (torch).
+    # A function returning the index of the stage whose work is issued
+    # now (`CallingStageRegions`); `None` where a rank runs one stage.
     calling_stage = None
-    # Every stage's actions of the last training step, in the order one
-    # process issues them (JAX, TensorFlow; torch's ranks each issue
-    # their stage's in this order).
+    # The last training step's `StagePrimitives.order`.
     trained_order = None
     # Each stage's update is the backend's (see `Runtime`).
     coordinating_runtime = None
-    # Whether `global_clipnorm` clips accumulated gradients, not each
-    # step's.
+    # Whether `global_clipnorm` clips accumulated gradients.
     clips_accumulated_gradients = False
 
     def __init__(self, model, config):
@@ -81,9 +75,8 @@ class PipelineRuntime(Runtime):
         self.split = split_stages(model, stages, self.config.pipeline_cuts)
         self.stage_models = [stage.model for stage in self.split.stages]
         if self.tensor_parallel > 1:
-            # A later stage takes the tensors that cross its cut split (a
-            # Column layer's output arrives as each rank's shard), which its
-            # split layers check.
+            # A later stage takes split tensors (a Column layer's output
+            # arrives as each rank's shard), which its split layers check.
             for stage_model in self.stage_models[1:]:
                 stage_model.input_spec = None
         self.owners = WeightOwners(self.stage_models, model)
@@ -140,8 +133,7 @@ class PipelineRuntime(Runtime):
     def stage_plans(self, plan):
         """`(part of plan, runtime)` pairs: each stage's split layers with
         its runtime; a layer several stages call (a tied embedding) with
-        `CallingStageRegions` of those stages' runtimes where one process
-        runs them all (else the first stage's)."""
+        `CallingStageRegions` where one process runs them all."""
         stages_of = {}
         for index, stage in enumerate(self.stage_models):
             for layer in sublayers(stage):
@@ -227,24 +219,21 @@ class PipelineRuntime(Runtime):
         return loss_scale(getattr(self.trainer, "optimizer", None))
 
     def loss_seed(self):
-        """What the backward passes seed the loss's gradient with, as
-        Keras' steps scale the loss: the compiled optimizer's `scale_loss`
-        of 1 (a `LossScaleOptimizer`'s scale, an optimizer's
-        `loss_scale_factor`, which its `apply` divides out)."""
+        """What the backward passes seed the loss's gradient with: the
+        compiled optimizer's `scale_loss` of 1 (a loss scale, or a
+        `loss_scale_factor` its `apply` divides out)."""
         return self.trainer.optimizer.scale_loss(ops.ones(()))
 
     def takes_global_norm(self):
-        """Whether the stages' updates take the norm of every stage's
-        gradients: to clip them (`global_clipnorm`), or to find whether
-        they are all finite (a loss scale's check)."""
+        """Whether the updates take the norm of every stage's gradients:
+        to clip them, or to check a loss scale's finiteness."""
         clip = unscaled(self.trainer.optimizer).global_clipnorm
         return bool(clip) or self.loss_scale() is not None
 
     def gradient_factor(self, squares, scale):
         """What every stage multiplies its synchronised gradients by, from
-        the sum of their `squares`: the global clip's factor, of their
-        norm once divided by the loss scale's value `scale` (`None`
-        without one), divided by `scale` too."""
+        the sum of their `squares`: the global clip's factor of their
+        norm, both unscaled by a loss scale's value `scale` (or `None`)."""
         clip = unscaled(self.trainer.optimizer).global_clipnorm
         norm = ops.sqrt(squares) if scale is None else ops.sqrt(squares) / scale
         factor = global_scale(norm, clip) if clip else 1.0
@@ -260,16 +249,11 @@ class PipelineRuntime(Runtime):
 
     def loss_function(self, num_microbatches):
         """The compiled loss of a micro-batch's `(targets, y_pred)`, as
-        `(loss, fraction)`.
-
-        Equal micro-batches' (and replicas') mean losses average to the
-        batch's, sample weights too (Keras divides by the sample count).
-        A prediction with a Keras mask is averaged over its unmasked
-        entries, whose number differs between micro-batches: its `loss`
-        is that mean times `fraction`, the share its mask keeps, and the
-        batch's loss is the micro-batches' mean over the mean fraction
-        (`fraction_scale`). `fraction` is `None` without a mask or split.
-        """
+        `(loss, fraction)`: equal micro-batches' mean losses average to the
+        batch's. A masked prediction's `loss` is its mean over unmasked
+        entries times `fraction`, the share its mask keeps (the batch's is
+        the mean over the mean fraction, `fraction_scale`); `fraction` is
+        `None` without a mask or split."""
         loss = self._compiled_loss()
         split = num_microbatches * self.data_parallel > 1
         if split:
@@ -301,10 +285,8 @@ class PipelineRuntime(Runtime):
 
     def added_total(self, stage, losses):
         """The sum of the `losses` stage `stage`'s layers added in a call,
-        each summed as Keras sums it; `None` without any. Each
-        micro-batch adds `1 / num_microbatches` of it, so the shares add
-        up to a weight's penalty once and to the batch's mean of a mean
-        over samples."""
+        each summed as Keras sums it; `None` without any. Each micro-batch
+        adds `1 / num_microbatches` of it."""
         if losses and not self.adding_stages[stage]:
             raise ValueError(
                 f"Layers of pipeline stage {stage} added "
@@ -327,8 +309,8 @@ class PipelineRuntime(Runtime):
         return loss
 
     def whole_batch_loss(self, targets, y_pred, added=None):
-        """The loss of the whole batch's `y_pred` (`evaluate()` on JAX and
-        TensorFlow), plus the losses the stages' layers `added`."""
+        """The loss of the whole batch's `y_pred`, plus the losses the
+        stages' layers `added` (`evaluate()` on JAX and TensorFlow)."""
         model_masks = carried_masks(self.stage_models[-1].outputs)
         if model_masks.keys() - carried_masks(y_pred).keys():
             warnings.warn(
@@ -343,8 +325,8 @@ class PipelineRuntime(Runtime):
         return loss if added is None else loss + added
 
     def update_metrics(self, x, targets, loss, y_pred):
-        """Updates Keras' loss tracker and compiled metrics as Keras' own
-        step does; returns the logs."""
+        """Updates the loss tracker and metrics as Keras' step does;
+        returns the logs."""
         batch = keras.tree.flatten(x)[0].shape[0]
         update_loss_tracker(self.trainer, loss, batch)
         y, weights = weighted(targets)
@@ -366,10 +348,9 @@ class PipelineRuntime(Runtime):
 
 class CallingStageRegions:
     """Runs the split layers that several stages call (a tied embedding)
-    on the devices of the calling stage, with its copy of the weights:
-    what a region reads of its runtime, its `adapter` too (a layer's split
-    math keeps the adapter it was installed with), is the calling stage's
-    runtime's; the owner's (first in `runtimes`) where `calling()` is
+    on the calling stage's devices with its copy of the weights: what a
+    region reads of its runtime, its `adapter` too, is the calling
+    stage's; the owner's (first in `runtimes`) where `calling()` is
     `None` (Keras' symbolic build, a direct call)."""
 
     def __init__(self, runtimes, calling):

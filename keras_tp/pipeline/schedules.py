@@ -1,4 +1,4 @@
-"""Pipeline schedules: each of `P` stages' ordered list of actions on `M`
+"""Pipeline schedules: each of `P` stages' ordered actions on `M`
 microbatches. The forward of microbatch `m` on stage `s` needs it on stage
 `s - 1`; the backward needs it on stage `s + 1` and its own forward."""
 
@@ -30,22 +30,18 @@ def gpipe(num_stages, num_microbatches):
     Example:
 
     ```python
-    gpipe(2, 2)[1]
-    # [Action(stage=1, kind="forward", microbatch=0),
-    #  Action(stage=1, kind="forward", microbatch=1),
-    #  Action(stage=1, kind="backward", microbatch=0),
-    #  Action(stage=1, kind="backward", microbatch=1)]
+    [a.kind[0] + str(a.microbatch) for a in gpipe(2, 2)[1]]
+    # ["f0", "f1", "b0", "b1"]
     ```
     """
     return _flushed(num_stages, num_microbatches, lambda s: num_microbatches)
 
 
 def one_f_one_b(num_stages, num_microbatches):
-    """The 1F1B schedule (PipeDream-Flush), as in Megatron-LM.
-
-    Stage `s` runs `min(P - s - 1, M)` warm-up forwards, then alternates
-    one forward and one backward while forwards remain, then runs the
-    remaining backwards. Arguments and result as `gpipe`'s.
+    """The 1F1B schedule (PipeDream-Flush), as in Megatron-LM: stage `s`
+    runs `min(P - s - 1, M)` warm-up forwards, then alternates one forward
+    and one backward, then runs the remaining backwards. Arguments and
+    result as `gpipe`'s.
 
     Example:
 
@@ -104,7 +100,7 @@ class Timeline:
         raise KeyError(f"{action} is not in this timeline.")
 
     def chart(self, unit=None):
-        """A text chart: one row per stage, one character per `unit`: a
+        """A text chart, a row per stage, a character per `unit`: a
         forward's microbatch digit, a backward's letter (`a` for 0), idle
         time `.`.
 
@@ -140,9 +136,8 @@ class Timeline:
 
 
 def simulate(schedule, forward_time=1.0, backward_time=2.0):
-    """Runs a schedule on given action times, each action as early as it can:
-    once its stage's previous action and the actions it needs have ended
-    (sending takes no time).
+    """Runs a schedule on given action times, each action once its stage's
+    previous action and those it needs have ended (sends take no time).
 
     Args:
         schedule: a list of per-stage action lists (`gpipe`,
@@ -228,9 +223,8 @@ def ideal_bubble(num_stages, num_microbatches):
 
 
 def peak_activations(schedule):
-    """Per stage, the most microbatches held between forward and backward:
-    the activation memory a schedule needs (GPipe: `M`; 1F1B:
-    `min(P - s, M)` on stage `s`).
+    """Per stage, the most microbatches held between forward and backward
+    (GPipe: `M`; 1F1B: `min(P - s, M)` on stage `s`).
 
     Args:
         schedule: a list of per-stage action lists, or every stage's
@@ -327,7 +321,7 @@ def check_schedule_name(name):
 
 def issue_order(name, num_stages, num_microbatches):
     """All stages' actions of schedule `name` in one list, each after those
-    it needs (by simulated start), for one thread that issues them all."""
+    it needs (by simulated start)."""
     check_schedule_name(name)
     timeline = simulate(SCHEDULES[name](num_stages, num_microbatches))
     spans = [span for stage in timeline.spans for span in stage]

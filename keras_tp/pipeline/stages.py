@@ -1,6 +1,5 @@
-"""What `split_stages` makes of a model: a `StageSplit` of `Stage`s, each
-a Functional model of the user's own layers, and the `Boundary` of each
-cut (the tensors one stage sends the next)."""
+"""What `split_stages` makes of a model: a `StageSplit` of `Stage`s and
+the `Boundary` of each cut (the tensors one stage sends the next)."""
 
 import dataclasses
 
@@ -169,17 +168,17 @@ class StageSplit:
         return [b.nbytes(batch_size, sequence_length) for b in self.boundaries]
 
     def run(self, inputs, training=False):
-        """Runs the stages one after the other on one device: the
-        original model's output, up to float rounding."""
+        """The stages run one after the other on one device: the model's
+        output, up to float rounding."""
         outputs = inputs
         for stage in self.stages:
             outputs = stage.model(outputs, training=training)
         return outputs
 
     def summary(self, sequence_length=None):
-        """A text table of the stages: per stage, its layers, parameters
-        and what it sends on, with bytes per sample (`512·L` per unit of
-        an unknown dimension without `sequence_length`).
+        """A text table of the stages' layers, parameters and what each
+        sends on, with bytes per sample (`512·L` for an unknown dimension
+        without `sequence_length`).
 
         Returns:
             A string.

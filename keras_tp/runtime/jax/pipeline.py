@@ -14,7 +14,6 @@ from keras_tp.keras_internals import jax_update_metrics
 from keras_tp.keras_internals import updating_only
 from keras_tp.parallel.loss_scaling import next_scale
 from keras_tp.parallel.loss_scaling import unscaled
-from keras_tp.pipeline import schedules
 from keras_tp.pipeline.executor import run_forward
 from keras_tp.pipeline.executor import run_schedule
 from keras_tp.pipeline.runtime import PipelineRuntime
@@ -24,15 +23,15 @@ from keras_tp.runtime.jax.stage_storage import StageStorage
 from keras_tp.runtime.jax.stages import TRACING_STAGE
 from keras_tp.runtime.jax.stages import JaxStages
 from keras_tp.runtime.jax.stages import StagePrograms
+from keras_tp.runtime.jax.stages import times
 from keras_tp.runtime.jax.steps import is_concrete
 from keras_tp.runtime.jax.storage import onto
 from keras_tp.runtime.padding import batch_size
 
 
 class JaxPipelineRuntime(StageStorage, PipelineRuntime):
-    """Runs Keras' JAX steps, which take and return Keras' state as
-    values, as a pipeline of stages (`JaxStages`), then one compiled
-    optimizer update per stage on its devices."""
+    """Runs Keras' JAX steps (Keras' state in, new state out) as a
+    pipeline of stages, then a compiled update per stage on its devices."""
 
     backend = "jax"
     # Each stage's programs are traced under its index.
@@ -44,8 +43,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.stage_runtimes = self.stage_runtimes_of(JaxRuntime)
-        # `StagePrograms` by `(micro-batch count, or None for inference;
-        # per device)` (see `_stages`), and each stage's optimizer update.
+        # `StagePrograms` by `_stages`' key, and each stage's update.
         self._compiled = {}
         self._updates = []
         # The programs of the last training step.
@@ -61,8 +59,8 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
 
     def check_compiled(self, trainer):
         super().check_compiled(trainer)
-        # The training programs and updates hold the last compile()'s loss
-        # and optimizer.
+        # Training programs and updates hold the last compile()'s loss and
+        # optimizer.
         self._compiled = {
             k: p for k, p in self._compiled.items() if k[0] is None
         }
@@ -73,16 +71,10 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         return self._trained.clock.times(self.trained_order)
 
     def _stages(
-        self,
-        x,
-        trainable,
-        non_trainable,
-        training,
-        per_device=True,
-        seed=None,
+        self, x, trainable, non_trainable, training, per_device=True, seed=None
     ):
-        """The `JaxStages` of a step on `x` and Keras' values: per device
-        with replicas unless `per_device=False`; `seed` as `JaxStages`'."""
+        """The `JaxStages` of a step on `x` and Keras' values (per device
+        with replicas unless `per_device=False`)."""
         per_device = per_device and self.data_parallel > 1
         replicas = self.data_parallel if per_device else 1
         batch = batch_size(x)
@@ -109,11 +101,8 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         with StatelessScope(state_mapping=list(mapping)):
             seed = self.loss_seed()
         stages = self._stages(x, trainable, non_trainable, True, seed=seed)
-        order = schedules.issue_order(
-            self.schedule, self.pipeline_parallel, stages.num_microbatches
-        )
-        self._trained, self.trained_order = stages.programs, order
-        loss, y_pred = run_schedule(stages, order, x, targets)
+        self._trained, self.trained_order = stages.programs, stages.order
+        loss, y_pred = run_schedule(stages, stages.order, x, targets)
         trainable, optimizer_values = self._apply(
             trainable, optimizer_values, stages.scaled_gradients()
         )
@@ -168,8 +157,8 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         return [merged[id(v)] for v in variables]
 
     def stage_lists(self, variables, values):
-        """`values` of `variables` grouped by stage in its model's order,
-        with copies (`sent`) of earlier stages' weights."""
+        """`values` of `variables` by stage, in its model's order, with
+        copies (`sent`) of earlier stages' weights."""
         by_id = dict(zip(map(id, variables), values))
         return [
             [
@@ -193,8 +182,8 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         return tree
 
     def _apply(self, trainable, optimizer_values, gradients):
-        """Each stage's compiled update on its devices. Every stage advances
-        a copy of the optimizer's own variables alike; the last's is kept."""
+        """Each stage's compiled update on its devices; every stage advances
+        a copy of the optimizer's own variables alike, the last's kept."""
         trainer = self.trainer
         variables = trainer.trainable_variables
         optimizer_variables = trainer.optimizer.variables
@@ -208,8 +197,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         if not self._updates:
             stages = range(self.pipeline_parallel)
             self._updates = [self._update_of(s, shared) for s in stages]
-        # Each stage's gradients as its update takes them: averaged over
-        # its replicas (with ZeRO-1 each device's partition).
+        # Averaged over the stage's replicas (ZeRO-1: each partition).
         owned = [u.synchronise(g) for u, g in zip(self._updates, owned)]
         clips = [None] * len(owned)
         if self.takes_global_norm():
@@ -232,10 +220,9 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             )
             values.update(zip(map(id, groups[0]), new[0]))
             values.update(zip(map(id, groups[1]), new[1]))
-            # Of the rest, what this stage's update assigned: state every
-            # stage advances alike (the step count), or the state of its
-            # own variables that an optimizer makes without a reference
-            # (Adafactor's factored moments).
+            # Of the rest, what this stage's update assigned: the step
+            # count, or state of its own variables made without a
+            # reference (Adafactor's factored moments).
             values.update(
                 (id(v), value)
                 for v, value in zip(shared, new[2])
@@ -253,18 +240,16 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         )
 
     def _globally_clipped(self, owned, values):
-        """`(gradients, clips, total)`: each stage's gradients in `owned`,
-        divided by a loss scale's value; per stage, on its devices, the
-        factor that clips what its optimizer clips of them (with
-        `gradient_accumulation_steps`, the mean of the accumulated ones)
-        by the norm over every stage, or `None`s without
-        `global_clipnorm`; and the sum of those squared norms, on the last
-        stage's devices, where each stage sends its own."""
+        """`(gradients, clips, total)`: each stage's gradients, unscaled by
+        a loss scale; per stage, the factor that clips what its optimizer
+        clips (with accumulation, the accumulated mean) by the norm over
+        every stage, or `None`s without `global_clipnorm`; and the sum of
+        the squared norms, on the last stage's devices."""
         scale = self.loss_scale()
         if scale is not None:
             inverse = 1 / values[id(scale)]
             owned = [
-                _times(grads, self.sent(inverse, stage, "optimizer"))
+                times(grads, self.sent(inverse, stage, "optimizer"))
                 for stage, grads in enumerate(owned)
             ]
         optimizer = unscaled(self.trainer.optimizer)
@@ -291,12 +276,10 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
     def _update_of(self, stage, shared):
         """A stage's compiled `StageUpdate`: `synchronise` of the backward
         passes' gradients; `update` of `(values, slot values, shared
-        values, gradients, applies, clip)` to new values, the old ones
-        kept where `applies` (`None`: always) is false, the gradients it
-        applies multiplied by `clip` where given (`clipping_by`);
-        `squared_norm` of the synchronised gradients; the `variables` and
-        `slots` it updates; the ids of the `shared` variables it
-        `assigned`, known once traced."""
+        values, gradients, applies, clip)` to new values (the old ones
+        where `applies` is false; gradients times `clip` where given);
+        `squared_norm` of synchronised gradients; the `variables` and
+        `slots` it updates; the `shared` ids it `assigned`, once traced."""
         # A loss scale's own variables are `_apply`'s (it skips or not).
         optimizer = unscaled(self.trainer.optimizer)
         own = self.owners.owned(stage)
@@ -346,10 +329,6 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             counted_jit(runtime.squared_norm(own, specs), self.stats),
             assigned,
         )
-
-
-def _times(gradients, factor):
-    return [g * factor.astype(g.dtype) for g in gradients]
 
 
 StageUpdate = collections.namedtuple(

@@ -1,7 +1,7 @@
 """The stage primitives of JAX pipelines: `StagePrograms` compiles each
-stage's passes for its devices, `JaxStages` serves them to the executor on
-one step's values, JAX's asynchronous dispatch overlaps the stages, and a
-`StageClock` times their passes on the devices."""
+stage's passes, `JaxStages` serves them to the executor on one step's
+values (asynchronous dispatch overlaps the stages), `StageClock` times
+them on the devices."""
 
 import collections
 import contextlib
@@ -36,14 +36,12 @@ DATA = PartitionSpec("data")
 
 class StagePrograms:
     """Each stage's compiled passes (`num_microbatches` is `None` for
-    inference only): jitted on whole arrays (no replicas, direct calls),
-    or `per_device` inside one `shard_map` over the stage's `data x model`
-    mesh, where replica `d` trains on the `d`-th slice of each
-    micro-batch, values cross between programs as one row per device
-    (`ROWS`), and gradients leave with one row per replica. Residuals
-    that are a pass's own inputs are not copied out: the backward pass
-    takes them again.
-    """
+    inference only): jitted on whole arrays, or `per_device` inside one
+    `shard_map` over the stage's `data x model` mesh, where replica `d`
+    trains on the `d`-th slice of each micro-batch, values cross as one
+    row per device (`ROWS`) and gradients leave with one row per replica.
+    A pass's own inputs are not kept as residuals: the backward pass
+    takes them again."""
 
     def __init__(self, pipeline, per_device, num_microbatches):
         self.pipeline = pipeline
@@ -65,8 +63,7 @@ class StagePrograms:
         self._layouts = {}
 
     def program(self, kind, stage):
-        """A stage's compiled `"infer"`, `"forward"` or `"backward"` pass
-        (the last two stamp the clock), made once."""
+        """A stage's compiled `"infer"`, `"forward"` or `"backward"` pass."""
         if (kind, stage) not in self._programs:
             if kind == "infer":
                 function = self._forward_of(stage, training=False)
@@ -114,8 +111,7 @@ class StagePrograms:
 
     @contextlib.contextmanager
     def _traced(self, stage):
-        """Marks the tracing of `stage`'s program (`calling_stage`), per
-        device with local shapes and regions."""
+        """Marks the tracing of `stage`'s program (`calling_stage`)."""
         token = TRACING_STAGE.set(stage)
         runtime = self.runtimes[stage]
         placement = runtime.placement
@@ -133,9 +129,9 @@ class StagePrograms:
 
     def _forward_of(self, index, training=True):
         """Stage `index`'s forward pass: `(outputs, new non-trainable
-        values, losses added)` for inference; for training `(outputs, or
-        the last stage's loss share; kept residuals; new non-trainable
-        values; the last stage's predictions, else the losses added)`."""
+        values, losses added)` for inference; for training `(outputs or
+        the last stage's loss share, kept residuals, new non-trainable
+        values, the last stage's predictions or the losses added)`."""
         model = self.stage_models[index]
         last = index == self.last
         adding = self.pipeline.adding_stages[index]
@@ -245,24 +241,22 @@ class StagePrograms:
 
 
 class JaxStages(StagePrimitives):
-    """A JAX pipeline's `programs` on one step's values, per stage on its
-    devices: `non_trainable` then holds the new ones, `gradients` the
-    sums over the micro-batches (one row per replica)."""
+    """A JAX pipeline's `programs` on one step's values: `non_trainable`
+    then holds the new ones, `gradients` the sums over the micro-batches
+    (one row per replica)."""
 
     def __init__(
         self, programs, trainable, non_trainable, num_microbatches, seed=None
     ):
+        super().__init__(programs.pipeline, num_microbatches)
         self.programs = programs
         # What the backward passes seed the loss's gradient with.
         self.seed = np.float32(1.0) if seed is None else seed
-        self.num_stages = len(programs.stage_models)
         self.replicas = programs.replicas
         self.trainable = trainable
         self.non_trainable = list(non_trainable)
-        self.num_microbatches = num_microbatches
         self.gradients = [None] * self.num_stages
-        # See `StagePrimitives.added`: one row per device.
-        self.added = []
+        self.added = []  # one row per device
         self._residuals = {}
 
     def _values(self, stage, inputs):
@@ -293,17 +287,16 @@ class JaxStages(StagePrimitives):
         return input_grads
 
     def send(self, value, stage, direction):
-        return self.programs.pipeline.sent(value, stage, direction)
+        return self.pipeline.sent(value, stage, direction)
 
     def scaled_gradients(self):
         """Each stage's gradients, times `gradient_scale` where set."""
         if self.gradient_scale is None:
             return self.gradients
-        scaled = []
-        for grads, runtime in zip(self.gradients, self.programs.runtimes):
-            scale = onto(self.gradient_scale, runtime.mesh)
-            scaled.append([g * scale.astype(g.dtype) for g in grads])
-        return scaled
+        return [
+            times(grads, onto(self.gradient_scale, runtime.mesh))
+            for grads, runtime in zip(self.gradients, self.programs.runtimes)
+        ]
 
     def infer(self, stage, inputs):
         program = self.programs.program("infer", stage)
@@ -321,9 +314,13 @@ class JaxStages(StagePrimitives):
         return loss, join_rows(rows)
 
 
+def times(gradients, factor):
+    return [g * factor.astype(g.dtype) for g in gradients]
+
+
 class StageClock:
-    """When each stage's training passes ran on its devices: each calls the
-    host once its inputs are there and once its outputs are."""
+    """When each stage's training passes ran on its devices: each calls
+    the host once its inputs are there and once its outputs are."""
 
     def __init__(self, num_stages, num_microbatches):
         self.stamps = [

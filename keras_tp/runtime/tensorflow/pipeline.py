@@ -1,5 +1,5 @@
-"""Pipelines on TensorFlow: every stage a `tf.distribute` runtime of its own,
-the schedule replica steps of the stages (`.stages`)."""
+"""Pipelines on TensorFlow: every stage a `tf.distribute` runtime of its
+own, the schedule replica steps of the stages (`.stages`)."""
 
 import contextlib
 import functools
@@ -31,7 +31,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
     """`PipelineRuntime` whose stages each run on a `TensorFlowRuntime` of
     their `data x model` devices, which stores the stage's variables, runs
     its split layers and updates them with a copy of the compiled
-    optimizer (wrapped, with replicas, by a `CoordinatedOptimizer`)."""
+    optimizer."""
 
     backend = "tensorflow"
     # Each replica runs the code between the split layers on its own values.
@@ -39,8 +39,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        # Each collective is issued by every replica of its stage, and
-        # counted once, by the stage's first replica.
+        # Each replica of a stage issues its collectives: counted once.
         self.stats = ReplicaStats()
         self.stage_runtimes = self.stage_runtimes_of(TensorFlowRuntime)
         # Each stage's `_StageTrainer` (`build_optimizer`).
@@ -53,8 +52,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         # The stage primitives per micro-batch count.
         self._stages = {}
         # The last training step's `(start, end)` of each action, made
-        # before any step is traced: a variable made while Keras traces
-        # the first step makes TensorFlow trace it a second time.
+        # here: a variable made in Keras' trace makes it trace again.
         self.step_times = tf.Variable(
             tf.zeros((0, 2), "float64"),
             shape=tf.TensorShape([None, 2]),
@@ -71,8 +69,8 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         return tf_devices.local_devices()
 
     def _stages_of(self, x):
-        """The stage primitives of the batch `x`, the shared weights'
-        copies refreshed."""
+        """The stage primitives of the batch `x`, shared weights' copies
+        refreshed."""
         batch = tf.nest.flatten(x)[0].shape[0]
         if batch is None:
             raise ValueError(
@@ -95,15 +93,14 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         return self.step_times.numpy()
 
     def calling_stage(self):
-        """The stage whose replicas run now, or `None`."""
         running = [r.holds_local_values() for r in self.stage_runtimes]
         return running.index(True) if True in running else None
 
     def check_compiled(self, trainer):
         super().check_compiled(trainer)
         optimizer = trainer.optimizer
-        # Keras' end of fit() finalizes the compiled optimizer, which a
-        # loss scale's passes on to the one it wraps.
+        # Keras' end of fit() finalizes the compiled optimizer (a loss
+        # scale's, the one it wraps).
         averaging = unscaled(optimizer)
         if averaging.use_ema and not isinstance(averaging, _FinalizesStages):
             object.__setattr__(
@@ -111,11 +108,9 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             )
             object.__setattr__(averaging, "_keras_tp_pipeline", self)
         # Built on no variable, the compiled optimizer keeps the step count
-        # that each stage's copy takes (`build_optimizer`).
+        # each stage's copy takes; the copies are made before the trace.
         if not optimizer.built:
             optimizer.build([])
-        # Made now rather than in the first step's trace, which would be
-        # traced again for the variables it made.
         self.build_optimizer(trainer)
 
     def build_optimizer(self, trainer):
@@ -123,8 +118,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         compiled = trainer.optimizer
         if self._optimizers_of is compiled:
             return
-        # A loss scale is the pipeline's (`train_step`): the stages copy
-        # the optimizer it wraps.
+        # A loss scale is the pipeline's: the stages copy what it wraps.
         optimizer = unscaled(compiled)
         options = [getattr(optimizer, name) for name in _COORDINATED]
         coordinating = loss_scale(compiled) is not None or any(options)
@@ -142,15 +136,13 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
                 exclude_from_weight_decay(copy, excluded)
                 if coordinating:
                     # It accumulates, averages the weights and takes the
-                    # norms over the stage's devices (and its synchronised
-                    # gradients join the global norm, `_globally_clipped`).
+                    # norms over the stage's devices.
                     steps = copy.gradient_accumulation_steps or 1
                     copy.gradient_accumulation_steps = None
                     copy = CoordinatedOptimizer(
                         copy, self.zero_stage, gradient_accumulation_steps=steps
                     )
-                # As the stage's runtime would compile it: coordinated over
-                # its replicas, or its shards' norms.
+                # As the stage's runtime would compile it.
                 trainer.optimizer = coordinated(copy, runtime, trainer)
                 place_slots(trainer.optimizer, runtime)
                 prepare_optimizer(runtime, trainer)
@@ -163,7 +155,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         return self._traced(step, phase, *args, **kwargs)
 
     def _traced(self, step, phase, *args, **kwargs):
-        # The collective groups of a stage's `data` axis run in graphs only.
+        # A stage's `data` collectives run in graphs only.
         if tf.executing_eagerly():
             step = tf.function(step)
         with self.stats.recording(phase):
@@ -203,8 +195,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         return self._forward(keras.utils.unpack_x_y_sample_weight(data)[0])
 
     def _owned_gradients(self, gradients):
-        """By replica `(d, t)`, `WeightOwners.owned_gradients` of its
-        gradients (a later stage's replica `(d, t)` sends the owner's)."""
+        """By replica, `WeightOwners.owned_gradients` of its gradients."""
 
         def moved(grad, stage, owner):
             self.stats.record("send", nbytes(grad), "backward", "pipe")
@@ -218,13 +209,10 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         ]
 
     def _globally_clipped(self, owned):
-        """`(gradients, scale, finite)`: by replica, each stage's
-        gradients, as its optimizer synchronised them where
-        `global_clipnorm` clips them (`_clips`), else as given; the
-        factor that clips and unscales them (`gradient_factor`); and
-        whether they are finite. Each stage's squared norm goes to the
-        last stage's first device, which adds them, and the scale to
-        every device."""
+        """`(gradients, scale, finite)`: by replica, each stage's gradients
+        (synchronised where `global_clipnorm` clips them); the factor that
+        clips and unscales them (`gradient_factor`); whether they are
+        finite. The last stage's first device adds the squared norms."""
         synchronised, squares = [], []
         for index, runtime in enumerate(self.stage_runtimes):
             stage = self.stage_optimizers[index]
@@ -259,11 +247,9 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             return list(zip(*synchronised)), scale, tf.math.is_finite(total)
 
     def _update(self, index, gradients, scale=None, finite=None):
-        """Stage `index`'s update on each of its replicas, with the compiled
-        optimizer's step count and learning rate (which a callback or a
-        load sets), from `gradients` (times a `scale`, where given; those
-        `global_clipnorm` clips are synchronised); skipped unless
-        `finite`, where given."""
+        """Stage `index`'s update on each of its replicas from `gradients`
+        (times a `scale`, where given), with the compiled optimizer's step
+        count and learning rate; skipped unless `finite`, where given."""
         runtime = self.stage_runtimes[index]
         stage = self.stage_optimizers[index]
         compiled = unscaled(self.trainer.optimizer)
@@ -278,8 +264,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             variables = stage.trainable_variables
             if scale is not None:
                 grads = [g * tf.cast(scale, g.dtype) for g in grads]
-            # A loss scale's alone leaves the gradients to the optimizer,
-            # which accumulates and synchronises them.
+            # Without clipping the optimizer synchronises the gradients.
             clips = self._clips()
             taken = contextlib.nullcontext()
             if clips:
@@ -297,7 +282,6 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         runtime.replica_results(apply if finite is None else skippable, stage)
 
     def _clips(self):
-        """Whether the compiled optimizer clips by `global_clipnorm`."""
         return bool(unscaled(self.trainer.optimizer).global_clipnorm)
 
     def _forward(self, x, training=False):
@@ -305,16 +289,15 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
 
     def call_model(self, model, inputs, training):
         """A direct call (`tp(x)`); under sequence parallelism as `predict`
-        runs, since sequence shards exist only in replica steps."""
+        runs (sequence shards exist only in replica steps)."""
         if not self.sequence_parallel:
             return super().call_model(model, inputs, training)
         return self._traced(self._forward, "call", inputs, bool(training))
 
 
 class _FinalizesStages:
-    """Mixed into the class of a compiled optimizer whose stages' copies
-    average the weights (`use_ema`): Keras' end of `fit()` writes each
-    stage's averages, where one device's optimizer writes its own."""
+    """Mixed into a compiled optimizer whose stages' copies average the
+    weights (`use_ema`): Keras' end of `fit()` writes each stage's."""
 
     def finalize_variable_values(self, var_list):
         for stage in self._keras_tp_pipeline.stage_optimizers:
@@ -332,8 +315,7 @@ def _finalizing_stages(optimizer_class):
 
 
 class _StageTrainer:
-    """What a stage's `TensorFlowRuntime` reads of the model it trains:
-    its `optimizer` is set once compiled for the stage."""
+    """What a stage's `TensorFlowRuntime` reads of the model it trains."""
 
     def __init__(self, model, owned):
         self.model = model
@@ -344,7 +326,6 @@ class _StageTrainer:
 
     @property
     def inner_optimizer(self):
-        """The optimizer holding the stage's step count and slots."""
         return getattr(self.optimizer, "inner_optimizer", self.optimizer)
 
 

@@ -1,6 +1,6 @@
-"""Where a TensorFlow pipeline's variables live: on the replicas of the
-stage that owns them, and a shared weight's copy on each later stage that
-uses it (a tied embedding), refreshed once a step."""
+"""Where a TensorFlow pipeline's variables live: on their owning stage's
+replicas, and a shared weight's copy on each later stage that uses it,
+refreshed once a step."""
 
 import contextlib
 
@@ -67,8 +67,8 @@ class StageStorage:
         self._runtime_of(variable).assign_full_value(variable, value)
 
     def _runtime_of(self, variable):
-        """The stage runtime that stores `variable`; `None` for the
-        compiled optimizer's own variables, whole on the host."""
+        """The stage runtime storing `variable`; `None` for the compiled
+        optimizer's own, whole on the host."""
         stage = self.stage_of.get(id(variable))
         if stage is not None:
             return self.stage_runtimes[stage]
@@ -78,8 +78,7 @@ class StageStorage:
         )
 
     def local_pieces(self, variable):
-        """The pieces of `variable` its stage's replicas hold, in files
-        named by stage and replica."""
+        # In files named by stage and replica.
         runtime = self._runtime_of(variable)
         if runtime is None:
             # The compiled optimizer's own: with the first replica's.
@@ -101,7 +100,7 @@ class StageStorage:
             runtime.assign_local_pieces(variable, read)
 
     def save_model(self, model, filepath, **kwargs):
-        """Keras' save of `model`, each stage's variables assembled."""
+        # Each stage's variables assembled.
         with contextlib.ExitStack() as assembled:
             for stage, runtime in enumerate(self.stage_runtimes):
                 owned = [
@@ -114,8 +113,8 @@ class StageStorage:
 
     def checkpoint_optimizer_state(self, optimizer):
         """`[(key, variable)]` of the optimizer state, keyed as one
-        device's (`one_device_keys`): the compiled optimizer's own
-        variables, then each trainable variable's slots, its owner's."""
+        device's: the compiled optimizer's own, then each trainable
+        variable's slots (its owner's)."""
         self.build_optimizer(self.trainer)
         slots = {}
         for stage, runtime in zip(self.stage_optimizers, self.stage_runtimes):
@@ -125,8 +124,7 @@ class StageStorage:
         return one_device_keys(trainable, optimizer.variables, slots)
 
     def device_bytes(self, variables):
-        """`{device: bytes}` of these variables on their owners' devices
-        and of shared weights' copies."""
+        """`{device: bytes}` of these variables and their copies."""
         totals = dict.fromkeys(self.devices, 0)
         for stage, runtime in enumerate(self.stage_runtimes):
             placed = [

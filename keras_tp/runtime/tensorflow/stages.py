@@ -18,39 +18,30 @@ from keras_tp.tensors import floats_of
 
 class TensorFlowStages(StagePrimitives):
     """The stage primitives of a `TensorFlowPipelineRuntime`: each action
-    one `strategy.run` of its stage's runtime, in one traced step, chained
-    to its stage's previous one (so 1F1B bounds the activations a stage
-    holds). Replica `(d, t)` of a stage exchanges values with replica `(d,
-    t)` of the next: every value that crosses a cut is a list of one
-    structure per replica, in order `d * T + t`. A traced training step
-    leaves `gradients[stage, replica]`, summed over the micro-batches.
-    """
+    one `strategy.run` of its stage's runtime in one traced step, chained
+    to its stage's previous one (so 1F1B bounds the activations held).
+    Replica `(d, t)` of a stage exchanges values with replica `(d, t)` of
+    the next: a value crossing a cut is a list of one structure per
+    replica, in order `d * T + t`. A training step leaves
+    `gradients[stage, replica]`, summed over the micro-batches."""
 
     def __init__(self, pipeline, num_microbatches):
-        self.pipeline = pipeline
+        super().__init__(pipeline, num_microbatches)
         self.stage_models = pipeline.stage_models
-        self.num_stages = len(self.stage_models)
         self.runtimes = pipeline.stage_runtimes
-        self.num_microbatches = num_microbatches
-        self.stats = pipeline.stats
         self.tensor_parallel = pipeline.tensor_parallel
         self.data_parallel = pipeline.data_parallel
         self.adding_stages = pipeline.adding_stages
-        self.order = schedules.issue_order(
-            pipeline.schedule, self.num_stages, num_microbatches
-        )
         self._training = False
-        # Per stage, the whole sequence's length of each output a replica
-        # sends as its sequence shard's slice, else `None`; read when the
-        # step is traced.
+        # Per stage, the whole length of each output a replica sends as
+        # its sequence shard's slice, else `None`; read when traced.
         self._lengths = {}
 
     def step(self, x, y):
         """`run_schedule` of one batch."""
         self._tapes, self.gradients, self._ends, self.times = {}, {}, {}, []
         self._previous = [[] for _ in self.stage_models]
-        # See `StagePrimitives.added`: a list of one per replica.
-        self.added = []
+        self.added = []  # lists of one per replica
         result = run_schedule(self, self.order, x, y)
         self.pipeline.step_times.assign(
             tf.stack([tf.stack(t) for t in self.times])
@@ -74,8 +65,7 @@ class TensorFlowStages(StagePrimitives):
         return run_forward(self, x)
 
     def microbatches(self, x, y):
-        # Per micro-batch, the last stage's replicas' gradients of the
-        # loss with respect to their outputs.
+        # Per micro-batch, the last stage's replicas' loss gradients.
         self._loss_cotangents = {}
         targets = None if y is None else self._per_replica(y)
         return self._per_replica(x), targets
@@ -116,8 +106,6 @@ class TensorFlowStages(StagePrimitives):
         with self._issued(stage, schedules.BACKWARD, m, received) as done:
             started = self.times[-1][0]
             cotangent = cotangent or self._loss_cotangents.pop(m)
-            # The gradient of a stage's added losses' share is 1, or a
-            # loss scale's factor.
             added = [self._seed()] if self.adding_stages[stage] else []
 
             def backward():
@@ -125,19 +113,15 @@ class TensorFlowStages(StagePrimitives):
                 tape, inputs, outputs = self._tapes.pop((stage, m, replica))
                 sources = floats_of(inputs) if stage else []
                 with tf.control_dependencies([started]):
+                    # A replica returns tensors only: zeros, not `None`.
                     grads = tape.gradient(
                         floats_of(outputs),
                         [*variables, *sources],
                         output_gradients=[*cotangent[replica], *added],
+                        unconnected_gradients=tf.UnconnectedGradients.ZERO,
                     )
-                self._accumulate((stage, replica), variables, grads)
-                # An input the outputs do not depend on gets a zero
-                # gradient: a replica returns tensors only.
-                sent = [
-                    tf.zeros_like(source) if g is None else g
-                    for source, g in zip(sources, grads[len(variables) :])
-                ]
-                return sent, self.gradients[stage, replica]
+                self._accumulate((stage, replica), grads[: len(variables)])
+                return grads[len(variables) :], self.gradients[stage, replica]
 
             results = self._replica_results(stage, backward)
             done.extend(tf.nest.flatten(results))
@@ -154,12 +138,10 @@ class TensorFlowStages(StagePrimitives):
         return self._replica_outputs(stage, call)
 
     def _added_call(self, stage, inputs, training):
-        """`(outputs, total of the losses added)` of a replica's call of
-        `stage` (`PipelineRuntime.added_total`; zero for none). Under
-        sequence parallelism the last stage's outputs are gathered whole;
-        a sequence shard the others send crosses the cut as this rank's
-        slice, which the next stage's replica of the same rank takes as a
-        shard of its own ranks again, as Megatron-LM sends them."""
+        """`(outputs, total of the losses added, or zero)` of a replica's
+        call of `stage`. The last stage's outputs are whole; a sequence
+        shard crosses the cut as this rank's slice, a shard again for the
+        next stage's replica of the same rank (as Megatron-LM sends it)."""
         model, runtime = self.stage_models[stage], self.runtimes[stage]
         with added_losses.recorded(model) as added, runtime.sequence_shards():
             if stage:
@@ -177,8 +159,7 @@ class TensorFlowStages(StagePrimitives):
         return outputs, tf.zeros(()) if total is None else total
 
     def joined(self, losses, predictions):
-        # Each row's loss is the mean over its equal slice of the batch,
-        # so their mean is the batch's.
+        # The mean of the rows' losses, each over an equal slice.
         rows = [row for micro in losses for row in micro]
         loss = self.joined_loss(rows, self.data_parallel) if rows else None
         # The batch's outputs, from the first replica of each row.
@@ -186,8 +167,8 @@ class TensorFlowStages(StagePrimitives):
         return loss, join_rows(rows)
 
     def _replica_outputs(self, stage, fn):
-        """Per replica, the outputs of `fn`; the losses added it returns
-        with them (`_added_call`) go to `added`."""
+        """Per replica, the outputs of `fn`; the added losses it returns
+        go to `added`."""
         outputs, added = map(list, zip(*self._replica_results(stage, fn)))
         if self.adding_stages[stage]:
             self.added.append(added)
@@ -207,9 +188,9 @@ class TensorFlowStages(StagePrimitives):
         return [[row for row in rows for _ in range(tensor)] for rows in micros]
 
     def _row_losses(self, m, outputs, target):
-        """Each data-parallel row's share of the batch's loss, computed
-        outside the replicas (where Keras would divide a loss by their
-        number); its gradient is kept for the row's backward passes."""
+        """Each data-parallel row's share of the batch's loss, outside the
+        replicas (where Keras would divide a loss by their number); its
+        gradient is kept for the row's backward passes."""
         losses, cotangents = [], []
         for first in range(0, len(outputs), self.tensor_parallel):
             predicted = floats_of(outputs[first])
@@ -236,12 +217,9 @@ class TensorFlowStages(StagePrimitives):
         """The loss's gradient (`PipelineRuntime.loss_seed`)."""
         return tf.cast(self.pipeline.loss_seed(), "float32")
 
-    def _accumulate(self, key, variables, grads):
-        """Adds `grads` to `gradients[key]`, dense (zero where `None`)."""
-        dense = [
-            tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
-            for v, g in zip(variables, grads)
-        ]
+    def _accumulate(self, key, grads):
+        """Adds `grads` to `gradients[key]`, dense."""
+        dense = [tf.convert_to_tensor(g) for g in grads]
         if key in self.gradients:
             dense = [a + b for a, b in zip(self.gradients[key], dense)]
         self.gradients[key] = dense
@@ -249,10 +227,9 @@ class TensorFlowStages(StagePrimitives):
     @contextlib.contextmanager
     def _issued(self, stage, kind, m, inputs):
         """Issues the action `(stage, kind, m)` after its stage's previous
-        one, timed between a `tf.timestamp` after its inputs and their
-        sender's action, which its operations wait for (each replica's
-        explicitly, from `times[-1][0]`: replicas run in threads of their
-        own), and one after the tensors the caller adds to `done`."""
+        one, timed from a `tf.timestamp` after its inputs and their
+        sender's action (which each replica's thread waits for, from
+        `times[-1][0]`) to one after the tensors added to `done`."""
         sender = stage - 1 if kind == schedules.FORWARD else stage + 1
         sent = self._ends.get((sender, kind, m))
         waits = tf.nest.flatten(inputs) + ([sent] if sent is not None else [])

@@ -29,16 +29,14 @@ from keras_tp.runtime.torch.storage import RankProcess
 class TorchStageRuntime(TorchRuntime):
     """The `TorchRuntime` of this rank's stage, over the process `groups`
     of its `model` axis, its `data` axis and both. A `global_clipnorm`
-    takes the norm over `job_adapter`, every rank of the pipeline, with
-    the `copies` (ids of weights an earlier stage owns, a tied embedding)
-    counted at their owner only."""
+    takes the norm over every rank (`job_adapter`), the `copies` (ids of
+    an earlier stage's weights) counted at their owner only."""
 
     def __init__(self, config, groups, job_adapter, copies):
         self._groups = groups
         self._job_adapter = job_adapter
         self._copies = copies
-        # The mesh's constructor, not TorchRuntime's: this process already
-        # joined its process group, of which the stage holds a part.
+        # Not TorchRuntime's constructor: the process group is joined.
         MeshRuntime.__init__(self, config)
         if self.sequence_parallel:
             self._sequence = SequenceShards(self.adapter.inner, self._regions)
@@ -59,9 +57,8 @@ class TorchStageRuntime(TorchRuntime):
 
 class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
     """Runs Keras' torch steps as pipelines on a row-major `data x pipe x
-    model` mesh of ranks: rank `(d, p, t)` runs the `t`-th tensor-parallel
-    shard of stage `p` of replica `d`, which trains on the `d`-th slice of
-    every batch."""
+    model` mesh of ranks: rank `(d, p, t)` runs shard `t` of stage `p` of
+    replica `d`, which trains on the `d`-th slice of every batch."""
 
     backend = "torch"
     # Each rank runs the code between split layers on its own tensors.
@@ -92,13 +89,12 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         model_group, self.pipe_group, data_group, stage_group = mesh_groups(
             shape, "model", "pipe", "data", ("data", "model")
         )
-        # This replica's and tensor-parallel rank's stages, counted.
-        self.pipe_adapter = TorchCollectiveAdapter(self.pipe_group, "pipe")
-        self.pipe_adapter.stats = self.stats
-        job_adapter = TorchCollectiveAdapter(None, ("data", "pipe", "model"))
-        job_adapter.stats = self.stats
-        # Every rank of the job: a loss scale's finiteness check spans it.
-        self.world_adapter = job_adapter
+        # This replica's and tensor-parallel rank's stages.
+        self.pipe_adapter = self._counted_adapter(self.pipe_group, "pipe")
+        # A loss scale's finiteness check spans every rank.
+        self.world_adapter = self._counted_adapter(
+            None, ("data", "pipe", "model")
+        )
         self.stage_model = self.stage_models[self.stage_index]
         copies = {
             id(v)
@@ -109,17 +105,15 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
             TorchStageRuntime(
                 self.config.stage_config(self.stage_devices[self.stage_index]),
                 (model_group, data_group, stage_group),
-                job_adapter,
+                self.world_adapter,
                 copies,
             )
         )
         self.coordinating_runtime = self.stage_runtime
-        # Every stage's split layers run with this rank's stage runtime:
-        # the others run only in Keras' symbolic builds, on "meta" tensors.
+        # Other stages' split layers run only in symbolic builds.
         self.stage_runtimes = [self.stage_runtime] * self.pipeline_parallel
         # `{stages: adapter}` over this rank's counterparts in the stages
-        # that share weights. Every rank creates every group, in one
-        # order, as `dist.new_group` requires.
+        # sharing weights; every rank creates every group, in one order.
         adapters = self._shared_adapters = {}
         for stages, d, t in itertools.product(
             self.owners.shared_groups(),
@@ -129,26 +123,28 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
             ranks = [self._rank_of(d, stage, t) for stage in stages]
             group = dist.new_group(ranks)
             if self.rank in ranks:
-                adapters[stages] = TorchCollectiveAdapter(group, "pipe")
-                adapters[stages].stats = self.stats
+                adapters[stages] = self._counted_adapter(group, "pipe")
         self.last_stage = self.pipeline_parallel - 1
         self.data_adapter = (
             self.stage_runtime.data_adapter if self.data_parallel > 1 else None
         )
         # The last training step's spans (`TorchStages.timeline`).
         self.timeline = []
-        # `TorchStages` by micro-batch count and input shapes, which their
-        # first run tells the next stage's ranks.
+        # `TorchStages` by micro-batch count and input shapes.
         self._pipelines = {}
 
     def _available_devices(self):
         return rank_devices()
 
+    def _counted_adapter(self, group, axis):
+        adapter = TorchCollectiveAdapter(group, axis)
+        adapter.stats = self.stats
+        return adapter
+
     @property
     def optimizer_runtime(self):
-        # With replicas, a `CoordinatedOptimizer` over the stage's `data`
-        # axis combines their gradients; one takes the norms over the
-        # stage's shards where `compile()` made one (`coordinating_runtime`).
+        # A `CoordinatedOptimizer` combines the replicas' gradients, or
+        # takes the norms over the stage's shards where compile() made one.
         optimizer = getattr(self.trainer, "optimizer", None)
         coordinated = isinstance(unscaled(optimizer), CoordinatedOptimizer)
         if self.data_parallel > 1 or coordinated:
@@ -160,13 +156,11 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         return int(np.ravel_multi_index(index, self._mesh_shape))
 
     def prepare_model(self, model):
-        # This rank's stage, as its runtime prepares a model: only this
-        # stage's seed generators hold their state here.
+        # Only this stage's seed generators hold their state here.
         self.stage_runtime.prepare_model(self.stage_model)
 
     def action_times(self):
-        """The `(start, end)` of each action of `trained_order`, gathered
-        from this replica's stages (a collective)."""
+        # Gathered from this replica's stages (a collective).
         records = [None] * self.pipeline_parallel
         dist.all_gather_object(records, self.timeline, group=self.pipe_group)
         times = {
@@ -177,9 +171,8 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         return [times[tuple(action)] for action in self.trained_order]
 
     def build_optimizer(self, trainer):
-        """Builds the optimizer's slots in one device's order on every
-        rank (a checkpoint names them by position); a
-        `CoordinatedOptimizer` builds this stage's only."""
+        """Builds the optimizer's slots in one device's order (a checkpoint
+        names them by position); a `CoordinatedOptimizer` this stage's."""
         held = self.stage_model if self.optimizer_runtime else trainer
         trainer.optimizer.build(held.trainable_variables)
 
@@ -217,14 +210,13 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
             variable.value.grad = None
         loss, y_pred = pipeline.step(x, targets)
         self.timeline = pipeline.timeline
-        self.trained_order = pipeline.issued
+        self.trained_order = pipeline.order
         loss, scale = self._batch_loss(pipeline, loss, every_stage=True)
         if scale is not None:
             for variable in variables:
                 if variable.value.grad is not None:
                     variable.value.grad *= scale
-        # Every copy of a shared weight takes the same update, the sum of
-        # the stages' gradients, and stays equal.
+        # Every copy of a shared weight takes the sum of the gradients.
         adapters = self._shared_adapters
         with self.stats.labelled("optimizer"):
             for variable, gradient in self.owners.summed_shared(
@@ -233,8 +225,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
                 lambda grad, stages: adapters[stages].all_reduce(grad),
             ):
                 variable.value.grad = gradient
-        # The replicas' slices are equal: the CoordinatedOptimizer's mean
-        # of their gradients is the whole batch's.
+        # The CoordinatedOptimizer's mean over equal slices is the batch's.
         with torch.no_grad():
             self.trainer.optimizer.apply(
                 [variable.value.grad for variable in variables], variables
@@ -250,10 +241,9 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
 
     def _batch_loss(self, pipeline, loss, every_stage):
         """`(loss, scale)`: the last stage's `loss` times `scale`, the
-        `fraction_scale` of every replica's micro-batches (summed over
-        `data`, broadcast to this replica's stages if `every_stage`; `None`
-        where the loss is not scaled), plus the stages' added losses
-        (`TorchStages.added_loss`, summed over `pipe`)."""
+        `fraction_scale` of every replica's micro-batches (`None` where
+        the loss is not scaled; broadcast to the stages if `every_stage`),
+        plus the stages' added losses."""
         scale = None
         split = pipeline.num_microbatches * self.data_parallel > 1
         if split and self.masked_predictions:
@@ -278,15 +268,14 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         y_pred = self._last_stage_outputs(x)
         if self.data_adapter is None:
             return y_pred
-        # Every rank returns the whole batch's outputs: the replicas'
-        # slices, in their order.
+        # Every rank returns the whole batch's outputs.
         return keras.tree.map_structure(
             lambda y: self.data_adapter.all_gather(y, 0), y_pred
         )
 
     def _logs(self, x, targets, loss, y_pred):
-        """The step's logs, alike on every rank: each replica's last stage
-        updates the metrics (summed over `data`) and broadcasts them."""
+        """The step's logs on every rank, from each replica's last stage
+        (its metrics summed over `data`)."""
         variables = self.trainer.metrics_variables
         if self.stage_index == self.last_stage:
             before = [v.value.detach().clone() for v in variables]
@@ -325,7 +314,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         return keras.tree.pack_sequence_as(self.stage_models[-1].output, leaves)
 
     def call_model(self, model, inputs, training):
-        """A direct call `tp(x)`: each replica's stages on all of `x`;
+        """A direct call `tp(x)` on the stages (each replica on all of `x`);
         a symbolic one (Keras building its metrics) as a graph."""
         if is_symbolic(keras.tree.flatten(inputs)[0]):
             return super().call_model(model, inputs, training)

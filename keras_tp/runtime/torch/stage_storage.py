@@ -1,7 +1,6 @@
 """Where a torch pipeline's variables live: each rank stores its shard of
-its own stage's variables and slots, the other stages' as meta tensors,
-shaped but without memory; each variable's stage in the first replica
-assembles its full values."""
+its stage's variables and slots, the other stages' as meta tensors
+(shaped, without memory); the first replica's ranks assemble full values."""
 
 import dataclasses
 import gc
@@ -23,8 +22,7 @@ class StageStorage:
     """Pipeline runtime mixin: the storage the module docstring tells."""
 
     def full_shape(self, variable):
-        # As this rank's stage placed it (a ZeRO partition's slot), or as
-        # the model was placed.
+        # As this rank's stage placed it (a ZeRO partition's slot).
         if self.stage_runtime.placement.is_placed(variable):
             return self.stage_runtime.full_shape(variable)
         return super().full_shape(variable)
@@ -43,8 +41,7 @@ class StageStorage:
         return self.stage_runtime.local_pieces(variable)
 
     def assign_local_pieces(self, variable, read):
-        # Of every variable it holds: its stage's, a shared weight's copy,
-        # the optimizer's own.
+        # Its stage's, a shared weight's copy, the optimizer's own.
         if isinstance(variable, SlotOfAnotherStage):
             return
         own = id(variable) not in self.stage_of
@@ -52,10 +49,9 @@ class StageStorage:
             self.stage_runtime.assign_local_pieces(variable, read)
 
     def checkpoint_optimizer_state(self, optimizer):
-        """With replicas, the state of this rank's `CoordinatedOptimizer`
-        keyed as one device's (`one_device_keys`), other stages' slots
-        (told by a collective) as `SlotOfAnotherStage`s; else `None`, as
-        `build_optimizer` keeps one device's order."""
+        """With replicas, this rank's `CoordinatedOptimizer`'s state keyed
+        as one device's, other stages' slots as `SlotOfAnotherStage`s;
+        else `None` (`build_optimizer` keeps one device's order)."""
         if self.optimizer_runtime is None:
             return None
         inner = optimizer.inner_optimizer
@@ -85,10 +81,9 @@ class StageStorage:
         return state + [(f"coordinated/{i}", v) for i, v in enumerate(wrapper)]
 
     def place_variable(self, variable, axis):
-        """Keeps this rank's shard of its own stage's variables; the other
+        """Keeps this rank's shard of its stage's variables; the other
         stages' on the meta device."""
-        # The planner's trace leaves dead autograd graphs holding the
-        # variables; collecting the young generations frees them faster
+        # Frees the dead autograd graphs of the planner's trace faster
         # than the full collection `swap_storage` falls back to.
         gc.collect(1)
         if self.owners.holds(self.stage_index, variable):
@@ -117,8 +112,7 @@ class StageStorage:
         return self._rank_of(0, self.stage_of[id(variable)], 0)
 
     def _assembled(self, variable):
-        """The unsplit value of `variable` on its stage's ranks in the
-        first replica, `None` elsewhere."""
+        """The unsplit value on `_assembler`'s stage ranks, else `None`."""
         if self.data_index or self.stage_of[id(variable)] != self.stage_index:
             return None
         value = parameter_of(variable).detach()
@@ -136,14 +130,13 @@ class StageStorage:
 
     def save_model(self, model, filepath, **kwargs):
         """Rank 0 writes the unsplit model, each variable sent by its
-        `_assembler`; every rank raises if rank 0 failed."""
+        `_assembler`; every rank raises if it failed."""
 
         def gathered():
             for variable in model.variables:
                 assembler = self._assembler(variable)
                 split = self.placement.split_axis(variable) is not None
-                if assembler == 0 and not split:
-                    # Rank 0 holds it whole.
+                if assembler == 0 and not split:  # rank 0 holds it whole
                     continue
                 full = self._assembled(variable)
                 if assembler != 0:
@@ -168,7 +161,7 @@ class StageStorage:
 @dataclasses.dataclass(eq=False)
 class SlotOfAnotherStage:
     """An optimizer slot another stage's rank holds, as a checkpoint lists
-    it (`shape` unsplit); this rank writes and reads none of it."""
+    it (`shape` unsplit)."""
 
     path: str
     shape: tuple
@@ -176,7 +169,6 @@ class SlotOfAnotherStage:
 
 
 def _to_meta(variable, shape):
-    """Makes `variable` (another stage's) a "meta" tensor of `shape`, for
-    Keras' symbolic builds."""
+    """Makes `variable` a "meta" tensor of `shape`, for symbolic builds."""
     dtype = parameter_of(variable).dtype
     swap_storage(variable, torch.empty(shape, dtype=dtype, device="meta"))

@@ -1,7 +1,6 @@
-"""The stage primitives of torch pipelines: each rank runs its own stage's
-actions of keras_tp's schedules through the shared executor, and sends
-activations and their gradients to its neighbours' ranks with torch's
-point-to-point operations."""
+"""The stage primitives of torch pipelines: each rank runs its stage's
+actions through the shared executor and exchanges activations and their
+gradients with its neighbours by point-to-point operations."""
 
 import time
 
@@ -22,68 +21,51 @@ from keras_tp.tensors import nbytes
 
 
 class TorchStages(StagePrimitives):
-    """The stage of a `TorchPipelineRuntime`'s rank: its actions of the
-    schedule, in the order every backend runs them (`issue_order`).
-
-    A training step leaves the stage's gradients in `.grad`, each
-    micro-batch's loss and added losses weighing `1 / num_microbatches`.
-    `timeline` holds `(kind, micro_batch, start, end)` of each pass of the
-    last run, in `time.perf_counter()` seconds (one clock for every
-    process of a Linux machine). `loss` is `loss_function`'s, `None` for
-    `predict` only."""
+    """The stage of a `TorchPipelineRuntime`'s rank. A training step leaves
+    its gradients in `.grad`, each micro-batch's losses weighing
+    `1 / num_microbatches`; `timeline` holds `(kind, micro_batch, start,
+    end)` of each pass of the last run, in `time.perf_counter()` seconds
+    (one clock for a machine's processes). `loss` is `loss_function`'s,
+    `None` for `predict` only."""
 
     def __init__(self, pipeline, num_microbatches, loss):
-        self.pipeline = pipeline
+        super().__init__(pipeline, num_microbatches)
         self.stage = pipeline.stage_index
         self.model = pipeline.stage_model
-        self.num_stages = pipeline.pipeline_parallel
-        self.num_microbatches = num_microbatches
-        self.stats = pipeline.stats
         self.loss = loss
-        # Every stage's actions, in the order one process would issue
-        # them, and this stage's.
-        self.issued = schedules.issue_order(
-            pipeline.schedule, self.num_stages, num_microbatches
-        )
-        self.order = [a for a in self.issued if a.stage == self.stage]
-        # Each received tensor's `(shape, dtype, shard axis)`, which the
-        # previous stage's rank tells on the first run.
+        self.stage_order = [a for a in self.order if a.stage == self.stage]
+        # Each received tensor's `(shape, dtype, shard axis)`, told once.
         self._received_specs = None
         self._told_specs = False
 
     def step(self, x, y):
-        """The forward and backward passes of one batch (`x` read by the
-        first stage, `y` by the last): `(mean loss of the micro-batches,
-        outputs)` on the last stage, elsewhere `(None, None)`."""
-        return self._run(run_schedule, True, self.order, x, y)
+        """The passes of one batch: `(loss, outputs)` on the last stage,
+        elsewhere `(None, None)`."""
+        return self._run(run_schedule, True, self.stage_order, x, y)
 
     def evaluate(self, x, y):
         """As `step`, the forward passes only, without gradients."""
-        forwards = [a for a in self.order if a.kind == schedules.FORWARD]
+        forwards = [a for a in self.stage_order if a.kind == schedules.FORWARD]
         with torch.no_grad():
             return self._run(run_schedule, False, forwards, x, y)
 
     def predict(self, x, training=False):
-        """The last stage's outputs of `x`, without gradients (`None` on
-        the other stages), the stage called with `training`."""
+        """The last stage's outputs of `x` (`None` on the other stages)."""
         with torch.no_grad():
             return self._run(run_forward, training, x)
 
     def added_loss(self):
-        """This stage's share of the losses its layers added in the last
-        run: its micro-batches' totals averaged; zero without any."""
+        """This stage's micro-batches' added losses, averaged (or zero)."""
         if not self._added:
             return torch.zeros((), device=self.pipeline.device)
         return torch.stack(self._added).sum() / self.num_microbatches
 
     def _run(self, run, training, *args):
         self.timeline, self.fractions, self._added = [], [], []
-        # Per micro-batch, the received tensors that take gradients.
-        self._received = {}
-        # Per micro-batch, those, the outputs whose gradients the next
-        # stage sends back, and the roots seeded with 1 (loss, added loss).
-        self._held = {}
-        self._sending = []
+        # Per micro-batch, the received tensors that take gradients; and
+        # those, the outputs whose gradients come back and the roots
+        # seeded with 1 (loss, added loss).
+        self._received, self._held, self._sending = {}, {}, []
         self.training = training
         try:
             # Backward passes too: they read what the forward passes saved.
@@ -126,8 +108,6 @@ class TorchStages(StagePrimitives):
         roots = [*outputs, *ones]
         # A sequence shard's gradient came as its rank's part.
         cotangent = [_like(o, g) for o, g in zip(outputs, cotangent or ())]
-        # The loss's gradient, and its share of the added losses'
-        # (`PipelineRuntime.loss_seed`).
         seed = self.pipeline.loss_seed()
         seeds = [seed.to(one.device, one.dtype).expand_as(one) for one in ones]
         grads = [*cotangent, *seeds]
@@ -150,9 +130,8 @@ class TorchStages(StagePrimitives):
         return outputs
 
     def _call(self, inputs):
-        """The stage's outputs of `inputs`: the last stage's whole; the
-        others' sequence shards stay shards (sent so, as Megatron-LM
-        sends them), any other `DTensor` is made whole."""
+        """The stage's outputs of `inputs`, whole but the sequence shards
+        of a stage before the last (sent so, as Megatron-LM sends them)."""
         outputs = self.model(inputs, training=self.training)
         self.pipeline.stage_runtime.whole_losses(self.model)
         whole = self.pipeline.stage_runtime.whole_outputs
@@ -219,7 +198,7 @@ class TorchStages(StagePrimitives):
     def _sequence_shard(self, local, axis):
         """`local` as a `DTensor` split on `axis` over the stage's ranks."""
         mesh = self.pipeline.stage_runtime.adapter.inner.device_mesh
-        return DTensor.from_local(local, mesh, [Shard(axis)], run_check=False)
+        return DTensor.from_local(local, mesh, [Shard(axis)])
 
 
 def _shard_axis(tensor):
@@ -242,6 +221,4 @@ def _like(output, grad):
     """`grad`, this rank's part of `output`'s gradient, as `output` is."""
     if not isinstance(output, DTensor):
         return grad
-    return DTensor.from_local(
-        grad, output.device_mesh, output.placements, run_check=False
-    )
+    return DTensor.from_local(grad, output.device_mesh, output.placements)

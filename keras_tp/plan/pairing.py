@@ -16,7 +16,7 @@ from keras_tp.plan.commuting import commutes
 from keras_tp.plan.commuting import open_target
 from keras_tp.plan.commuting import take
 from keras_tp.plan.commuting import weightless_passing
-from keras_tp.plan.dependence import reads_outputs_of
+from keras_tp.plan.dependence import carries_rank_parts
 from keras_tp.plan.layers import leaf_handler
 from keras_tp.plan.styles import Channelwise
 from keras_tp.plan.styles import Column
@@ -157,8 +157,12 @@ class MegatronPairing:
             if not s and not any(t is source for t in c.inputs)
         ]
         if any(self._fits(call, row) for call, _ in opaque) and (
-            reads_outputs_of(
-                self.model, self.trace, row, [c for c, _ in opaque]
+            carries_rank_parts(
+                self.model,
+                self.trace,
+                row,
+                [c for c, _ in opaque],
+                self.tensor_parallel,
             )
         ):
             return opaque

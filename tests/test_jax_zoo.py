@@ -90,6 +90,29 @@ def test_a_fused_projection_laid_out_block_by_block_gathers_what_it_counts():
     assert _count_hlo(hlo, "collective-permute") == 0
 
 
+def test_raw_ops_pair_a_row_only_with_the_rank_parts_they_carry():
+    # RWKV-7's key projection reads the block's input, not the receptance
+    # projection's output beside it: all three of its time mix's
+    # projections reach the output projection, head by head, and form one
+    # pair on global arrays (where ranks hold their own slices, a rank's
+    # heads meet a whole value of the same width, and the check falls
+    # back to gathering Columns).
+    # FNet's Fourier transform reads every feature of the embedding
+    # projection's output: that projection gathers it.
+    rwkv = zoo.ZOO["rwkv7"]()[0]
+    plan = keras_tp.auto_plan(rwkv, tensor_parallel=2, check_local=False)
+    styles = {e.layer.path: e.style for e in plan.leaf_layers()}
+    for block in range(zoo_cases.BLOCKS):
+        mix = f"rwkv_layer_{block}/RWKV_TIME_MIX/"
+        for name in ("receptance", "key", "value"):
+            assert styles[mix + name] == keras_tp.Column(), styles
+        assert styles[mix + "output_layer"] == keras_tp.Row(), styles
+    plan = keras_tp.auto_plan(zoo.ZOO["fnet"]()[0], tensor_parallel=2)
+    styles = {e.layer.path: e.style for e in plan.leaf_layers()}
+    gathering = keras_tp.Column(gather_output=True)
+    assert styles["embedding_projection"] == gathering, styles
+
+
 def test_resnet_pairs_convolutions_through_batchnorm():
     zoo_cases.check_resnet(zoo_cases.cnn_checks("resnet50", 2))
 

@@ -635,6 +635,74 @@ def bert(seed=0):
     return model, x, y
 
 
+def fnet(seed=0):
+    """A tiny `FNetTextClassifier`: a Fourier transform over the sequence
+    and the features mixes tokens in place of attention.
+
+    The transform reads every feature, so the embedding projection
+    before it gathers its output rather than pairing through it with
+    the first block's feed-forward (`plan/dependence.py`); each block's
+    feed-forward is a Megatron pair.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.FNetBackbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+        dropout=0.0,
+        max_sequence_length=16,
+        dtype=None,
+    )
+    model = keras_hub.models.FNetTextClassifier(
+        backbone=backbone,
+        num_classes=NUM_CLASSES,
+        preprocessor=None,
+        dropout=0.0,
+    )
+    x, y = _classifier_data(seed, segment_ids=True)
+    del x["padding_mask"]  # FNet takes none
+    return model, x, y
+
+
+def rwkv7(seed=0):
+    """A tiny `RWKV7CausalLM`: 4 heads of size 8, no attention.
+
+    Its time mix projects receptance, key and value from the block's
+    input mixed with its shifted copy (raw ops), never from one another,
+    and raw ops carry all three, head by head, to its output projection:
+    one Megatron pair, found only by running the block
+    (`plan/dependence.py`).
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.RWKV7Backbone(
+        hidden_size=32,
+        head_size=8,
+        num_layers=2,
+        vocabulary_size=VOCAB,
+        intermediate_dim=64,
+        gate_lora=8,
+        mv_lora=8,
+        aaa_lora=8,
+        decay_lora=8,
+    )
+    model = keras_hub.models.RWKV7CausalLM(backbone=backbone, preprocessor=None)
+    x, y = _lm_data(seed)
+    return model, x, y
+
+
 def roformer_v2(seed=0):
     """A tiny `RoformerV2TextClassifier`: 4 heads of size 8.
 
@@ -1088,6 +1156,8 @@ ZOO = {
     "qwen_moe": qwen_moe,
     "gemma3n": gemma3n,
     "roformer_v2": roformer_v2,
+    "fnet": fnet,
+    "rwkv7": rwkv7,
     "clip": clip,
     "resnet50": resnet50,
     "efficientnetb0": efficientnetb0,

@@ -231,13 +231,20 @@ class PipelineRuntime(Runtime):
         return bool(clip) or self.loss_scale() is not None
 
     def gradient_factor(self, squares, scale):
-        """What every stage multiplies its synchronised gradients by, from
-        the sum of their `squares`: the global clip's factor of their
-        norm, both unscaled by a loss scale's value `scale` (or `None`)."""
+        """`(factor, finite)` of each stage's squared gradient norm, on the
+        last stage's devices, in `squares`: what every stage multiplies
+        its synchronised gradients by, the global clip's factor of their
+        norm, both unscaled by a loss scale's value `scale` (`None` for
+        neither); whether their norm is finite."""
+        total = sum(squares[1:], squares[0])
         clip = unscaled(self.trainer.optimizer).global_clipnorm
-        norm = ops.sqrt(squares) if scale is None else ops.sqrt(squares) / scale
-        factor = global_scale(norm, clip) if clip else 1.0
-        return factor if scale is None else factor / scale
+        factor = None
+        if clip:
+            norm = ops.sqrt(total) if scale is None else ops.sqrt(total) / scale
+            factor = global_scale(norm, clip)
+        if scale is not None:
+            factor = (1.0 if factor is None else factor) / scale
+        return factor, ops.isfinite(total)
 
     def microbatches(self, batch_size):
         """The number of micro-batches for a batch of `batch_size`."""

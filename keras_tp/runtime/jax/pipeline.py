@@ -199,13 +199,12 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             self._updates = [self._update_of(s, shared) for s in stages]
         # Averaged over the stage's replicas (ZeRO-1: each partition).
         owned = [u.synchronise(g) for u, g in zip(self._updates, owned)]
-        clips = [None] * len(owned)
+        clips, finite = [None] * len(owned), None
         if self.takes_global_norm():
-            owned, clips, total = self._globally_clipped(owned, values)
+            owned, clips, finite = self._globally_clipped(owned, values)
         # With a loss scale, every stage keeps its values where the
         # gradients overflowed anywhere, decided on the devices.
         scaled = self.loss_scale() is not None
-        finite = jax.numpy.isfinite(total) if scaled else None
         for stage, grads in enumerate(owned):
             stage_update = self._updates[stage]
             groups = (stage_update.variables, stage_update.slots, shared)
@@ -240,11 +239,11 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         )
 
     def _globally_clipped(self, owned, values):
-        """`(gradients, clips, total)`: each stage's gradients, unscaled by
+        """`(gradients, clips, finite)`: each stage's gradients, unscaled by
         a loss scale; per stage, the factor that clips what its optimizer
         clips (with accumulation, the accumulated mean) by the norm over
-        every stage, or `None`s without `global_clipnorm`; and the sum of
-        the squared norms, on the last stage's devices."""
+        every stage, or `None`s without `global_clipnorm`; and whether
+        that norm is finite, on the last stage's devices."""
         scale = self.loss_scale()
         if scale is not None:
             inverse = 1 / values[id(scale)]
@@ -264,14 +263,9 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             squares.append(
                 self.sent(update.squared_norm(grads), -1, "optimizer")
             )
-        total = sum(squares[1:], squares[0])
-        if not optimizer.global_clipnorm:
-            return owned, [None] * len(owned), total
-        factor = jax.numpy.asarray(self.gradient_factor(total, None))
-        clips = [
-            self.sent(factor, stage, "optimizer") for stage in range(len(owned))
-        ]
-        return owned, clips, total
+        factor, finite = self.gradient_factor(squares, None)
+        clips = [self.sent(factor, s, "optimizer") for s in range(len(owned))]
+        return owned, clips, finite
 
     def _update_of(self, stage, shared):
         """A stage's compiled `StageUpdate`: `synchronise` of the backward

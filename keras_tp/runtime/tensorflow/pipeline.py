@@ -239,12 +239,8 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
                 "send", 4 * len(runtime.devices), "optimizer", "pipe"
             )
         with tf.device(self.stage_runtimes[-1].devices[0]):
-            total = tf.add_n(squares)
-            scaler = self.loss_scale()
-            scale = self.gradient_factor(
-                total, None if scaler is None else tf.convert_to_tensor(scaler)
-            )
-            return list(zip(*synchronised)), scale, tf.math.is_finite(total)
+            scale, finite = self.gradient_factor(squares, self.loss_scale())
+            return list(zip(*synchronised)), scale, finite
 
     def _update(self, index, gradients, scale=None, finite=None):
         """Stage `index`'s update on each of its replicas from `gradients`

@@ -37,6 +37,22 @@ def measure(name, world_size):
     return _runs[name, world_size]
 
 
+def _trained_step_hlo(name):
+    """`(split model, its compiled training step's HLO text)` of zoo model
+    `name` at TP=2, after one SGD step."""
+    model, x, y = zoo.ZOO[name]()
+    tp = keras_tp.TensorParallelKeras(model, world_size=2)
+    tp.compile(optimizer=keras.optimizers.SGD(1e-2), loss=zoo.loss_for(name))
+    tp.train_on_batch(x, y)
+    state = (
+        [v.value for v in tp.trainable_variables],
+        [v.value for v in tp.non_trainable_variables],
+        [v.value for v in tp.optimizer.variables],
+        [v.value for v in tp.metrics_variables],
+    )
+    return tp, jax.jit(tp.train_step).lower(state, (x, y)).compile().as_text()
+
+
 # CLIP runs on the backends whose ranks hold their own slices (torch,
 # TensorFlow), where its twin variable paths once went wrong; JAX's global
 # arrays were exact, and `test_jax.py` checks the planner's rule for them.
@@ -75,17 +91,7 @@ def test_a_fused_projection_laid_out_block_by_block_gathers_what_it_counts():
     # projections gather their outputs (`zoo_cases`), and the compiled
     # step holds no collective beyond the counted ones.
     zoo_cases.check_block_by_block_gathers(measure("qwen3_5", 2))
-    model, x, y = zoo.ZOO["qwen3_5"]()
-    tp = keras_tp.TensorParallelKeras(model, world_size=2)
-    tp.compile(optimizer="sgd", loss=zoo.loss_for("qwen3_5"))
-    tp.train_on_batch(x, y)
-    state = (
-        [v.value for v in tp.trainable_variables],
-        [v.value for v in tp.non_trainable_variables],
-        [v.value for v in tp.optimizer.variables],
-        [v.value for v in tp.metrics_variables],
-    )
-    hlo = jax.jit(tp.train_step).lower(state, (x, y)).compile().as_text()
+    _, hlo = _trained_step_hlo("qwen3_5")
     assert _count_hlo(hlo, "all-gather") == 3
     assert _count_hlo(hlo, "collective-permute") == 0
 
@@ -162,18 +168,8 @@ def test_compiled_step_has_the_counted_collectives(name):
     # The loss and the accuracy metric each all-reduce the logits' maximum
     # over the vocabulary shards: one computation, which XLA runs once.
     added -= 1
-    model, x, y = zoo.ZOO[name]()
-    tp = keras_tp.TensorParallelKeras(model, world_size=2)
-    tp.compile(optimizer=keras.optimizers.SGD(1e-2), loss=zoo.loss_for(name))
-    tp.train_on_batch(x, y)
+    tp, hlo = _trained_step_hlo(name)
     stats = tp.communication_stats()
-    state = (
-        [v.value for v in tp.trainable_variables],
-        [v.value for v in tp.non_trainable_variables],
-        [v.value for v in tp.optimizer.variables],
-        [v.value for v in tp.metrics_variables],
-    )
-    hlo = jax.jit(tp.train_step).lower(state, (x, y)).compile().as_text()
     assert _count_hlo(hlo, "all-reduce") == stats["all_reduce"]["calls"] + added
     # The logits stay split by vocabulary: nothing is gathered.
     assert _count_hlo(hlo, "all-gather") == 0

@@ -77,15 +77,11 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         self.rank = dist.get_rank()
         self.device = this_device()
         super().__init__(model, config)
-        shape = {
-            "data": self.data_parallel,
-            "pipe": self.pipeline_parallel,
-            "model": self.tensor_parallel,
-        }
-        self._mesh_shape = tuple(shape.values())
+        mesh = self.device_mesh
         self.data_index, self.stage_index, _ = (
-            int(i) for i in np.unravel_index(self.rank, self._mesh_shape)
+            int(i) for i in np.unravel_index(self.rank, mesh.shape)
         )
+        shape = dict(zip(mesh.axis_names, mesh.shape))
         model_group, self.pipe_group, data_group, stage_group = mesh_groups(
             shape, "model", "pipe", "data", ("data", "model")
         )
@@ -153,7 +149,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
 
     def _rank_of(self, data_index, stage_index, model_index):
         index = (data_index, stage_index, model_index)
-        return int(np.ravel_multi_index(index, self._mesh_shape))
+        return int(np.ravel_multi_index(index, self.device_mesh.shape))
 
     def prepare_model(self, model):
         # Only this stage's seed generators hold their state here.
@@ -188,9 +184,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         return self._pipelines[key]
 
     def data_row(self):
-        if self.data_adapter is None:
-            return None
-        return self.data_index, self.data_parallel
+        return self.stage_runtime.data_row()
 
     def _sliced(self, data):
         """This replica's share of a global batch, as torch tensors."""

@@ -173,14 +173,13 @@ class TorchStages(StagePrimitives):
         if stage != self.stage or not 0 <= sender < self.num_stages:
             return None
         group = self.pipeline.pipe_group
-        if not forward:
-            specs = [(_local(t).shape, t.dtype, None) for t in self._held[m][1]]
-        elif self._received_specs is None:
+        if forward and self._received_specs is None:
             told = [None]
             dist.recv_object_list(told, group=group, group_src=sender)
-            specs = self._received_specs = told[0]
-        else:
-            specs = self._received_specs
+            self._received_specs = told[0]
+        specs = self._received_specs
+        if not forward:
+            specs = [(_local(t).shape, t.dtype, None) for t in self._held[m][1]]
         device = self.pipeline.device
         tensors = [torch.empty(s, dtype=d, device=device) for s, d, _ in specs]
         for tensor in tensors:

@@ -21,8 +21,8 @@ from keras_tp.plan.attention import call_arguments
 from keras_tp.plan.attention import split_cache
 from keras_tp.plan.head_counts import call_with_local_counts
 from keras_tp.plan.head_counts import head_arguments
-from keras_tp.plan.layers import logits_stay_split
 from keras_tp.plan.sharding_plan import ShardedUnit
+from keras_tp.plan.split_logits import logits_stay_split
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Row
 from keras_tp.rank_draws import FORWARD_CALLS

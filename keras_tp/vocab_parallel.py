@@ -36,8 +36,8 @@ from keras_tp.keras_internals import node_call_arguments
 from keras_tp.keras_internals import node_operation
 from keras_tp.keras_internals import producer_node
 from keras_tp.keras_internals import set_metric_function
-from keras_tp.plan.layers import logits_split
-from keras_tp.plan.layers import logits_stay_split
+from keras_tp.plan.split_logits import logits_split
+from keras_tp.plan.split_logits import logits_stay_split
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Vocab
 

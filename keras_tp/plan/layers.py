@@ -6,8 +6,6 @@ Dense, EinsumDense (attention projections included), convolutions
 handled by `OwnWeightsHandler`.
 """
 
-import contextlib
-
 import keras
 from keras import ops
 
@@ -15,43 +13,11 @@ from keras_tp.errors import ShardingError
 from keras_tp.keras_internals import stored_kernel
 from keras_tp.plan.handler import LayerHandler
 from keras_tp.plan.own_weights import OwnWeightsHandler
+from keras_tp.plan.split_logits import logits_stay_split
 from keras_tp.plan.styles import Channelwise
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Row
 from keras_tp.plan.styles import Vocab
-
-# The LM heads whose logits stay split by vocabulary while a train or test
-# step is traced or run (`keras_tp.vocab_parallel`). A plain set, not a
-# context variable: TensorFlow's replicas run in threads of their own.
-_SPLIT_HEADS = set()
-
-
-def logits_stay_split(layer):
-    """Whether `layer`'s call returns its rank's logits, not all of them."""
-    return id(layer) in _SPLIT_HEADS
-
-
-@contextlib.contextmanager
-def logits_split(layer):
-    """Inside, the LM head `layer` leaves its logits split by vocabulary."""
-    _SPLIT_HEADS.add(id(layer))
-    try:
-        yield
-    finally:
-        _SPLIT_HEADS.discard(id(layer))
-
-
-@contextlib.contextmanager
-def whole_logits():
-    """Inside, every LM head gathers its logits whole, even in a step that
-    would keep them split (a padded batch's loss is computed on the global
-    batch's outputs, outside the ranks: `keras_tp.runtime.padding`)."""
-    split = set(_SPLIT_HEADS)
-    _SPLIT_HEADS.clear()
-    try:
-        yield
-    finally:
-        _SPLIT_HEADS.update(split)
 
 
 def _finish(layer, style, adapter, x, bias, axis):
@@ -267,8 +233,6 @@ class ChannelConvHandler(OwnWeightsHandler):
     checks its input and bias against the whole weights' shapes.
     """
 
-    runs_own_call = False
-
     def matches(self, layer):
         # A causal Conv1D pads in its own `call`: it stays a `ConvHandler`
         # layer, kept whole.
@@ -277,6 +241,29 @@ class ChannelConvHandler(OwnWeightsHandler):
             and layer.groups > 1
             and layer.padding != "causal"
         )
+
+    def call_on_local_values(self, layer, runtime):
+        """Each rank convolves its channels, where its values are or in a
+        function mapped over the ranks (`runtime.run_split_function`): on
+        global arrays, XLA would gather a grouped convolution's input and
+        kernel rather than split it by its groups."""
+        variables = self.variables(layer)
+        axes = self.split_axes(layer, Channelwise())
+
+        def call(inputs, **kwargs):
+            def local(adapter, x, *weights):
+                weights = dict(zip(variables, weights))
+                return self.run_local(layer, weights, (x,), kwargs)
+
+            axis = ConvHandler._channel_axis(layer, len(inputs.shape))
+            return runtime.run_split_function(
+                local,
+                (inputs, *map(runtime.local_value, variables.values())),
+                (axis, *map(axes.get, variables)),
+                output_axis=axis,
+            )
+
+        return call
 
     def run_local(self, layer, weights, args, kwargs):
         x = args[0]

@@ -118,25 +118,11 @@ class OwnWeightsHandler(LayerHandler):
     def parallel_input(self, style):
         return isinstance(style, ExpertParallel)
 
-    # Whether the layer's own `call` runs on a rank's values, reading its
-    # split weights itself; if not, `run_local` runs instead.
-    runs_own_call = True
-
     def call_on_local_values(self, layer, runtime):
-        """The call a `Channelwise` layer runs on each rank's values, or
-        `None` for its own `call`."""
-        if self.runs_own_call:
-            return None
-        variables = self.variables(layer)
-
-        def call(inputs, **kwargs):
-            weights = {
-                role: runtime.local_value(variable)
-                for role, variable in variables.items()
-            }
-            return self.run_local(layer, weights, (inputs,), kwargs)
-
-        return call
+        """The call a `Channelwise` layer runs on split values, or `None`
+        for its own `call`, which reads the rank's values of its weights
+        (`runtime.local_value`)."""
+        return None
 
     def run_local(self, layer, weights, args, kwargs):
         """Runs the layer's own `call` with its weights read as `weights`."""

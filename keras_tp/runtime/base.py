@@ -235,19 +235,20 @@ class Runtime(CheckpointPieces):
     def prepare_model(self, model):
         """Called once with the model when its plan is installed; no-op."""
 
-    def run_split_function(self, function, args, split_axes):
+    def run_split_function(self, function, args, split_axes, output_axis=None):
         """Runs `function(adapter, *args)` on each model rank's part of args.
 
         Argument `i` is split over the `model` axis along `split_axes[i]`
-        (`None`: whole on every rank), and the results are the same on
-        every rank. The default, for ranks that hold their own tensors,
-        calls the function on them; a runtime of global arrays maps it
-        over its devices.
+        (`None`: whole on every rank). The default, for ranks that hold
+        their own tensors, calls the function on them; a runtime of global
+        arrays maps it over its devices.
 
         Args:
             function: a function of the `model`-axis adapter and `args`.
             args: the tensors.
             split_axes: for each of `args`, the axis it is split on.
+            output_axis: the axis the result is split on, or `None`: the
+                result is the same on every rank.
         """
         return function(self.adapter, *args)
 

@@ -196,7 +196,7 @@ class MeshRegions:
             return jax.lax.with_sharding_constraint(value, sharding)
         return jax.device_put(value, sharding)
 
-    def run_split_function(self, function, args, split_axes):
+    def run_split_function(self, function, args, split_axes, output_axis=None):
         if self._inside_ranks:
             return function(self.adapter, *args)
         adapter = self.adapter
@@ -209,7 +209,7 @@ class MeshRegions:
             local,
             mesh=self.mesh,
             in_specs=tuple(spec(axis) for axis in split_axes),
-            out_specs=PartitionSpec(),
+            out_specs=spec(output_axis),
             check_vma=True,
         )(*args)
 

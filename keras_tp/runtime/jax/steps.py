@@ -21,7 +21,7 @@ from keras_tp.keras_internals import StatelessScope
 from keras_tp.keras_internals import bind_values
 from keras_tp.keras_internals import jax_update_metrics
 from keras_tp.keras_internals import local_shapes
-from keras_tp.plan import layers
+from keras_tp.plan.split_logits import whole_logits
 from keras_tp.runtime import padding
 from keras_tp.runtime.jax.regions import is_array
 
@@ -44,7 +44,7 @@ class MeshSteps:
         extra = padding.rows_to_add(data, self.data_parallel)
         with self.adapter.stats.recording(phase):
             if extra and phase != "train":
-                with layers.whole_logits():
+                with whole_logits():
                     return self._padded_step(phase, model, state, data, extra)
             return self._per_rank_step(phase, model, step, state, data)
 

@@ -306,11 +306,16 @@ class ReplicaSteps:
         ):
             self._on_replicas(on_replica)
 
-    def run_split_function(self, function, args, split_axes):
-        """`function`'s per-token values, which the replicas computed from
-        their logits in the step's forward pass (see `_forward`): the
-        output the loss and metrics read holds them in place of the
-        logits."""
+    def run_split_function(self, function, args, split_axes, output_axis=None):
+        """Inside a replica, `function` of its values; outside (the loss
+        and metrics of split logits), `function`'s per-token values, which
+        the replicas computed from their logits in the step's forward pass
+        (see `_forward`): the output the loss and metrics read holds them
+        in place of the logits."""
+        if self.holds_local_values():
+            return super().run_split_function(
+                function, args, split_axes, output_axis
+            )
         return split_head().column(function, args[1])
 
     def _test_step(self, model, data):

@@ -18,7 +18,7 @@ from keras_tp.keras_internals import map_added_losses
 from keras_tp.keras_internals import tracked_loss
 from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.parallel.overlap import BackwardOverlap
-from keras_tp.plan import layers
+from keras_tp.plan.split_logits import whole_logits
 from keras_tp.runtime import padding
 from keras_tp.runtime.torch.saved_tensors import DetachedSavedTensors
 from keras_tp.runtime.torch.storage import parameter_of
@@ -48,7 +48,7 @@ class ProcessSteps:
         extra = 0 if shares else padding.rows_to_add(data, self.data_parallel)
         with self.adapter.stats.recording(phase), self.step_context():
             if phase == "test" and extra:
-                with layers.whole_logits():
+                with whole_logits():
                     return self._padded_test_step(model, data, extra)
             size = padding.batch_size(data)
             if phase == "predict" and extra:

@@ -70,11 +70,10 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
     def action_times(self):
         return self._trained.clock.times(self.trained_order)
 
-    def _stages(
-        self, x, trainable, non_trainable, training, per_device=True, seed=None
-    ):
+    def _stages(self, x, trainable, non_trainable, per_device=True, seed=None):
         """The `JaxStages` of a step on `x` and Keras' values (per device
-        with replicas unless `per_device=False`)."""
+        with replicas unless `per_device=False`): a training step's where
+        the backward passes take the loss's gradient `seed`."""
         per_device = per_device and self.data_parallel > 1
         replicas = self.data_parallel if per_device else 1
         batch = batch_size(x)
@@ -82,7 +81,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             self.check_batch_size(batch)
         count = self.microbatches(batch // replicas)
         # Inference programs serve every micro-batch count.
-        key = (count if training else None, per_device)
+        key = (None if seed is None else count, per_device)
         if key not in self._compiled:
             self._compiled[key] = StagePrograms(self, per_device, key[0])
         trainer = self.trainer
@@ -100,7 +99,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         mapping = zip(self.trainer.optimizer.variables, optimizer_values)
         with StatelessScope(state_mapping=list(mapping)):
             seed = self.loss_seed()
-        stages = self._stages(x, trainable, non_trainable, True, seed=seed)
+        stages = self._stages(x, trainable, non_trainable, seed=seed)
         self._trained, self.trained_order = stages.programs, stages.order
         loss, y_pred = run_schedule(stages, stages.order, x, targets)
         trainable, optimizer_values = self._apply(
@@ -116,7 +115,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
     def test_step(self, state, data):
         trainable, non_trainable, metrics = state
         x, targets = self.unpacked(data)
-        stages = self._stages(x, trainable, non_trainable, training=False)
+        stages = self._stages(x, trainable, non_trainable)
         y_pred = run_forward(stages, x)
         non_trainable = self._merged(non_trainable, stages.non_trainable)
         loss = self.whole_batch_loss(targets, y_pred, stages.added_loss())
@@ -144,7 +143,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             )[0]
 
     def _infer(self, trainable, non_trainable, x, per_device=True):
-        stages = self._stages(x, trainable, non_trainable, False, per_device)
+        stages = self._stages(x, trainable, non_trainable, per_device)
         outputs = run_forward(stages, x)
         return outputs, self._merged(non_trainable, stages.non_trainable)
 
@@ -205,11 +204,10 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         # With a loss scale, every stage keeps its values where the
         # gradients overflowed anywhere, decided on the devices.
         scaled = self.loss_scale() is not None
-        for stage, grads in enumerate(owned):
-            stage_update = self._updates[stage]
-            groups = (stage_update.variables, stage_update.slots, shared)
+        for stage, (update, grads) in enumerate(zip(self._updates, owned)):
+            groups = (update.variables, update.slots, shared)
             applies = self.sent(finite, stage, "optimizer") if scaled else None
-            new = stage_update.update(
+            new = update.update(
                 [values[id(v)] for v in groups[0]],
                 [values[id(v)] for v in groups[1]],
                 onto(shared_values, self.stage_runtimes[stage].mesh),
@@ -225,7 +223,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             values.update(
                 (id(v), value)
                 for v, value in zip(shared, new[2])
-                if id(v) in stage_update.assigned
+                if id(v) in update.assigned
             )
         if scaled:
             scaler = trainer.optimizer

@@ -214,12 +214,8 @@ class StagePrograms:
         """Stage `index`'s backward pass: `(gradients, input gradients)`."""
         last = index == self.last
 
-        def local(
-            trainable, non_trainable, inputs, targets, kept, cotangent, seed
-        ):
-            _, leaves = self._arguments(
-                index, trainable, non_trainable, inputs, targets
-            )
+        def local(args, kept, cotangent, seed):
+            _, leaves = self._arguments(index, *args)
             treedef, sources = self._layouts[index, signature(leaves)]
             kept = iter(self._from_rows(kept))
             vjp = jax.tree.unflatten(
@@ -235,7 +231,7 @@ class StagePrograms:
             return self._rows(gradients), input_gradients
 
         variables = self.stage_models[index].trainable_variables
-        in_specs = (*self._specs(index), ROWS, ROWS, PartitionSpec())
+        in_specs = (self._specs(index), ROWS, ROWS, PartitionSpec())
         out_specs = (replica_rows(self.runtimes[index], variables), ROWS)
         return self._mapped(index, local, in_specs, out_specs)
 
@@ -245,13 +241,11 @@ class JaxStages(StagePrimitives):
     then holds the new ones, `gradients` the sums over the micro-batches
     (one row per replica)."""
 
-    def __init__(
-        self, programs, trainable, non_trainable, num_microbatches, seed=None
-    ):
-        super().__init__(programs.pipeline, num_microbatches)
+    def __init__(self, programs, trainable, non_trainable, count, seed):
+        super().__init__(programs.pipeline, count)
         self.programs = programs
         # What the backward passes seed the loss's gradient with.
-        self.seed = np.float32(1.0) if seed is None else seed
+        self.seed = seed
         self.replicas = programs.replicas
         self.trainable = trainable
         self.non_trainable = list(non_trainable)
@@ -280,7 +274,7 @@ class JaxStages(StagePrimitives):
         args, kept = self._residuals.pop((stage, m))
         program = self.programs.program("backward", stage)
         seed = onto(self.seed, self.programs.runtimes[stage].mesh)
-        grads, input_grads = program(*args, kept, cotangent, seed)
+        grads, input_grads = program(args, kept, cotangent, seed)
         if self.gradients[stage] is not None:
             grads = jax.tree.map(jax.numpy.add, self.gradients[stage], grads)
         self.gradients[stage] = grads

@@ -5,12 +5,13 @@ import contextlib
 import tensorflow as tf
 
 from keras_tp.collectives.tensorflow_sequence import SequenceShard
-from keras_tp.pipeline import schedules
 from keras_tp.pipeline.executor import StagePrimitives
 from keras_tp.pipeline.executor import join_rows
 from keras_tp.pipeline.executor import run_forward
 from keras_tp.pipeline.executor import run_schedule
 from keras_tp.pipeline.executor import split_rows
+from keras_tp.pipeline.schedules import BACKWARD
+from keras_tp.pipeline.schedules import FORWARD
 from keras_tp.runtime.tensorflow import added_losses
 from keras_tp.tensors import carried_masks
 from keras_tp.tensors import floats_of
@@ -32,7 +33,6 @@ class TensorFlowStages(StagePrimitives):
         self.tensor_parallel = pipeline.tensor_parallel
         self.data_parallel = pipeline.data_parallel
         self.adding_stages = pipeline.adding_stages
-        self._training = False
         # Per stage, the whole length of each output a replica sends as
         # its sequence shard's slice, else `None`; read when traced.
         self._lengths = {}
@@ -72,8 +72,7 @@ class TensorFlowStages(StagePrimitives):
 
     def forward(self, stage, m, inputs, target):
         adding = self.adding_stages[stage]
-        with self._issued(stage, schedules.FORWARD, m, inputs) as done:
-            started = self.times[-1][0]
+        with self._issued(stage, FORWARD, m, inputs) as (started, done):
 
             def forward():
                 replica = self.runtimes[stage].replica_id()
@@ -103,8 +102,7 @@ class TensorFlowStages(StagePrimitives):
     def backward(self, stage, m, cotangent):
         variables = self.stage_models[stage].trainable_variables
         received = cotangent or []
-        with self._issued(stage, schedules.BACKWARD, m, received) as done:
-            started = self.times[-1][0]
+        with self._issued(stage, BACKWARD, m, received) as (started, done):
             cotangent = cotangent or self._loss_cotangents.pop(m)
             added = [self._seed()] if self.adding_stages[stage] else []
 
@@ -191,15 +189,13 @@ class TensorFlowStages(StagePrimitives):
         """Each data-parallel row's share of the batch's loss, outside the
         replicas (where Keras would divide a loss by their number); its
         gradient is kept for the row's backward passes."""
+        # Read when traced: a model compiled again uses its new loss.
+        loss_function = self.pipeline.loss_function(self.num_microbatches)
         losses, cotangents = [], []
         for first in range(0, len(outputs), self.tensor_parallel):
             predicted = floats_of(outputs[first])
             with tf.GradientTape() as tape:
                 tape.watch(predicted)
-                # Read when traced: a model compiled again uses its new loss.
-                loss_function = self.pipeline.loss_function(
-                    self.num_microbatches
-                )
                 loss, fraction = loss_function(target[first], outputs[first])
                 loss = loss / self.num_microbatches
                 seeded = loss * tf.cast(self._seed(), loss.dtype)
@@ -227,10 +223,10 @@ class TensorFlowStages(StagePrimitives):
     @contextlib.contextmanager
     def _issued(self, stage, kind, m, inputs):
         """Issues the action `(stage, kind, m)` after its stage's previous
-        one, timed from a `tf.timestamp` after its inputs and their
-        sender's action (which each replica's thread waits for, from
-        `times[-1][0]`) to one after the tensors added to `done`."""
-        sender = stage - 1 if kind == schedules.FORWARD else stage + 1
+        one, timed from `start`, a `tf.timestamp` after its inputs and
+        their sender's action (which each replica's thread waits for), to
+        one after the tensors added to `done`; yields `(start, done)`."""
+        sender = stage - 1 if kind == FORWARD else stage + 1
         sent = self._ends.get((sender, kind, m))
         waits = tf.nest.flatten(inputs) + ([sent] if sent is not None else [])
         with (
@@ -242,7 +238,7 @@ class TensorFlowStages(StagePrimitives):
             self.times.append([start])
             with tf.control_dependencies([start]):
                 done = []
-                yield done
+                yield start, done
                 self._previous[stage] = done
                 with tf.control_dependencies(done):
                     self._ends[stage, kind, m] = end = tf.timestamp()

@@ -263,9 +263,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
         if self.data_adapter is None:
             return y_pred
         # Every rank returns the whole batch's outputs.
-        return keras.tree.map_structure(
-            lambda y: self.data_adapter.all_gather(y, 0), y_pred
-        )
+        return self.stage_runtime.gathered(y_pred)
 
     def _logs(self, x, targets, loss, y_pred):
         """The step's logs on every rank, from each replica's last stage

@@ -56,7 +56,7 @@ class ProcessSteps:
             if not shares:
                 data = keras.tree.map_structure(self.batch_slice, data)
             if phase == "predict":
-                outputs = self._gathered(step(data))
+                outputs = self.gathered(step(data))
                 return outputs if shares else padding.dropped(outputs, size)
             metrics = model.metrics_variables
             before = [v.value.detach().clone() for v in metrics]
@@ -76,7 +76,7 @@ class ProcessSteps:
                 variable.assign(value)
             return model.get_metrics_result()
 
-    def _gathered(self, outputs):
+    def gathered(self, outputs):
         """The global batch's outputs from every data rank's."""
         return keras.tree.map_structure(
             lambda y: (
@@ -99,7 +99,7 @@ class ProcessSteps:
             self.batch_slice, padding.padded(x, extra)
         )
         y_pred = padding.dropped(
-            self._gathered(model(x_slice, training=False)), size
+            self.gathered(model(x_slice, training=False)), size
         )
         tracked_loss(model, x, y, y_pred, sample_weight, False, size)
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)

@@ -27,15 +27,13 @@ def candidate_cuts(graph):
     cross, and that number. Model inputs and early outputs, which cross
     many cuts alike, are not counted."""
     allowed = range(1, len(graph.nodes))
-    if not allowed:
-        return [], None
     counts = np.zeros(len(graph.nodes) + 1, dtype=np.int64)
     outputs = set(graph.outputs)
     for key, info in graph.tensors.items():
         if info.producer is not None:
             last = info.first if key in outputs else info.last
             counts[info.first : last + 1] += 1
-    fewest = min(counts[k] for k in allowed)
+    fewest = min((counts[k] for k in allowed), default=None)
     return [k for k in allowed if counts[k] == fewest], fewest
 
 

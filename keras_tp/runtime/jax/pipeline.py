@@ -217,14 +217,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             )
             values.update(zip(map(id, groups[0]), new[0]))
             values.update(zip(map(id, groups[1]), new[1]))
-            # Of the rest, what this stage's update assigned: the step
-            # count, or state of its own variables made without a
-            # reference (Adafactor's factored moments).
-            values.update(
-                (id(v), value)
-                for v, value in zip(shared, new[2])
-                if id(v) in update.assigned
-            )
+            values.update((id(shared[i]), value) for i, value in new[2].items())
         if scaled:
             scaler = trainer.optimizer
             scale, counter = scaler.dynamic_scale, scaler.step_counter
@@ -268,10 +261,10 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
     def _update_of(self, stage, shared):
         """A stage's compiled `StageUpdate`: `synchronise` of the backward
         passes' gradients; `update` of `(values, slot values, shared
-        values, gradients, applies, clip)` to new values (the old ones
-        where `applies` is false; gradients times `clip` where given);
-        `squared_norm` of synchronised gradients; the `variables` and
-        `slots` it updates; the `shared` ids it `assigned`, once traced."""
+        values, gradients, applies, clip)` to new values, of the shared
+        ones those it assigned by index (the old ones where `applies` is
+        false; gradients times `clip` where given); `squared_norm` of
+        synchronised gradients; the `variables` and `slots` it updates."""
         # A loss scale's own variables are `_apply`'s (it skips or not).
         optimizer = unscaled(self.trainer.optimizer)
         own = self.owners.owned(stage)
@@ -279,7 +272,6 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             v for v in optimizer.variables if self.stage_of.get(id(v)) == stage
         ]
         variables = (own, slots, shared)
-        assigned = set()
 
         def update(
             values, slot_values, shared_values, gradients, applies, clip
@@ -293,11 +285,6 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             ):
                 before = [scope.get_current_value(v) for v in shared]
                 optimizer.apply(gradients, own)
-            assigned.update(
-                id(v)
-                for v, value in zip(shared, before)
-                if scope.get_current_value(v) is not value
-            )
 
             def new(variable, value):
                 current = scope.get_current_value(variable)
@@ -305,7 +292,15 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
                     return value if current is None else current
                 return jax.numpy.where(applies, current, value)
 
-            return tuple([*map(new, *group)] for group in groups)
+            # Of the rest, what it assigned: the step count, or state of
+            # its own variables made without a reference (Adafactor's
+            # factored moments).
+            assigned = {
+                i: new(v, value)
+                for i, (v, value) in enumerate(zip(*groups[2]))
+                if scope.get_current_value(v) is not before[i]
+            }
+            return [*map(new, *groups[0])], [*map(new, *groups[1])], assigned
 
         runtime = self.stage_runtimes[stage]
         specs = [runtime.variable_spec(v) for v in own]
@@ -319,12 +314,11 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             own,
             slots,
             counted_jit(runtime.squared_norm(own, specs), self.stats),
-            assigned,
         )
 
 
 StageUpdate = collections.namedtuple(
-    "StageUpdate", "synchronise update variables slots squared_norm assigned"
+    "StageUpdate", "synchronise update variables slots squared_norm"
 )
 
 

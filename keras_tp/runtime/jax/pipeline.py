@@ -205,18 +205,17 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         # gradients overflowed anywhere, decided on the devices.
         scaled = self.loss_scale() is not None
         for stage, (update, grads) in enumerate(zip(self._updates, owned)):
-            groups = (update.variables, update.slots, shared)
             applies = self.sent(finite, stage, "optimizer") if scaled else None
             new = update.update(
-                [values[id(v)] for v in groups[0]],
-                [values[id(v)] for v in groups[1]],
+                [values[id(v)] for v in update.variables],
+                [values[id(v)] for v in update.slots],
                 onto(shared_values, self.stage_runtimes[stage].mesh),
                 grads,
                 applies,
                 clips[stage],
             )
-            values.update(zip(map(id, groups[0]), new[0]))
-            values.update(zip(map(id, groups[1]), new[1]))
+            values.update(zip(map(id, update.variables), new[0]))
+            values.update(zip(map(id, update.slots), new[1]))
             values.update((id(shared[i]), value) for i, value in new[2].items())
         if scaled:
             scaler = trainer.optimizer

@@ -169,6 +169,68 @@ def warmup_run(kind, warmup_steps=2, layout=(2, 2, 0)):
     return steps
 
 
+def momentum_signs_run(optimizer, warmup_steps=2, layout=(2, 2, 0)):
+    """The inner optimizer's slots after each step of a run whose signs
+    start after `warmup_steps`: Adam's momenta and second moments, or
+    SGD's momenta (`optimizer`: `"adam"` or `"sgd"`, with momentum).
+
+    Returns:
+        Per step, `{slot list's name: [full value of each slot]}`.
+    """
+    if optimizer == "adam":
+        inner, slots = (
+            keras.optimizers.Adam(1e-2),
+            ("_momentums", "_velocities"),
+        )
+    else:
+        inner, slots = keras.optimizers.SGD(0.05, momentum=0.9), ("momentums",)
+    tp = keras_tp.TensorParallelKeras(
+        models.mlp(), world_size=layout[0], data_parallel=layout[1]
+    )
+    tp.compile(
+        optimizer=keras_tp.CoordinatedOptimizer(
+            inner, compression=compression_of("sign", warmup_steps)
+        ),
+        loss=loss_fn(),
+    )
+    steps = []
+
+    class EveryStep(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            # Reading `self.model` brings Keras' JAX state back to it.
+            full = self.model._runtime.placement.full_value
+            steps.append(
+                {
+                    name: [full(v) for v in getattr(inner, name)]
+                    for name in slots
+                }
+            )
+
+    x, y = data(STEPS * BATCH)
+    tp.fit(
+        x,
+        y,
+        batch_size=BATCH,
+        shuffle=False,
+        verbose=0,
+        callbacks=[EveryStep()],
+    )
+    return steps
+
+
+def check_momentum_signs(steps, warmup_steps=2):
+    """The momenta move at every update; Adam's second moments move in
+    the warm-up and then stay as it left them, while signs of each rank's
+    next momentum travel (1-bit Adam)."""
+    for number in range(1, len(steps)):
+        before, after = steps[number - 1], steps[number]
+        for name in after:
+            moved = max_diff(after[name], before[name]) > 0
+            # Update `number + 1` is compressed.
+            frozen = name == "_velocities" and number >= warmup_steps
+            assert moved != frozen, (name, number + 1, moved)
+
+
 def check_warmup(kind, steps, warmup_steps=2, data_parallel=2):
     """The warm-up sends uncompressed and keeps the state at its start;
     the steps after it send compressed and move the state."""
@@ -306,6 +368,7 @@ def rank_checks(layouts, directory):
     check_traffic_and_closeness(runs)
     for kind in ("powersgd", "sign"):
         check_warmup(kind, warmup_run(kind))
+    check_momentum_signs(momentum_signs_run("adam"))
     resumed = {
         kind: resume_run(
             kind,
@@ -335,14 +398,15 @@ def teacher_data(samples, seed=0):
     return x, np.argmax(x @ teacher, axis=1)
 
 
-def convergence_run(kind, epochs, data_parallel=4):
+def convergence_run(kind, epochs, data_parallel=4, warmup_steps=0):
     """Final loss of the MLP on `teacher_data`, Adam, 32 steps an epoch."""
     x, y = teacher_data(1024)
     tp = keras_tp.TensorParallelKeras(
         models.mlp(), world_size=data_parallel, data_parallel=data_parallel
     )
     optimizer = keras_tp.CoordinatedOptimizer(
-        keras.optimizers.Adam(3e-3), compression=compression_of(kind)
+        keras.optimizers.Adam(3e-3),
+        compression=compression_of(kind, warmup_steps),
     )
     tp.compile(optimizer=optimizer, loss=loss_fn())
     history = tp.fit(

@@ -57,3 +57,7 @@ def test_zero3_is_refused():
 def test_warmup_sends_uncompressed_then_compressed():
     for kind in ("powersgd", "sign"):
         cases.check_warmup(kind, cases.warmup_run(kind))
+
+
+def test_signs_of_the_momentum_keep_adams_second_moment():
+    cases.check_momentum_signs(cases.momentum_signs_run("adam"))

@@ -7,7 +7,9 @@ backend runs the same arithmetic:
 - `"powersgd"`: rank-r PowerSGD with error feedback and warm-started `Q`
   (Vogels et al. 2019, torch's `powerSGD_hook`);
 - `"sign"`: 1-bit scaled signs with error feedback (EF-SignSGD,
-  Karimireddy et al. 2019), packed 32 to an int32 word and all-gathered.
+  Karimireddy et al. 2019), packed 32 to an int32 word and all-gathered:
+  of the momentum where the inner optimizer keeps one (1-bit Adam,
+  `signs.py`), else of the gradient.
 
 Only the data axis is compressed: tensor-parallel collectives carry
 activations, and ZeRO-3's gradients are reduce-scattered by the backward
@@ -25,12 +27,12 @@ from keras_tp.parallel.buckets import all_reduce_flat
 from keras_tp.parallel.compression_state import WarmUpCodec
 from keras_tp.parallel.compression_state import per_model_rank_variable
 from keras_tp.parallel.compression_state import per_rank_variable
+from keras_tp.parallel.signs import SignCodec
 
 KINDS = ("bf16", "fp16", "powersgd", "sign")
 _CAST_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 # Gram-Schmidt's guard against a zero column, as in torch's PowerSGD.
 _EPSILON = 1e-8
-_BITS = 32
 # PowerSGD's rank and the uncompressed updates before PowerSGD and signs
 # start, by default (measured: `docs/guides/communication.md`).
 RANK = 2
@@ -60,7 +62,11 @@ class Compression:
       one scale per tensor (the mean absolute value), and keeps what the
       scaled signs miss as its next error. Signs and scales are
       all-gathered: every rank receives `data_parallel` times its own
-      bytes, which counts in `communication_stats()`.
+      bytes, which counts in `communication_stats()`. With Adam or AdamW
+      after a warm-up, or SGD with momentum, at ZeRO stage 0 and without
+      clipping, what travels is each rank's next momentum, and Adam's
+      second moment stays as the warm-up left it (DeepSpeed's 1-bit
+      Adam; see `keras_tp.parallel.signs`).
 
     `"powersgd"` and `"sign"` first send `warmup_steps` updates
     uncompressed, as torch's PowerSGD hook (`start_powerSGD_iter`) and
@@ -228,7 +234,9 @@ def make_codec(compression, optimizer, placement, variables):
     if compression.kind == "powersgd":
         codec = PowerSGDCodec(compression, optimizer, placement, variables)
     else:
-        codec = SignCodec(optimizer, placement, variables)
+        codec = SignCodec(
+            optimizer, placement, variables, compression.warmup_steps
+        )
     if compression.warmup_steps == 0:
         return codec
     return WarmUpCodec(codec, compression.warmup_steps, optimizer)
@@ -355,59 +363,6 @@ class PowerSGDCodec:
         return out
 
 
-class SignCodec:
-    """1-bit scaled signs with error feedback, all-gathered.
-
-    Args:
-        optimizer: the `CoordinatedOptimizer` that keeps the errors.
-        placement: the `Placement` of its variables.
-        variables: its trainable variables.
-    """
-
-    scatters = False
-
-    def __init__(self, optimizer, placement, variables):
-        self.errors = {
-            id(v): per_rank_variable(optimizer, placement, v, "sign_error")
-            for v in variables
-        }
-
-    @property
-    def variables(self):
-        return list(self.errors.values())
-
-    def state_of(self, bucket):
-        """The errors `all_reduce(bucket, ...)` assigns."""
-        return [self.errors[id(v)] for v in bucket.variables]
-
-    def all_reduce(self, bucket, values, adapter):
-        errors = [self.errors[id(v)] for v in bucket.variables]
-        local = [
-            ops.add(value, ops.reshape(error.value, value.shape))
-            for value, error in zip(values, errors)
-        ]
-        flat = [ops.reshape(x, (-1,)) for x in local]
-        scales = ops.stack([ops.mean(ops.abs(x)) for x in flat])
-        positive = ops.concatenate([ops.greater_equal(x, 0) for x in flat], 0)
-        sizes = [int(x.shape[0]) for x in flat]
-        words = _packed(positive)
-        every_scale = adapter.all_gather(ops.expand_dims(scales, 0), axis=0)
-        every_word = adapter.all_gather(ops.expand_dims(words, 0), axis=0)
-        every_sign = _unpacked(every_word, sum(sizes), local[0].dtype)
-        out = []
-        edges = np.cumsum([0] + sizes)
-        for j, (value, error) in enumerate(zip(local, errors)):
-            start, stop = int(edges[j]), int(edges[j + 1])
-            # Each rank's scaled signs, averaged over the ranks.
-            signs = every_sign[:, start:stop]
-            averaged = ops.mean(signs * every_scale[:, j : j + 1], axis=0)
-            mine = ops.where(ops.greater_equal(flat[j], 0), 1.0, -1.0)
-            sent = ops.multiply(ops.cast(mine, value.dtype), scales[j])
-            error.assign(ops.reshape(ops.subtract(flat[j], sent), error.shape))
-            out.append(ops.reshape(averaged, value.shape))
-        return out
-
-
 def _orthogonalised(p):
     """`p` with orthonormal columns (modified Gram-Schmidt).
 
@@ -421,24 +376,3 @@ def _orthogonalised(p):
             column = column - ops.sum(column * previous) * previous
         columns.append(column / (ops.norm(column) + _EPSILON))
     return ops.stack(columns, axis=1)
-
-
-def _packed(bits):
-    """A boolean vector as int32 words of 32 bits (zero-padded)."""
-    size = int(bits.shape[0])
-    padded = -(-size // _BITS) * _BITS
-    bits = ops.pad(ops.cast(bits, "int32"), [(0, padded - size)])
-    shifts = ops.arange(_BITS, dtype="int32")
-    words = ops.left_shift(ops.reshape(bits, (-1, _BITS)), shifts)
-    # The bits are distinct powers of two: their sum is their OR, and
-    # stays in int32 (bit 31 is the negative one).
-    return ops.cast(ops.sum(words, axis=1), "int32")
-
-
-def _unpacked(words, size, dtype):
-    """`_packed` undone on `(ranks, words)`: `(ranks, size)` signs +-1."""
-    shifts = ops.arange(_BITS, dtype="int32")
-    shifted = ops.right_shift(ops.expand_dims(words, -1), shifts)
-    bits = ops.bitwise_and(shifted, 1)
-    bits = ops.reshape(bits, (words.shape[0], -1))[:, :size]
-    return ops.cast(bits, dtype) * 2 - 1

@@ -27,6 +27,7 @@ from keras_tp.parallel.clipping import NormClipping
 from keras_tp.parallel.compression import gradient_compression
 from keras_tp.parallel.compression import make_codec
 from keras_tp.parallel.local_sgd import local_sgd
+from keras_tp.parallel.signs import frozen_by
 from keras_tp.parallel.wrapping import WrappingOptimizer
 from keras_tp.parallel.zero import ZeroLayout
 
@@ -329,7 +330,8 @@ class CoordinatedOptimizer(WrappingOptimizer):
         variables = model_variables_of(self)
         grads = self.clipping(grads, variables)
         adapter = self._data_adapter
-        self.layout.update(self.inner_optimizer, grads, variables, adapter)
+        with frozen_by(self._codec):
+            self.layout.update(self.inner_optimizer, grads, variables, adapter)
 
     def finalize_variable_values(self, var_list):
         """Ends `fit()` synchronised; writes the EMA weights (`use_ema`).
@@ -400,7 +402,6 @@ class CoordinatedOptimizer(WrappingOptimizer):
                 "The optimizer is not built yet: train one step first (or "
                 "call `optimizer.build(model.trainable_variables)`)."
             )
-        outer = self.outer_optimizer
         probe = self.link_probe
         adapter = self._data_adapter
         hierarchical = isinstance(adapter, HierarchicalAdapter)
@@ -412,15 +413,13 @@ class CoordinatedOptimizer(WrappingOptimizer):
             "gradient_accumulation_steps": self.accumulation_steps,
             "compression": self.compression,
             "local_sgd_steps": self.local_sgd_steps,
-            "outer_optimizer": None if outer is None else outer.name,
+            "outer_optimizer": getattr(self.outer_optimizer, "name", None),
             "overlap": self.backward_overlap is not None,
             "hosts": adapter.hosts if hierarchical else 1,
             **self.layout.describe(model_variables_of(self)),
         }
 
     def get_config(self):
-        compression = self.compression
-        # `None` serialises, and deserialises, to `None`.
         return {
             "name": self.name,
             "optimizer": keras.saving.serialize_keras_object(
@@ -429,7 +428,8 @@ class CoordinatedOptimizer(WrappingOptimizer):
             "zero_stage": self.zero_stage,
             "bucket_cap_mb": self.bucket_cap_mb,
             "gradient_accumulation_steps": self.accumulation_steps,
-            "compression": compression and compression.get_config(),
+            # `None` serialises, and deserialises, to `None`.
+            "compression": self.compression and self.compression.get_config(),
             "overlap": self.overlap,
             "hierarchical": self.hierarchical,
             "local_sgd_steps": self.local_sgd_steps,

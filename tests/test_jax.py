@@ -927,6 +927,38 @@ def test_a_depthwise_kernel_is_no_bank_of_experts():
     ), plan.replicated
 
 
+class _ChannelRMSNorm(layers.Layer):
+    """keras-hub's RmsNorm2d: a root mean square over the channels."""
+
+    def build(self, shape):
+        self.gamma = self.add_weight(shape=(shape[-1],), initializer="ones")
+
+    def call(self, x):
+        square = keras.ops.mean(keras.ops.square(x), axis=-1, keepdims=True)
+        return x * keras.ops.rsqrt(square + 1e-6) * self.gamma
+
+
+@pytest.mark.parametrize("weightless", [False, True])
+def test_a_norm_over_the_channels_is_not_split_on_tiny_values(weightless):
+    # MobileNetV5's layer scale starts at 1e-5: the traced values reaching
+    # its RmsNorm2d were so small that the norm, below its epsilon, was
+    # nearly linear, and a rank's channels seemed to give their part of
+    # its output. Split by channels, it was 1.2e-2 off where ranks hold
+    # their slices (ZeRO-1). The check runs at unit scale too.
+    inputs = keras.Input((4, 4, 8))
+    tiny = keras.initializers.RandomNormal(stddev=1e-6, seed=0)
+    x = layers.Conv2D(16, 1, kernel_initializer=tiny, name="up")(inputs)
+    if weightless:
+        x = layers.LayerNormalization(center=False, scale=False, name="norm")(x)
+    else:
+        x = _ChannelRMSNorm(name="norm")(x)
+    x = layers.Conv2D(8, 1, name="down")(x)
+    plan = keras_tp.auto_plan(keras.Model(inputs, x), 2, check_local=False)
+    styles = {e.layer.path: e.style for e in plan.leaf_layers()}
+    assert styles.get("norm") != keras_tp.Channelwise(), styles
+    assert styles["down"] != keras_tp.Row(), styles
+
+
 def test_indivisible_dimensions():
     def build():
         keras.utils.set_random_seed(0)

@@ -50,13 +50,21 @@ def weightless_passing(call, tensor, axis, may_be_split):
     args, kwargs = call.arguments_with(sliced)
     try:
         actual = ops.convert_to_numpy(call.layer.call(*args, **kwargs))
+        # The same at unit scale (see `at_unit_scale`).
+        scaled = {i: at_unit_scale(call.input_values[i]) for i in sliced}
+        args, kwargs = call.arguments_with(scaled)
+        whole = ops.convert_to_numpy(call.layer.call(*args, **kwargs))
+        args, kwargs = call.arguments_with(
+            {i: take(value, part, axis) for i, value in scaled.items()}
+        )
+        at_scale = ops.convert_to_numpy(call.layer.call(*args, **kwargs))
     except Exception:  # noqa: BLE001 - the layer cannot run on a slice
         return None
     expected = ops.convert_to_numpy(output)
     for out_axis, size in enumerate(expected.shape):
-        want = np.take(expected, part, out_axis) if size == length else None
-        if want is not None and _close(actual, want):
-            return out_axis
+        if size == length and _close(actual, np.take(expected, part, out_axis)):
+            keeps = _close(at_scale, np.take(whole, part, out_axis))
+            return out_axis if keeps else None
     return None
 
 
@@ -124,14 +132,38 @@ def commutes(call, tensor, axis, weights=None):
     if tuple(output.shape) != tuple(tensor.shape) or tensor.shape[axis] < 2:
         return False
     part = np.arange(tensor.shape[axis] // 2)
-    try:
-        sliced = take(call.input_values[0], part, axis)
-        if weights:
-            handler = leaf_handler(call.layer)
-            actual = handler.run_local(call.layer, weights, (sliced,), {})
-        else:
-            actual = call.layer.call(sliced)
-        actual = ops.convert_to_numpy(actual)
-    except Exception:  # noqa: BLE001 - the layer cannot run on a slice
-        return False
-    return _close(actual, np.take(ops.convert_to_numpy(output), part, axis))
+    value = call.input_values[0]
+    for probe in (value, at_unit_scale(value)):
+        try:
+            whole = output if probe is value else call.layer.call(probe)
+            sliced = take(probe, part, axis)
+            if weights:
+                handler = leaf_handler(call.layer)
+                actual = handler.run_local(call.layer, weights, (sliced,), {})
+            else:
+                actual = call.layer.call(sliced)
+            actual = ops.convert_to_numpy(actual)
+        except Exception:  # noqa: BLE001 - the layer cannot run on a slice
+            return False
+        expected = np.take(ops.convert_to_numpy(whole), part, axis)
+        if not _close(actual, expected):
+            return False
+    return True
+
+
+def at_unit_scale(value):
+    """`value` scaled to a root mean square of 1 (unchanged if all zero).
+
+    Traced values can be tiny (a layer scale initialised at 1e-5): a norm
+    over the channels then sits below its epsilon, where it is nearly
+    linear and a rank's channels seem to give their part of its output.
+    At unit scale it is not, and such a layer is split only if it keeps
+    the channels apart there too.
+    """
+    array = ops.convert_to_numpy(value)
+    if not np.issubdtype(array.dtype, np.floating):
+        return value
+    rms = float(np.sqrt(np.mean(np.square(array, dtype="float64"))))
+    if rms == 0:
+        return value
+    return ops.convert_to_tensor(array / rms, dtype=value.dtype)

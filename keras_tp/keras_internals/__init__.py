@@ -78,12 +78,14 @@ from keras_tp.keras_internals.optimizers import (
 )
 from keras_tp.keras_internals.optimizers import clipping_by
 from keras_tp.keras_internals.optimizers import exclude_from_weight_decay
+from keras_tp.keras_internals.optimizers import linear_momentum
 from keras_tp.keras_internals.optimizers import model_variables_of
 from keras_tp.keras_internals.optimizers import moving_average
 from keras_tp.keras_internals.optimizers import own_optimizer_variables
 from keras_tp.keras_internals.optimizers import per_variable_update_steps
 from keras_tp.keras_internals.optimizers import place_slots_on_creation
 from keras_tp.keras_internals.optimizers import schedule_at_micro_steps
+from keras_tp.keras_internals.optimizers import slot_of
 from keras_tp.keras_internals.optimizers import step_counter
 from keras_tp.keras_internals.optimizers import untracked_variables
 from keras_tp.keras_internals.optimizers import updating_only
@@ -134,6 +136,7 @@ __all__ = [
     "jax_layout",
     "jax_update_metrics",
     "layer_call_nodes",
+    "linear_momentum",
     "local_shapes",
     "loss_function_arguments",
     "losses_override",
@@ -167,6 +170,7 @@ __all__ = [
     "set_reported_shape",
     "set_stored_value",
     "shifted_seed_draws",
+    "slot_of",
     "stateful_cond",
     "step_counter",
     "stored_kernel",

@@ -20,6 +20,31 @@ def accumulated_gradient(optimizer, variable):
     return accumulated[optimizer._get_variable_index(variable)]
 
 
+def linear_momentum(optimizer):
+    """How `optimizer` updates a momentum linearly from the gradient, or
+    `None`: `(decay, rate, momenta, frozen)` with `m <- decay m + rate()
+    g`; `momenta` and the lists of slots in `frozen` (Adam's second
+    moments) are by the optimizer's variable index. Adam and AdamW set
+    `m <- beta_1 m + (1 - beta_1) g`, SGD with momentum (not Nesterov's)
+    `m <- momentum m - lr g`."""
+    if isinstance(optimizer, keras.optimizers.Adam):
+        frozen = [optimizer._velocities]
+        if optimizer.amsgrad:
+            frozen.append(optimizer._velocity_hats)
+        beta = optimizer.beta_1
+        return beta, lambda: 1 - beta, optimizer._momentums, frozen
+    sgd = isinstance(optimizer, keras.optimizers.SGD)
+    if sgd and optimizer.momentum and not optimizer.nesterov:
+        rate = optimizer._get_current_learning_rate
+        return optimizer.momentum, lambda: -rate(), optimizer.momentums, []
+    return None
+
+
+def slot_of(optimizer, slots, variable):
+    """`variable`'s entry of one of `optimizer`'s lists of slots."""
+    return slots[optimizer._get_variable_index(variable)]
+
+
 @contextlib.contextmanager
 def clipping_by(optimizer, factor):
     """Inside, `optimizer` clips the gradients it applies (at an update,

@@ -18,10 +18,11 @@ the gradient that gives it, so its own update runs unchanged.
 
 import contextlib
 
-import keras
 import numpy as np
 from keras import ops
 
+from keras_tp.keras_internals import linear_momentum
+from keras_tp.keras_internals import slot_of
 from keras_tp.parallel.compression_state import WarmUpCodec
 from keras_tp.parallel.compression_state import per_rank_variable
 
@@ -134,32 +135,16 @@ class MomentumSigns:
         """
         inner = optimizer.inner_optimizer
         clips = inner.clipnorm or inner.clipvalue or inner.global_clipnorm
-        if optimizer.zero_stage or clips:
+        momentum = linear_momentum(inner)
+        if optimizer.zero_stage or clips or momentum is None:
             return None
-        if isinstance(inner, keras.optimizers.Adam) and warmup_steps:
-            frozen = [inner._velocities]
-            if inner.amsgrad:
-                frozen.append(inner._velocity_hats)
-            return cls(
-                inner,
-                inner.beta_1,
-                lambda: 1 - inner.beta_1,
-                inner._momentums,
-                frozen,
-            )
-        sgd = isinstance(inner, keras.optimizers.SGD)
-        if sgd and inner.momentum and not inner.nesterov:
-            return cls(
-                inner,
-                inner.momentum,
-                lambda: -inner._get_current_learning_rate(),
-                inner.momentums,
-                [],
-            )
-        return None
+        decay, rate, slots, frozen = momentum
+        if frozen and not warmup_steps:
+            return None
+        return cls(inner, decay, rate, slots, frozen)
 
     def _slot(self, variable):
-        return self.slots[self.inner._get_variable_index(variable)]
+        return slot_of(self.inner, self.slots, variable)
 
     def local(self, gradients, variables):
         """This rank's next momentum of each variable, from `gradients`."""

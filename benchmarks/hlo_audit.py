@@ -9,9 +9,11 @@ beside what keras_tp counted:
 
     KERAS_BACKEND=jax python benchmarks/hlo_audit.py rwkv7 qwen3_5 fnet
 
-XLA may combine counted all-reduces into fewer ops; a kind of collective
-with more ops in the HLO than calls counted (or none counted) is marked
-`UNCOUNTED`.
+XLA combines independent collectives into one op of several operands,
+so the tensors are compared, not the ops: a kind of collective that moves
+more tensors in the HLO than calls counted (or none counted) is marked
+`UNCOUNTED`. (XLA may also drop a counted collective whose result
+computes twice, so fewer tensors than calls is no finding.)
 """
 
 import argparse
@@ -30,7 +32,8 @@ from benchmarks import jax_steps  # noqa: E402
 
 
 def audit(name):
-    """`{kind: (calls counted, ops in the compiled HLO)}` of zoo `name`."""
+    """`{kind: (calls counted, tensors in the compiled HLO)}` of zoo
+    `name`."""
     from tests import zoo
 
     model, x, y = zoo.ZOO[name]()
@@ -42,8 +45,8 @@ def audit(name):
     result = {}
     for kind, found in jax_steps.hlo_collectives(compiled).items():
         calls = counted.get(kind.replace("-", "_"), {}).get("calls", 0)
-        if calls or found["ops"]:
-            result[kind] = (calls, found["ops"])
+        if calls or found["tensors"]:
+            result[kind] = (calls, found["tensors"])
     return result
 
 
@@ -51,12 +54,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="+", help="families of tests/zoo.py")
     args = parser.parse_args(argv)
-    print("| family | collective: counted calls / compiled ops |")
+    print("| family | collective: counted calls / compiled tensors |")
     print("|---|---|")
     for name in args.names:
         cells = [
-            f"{kind} {calls} / {ops}" + (" UNCOUNTED" if ops > calls else "")
-            for kind, (calls, ops) in audit(name).items()
+            f"{kind} {calls} / {tensors}"
+            + (" UNCOUNTED" if tensors > calls else "")
+            for kind, (calls, tensors) in audit(name).items()
         ]
         print(f"| {name} | {'; '.join(cells)} |", flush=True)
 

@@ -1,11 +1,11 @@
 """Whole weights that compute on split activations: gradients summed.
 
-Where ranks hold their own slices (torch, TensorFlow, JAX with a data
-axis), a layer the plan keeps whole can still compute on one rank's part
-of the heads:
+A layer the plan keeps whole can still compute on one rank's part of the
+activations:
 
 - Qwen3 and Gemma 3 normalise each query and key head with one RMS
   norm's weights, called on the rank's heads;
+- HGNetV2 scales and shifts split channels by one learnable scalar;
 - a key/value projection with fewer heads than ranks (Gemma's single
   head) stays whole and feeds every rank's query heads.
 
@@ -13,8 +13,11 @@ Each rank's gradient of such weights is then a partial sum. The layer
 reads its weights through `copy_to_parallel` (identity forward, all-reduce
 backward), as Megatron all-reduces its sequence-parallel norms' weights,
 and so are its whole inputs, sharing the copy that a region makes of the
-same tensor: their gradients are summed over the ranks as well. The
-planner's local check finds these layers (`plan.summed_gradients`).
+same tensor: their gradients are summed over the ranks as well. On
+global arrays (JAX without a data axis) the layer runs so on each
+device's part (`runtime.run_split_function`), where XLA would otherwise
+sum the gradients in collectives nobody counts. The planner's local check
+finds these layers (`plan.summed_gradients`).
 """
 
 import keras
@@ -29,32 +32,57 @@ from keras_tp.tensors import is_float
 
 def install(plan, runtime):
     """Lets each of `plan.summed_gradients`' layers sum its gradients
-    where `runtime`'s ranks hold their own slices."""
-    for layer, split_inputs in plan.summed_gradients.items():
-        set_call(layer, _summed_call(layer, split_inputs, runtime))
+    over `runtime`'s `model` axis."""
+    for layer, summed in plan.summed_gradients.items():
+        set_call(layer, _summed_call(layer, summed, runtime))
 
 
-def _summed_call(layer, split_inputs, runtime):
+def _summed_call(layer, summed, runtime):
     """`layer`'s call with its weights, and its inputs that are whole
-    (`split_inputs`: per tensor input, whether it arrives split), read
-    through the `model` axis' `copy_to_parallel`."""
+    (`summed.input_axes`: per tensor input, the axis it arrives split on),
+    read through the `model` axis' `copy_to_parallel`."""
     call = layer.call
     variables = own_trainable_variables(layer)
 
-    def summed_call(*args, **kwargs):
-        if not runtime.holds_local_values():
-            return call(*args, **kwargs)
-        enter = runtime.adapter.copy_to_parallel
-        flags = iter(split_inputs)
+    def entered_call(adapter, weights, args, kwargs):
+        axes = iter(summed.input_axes)
 
         def entered(x):
-            if not is_tensor(x) or next(flags, False) or not is_float(x):
+            whole = next(axes, None) is None
+            if not is_tensor(x) or not whole or not is_float(x):
                 return x
-            return shared_value(x, enter)
+            return shared_value(x, adapter.copy_to_parallel)
 
         args, kwargs = keras.tree.map_structure(entered, (args, kwargs))
-        pairs = [(v, enter(runtime.local_value(v))) for v in variables]
+        pairs = [
+            (v, adapter.copy_to_parallel(w)) for v, w in zip(variables, weights)
+        ]
         with bind_values(pairs):
             return call(*args, **kwargs)
+
+    def summed_call(*args, **kwargs):
+        if runtime.holds_local_values():
+            weights = [runtime.local_value(v) for v in variables]
+            return entered_call(runtime.adapter, weights, args, kwargs)
+        if not any(axis is not None for axis in summed.input_axes):
+            return call(*args, **kwargs)
+        leaves = keras.tree.flatten((args, kwargs))
+        tensors = [leaf for leaf in leaves if is_tensor(leaf)]
+
+        def on_each_device(adapter, *values):
+            local = iter(values[: len(tensors)])
+            local_leaves = [next(local) if is_tensor(x) else x for x in leaves]
+            local_args, local_kwargs = keras.tree.pack_sequence_as(
+                (args, kwargs), local_leaves
+            )
+            weights = values[len(tensors) :]
+            return entered_call(adapter, weights, local_args, local_kwargs)
+
+        return runtime.run_split_function(
+            on_each_device,
+            [*tensors, *(v.value for v in variables)],
+            [*summed.input_axes, *(None for _ in variables)],
+            output_axis=summed.output_axes[0],
+        )
 
     return summed_call

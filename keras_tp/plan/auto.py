@@ -33,6 +33,7 @@ from keras_tp.plan.layers import leaf_handler
 from keras_tp.plan.local_check import counted_problems
 from keras_tp.plan.local_check import keep_needed_counts
 from keras_tp.plan.local_check import random_on_split_values
+from keras_tp.plan.local_check import summed_on_global_arrays
 from keras_tp.plan.planner import Planner
 from keras_tp.plan.sharding_plan import ShardingPlan
 from keras_tp.plan.styles import Replicate
@@ -150,6 +151,10 @@ def auto_plan(
                 if check_local:
                     plan.per_rank_random = random_on_split_values(
                         plan, random_inputs
+                    )
+                else:
+                    plan.summed_gradients = summed_on_global_arrays(
+                        model, plan, trace, group_of
                     )
                 keep_needed_counts(model, plan, trace, group_of, units_only)
                 return plan

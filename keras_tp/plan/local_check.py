@@ -17,6 +17,7 @@ from keras_tp.plan.head_counts import add_head_arguments
 from keras_tp.plan.head_counts import per_rank_counts
 from keras_tp.plan.planner import Planner
 from keras_tp.plan.sharding_plan import ShardedUnit
+from keras_tp.plan.sharding_plan import SummedCall
 from keras_tp.plan.styles import Row
 from keras_tp.plan.verify import local_problems
 
@@ -52,6 +53,47 @@ def check_locally(model, plan, sample_batch=None):
     keep_needed_counts(model, plan, trace, group_of)
 
 
+def summed_on_global_arrays(model, plan, trace, group_of):
+    """The whole layers to run on each device's part of global arrays.
+
+    Where the code between split layers runs on global arrays (JAX
+    without a data axis), a whole layer with weights of its own that reads
+    split activations (Qwen3's norm of each head, HGNetV2's learnable
+    scale of split channels) gets each device's partial gradient, which
+    XLA would sum in a collective of its own, uncounted. Each rank's view
+    of the plan (`counted_problems`) finds such layers; run on each device's
+    part (`partial_gradients`), they sum their gradients in counted
+    collectives. Kept out: layers inside an attention unit (its region
+    runs them per device already), layers that read per-rank head counts,
+    and every layer when a rank's view of the plan fails (a path only
+    global arrays run right).
+
+    Returns:
+        `{layer: SummedCall}`.
+    """
+    # The check may try other per-rank head counts: a copy of the plan
+    # takes them, the one for global arrays keeps its own.
+    ranks_view = plan.part_for(lambda layer: True)
+    ranks_view.summed_gradients = {}
+    if counted_problems(model, ranks_view, trace, group_of):
+        return {}
+    inside = {
+        id(sub)
+        for entry in plan.layers
+        if isinstance(entry, ShardedUnit)
+        for sub in sublayers(entry.layer)
+    }
+    return {
+        layer: call
+        for layer, call in ranks_view.summed_gradients.items()
+        if id(layer) not in inside
+        and layer not in ranks_view.per_rank_counts
+        and any(axis is not None for axis in call.input_axes)
+        and len(set(call.output_axes)) == 1
+        and None not in call.output_axes
+    }
+
+
 def random_on_split_values(plan, random_inputs):
     """The layers whose random draws act on split activations.
 
@@ -85,16 +127,16 @@ def random_on_split_values(plan, random_inputs):
 
 
 def _whole_key_values(model, plan, trace):
-    """`{layer: ()}`: the layers a plan keeps whole that feed, through raw
-    ops, the split heads of a Row it splits: key/value projections with
-    fewer heads than ranks, found by `auto_plan`'s pairing walk. Their
-    forward values are right on every rank, but each rank's gradient is a
-    partial sum (see `Planner.whole_key_values`)."""
+    """`{layer: SummedCall}`: the layers a plan keeps whole that feed,
+    through raw ops, the split heads of a Row it splits: key/value
+    projections with fewer heads than ranks, found by `auto_plan`'s
+    pairing walk. Their forward values are right on every rank, but each
+    rank's gradient is a partial sum (see `Planner.whole_key_values`)."""
     planner = Planner(model, plan.tensor_parallel, trace)
     planner.decide()
     split = {id(entry.layer): entry.style for entry in plan.leaf_layers()}
     return {
-        layer: ()
+        layer: SummedCall((), ())
         for key, layers in planner.whole_inputs.items()
         if isinstance(split.get(key), Row)
         for layer in layers

@@ -16,6 +16,7 @@ from keras_tp.plan.attention import ATTENTION
 from keras_tp.plan.experts import expert_output_axis
 from keras_tp.plan.layers import leaf_handler
 from keras_tp.plan.pairing import MegatronPairing
+from keras_tp.plan.sharding_plan import SummedCall
 from keras_tp.plan.sharding_plan import check_shardable
 from keras_tp.plan.sharding_plan import supported_layers
 from keras_tp.plan.styles import Channelwise
@@ -382,12 +383,13 @@ class Planner(MegatronPairing):
     # Falling back -----------------------------------------------------
 
     def whole_key_values(self, decisions):
-        """`{layer: ()}`: the whole key/value projections (fewer heads than
-        ranks) that feed split query heads. Where ranks hold their own
-        slices, each rank's gradient of their weights and inputs is a
-        partial sum (see `partial_gradients`); their inputs are whole."""
+        """`{layer: SummedCall}`: the whole key/value projections (fewer
+        heads than ranks) that feed split query heads. Where ranks hold
+        their own slices, each rank's gradient of their weights and inputs
+        is a partial sum (see `partial_gradients`); their inputs are
+        whole."""
         return {
-            layer: ()
+            layer: SummedCall((), ())
             for key, layers in self.whole_inputs.items()
             if any(d.group == key and d.paired for d in decisions.values())
             for layer in layers

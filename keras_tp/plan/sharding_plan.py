@@ -29,6 +29,21 @@ ShardedUnit = collections.namedtuple("ShardedUnit", ["layer", "projections"])
 ShardedUnit.__doc__ = """An attention layer run as one region; `projections`
 maps the sublayer attribute to its `ShardedLayer`."""
 
+SummedCall = collections.namedtuple("SummedCall", ["input_axes", "output_axes"])
+SummedCall.__doc__ = """How a whole layer is called on split activations
+(`partial_gradients`): for each tensor input and each tensor output, in
+order, the axis a rank holds its slice of (`None`: whole)."""
+
+
+def split_axes(local_values, whole_values):
+    """The axis each of `local_values` is a rank's slice of its whole
+    value on (`None` where the shapes agree)."""
+    axes = []
+    for local, whole in zip(local_values, whole_values):
+        pairs = enumerate(zip(local.shape, whole.shape))
+        axes.append(next((axis for axis, (a, b) in pairs if a != b), None))
+    return tuple(axes)
+
 
 class ShardingPlan:
     """An ordered mapping from variable-path regex to sharding style.
@@ -91,7 +106,7 @@ class ShardingPlan:
         # (`head_counts.per_rank_counts`): `{layer: {attribute: count}}`.
         self.per_rank_counts = {}
         # Whole layers computing on split activations, whose gradients the
-        # ranks sum (`partial_gradients`): `{layer: (input split, ...)}`.
+        # ranks sum (`partial_gradients`): `{layer: SummedCall}`.
         self.summed_gradients = {}
 
     def __repr__(self):

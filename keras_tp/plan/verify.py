@@ -39,6 +39,8 @@ from keras_tp.plan.head_counts import local_arguments
 from keras_tp.plan.head_counts import local_counts
 from keras_tp.plan.head_counts import with_whole_heads
 from keras_tp.plan.sharding_plan import ShardedUnit
+from keras_tp.plan.sharding_plan import SummedCall
+from keras_tp.plan.sharding_plan import split_axes
 from keras_tp.plan.styles import Channelwise
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Row
@@ -285,7 +287,7 @@ class _Emulation:
             self.random_inputs.setdefault(layer, []).append(local)
         own = own_trainable_variables(layer)
         if local and own and self.active:
-            self._sum_gradients(layer, inputs, reference.inputs)
+            self._sum_gradients(layer, inputs, outputs, reference)
         elif not local:
             self._compare(
                 tracing.flat_tensors(outputs),
@@ -295,14 +297,13 @@ class _Emulation:
             )
         return outputs
 
-    def _sum_gradients(self, layer, inputs, whole_inputs):
+    def _sum_gradients(self, layer, inputs, outputs, reference):
         """A layer with weights of its own on split activations (a norm of
-        each head): each rank's gradient of its weights is a partial sum,
-        so the ranks sum it (`partial_gradients`). Its output is checked
-        where it meets whole values again."""
-        split = tuple(
-            tuple(a.shape) != tuple(b.shape)
-            for a, b in zip(inputs, whole_inputs)
+        each head): the ranks sum its weights' partial gradients
+        (`partial_gradients`); its output meets whole values later."""
+        split = SummedCall(
+            split_axes(inputs, reference.inputs),
+            split_axes(tracing.flat_tensors(outputs), reference.output_values),
         )
         if len(own_variables(layer)) > len(own_trainable_variables(layer)):
             self._blame_active(

@@ -1,5 +1,6 @@
 """Small helpers on tensors of any backend: their bytes, their dtype kind,
-their Keras masks, and collectives over many tensors at once.
+their Keras masks, scaling and concatenating many, and collectives over
+many tensors at once.
 
 They use only `keras.ops`, `keras.backend` and `keras_internals`, so the
 plan, the optimizer, the runtimes and the collectives share them without
@@ -40,6 +41,20 @@ def is_float(x):
         return False
     return keras.backend.is_float_dtype(
         keras.backend.standardize_dtype(x.dtype)
+    )
+
+
+def scaled(tensors, factor):
+    """Each of `tensors` times `factor`, cast to its dtype."""
+    return [ops.multiply(t, ops.cast(factor, t.dtype)) for t in tensors]
+
+
+def concatenated(structures):
+    """Like structures concatenated along their first (batch) axis."""
+    if len(structures) == 1:
+        return structures[0]
+    return keras.tree.map_structure(
+        lambda *parts: ops.concatenate(parts, 0), *structures
     )
 
 

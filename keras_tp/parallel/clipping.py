@@ -11,6 +11,8 @@ import contextlib
 
 from keras import ops
 
+from keras_tp.tensors import scaled
+
 
 class NormClipping:
     """`clipnorm` and `global_clipnorm`, taken over from an optimizer.
@@ -121,7 +123,7 @@ def clipped(
         total = ops.sum(ops.stack(counted)) if counted else ops.zeros(())
         norm = ops.sqrt((global_world or world).all_reduce(total, "sum"))
         scale = global_scale(norm, global_clip_norm)
-        return [ops.multiply(g, ops.cast(scale, g.dtype)) for g in grads]
+        return scaled(grads, scale)
     norms = ops.sqrt(world.all_reduce(ops.stack(shares), "sum"))
     result = []
     for i, g in enumerate(grads):

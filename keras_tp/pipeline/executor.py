@@ -10,7 +10,9 @@ import keras
 from keras_tp.parallel.batch_loss import fraction_scale
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.schedules import FORWARD
+from keras_tp.tensors import concatenated
 from keras_tp.tensors import nbytes
+from keras_tp.tensors import scaled
 from keras_tp.tensors import with_masks
 
 
@@ -89,6 +91,20 @@ class StagePrimitives:
         """`(loss, y_pred)` of the batch from its micro-batches' loss shares
         (none without targets) and outputs."""
         raise NotImplementedError
+
+    def scaled_gradients(self):
+        """`gradients` (by stage, or by stage and replica), times
+        `gradient_scale` where set, on each stage's devices (`placed`)."""
+        if self.gradient_scale is None:
+            return self.gradients
+        return {
+            key: scaled(grads, self.placed(self.gradient_scale, key))
+            for key, grads in self.gradients.items()
+        }
+
+    def placed(self, value, key):
+        """`value` on the devices of `gradients[key]`'s stage."""
+        return value
 
     def joined_loss(self, shares, replicas):
         """The batch's loss from each micro-batch's (and replica's) `(loss
@@ -179,13 +195,4 @@ def join_rows(parts):
     row): row by row, each row's micro-batches in order."""
     return concatenated(
         [micro[row] for row in range(len(parts[0])) for micro in parts]
-    )
-
-
-def concatenated(structures):
-    """Like structures concatenated along their first (batch) axis."""
-    if len(structures) == 1:
-        return structures[0]
-    return keras.tree.map_structure(
-        lambda *parts: keras.ops.concatenate(parts, 0), *structures
     )

@@ -57,9 +57,9 @@ class WeightOwners:
         stage's `gradients` of it; `moved(gradient, stage, owner)` moves a
         later stage's to the owner's devices."""
         sums = {}
-        for stage, grads in enumerate(gradients):
-            variables = self.stage_models[stage].trainable_variables
-            for variable, grad in zip(variables, grads):
+        for stage, model in enumerate(self.stage_models):
+            variables = model.trainable_variables
+            for variable, grad in zip(variables, gradients[stage]):
                 key = id(variable)
                 if self.stage_of[key] != stage:
                     grad = moved(grad, stage, self.stage_of[key])

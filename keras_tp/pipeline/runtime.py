@@ -122,6 +122,17 @@ class PipelineRuntime(Runtime):
             self.keep_copy(variable, axis, stage)
         self.stage_runtimes[owner].placement.place(variable, axis)
 
+    def stage_runtime_of(self, variable):
+        """The runtime of the stage storing `variable`: its owner's; for
+        an optimizer's own variable, the one that placed it, else `None`."""
+        stage = self.stage_of.get(id(variable))
+        if stage is not None:
+            return self.stage_runtimes[stage]
+        return next(
+            (r for r in self.stage_runtimes if r.placement.is_placed(variable)),
+            None,
+        )
+
     def keep_copy(self, variable, axis, stage):
         """Stores `stage`'s copy of an earlier stage's weight; by default
         none: the stage receives one each step."""

@@ -23,10 +23,10 @@ from keras_tp.runtime.jax.stage_storage import StageStorage
 from keras_tp.runtime.jax.stages import TRACING_STAGE
 from keras_tp.runtime.jax.stages import JaxStages
 from keras_tp.runtime.jax.stages import StagePrograms
-from keras_tp.runtime.jax.stages import times
 from keras_tp.runtime.jax.steps import is_concrete
 from keras_tp.runtime.jax.storage import onto
 from keras_tp.runtime.padding import batch_size
+from keras_tp.tensors import scaled
 
 
 class JaxPipelineRuntime(StageStorage, PipelineRuntime):
@@ -238,7 +238,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         if scale is not None:
             inverse = 1 / values[id(scale)]
             owned = [
-                times(grads, self.sent(inverse, stage, "optimizer"))
+                scaled(grads, self.sent(inverse, stage, "optimizer"))
                 for stage, grads in enumerate(owned)
             ]
         optimizer = unscaled(self.trainer.optimizer)

@@ -8,17 +8,15 @@ from keras_tp.runtime.jax.devices import to_jax_device
 class StageStorage:
     """Pipeline runtime mixin: the storage the module docstring tells."""
 
-    def _owner_runtime(self, variable):
-        """The runtime of the stage storing `variable` (the first for the
-        optimizer's own variables)."""
-        return self.stage_runtimes[self.stage_of.get(id(variable), 0)]
-
     def local_pieces(self, variable):
-        return self._owner_runtime(variable).local_pieces(variable)
+        # The optimizer's own variables, unplaced, with the first stage's.
+        runtime = self.stage_runtime_of(variable) or self.stage_runtimes[0]
+        return runtime.local_pieces(variable)
 
     def assign_local_pieces(self, variable, read):
         # Other stages that use it read a copy of the owner's each step.
-        self._owner_runtime(variable).assign_local_pieces(variable, read)
+        runtime = self.stage_runtime_of(variable) or self.stage_runtimes[0]
+        runtime.assign_local_pieces(variable, read)
 
     def place_variable_like(self, variable, reference, data_axis):
         """Places an optimizer slot on its reference's stage."""

@@ -238,8 +238,8 @@ class StagePrograms:
 
 class JaxStages(StagePrimitives):
     """A JAX pipeline's `programs` on one step's values: `non_trainable`
-    then holds the new ones, `gradients` the sums over the micro-batches
-    (one row per replica)."""
+    then holds the new ones, `gradients` by stage the sums over the
+    micro-batches (one row per replica)."""
 
     def __init__(self, programs, trainable, non_trainable, count, seed):
         super().__init__(programs.pipeline, count)
@@ -249,7 +249,7 @@ class JaxStages(StagePrimitives):
         self.replicas = programs.replicas
         self.trainable = trainable
         self.non_trainable = list(non_trainable)
-        self.gradients = [None] * self.num_stages
+        self.gradients = {}
         self.added = []  # one row per device
         self._residuals = {}
 
@@ -275,7 +275,7 @@ class JaxStages(StagePrimitives):
         program = self.programs.program("backward", stage)
         seed = onto(self.seed, self.programs.runtimes[stage].mesh)
         grads, input_grads = program(args, kept, cotangent, seed)
-        if self.gradients[stage] is not None:
+        if stage in self.gradients:
             grads = jax.tree.map(jax.numpy.add, self.gradients[stage], grads)
         self.gradients[stage] = grads
         return input_grads
@@ -283,14 +283,8 @@ class JaxStages(StagePrimitives):
     def send(self, value, stage, direction):
         return self.pipeline.sent(value, stage, direction)
 
-    def scaled_gradients(self):
-        """Each stage's gradients, times `gradient_scale` where set."""
-        if self.gradient_scale is None:
-            return self.gradients
-        return [
-            times(grads, onto(self.gradient_scale, runtime.mesh))
-            for grads, runtime in zip(self.gradients, self.programs.runtimes)
-        ]
+    def placed(self, value, key):
+        return onto(value, self.programs.runtimes[key].mesh)
 
     def infer(self, stage, inputs):
         program = self.programs.program("infer", stage)
@@ -306,10 +300,6 @@ class JaxStages(StagePrimitives):
         loss = self.joined_loss(losses, self.replicas) if losses else None
         rows = [split_rows(p, self.replicas, 1)[0] for p in predictions]
         return loss, join_rows(rows)
-
-
-def times(gradients, factor):
-    return [g * factor.astype(g.dtype) for g in gradients]
 
 
 class StageClock:

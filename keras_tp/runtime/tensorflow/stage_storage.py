@@ -56,30 +56,19 @@ class StageStorage:
 
     def place_variable_like(self, variable, reference, data_axis):
         self.owners.adopt(variable, reference)
-        self._runtime_of(variable).placement.place_like(
+        self.stage_runtime_of(variable).placement.place_like(
             variable, reference, data_axis
         )
 
     def full_value(self, variable):
-        return self._runtime_of(variable).full_value(variable)
+        return self.stage_runtime_of(variable).full_value(variable)
 
     def assign_full_value(self, variable, value):
-        self._runtime_of(variable).assign_full_value(variable, value)
-
-    def _runtime_of(self, variable):
-        """The stage runtime storing `variable`; `None` for the compiled
-        optimizer's own, whole on the host."""
-        stage = self.stage_of.get(id(variable))
-        if stage is not None:
-            return self.stage_runtimes[stage]
-        return next(
-            (r for r in self.stage_runtimes if r.placement.is_placed(variable)),
-            None,
-        )
+        self.stage_runtime_of(variable).assign_full_value(variable, value)
 
     def local_pieces(self, variable):
         # In files named by stage and replica.
-        runtime = self._runtime_of(variable)
+        runtime = self.stage_runtime_of(variable)
         if runtime is None:
             # The compiled optimizer's own: with the first replica's.
             whole = tuple((0, int(n)) for n in variable.shape)
@@ -93,7 +82,7 @@ class StageStorage:
 
     def assign_local_pieces(self, variable, read):
         # A shared weight's copies follow at the next step.
-        runtime = self._runtime_of(variable)
+        runtime = self.stage_runtime_of(variable)
         if runtime is None:
             variable.assign(read(tuple((0, int(n)) for n in variable.shape)))
         else:

@@ -48,16 +48,6 @@ class TensorFlowStages(StagePrimitives):
         )
         return result
 
-    def scaled_gradients(self):
-        """`gradients`, times `gradient_scale` where set."""
-        scale = self.gradient_scale
-        if scale is None:
-            return self.gradients
-        return {
-            key: [g * tf.cast(scale, g.dtype) for g in grads]
-            for key, grads in self.gradients.items()
-        }
-
     def predict(self, x, training=False):
         """`run_forward` of the batch `x`."""
         self._training = training

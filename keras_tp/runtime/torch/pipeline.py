@@ -274,11 +274,7 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
             with torch.no_grad():
                 self.update_metrics(x, targets, loss, y_pred)
             if self.data_adapter is not None:
-                totals, _ = self.stage_runtime.synchronised_state(
-                    [], [], before, [v.value.detach() for v in variables]
-                )
-                for variable, total in zip(variables, totals):
-                    variable.assign(total)
+                self.stage_runtime.synchronise_step_state(variables, before)
         values = [v.value.detach().reshape(-1).double() for v in variables]
         # One broadcast for all of them: float64 holds float32 and int32
         # metric state exactly.

@@ -12,10 +12,10 @@ from torch.distributed.tensor import Shard
 
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.executor import StagePrimitives
-from keras_tp.pipeline.executor import concatenated
 from keras_tp.pipeline.executor import run_forward
 from keras_tp.pipeline.executor import run_schedule
 from keras_tp.tensors import carried_masks
+from keras_tp.tensors import concatenated
 from keras_tp.tensors import floats_of
 from keras_tp.tensors import nbytes
 

@@ -63,18 +63,26 @@ class ProcessSteps:
             if phase == "train":
                 self._start_backward_overlap(model)
             step(data)
-            non_trainable = model.non_trainable_variables
-            new_metrics, values = self.synchronised_state(
-                non_trainable,
-                [v.value.detach() for v in non_trainable],
-                before,
-                [v.value.detach() for v in metrics],
+            self.synchronise_step_state(
+                metrics, before, model.non_trainable_variables
             )
-            for variable, value in zip(
-                metrics + non_trainable, new_metrics + values
-            ):
-                variable.assign(value)
             return model.get_metrics_result()
+
+    def synchronise_step_state(self, metrics, before, non_trainable=()):
+        """Assigns the global batch's `metrics` from this rank's (their
+        values `before` its step) and the data-averaged `non_trainable`
+        (`synchronised_state`)."""
+        non_trainable = list(non_trainable)
+        new_metrics, values = self.synchronised_state(
+            non_trainable,
+            [v.value.detach() for v in non_trainable],
+            before,
+            [v.value.detach() for v in metrics],
+        )
+        for variable, value in zip(
+            metrics + non_trainable, new_metrics + values
+        ):
+            variable.assign(value)
 
     def gathered(self, outputs):
         """The global batch's outputs from every data rank's."""

@@ -78,7 +78,7 @@ def optimizer_for(optimizer, runtime, trainer, arguments):
     )
 
 
-def coordinated(optimizer, runtime, trainer, loss_scaled=False):
+def coordinated(optimizer, runtime, trainer, coordinating=False):
     """`optimizer` as `runtime` runs it: a `CoordinatedOptimizer` bound to
     it where its steps run per rank, or where ranks hold shards and the
     optimizer clips by norms or keeps state (`WHOLE_VARIABLE_OPTIONS`),
@@ -89,9 +89,12 @@ def coordinated(optimizer, runtime, trainer, loss_scaled=False):
         runtime: the runtime of the model being compiled.
         trainer: the `TensorParallelKeras` being compiled; its current
             optimizer may be compiled again, built.
-        loss_scaled: whether a `GlobalLossScaleOptimizer` wraps it, which
-            applies it inside a conditional: a `CoordinatedOptimizer`
-            updates the pieces of the variables there on every backend.
+        coordinating: whether to make it a `CoordinatedOptimizer` in any
+            case: where a `GlobalLossScaleOptimizer` wraps it, which
+            applies it inside a conditional (a `CoordinatedOptimizer`
+            updates the pieces of the variables there on every backend),
+            or where a pipeline stage's copy accumulates, averages the
+            weights or takes norms over the stage's devices.
 
     Returns:
         The optimizer to compile with.
@@ -119,7 +122,7 @@ def coordinated(optimizer, runtime, trainer, loss_scaled=False):
         bound_to = bound_to or runtime.coordinating_runtime
     elif (
         bound_to is not None
-        or loss_scaled
+        or coordinating
         or _needs_whole_variables(optimizer, runtime)
     ):
         bound_to = bound_to or runtime.coordinating_runtime

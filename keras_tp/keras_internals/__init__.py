@@ -79,6 +79,8 @@ from keras_tp.keras_internals.optimizers import (
 from keras_tp.keras_internals.optimizers import clipping_by
 from keras_tp.keras_internals.optimizers import exclude_from_weight_decay
 from keras_tp.keras_internals.optimizers import linear_momentum
+from keras_tp.keras_internals.optimizers import mix_in
+from keras_tp.keras_internals.optimizers import mixed_class
 from keras_tp.keras_internals.optimizers import model_variables_of
 from keras_tp.keras_internals.optimizers import moving_average
 from keras_tp.keras_internals.optimizers import own_optimizer_variables
@@ -142,6 +144,8 @@ __all__ = [
     "losses_override",
     "map_added_losses",
     "metric_function",
+    "mix_in",
+    "mixed_class",
     "model_variables_of",
     "moving_average",
     "node_call_arguments",

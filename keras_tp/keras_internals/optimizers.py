@@ -265,6 +265,27 @@ def untracked_variables(optimizer):
     ]
 
 
+def mix_in(optimizer, subclass, **attributes):
+    """Makes `optimizer` an instance of `subclass` of its class (a
+    `mixed_class`) holding `attributes`, as Keras mixes `TFOptimizer` into
+    its TensorFlow optimizers."""
+    object.__setattr__(optimizer, "__class__", subclass)
+    for name, value in attributes.items():
+        object.__setattr__(optimizer, name, value)
+
+
+@functools.cache
+def mixed_class(mixin, prefix, optimizer_class, *bases):
+    """The subclass of `optimizer_class`, then of `bases`, with `mixin`
+    first, named `prefix` and `optimizer_class`'s name in `mixin`'s
+    module."""
+    return type(
+        f"{prefix}{optimizer_class.__name__}",
+        (mixin, optimizer_class, *bases),
+        {"__module__": mixin.__module__},
+    )
+
+
 @functools.cache
 def per_variable_update_steps():
     """The backend's optimizer class, its gradients applied one variable at

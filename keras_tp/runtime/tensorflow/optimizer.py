@@ -15,6 +15,8 @@ from keras_tp.keras_internals import UpdatesThroughAssign
 from keras_tp.keras_internals import backend_free_add_variable_from_reference
 from keras_tp.keras_internals import exclude_from_weight_decay
 from keras_tp.keras_internals import get_stateless_scope
+from keras_tp.keras_internals import mix_in
+from keras_tp.keras_internals import mixed_class
 from keras_tp.keras_internals import per_variable_update_steps
 from keras_tp.keras_internals import untracked_variables
 from keras_tp.keras_internals import weight_decay_excluded
@@ -50,10 +52,11 @@ def prepare_optimizer(runtime, model):
             excluded = weight_decay_excluded(
                 each, model.trainable_variables, runtime.former_keys
             )
-            object.__setattr__(
-                each, "__class__", tensor_parallel_class(type(each))
+            mix_in(
+                each,
+                tensor_parallel_class(type(each)),
+                _tensor_parallel_runtime=runtime,
             )
-            object.__setattr__(each, "_tensor_parallel_runtime", runtime)
             # Keyed by identity now (`UpdatesThroughAssign._var_key`).
             exclude_from_weight_decay(each, excluded)
     elif optimizer._tensor_parallel_runtime is not runtime:
@@ -234,22 +237,14 @@ class TensorParallelOptimizer(UpdatesThroughAssign):
             super().assign_sub(variable, _scattered(value))
 
 
-_TENSOR_PARALLEL_CLASSES = {}
-
-
 def tensor_parallel_class(optimizer_class):
     """The subclass of `optimizer_class` with `TensorParallelOptimizer`."""
-    if optimizer_class not in _TENSOR_PARALLEL_CLASSES:
-        _TENSOR_PARALLEL_CLASSES[optimizer_class] = type(
-            f"TensorParallel{optimizer_class.__name__}",
-            (
-                TensorParallelOptimizer,
-                optimizer_class,
-                per_variable_update_steps(),
-            ),
-            {"__module__": __name__},
-        )
-    return _TENSOR_PARALLEL_CLASSES[optimizer_class]
+    return mixed_class(
+        TensorParallelOptimizer,
+        "TensorParallel",
+        optimizer_class,
+        per_variable_update_steps(),
+    )
 
 
 def _scattered(value):

@@ -2,7 +2,6 @@
 own, the schedule replica steps of the stages (`.stages`)."""
 
 import contextlib
-import functools
 
 import keras
 import tensorflow as tf
@@ -11,9 +10,10 @@ from keras_tp.collectives.tensorflow import ReplicaStats
 from keras_tp.compiling import coordinated
 from keras_tp.compiling import place_slots
 from keras_tp.keras_internals import exclude_from_weight_decay
+from keras_tp.keras_internals import mix_in
+from keras_tp.keras_internals import mixed_class
 from keras_tp.keras_internals import step_counter
 from keras_tp.keras_internals import weight_decay_excluded
-from keras_tp.parallel import CoordinatedOptimizer
 from keras_tp.parallel.clipping import global_norm_taken
 from keras_tp.parallel.loss_scaling import loss_scale
 from keras_tp.parallel.loss_scaling import next_scale
@@ -25,6 +25,7 @@ from keras_tp.runtime.tensorflow.optimizer import prepare_optimizer
 from keras_tp.runtime.tensorflow.stage_storage import StageStorage
 from keras_tp.runtime.tensorflow.stages import TensorFlowStages
 from keras_tp.tensors import nbytes
+from keras_tp.tensors import scaled
 
 
 class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
@@ -103,10 +104,9 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         # scale's, the one it wraps).
         averaging = unscaled(optimizer)
         if averaging.use_ema and not isinstance(averaging, _FinalizesStages):
-            object.__setattr__(
-                averaging, "__class__", _finalizing_stages(type(averaging))
-            )
-            object.__setattr__(averaging, "_keras_tp_pipeline", self)
+            finalizing = type(averaging)
+            finalizing = mixed_class(_FinalizesStages, "StagesOf", finalizing)
+            mix_in(averaging, finalizing, _keras_tp_pipeline=self)
         # Built on no variable, the compiled optimizer keeps the step count
         # each stage's copy takes; the copies are made before the trace.
         if not optimizer.built:
@@ -134,16 +134,10 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
                     optimizer, trainer.trainable_variables, runtime.former_keys
                 )
                 exclude_from_weight_decay(copy, excluded)
-                if coordinating:
-                    # It accumulates, averages the weights and takes the
-                    # norms over the stage's devices.
-                    steps = copy.gradient_accumulation_steps or 1
-                    copy.gradient_accumulation_steps = None
-                    copy = CoordinatedOptimizer(
-                        copy, self.zero_stage, gradient_accumulation_steps=steps
-                    )
                 # As the stage's runtime would compile it.
-                trainer.optimizer = coordinated(copy, runtime, trainer)
+                trainer.optimizer = coordinated(
+                    copy, runtime, trainer, coordinating
+                )
                 place_slots(trainer.optimizer, runtime)
                 prepare_optimizer(runtime, trainer)
                 trainers.append(trainer)
@@ -259,7 +253,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             grads = gradients[runtime.replica_id()][index]
             variables = stage.trainable_variables
             if scale is not None:
-                grads = [g * tf.cast(scale, g.dtype) for g in grads]
+                grads = scaled(grads, scale)
             # Without clipping the optimizer synchronises the gradients.
             clips = self._clips()
             taken = contextlib.nullcontext()
@@ -298,16 +292,6 @@ class _FinalizesStages:
     def finalize_variable_values(self, var_list):
         for stage in self._keras_tp_pipeline.stage_optimizers:
             stage.optimizer.finalize_variable_values(stage.trainable_variables)
-
-
-@functools.cache
-def _finalizing_stages(optimizer_class):
-    """The subclass of `optimizer_class` with `_FinalizesStages`."""
-    return type(
-        f"StagesOf{optimizer_class.__name__}",
-        (_FinalizesStages, optimizer_class),
-        {"__module__": __name__},
-    )
 
 
 class _StageTrainer:

@@ -30,31 +30,57 @@ def mlp_stages():
 
 
 def mlp_reference():
-    """`(loss, reference, its logged loss, x, y)` for `STEPS` batches."""
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    x, y = models.data_for("mlp", batch=BATCH * STEPS)
-    reference = models.mlp()
-    reference.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
-    history = reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-    return loss, reference, history.history["loss"][0], x, y
+    """`(loss, reference, its logged loss, x, y)` for `STEPS` batches, the
+    one-device run made once per process (callers read it, predict and
+    evaluate with it)."""
+    key = keras.config.dtype_policy().name
+    if key not in _mlp_references:
+        loss, x, y = mlp_data()
+        reference = models.mlp()
+        reference.compile(optimizer=keras.optimizers.Adam(1e-2), loss=loss)
+        history = reference.fit(
+            x, y, batch_size=BATCH, shuffle=False, verbose=0
+        )
+        _mlp_references[key] = loss, reference, history.history["loss"][0]
+    loss, reference, logged = _mlp_references[key]
+    _, x, y = mlp_data()
+    return loss, reference, logged, x, y
+
+
+# `mlp_reference`'s runs, by dtype policy.
+_mlp_references = {}
 
 
 def backbone_reference(optimizer=None, stages=2):
     """`(loss, reference, split, x, y)` of GPT2's backbone, 2 batches.
 
     Args:
-        optimizer: the reference's optimizer; default `Adam(1e-2)`.
+        optimizer: a function returning the reference's optimizer (such as
+            `dense_adam`); default `Adam(1e-2)`. The reference trained
+            with it is made once per process (callers only read it).
         stages: the number of stages of `split`.
     """
     x, y = models.backbone_data(BATCH * 2, LENGTH)
     loss = keras.losses.MeanSquaredError()
-    reference = models.gpt2_backbone(length=LENGTH)
-    reference.compile(
-        optimizer=optimizer or keras.optimizers.Adam(1e-2), loss=loss
-    )
-    reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    make = optimizer or _adam
+    key = make, keras.config.dtype_policy().name
+    if key not in _backbone_references:
+        reference = models.gpt2_backbone(length=LENGTH)
+        reference.compile(optimizer=make(), loss=loss)
+        reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        _backbone_references[key] = reference
     split = split_stages(models.gpt2_backbone(length=LENGTH), stages)
-    return loss, reference, split, x, y
+    return loss, _backbone_references[key], split, x, y
+
+
+def _adam():
+    return keras.optimizers.Adam(1e-2)
+
+
+# `backbone_reference`'s one-device runs, by their optimizer's function
+# and dtype policy: every pipeline of GPT2's backbone in a process
+# compares with the same run.
+_backbone_references = {}
 
 
 def dense_adam():
@@ -107,17 +133,48 @@ def weight_averages_difference(tp):
     """Adam with `use_ema` on the pipelined MLP `tp` and on one device, 3
     epochs of `fit()` (default micro-batches), whose end writes the
     averages into the weights: the largest weight difference."""
-    loss, _, _, x, y = mlp_reference()
-    trained = (models.mlp(), tp)
-    for model in trained:
-        model.compile(
-            optimizer=keras.optimizers.Adam(
-                1e-2, use_ema=True, ema_overwrite_frequency=None
-            ),
-            loss=loss,
+    return _one_device_difference(tp, "averages", _averaging_adam, epochs=3)
+
+
+def _averaging_adam():
+    return keras.optimizers.Adam(
+        1e-2, use_ema=True, ema_overwrite_frequency=None
+    )
+
+
+def mlp_data():
+    """`(loss, x, y)` of `mlp_reference`, for `STEPS` batches."""
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    x, y = models.data_for("mlp", batch=BATCH * STEPS)
+    return loss, x, y
+
+
+# The one-device MLP's weights after `_one_device_difference`'s run, by
+# its key, epochs and dtype policy: a process compares every layout (each
+# data axis, stage split) with the same run, trained once.
+_one_device_weights = {}
+
+
+def _one_device_difference(tp, key, optimizer, epochs=2):
+    """`optimizer()` on the pipelined MLP `tp` and on one device (its run
+    named `key`), `epochs` of `fit()` on `mlp_data`: the largest weight
+    difference."""
+    loss, x, y = mlp_data()
+    # Built each time: the build seeds the random generators, as before a
+    # one-device run.
+    reference = models.mlp()
+
+    def fit(model):
+        model.compile(optimizer=optimizer(), loss=loss)
+        model.fit(
+            x, y, epochs=epochs, batch_size=BATCH, shuffle=False, verbose=0
         )
-        model.fit(x, y, epochs=3, batch_size=BATCH, shuffle=False, verbose=0)
-    expected, got = (model.get_weights() for model in trained)
+        return model.get_weights()
+
+    cached = key, epochs, keras.config.dtype_policy().name
+    if cached not in _one_device_weights:
+        _one_device_weights[cached] = fit(reference)
+    expected, got = _one_device_weights[cached], fit(tp)
     return max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected))
 
 
@@ -219,13 +276,7 @@ def whole_variable_updates_difference(tp, optimizer=lamb_clipped):
     """An optimizer reading each whole variable (`optimizer()`, by default
     `lamb_clipped`) on the pipelined MLP `tp` and on one device, 2 epochs
     of `fit()`: the largest weight difference."""
-    loss, _, _, x, y = mlp_reference()
-    trained = (models.mlp(), tp)
-    for model in trained:
-        model.compile(optimizer=optimizer(), loss=loss)
-        model.fit(x, y, epochs=2, batch_size=BATCH, shuffle=False, verbose=0)
-    expected, got = (model.get_weights() for model in trained)
-    return max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected))
+    return _one_device_difference(tp, optimizer, optimizer)
 
 
 def accumulated_gradients_difference(tp, loss_scaled=False):
@@ -233,18 +284,16 @@ def accumulated_gradients_difference(tp, loss_scaled=False):
     (`gradient_accumulation_steps`) on the pipelined MLP `tp` and on one
     device, 2 epochs of `fit()`, wrapped in a `LossScaleOptimizer` if
     `loss_scaled`: the largest weight difference."""
-    loss, _, _, x, y = mlp_reference()
-    trained = (models.mlp(), tp)
-    for model in trained:
+
+    def optimizer():
         optimizer = keras.optimizers.SGD(
             0.1, momentum=0.9, gradient_accumulation_steps=2
         )
         if loss_scaled:
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-        model.compile(optimizer=optimizer, loss=loss)
-        model.fit(x, y, epochs=2, batch_size=BATCH, shuffle=False, verbose=0)
-    expected, got = (model.get_weights() for model in trained)
-    return max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected))
+        return optimizer
+
+    return _one_device_difference(tp, ("accumulated", loss_scaled), optimizer)
 
 
 def check_weights(reference, stage_models):
@@ -395,8 +444,8 @@ def check_backbone_pipeline(tp, reference_optimizer=None):
 
     Args:
         tp: a `TensorParallelKeras` of `models.gpt2_backbone(LENGTH)`.
-        reference_optimizer: the one-device model's optimizer, as in
-            `backbone_reference`.
+        reference_optimizer: a function returning the one-device model's
+            optimizer, as in `backbone_reference`.
     """
     stages = tp._runtime.pipeline_parallel
     loss, reference, split, x, y = backbone_reference(
@@ -433,8 +482,8 @@ def check_split_stage_replicas(
         zero_stage: 0 or 1.
         slots_of: a function of the trained model returning its Adam
             slots; default: the compiled optimizer's.
-        reference_optimizer: the one-device model's optimizer, as in
-            `backbone_reference`.
+        reference_optimizer: a function returning the one-device model's
+            optimizer, as in `backbone_reference`.
 
     Returns:
         The trained `TensorParallelKeras`.
@@ -501,7 +550,8 @@ def causal_lm_pipeline(tp_of, optimizer=None):
         tp_of: a function of the model returning its uncompiled
             `TensorParallelKeras` with `pipeline_parallel=2`.
         optimizer: a function returning the optimizer; by default
-            `SGD(1e-2)`.
+            `SGD(1e-2)`. The one-device run with it is made once per
+            process.
 
     Returns:
         `(tp, shared_bytes)`: the trained model, whose unsplit weights
@@ -515,28 +565,49 @@ def causal_lm_pipeline(tp_of, optimizer=None):
     assert "token_embedding" in next(iter(shared))
     lengths = np.arange(len(y)) % y.shape[1] + 1
     weights = (np.arange(y.shape[1]) < lengths[:, None]).astype("float32")
-    logs = []
-    for model in (reference, tp):
+    make = optimizer or _sgd
+
+    def train(model):
         model.compile(
-            optimizer=(optimizer or (lambda: keras.optimizers.SGD(1e-2)))(),
+            optimizer=make(),
             loss=zoo.loss_for("gpt2"),
             weighted_metrics=["sparse_categorical_accuracy"],
         )
-        for _ in range(2):
-            logs.append(model.train_on_batch(x, y, weights, return_dict=True))
-    for expected, logged in zip(logs[:2], logs[2:]):
+        return [
+            model.train_on_batch(x, y, weights, return_dict=True)
+            for _ in range(2)
+        ]
+
+    key = make, keras.config.dtype_policy().name
+    if key not in _causal_lm_references:
+        logs = train(reference)
+        _causal_lm_references[key] = (
+            logs,
+            reference,
+            reference.predict(x, verbose=0),
+        )
+    expected_logs, reference, predicted = _causal_lm_references[key]
+    for expected, logged in zip(expected_logs, train(tp)):
         for name, value in expected.items():
             assert abs(logged[name] - value) < 1e-5, (name, expected, logged)
     check_unsplit_weights(reference, tp.get_weights())
-    np.testing.assert_allclose(
-        tp.predict(x, verbose=0), reference.predict(x, verbose=0), atol=1e-5
-    )
+    np.testing.assert_allclose(tp.predict(x, verbose=0), predicted, atol=1e-5)
     shared_bytes = sum(
         int(np.prod(v.shape)) * 4
         for v in tp._runtime.split.model.weights
         if v.path in shared
     )
     return tp, shared_bytes
+
+
+def _sgd():
+    return keras.optimizers.SGD(1e-2)
+
+
+# `causal_lm_pipeline`'s one-device runs, by their optimizer's function
+# and dtype policy: `(the logs of its 2 steps, the trained model, its
+# predictions)`, made once per process.
+_causal_lm_references = {}
 
 
 def check_zoo_lm_pipeline(name, tp_of):

@@ -105,7 +105,7 @@ def test_a_keras_hub_backbone_carries_its_padding_mask():
             data_parallel=2,
             num_microbatches=MICROBATCHES,
         ),
-        pipeline_cases.dense_adam(),
+        pipeline_cases.dense_adam,
     )
     # The second replica's devices hold copies of the first's stages, and
     # each stage's replicas all-reduce its gradients once a step.
@@ -390,7 +390,7 @@ def test_split_stages_run_sequence_parallelism():
             num_microbatches=2,
             sequence_parallel=True,
         ),
-        pipeline_cases.dense_adam(),
+        pipeline_cases.dense_adam,
     )
     collectives = tp.communication_stats(axis="model")
     assert collectives["reduce_scatter"]["forward_calls"] > 0

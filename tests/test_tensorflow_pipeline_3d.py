@@ -47,7 +47,7 @@ def test_replicas_of_stages_split_by_tensor_parallelism():
     embedding's test below). Each stage updates its shards with its own
     copy of the compiled optimizer; the compiled one counts the steps."""
     tp = pipeline_cases.check_split_stage_replicas(
-        1, _stage_slots, pipeline_cases.dense_adam()
+        1, _stage_slots, pipeline_cases.dense_adam
     )
     assert int(tp.optimizer.iterations) == 2
     # Each stage's actions are timed on its first device, from when their

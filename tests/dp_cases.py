@@ -93,7 +93,21 @@ def train_pair(name, world_size, data_parallel, zero_stage, kind, **options):
     Returns:
         `(reference, tp, reference_history, tp_history)`.
     """
-    reference = models.BUILDERS[name]()
+    steps = options.get("gradient_accumulation_steps", 1)
+    # Whole updates only: a trailing partial accumulation is not applied.
+    samples = (STEPS // steps) * steps * BATCH
+    x, y = models.data_for(name, batch=samples)
+    reference, ref_history = _one_device_run(name, kind, steps, x, y)
+    tp, tp_history = train_split(
+        name, world_size, data_parallel, zero_stage, kind, **options
+    )
+    return reference, tp, ref_history, tp_history
+
+
+def train_split(name, world_size, data_parallel, zero_stage, kind, **options):
+    """`train_pair`'s `(tp, tp_history)` alone, with no one-device run."""
+    steps = options.get("gradient_accumulation_steps", 1)
+    x, y = models.data_for(name, batch=(STEPS // steps) * steps * BATCH)
     wrapped = models.BUILDERS[name]()
     tp = keras_tp.TensorParallelKeras(
         wrapped,
@@ -101,22 +115,36 @@ def train_pair(name, world_size, data_parallel, zero_stage, kind, **options):
         data_parallel=data_parallel,
         zero_stage=zero_stage,
     )
-    steps = options.get("gradient_accumulation_steps", 1)
-    # Whole updates only: a trailing partial accumulation is not applied.
-    samples = (STEPS // steps) * steps * BATCH
-    x, y = models.data_for(name, batch=samples)
-    reference.compile(optimizer=make_optimizer(kind, reference), loss=loss_fn())
     optimizer = make_optimizer(kind, wrapped)
     if options:
         optimizer = keras_tp.CoordinatedOptimizer(
             optimizer, zero_stage=zero_stage, **options
         )
     tp.compile(optimizer=optimizer, loss=loss_fn(), metrics=["accuracy"])
-    ref_history = reference.fit(
-        x, y, batch_size=BATCH * steps, shuffle=False, verbose=0
-    )
-    tp_history = tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-    return reference, tp, ref_history, tp_history
+    return tp, tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+
+
+# `train_pair`'s one-device runs, by model, optimizer, accumulated steps
+# and dtype policy: a process compares every layout of a model and
+# optimizer (each world size, data axis and ZeRO stage) with the same run,
+# trained once. Callers read its weights and history, or evaluate it.
+_one_device_runs = {}
+
+
+def _one_device_run(name, kind, steps, x, y):
+    """`(reference, its history)`: `name` on one device, `kind`'s
+    optimizer, batches of `BATCH * steps` of `(x, y)`."""
+    key = name, kind, steps, keras.config.dtype_policy().name
+    if key not in _one_device_runs:
+        reference = models.BUILDERS[name]()
+        reference.compile(
+            optimizer=make_optimizer(kind, reference), loss=loss_fn()
+        )
+        history = reference.fit(
+            x, y, batch_size=BATCH * steps, shuffle=False, verbose=0
+        )
+        _one_device_runs[key] = reference, history
+    return _one_device_runs[key]
 
 
 def check_norms_with_tensor_parallelism_alone():

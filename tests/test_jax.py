@@ -57,19 +57,44 @@ def gradients(model, x, y):
     return jax.jit(jax.grad(loss))(trainable)
 
 
+# `trained_pair`'s runs, by model and world size.
+_trained_pairs = {}
+
+
+def trained_pair(name, world_size):
+    """`pair(name, world_size)` trained `STEPS` Adam steps alike, the
+    memory and the parity tests of a layout reading the one run:
+    `(reference, tp, what was measured before training, the reference's
+    history, tp's history)`."""
+    key = name, world_size
+    if key not in _trained_pairs:
+        reference, tp = pair(name, world_size)
+        x, y = models.data_for(name, batch=STEPS * BATCH)
+        before = {
+            "forward": max_diff([reference(x)], [tp(x)]),
+            "gradients": max_diff(
+                gradients(reference, x, y), gradients(tp, x, y)
+            ),
+            "parameter_bytes": tp.parameter_bytes_per_device(),
+        }
+        for model in (reference, tp):
+            model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss_fn())
+        ref_history = reference.fit(
+            x, y, batch_size=BATCH, shuffle=False, verbose=0
+        )
+        tp_history = tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        _trained_pairs[key] = reference, tp, before, ref_history, tp_history
+    return _trained_pairs[key]
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("name", ["mlp", "cnn", "transformer_lm", "subclassed"])
 def test_matches_single_device(name, world_size):
-    reference, tp = pair(name, world_size)
-    x, y = models.data_for(name, batch=STEPS * BATCH)
-    assert max_diff([reference(x)], [tp(x)]) <= ATOL
-    assert max_diff(gradients(reference, x, y), gradients(tp, x, y)) <= ATOL
-    for model in (reference, tp):
-        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss_fn())
-    ref_history = reference.fit(
-        x, y, batch_size=BATCH, shuffle=False, verbose=0
+    reference, tp, before, ref_history, tp_history = trained_pair(
+        name, world_size
     )
-    tp_history = tp.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    assert before["forward"] <= ATOL
+    assert before["gradients"] <= ATOL
     assert tp.optimizer.iterations.numpy() == STEPS
     assert max_diff(reference.get_weights(), tp.get_weights()) <= ATOL
     np.testing.assert_allclose(
@@ -89,17 +114,15 @@ def _sharded_and_replicated_bytes(tp):
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("name", ["mlp", "cnn", "transformer_lm", "subclassed"])
 def test_memory_per_device(name, world_size):
-    _, tp = pair(name, world_size)
+    # Read from `test_matches_single_device`'s run: the parameters before
+    # training, then the parameters and Adam's slots after it.
+    _, tp, before, _, _ = trained_pair(name, world_size)
     sharded, replicated = _sharded_and_replicated_bytes(tp)
     assert sharded > replicated  # the plan splits most of the model
     bound = 1.01 * (sharded / world_size + replicated)
-    per_device = tp.parameter_bytes_per_device()
+    per_device = before["parameter_bytes"]
     assert len(per_device) == world_size
     assert max(per_device.values()) <= bound
-
-    tp.compile(optimizer="adam", loss=loss_fn())
-    x, y = models.data_for(name, batch=BATCH)
-    tp.fit(x, y, batch_size=BATCH, verbose=0)
     # Adam keeps two slots per variable; its scalars (iterations, learning
     # rate) are counted on top.
     scalars = sum(

@@ -61,8 +61,8 @@ def summed_on_global_arrays(model, plan, trace, group_of):
     split activations (Qwen3's norm of each head, HGNetV2's learnable
     scale of split channels) gets each device's partial gradient, which
     XLA would sum in a collective of its own, uncounted. Each rank's view
-    of the plan (`counted_problems`) finds such layers; run on each device's
-    part (`partial_gradients`), they sum their gradients in counted
+    of the plan (`counted_problems`) finds such layers; run on each
+    device's part (`partial_gradients`), they sum their gradients in counted
     collectives. Kept out: layers inside an attention unit (its region
     runs them per device already), layers that read per-rank head counts,
     and every layer when a rank's view of the plan fails (a path only
@@ -77,12 +77,7 @@ def summed_on_global_arrays(model, plan, trace, group_of):
     ranks_view.summed_gradients = {}
     if counted_problems(model, ranks_view, trace, group_of):
         return {}
-    inside = {
-        id(sub)
-        for entry in plan.layers
-        if isinstance(entry, ShardedUnit)
-        for sub in sublayers(entry.layer)
-    }
+    inside = _inside_units(plan)
     return {
         layer: call
         for layer, call in ranks_view.summed_gradients.items()
@@ -113,16 +108,21 @@ def random_on_split_values(plan, random_inputs):
         `{layer: (split, ...)}`: for each layer that draws on split
         activations, whether each of its calls in a forward pass does.
     """
-    inside = {
-        id(sub)
-        for entry in plan.layers
-        if isinstance(entry, ShardedUnit)
-        for sub in sublayers(entry.layer)
-    }
+    inside = _inside_units(plan)
     return {
         layer: tuple(calls)
         for layer, calls in random_inputs.items()
         if id(layer) not in inside and any(calls)
+    }
+
+
+def _inside_units(plan):
+    """The ids of the layers inside `plan`'s attention units."""
+    return {
+        id(sub)
+        for entry in plan.layers
+        if isinstance(entry, ShardedUnit)
+        for sub in sublayers(entry.layer)
     }
 
 

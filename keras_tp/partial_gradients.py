@@ -48,8 +48,10 @@ def _summed_call(layer, summed, runtime):
         axes = iter(summed.input_axes)
 
         def entered(x):
-            whole = next(axes, None) is None
-            if not is_tensor(x) or not whole or not is_float(x):
+            # Only tensors have an axis in `summed.input_axes`.
+            if not is_tensor(x) or next(axes, None) is not None:
+                return x
+            if not is_float(x):
                 return x
             return shared_value(x, adapter.copy_to_parallel)
 

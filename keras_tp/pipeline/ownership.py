@@ -4,6 +4,8 @@ read a copy and add their gradients to the owner's, as Megatron-LM
 all-reduces its word embeddings' gradients between its first and last
 stages."""
 
+from keras_tp.pipeline.schedules import BACKWARD
+
 
 class WeightOwners:
     """The owning stage of each variable, by id (`stage_of`; optimizer
@@ -52,17 +54,17 @@ class WeightOwners:
             if self.stage_of[id(v)] == stage
         ]
 
-    def owned_gradients(self, gradients, moved):
+    def owned_gradients(self, gradients, send):
         """Per stage, per variable it owns (`owned`), the sum of each
-        stage's `gradients` of it; `moved(gradient, stage, owner)` moves a
-        later stage's to the owner's devices."""
+        stage's `gradients` of it; `send(gradient, owner, BACKWARD)` moves
+        a later stage's to the owner's devices (`StagePrimitives.send`)."""
         sums = {}
         for stage, model in enumerate(self.stage_models):
             variables = model.trainable_variables
             for variable, grad in zip(variables, gradients[stage]):
                 key = id(variable)
                 if self.stage_of[key] != stage:
-                    grad = moved(grad, stage, self.stage_of[key])
+                    grad = send(grad, self.stage_of[key], BACKWARD)
                 sums[key] = sums[key] + grad if key in sums else grad
         return [
             [sums[id(v)] for v in self.owned(s)]

@@ -122,6 +122,15 @@ class PipelineRuntime(Runtime):
             self.keep_copy(variable, axis, stage)
         self.stage_runtimes[owner].placement.place(variable, axis)
 
+    def place_variable_like(self, variable, reference, data_axis):
+        """Places an optimizer slot on its reference's stage, with ZeRO
+        partitioned over that stage's replicas."""
+        stage = self.owners.adopt(variable, reference)
+        placement = self.stage_runtimes[stage].placement
+        if self.zero_stage:
+            data_axis = placement.partition_axis(reference)
+        placement.place_like(variable, reference, data_axis)
+
     def stage_runtime_of(self, variable):
         """The runtime of the stage storing `variable`: its owner's; for
         an optimizer's own variable, the one that placed it, else `None`."""
@@ -132,6 +141,15 @@ class PipelineRuntime(Runtime):
             (r for r in self.stage_runtimes if r.placement.is_placed(variable)),
             None,
         )
+
+    def assign_local_pieces(self, variable, read):
+        # A later stage's copy of a shared weight follows at the next step;
+        # the compiled optimizer's own variables are whole.
+        runtime = self.stage_runtime_of(variable)
+        if runtime is None:
+            variable.assign(read(tuple((0, int(n)) for n in variable.shape)))
+        else:
+            runtime.assign_local_pieces(variable, read)
 
     def keep_copy(self, variable, axis, stage):
         """Stores `stage`'s copy of an earlier stage's weight; by default

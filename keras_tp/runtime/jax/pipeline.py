@@ -19,7 +19,7 @@ from keras_tp.pipeline.executor import run_schedule
 from keras_tp.pipeline.runtime import PipelineRuntime
 from keras_tp.pipeline.runtime import weighted
 from keras_tp.runtime.jax import JaxRuntime
-from keras_tp.runtime.jax.stage_storage import StageStorage
+from keras_tp.runtime.jax.devices import to_jax_device
 from keras_tp.runtime.jax.stages import TRACING_STAGE
 from keras_tp.runtime.jax.stages import JaxStages
 from keras_tp.runtime.jax.stages import StagePrograms
@@ -29,9 +29,12 @@ from keras_tp.runtime.padding import batch_size
 from keras_tp.tensors import scaled
 
 
-class JaxPipelineRuntime(StageStorage, PipelineRuntime):
+class JaxPipelineRuntime(PipelineRuntime):
     """Runs Keras' JAX steps (Keras' state in, new state out) as a
-    pipeline of stages, then a compiled update per stage on its devices."""
+    pipeline of stages, then a compiled update per stage on its devices.
+    Each stage's `JaxRuntime` stores the variables its stage owns (ZeRO-1
+    partitions the slots over its replicas); a later stage that uses a
+    weight receives a copy each step (`stage_lists`)."""
 
     backend = "jax"
     # Each stage's programs are traced under its index.
@@ -70,6 +73,18 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
     def action_times(self):
         return self._trained.clock.times(self.trained_order)
 
+    def local_pieces(self, variable):
+        # The optimizer's own variables, unplaced, with the first stage's.
+        runtime = self.stage_runtime_of(variable) or self.stage_runtimes[0]
+        return runtime.local_pieces(variable)
+
+    def device_bytes(self, variables):
+        """`{device: bytes}` of these variables, by the stage runtimes."""
+        totals = {}
+        for runtime in self.stage_runtimes:
+            totals.update(runtime.device_bytes(variables))
+        return {name: totals[str(to_jax_device(name))] for name in self.devices}
+
     def _stages(self, x, trainable, non_trainable, per_device=True, seed=None):
         """The `JaxStages` of a step on `x` and Keras' values (per device
         with replicas unless `per_device=False`): a training step's where
@@ -106,10 +121,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
             trainable, optimizer_values, stages.scaled_gradients()
         )
         non_trainable = self._merged(non_trainable, stages.non_trainable)
-        y, weights = weighted(targets)
-        logs, metrics = jax_update_metrics(
-            self.trainer, metrics, loss, x, y, y_pred, weights
-        )
+        logs, metrics = self._metrics(metrics, loss, x, targets, y_pred)
         return logs, (trainable, non_trainable, optimizer_values, metrics)
 
     def test_step(self, state, data):
@@ -119,11 +131,15 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         y_pred = run_forward(stages, x)
         non_trainable = self._merged(non_trainable, stages.non_trainable)
         loss = self.whole_batch_loss(targets, y_pred, stages.added_loss())
+        logs, metrics = self._metrics(metrics, loss, x, targets, y_pred)
+        return logs, (trainable, non_trainable, metrics)
+
+    def _metrics(self, metrics, loss, x, targets, y_pred):
+        """`(logs, new metrics values)` of a step, as Keras' updates them."""
         y, weights = weighted(targets)
-        logs, metrics = jax_update_metrics(
+        return jax_update_metrics(
             self.trainer, metrics, loss, x, y, y_pred, weights
         )
-        return logs, (trainable, non_trainable, metrics)
 
     def predict_step(self, state, data):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
@@ -190,9 +206,7 @@ class JaxPipelineRuntime(StageStorage, PipelineRuntime):
         values.update(zip(map(id, optimizer_variables), optimizer_values))
         shared = [v for v in optimizer_variables if id(v) not in self.stage_of]
         shared_values = [values[id(v)] for v in shared]
-        owned = self.owners.owned_gradients(
-            gradients, lambda grad, _, owner: self.sent(grad, owner, "backward")
-        )
+        owned = self.owners.owned_gradients(gradients, self.sent)
         if not self._updates:
             stages = range(self.pipeline_parallel)
             self._updates = [self._update_of(s, shared) for s in stages]

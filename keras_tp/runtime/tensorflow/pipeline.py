@@ -24,7 +24,6 @@ from keras_tp.runtime.tensorflow import devices as tf_devices
 from keras_tp.runtime.tensorflow.optimizer import prepare_optimizer
 from keras_tp.runtime.tensorflow.stage_storage import StageStorage
 from keras_tp.runtime.tensorflow.stages import TensorFlowStages
-from keras_tp.tensors import nbytes
 from keras_tp.tensors import scaled
 
 
@@ -161,7 +160,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         stages = self._stages_of(x)
         loss, y_pred = stages.step(x, targets)
         self.trained_order = stages.order
-        owned = self._owned_gradients(stages.scaled_gradients())
+        owned = self._owned_gradients(stages)
         compiled, scaler = self.trainer.optimizer, self.loss_scale()
         scale = finite = None
         if self.takes_global_norm():
@@ -188,16 +187,13 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
     def predict_step(self, data):
         return self._forward(keras.utils.unpack_x_y_sample_weight(data)[0])
 
-    def _owned_gradients(self, gradients):
+    def _owned_gradients(self, stages):
         """By replica, `WeightOwners.owned_gradients` of its gradients."""
-
-        def moved(grad, stage, owner):
-            self.stats.record("send", nbytes(grad), "backward", "pipe")
-            return grad
-
+        gradients = stages.scaled_gradients()
         return [
             self.owners.owned_gradients(
-                [gradients[s, r] for s in range(self.pipeline_parallel)], moved
+                [gradients[s, r] for s in range(self.pipeline_parallel)],
+                stages.send,
             )
             for r in range(self.data_parallel * self.tensor_parallel)
         ]

@@ -4,7 +4,6 @@ refreshed once a step."""
 
 import contextlib
 
-import keras
 import tensorflow as tf
 
 from keras_tp.checkpoint.state import one_device_keys
@@ -54,12 +53,6 @@ class StageStorage:
             for piece in owned:
                 self.stats.record("send", nbytes(piece), "forward", "pipe")
 
-    def place_variable_like(self, variable, reference, data_axis):
-        self.owners.adopt(variable, reference)
-        self.stage_runtime_of(variable).placement.place_like(
-            variable, reference, data_axis
-        )
-
     def full_value(self, variable):
         return self.stage_runtime_of(variable).full_value(variable)
 
@@ -67,26 +60,14 @@ class StageStorage:
         self.stage_runtime_of(variable).assign_full_value(variable, value)
 
     def local_pieces(self, variable):
-        # In files named by stage and replica.
-        runtime = self.stage_runtime_of(variable)
-        if runtime is None:
-            # The compiled optimizer's own: with the first replica's.
-            whole = tuple((0, int(n)) for n in variable.shape)
-            value = keras.ops.convert_to_numpy(variable.value)
-            return [("stage0-replica0", whole, value)]
+        # In files named by stage and replica; the compiled optimizer's own
+        # variables, unplaced, with the first stage's first replica's.
+        runtime = self.stage_runtime_of(variable) or self.stage_runtimes[0]
         stage = self.stage_runtimes.index(runtime)
         return [
             (f"stage{stage}-{writer}", index, array)
             for writer, index, array in runtime.local_pieces(variable)
         ]
-
-    def assign_local_pieces(self, variable, read):
-        # A shared weight's copies follow at the next step.
-        runtime = self.stage_runtime_of(variable)
-        if runtime is None:
-            variable.assign(read(tuple((0, int(n)) for n in variable.shape)))
-        else:
-            runtime.assign_local_pieces(variable, read)
 
     def save_model(self, model, filepath, **kwargs):
         # Each stage's variables assembled.

@@ -47,15 +47,15 @@ class StagePrimitives:
 
     def microbatches(self, x, y):
         """`(inputs, targets)`: per micro-batch, in order, the first
-        stage's inputs and the last stage's targets (`None` without `y`).
-        Micro-batch `m` holds the `m`-th slice of each of the batch's
-        `replicas` rows, row by row."""
+        stage's inputs and the last stage's targets (`None` without `y`),
+        as `split` cuts them."""
+        return self.split(x), None if y is None else self.split(y)
 
-        def split(tree):
-            rows = split_rows(tree, self.replicas, self.num_microbatches)
-            return [concatenated(micro) for micro in rows]
-
-        return split(x), None if y is None else split(y)
+    def split(self, tree):
+        """Per micro-batch, its part of the batch `tree`: the `m`-th slice
+        of each of the batch's `replicas` rows, row by row."""
+        rows = split_rows(tree, self.replicas, self.num_microbatches)
+        return [concatenated(micro) for micro in rows]
 
     def forward(self, stage, m, inputs, target):
         """The training forward pass (the last stage's with `target`):

@@ -41,6 +41,20 @@ class WeightOwners:
         self.stage_of[id(variable)] = self.stage_of[id(reference)]
         return self.stage_of[id(variable)]
 
+    def check_regularizers(self):
+        """Refuses a regularizer on a weight several stages hold (a tied
+        embedding), whose penalty each would add."""
+        for variable in self.model.trainable_weights:
+            stages = self.shared_stages.get(id(variable))
+            if variable.regularizer is not None and stages:
+                raise ValueError(
+                    f"Weight '{variable.path}' has a regularizer and pipeline "
+                    f"stages {stages} all use it (a tied embedding), so each "
+                    "would add its penalty. Remove the regularizer (AdamW's "
+                    "weight_decay decays it once) or cut the model where one "
+                    "stage holds all its calls."
+                )
+
     def holds(self, stage, variable):
         """Whether `stage` uses (and so holds) `variable`."""
         owner = self.stage_of[id(variable)]

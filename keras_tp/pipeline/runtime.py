@@ -81,7 +81,7 @@ class PipelineRuntime(Runtime):
                 stage_model.input_spec = None
         self.owners = WeightOwners(self.stage_models, model)
         self.stage_of = self.owners.stage_of
-        _check_shared_regularizers(model, self.owners.shared_stages)
+        self.owners.check_regularizers()
         # Whether each stage's layers add losses (regularizers, add_loss),
         # which its passes add, per micro-batch, to the compiled loss.
         self.adding_stages = [adds_losses(m) for m in self.stage_models]
@@ -284,12 +284,13 @@ class PipelineRuntime(Runtime):
         return max(m for m in range(1, limit + 1) if batch_size % m == 0)
 
     def loss_function(self, num_microbatches):
-        """The compiled loss of a micro-batch's `(targets, y_pred)`, as
-        `(loss, fraction)`: equal micro-batches' mean losses average to the
-        batch's. A masked prediction's `loss` is its mean over unmasked
-        entries times `fraction`, the share its mask keeps (the batch's is
-        the mean over the mean fraction, `fraction_scale`); `fraction` is
-        `None` without a mask or split."""
+        """A micro-batch's share of the batch's compiled loss, from its
+        `(targets, y_pred)`, as `(loss, fraction)`: its mean loss over
+        `num_microbatches` (equal micro-batches' shares add up to the
+        batch's mean). A masked prediction's mean is over unmasked entries,
+        times `fraction`, the share its mask keeps (the batch's is the mean
+        over the mean fraction, `fraction_scale`); `fraction` is `None`
+        without a mask or split."""
         loss = self._compiled_loss()
         split = num_microbatches * self.data_parallel > 1
         if split:
@@ -314,8 +315,8 @@ class PipelineRuntime(Runtime):
             value = loss(y, y_pred, weights)
             fraction = kept_fraction(y_pred, split)
             if fraction is None or not split:
-                return value, None
-            return value * fraction, fraction
+                return value / num_microbatches, None
+            return value * fraction / num_microbatches, fraction
 
         return microbatch_loss
 
@@ -432,18 +433,4 @@ def _check_layers(model):
                 "normalised by its own statistics, not the batch's. Freeze "
                 "it (`layer.trainable = False` uses the moving statistics) "
                 "or use LayerNormalization or GroupNormalization."
-            )
-
-
-def _check_shared_regularizers(model, shared_stages):
-    """Refuses a regularizer on a weight several stages hold (a tied
-    embedding), whose penalty each would add."""
-    for variable in model.trainable_weights:
-        if variable.regularizer is not None and id(variable) in shared_stages:
-            raise ValueError(
-                f"Weight '{variable.path}' has a regularizer and pipeline "
-                f"stages {shared_stages[id(variable)]} all use it (a tied "
-                "embedding), so each would add its penalty. Remove the "
-                "regularizer (AdamW's weight_decay decays it once) or cut "
-                "the model where one stage holds all its calls."
             )

@@ -50,7 +50,7 @@ class StagePrograms:
         self.stats = pipeline.stats
         self.per_device = per_device
         self.replicas = pipeline.data_parallel if per_device else 1
-        # `(loss, fraction)` of `(y_true, y_pred)` of a micro-batch.
+        # `(loss share, fraction)` of a micro-batch's `(y_true, y_pred)`.
         self.loss = num_microbatches and pipeline.loss_function(
             num_microbatches
         )
@@ -177,8 +177,7 @@ class StagePrograms:
                 # predictions ride along for the metrics.
                 loss, fraction = self.loss(targets, outputs)
                 if added is not None:
-                    loss = loss + added
-                loss = loss / self.num_microbatches
+                    loss = loss + added / self.num_microbatches
                 return loss, (new_non_trainable, outputs, fraction)
 
             with self._traced(index):

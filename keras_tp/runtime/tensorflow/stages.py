@@ -30,9 +30,8 @@ class TensorFlowStages(StagePrimitives):
         super().__init__(pipeline, num_microbatches)
         self.stage_models = pipeline.stage_models
         self.runtimes = pipeline.stage_runtimes
+        self.replicas = pipeline.data_parallel
         self.tensor_parallel = pipeline.tensor_parallel
-        self.data_parallel = pipeline.data_parallel
-        self.adding_stages = pipeline.adding_stages
         # Per stage, the whole length of each output a replica sends as
         # its sequence shard's slice, else `None`; read when traced.
         self._lengths = {}
@@ -40,6 +39,8 @@ class TensorFlowStages(StagePrimitives):
     def step(self, x, y):
         """`run_schedule` of one batch."""
         self._tapes, self.gradients, self._ends, self.times = {}, {}, {}, []
+        # Per micro-batch, the last stage's replicas' loss gradients.
+        self._loss_cotangents = {}
         self._previous = [[] for _ in self.stage_models]
         self.added = []  # lists of one per replica
         result = run_schedule(self, self.order, x, y)
@@ -54,14 +55,8 @@ class TensorFlowStages(StagePrimitives):
         self.added = []
         return run_forward(self, x)
 
-    def microbatches(self, x, y):
-        # Per micro-batch, the last stage's replicas' loss gradients.
-        self._loss_cotangents = {}
-        targets = None if y is None else self._per_replica(y)
-        return self._per_replica(x), targets
-
     def forward(self, stage, m, inputs, target):
-        adding = self.adding_stages[stage]
+        adding = self.pipeline.adding_stages[stage]
         with self._issued(stage, FORWARD, m, inputs) as (started, done):
 
             def forward():
@@ -94,7 +89,7 @@ class TensorFlowStages(StagePrimitives):
         received = cotangent or []
         with self._issued(stage, BACKWARD, m, received) as (started, done):
             cotangent = cotangent or self._loss_cotangents.pop(m)
-            added = [self._seed()] if self.adding_stages[stage] else []
+            added = [self._seed()] if self.pipeline.adding_stages[stage] else []
 
             def backward():
                 replica = self.runtimes[stage].replica_id()
@@ -149,7 +144,7 @@ class TensorFlowStages(StagePrimitives):
     def joined(self, losses, predictions):
         # The mean of the rows' losses, each over an equal slice.
         rows = [row for micro in losses for row in micro]
-        loss = self.joined_loss(rows, self.data_parallel) if rows else None
+        loss = self.joined_loss(rows, self.replicas) if rows else None
         # The batch's outputs, from the first replica of each row.
         rows = [micro[:: self.tensor_parallel] for micro in predictions]
         return loss, join_rows(rows)
@@ -158,7 +153,7 @@ class TensorFlowStages(StagePrimitives):
         """Per replica, the outputs of `fn`; the added losses it returns
         go to `added`."""
         outputs, added = map(list, zip(*self._replica_results(stage, fn)))
-        if self.adding_stages[stage]:
+        if self.pipeline.adding_stages[stage]:
             self.added.append(added)
         return outputs
 
@@ -169,10 +164,10 @@ class TensorFlowStages(StagePrimitives):
                 fn, self.stage_models[stage]
             )
 
-    def _per_replica(self, x):
-        """Per micro-batch, per replica, its part of `x`."""
+    def split(self, tree):
+        """Per micro-batch, per replica, its part of `tree`."""
         tensor = self.tensor_parallel
-        micros = split_rows(x, self.data_parallel, self.num_microbatches)
+        micros = split_rows(tree, self.replicas, self.num_microbatches)
         return [[row for row in rows for _ in range(tensor)] for rows in micros]
 
     def _row_losses(self, m, outputs, target):
@@ -187,7 +182,6 @@ class TensorFlowStages(StagePrimitives):
             with tf.GradientTape() as tape:
                 tape.watch(predicted)
                 loss, fraction = loss_function(target[first], outputs[first])
-                loss = loss / self.num_microbatches
                 seeded = loss * tf.cast(self._seed(), loss.dtype)
             losses.append((loss, fraction))
             cotangent = tape.gradient(

@@ -93,7 +93,6 @@ class TorchStages(StagePrimitives):
             held, result = floats_of(outputs), (detached, None)
         else:
             value, fraction = self.loss(target, outputs)
-            value = value / self.num_microbatches
             self.fractions.append(fraction)
             ones.append(value)
             held, result = [], ((value.detach(), fraction), detached)

@@ -15,12 +15,13 @@ import keras
 from keras_tp.keras_internals import get_keras_mask
 from keras_tp.keras_internals import seed_generators
 from keras_tp.keras_internals import set_keras_mask
+from keras_tp.plan.arguments import head_arguments
 from keras_tp.plan.attention import ATTENTION
 from keras_tp.plan.attention import call_argument
 from keras_tp.plan.attention import call_arguments
+from keras_tp.plan.attention import input_first
 from keras_tp.plan.attention import split_cache
 from keras_tp.plan.head_counts import call_with_local_counts
-from keras_tp.plan.head_counts import head_arguments
 from keras_tp.plan.sharding_plan import ShardedUnit
 from keras_tp.plan.split_logits import logits_stay_split
 from keras_tp.plan.styles import Column
@@ -394,5 +395,7 @@ def _region_call(region, runtime):
 
 
 def set_call(layer, call):
+    """Replaces `layer`'s call with `call`, which receives the layer's
+    first call argument by position (`input_first`)."""
     # Bypass Keras' attribute tracking: `call` is a method, not state.
-    object.__setattr__(layer, "call", call)
+    object.__setattr__(layer, "call", input_first(layer, call))

@@ -938,6 +938,41 @@ def test_a_layer_called_twice_pairs_alike_at_both_calls():
     assert styles["up"] == keras_tp.Column(gather_output=True), styles
 
 
+class _KeywordBlock(layers.Layer):
+    """Calls its layers by keyword, as keras-hub's PaliGemma vision
+    encoder does, and holds one it never calls (never built), as SAM's
+    backbone holds its mask decoder."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = layers.Dense(32, activation="relu", name="up")
+        self.down = layers.Dense(8, name="down")
+        self.unused = layers.Dense(8, name="unused")
+
+    def call(self, x):
+        return self.down(inputs=self.up(inputs=x))
+
+
+def test_inputs_by_keyword_and_layers_never_called():
+    def build():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((8,))
+        x = _KeywordBlock(name="block")(inputs)
+        return keras.Model(inputs, layers.Dense(3, name="head")(x))
+
+    x = np.random.default_rng(0).normal(size=(4, 8)).astype("float32")
+    # Checked as ranks holding their own slices see it, and run on global
+    # arrays: the pair splits, the unbuilt layer stays out of the plan.
+    plan = keras_tp.auto_plan(build(), 2, check_local=True)
+    styles = {e.layer.path: e.style for e in plan.leaf_layers()}
+    assert styles["block/up"] == keras_tp.Column(), styles
+    assert styles["block/down"] == keras_tp.Row(), styles
+    assert not plan.fallbacks, plan.fallbacks
+    tp = keras_tp.TensorParallelKeras(build(), world_size=2)
+    assert "block/unused" not in {e.layer.path for e in tp.sharding_plan.layers}
+    np.testing.assert_allclose(tp(x), build()(x), atol=ATOL)
+
+
 def test_a_depthwise_kernel_is_no_bank_of_experts():
     # A DepthwiseConv2D without bias holds one weight, whose leading axis
     # (the kernel's height) would fit ExpertParallel's shape rule: the

@@ -105,6 +105,24 @@ def test_a_fused_projection_laid_out_block_by_block_gathers_what_it_counts():
     assert _count_hlo(hlo, "collective-permute") == 0
 
 
+def test_an_argument_multiplied_into_split_features_enters_split():
+    # Gemma3n's block multiplies its per-layer input, whole, into its
+    # gate's output, split by features, before the projection back. Each
+    # device takes its part of that input in a counted scatter (before,
+    # XLA gathered its gradient, 2 all-gathers that no count showed, and
+    # the ranks' view of the plan failed, so its summed norms went
+    # uncounted too): every collective of the compiled step is counted.
+    results = measure("gemma3n", 2)
+    zoo_cases.check_exact(results)
+    assert not results["fallbacks"], results["fallbacks"]
+    tp, hlo = _trained_step_hlo("gemma3n")
+    stats = tp.communication_stats()
+    assert _count_hlo(hlo, "all-gather") == stats["all_gather"]["calls"]
+    assert _count_hlo(hlo, "all-reduce") == stats["all_reduce"]["calls"]
+    # One backward all-gather per block: the per-layer input's gradient.
+    assert stats["all_gather"]["backward_calls"] == zoo_cases.BLOCKS
+
+
 def test_raw_ops_pair_a_row_only_with_the_rank_parts_they_carry():
     # RWKV-7's key projection reads the block's input, not the receptance
     # projection's output beside it: all three of its time mix's

@@ -173,5 +173,9 @@ def test_weights_a_graph_constant_views_stay_whole(ranks):
     assert not attention, attention
     reason = results["fallbacks"]["text_model/embed_tokens/embedding"]
     assert "an argument of 'matmul" in reason, reason
+    # Each block's per-layer input, multiplied whole into its gate's
+    # split output, is sliced per rank (`plan/feature_arguments.py`):
+    # the embedding is all that stays whole.
+    assert list(results["fallbacks"]) == ["text_model/embed_tokens/embedding"]
     refusal = ranks[0]["held_refusal"]
     assert refusal and "text_model/embed_tokens/embedding/embeddings" in refusal

@@ -107,6 +107,23 @@ def call_arguments(layer):
     return list(parameters)[1:]
 
 
+def input_first(layer, call):
+    """`call`, a replacement of `layer`'s, receiving the layer's first
+    call argument by position where the caller named it: keras-hub's
+    PaliGemma calls its vision encoder's Dense layers as `dense(inputs=x)`,
+    and a split layer reads its input first."""
+    names = call_arguments(layer)
+    first = names[0] if names else None
+
+    def positional_call(*args, **kwargs):
+        if args or first not in kwargs:
+            return call(*args, **kwargs)
+        kwargs = dict(kwargs)
+        return call(kwargs.pop(first), **kwargs)
+
+    return positional_call
+
+
 def named_arguments(layer, args, kwargs):
     """`[(name, value), ...]` of a call of `layer`'s arguments."""
     return [*zip(call_arguments(layer), args), *kwargs.items()]

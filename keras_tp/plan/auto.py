@@ -28,6 +28,7 @@ import warnings
 from keras_tp.errors import check_count
 from keras_tp.plan import trace as tracing
 from keras_tp.plan.attention import ATTENTION
+from keras_tp.plan.feature_arguments import add_feature_arguments
 from keras_tp.plan.head_counts import add_head_arguments
 from keras_tp.plan.layers import leaf_handler
 from keras_tp.plan.local_check import counted_problems
@@ -139,6 +140,7 @@ def auto_plan(
             plan.per_rank_counts.update(planner.local_reshapes(decisions))
             group_of = _group_of(decisions)
             add_head_arguments(model, plan, trace)
+            add_feature_arguments(model, plan, trace)
             if check_local:
                 plan.summed_gradients = planner.whole_key_values(decisions)
             # On whole arrays only the attention units run on a rank's

@@ -50,7 +50,58 @@ def carries_rank_parts(model, trace, row, columns, tensor_parallel):
         the first rank's part of `row`'s input and nothing else of it, or
         when the run cannot tell (it raised); else `False`.
     """
-    replaced = {column.index: column for column in columns}
+    replaced = {column.index for column in columns}
+
+    def poisoned_output(index, layer, outputs):
+        if index not in replaced:
+            return outputs
+        return _first_part_poisoned(layer, outputs, tensor_parallel)
+
+    seen = _row_input(model, trace, row, poisoned_output)
+    if seen is None:
+        return True
+    return _first_part_only(seen, row, tensor_parallel)
+
+
+def argument_carries_rank_parts(
+    model, trace, row, position, axis, tensor_parallel
+):
+    """Whether raw ops carry an input of `row`'s parent call, split on
+    `axis`, to `row`'s input, each rank's part to that rank's part: a
+    whole argument multiplied into split features (Gemma3n's per-layer
+    input, which its block multiplies into its gate's output before the
+    projection back).
+
+    Args:
+        model: the traced model.
+        trace: its `Trace`.
+        row: the `Call` of a Row, inside a layer's call (not the model's).
+        position: the index of the tensor in the parent call's `inputs`.
+        axis: the axis of that tensor to split.
+        tensor_parallel: the number of ranks.
+
+    Returns:
+        `True` when the first rank's part of the tensor reaches the first
+        rank's part of `row`'s input and nothing else of it; `False`
+        otherwise, or when the run raised.
+    """
+    parent = trace.calls[row.parent]
+    value = as_numpy(parent.inputs[position])
+    poisoned = value.astype("float64")
+    _parts(poisoned, axis, tensor_parallel)[0][...] = np.nan
+    poisoned = ops.convert_to_tensor(
+        poisoned, dtype=parent.inputs[position].dtype
+    )
+    arguments = parent.arguments_with({position: poisoned})
+    seen = _row_input(model, trace, row, lambda i, layer, out: out, arguments)
+    return seen is not None and _first_part_only(seen, row, tensor_parallel)
+
+
+def _row_input(model, trace, row, output_of, arguments=None):
+    """The input `row`'s call receives when its parent call (`model`'s
+    call at the top) runs again on `arguments` (default: as recorded),
+    each inner call's outputs passed through `output_of(index, layer,
+    outputs)`; `None` where the run raised or never reached `row`."""
     parent = None if row.parent is None else trace.calls[row.parent]
     # Call indices count from the parent's own call, which the run repeats.
     counter = [parent.index if parent else 0]
@@ -63,10 +114,7 @@ def carries_rank_parts(model, trace, row, columns, tensor_parallel):
             if index == row.index:
                 seen.extend(tracing.flat_tensors((args, kwargs))[:1])
                 raise _Reached
-            outputs = call(*args, **kwargs)
-            if index in replaced:
-                return _first_part_poisoned(layer, outputs, tensor_parallel)
-            return outputs
+            return output_of(index, layer, call(*args, **kwargs))
 
         return poisoning_call
 
@@ -75,15 +123,19 @@ def carries_rank_parts(model, trace, row, columns, tensor_parallel):
             if parent is None:
                 model(trace.inputs, training=False)
             else:
-                args, kwargs = parent.argument_values
+                args, kwargs = arguments or parent.argument_values
                 parent.layer.call(*args, **kwargs)
     except _Reached:
         pass
-    except Exception:  # noqa: BLE001 - the pairing keeps its reading
-        return True
-    if not seen:
-        return True
-    poisoned = np.isnan(as_numpy(seen[0]).astype("float64"))
+    except Exception:  # noqa: BLE001 - the caller says what not knowing means
+        return None
+    return seen[0] if seen else None
+
+
+def _first_part_only(row_input, row, tensor_parallel):
+    """Whether `row_input` is NaN in the first rank's part of the Row's
+    split axis, and only there."""
+    poisoned = np.isnan(as_numpy(row_input).astype("float64"))
     axis = leaf_handler(row.layer).input_axis(row.layer, Row(), poisoned.ndim)
     first, rest = _parts(poisoned, axis, tensor_parallel)
     return bool(first.any()) and not rest.any()

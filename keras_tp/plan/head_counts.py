@@ -25,6 +25,9 @@ from keras import ops
 
 from keras_tp.keras_internals import bind_values
 from keras_tp.keras_internals import sublayers
+from keras_tp.plan.arguments import HeadArgument
+from keras_tp.plan.arguments import feature_arguments
+from keras_tp.plan.arguments import local_arguments
 from keras_tp.plan.attention import call_arguments
 from keras_tp.plan.attention import named_arguments
 from keras_tp.plan.styles import Column
@@ -42,25 +45,6 @@ class HeadAxis(int):
 
     def __repr__(self):
         return f"HeadAxis({int(self)})"
-
-
-class HeadArgument(int):
-    """The heads axis of a call argument made for every head by the
-    layer's caller (see `add_head_arguments`), with the full `heads`
-    count: an argument that arrives with fewer is a rank's already (T5's
-    position bias, which its first attention layer computes from its
-    heads' slice of the bias table and hands on to the next)."""
-
-    def __new__(cls, axis, heads):
-        argument = super().__new__(cls, axis)
-        argument.heads = heads
-        return argument
-
-    def __getnewargs__(self):
-        return int(self), self.heads
-
-    def __repr__(self):
-        return f"HeadArgument({int(self)}, heads={self.heads})"
 
 
 class WholeHeads(int):
@@ -246,15 +230,6 @@ def _unit_heads(unit):
     return heads
 
 
-def head_arguments(counts):
-    """`{argument name: HeadArgument}` of a layer's `counts`."""
-    return {
-        name: axis
-        for name, axis in counts.items()
-        if isinstance(axis, HeadArgument)
-    }
-
-
 def _whole_heads(layer, trace, heads):
     """`[(sublayer, {argument: WholeHeads(axis)}), ...]`: the weightless
     direct sublayers of `layer` whose every traced call takes a first
@@ -279,29 +254,6 @@ def _whole_heads(layer, trace, heads):
             name = call_arguments(sub)[0]
             found.append((sub, {name: WholeHeads(axis)}))
     return found
-
-
-def local_arguments(layer, counts, head_slice, args, kwargs):
-    """`(args, kwargs)` of a call of `layer`, with this rank's slice of
-    each argument that `counts` holds a `HeadArgument` for."""
-    axes = head_arguments(counts)
-    if not axes:
-        return args, kwargs
-
-    def local(name, value):
-        axis = axes.get(name)
-        if axis is None or value is None:
-            return value
-        if value.shape[axis] not in (axis.heads, None):
-            return value  # a rank's heads already
-        return head_slice(value, int(axis))
-
-    names = call_arguments(layer)
-    args = [
-        local(names[i] if i < len(names) else None, value)
-        for i, value in enumerate(args)
-    ]
-    return args, {name: local(name, value) for name, value in kwargs.items()}
 
 
 def _split_heads(entry):
@@ -384,8 +336,25 @@ def call_with_local_counts(layer, counts, runtime):
 
     local_call = with_whole_heads(counts, call, ranks)
 
+    def split_on_devices(value, axis):
+        return runtime.run_split_function(
+            lambda adapter, whole: adapter.scatter_to_parallel(whole, axis),
+            [value],
+            [None],
+            output_axis=axis,
+        )
+
+    features = feature_arguments(counts)
+
     def counted_call(*args, **kwargs):
         if not runtime.holds_local_values():
+            if features and not runtime.local_ranks:
+                # On global arrays too, each device takes its part of an
+                # argument multiplied into split features, in a counted
+                # scatter, where XLA would gather the gradient uncounted.
+                args, kwargs = local_arguments(
+                    layer, features, split_on_devices, args, kwargs
+                )
             return call(*args, **kwargs)
         args, kwargs = local_arguments(
             layer, counts, runtime.adapter.scatter_to_parallel, args, kwargs

@@ -10,13 +10,13 @@ layers whose gradients the ranks sum.
 import itertools
 
 from keras_tp.errors import ShardingError
-from keras_tp.keras_internals import sublayers
 from keras_tp.plan import trace as tracing
-from keras_tp.plan.head_counts import HeadArgument
+from keras_tp.plan.arguments import FeatureArgument
+from keras_tp.plan.arguments import HeadArgument
+from keras_tp.plan.feature_arguments import add_feature_arguments
 from keras_tp.plan.head_counts import add_head_arguments
 from keras_tp.plan.head_counts import per_rank_counts
 from keras_tp.plan.planner import Planner
-from keras_tp.plan.sharding_plan import ShardedUnit
 from keras_tp.plan.sharding_plan import SummedCall
 from keras_tp.plan.styles import Row
 from keras_tp.plan.verify import local_problems
@@ -38,6 +38,7 @@ def check_locally(model, plan, sample_batch=None):
     random_inputs = {}
     trace = tracing.trace_model(model, sample_batch)
     add_head_arguments(model, plan, trace)
+    add_feature_arguments(model, plan, trace)
     plan.summed_gradients = _whole_key_values(model, plan, trace)
     problems = counted_problems(model, plan, trace, group_of, random_inputs)
     if problems:
@@ -77,7 +78,7 @@ def summed_on_global_arrays(model, plan, trace, group_of):
     ranks_view.summed_gradients = {}
     if counted_problems(model, ranks_view, trace, group_of):
         return {}
-    inside = _inside_units(plan)
+    inside = plan.unit_members()
     return {
         layer: call
         for layer, call in ranks_view.summed_gradients.items()
@@ -108,21 +109,11 @@ def random_on_split_values(plan, random_inputs):
         `{layer: (split, ...)}`: for each layer that draws on split
         activations, whether each of its calls in a forward pass does.
     """
-    inside = _inside_units(plan)
+    inside = plan.unit_members()
     return {
         layer: tuple(calls)
         for layer, calls in random_inputs.items()
         if id(layer) not in inside and any(calls)
-    }
-
-
-def _inside_units(plan):
-    """The ids of the layers inside `plan`'s attention units."""
-    return {
-        id(sub)
-        for entry in plan.layers
-        if isinstance(entry, ShardedUnit)
-        for sub in sublayers(entry.layer)
     }
 
 
@@ -242,6 +233,7 @@ def _without(per_rank_counts, names, arguments=False):
             for n, count in counts.items()
             if n not in names
             or (isinstance(count, HeadArgument) and not arguments)
+            or isinstance(count, FeatureArgument)
         }
         for layer, counts in per_rank_counts.items()
     }

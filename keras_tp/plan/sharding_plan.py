@@ -210,6 +210,16 @@ class ShardingPlan:
             else:
                 yield entry
 
+    def unit_members(self):
+        """The ids of the layers inside the plan's attention units, whose
+        regions run them on a rank's heads."""
+        return {
+            id(sub)
+            for entry in self.layers
+            if isinstance(entry, ShardedUnit)
+            for sub in sublayers(entry.layer)
+        }
+
     def to_layout_map(self, device_mesh):
         """Exports the same sharding as a `keras.distribution.LayoutMap`.
 
@@ -264,11 +274,13 @@ def walk_layers(layer):
 
 
 def supported_layers(model):
-    """Attention units and supported leaf layers, outside any unit."""
+    """Attention units and supported leaf layers, outside any unit, that
+    are built: a layer the model never calls (SAM's mask decoder, in its
+    backbone) has no weights to split."""
     inside_units = set()
     layers = []
     for layer in walk_layers(model):
-        if id(layer) in inside_units:
+        if id(layer) in inside_units or not layer.built:
             continue
         if ATTENTION.matches(layer):
             inside_units.update(id(sub) for sub in walk_layers(layer))

@@ -20,6 +20,7 @@ from keras_tp.keras_internals import build_shapes
 from keras_tp.keras_internals import calls_layers_for_kernel_reads
 from keras_tp.keras_internals import input_structure
 from keras_tp.keras_internals import reads_as_matmul
+from keras_tp.plan.attention import input_first
 from keras_tp.plan.sharding_plan import walk_layers
 
 logger = logging.getLogger(__name__)
@@ -113,7 +114,8 @@ class Trace:
 
 @contextlib.contextmanager
 def instrumented(model, wrap):
-    """Replaces the `call` of every sublayer of `model` inside the block.
+    """Replaces the `call` of every sublayer of `model` inside the block
+    (each receiving its first call argument by position, `input_first`).
 
     Args:
         model: the model.
@@ -122,7 +124,8 @@ def instrumented(model, wrap):
     patched = []
     for layer in walk_layers(model):
         patched.append((layer, layer.__dict__.get("call")))
-        object.__setattr__(layer, "call", wrap(layer, layer.call))
+        wrapped = input_first(layer, wrap(layer, layer.call))
+        object.__setattr__(layer, "call", wrapped)
     try:
         yield
     finally:

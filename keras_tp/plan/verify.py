@@ -32,10 +32,10 @@ from keras_tp.keras_internals import own_seed_generators
 from keras_tp.keras_internals import own_trainable_variables
 from keras_tp.keras_internals import own_variables
 from keras_tp.plan import trace as tracing
+from keras_tp.plan.arguments import local_arguments
 from keras_tp.plan.comparing import as_numpy
 from keras_tp.plan.comparing import close_to
 from keras_tp.plan.comparing import slice_tensor
-from keras_tp.plan.head_counts import local_arguments
 from keras_tp.plan.head_counts import local_counts
 from keras_tp.plan.head_counts import with_whole_heads
 from keras_tp.plan.sharding_plan import ShardedUnit

@@ -804,17 +804,20 @@ class AddsItsInput(layers.Layer):
         return x + self.inner(x)
 
 
-def test_the_pair_a_residual_breaks_falls_back_alone():
+@pytest.mark.parametrize("check_local", [True, False])
+def test_the_pair_a_residual_breaks_falls_back_alone(check_local):
     # `outer` pairs with the Row inside the residual layer, whose raw add
     # then meets a rank's slice of `outer`'s output: the check blames
     # that pair, the one whose split value the failing call read, and
-    # the MLP after it stays a Megatron pair.
+    # the MLP after it stays a Megatron pair. On global arrays too, where
+    # XLA would gather `outer`'s output for the add in a collective that
+    # no count sees (DepthAnything's neck).
     inputs = keras.Input((16,))
     x = layers.Dense(16, name="outer")(inputs)
     x = AddsItsInput(name="residual")(x)
     x = layers.Dense(32, activation="relu", name="up")(x)
     model = keras.Model(inputs, layers.Dense(16, name="down")(x))
-    plan = keras_tp.auto_plan(model, 2, check_local=True)
+    plan = keras_tp.auto_plan(model, 2, check_local=check_local)
     styles = {e.layer.path: e.style for e in plan.leaf_layers()}
     assert set(plan.fallbacks) == {"outer", "residual/inner"}, plan.fallbacks
     assert "add got incompatible shapes" in plan.fallbacks["outer"]

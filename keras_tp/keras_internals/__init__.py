@@ -7,7 +7,8 @@ imports `keras.src` or reads private Keras attributes, so a Keras upgrade
 is audited here. Its modules go by what they reach into:
 
 - `scopes`: values bound to variables (`bind_values`), so that Keras' own
-  code computes on a rank's shards;
+  code computes on a rank's shards, and reads of variables watched
+  (`ReadWatcher`);
 - `variables`: a variable's storage, reported shape and JAX layout;
 - `layers`: what a layer tracks (variables, sublayers, seed generators),
   attention projections, masks;
@@ -92,6 +93,7 @@ from keras_tp.keras_internals.optimizers import step_counter
 from keras_tp.keras_internals.optimizers import untracked_variables
 from keras_tp.keras_internals.optimizers import updating_only
 from keras_tp.keras_internals.optimizers import weight_decay_excluded
+from keras_tp.keras_internals.scopes import ReadWatcher
 from keras_tp.keras_internals.scopes import StatelessScope
 from keras_tp.keras_internals.scopes import bind_values
 from keras_tp.keras_internals.scopes import get_stateless_scope
@@ -107,6 +109,7 @@ from keras_tp.keras_internals.variables import stored_value
 __all__ = [
     "ATTENTION_OUTPUT_PROJECTION",
     "BuildsBeforeTracing",
+    "ReadWatcher",
     "RunsModelsOwnLoss",
     "StatelessScope",
     "UpdatesThroughAssign",

@@ -136,3 +136,18 @@ def stateful_cond(pred, true_fn, false_fn, variables):
     new = ops.cond(pred, branch(true_fn), branch(false_fn))
     for variable, value in zip(variables, new):
         variable.assign(value)
+
+
+class ReadWatcher(StatelessScope):
+    """Records reads of the `watched` variables (`{id: name}`) in `read`;
+    the values stay the variables'."""
+
+    def __init__(self, watched):
+        super().__init__()
+        self.watched = watched
+        self.read = []
+
+    def get_current_value(self, variable):
+        if id(variable) in self.watched:
+            self.read.append(self.watched[id(variable)])
+        return None

@@ -33,8 +33,8 @@ from keras_tp.plan.head_counts import add_head_arguments
 from keras_tp.plan.layers import leaf_handler
 from keras_tp.plan.local_check import counted_problems
 from keras_tp.plan.local_check import keep_needed_counts
+from keras_tp.plan.local_check import on_global_arrays
 from keras_tp.plan.local_check import random_on_split_values
-from keras_tp.plan.local_check import summed_on_global_arrays
 from keras_tp.plan.planner import Planner
 from keras_tp.plan.sharding_plan import ShardingPlan
 from keras_tp.plan.styles import Replicate
@@ -149,14 +149,14 @@ def auto_plan(
             problems = counted_problems(
                 model, plan, trace, group_of, random_inputs, units_only
             )
+            if not (problems or check_local):
+                problems, plan.summed_gradients = on_global_arrays(
+                    model, plan, trace, group_of
+                )
             if not problems:
                 if check_local:
                     plan.per_rank_random = random_on_split_values(
                         plan, random_inputs
-                    )
-                else:
-                    plan.summed_gradients = summed_on_global_arrays(
-                        model, plan, trace, group_of
                     )
                 keep_needed_counts(model, plan, trace, group_of, units_only)
                 return plan

@@ -54,32 +54,44 @@ def check_locally(model, plan, sample_batch=None):
     keep_needed_counts(model, plan, trace, group_of)
 
 
-def summed_on_global_arrays(model, plan, trace, group_of):
-    """The whole layers to run on each device's part of global arrays.
+def on_global_arrays(model, plan, trace, group_of):
+    """What each rank's view of a plan for global arrays finds.
 
     Where the code between split layers runs on global arrays (JAX
-    without a data axis), a whole layer with weights of its own that reads
-    split activations (Qwen3's norm of each head, HGNetV2's learnable
-    scale of split channels) gets each device's partial gradient, which
-    XLA would sum in a collective of its own, uncounted. Each rank's view
-    of the plan (`counted_problems`) finds such layers; run on each
-    device's part (`partial_gradients`), they sum their gradients in counted
-    collectives. Kept out: layers inside an attention unit (its region
-    runs them per device already), layers that read per-rank head counts,
-    and every layer when a rank's view of the plan fails (a path only
-    global arrays run right).
+    without a data axis), any plan computes one device's numbers, but XLA
+    moves whatever a rank's slices lack in collectives of its own, which
+    no count sees:
+
+    - a layer that receives a split value and needs it whole (a
+      residual add of a Column's output, DepthAnything's neck) makes XLA
+      gather it: such a group is a problem here too, and falls back as
+      where ranks hold their own slices (a gathering Column, whose
+      all-gather is counted). The other problems stay on global arrays,
+      whose plan keeps its splits: weights read outside their layer (tied
+      weights; XLA gathers them, each device keeps its slice) and whole
+      values the layer's own code computes for split heads (Bloom's ALiBi
+      slopes, which XLA slices where each device needs them);
+    - a whole layer with weights of its own that reads split activations
+      (Qwen3's norm of each head, HGNetV2's learnable scale of split
+      channels) gets each device's partial gradient, which XLA would sum:
+      run on each device's part (`partial_gradients`), it sums them in
+      counted collectives. Kept out: layers inside an attention unit (its
+      region runs them per device already) and layers that read per-rank
+      head counts.
 
     Returns:
-        `{layer: SummedCall}`.
+        `(problems, summed)`: `{group: Problem}` of the groups to fall
+        back, and `{layer: SummedCall}`, once there are none.
     """
     # The check may try other per-rank head counts: a copy of the plan
     # takes them, the one for global arrays keeps its own.
     ranks_view = plan.part_for(lambda layer: True)
     ranks_view.summed_gradients = {}
-    if counted_problems(model, ranks_view, trace, group_of):
-        return {}
+    problems = counted_problems(model, ranks_view, trace, group_of)
+    if problems:
+        return {k: p for k, p in problems.items() if p.crossing}, {}
     inside = plan.unit_members()
-    return {
+    return {}, {
         layer: call
         for layer, call in ranks_view.summed_gradients.items()
         if id(layer) not in inside

@@ -27,7 +27,7 @@ import re
 import keras
 import numpy as np
 
-from keras_tp.keras_internals import StatelessScope
+from keras_tp.keras_internals import ReadWatcher
 from keras_tp.keras_internals import own_seed_generators
 from keras_tp.keras_internals import own_trainable_variables
 from keras_tp.keras_internals import own_variables
@@ -47,9 +47,13 @@ from keras_tp.plan.styles import Row
 
 logger = logging.getLogger(__name__)
 
-Problem = collections.namedtuple("Problem", ["reason", "whole"])
-Problem.__doc__ = """Why a group (or a layer) fails the check, and whether it
-must stay whole (`whole=True`) or may still gather/slice."""
+Problem = collections.namedtuple(
+    "Problem", ["reason", "whole", "crossing"], defaults=[False]
+)
+Problem.__doc__ = """Why a group (or a layer) fails the check; whether it
+must stay whole (`whole=True`) or may still gather/slice; whether a call
+that received its split value failed (`crossing`: code that needs the
+value whole, where XLA, on global arrays, would gather it)."""
 
 
 class _OneRank:
@@ -68,20 +72,6 @@ class _OneRank:
 
     def copy_to_parallel(self, x):
         return x
-
-
-class _ReadWatcher(StatelessScope):
-    """Records reads of split variables; the values stay the variables'."""
-
-    def __init__(self, watched):
-        super().__init__()
-        self.watched = watched
-        self.read = []
-
-    def get_current_value(self, variable):
-        if id(variable) in self.watched:
-            self.read.append(self.watched[id(variable)])
-        return None
 
 
 def local_problems(
@@ -199,7 +189,7 @@ class _Emulation:
         return watched
 
     def run(self):
-        watcher = _ReadWatcher(self._slice_weights())
+        watcher = ReadWatcher(self._slice_weights())
         specs = self._relax_row_specs()
         try:
             with tracing.instrumented(self.model, self._wrap), watcher:
@@ -276,7 +266,7 @@ class _Emulation:
             # The innermost failing call meets these groups' split values
             # (a residual add of a Column's output to a whole tensor, say).
             for group in dict.fromkeys(groups if not self.problems else []):
-                self.problems[group] = Problem(_broken(error), False)
+                self.problems[group] = Problem(_broken(error), False, True)
             raise
         local = [tuple(a.shape) for a in inputs] != [
             tuple(a.shape) for a in reference.inputs

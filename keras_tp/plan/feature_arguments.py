@@ -87,10 +87,10 @@ def _carried(model, trace, row, parent, plan):
         if id(tensor) in taken or not is_float(tensor):
             continue
         where = [(n, p) for n, p, t in named if t is tensor]
+        if len(where) != 1:
+            continue  # the same tensor twice: no one argument to slice
         for axis, length in enumerate(tensor.shape):
-            if length != width or len(where) != 1:
-                continue
-            if dependence.argument_carries_rank_parts(
+            if length == width and dependence.argument_carries_rank_parts(
                 model, trace, row, position, axis, plan.tensor_parallel
             ):
                 carried.add((*where[0], axis, width))

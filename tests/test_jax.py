@@ -941,9 +941,19 @@ def test_a_layer_called_twice_pairs_alike_at_both_calls():
     assert styles["up"] == keras_tp.Column(gather_output=True), styles
 
 
+class _Frequencies(layers.Layer):
+    """Makes its weight when made, as SmolLM3's rotary embedding does."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inverse = self.add_weight(
+            shape=(4,), initializer="ones", trainable=False, name="inverse"
+        )
+
+
 class _KeywordBlock(layers.Layer):
     """Calls its layers by keyword, as keras-hub's PaliGemma vision
-    encoder does, and holds one it never calls (never built), as SAM's
+    encoder does, and holds layers it never calls (never built), as SAM's
     backbone holds its mask decoder."""
 
     def __init__(self, **kwargs):
@@ -951,6 +961,7 @@ class _KeywordBlock(layers.Layer):
         self.up = layers.Dense(32, activation="relu", name="up")
         self.down = layers.Dense(8, name="down")
         self.unused = layers.Dense(8, name="unused")
+        self.frequencies = _Frequencies(name="frequencies")
 
     def call(self, x):
         return self.down(inputs=self.up(inputs=x))
@@ -971,6 +982,8 @@ def test_inputs_by_keyword_and_layers_never_called():
     assert styles["block/up"] == keras_tp.Column(), styles
     assert styles["block/down"] == keras_tp.Row(), styles
     assert not plan.fallbacks, plan.fallbacks
+    # A layer never built has no path: its name stands in.
+    assert "frequencies" in plan.replicated, plan.replicated
     tp = keras_tp.TensorParallelKeras(build(), world_size=2)
     assert "block/unused" not in {e.layer.path for e in tp.sharding_plan.layers}
     np.testing.assert_allclose(tp(x), build()(x), atol=ATOL)

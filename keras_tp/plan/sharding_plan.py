@@ -394,17 +394,20 @@ def replicated_layers(model, bound):
             covered.update(id(sub) for sub in walk_layers(entry.layer))
     reasons = {}
     for layer in walk_layers(model):
+        # A layer never built has no path (SmolLM3's rotary embedding,
+        # whose frequencies its attention reads): its name stands in.
+        path = layer.path or layer.name
         if id(layer) in covered:
             continue
         if ATTENTION.matches(layer):
             covered.update(id(sub) for sub in walk_layers(layer))
-            reasons[layer.path] = "not in the plan"
+            reasons[path] = "not in the plan"
         elif not own_variables(layer):
             continue
         elif leaf_handler(layer) is None:
-            reasons[layer.path] = (
+            reasons[path] = (
                 f"{type(layer).__name__}: not a layer keras_tp splits"
             )
         else:
-            reasons[layer.path] = "not in the plan"
+            reasons[path] = "not in the plan"
     return reasons

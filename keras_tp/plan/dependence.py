@@ -15,7 +15,10 @@ outside the plan's collectives.
 `carries_rank_parts` tells them apart by running the parent call again
 on its recorded arguments with the first rank's part of each Column
 output replaced by NaN: the Row's input must then hold NaN in the first
-rank's part of its split axis, and only there.
+rank's part of its split axis, and only there. The same run, with the
+first rank's part of one of the call's arguments NaN instead, tells
+whether raw ops carry that argument into the split features
+(`argument_carries_rank_parts`).
 """
 
 import keras
@@ -86,12 +89,11 @@ def argument_carries_rank_parts(
         otherwise, or when the run raised.
     """
     parent = trace.calls[row.parent]
-    value = as_numpy(parent.inputs[position])
-    poisoned = value.astype("float64")
+    # The value as the call received it (torch may change it in place).
+    value = parent.input_values[position]
+    poisoned = as_numpy(value).astype("float64")
     _parts(poisoned, axis, tensor_parallel)[0][...] = np.nan
-    poisoned = ops.convert_to_tensor(
-        poisoned, dtype=parent.inputs[position].dtype
-    )
+    poisoned = ops.convert_to_tensor(poisoned, dtype=value.dtype)
     arguments = parent.arguments_with({position: poisoned})
     seen = _row_input(model, trace, row, lambda i, layer, out: out, arguments)
     return seen is not None and _first_part_only(seen, row, tensor_parallel)

@@ -76,12 +76,13 @@ def on_global_arrays(model, plan, trace, group_of):
       channels) gets each device's partial gradient, which XLA would sum:
       run on each device's part (`partial_gradients`), it sums them in
       counted collectives. Kept out: layers inside an attention unit (its
-      region runs them per device already) and layers that read per-rank
-      head counts.
+      region runs them per device already), layers that read per-rank
+      head counts, and every layer while a rank's view fails (a path only
+      global arrays run right).
 
     Returns:
         `(problems, summed)`: `{group: Problem}` of the groups to fall
-        back, and `{layer: SummedCall}`, once there are none.
+        back, and `{layer: SummedCall}`.
     """
     # The check may try other per-rank head counts: a copy of the plan
     # takes them, the one for global arrays keeps its own.

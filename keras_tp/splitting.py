@@ -1,6 +1,7 @@
 """How `TensorParallelKeras` splits a model it wraps: the plan bound to
 the model, its variables placed, its split layers' regions installed."""
 
+import logging
 import weakref
 
 import keras
@@ -18,6 +19,7 @@ from keras_tp.parallel import zero3
 from keras_tp.plan.auto import auto_plan
 from keras_tp.plan.local_check import check_locally
 from keras_tp.plan.sharding_plan import ShardingPlan
+from keras_tp.runtime.mesh import MeshRuntime
 
 # Models whose layers were converted in place, so they are not split twice.
 _WRAPPED_MODELS = weakref.WeakSet()
@@ -48,27 +50,33 @@ def bind_plan(model, plan, runtime, sample_batch=None):
     tensor-parallel size, traced on `sample_batch` (or a probe batch)."""
     tensor_parallel = runtime.tensor_parallel
     held = runtime.weights_held_by_graph(model)
-    if isinstance(plan, keras.distribution.LayoutMap):
-        bound = auto_plan(
-            model,
-            tensor_parallel,
-            check_local=runtime.local_ranks,
-            layout_map=plan,
-            sample_batch=sample_batch,
-            keep_whole=_held_layers(model, held),
-        )
-    elif isinstance(plan, str):
-        if plan != "auto":
+    if isinstance(plan, (keras.distribution.LayoutMap, str)):
+        if plan != "auto" and isinstance(plan, str):
             raise ValueError(
                 f"plan must be 'auto', a ShardingPlan or a dict, got {plan!r}."
             )
-        bound = auto_plan(
-            model,
-            tensor_parallel,
-            check_local=runtime.local_ranks,
-            sample_batch=sample_batch,
-            keep_whole=_held_layers(model, held),
-        )
+        layout_map = None if isinstance(plan, str) else plan
+
+        def planned():
+            return auto_plan(
+                model,
+                tensor_parallel,
+                check_local=runtime.local_ranks,
+                layout_map=layout_map,
+                sample_batch=sample_batch,
+                keep_whole=_held_layers(model, held),
+            )
+
+        bound = planned()
+        if bound.summed_by_xla and isinstance(runtime, MeshRuntime):
+            logging.info(
+                "Steps run per rank: on global arrays XLA would sum the "
+                "gradients of %s in collectives of its own.",
+                ", ".join(bound.summed_by_xla),
+            )
+            runtime.run_steps_per_rank()
+            by_xla, bound = bound.summed_by_xla, planned()
+            bound.summed_by_xla = by_xla
     elif isinstance(plan, (ShardingPlan, dict, list, tuple)):
         rules = plan.rules if isinstance(plan, ShardingPlan) else plan
         bound = ShardingPlan(rules).bind(model, tensor_parallel)

@@ -42,11 +42,10 @@ def measure(name, world_size):
     return _measured(name, world_size)[0]
 
 
-def _summed_on_split_heads(name):
-    """The whole layers of zoo LM `name` that sum their gradients on
-    JAX's global arrays (`zoo_cases.SUMMED_ON_SPLIT_HEADS_PER_BLOCK`)."""
-    per_block = zoo_cases.SUMMED_ON_SPLIT_HEADS_PER_BLOCK.get(name, 0)
-    return zoo_cases.BLOCKS * per_block
+def _summed(name):
+    """The whole layers of zoo LM `name` that sum their gradients
+    (`zoo_cases.SUMMED_PER_BLOCK`)."""
+    return zoo_cases.BLOCKS * zoo_cases.SUMMED_PER_BLOCK.get(name, 0)
 
 
 def _trained_step_hlo(name):
@@ -75,7 +74,7 @@ def test_transformer_families_exact_at_two_ranks(name):
     # arrays: nothing needs to fall back.
     assert not results["fallbacks"]
     if name in zoo_cases.DECODER_LMS:
-        zoo_cases.check_megatron(results, _summed_on_split_heads(name))
+        zoo_cases.check_megatron(results, _summed(name))
     if name not in ("gemma", "gemma_lora"):
         # Only norms and position tables stay whole.
         assert results["bytes_ratio"] <= 1.05, results["bytes_ratio"]
@@ -170,7 +169,7 @@ def test_four_ranks(name):
         # Its 4 experts: one per rank.
         assert results["bytes_ratio"] <= 1.05, results["bytes_ratio"]
     if name in zoo_cases.DECODER_LMS:
-        zoo_cases.check_megatron(results, _summed_on_split_heads(name))
+        zoo_cases.check_megatron(results, _summed(name))
 
 
 def test_multi_query_attention_keeps_the_key_value_head_whole():
@@ -197,22 +196,30 @@ def test_tied_lm_head_shares_the_vocabulary_split():
 @pytest.mark.parametrize("name", ["llama", "gemma", "qwen3"])
 def test_compiled_step_has_the_counted_collectives(name):
     # Gemma's one key/value head stays whole while its query heads are
-    # split: XLA adds one all-reduce per block for each of the key and
-    # value gradients, summed over the ranks' query heads. Qwen3's norms
-    # of each query and key head run on each device's heads, where they
-    # sum their weights' gradients in counted all-reduces (XLA added 4).
-    added = 2 * zoo_cases.BLOCKS if name == "gemma" else 0
+    # split: its steps run per rank, where the ranks sum the key and value
+    # weights' gradients in counted all-reduces (on global arrays XLA
+    # all-reduced their outputs' gradients, uncounted). Qwen3's norms of
+    # each query and key head run on each device's heads, where they sum
+    # their weights' gradients in counted all-reduces (XLA added 4).
+    tp, hlo = _trained_step_hlo(name)
+    assert tp.sharding_plan.summed_by_xla == (
+        [
+            f"decoder_block_{i}/attention/{kind}"
+            for i in range(zoo_cases.BLOCKS)
+            for kind in ("key", "value")
+        ]
+        if name == "gemma"
+        else []
+    )
+    stats = tp.communication_stats()
     # The loss and the accuracy metric each all-reduce the logits' maximum
     # over the vocabulary shards: one computation, which XLA runs once.
-    added -= 1
-    tp, hlo = _trained_step_hlo(name)
-    stats = tp.communication_stats()
-    assert _count_hlo(hlo, "all-reduce") == stats["all_reduce"]["calls"] + added
+    assert _count_hlo(hlo, "all-reduce") == stats["all_reduce"]["calls"] - 1
     # The logits stay split by vocabulary: nothing is gathered.
     assert _count_hlo(hlo, "all-gather") == 0
     megatron = 2 * (2 * zoo_cases.BLOCKS + 1)
     loss = zoo_cases.LOSS_AND_ACCURACY_REDUCTIONS
-    summed = _summed_on_split_heads(name)
+    summed = _summed(name)
     assert stats["all_reduce"]["calls"] == megatron + loss + summed
     assert "all_gather" not in stats
 

@@ -44,16 +44,15 @@ TRANSFORMERS = (
 # Decoder-only LMs of the zoo: 2 blocks, token embedding and LM head in one
 # ReversibleEmbedding (tied or not).
 DECODER_LMS = ("gemma", "gpt2", "llama", "mistral", "qwen3", "gemma4", "phi3")
-# Where ranks hold their own slices, the whole layers of each of these
-# LMs' blocks that compute on a rank's heads: Gemma's single key/value
-# head (key and value), Qwen3's and Gemma 4's per-head query and key
-# norms. The ranks sum their gradients, one all-reduce each.
+# The whole layers of each of these LMs' blocks that compute on a rank's
+# heads: Gemma's single key/value head (key and value), Qwen3's and Gemma
+# 4's per-head query and key norms. The ranks sum their gradients, one
+# all-reduce each, on every backend: on JAX's global arrays the per-head
+# norms run on each device's heads (`partial_gradients`), and a model
+# with whole key/value heads runs its steps per rank
+# (`ShardingPlan.summed_by_xla`), where XLA summed their gradients in
+# collectives of its own before.
 SUMMED_PER_BLOCK = {"gemma": 2, "qwen3": 2, "gemma4": 2}
-# Of those, the per-head norms read split heads: on JAX's global arrays
-# they run on each device's heads too (`partial_gradients`), their
-# all-reduces counted (XLA added its own before). Gemma's whole key/value
-# head reads whole inputs, whose gradient its attention's region sums.
-SUMMED_ON_SPLIT_HEADS_PER_BLOCK = {"qwen3": 2, "gemma4": 2}
 BLOCKS = 2
 # A keras-hub CausalLM compiles itself with an accuracy metric. From split
 # logits the loss all-reduces one float per token twice (the maximum, then

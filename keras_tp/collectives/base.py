@@ -24,7 +24,8 @@ class CollectiveAdapter:
     `_reduce_scatter`, `_broadcast`, `barrier`, `rank`, `size`), the four
     Megatron conjugate operators and ZeRO-3's `_gather_partitions` with the
     backend's custom-gradient tool.
-    This class validates arguments and counts calls and bytes in `stats`.
+    This class validates arguments and counts calls and bytes in `stats`;
+    over one rank a collective is the identity, neither issued nor counted.
 
     Args:
         axis_name: name of the mesh axis the collectives run over.
@@ -59,7 +60,7 @@ class CollectiveAdapter:
         if op not in REDUCE_OPS:
             raise ValueError(f"`op` must be one of {REDUCE_OPS}, got {op!r}.")
         self._record("all_reduce", x)
-        if not self.communicate:
+        if not self.communicate or self.size() == 1:
             return x
         return self._all_reduce(x, op)
 
@@ -74,7 +75,7 @@ class CollectiveAdapter:
         if op not in REDUCE_OPS:
             raise ValueError(f"`op` must be one of {REDUCE_OPS}, got {op!r}.")
         self._record("all_reduce", x)
-        if not self.communicate:
+        if not self.communicate or self.size() == 1:
             return lambda: x
         return self._all_reduce_async(x, op)
 
@@ -85,6 +86,8 @@ class CollectiveAdapter:
     def all_gather(self, x, axis=0):
         """Concatenates every rank's `x` along `axis`."""
         self._record("all_gather", x, scale=self.size())
+        if self.size() == 1:
+            return x
         return self._all_gather(x, axis)
 
     def reduce_scatter(self, x, axis=0, op="sum"):
@@ -97,11 +100,15 @@ class CollectiveAdapter:
                 f"to divide by the {self.size()} ranks."
             )
         self._record("reduce_scatter", x)
+        if self.size() == 1:
+            return x
         return self._reduce_scatter(x, axis, op)
 
     def broadcast(self, x, root=0):
         """Returns rank `root`'s `x` on every rank."""
         self._record("broadcast", x)
+        if self.size() == 1:
+            return x
         return self._broadcast(x, root)
 
     def barrier(self):
@@ -152,7 +159,10 @@ class CollectiveAdapter:
 
     def _record(self, kind, x, direction=None, scale=1):
         """Counts one call; `scale` turns the input's bytes into the call's
-        (an all-gather moves `size()` times its input)."""
+        (an all-gather moves `size()` times its input). A collective over
+        one rank moves nothing, and compilers drop it: it is not counted."""
+        if self.size() == 1:
+            return
         self.stats.record(kind, nbytes(x) * scale, direction, self.stats_axis)
 
     def _enter(self, kind, x, direction=None):

@@ -150,8 +150,14 @@ def auto_plan(
                 model, plan, trace, group_of, random_inputs, units_only
             )
             if not (problems or check_local):
-                problems, plan.summed_gradients = on_global_arrays(
-                    model, plan, trace, group_of
+                problems, plan.summed_gradients, plan.summed_by_xla = (
+                    on_global_arrays(
+                        model,
+                        plan,
+                        trace,
+                        group_of,
+                        planner.whole_key_values(decisions),
+                    )
                 )
             if not problems:
                 if check_local:

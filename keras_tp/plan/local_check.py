@@ -54,7 +54,7 @@ def check_locally(model, plan, sample_batch=None):
     keep_needed_counts(model, plan, trace, group_of)
 
 
-def on_global_arrays(model, plan, trace, group_of):
+def on_global_arrays(model, plan, trace, group_of, whole_key_values):
     """What each rank's view of a plan for global arrays finds.
 
     Where the code between split layers runs on global arrays (JAX
@@ -78,29 +78,41 @@ def on_global_arrays(model, plan, trace, group_of):
       counted collectives. Kept out: layers inside an attention unit (its
       region runs them per device already), layers that read per-rank
       head counts, and every layer while a rank's view fails (a path only
-      global arrays run right).
+      global arrays run right);
+    - the other whole layers that get partial gradients stay on global
+      arrays, where XLA sums them: a key/value projection with fewer
+      heads than ranks reads whole inputs and feeds every device's heads,
+      so XLA all-reduces its outputs' gradients (Gemma's single head).
+      They are returned apart: steps that run per rank sum their weights'
+      gradients instead, in counted collectives, as Megatron does.
 
     Returns:
-        `(problems, summed)`: `{group: Problem}` of the groups to fall
-        back, and `{layer: SummedCall}`.
+        `(problems, summed, summed_by_xla)`: `{group: Problem}` of the
+        groups to fall back, `{layer: SummedCall}`, and the paths of the
+        layers whose gradients XLA would sum.
     """
     # The check may try other per-rank head counts: a copy of the plan
     # takes them, the one for global arrays keeps its own.
     ranks_view = plan.part_for(lambda layer: True)
-    ranks_view.summed_gradients = {}
+    ranks_view.summed_gradients = dict(whole_key_values)
     problems = counted_problems(model, ranks_view, trace, group_of)
     if problems:
-        return {k: p for k, p in problems.items() if p.crossing}, {}
+        return {k: p for k, p in problems.items() if p.crossing}, {}, []
     inside = plan.unit_members()
-    return {}, {
+    outside = {
         layer: call
         for layer, call in ranks_view.summed_gradients.items()
-        if id(layer) not in inside
-        and layer not in ranks_view.per_rank_counts
-        and any(axis is not None for axis in call.input_axes)
+        if id(layer) not in inside and layer not in ranks_view.per_rank_counts
+    }
+    summed = {
+        layer: call
+        for layer, call in outside.items()
+        if any(axis is not None for axis in call.input_axes)
         and len(set(call.output_axes)) == 1
         and None not in call.output_axes
     }
+    by_xla = [layer.path for layer in outside if layer not in summed]
+    return {}, summed, by_xla
 
 
 def random_on_split_values(plan, random_inputs):

@@ -108,6 +108,10 @@ class ShardingPlan:
         # Whole layers computing on split activations, whose gradients the
         # ranks sum (`partial_gradients`): `{layer: SummedCall}`.
         self.summed_gradients = {}
+        # Paths of the whole layers whose partial gradients XLA would sum
+        # on global arrays, in collectives of its own (`on_global_arrays`):
+        # a runtime that can run its steps per rank does so instead.
+        self.summed_by_xla = []
 
     def __repr__(self):
         lines = [

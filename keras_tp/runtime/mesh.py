@@ -49,6 +49,9 @@ class MeshRuntime(DataAxisLevels, Runtime):
             devices=self.devices,
         )
         self._build()
+        self._make_adapters()
+
+    def _make_adapters(self):
         # `adapter` runs over the `model` axis, `data_adapter` over `data`
         # and `world_adapter` over both; they count into one stats object.
         self.adapter, self.data_adapter, self.world_adapter = (
@@ -58,6 +61,18 @@ class MeshRuntime(DataAxisLevels, Runtime):
         self.world_adapter.stats = self.adapter.stats
         if self.sequence_parallel:
             self.adapter = SequenceParallelAdapter(self.adapter)
+
+    def run_steps_per_rank(self):
+        """Runs every step per rank from now on, as with a data axis.
+
+        For a plan whose whole layers get partial gradients that XLA
+        would sum on global arrays in collectives of its own
+        (`ShardingPlan.summed_by_xla`): per rank, their weights' gradients
+        are summed in counted all-reduces. Called before the model is
+        split; the adapters are made anew for per-rank steps.
+        """
+        self.per_rank_steps = True
+        self._make_adapters()
 
     @property
     def stats(self):

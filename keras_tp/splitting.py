@@ -68,14 +68,18 @@ def bind_plan(model, plan, runtime, sample_batch=None):
             )
 
         bound = planned()
-        if bound.summed_by_xla and isinstance(runtime, MeshRuntime):
+        by_xla = bound.summed_by_xla
+        if (
+            by_xla
+            and isinstance(runtime, MeshRuntime)
+            and runtime.run_steps_per_rank()
+        ):
             logging.info(
                 "Steps run per rank: on global arrays XLA would sum the "
                 "gradients of %s in collectives of its own.",
-                ", ".join(bound.summed_by_xla),
+                ", ".join(by_xla),
             )
-            runtime.run_steps_per_rank()
-            by_xla, bound = bound.summed_by_xla, planned()
+            bound = planned()
             bound.summed_by_xla = by_xla
     elif isinstance(plan, (ShardingPlan, dict, list, tuple)):
         rules = plan.rules if isinstance(plan, ShardingPlan) else plan

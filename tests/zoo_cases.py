@@ -191,7 +191,21 @@ def sequence_parallel_results(name, world_size, **wrap_kwargs):
             tp._runtime.placement.split_axis(v) is None
             for v in tp.trainable_variables
         ),
+        "summed_without_sequence": _summed_only_in(plain, tp),
     }
+
+
+def _summed_only_in(model, other):
+    """Bytes of the gradients `model`'s ranks sum of the weights of its
+    whole layers that `other` does not sum (on JAX, Gemma's key/value head
+    summed per rank, which under sequence parallelism XLA sums itself)."""
+    summed = set(other.sharding_plan.summed_gradients)
+    return sum(
+        int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize
+        for layer in model.sharding_plan.summed_gradients
+        if layer not in summed
+        for v in layer.trainable_weights
+    )
 
 
 def check_sequence_parallel(results, whole_weight_reductions, regathered):
@@ -247,7 +261,9 @@ def check_sequence_parallel(results, whole_weight_reductions, regathered):
 
     def reduced(direction):
         plain_bytes = sent(plain, "all_reduce", direction)
-        return plain_bytes - (loss_bytes if direction == "forward" else 0)
+        if direction == "forward":
+            return plain_bytes - loss_bytes
+        return plain_bytes - results["summed_without_sequence"]
 
     # An all-reduce is a reduce-scatter and an all-gather of its buffer.
     for direction in ("forward", "backward"):

@@ -70,9 +70,16 @@ class MeshRuntime(DataAxisLevels, Runtime):
         (`ShardingPlan.summed_by_xla`): per rank, their weights' gradients
         are summed in counted all-reduces. Called before the model is
         split; the adapters are made anew for per-rank steps.
+
+        Returns:
+            Whether the steps run per rank now: not under sequence
+            parallelism, whose shards run on global arrays only.
         """
+        if self.sequence_parallel:
+            return False
         self.per_rank_steps = True
         self._make_adapters()
+        return True
 
     @property
     def stats(self):

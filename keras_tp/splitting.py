@@ -21,6 +21,8 @@ from keras_tp.plan.local_check import check_locally
 from keras_tp.plan.sharding_plan import ShardingPlan
 from keras_tp.runtime.mesh import MeshRuntime
 
+logger = logging.getLogger(__name__)
+
 # Models whose layers were converted in place, so they are not split twice.
 _WRAPPED_MODELS = weakref.WeakSet()
 
@@ -74,7 +76,7 @@ def bind_plan(model, plan, runtime, sample_batch=None):
             and isinstance(runtime, MeshRuntime)
             and runtime.run_steps_per_rank()
         ):
-            logging.info(
+            logger.info(
                 "Steps run per rank: on global arrays XLA would sum the "
                 "gradients of %s in collectives of its own.",
                 ", ".join(by_xla),

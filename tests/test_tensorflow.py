@@ -646,7 +646,9 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_multi_worker_mirrored_strategy_matches_one_device(tmp_path):
+def _multi_worker_results(tmp_path, *args):
+    """Runs `tests/tf_scripts/multi_worker.py` with `args` on two workers
+    on loopback ports; returns each worker's results, in task order."""
     script = os.path.join(
         os.path.dirname(__file__), "tf_scripts", "multi_worker.py"
     )
@@ -663,32 +665,85 @@ def test_multi_worker_mirrored_strategy_matches_one_device(tmp_path):
         out = tmp_path / f"worker{index}.json"
         log = open(tmp_path / f"worker{index}.log", "w")
         process = subprocess.Popen(
-            [sys.executable, script, str(out)], env=env, stdout=log, stderr=log
+            [sys.executable, script, str(out), *args],
+            env=env,
+            stdout=log,
+            stderr=log,
         )
         workers.append((process, out, log))
     for process, _, log in workers:
         process.wait(timeout=300)
         log.close()
-    for index, (process, out, _) in enumerate(workers):
+    for index, (process, _, _) in enumerate(workers):
         assert process.returncode == 0, (
             tmp_path / f"worker{index}.log"
         ).read_text()[-3000:]
-        result = json.loads(out.read_text())
+    return [json.loads(out.read_text()) for _, out, _ in workers]
+
+
+def _check_checkpoint_round_trip(result, replicas):
+    """The checkpoint has a file of each of `replicas`; the split model
+    and a plain one read it back exactly."""
+    assert result["checkpoint_files"] == [
+        f"save1-replica{replica}.safetensors" for replica in replicas
+    ]
+    assert result["checkpoint_plain_diff"] == 0.0
+    assert result["checkpoint_reload_diff"] == 0.0
+
+
+def test_multi_worker_mirrored_strategy_matches_one_device(tmp_path):
+    results = _multi_worker_results(tmp_path)
+    for result in results:
         assert result["world_size"] == 2
         assert result["weight_diff"] <= TOLERANCE
         assert result["output_diff"] <= TOLERANCE
         # Each worker holds half of the split parameters.
         local = [b for b in result["parameter_bytes_per_device"].values() if b]
         assert len(local) == 1
-        assert result["checkpoint_files"] == [
-            "save1-replica0.safetensors",
-            "save1-replica1.safetensors",
-        ]
-        assert result["checkpoint_plain_diff"] == 0.0
-        assert result["checkpoint_reload_diff"] == 0.0
+        _check_checkpoint_round_trip(result, [0, 1])
     speaker_cases.check_one_speaker(
-        [json.loads(out.read_text())["one_speaker"] for _, out, _ in workers]
+        [result["one_speaker"] for result in results]
     )
+
+
+# Collectives of a training step with data_parallel=2 across two workers,
+# each reading its half of every global batch: all-gathers of the rows'
+# outputs and of the targets (forward), then the CoordinatedOptimizer's
+# over `data` (ZeRO-3: a gather of each of the MLP's 6 weights, and a
+# reduce-scatter of each gradient).
+_MULTI_WORKER_STEP = {
+    "dp": {"all_gather": (2, 0, 0), "all_reduce": (0, 0, 1)},
+    "zero1": {"all_gather": (2, 0, 1), "reduce_scatter": (0, 0, 1)},
+    "zero3": {"all_gather": (8, 0, 0), "reduce_scatter": (0, 6, 0)},
+}
+
+
+@pytest.mark.parametrize("mode", sorted(_MULTI_WORKER_STEP))
+def test_multi_worker_data_parallel_matches_one_device(tmp_path, mode):
+    for result in _multi_worker_results(tmp_path, mode):
+        assert result["weight_diff"] <= TOLERANCE
+        assert result["output_diff"] <= TOLERANCE
+        assert abs(result["loss"] - result["reference_loss"]) <= TOLERANCE
+        assert result["evaluate_diff"] <= TOLERANCE
+        # Every collective of the step is over `data`.
+        assert result["stats"] == result["data_stats"]
+        calls = {
+            kind: (
+                entry["forward_calls"],
+                entry["backward_calls"],
+                entry["optimizer_calls"],
+            )
+            for kind, entry in result["stats"].items()
+        }
+        assert calls == _MULTI_WORKER_STEP[mode]
+        # The rows' outputs (2 x 2 x 8 float32) and labels (2 x 2 int64).
+        assert result["stats"]["all_gather"]["forward_bytes"] >= 160
+        # predict() reads worker 0's batch (one broadcast) and gathers the
+        # rows' predictions.
+        assert sorted(result["predict_stats"]) == ["all_gather", "broadcast"]
+        # Without ZeRO both rows hold the same weights: replica 0 writes
+        # them; under ZeRO each worker writes its partitions.
+        _check_checkpoint_round_trip(result, [0] if mode == "dp" else [0, 1])
 
 
 @pytest.mark.parametrize("data_parallel", [1, 2])

@@ -31,12 +31,17 @@ class ReplicaGroups:
         group_key_start: the first group key. The groups take consecutive
             keys from it, which no other collective of the process (the
             strategy's own included) may use.
+        local: the replica ids this process runs, or `None` for all. Across
+            the workers of a `MultiWorkerMirroredStrategy` every worker
+            splits the same groups, so that the keys agree, and makes the
+            members of its own replicas only.
     """
 
-    def __init__(self, devices, group_key_start):
+    def __init__(self, devices, group_key_start, local=None):
         self._devices = list(devices)
         self._next_group_key = group_key_start
         self._tokens = {}
+        self._local = set(range(len(self._devices)) if local is None else local)
 
     def split(self, groups):
         """Makes one collective group per list of replica ids.
@@ -45,7 +50,8 @@ class ReplicaGroups:
             groups: lists of replica ids, each in device-name order.
 
         Returns:
-            `{replica id: member}` for every replica of the groups.
+            `{replica id: member}` for every replica of the groups that
+            this process runs.
         """
         members = {}
         for group in groups:
@@ -58,6 +64,8 @@ class ReplicaGroups:
             group_key = self._next_group_key
             self._next_group_key += 1
             for rank, replica in enumerate(group):
+                if replica not in self._local:
+                    continue
                 device = self._devices[replica]
                 members[replica] = _GroupMember(
                     group_key, len(group), rank, device, self._token(device)

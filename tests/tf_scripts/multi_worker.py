@@ -13,6 +13,11 @@ loopback ports; by hand, in two shells (ports of your choice):
         python tests/tf_scripts/multi_worker.py /tmp/worker0.json
     TF_CONFIG="{$CLUSTER, \"task\": {\"type\": \"worker\", \"index\": 1}}" \
         python tests/tf_scripts/multi_worker.py /tmp/worker1.json
+
+A second argument `dp` (or `zero1`) trains with data_parallel=2 (and ZeRO
+stage 1) instead: each worker is one data-parallel row and reads only its
+half of each global batch, from a `tf.data.Dataset` whose other half is
+poisoned (NaN inputs, out-of-range labels).
 """
 
 import json
@@ -32,28 +37,25 @@ strategy = configure_multi_worker()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 import keras_tp  # noqa: E402
 from tests import models  # noqa: E402
 from tests import speaker_cases  # noqa: E402
 
+BATCH = 4
 
-def main(out_path):
-    task = strategy.cluster_resolver.task_id
-    reference = models.mlp()
-    tp = keras_tp.TensorParallelKeras(models.mlp())
-    x, y = models.data_for("mlp", batch=20)
-    # Worker 1 reads other data on purpose: every rank must still train on
-    # worker 0's batches, as the reference does.
-    own_x, own_y = models.data_for("mlp", batch=20, seed=1 + task)
-    for model, (inputs, targets) in ((reference, (x, y)), (tp, (own_x, own_y))):
-        model.compile(
-            optimizer=keras.optimizers.Adam(1e-3),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
-        model.fit(
-            inputs, targets, batch_size=4, epochs=1, shuffle=False, verbose=0
-        )
+
+def _compile(model):
+    model.compile(
+        optimizer=keras.optimizers.Adam(1e-3),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+
+
+def _differences(reference, tp, x, own_x):
+    """The largest differences of the weights, and of the predictions of
+    `x` (the reference's) and `own_x` (this worker's input)."""
     weight_diff = max(
         float(np.abs(a - b).max())
         for a, b in zip(reference.get_weights(), tp.get_weights())
@@ -63,9 +65,20 @@ def main(out_path):
             reference.predict(x, verbose=0) - tp.predict(own_x, verbose=0)
         ).max()
     )
-    # Each worker writes its replica's pieces to the shared directory; the
-    # chief writes the manifest once both have. A plain model and the
-    # split one then read it back.
+    return {"weight_diff": weight_diff, "output_diff": output_diff}
+
+
+def _trained_reference(x, y):
+    reference = models.mlp()
+    _compile(reference)
+    reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    return reference
+
+
+def _checkpoint_round_trip(tp, out_path):
+    """Each worker writes its replicas' pieces to the shared directory; the
+    chief writes the manifest once all have. A plain model and the split
+    one then read it back."""
     directory = os.path.join(os.path.dirname(out_path), "checkpoint")
     manifest = keras_tp.save_checkpoint(tp, directory, epoch=1)
     plain = models.mlp(seed=5)
@@ -73,7 +86,7 @@ def main(out_path):
     trained = tp.get_weights()
     tp.set_weights([np.zeros_like(w) for w in trained])
     keras_tp.load_checkpoint(tp, directory)
-    result = {
+    return {
         "checkpoint_files": sorted(manifest["files"]),
         "checkpoint_plain_diff": max(
             float(np.abs(a - b).max())
@@ -83,10 +96,61 @@ def main(out_path):
             float(np.abs(a - b).max())
             for a, b in zip(tp.get_weights(), trained)
         ),
+    }
+
+
+def data_parallel(out_path, zero_stage):
+    """Worker `task` is data-parallel row `task`: trains on the rows of
+    each global batch of `BATCH` that are its half, and compares with the
+    plain model on one device."""
+    task = strategy.cluster_resolver.task_id
+    x, y = models.data_for("mlp", batch=20)
+    reference = _trained_reference(x, y)
+    tp = keras_tp.TensorParallelKeras(
+        models.mlp(), data_parallel=2, zero_stage=zero_stage
+    )
+    _compile(tp)
+    # The other row's half of every batch is poisoned: it must never be
+    # read here.
+    other = (np.arange(len(x)) % BATCH) // (BATCH // 2) != task
+    own_x = np.where(other[:, None], np.nan, x).astype(x.dtype)
+    own_y = np.where(other, 1000, y).astype(y.dtype)
+    dataset = tf.data.Dataset.from_tensor_slices((own_x, own_y))
+    history = tp.fit(dataset.batch(BATCH, drop_remainder=True), verbose=0)
+    result = {
+        "task": task,
+        "loss": history.history["loss"][0],
+        "reference_loss": reference.history.history["loss"][0],
+    }
+    result["stats"] = tp.communication_stats()
+    result["data_stats"] = tp.communication_stats(axis="data")
+    # Predictions read the whole batch: worker 0's, broadcast.
+    result.update(_differences(reference, tp, x, x))
+    result["predict_stats"] = tp.communication_stats("predict")
+    result["evaluate_diff"] = abs(
+        reference.evaluate(x, y, batch_size=BATCH, verbose=0)
+        - tp.evaluate(x, y, batch_size=BATCH, verbose=0)
+    )
+    result.update(_checkpoint_round_trip(tp, out_path))
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+def main(out_path):
+    task = strategy.cluster_resolver.task_id
+    x, y = models.data_for("mlp", batch=20)
+    reference = _trained_reference(x, y)
+    tp = keras_tp.TensorParallelKeras(models.mlp())
+    # Worker 1 reads other data on purpose: every rank must still train on
+    # worker 0's batches, as the reference does.
+    own_x, own_y = models.data_for("mlp", batch=20, seed=1 + task)
+    _compile(tp)
+    tp.fit(own_x, own_y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    result = {
+        **_checkpoint_round_trip(tp, out_path),
         "task": task,
         "world_size": tp.get_parallelism_info()["world_size"],
-        "weight_diff": weight_diff,
-        "output_diff": output_diff,
+        **_differences(reference, tp, x, own_x),
         "parameter_bytes_per_device": tp.parameter_bytes_per_device(),
     }
     result["one_speaker"] = speaker_cases.one_speaker(
@@ -97,4 +161,9 @@ def main(out_path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    mode = sys.argv[2] if len(sys.argv) > 2 else "tp"
+    if mode == "tp":
+        main(sys.argv[1])
+    else:
+        stages = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+        data_parallel(sys.argv[1], stages[mode])

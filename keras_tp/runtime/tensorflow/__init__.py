@@ -19,6 +19,9 @@ other backends' runtimes:
   the replicas; direct calls of the model.
 - `optimizer`: each replica's update of its own shards (`ReplicaUpdates`),
   with the `TensorParallelOptimizer` mixin of the optimizer.
+- `worker_rows`: the data-parallel rows of several workers, whose
+  outputs (and, where each reads its share of the batch, targets) the
+  steps gather over `data`.
 - `regions`: sharded layers on a replica's local weights, or run as their
   own replica step outside a step; under sequence parallelism, their
   inputs gathered from `SequenceShard`s.
@@ -36,6 +39,7 @@ from keras_tp.runtime.tensorflow.regions import ReplicaRegions
 from keras_tp.runtime.tensorflow.steps import ReplicaSteps
 from keras_tp.runtime.tensorflow.storage import ReplicaShapes
 from keras_tp.runtime.tensorflow.storage import ReplicaStorage
+from keras_tp.runtime.tensorflow.worker_rows import WorkerRows
 
 __all__ = [
     "RUNTIME",
@@ -51,6 +55,7 @@ class TensorFlowRuntime(
     ReplicaDevices,
     ReplicaStorage,
     ReplicaSteps,
+    WorkerRows,
     ReplicaUpdates,
     ReplicaRegions,
     ReplicaGeneration,

@@ -26,6 +26,8 @@ HOST = "/device:CPU:0"
 _MULTI_WORKER_STRATEGY = None
 # Group keys of the mesh axes start this far above the strategy's own.
 _GROUP_KEY_OFFSET = 50000
+# The first group key the next runtime on the multi-worker strategy takes.
+_next_worker_group_key = 0
 
 
 def configure_virtual_devices(n):
@@ -196,14 +198,6 @@ class ReplicaDevices:
     def _build_strategy(self):
         """Creates the strategy over the devices, in mesh order."""
         if _MULTI_WORKER_STRATEGY is not None:
-            if self.per_rank_steps:
-                raise NotImplementedError(
-                    f"data_parallel={self.data_parallel}, zero_stage="
-                    f"{self.zero_stage}: on TensorFlow, keras_tp runs data "
-                    "parallelism and ZeRO on the devices of one host so far; "
-                    "across workers use data_parallel=1, zero_stage=0 "
-                    "(tensor parallelism), or the JAX backend."
-                )
             strategy = _MULTI_WORKER_STRATEGY
             if self.world_size != strategy.num_replicas_in_sync:
                 raise ValueError(
@@ -237,28 +231,29 @@ class ReplicaDevices:
     def _axis_adapters(self):
         """The collectives of the `model`, `data` and both axes.
 
-        Across workers (tensor parallelism only) the model axis is every
-        replica and uses the strategy's `ReplicaContext`. On one host each
-        axis gets collective groups of its own: the rows for `model`, the
-        columns for `data`. Their gathers are one collective op, where the
-        `ReplicaContext`'s gather its pieces' sizes first, then pads them,
-        and takes 50 times as long to trace.
+        Each axis gets collective groups of its own: the rows for `model`,
+        the columns for `data`. Their gathers are one collective op, where
+        the `ReplicaContext`'s gather its pieces' sizes first, then pads
+        them, and takes 50 times as long to trace. Across workers, tensor
+        parallelism alone (no step per rank) keeps the strategy's
+        `ReplicaContext` over every replica, which also runs eagerly;
+        with a data axis or ZeRO the groups span the workers, their
+        members on this worker's devices (`ReplicaGroups`).
         """
         size, data, model = (
             self.world_size,
             self.data_parallel,
             self.tensor_parallel,
         )
-        if _MULTI_WORKER_STRATEGY is not None:
+        if _MULTI_WORKER_STRATEGY is not None and not self.per_rank_steps:
+            self._axes_in_groups = False
             return (
                 TensorFlowCollectiveAdapter(model),
                 TensorFlowCollectiveAdapter(1, "data"),
                 TensorFlowCollectiveAdapter(size, ("data", "model")),
             )
-        groups = ReplicaGroups(
-            self.strategy.extended.worker_devices,
-            self.strategy._collective_key_base + _GROUP_KEY_OFFSET,
-        )
+        self._axes_in_groups = True
+        groups = self._replica_groups()
         rows = [[d * model + m for m in range(model)] for d in range(data)]
         columns = [[d * model + m for d in range(data)] for m in range(model)]
         return (
@@ -270,6 +265,30 @@ class ReplicaDevices:
                 size, ("data", "model"), groups=groups.split([range(size)])
             ),
         )
+
+    def _replica_groups(self):
+        """The `ReplicaGroups` of this runtime's axes.
+
+        On one host each strategy has keys of its own. Across workers every
+        runtime shares the one strategy, so each takes the next 3 * world
+        size keys after the last runtime's; every worker builds the same
+        models in the same order, so the keys agree between workers.
+        """
+        global _next_worker_group_key
+        strategy = self.strategy
+        first = strategy._collective_key_base + _GROUP_KEY_OFFSET
+        if _MULTI_WORKER_STRATEGY is None:
+            return ReplicaGroups(strategy.extended.worker_devices, first)
+        local = strategy.extended.worker_devices
+        task = f"/task:{strategy.cluster_resolver.task_id}/"
+        # Replica r runs on device r % len(local) of worker r // len(local).
+        devices = [
+            local[r % len(local)].replace(task, f"/task:{r // len(local)}/")
+            for r in range(self.world_size)
+        ]
+        first = max(first, _next_worker_group_key)
+        _next_worker_group_key = first + 3 * self.world_size
+        return ReplicaGroups(devices, first, local=self._local_replicas)
 
     def time_data_all_reduce(self, nbytes, repeats):
         adapter = self.data_adapter
@@ -296,12 +315,13 @@ class ReplicaDevices:
     def _traced(self, fn):
         """`fn`, traced when it would run eagerly and needs a graph.
 
-        The collective groups of the mesh axes only run in graphs (see
+        The collective groups of the mesh axes (all but those of tensor
+        parallelism alone across workers) only run in graphs (see
         `ReplicaGroups`); an eager caller (`run_eagerly=True`, a direct
         call) gets `fn` traced anew on every call, so the collectives of
         every call are recorded.
         """
-        if _MULTI_WORKER_STRATEGY is None and tf.executing_eagerly():
+        if self._axes_in_groups and tf.executing_eagerly():
             return tf.function(fn)
         return fn
 

@@ -76,25 +76,29 @@ class ReplicaSteps:
             "test": self._test_step,
             "predict": self._predict_step,
         }
+        shares = self.reads_shares(phase)
         with self.adapter.stats.recording(phase):
-            data = self._batch_of_first_worker(*args, **kwargs)
-            return self._traced(steps[phase])(model, data)
+            data = self._batch_of_first_worker(*args, shares=shares, **kwargs)
+            return self._traced(steps[phase])(model, data, shares)
 
-    def _batch_of_first_worker(self, data):
+    def _batch_of_first_worker(self, data, shares=False):
         """The batch every rank must see: worker 0's when there are several.
 
         Each worker process reads its own input; a shuffled order or other
         data on another worker would silently give its ranks other batches.
         One broadcast per input tensor (counted in the step's collectives)
-        makes them all use worker 0's batch.
+        makes them all use worker 0's batch. A worker that reads its rows'
+        `shares` of the global batch (`WorkerRows.data_row`) keeps them.
         """
-        if len(self._local_replicas) == self.world_size:
+        if len(self._local_replicas) == self.world_size or shares:
             return data
+        # With a data axis the model axis spans part of the replicas.
+        adapter = self.world_adapter if self.data_parallel > 1 else self.adapter
         leaves = tf.nest.flatten(data)
         positions = [i for i, leaf in enumerate(leaves) if tf.is_tensor(leaf)]
 
         def from_first_worker(*tensors):
-            return [self.adapter.broadcast(t, root=0) for t in tensors]
+            return [adapter.broadcast(t, root=0) for t in tensors]
 
         tensors = self._on_replicas(
             from_first_worker, *[leaves[i] for i in positions]
@@ -103,7 +107,7 @@ class ReplicaSteps:
             leaves[position] = tensor
         return tf.nest.pack_sequence_as(data, leaves)
 
-    def _forward(self, model, x, y, training, tapes=None):
+    def _forward(self, model, x, y, training, tapes=None, shares=False):
         """Runs the model on every replica, each row on its slice of `x`.
 
         Args:
@@ -114,6 +118,8 @@ class ReplicaSteps:
             training: the `training` argument of the call.
             tapes: if given, each replica records its forward pass on a
                 gradient tape kept here under its replica id.
+            shares: whether `x` and `y` are this worker's share of the
+                global batch (`WorkerRows.reads_shares`).
 
         Returns:
             `(outputs, added)`: the output of each data-parallel row (that
@@ -121,9 +127,11 @@ class ReplicaSteps:
             order, where an LM head's logits stay split its per-token
             loss and metric values (`VocabParallelHead.per_token`); and
             each row's total of the losses its forward pass added
-            (`added_losses`).
+            (`added_losses`); across workers, those of every row
+            (`WorkerRows.gathered_rows`).
         """
-        x = self._checked_split(x)
+        if not shares:
+            x = self._checked_split(x)
         head = split_head()
 
         def call(x, y):
@@ -138,14 +146,14 @@ class ReplicaSteps:
         def forward(x, y):
             replica = self.replica_id()
             row = replica // self.tensor_parallel
-            local_x, local_y = self._row_slice((x, y), row)
+            local_x, local_y = self._row_slice((x, y), row, shares)
             if tapes is None:
-                return call(local_x, local_y)
+                return self.gathered_rows(*call(local_x, local_y))
             tape = tf.GradientTape()
             with tape:
                 y_pred, total, masks = call(local_x, local_y)
             tapes[replica] = (tape, (y_pred, total))
-            return y_pred, total, masks
+            return self.gathered_rows(y_pred, total, masks)
 
         if head is None:
             y = None
@@ -153,6 +161,8 @@ class ReplicaSteps:
             results = self.strategy.run(forward, args=(x, y))
         local = self.strategy.experimental_local_results(results)
         firsts = local[:: self.tensor_parallel]
+        if self.rows_span_workers:
+            firsts = self.split_rows(*local[0])
         rows = [with_masks(y_pred, masks) for y_pred, _, masks in firsts]
         return rows, [total for _, total, _ in firsts]
 
@@ -179,14 +189,15 @@ class ReplicaSteps:
 
         return self._map_batched(check, x)
 
-    def _row_slice(self, x, row):
-        """Row `row`'s equal slice of every batched tensor of `x`."""
-        parts = self.data_parallel
+    def _row_slice(self, x, row, shares=False):
+        """Row `row`'s equal slice of every batched tensor of `x` (the
+        global batch, or this worker's `shares` of it)."""
+        index, parts = self.row_place(row, shares)
 
         def piece(leaf):
             size = leaf.shape[0]
             size = tf.shape(leaf)[0] // parts if size is None else size // parts
-            return leaf[row * size : (row + 1) * size]
+            return leaf[index * size : (index + 1) * size]
 
         return self._map_batched(piece, x)
 
@@ -215,12 +226,17 @@ class ReplicaSteps:
             {i: tf.concat([m[i] for m in masks], 0) for i in masks[0]},
         )
 
-    def _train_step(self, model, data):
+    def _train_step(self, model, data, shares=False):
         optimizer = prepare_optimizer(self, model)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         # Each replica's forward tape, kept for its backward pass.
         tapes = {}
-        rows, added = self._forward(model, x, y, training=True, tapes=tapes)
+        rows, added = self._forward(
+            model, x, y, training=True, tapes=tapes, shares=shares
+        )
+        if shares:
+            y, sample_weight = self.global_targets(y, sample_weight)
+        size = self.global_batch_size(_batch_size(x), shares)
         rows = list(zip(rows, added))
         # The loss is computed once, outside the replicas, on the global
         # batch, so Keras neither divides it by the number of replicas nor
@@ -232,7 +248,9 @@ class ReplicaSteps:
                 self.loss_from_outputs(model.model, loss_tape),
                 _rows_added_losses(model, [total for _, total in rows]),
             ):
-                loss = _tracked_loss(model, x, y, y_pred, sample_weight, True)
+                loss = tracked_loss(
+                    model, x, y, y_pred, sample_weight, True, size
+                )
             scaled_loss = optimizer.scale_loss(loss)
         # Times D, the gradient with respect to a row's output is that of
         # the row's own mean loss; the CoordinatedOptimizer's average over
@@ -318,14 +336,14 @@ class ReplicaSteps:
             )
         return split_head().column(function, args[1])
 
-    def _test_step(self, model, data):
+    def _test_step(self, model, data, shares=False):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y_pred, added = self._padded_forward(model, x, y)
         with _rows_added_losses(model, added):
             _tracked_loss(model, x, y, y_pred, sample_weight, False)
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    def _predict_step(self, model, data):
+    def _predict_step(self, model, data, shares=False):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         return self._padded_forward(model, x)[0]
 

@@ -128,17 +128,18 @@ class ReplicaStorage:
         components = self._components(variable)
         axis = self.placement.split_axis(variable)
         data_axis = self.placement.data_axis(variable)
+        if axis is None and data_axis is None:
+            return components[0].numpy()
         if len(self._local_replicas) < self.world_size:
-            # Several workers (there is no data axis then): the other
-            # shards live on other hosts.
-            if axis is None:
-                return components[0].numpy()
-            return self._gathered_across_hosts(variable, axis)
+            # Several workers: the other pieces live on other hosts.
+            pieces = self._pieces_across_hosts(variable)
+        else:
+            pieces = [component.numpy() for component in components]
         model = self.tensor_parallel
         shards = []
         for model_rank in range(model if axis is not None else 1):
             partitions = [
-                components[data_rank * model + model_rank].numpy()
+                pieces[data_rank * model + model_rank]
                 for data_rank in range(
                     self.data_parallel if data_axis is not None else 1
                 )
@@ -150,13 +151,17 @@ class ReplicaStorage:
             )
         return shards[0] if axis is None else np.concatenate(shards, axis=axis)
 
-    def _gathered_across_hosts(self, variable, axis):
+    def _pieces_across_hosts(self, variable):
+        """Every replica's piece of `variable`, in replica order: one
+        all-gather over every replica, of the strategy's own."""
+
         def gather():
             context = tf.distribute.get_replica_context()
-            return context.all_gather(local_read(variable), axis)
+            return context.all_gather(local_read(variable)[None], 0)
 
         gathered = tf.function(lambda: self.strategy.run(gather))()
-        return self.strategy.experimental_local_results(gathered)[0].numpy()
+        pieces = self.strategy.experimental_local_results(gathered)[0]
+        return list(pieces.numpy())
 
     def assign_full_value(self, variable, value):
         value = np.asarray(value)

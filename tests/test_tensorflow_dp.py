@@ -31,6 +31,8 @@ import keras_tp  # noqa: E402
 
 keras_tp.configure_virtual_devices(4)
 
+from keras_tp.runtime.tensorflow import TensorFlowRuntime  # noqa: E402
+from tests import hierarchy_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests.dp_cases import BATCH  # noqa: E402
 from tests.dp_cases import STEPS  # noqa: E402
@@ -343,6 +345,16 @@ def test_auto_bucket_size_is_measured_on_the_data_axis():
     )
     check_matches_one_device(reference, tp, ref_history, tp_history)
     check_link_probe(tp.get_gradient_sharding_info())
+
+
+def test_hierarchical_reduction_over_two_hosts(monkeypatch):
+    # The 4 devices posed as 2 workers of 2 (as `_rank_hosts` reads them
+    # across workers, which on CPUs run one replica each): the groups of
+    # the two levels run on one host as across workers.
+    monkeypatch.setattr(
+        TensorFlowRuntime, "_rank_hosts", lambda self: [0, 0, 1, 1]
+    )
+    hierarchy_cases.check_runs(hierarchy_cases.runs())
 
 
 def test_local_sgd_matches_replicas_trained_apart():

@@ -253,7 +253,8 @@ class ReplicaDevices:
                 TensorFlowCollectiveAdapter(size, ("data", "model")),
             )
         self._axes_in_groups = True
-        groups = self._replica_groups()
+        # Kept for the groups of `hierarchical=True` (`_level_adapters`).
+        self._groups = groups = self._replica_groups()
         rows = [[d * model + m for m in range(model)] for d in range(data)]
         columns = [[d * model + m for d in range(data)] for m in range(model)]
         return (
@@ -270,9 +271,11 @@ class ReplicaDevices:
         """The `ReplicaGroups` of this runtime's axes.
 
         On one host each strategy has keys of its own. Across workers every
-        runtime shares the one strategy, so each takes the next 3 * world
-        size keys after the last runtime's; every worker builds the same
-        models in the same order, so the keys agree between workers.
+        runtime shares the one strategy, so each takes the next block of
+        keys after the last runtime's (its axes take at most `W + 2` and
+        the two levels of `hierarchical=True` at most `2 W`); every worker
+        builds the same models in the same order, so the keys agree
+        between workers.
         """
         global _next_worker_group_key
         strategy = self.strategy
@@ -287,8 +290,32 @@ class ReplicaDevices:
             for r in range(self.world_size)
         ]
         first = max(first, _next_worker_group_key)
-        _next_worker_group_key = first + 3 * self.world_size
+        _next_worker_group_key = first + 3 * self.world_size + 2
         return ReplicaGroups(devices, first, local=self._local_replicas)
+
+    def _rank_hosts(self):
+        """The worker of every replica, in mesh order: each worker runs
+        as many replicas, in replica order."""
+        per_worker = len(self._local_replicas)
+        return [replica // per_worker for replica in range(self.world_size)]
+
+    def _level_adapters(self, within, across):
+        model = self.tensor_parallel
+
+        def adapter(groups):
+            # Data rank d of shard m is replica d * model + m.
+            members = self._groups.split(
+                [
+                    [d * model + m for d in ranks]
+                    for m in range(model)
+                    for ranks in groups
+                ]
+            )
+            return TensorFlowCollectiveAdapter(
+                len(groups[0]), "data", groups=members
+            )
+
+        return adapter(within), adapter(across)
 
     def time_data_all_reduce(self, nbytes, repeats):
         adapter = self.data_adapter

@@ -746,6 +746,17 @@ def test_multi_worker_data_parallel_matches_one_device(tmp_path, mode):
         _check_checkpoint_round_trip(result, [0] if mode == "dp" else [0, 1])
 
 
+def test_multi_worker_rows_give_the_global_batchs_losses(tmp_path):
+    for result in _multi_worker_results(tmp_path, "losses"):
+        for name in ("sum", "weighted_mean", "pairs", "masked", "default"):
+            weights, logged = result[name]
+            assert weights <= 1e-6 and logged <= 1e-5, (name, result)
+        # Whole NumPy batches (worker 0's): the rows' outputs, and the
+        # mask of the masked ones, are gathered; the labels are not.
+        assert result["default_gathers"] == 1, result
+        assert result["masked_gathers"] == 2, result
+
+
 @pytest.mark.parametrize("data_parallel", [1, 2])
 def test_dropout_draws_a_mask_per_split_part(data_parallel):
     tp = keras_tp.TensorParallelKeras(

@@ -14,10 +14,11 @@ loopback ports; by hand, in two shells (ports of your choice):
     TF_CONFIG="{$CLUSTER, \"task\": {\"type\": \"worker\", \"index\": 1}}" \
         python tests/tf_scripts/multi_worker.py /tmp/worker1.json
 
-A second argument `dp` (or `zero1`) trains with data_parallel=2 (and ZeRO
-stage 1) instead: each worker is one data-parallel row and reads only its
-half of each global batch, from a `tf.data.Dataset` whose other half is
-poisoned (NaN inputs, out-of-range labels).
+A second argument `dp` (or `zero1`, `zero2`, `zero3`) trains with
+data_parallel=2 (and that ZeRO stage) instead: each worker is one
+data-parallel row and reads only its half of each global batch, from a
+`tf.data.Dataset` whose other half is poisoned (NaN inputs, out-of-range
+labels). `losses` runs `dp_cases.global_batch_losses` with data_parallel=2.
 """
 
 import json
@@ -40,6 +41,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_tp  # noqa: E402
+from tests import dp_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests import speaker_cases  # noqa: E402
 
@@ -164,6 +166,11 @@ if __name__ == "__main__":
     mode = sys.argv[2] if len(sys.argv) > 2 else "tp"
     if mode == "tp":
         main(sys.argv[1])
+    elif mode == "losses":
+        # Losses whose rows' mean is not the global batch's, sample
+        # weights and masked predictions, on whole NumPy batches.
+        with open(sys.argv[1], "w") as f:
+            json.dump(dp_cases.global_batch_losses(2, 2), f)
     else:
         stages = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
         data_parallel(sys.argv[1], stages[mode])

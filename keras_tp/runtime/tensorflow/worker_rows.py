@@ -90,15 +90,23 @@ class WorkerRows:
         """
         if not self.rows_span_workers:
             return outputs, total, masks
-        adapter = self.data_adapter
         outputs, masks = tf.nest.map_structure(
-            lambda t: adapter.all_gather(t, axis=0), (outputs, masks)
+            self._rows_gathered, (outputs, masks)
         )
         if tf.get_static_value(total) is None:
-            total = adapter.all_gather(tf.reshape(total, [1]), axis=0)
+            total = self._rows_gathered(tf.reshape(total, [1]))
         else:
             total = tf.fill([self.data_parallel], total)
         return outputs, total, masks
+
+    def _rows_gathered(self, tensor):
+        """Every row's `tensor`, concatenated in row order; a boolean one
+        (a Keras mask) travels as integers, which collectives take."""
+        if tensor.dtype == tf.bool:
+            return tf.cast(
+                self._rows_gathered(tf.cast(tensor, tf.int32)), tf.bool
+            )
+        return self.data_adapter.all_gather(tensor, axis=0)
 
     def split_rows(self, outputs, totals, masks):
         """The rows' `(outputs, totals, masks)`, in row order, from those of
@@ -135,9 +143,7 @@ class WorkerRows:
             row = self.replica_id() // self.tensor_parallel
             index = row - first
             return [
-                self.data_adapter.all_gather(
-                    tf.split(t, count, axis=0)[index], axis=0
-                )
+                self._rows_gathered(tf.split(t, count, axis=0)[index])
                 for t in tensors
             ]
 

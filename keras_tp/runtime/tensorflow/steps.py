@@ -20,7 +20,9 @@ put back together, so they are those of the global batch; each row receives
 `D` times the gradient of the global loss with respect to its output (the
 gradient of its own mean loss), and the `CoordinatedOptimizer` averages the
 parameter gradients over the data axis, reduce-scatters them or gathers
-partitions according to the ZeRO stage.
+partitions according to the ZeRO stage. Across workers, where a worker
+holds only its own rows, the rows' outputs are first all-gathered over
+`data` (`worker_rows`), so that every worker computes that same loss.
 
 Where an LM head's logits stay split by vocabulary (`keras_tp.vocab_parallel`),
 each replica computes the loss and accuracy of every token from its rows of

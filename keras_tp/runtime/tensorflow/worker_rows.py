@@ -16,7 +16,9 @@ host.
 Where each worker's rows read only their share of every global batch
 (`data_row`, `keras_tp.data_shares`: a `tf.data.Dataset` in `fit()`), the
 targets and sample weights of the shares are all-gathered too, for the
-loss and the metrics of the global batch, and the inputs are never sent.
+loss and the metrics of the global batch, and the inputs are never sent
+(a `compute_metrics` or `compute_loss` of your own gets this worker's
+share of `x`; Keras' own do not read it).
 Otherwise (NumPy arrays, `evaluate()`, `predict()`) every worker reads
 the global batch, and worker 0's is broadcast, as for tensor parallelism.
 """

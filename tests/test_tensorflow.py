@@ -707,54 +707,59 @@ def test_multi_worker_mirrored_strategy_matches_one_device(tmp_path):
 
 
 # Collectives of a training step with data_parallel=2 across two workers,
-# each reading its half of every global batch: all-gathers of the rows'
-# outputs and of the targets (forward), then the CoordinatedOptimizer's
-# over `data` (ZeRO-3: a gather of each of the MLP's 6 weights, and a
-# reduce-scatter of each gradient).
+# each reading its half of every global batch, by ZeRO stage, as
+# (forward, backward, optimizer) calls: all-gathers of the rows' outputs
+# and of the labels, then the CoordinatedOptimizer's over `data` (ZeRO-3:
+# a gather of each of the MLP's 6 weights, and a reduce-scatter of each
+# gradient).
 _MULTI_WORKER_STEP = {
-    "dp": {"all_gather": (2, 0, 0), "all_reduce": (0, 0, 1)},
-    "zero1": {"all_gather": (2, 0, 1), "reduce_scatter": (0, 0, 1)},
-    "zero3": {"all_gather": (8, 0, 0), "reduce_scatter": (0, 6, 0)},
+    0: {"all_gather": (2, 0, 0), "all_reduce": (0, 0, 1)},
+    1: {"all_gather": (2, 0, 1), "reduce_scatter": (0, 0, 1)},
+    3: {"all_gather": (8, 0, 0), "reduce_scatter": (0, 6, 0)},
 }
 
 
-@pytest.mark.parametrize("mode", sorted(_MULTI_WORKER_STEP))
-def test_multi_worker_data_parallel_matches_one_device(tmp_path, mode):
-    for result in _multi_worker_results(tmp_path, mode):
-        assert result["weight_diff"] <= TOLERANCE
-        assert result["output_diff"] <= TOLERANCE
-        assert abs(result["loss"] - result["reference_loss"]) <= TOLERANCE
-        assert result["evaluate_diff"] <= TOLERANCE
-        # Every collective of the step is over `data`.
-        assert result["stats"] == result["data_stats"]
-        calls = {
-            kind: (
-                entry["forward_calls"],
-                entry["backward_calls"],
-                entry["optimizer_calls"],
-            )
-            for kind, entry in result["stats"].items()
-        }
-        assert calls == _MULTI_WORKER_STEP[mode]
-        # The rows' outputs (2 x 2 x 8 float32) and labels (2 x 2 int64).
-        assert result["stats"]["all_gather"]["forward_bytes"] >= 160
-        # predict() reads worker 0's batch (one broadcast) and gathers the
-        # rows' predictions.
-        assert sorted(result["predict_stats"]) == ["all_gather", "broadcast"]
-        # Without ZeRO both rows hold the same weights: replica 0 writes
-        # them; under ZeRO each worker writes its partitions.
-        _check_checkpoint_round_trip(result, [0] if mode == "dp" else [0, 1])
-
-
-def test_multi_worker_rows_give_the_global_batchs_losses(tmp_path):
-    for result in _multi_worker_results(tmp_path, "losses"):
+def test_multi_worker_data_parallel_matches_one_device(tmp_path):
+    stages = ",".join(str(stage) for stage in _MULTI_WORKER_STEP)
+    for result in _multi_worker_results(tmp_path, stages):
+        for stage, step in _MULTI_WORKER_STEP.items():
+            _check_rows_run(result[str(stage)], stage, step)
+        losses = result["losses"]
         for name in ("sum", "weighted_mean", "pairs", "masked", "default"):
-            weights, logged = result[name]
-            assert weights <= 1e-6 and logged <= 1e-5, (name, result)
+            weights, logged = losses[name]
+            assert weights <= 1e-6 and logged <= 1e-5, (name, losses)
         # Whole NumPy batches (worker 0's): the rows' outputs, and the
         # mask of the masked ones, are gathered; the labels are not.
-        assert result["default_gathers"] == 1, result
-        assert result["masked_gathers"] == 2, result
+        assert losses["default_gathers"] == 1, losses
+        assert losses["masked_gathers"] == 2, losses
+
+
+def _check_rows_run(result, stage, step):
+    assert result["weight_diff"] <= TOLERANCE, (stage, result)
+    assert result["output_diff"] <= TOLERANCE, (stage, result)
+    assert abs(result["loss"] - result["reference_loss"]) <= TOLERANCE
+    assert result["evaluate_diff"] <= TOLERANCE
+    # Every collective of the step is over `data`.
+    assert result["stats"] == result["data_stats"]
+    calls = {
+        kind: (
+            entry["forward_calls"],
+            entry["backward_calls"],
+            entry["optimizer_calls"],
+        )
+        for kind, entry in result["stats"].items()
+    }
+    assert calls == step, (stage, calls)
+    # The rows' outputs (2 x 2 x 8 float32) and labels (2 x 2 int64), and
+    # under ZeRO-3 the weights' partitions.
+    gathered = result["stats"]["all_gather"]["forward_bytes"]
+    assert gathered == 160 if stage < 3 else gathered > 160
+    # predict() reads worker 0's batch (one broadcast) and gathers the
+    # rows' predictions.
+    assert sorted(result["predict_stats"]) == ["all_gather", "broadcast"]
+    # Without ZeRO both rows hold the same weights: replica 0 writes
+    # them; under ZeRO each worker writes its partitions.
+    _check_checkpoint_round_trip(result, [0] if stage == 0 else [0, 1])
 
 
 @pytest.mark.parametrize("data_parallel", [1, 2])

@@ -14,11 +14,11 @@ loopback ports; by hand, in two shells (ports of your choice):
     TF_CONFIG="{$CLUSTER, \"task\": {\"type\": \"worker\", \"index\": 1}}" \
         python tests/tf_scripts/multi_worker.py /tmp/worker1.json
 
-A second argument `dp` (or `zero1`, `zero2`, `zero3`) trains with
-data_parallel=2 (and that ZeRO stage) instead: each worker is one
+A second argument, ZeRO stages such as `0,1,3`, trains with
+data_parallel=2 and each of those stages instead: each worker is one
 data-parallel row and reads only its half of each global batch, from a
 `tf.data.Dataset` whose other half is poisoned (NaN inputs, out-of-range
-labels). `losses` runs `dp_cases.global_batch_losses` with data_parallel=2.
+labels); then `dp_cases.global_batch_losses` with data_parallel=2.
 """
 
 import json
@@ -77,11 +77,11 @@ def _trained_reference(x, y):
     return reference
 
 
-def _checkpoint_round_trip(tp, out_path):
-    """Each worker writes its replicas' pieces to the shared directory; the
-    chief writes the manifest once all have. A plain model and the split
-    one then read it back."""
-    directory = os.path.join(os.path.dirname(out_path), "checkpoint")
+def _checkpoint_round_trip(tp, out_path, name="checkpoint"):
+    """Each worker writes its replicas' pieces to the shared directory
+    `name`; the chief writes the manifest once all have. A plain model and
+    the split one then read it back."""
+    directory = os.path.join(os.path.dirname(out_path), name)
     manifest = keras_tp.save_checkpoint(tp, directory, epoch=1)
     plain = models.mlp(seed=5)
     keras_tp.load_checkpoint(plain, directory)
@@ -101,13 +101,25 @@ def _checkpoint_round_trip(tp, out_path):
     }
 
 
-def data_parallel(out_path, zero_stage):
-    """Worker `task` is data-parallel row `task`: trains on the rows of
-    each global batch of `BATCH` that are its half, and compares with the
-    plain model on one device."""
-    task = strategy.cluster_resolver.task_id
+def data_parallel(out_path, zero_stages):
+    """Worker `task` is data-parallel row `task`: trains a model for each
+    of `zero_stages` (one after the other, as every worker builds them) on
+    the rows of each global batch of `BATCH` that are its half, and
+    compares with the plain model on one device; then the losses of
+    `dp_cases.global_batch_losses`, on whole NumPy batches."""
     x, y = models.data_for("mlp", batch=20)
     reference = _trained_reference(x, y)
+    result = {
+        str(stage): _rows_run(out_path, stage, reference, x, y)
+        for stage in zero_stages
+    }
+    result["losses"] = dp_cases.global_batch_losses(2, 2)
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+def _rows_run(out_path, zero_stage, reference, x, y):
+    task = strategy.cluster_resolver.task_id
     tp = keras_tp.TensorParallelKeras(
         models.mlp(), data_parallel=2, zero_stage=zero_stage
     )
@@ -133,9 +145,10 @@ def data_parallel(out_path, zero_stage):
         reference.evaluate(x, y, batch_size=BATCH, verbose=0)
         - tp.evaluate(x, y, batch_size=BATCH, verbose=0)
     )
-    result.update(_checkpoint_round_trip(tp, out_path))
-    with open(out_path, "w") as f:
-        json.dump(result, f)
+    result.update(
+        _checkpoint_round_trip(tp, out_path, f"checkpoint{zero_stage}")
+    )
+    return result
 
 
 def main(out_path):
@@ -163,14 +176,7 @@ def main(out_path):
 
 
 if __name__ == "__main__":
-    mode = sys.argv[2] if len(sys.argv) > 2 else "tp"
-    if mode == "tp":
-        main(sys.argv[1])
-    elif mode == "losses":
-        # Losses whose rows' mean is not the global batch's, sample
-        # weights and masked predictions, on whole NumPy batches.
-        with open(sys.argv[1], "w") as f:
-            json.dump(dp_cases.global_batch_losses(2, 2), f)
+    if len(sys.argv) > 2:
+        data_parallel(sys.argv[1], [int(s) for s in sys.argv[2].split(",")])
     else:
-        stages = {"dp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
-        data_parallel(sys.argv[1], stages[mode])
+        main(sys.argv[1])

@@ -81,7 +81,7 @@ class ReplicaSteps:
         shares = self.reads_shares(phase)
         with self.adapter.stats.recording(phase):
             data = self._batch_of_first_worker(*args, shares=shares, **kwargs)
-            return self._traced(steps[phase])(model, data, shares)
+            return self._traced(steps[phase])(model, data)
 
     def _batch_of_first_worker(self, data, shares=False):
         """The batch every rank must see: worker 0's when there are several.
@@ -228,7 +228,9 @@ class ReplicaSteps:
             {i: tf.concat([m[i] for m in masks], 0) for i in masks[0]},
         )
 
-    def _train_step(self, model, data, shares=False):
+    def _train_step(self, model, data):
+        # Whether `data` is this worker's share of the global batch.
+        shares = self.reads_shares("train")
         optimizer = prepare_optimizer(self, model)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         # Each replica's forward tape, kept for its backward pass.
@@ -338,14 +340,14 @@ class ReplicaSteps:
             )
         return split_head().column(function, args[1])
 
-    def _test_step(self, model, data, shares=False):
+    def _test_step(self, model, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         y_pred, added = self._padded_forward(model, x, y)
         with _rows_added_losses(model, added):
             _tracked_loss(model, x, y, y_pred, sample_weight, False)
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
-    def _predict_step(self, model, data, shares=False):
+    def _predict_step(self, model, data):
         x, _, _ = keras.utils.unpack_x_y_sample_weight(data)
         return self._padded_forward(model, x)[0]
 

@@ -65,6 +65,7 @@ def bind_plan(model, plan, runtime, sample_batch=None):
                 layout_map=layout_map,
                 sample_batch=sample_batch,
                 keep_whole=_held_layers(model, held),
+                blocks=runtime.stores_blocks,
             )
 
         bound = planned()
@@ -86,6 +87,7 @@ def bind_plan(model, plan, runtime, sample_batch=None):
         bound = ShardingPlan(rules).bind(model, tensor_parallel)
         bound.sources = {e.layer.path: "user plan" for e in bound.layers}
         _check_not_held(bound, held)
+        _check_blocks_stored(bound, runtime)
         if runtime.local_ranks and tensor_parallel > 1:
             check_locally(model, bound, sample_batch)
     else:
@@ -134,17 +136,35 @@ def _check_not_held(plan, held):
             )
 
 
+def _check_blocks_stored(plan, runtime):
+    """Refuses a plan that splits by blocks where the runtime cannot."""
+    if runtime.stores_blocks:
+        return
+    for entry in plan.leaf_layers():
+        if getattr(entry.style, "blocks", 1) > 1:
+            raise ShardingError(
+                f"The plan splits layer '{entry.layer.path}' as "
+                f"{entry.style!r}, which this runtime cannot store yet "
+                "(it splits by blocks on torch without pipeline stages). "
+                "Use Column(gather_output=True) for it, or plan='auto', "
+                "which does."
+            )
+
+
 def split_model(model, plan, runtime, trainer):
     """Places `model`'s variables as the bound `plan` splits them, runs
     its split layers through the runtime, and prepares `trainer` (the
     `TensorParallelKeras`) to run the steps."""
     axes = {id(variable): axis for variable, axis in plan.split_variables()}
+    blocks = plan.variable_blocks()
     # The losses of the last call (the planner's trace) would keep its
     # graph, and the whole weights, alive.
     clear_added_losses(model)
     runtime.equalize_values(model.variables)
     for variable in model.variables:
-        runtime.placement.place(variable, axes.get(id(variable)))
+        runtime.placement.place(
+            variable, axes.get(id(variable)), blocks.get(id(variable), 1)
+        )
     installed = []
     for part, part_runtime in runtime.stage_plans(plan):
         installed += regions.install(part, part_runtime)

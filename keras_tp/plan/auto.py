@@ -51,6 +51,7 @@ def auto_plan(
     layout_map=None,
     sample_batch=None,
     keep_whole=None,
+    blocks=False,
 ):
     """Returns the plan `TensorParallelKeras(model, plan="auto")` applies.
 
@@ -97,6 +98,12 @@ def auto_plan(
             with the reason in `plan.fallbacks` (`TensorParallelKeras`
             passes those whose weights a constant of the model's graph
             reads).
+        blocks: whether a fused projection laid out block by block (a
+            query-key-value projection reshaped to `(..., 3, heads,
+            head_dim)`, a gate-and-up projection) pairs with its Row as
+            `Column(blocks=b)`, each rank holding its part of each block,
+            where the runtime stores such splits (`TensorParallelKeras`
+            passes whether it does); else it gathers its output.
 
     Returns:
         A `ShardingPlan` bound to `model`.
@@ -125,7 +132,7 @@ def auto_plan(
         )
     check_count("tensor_parallel", tensor_parallel)
     trace = tracing.trace_model(model, sample_batch)
-    planner = Planner(model, tensor_parallel, trace, layout_map)
+    planner = Planner(model, tensor_parallel, trace, layout_map, blocks)
     decisions = planner.decide()
     fallbacks = {}
     for path, reason in (keep_whole or {}).items():

@@ -90,6 +90,9 @@ class Planner(MegatronPairing):
         layout_map: a `keras.distribution.LayoutMap` given as the plan:
             it decides every layer, and what it does not list stays whole.
             `None`: the model's own map decides the layers it lists.
+        blocks: whether a fused projection laid out block by block may
+            pair as `Column(blocks=b)` (where the runtime stores such
+            splits), rather than gather.
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class Planner(MegatronPairing):
         tensor_parallel,
         trace,
         layout_map=None,
+        blocks=False,
     ):
         self.model = model
         self.tensor_parallel = tensor_parallel
@@ -119,6 +123,9 @@ class Planner(MegatronPairing):
         self.raw_gated = set()
         # The Megatron group of each paired Column call, by its index.
         self.group_of_column = {}
+        # The blocks of the paired Columns laid out block by block.
+        self.split_blocks = blocks
+        self.blocks_of_column = {}
 
     # Deciding ---------------------------------------------------------
 
@@ -153,7 +160,11 @@ class Planner(MegatronPairing):
                 key = id(rows[0].layer)
                 for call in columns:
                     decisions[id(call.layer)] = Decision(
-                        call.layer, Column(), key, _PAIRED, True
+                        call.layer,
+                        Column(blocks=self.blocks_of_column.get(call.index, 1)),
+                        key,
+                        _PAIRED,
+                        True,
                     )
                     for layer in self.through.get(call.index, ()):
                         decisions[id(layer)] = Decision(

@@ -190,6 +190,21 @@ class ShardingPlan:
                     split.append((variables[role], axis))
         return split
 
+    def variable_blocks(self):
+        """`{id(variable): blocks}` of the split variables of the
+        `Column(blocks=b)` layers (`b > 1`): each rank holds its part of
+        each block (`keras_tp.blocks`)."""
+        blocked = {}
+        for entry in self.leaf_layers():
+            blocks = getattr(entry.style, "blocks", 1)
+            if blocks == 1:
+                continue
+            variables = entry.handler.variables(entry.layer)
+            for role, axis in entry.axes.items():
+                if axis is not None and role in variables:
+                    blocked[id(variables[role])] = blocks
+        return blocked
+
     def variable_axes(self):
         """`{variable_path: (variable, axis)}` of every split variable
         (one of the variables where several share a path; see

@@ -861,7 +861,7 @@ class FusedBlock(keras.layers.Layer):
             layer.build(input_shape)
         self.projection.build(input_shape)
         self.gate_up.build(input_shape)
-        self.down.build(input_shape[:-1] + (self.hidden,))
+        self.down.build(tuple(input_shape[:-1]) + (self.hidden,))
 
     def call(self, x):
         batch, length = keras.ops.shape(x)[0], keras.ops.shape(x)[1]

@@ -1,0 +1,131 @@
+"""Fused projections laid out block by block, shared by every backend.
+
+`zoo.fused` holds Swin's and ViTDet's query-key-value projection (one
+`Dense(3 * dim)` reshaped to `(..., 3, heads, head_dim)`) and a SwiGLU
+MLP's gate-and-up projection (one `Dense(2 * hidden)` split in halves).
+Where the runtime stores blocked splits (`Runtime.stores_blocks`), they
+pair with their Row as `Column(blocks=b)`: each rank holds its part of
+each block, and costs Megatron's collectives. Elsewhere they gather.
+
+The checks return plain numbers (a torch rank hands them back).
+"""
+
+import os
+
+import keras
+import numpy as np
+
+import keras_tp
+from tests import zoo
+from tests import zoo_cases
+
+# Per block of `zoo.fused`: its attention's and its MLP's Rows.
+ROWS_PER_BLOCK = 2
+BLOCKS = 2
+
+
+def blocked_results(world_size, directory):
+    """Trains `zoo.fused` split `world_size` ways and round-trips its
+    weights, its saved model and its checkpoint.
+
+    Returns:
+        `zoo_cases.measure`'s results of `"fused"`, and
+        `"set_get"`: the largest difference of `get_weights()` after
+        `set_weights(w)` from `w`; `"saved"`: of a model saved with
+        `save()` and loaded by Keras from the split model's weights;
+        `"plain"`: of a plain one-device model loaded from the split
+        model's checkpoint, and `"plain_step"` of both after one more
+        Adam step (which reads the loaded Adam state); `"split"`: of a split model loaded
+        from it; `"swin"`: `measure`'s results of `"swin"`.
+    """
+    results = zoo_cases.measure("fused", world_size)
+    model, x, y = zoo.fused()
+    tp = keras_tp.TensorParallelKeras(model, world_size=world_size)
+    _adam(tp)
+    tp.train_on_batch(x, y)
+    weights = tp.get_weights()
+    tp.set_weights(weights)
+    results["set_get"] = _largest(tp.get_weights(), weights)
+    saved = os.path.join(directory, "fused.keras")
+    tp.save(saved)
+    results["saved"] = _largest(
+        keras.saving.load_model(saved, compile=False).get_weights(), weights
+    )
+    checkpoint = os.path.join(directory, "checkpoint")
+    keras_tp.save_checkpoint(tp, checkpoint, epoch=1)
+    plain = _adam(zoo.fused()[0])
+    keras_tp.load_checkpoint(plain, checkpoint)
+    results["plain"] = _largest(plain.get_weights(), weights)
+    tp.train_on_batch(x, y)
+    plain.train_on_batch(x, y)
+    results["plain_step"] = _largest(plain.get_weights(), tp.get_weights())
+    split = keras_tp.TensorParallelKeras(zoo.fused()[0], world_size=world_size)
+    _adam(split)
+    keras_tp.load_checkpoint(split, checkpoint)
+    results["split"] = _largest(split.get_weights(), weights)
+    results["swin"] = zoo_cases.measure("swin", world_size)
+    return results
+
+
+def check_blocked(results):
+    """The fused projections pair as `Column(blocks=b)`, exactly, at
+    Megatron's collectives, and round-trip their canonical weights."""
+    zoo_cases.check_exact(results)
+    assert not results["fallbacks"], results["fallbacks"]
+    plan = results["plan"]
+    for index in range(BLOCKS):
+        block = f"block_{index}/"
+        assert plan[block + "qkv"] == "Column(gather_output=False, blocks=3)"
+        assert plan[block + "gate_up"] == (
+            "Column(gather_output=False, blocks=2)"
+        )
+        assert plan[block + "projection"] == repr(keras_tp.Row())
+        assert plan[block + "down"] == repr(keras_tp.Row())
+    reductions = BLOCKS * ROWS_PER_BLOCK
+    collectives = results["collectives"]
+    assert collectives["all_reduce"] == {
+        "forward": reductions,
+        "backward": reductions,
+    }, collectives
+    assert "all_gather" not in collectives, collectives
+    assert results["bytes_ratio"] <= 1.05, results["bytes_ratio"]
+    for key in ("set_get", "saved", "plain", "split"):
+        assert results[key] == 0.0, (key, results[key])
+    assert results["plain_step"] <= 1e-5, results["plain_step"]
+
+
+def check_swin(results):
+    """keras-hub's Swin: its query-key-value projections pair by blocks in
+    the dataflow, but its window attention reshapes the heads' output to
+    the width of its input (`ops.reshape(x, (B_, N, C))`), which a rank's
+    heads do not fill: the plan's check falls back to gathering Columns,
+    and the model trains exactly."""
+    zoo_cases.check_exact(results)
+    gathering = repr(keras_tp.Column(gather_output=True))
+    for stage in ("stage_0", "stage_1"):
+        attention = f"{stage}/blocks_0/attn/"
+        assert results["plan"][attention + "attention_qkv"] == gathering
+        reason = results["fallbacks"][attention + "attention_qkv"]
+        assert "breaks the code between split layers" in reason, reason
+
+
+def _adam(model):
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=_loss())
+    return model
+
+
+def _loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _largest(a, b):
+    a, b = keras.tree.flatten(a), keras.tree.flatten(b)
+    assert len(a) == len(b), (len(a), len(b))
+    return max(
+        float(np.max(np.abs(_float64(x) - _float64(y)), initial=0.0))
+        for x, y in zip(a, b)
+    )
+
+
+def _float64(x):
+    return np.asarray(keras.ops.convert_to_numpy(x)).astype("float64")

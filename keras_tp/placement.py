@@ -194,6 +194,11 @@ class Placement:
             (`((start, stop), ...)`, as `piece_index`).
         """
         index = self.piece_index(variable, model_rank, data_rank)
+        return self.index_runs(variable, index)
+
+    def index_runs(self, variable, index):
+        """`piece_runs` of the stored piece at `index` (`((start, stop),
+        ...)`, where it sits in the stored layout)."""
         blocks = self.blocks.get(id(variable), 1)
         whole = tuple(slice(None) for _ in index)
         if blocks == 1:

@@ -18,6 +18,7 @@ import keras_tp  # noqa: E402
 
 keras_tp.configure_virtual_devices(4)
 
+from tests import blocked_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests import zoo_cases  # noqa: E402
 
@@ -44,6 +45,12 @@ def test_exact_at_two_replicas(name):
             results,
             zoo_cases.BLOCKS * zoo_cases.SUMMED_PER_BLOCK.get(name, 0),
         )
+
+
+def test_fused_projections_split_by_blocks(tmp_path):
+    results = blocked_cases.blocked_results(2, str(tmp_path))
+    blocked_cases.check_blocked(results)
+    blocked_cases.check_swin(results["swin"])
 
 
 def test_a_fused_projection_laid_out_block_by_block_gathers():

@@ -70,15 +70,19 @@ def bind_plan(model, plan, runtime, sample_batch=None):
 
         bound = planned()
         by_xla = bound.summed_by_xla
+        by_blocks = bound.paired_by_blocks
         if (
-            by_xla
+            (by_xla or by_blocks)
             and isinstance(runtime, MeshRuntime)
+            and not runtime.per_rank_steps
             and runtime.run_steps_per_rank()
         ):
             logging.info(
                 "Steps run per rank: on global arrays XLA would sum the "
-                "gradients of %s in collectives of its own.",
-                ", ".join(by_xla),
+                "gradients of %s in collectives of its own, and the Columns "
+                "of %s could not pair by blocks.",
+                ", ".join(by_xla) or "no layer",
+                ", ".join(by_blocks) or "no layer",
             )
             bound = planned()
             bound.summed_by_xla = by_xla

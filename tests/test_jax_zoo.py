@@ -22,6 +22,7 @@ import keras_tp  # noqa: E402
 
 keras_tp.configure_virtual_devices(4)
 
+from tests import blocked_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests import zoo  # noqa: E402
 from tests import zoo_cases  # noqa: E402
@@ -87,6 +88,14 @@ def test_transformer_families_exact_at_two_ranks(name):
         zoo_cases.check_small_layers_whole(name, results)
         gathers = results["collectives"]["all_gather"]["forward"]
         assert gathers == zoo_cases.BLOCKS, results["collectives"]
+
+
+def test_fused_projections_split_by_blocks_in_per_rank_steps(tmp_path):
+    # On global arrays the code between regions would read a blocked
+    # Column's output in its stored layout: the steps run per rank.
+    results = blocked_cases.blocked_results(2, str(tmp_path))
+    blocked_cases.check_blocked(results)
+    blocked_cases.check_swin(results["swin"])
 
 
 def test_a_fused_projection_laid_out_block_by_block_gathers_what_it_counts():

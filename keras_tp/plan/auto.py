@@ -144,6 +144,7 @@ def auto_plan(
             plan = _emit(
                 model, tensor_parallel, decisions, fallbacks, planner.reasons
             )
+            plan.paired_by_blocks = list(planner.paired_by_blocks)
             plan.per_rank_counts.update(planner.local_reshapes(decisions))
             group_of = _group_of(decisions)
             add_head_arguments(model, plan, trace)
@@ -175,7 +176,9 @@ def auto_plan(
                 return plan
             for key, problem in problems.items():
                 planner.demote(decisions, key, problem, fallbacks)
-    return _emit(model, tensor_parallel, decisions, fallbacks, planner.reasons)
+    plan = _emit(model, tensor_parallel, decisions, fallbacks, planner.reasons)
+    plan.paired_by_blocks = list(planner.paired_by_blocks)
+    return plan
 
 
 def _styles(decisions):

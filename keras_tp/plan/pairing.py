@@ -27,7 +27,7 @@ class MegatronPairing:
     """The pairing walk of a `Planner` (which provides `model`, `trace`,
     `tensor_parallel`, `reasons`, `through`, `reshapes`,
     `split_tensors`, `raw_gated`, `group_of_column`, `split_blocks`,
-    `blocks_of_column` and `_can_split`)."""
+    `blocks_of_column`, `paired_by_blocks` and `_can_split`)."""
 
     def _groups(self, calls, candidates, carried):
         """Megatron groups among the direct child calls of one parent.
@@ -168,6 +168,9 @@ class MegatronPairing:
         if blocks and carries_rank_parts(
             self.model, self.trace, row, columns, self.tensor_parallel, blocks
         ):
+            if not self.split_blocks:
+                self.paired_by_blocks.append(row.layer.path)
+                return []
             self.blocks_of_column.update(blocks)
             return opaque
         return []
@@ -184,7 +187,7 @@ class MegatronPairing:
         Whether the code between them reads it so, `carries_rank_parts`
         tells.
         """
-        if not (self.split_blocks and row.inputs):
+        if not row.inputs:
             return None
         width = _heads(row.inputs[0], row.layer, Row(), "input_axis")[0]
         blocks = {}

@@ -126,6 +126,8 @@ class Planner(MegatronPairing):
         # The blocks of the paired Columns laid out block by block.
         self.split_blocks = blocks
         self.blocks_of_column = {}
+        # The Rows that would pair so where `blocks` is `False`.
+        self.paired_by_blocks = []
 
     # Deciding ---------------------------------------------------------
 

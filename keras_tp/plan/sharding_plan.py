@@ -112,6 +112,10 @@ class ShardingPlan:
         # on global arrays, in collectives of its own (`on_global_arrays`):
         # a runtime that can run its steps per rank does so instead.
         self.summed_by_xla = []
+        # Paths of the Row layers whose Columns would pair by blocks
+        # (`Column(blocks=b)`) where the runtime stored such splits: a
+        # runtime that can, by running its steps per rank, does so.
+        self.paired_by_blocks = []
 
     def __repr__(self):
         lines = [

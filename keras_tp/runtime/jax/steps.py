@@ -257,6 +257,8 @@ class MeshSteps:
                 [(v, self.first_replica_value(v)) for v in stacked]
             ):
                 return super().call_model(model, inputs, training)
+        if self.placement.blocks:
+            return self._call_per_rank(model, inputs, training)
         compiled = self._compiled_calls.get(training)
         if compiled is None:
             compiled = jax.jit(
@@ -268,6 +270,35 @@ class MeshSteps:
             outputs, non_trainable = compiled(values, inputs)
         # A forward pass updates only non-trainable state (BatchNorm
         # statistics, dropout seeds).
+        for variable, value in zip(
+            model.non_trainable_variables, non_trainable
+        ):
+            variable.assign(value)
+        return outputs
+
+    def _call_per_rank(self, model, inputs, training):
+        """A direct call of a model with Columns split by blocks, run per
+        rank as its steps are: on global arrays the code between regions
+        would read a blocked Column's output in its stored layout."""
+        key = ("per rank", training)
+        compiled = self._compiled_calls.get(key)
+        if compiled is None:
+
+            def call(state, data):
+                return model.stateless_call(*state, *data, training=training)
+
+            compiled = jax.jit(
+                lambda state, data: self._per_rank_step(
+                    "predict", model, call, state, data
+                )
+            )
+            self._compiled_calls[key] = compiled
+        state = (
+            [v.value for v in model.trainable_variables],
+            [v.value for v in model.non_trainable_variables],
+        )
+        with self.adapter.stats.recording("predict"):
+            outputs, non_trainable = compiled(state, (inputs,))
         for variable, value in zip(
             model.non_trainable_variables, non_trainable
         ):

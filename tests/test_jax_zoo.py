@@ -96,6 +96,19 @@ def test_fused_projections_split_by_blocks_in_per_rank_steps(tmp_path):
     results = blocked_cases.blocked_results(2, str(tmp_path))
     blocked_cases.check_blocked(results)
     blocked_cases.check_swin(results["swin"])
+    # No collective of the compiled step goes uncounted: XLA moves no
+    # heads between the devices.
+    tp, hlo = _trained_step_hlo("fused")
+    stats = tp.communication_stats()
+    counts = {
+        kind: _count_hlo(hlo, kind)
+        for kind in ("all-reduce", "all-gather", "collective-permute")
+    }
+    assert counts == {
+        "all-reduce": stats["all_reduce"]["calls"],
+        "all-gather": 0,
+        "collective-permute": 0,
+    }, (counts, stats)
 
 
 def test_a_fused_projection_laid_out_block_by_block_gathers_what_it_counts():

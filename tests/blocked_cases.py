@@ -111,6 +111,32 @@ def check_zero(results):
     assert results["plain_step"] <= 1e-5, results
 
 
+def pipeline_results():
+    """`zoo.fused` in 2 pipeline stages of TP=2, whose stage storage does
+    not split by blocks: its styles and the largest weight difference
+    from one device after 2 SGD steps."""
+    reference, x, y = zoo.fused()
+    tp = keras_tp.TensorParallelKeras(
+        zoo.fused()[0], world_size=4, pipeline_parallel=2
+    )
+    for model in (reference, tp):
+        model.compile(optimizer=keras.optimizers.SGD(1e-2), loss=_loss())
+        for _ in range(2):
+            model.train_on_batch(x, y)
+    return {
+        "styles": sorted(
+            {repr(e.style) for e in tp.sharding_plan.leaf_layers()}
+        ),
+        "weights": _largest(tp.get_weights(), reference.get_weights()),
+    }
+
+
+def check_pipeline(results):
+    """Pipeline stages keep the fused projections gathering, exactly."""
+    assert not any("blocks" in style for style in results["styles"]), results
+    assert results["weights"] <= 1e-5, results
+
+
 def check_blocked(results):
     """The fused projections pair as `Column(blocks=b)`, exactly, at
     Megatron's collectives, and round-trip their canonical weights."""

@@ -57,6 +57,10 @@ def test_fused_projections_split_by_blocks_under_zero3(tmp_path):
     blocked_cases.check_zero(blocked_cases.zero_results(str(tmp_path)))
 
 
+def test_fused_projections_gather_in_pipeline_stages():
+    blocked_cases.check_pipeline(blocked_cases.pipeline_results())
+
+
 def test_a_fused_projection_laid_out_block_by_block_gathers():
     zoo_cases.check_block_by_block_gathers(zoo_cases.measure("qwen3_5", 2))
 

@@ -91,6 +91,13 @@ def bind_plan(model, plan, runtime, sample_batch=None):
         bound = ShardingPlan(rules).bind(model, tensor_parallel)
         bound.sources = {e.layer.path: "user plan" for e in bound.layers}
         _check_not_held(bound, held)
+        if (
+            bound.variable_blocks()
+            and isinstance(runtime, MeshRuntime)
+            and not runtime.per_rank_steps
+        ):
+            # JAX stores blocked splits where its steps run per rank.
+            runtime.run_steps_per_rank()
         _check_blocks_stored(bound, runtime)
         if runtime.local_ranks and tensor_parallel > 1:
             check_locally(model, bound, sample_batch)
@@ -149,7 +156,8 @@ def _check_blocks_stored(plan, runtime):
             raise ShardingError(
                 f"The plan splits layer '{entry.layer.path}' as "
                 f"{entry.style!r}, which this runtime cannot store yet "
-                "(it splits by blocks on torch without pipeline stages). "
+                "(it splits by blocks on torch, TensorFlow and JAX, without "
+                "pipeline stages). "
                 "Use Column(gather_output=True) for it, or plan='auto', "
                 "which does."
             )

@@ -111,6 +111,37 @@ def check_zero(results):
     assert results["plain_step"] <= 1e-5, results
 
 
+USER_PLAN = {
+    r"block_\d+/qkv/.*": keras_tp.Column(blocks=3),
+    r"block_\d+/projection/.*": keras_tp.Row(),
+    r"block_\d+/gate_up/.*": keras_tp.Column(blocks=2),
+    r"block_\d+/down/.*": keras_tp.Row(),
+}
+
+
+def user_plan_results():
+    """`USER_PLAN` at TP=2: the largest output difference from one
+    device, and the refusal of pipeline stages (the error's text)."""
+    reference, x, _ = zoo.fused()
+    tp = keras_tp.TensorParallelKeras(
+        zoo.fused()[0], world_size=2, plan=USER_PLAN
+    )
+    results = {"forward": _largest(tp(x), reference(x))}
+    try:
+        keras_tp.TensorParallelKeras(
+            zoo.fused()[0], world_size=4, pipeline_parallel=2, plan=USER_PLAN
+        )
+        results["pipeline"] = None
+    except keras_tp.ShardingError as error:
+        results["pipeline"] = str(error)
+    return results
+
+
+def check_user_plan(results):
+    assert results["forward"] <= 1e-5, results
+    assert "cannot store yet" in (results["pipeline"] or ""), results
+
+
 def pipeline_results():
     """`zoo.fused` in 2 pipeline stages of TP=2, whose stage storage does
     not split by blocks: its styles and the largest weight difference

@@ -115,6 +115,10 @@ def test_fused_projections_split_by_blocks_under_zero3(tmp_path):
     blocked_cases.check_zero(blocked_cases.zero_results(str(tmp_path)))
 
 
+def test_a_user_plan_splits_by_blocks_but_not_in_pipeline_stages():
+    blocked_cases.check_user_plan(blocked_cases.user_plan_results())
+
+
 def test_a_fused_projection_laid_out_block_by_block_gathers_what_it_counts():
     # Qwen3.5's linear attention projects its queries, keys and values
     # block by block: the first rank's contiguous part of the fused

@@ -61,6 +61,10 @@ def test_fused_projections_gather_in_pipeline_stages():
     blocked_cases.check_pipeline(blocked_cases.pipeline_results())
 
 
+def test_a_user_plan_splits_by_blocks_but_not_in_pipeline_stages():
+    blocked_cases.check_user_plan(blocked_cases.user_plan_results())
+
+
 def test_a_fused_projection_laid_out_block_by_block_gathers():
     zoo_cases.check_block_by_block_gathers(zoo_cases.measure("qwen3_5", 2))
 

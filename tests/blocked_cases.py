@@ -35,8 +35,8 @@ def blocked_results(world_size, directory):
         `save()` and loaded by Keras from the split model's weights;
         `"plain"`: of a plain one-device model loaded from the split
         model's checkpoint, and `"plain_step"` of both after one more
-        Adam step (which reads the loaded Adam state); `"split"`: of a split model loaded
-        from it; `"swin"`: `measure`'s results of `"swin"`.
+        Adam step (which reads the loaded Adam state); `"split"`: of a
+        split model loaded from it; `"swin"`: `measure`'s results of `"swin"`.
     """
     results = zoo_cases.measure("fused", world_size)
     model, x, y = zoo.fused()

@@ -37,7 +37,9 @@ class _Reached(Exception):
     """Stops the run once the Row's input is known."""
 
 
-def carries_rank_parts(model, trace, row, columns, tensor_parallel, blocks=None):
+def carries_rank_parts(
+    model, trace, row, columns, tensor_parallel, blocks=None
+):
     """Whether raw ops carry `columns`' outputs to `row`'s input, each
     rank's part to that rank's part.
 

@@ -90,9 +90,7 @@ class Planner(MegatronPairing):
         layout_map: a `keras.distribution.LayoutMap` given as the plan:
             it decides every layer, and what it does not list stays whole.
             `None`: the model's own map decides the layers it lists.
-        blocks: whether a fused projection laid out block by block may
-            pair as `Column(blocks=b)` (where the runtime stores such
-            splits), rather than gather.
+        blocks: whether fused projections may pair as `Column(blocks=b)`.
     """
 
     def __init__(
@@ -123,10 +121,10 @@ class Planner(MegatronPairing):
         self.raw_gated = set()
         # The Megatron group of each paired Column call, by its index.
         self.group_of_column = {}
-        # The blocks of the paired Columns laid out block by block.
+        # Columns paired by blocks (and the Rows that would pair so
+        # where `blocks` is `False`).
         self.split_blocks = blocks
         self.blocks_of_column = {}
-        # The Rows that would pair so where `blocks` is `False`.
         self.paired_by_blocks = []
 
     # Deciding ---------------------------------------------------------
@@ -161,12 +159,9 @@ class Planner(MegatronPairing):
                     continue
                 key = id(rows[0].layer)
                 for call in columns:
+                    blocks = self.blocks_of_column.get(call.index, 1)
                     decisions[id(call.layer)] = Decision(
-                        call.layer,
-                        Column(blocks=self.blocks_of_column.get(call.index, 1)),
-                        key,
-                        _PAIRED,
-                        True,
+                        call.layer, Column(blocks=blocks), key, _PAIRED, True
                     )
                     for layer in self.through.get(call.index, ()):
                         decisions[id(layer)] = Decision(

@@ -165,10 +165,10 @@ class MeshStorage:
 
         One process reads global arrays directly, unless some variables
         hold a block per replica (local SGD), which are written as replica
-        0's, or are split by blocks (stored permuted). On several hosts the arrays span devices this process cannot
-        read, so every process gathers them, process 0 writes while its
-        variables hold the full values on the host, and all processes wait
-        for it.
+        0's, or are split by blocks (stored permuted). On several hosts
+        the arrays span devices this process cannot read, so every
+        process gathers them, process 0 writes while its variables hold
+        the full values on the host, and all processes wait for it.
         """
         stacked = any(map(self.placement.is_per_replica, variables))
         permuted = any(id(v) in self.placement.blocks for v in variables)

@@ -119,6 +119,14 @@ def test_a_user_plan_splits_by_blocks_but_not_in_pipeline_stages():
     blocked_cases.check_user_plan(blocked_cases.user_plan_results())
 
 
+def test_a_trace_of_ones_own_refuses_columns_split_by_blocks():
+    # It would run the code between the split layers on global arrays.
+    model, x, _ = zoo.fused()
+    tp = keras_tp.TensorParallelKeras(model, world_size=2)
+    with pytest.raises(keras_tp.ShardingError, match="stored order"):
+        jax.jit(lambda inputs: tp(inputs))(x)
+
+
 def test_a_fused_projection_laid_out_block_by_block_gathers_what_it_counts():
     # Qwen3.5's linear attention projects its queries, keys and values
     # block by block: the first rank's contiguous part of the fused

@@ -17,8 +17,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
+from keras_tp.errors import ShardingError
 from keras_tp.keras_internals import StatelessScope
 from keras_tp.keras_internals import bind_values
+from keras_tp.keras_internals import in_symbolic_scope
 from keras_tp.keras_internals import jax_update_metrics
 from keras_tp.keras_internals import local_shapes
 from keras_tp.plan.split_logits import whole_logits
@@ -252,6 +254,16 @@ class MeshSteps:
             v for v in model.variables if self.placement.is_per_replica(v)
         ]
         if not all(map(is_concrete, leaves)):
+            if self.placement.blocks and not in_symbolic_scope():
+                raise ShardingError(
+                    "A model with Columns split by blocks "
+                    "(Column(blocks=b)) was called inside a trace of your "
+                    "own (jax.jit, jax.grad), where the code between its "
+                    "split layers would run on global arrays, which hold "
+                    "those Columns' outputs in their stored order. Call it "
+                    "on concrete arrays, or through fit(), predict() or "
+                    "evaluate(), which run per rank."
+                )
             # Per-replica variables read replica 0's block.
             with bind_values(
                 [(v, self.first_replica_value(v)) for v in stacked]

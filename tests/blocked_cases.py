@@ -111,6 +111,43 @@ def check_zero(results):
     assert results["plain_step"] <= 1e-5, results
 
 
+def reshard_results(directory):
+    """`zoo.fused_lora` (LoRA `b` factors split by blocks too) trained at
+    TP=2, its checkpoint loaded at TP=4: the largest differences from
+    one device (`"forward"`, and `"weights"` after 2 SGD steps), and of
+    the TP=4 model's weights and output from the TP=2 model's
+    (`"resharded"`, `"resharded_forward"`)."""
+    reference, x, y = zoo.fused_lora()
+    tp = keras_tp.TensorParallelKeras(zoo.fused_lora()[0], world_size=2)
+    results = {"forward": _largest(tp(x), reference(x))}
+    for model in (reference, tp):
+        model.compile(optimizer=keras.optimizers.SGD(1e-2), loss=_loss())
+        for _ in range(2):
+            model.train_on_batch(x, y)
+    results["weights"] = _largest(tp.get_weights(), reference.get_weights())
+    results["plan"] = {
+        e.layer.path: repr(e.style) for e in tp.sharding_plan.leaf_layers()
+    }
+    checkpoint = os.path.join(directory, "reshard")
+    keras_tp.save_checkpoint(tp, checkpoint)
+    wider = keras_tp.TensorParallelKeras(zoo.fused_lora()[0], world_size=4)
+    wider.compile(optimizer=keras.optimizers.SGD(1e-2), loss=_loss())
+    keras_tp.load_checkpoint(wider, checkpoint)
+    results["resharded"] = _largest(wider.get_weights(), tp.get_weights())
+    results["resharded_forward"] = _largest(wider(x), tp(x))
+    return results
+
+
+def check_reshard(results):
+    assert results["plan"]["block_0/qkv"] == (
+        "Column(gather_output=False, blocks=3)"
+    ), results["plan"]
+    assert results["forward"] <= 1e-5, results
+    assert results["weights"] <= 1e-5, results
+    assert results["resharded"] == 0.0, results
+    assert results["resharded_forward"] <= 1e-5, results
+
+
 USER_PLAN = {
     r"block_\d+/qkv/.*": keras_tp.Column(blocks=3),
     r"block_\d+/projection/.*": keras_tp.Row(),

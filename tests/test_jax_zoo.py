@@ -115,6 +115,10 @@ def test_fused_projections_split_by_blocks_under_zero3(tmp_path):
     blocked_cases.check_zero(blocked_cases.zero_results(str(tmp_path)))
 
 
+def test_lora_split_by_blocks_and_a_checkpoint_resharded(tmp_path):
+    blocked_cases.check_reshard(blocked_cases.reshard_results(str(tmp_path)))
+
+
 def test_a_user_plan_splits_by_blocks_but_not_in_pipeline_stages():
     blocked_cases.check_user_plan(blocked_cases.user_plan_results())
 

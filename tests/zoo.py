@@ -913,6 +913,21 @@ def fused(seed=0):
     return model, x, y
 
 
+def fused_lora(seed=0):
+    """`fused` with LoRA of rank 4 on its fused projections, their `b`
+    factors random (Keras starts them at zero), split by blocks too."""
+    model, x, y = fused(seed)
+    rng = _rng(seed + 1)
+    for index in range(2):
+        for name in ("qkv", "gate_up"):
+            layer = getattr(model.get_layer(f"block_{index}"), name)
+            layer.enable_lora(4)
+            layer.lora_kernel_b.assign(
+                0.1 * rng.normal(size=layer.lora_kernel_b.shape)
+            )
+    return model, x, y
+
+
 def clip(seed=0):
     """A tiny `CLIPBackbone`: a vision and a text encoder, 4 heads each.
 
@@ -1261,6 +1276,7 @@ ZOO = {
     "vit": vit,
     "swin": swin,
     "fused": fused,
+    "fused_lora": fused_lora,
     "xlnet": xlnet,
     "bart": bart,
     "t5": t5,

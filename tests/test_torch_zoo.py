@@ -198,6 +198,13 @@ def test_fused_projections_split_by_blocks(blocked):
         blocked_cases.check_blocked(rank)
 
 
+def test_lora_factors_split_by_blocks(blocked):
+    for rank in blocked:
+        zoo_cases.check_exact(rank["lora"])
+        plan = rank["lora"]["plan"]
+        assert plan["block_0/qkv"] == "Column(gather_output=False, blocks=3)"
+
+
 def test_swin_attention_gathers_where_its_code_needs_whole_width(blocked):
     for rank in blocked:
         blocked_cases.check_swin(rank["swin"])

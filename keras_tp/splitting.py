@@ -77,15 +77,20 @@ def bind_plan(model, plan, runtime, sample_batch=None):
             and not runtime.per_rank_steps
             and runtime.run_steps_per_rank()
         ):
-            logging.info(
-                "Steps run per rank: on global arrays XLA would sum the "
-                "gradients of %s in collectives of its own, and the Columns "
-                "of %s could not pair by blocks.",
-                ", ".join(by_xla) or "no layer",
-                ", ".join(by_blocks) or "no layer",
-            )
-            bound = planned()
-            bound.summed_by_xla = by_xla
+            per_rank = planned()
+            if by_xla or per_rank.variable_blocks():
+                logging.info(
+                    "Steps run per rank: on global arrays XLA would sum the "
+                    "gradients of %s in collectives of its own, and the "
+                    "Columns of %s could not pair by blocks.",
+                    ", ".join(by_xla) or "no layer",
+                    ", ".join(by_blocks) or "no layer",
+                )
+                bound = per_rank
+                bound.summed_by_xla = by_xla
+            else:
+                # Its blocks fell back per rank too (Swin's attention).
+                runtime.run_steps_per_rank(per_rank=False)
     elif isinstance(plan, (ShardingPlan, dict, list, tuple)):
         rules = plan.rules if isinstance(plan, ShardingPlan) else plan
         bound = ShardingPlan(rules).bind(model, tensor_parallel)

@@ -232,19 +232,24 @@ def check_blocked(results):
     assert results["plain_step"] <= 1e-5, results["plain_step"]
 
 
-def check_swin(results):
+def check_swin(results, own_slices=True):
     """keras-hub's Swin: its query-key-value projections pair by blocks in
     the dataflow, but its window attention reshapes the heads' output to
     the width of its input (`ops.reshape(x, (B_, N, C))`), which a rank's
-    heads do not fill: the plan's check falls back to gathering Columns,
-    and the model trains exactly."""
+    heads do not fill: where ranks hold their own slices (`own_slices`)
+    the plan's check falls back to gathering Columns, and JAX, finding
+    that per rank, keeps its steps on global arrays, where they gather
+    from the start. The model trains exactly."""
     zoo_cases.check_exact(results)
     gathering = repr(keras_tp.Column(gather_output=True))
     for stage in ("stage_0", "stage_1"):
         attention = f"{stage}/blocks_0/attn/"
         assert results["plan"][attention + "attention_qkv"] == gathering
-        reason = results["fallbacks"][attention + "attention_qkv"]
-        assert "breaks the code between split layers" in reason, reason
+        reason = results["fallbacks"].get(attention + "attention_qkv", "")
+        if own_slices:
+            assert "breaks the code between split layers" in reason, reason
+        else:
+            assert not results["fallbacks"], results["fallbacks"]
 
 
 def _adam(model):

@@ -95,7 +95,7 @@ def test_fused_projections_split_by_blocks_in_per_rank_steps(tmp_path):
     # Column's output in its stored layout: the steps run per rank.
     results = blocked_cases.blocked_results(2, str(tmp_path))
     blocked_cases.check_blocked(results)
-    blocked_cases.check_swin(results["swin"])
+    blocked_cases.check_swin(results["swin"], own_slices=False)
     # No collective of the compiled step goes uncounted: XLA moves no
     # heads between the devices.
     tp, hlo = _trained_step_hlo("fused")

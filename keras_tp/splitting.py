@@ -11,15 +11,19 @@ from keras_tp import partial_gradients
 from keras_tp import regions
 from keras_tp import split_regularizers
 from keras_tp.errors import ShardingError
+from keras_tp.errors import check_count
 from keras_tp.keras_internals import clear_added_losses
 from keras_tp.keras_internals import own_variables
 from keras_tp.keras_internals import sublayers
 from keras_tp.parallel import batch_statistics
 from keras_tp.parallel import zero3
-from keras_tp.plan.auto import auto_plan
+from keras_tp.plan.auto import plan_from_trace
 from keras_tp.plan.local_check import check_locally
 from keras_tp.plan.sharding_plan import ShardingPlan
+from keras_tp.plan.trace import trace_model
 from keras_tp.runtime.mesh import MeshRuntime
+
+logger = logging.getLogger(__name__)
 
 # Models whose layers were converted in place, so they are not split twice.
 _WRAPPED_MODELS = weakref.WeakSet()
@@ -56,16 +60,18 @@ def bind_plan(model, plan, runtime, sample_batch=None):
                 f"plan must be 'auto', a ShardingPlan or a dict, got {plan!r}."
             )
         layout_map = None if isinstance(plan, str) else plan
+        check_count("tensor_parallel", tensor_parallel)
+        trace = trace_model(model, sample_batch)
 
         def planned():
-            return auto_plan(
+            return plan_from_trace(
                 model,
                 tensor_parallel,
-                check_local=runtime.local_ranks,
-                layout_map=layout_map,
-                sample_batch=sample_batch,
-                keep_whole=_held_layers(model, held),
-                blocks=runtime.stores_blocks,
+                trace,
+                runtime.local_ranks,
+                layout_map,
+                _held_layers(model, held),
+                runtime.stores_blocks,
             )
 
         bound = planned()
@@ -79,7 +85,7 @@ def bind_plan(model, plan, runtime, sample_batch=None):
         ):
             per_rank = planned()
             if by_xla or per_rank.variable_blocks():
-                logging.info(
+                logger.info(
                     "Steps run per rank: on global arrays XLA would sum the "
                     "gradients of %s in collectives of its own, and the "
                     "Columns of %s could not pair by blocks.",

@@ -132,6 +132,28 @@ def auto_plan(
         )
     check_count("tensor_parallel", tensor_parallel)
     trace = tracing.trace_model(model, sample_batch)
+    return plan_from_trace(
+        model,
+        tensor_parallel,
+        trace,
+        check_local,
+        layout_map,
+        keep_whole,
+        blocks,
+    )
+
+
+def plan_from_trace(
+    model,
+    tensor_parallel,
+    trace,
+    check_local,
+    layout_map=None,
+    keep_whole=None,
+    blocks=False,
+):
+    """`auto_plan` on a trace of `model` made already (`trace_model`): a
+    runtime that plans again for per-rank steps traces the model once."""
     planner = Planner(model, tensor_parallel, trace, layout_map, blocks)
     decisions = planner.decide()
     fallbacks = {}

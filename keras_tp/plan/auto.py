@@ -36,6 +36,7 @@ from keras_tp.plan.local_check import keep_needed_counts
 from keras_tp.plan.local_check import on_global_arrays
 from keras_tp.plan.local_check import random_on_split_values
 from keras_tp.plan.planner import Planner
+from keras_tp.plan.rank_widths import add_rank_widths
 from keras_tp.plan.sharding_plan import ShardingPlan
 from keras_tp.plan.styles import Replicate
 from keras_tp.plan.verify import Problem
@@ -171,6 +172,7 @@ def plan_from_trace(
             group_of = _group_of(decisions)
             add_head_arguments(model, plan, trace)
             add_feature_arguments(model, plan, trace)
+            add_rank_widths(model, plan, trace)
             if check_local:
                 plan.summed_gradients = planner.whole_key_values(decisions)
             # On whole arrays only the attention units run on a rank's

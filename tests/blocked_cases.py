@@ -24,7 +24,7 @@ ROWS_PER_BLOCK = 2
 BLOCKS = 2
 
 
-def blocked_results(world_size, directory):
+def blocked_results(world_size, directory, swin=True):
     """Trains `zoo.fused` split `world_size` ways and round-trips its
     weights, its saved model and its checkpoint.
 
@@ -36,7 +36,8 @@ def blocked_results(world_size, directory):
         `"plain"`: of a plain one-device model loaded from the split
         model's checkpoint, and `"plain_step"` of both after one more
         Adam step (which reads the loaded Adam state); `"split"`: of a
-        split model loaded from it; `"swin"`: `measure`'s results of `"swin"`.
+        split model loaded from it; `"swin"`: `measure`'s results of
+        `"swin"`, where `swin`.
     """
     results = zoo_cases.measure("fused", world_size)
     model, x, y = zoo.fused()
@@ -63,7 +64,8 @@ def blocked_results(world_size, directory):
     _adam(split)
     keras_tp.load_checkpoint(split, checkpoint)
     results["split"] = _largest(split.get_weights(), weights)
-    results["swin"] = zoo_cases.measure("swin", world_size)
+    if swin:
+        results["swin"] = zoo_cases.measure("swin", world_size)
     return results
 
 
@@ -232,24 +234,32 @@ def check_blocked(results):
     assert results["plain_step"] <= 1e-5, results["plain_step"]
 
 
-def check_swin(results, own_slices=True):
-    """keras-hub's Swin: its query-key-value projections pair by blocks in
-    the dataflow, but its window attention reshapes the heads' output to
-    the width of its input (`ops.reshape(x, (B_, N, C))`), which a rank's
-    heads do not fill: where ranks hold their own slices (`own_slices`)
-    the plan's check falls back to gathering Columns, and JAX, finding
-    that per rank, keeps its steps on global arrays, where they gather
-    from the start. The model trains exactly."""
+def check_swin(results):
+    """keras-hub's Swin, on every backend: its query-key-value projections
+    pair by blocks with their output projections. Its window attention
+    folds the heads back to the width it reads from its input's shape
+    (`ops.reshape(x, (B_, N, C))`); a rank reads its part of that width
+    (`keras_tp/plan/rank_widths.py`), which the plan's check confirms, so
+    no layer falls back and the model trains exactly.
+
+    Megatron's collectives: forward, one all-reduce per attention and per
+    MLP, and one all-gather for each of the patch embedding and the patch
+    merging (gathering Columns); backward, one all-reduce per attention and
+    MLP input and one for the patch merging's input, and one all-gather per
+    attention of its relative position bias table's gradient (a weight of
+    its own per head, of which a rank reads its heads' slice).
+    """
     zoo_cases.check_exact(results)
-    gathering = repr(keras_tp.Column(gather_output=True))
+    assert not results["fallbacks"], results["fallbacks"]
+    blocked = repr(keras_tp.Column(gather_output=False, blocks=3))
     for stage in ("stage_0", "stage_1"):
         attention = f"{stage}/blocks_0/attn/"
-        assert results["plan"][attention + "attention_qkv"] == gathering
-        reason = results["fallbacks"].get(attention + "attention_qkv", "")
-        if own_slices:
-            assert "breaks the code between split layers" in reason, reason
-        else:
-            assert not results["fallbacks"], results["fallbacks"]
+        assert results["plan"][attention + "attention_qkv"] == blocked
+        projection = results["plan"][attention + "attention_projection"]
+        assert projection == repr(keras_tp.Row()), projection
+    collectives = results["collectives"]
+    assert collectives["all_reduce"] == {"forward": 4, "backward": 5}
+    assert collectives["all_gather"] == {"forward": 2, "backward": 2}
 
 
 def _adam(model):

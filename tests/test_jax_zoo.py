@@ -93,9 +93,8 @@ def test_transformer_families_exact_at_two_ranks(name):
 def test_fused_projections_split_by_blocks_in_per_rank_steps(tmp_path):
     # On global arrays the code between regions would read a blocked
     # Column's output in its stored layout: the steps run per rank.
-    results = blocked_cases.blocked_results(2, str(tmp_path))
+    results = blocked_cases.blocked_results(2, str(tmp_path), swin=False)
     blocked_cases.check_blocked(results)
-    blocked_cases.check_swin(results["swin"], own_slices=False)
     # No collective of the compiled step goes uncounted: XLA moves no
     # heads between the devices.
     tp, hlo = _trained_step_hlo("fused")
@@ -107,6 +106,24 @@ def test_fused_projections_split_by_blocks_in_per_rank_steps(tmp_path):
     assert counts == {
         "all-reduce": stats["all_reduce"]["calls"],
         "all-gather": 0,
+        "collective-permute": 0,
+    }, (counts, stats)
+
+
+def test_swin_attention_pairs_by_blocks_in_per_rank_steps():
+    # Its steps run per rank, where every collective of the compiled step
+    # is counted.
+    blocked_cases.check_swin(measure("swin", 2))
+    tp, hlo = _trained_step_hlo("swin")
+    assert tp.sharding_plan.variable_blocks()
+    stats = tp.communication_stats()
+    counts = {
+        kind: _count_hlo(hlo, kind)
+        for kind in ("all-reduce", "all-gather", "collective-permute")
+    }
+    assert counts == {
+        "all-reduce": stats["all_reduce"]["calls"],
+        "all-gather": stats["all_gather"]["calls"],
         "collective-permute": 0,
     }, (counts, stats)
 

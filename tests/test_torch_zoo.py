@@ -205,6 +205,6 @@ def test_lora_factors_split_by_blocks(blocked):
         assert plan["block_0/qkv"] == "Column(gather_output=False, blocks=3)"
 
 
-def test_swin_attention_gathers_where_its_code_needs_whole_width(blocked):
+def test_swin_attention_pairs_by_blocks(blocked):
     for rank in blocked:
         blocked_cases.check_swin(rank["swin"])

@@ -1,5 +1,7 @@
 """Sharding styles: what a layer becomes under tensor parallelism."""
 
+import collections
+
 
 class ShardingStyle:
     """Base class of the styles a `ShardingPlan` assigns to layers."""
@@ -122,3 +124,13 @@ class ExpertParallel(ShardingStyle):
 
     def _fields(self):
         return {"output_axis": self.output_axis}
+
+
+Decision = collections.namedtuple(
+    "Decision",
+    ["layer", "style", "group", "source", "paired"],
+    defaults=[False],
+)
+Decision.__doc__ = """How one supported layer (or attention unit) is split:
+its style, the id of its Megatron group (layers paired together fall back
+together), what decided it, and whether it is in a Column -> Row pair."""

@@ -14,9 +14,9 @@ Such a width is a rank's width where three things hold, each checked:
   size), and the last axis of a tensor the layer is called on in every
   traced call. The layer's counts then hold `{RESHAPE: RankWidths}`;
 - at the call (`_rank_target`): `ops.reshape` keeps the leading axes of
-  its tensor and merges the rest into an axis of that full width, which
-  only `T` times as many values would fill: it reads the rank's width
-  there. A reshape that would run as written is never changed;
+  its tensor and merges the rest into its last axis, of that full width,
+  which only `T` times as many values would fill: it reads the rank's
+  width there. A reshape that would run as written is never changed;
 - the plan's check runs every rank's view of the layer so, against one
   device's numbers, and drops the entry where it is not needed (as every
   count); a rank whose merged axes are not its slice of the one-device
@@ -140,34 +140,28 @@ def _reshape_to_rank_widths(x, newshape):
 def _rank_target(x, target, widths):
     """`target` with the rank's width for a full one, or `None`.
 
-    The first axis where `target` differs from `x`'s shape must be a full
-    width in `widths`, every axis from there on known, and `x`'s axes from
-    there hold exactly the values of the rank's width times the axes
-    after it: the reshape merges the rank's trailing axes (its heads and
-    head size) into its part of the features. As written it would fail
-    (`T` times too few values)."""
-    shape = tuple(getattr(x, "shape", None) or ())
-    if not isinstance(target, (tuple, list)) or len(target) > len(shape):
+    `target` must keep every axis of `x`'s shape but its last, which must
+    be a full width in `widths`, and `x`'s axes from there on must hold
+    exactly the rank's width: the reshape merges the rank's trailing axes
+    (its heads and head size) into its part of the features, the last
+    axis a Row reads. As written it would fail (`T` times too few
+    values)."""
+    try:
+        shape = tuple(x.shape)
+    except (AttributeError, TypeError, ValueError):
+        return None  # no shape, or one of unknown rank while tracing
+    if not isinstance(target, (tuple, list)) or not target:
         return None
-    target = tuple(target)
-    axis = next(
-        (
-            i
-            for i, (have, want) in enumerate(zip(shape, target))
-            if not _same(have, want)
-        ),
-        None,
-    )
-    if axis is None or not all(_known(n) for n in shape[axis:]):
+    *kept, width = target
+    if len(kept) >= len(shape) or not all(map(_same, shape, kept)):
         return None
-    rest = target[axis + 1 :]
-    width = target[axis]
-    if not (_known(width) and all(_known(n) and n > 0 for n in rest)):
+    merged = shape[len(kept) :]
+    if not (_known(width) and all(_known(n) for n in merged)):
         return None
     local = widths.get(int(width))
-    if local is None or np.prod(shape[axis:]) != local * np.prod(rest):
+    if local is None or int(np.prod(merged)) != local:
         return None
-    return (*target[:axis], local, *rest)
+    return (*kept, local)
 
 
 def _known(n):

@@ -95,7 +95,8 @@ def bind_plan(model, plan, runtime, sample_batch=None):
                 bound = per_rank
                 bound.summed_by_xla = by_xla
             else:
-                # Its blocks fell back per rank too (Swin's attention).
+                # Its blocks fell back per rank too (code between them
+                # that needs whole values): the steps stay on global arrays.
                 runtime.run_steps_per_rank(per_rank=False)
     elif isinstance(plan, (ShardingPlan, dict, list, tuple)):
         rules = plan.rules if isinstance(plan, ShardingPlan) else plan

@@ -30,6 +30,7 @@ outside such a call.
 
 import contextlib
 import contextvars
+import functools
 import numbers
 
 import keras
@@ -128,6 +129,7 @@ def rank_widths(widths):
         _WIDTHS.reset(token)
 
 
+@functools.wraps(_reshape)
 def _reshape_to_rank_widths(x, newshape):
     """`keras.ops.reshape`, reading the rank's width inside a call that
     `rank_widths` runs."""

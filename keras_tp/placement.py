@@ -9,6 +9,8 @@ hands that to its `storage` (the backend runtime).
 
 import dataclasses
 
+from keras_tp import blocks as blocked
+
 
 @dataclasses.dataclass(eq=False)
 class Placement:
@@ -23,7 +25,10 @@ class Placement:
 
     By `id(variable)`, `axes` holds the `model`-axis split (`None`:
     replicated), `full_shapes` the full shape, and `data_axes` the ZeRO
-    partition axis of the shard. `per_replica` holds the ids of the
+    partition axis of the shard, and `blocks` the number of blocks of a
+    variable split by blocks (`Column(blocks=b)`, stored permuted so that
+    a contiguous split gives each rank its part of every block; see
+    `keras_tp.blocks`). `per_replica` holds the ids of the
     variables whose copies on the data ranks may differ (local SGD), and
     `references` the variable each one placed like another (an optimizer
     slot) was placed like.
@@ -37,11 +42,16 @@ class Placement:
     data_axes: dict = dataclasses.field(default_factory=dict, repr=False)
     per_replica: set = dataclasses.field(default_factory=set, repr=False)
     references: dict = dataclasses.field(default_factory=dict, repr=False)
+    blocks: dict = dataclasses.field(default_factory=dict, repr=False)
 
-    def place(self, variable, axis):
-        """Stores `variable` split on `axis` (`None`: replicated)."""
+    def place(self, variable, axis, blocks=1):
+        """Stores `variable` split on `axis` (`None`: replicated), each
+        rank holding its part of each of `blocks` blocks on that axis."""
         self.axes[id(variable)] = axis
         self.full_shapes[id(variable)] = tuple(variable.shape)
+        if axis is not None and blocks > 1:
+            self.blocks[id(variable)] = blocks
+            variable.assign(self.stored(variable, variable.value))
         self.storage.place_variable(variable, axis)
 
     def borrow(self, variable, axis):
@@ -63,6 +73,8 @@ class Placement:
         self.axes[id(variable)] = self.axes[id(reference)]
         self.full_shapes[id(variable)] = self.full_shapes[id(reference)]
         self.references[id(variable)] = reference
+        if id(reference) in self.blocks:
+            self.blocks[id(variable)] = self.blocks[id(reference)]
         self.storage.place_variable_like(variable, reference, data_axis)
         if data_axis is not None:
             self.data_axes[id(variable)] = data_axis
@@ -152,6 +164,57 @@ class Placement:
         if self.axes[id(variable)] is None and model_rank:
             return False
         return id(variable) in self.data_axes or not data_rank
+
+    def stored(self, variable, value):
+        """A full (canonical) `value` of `variable` in the layout its
+        storage holds: permuted where it is split by blocks."""
+        blocks = self.blocks.get(id(variable), 1)
+        if blocks == 1:
+            return value
+        axis = self.axes[id(variable)]
+        return blocked.to_stored(value, axis, self.tensor_parallel, blocks)
+
+    def canonical(self, variable, value):
+        """`stored` undone: the full value of `variable` in its layer's
+        own layout, from the layout its storage holds."""
+        blocks = self.blocks.get(id(variable), 1)
+        if blocks == 1:
+            return value
+        axis = self.axes[id(variable)]
+        return blocked.to_canonical(value, axis, self.tensor_parallel, blocks)
+
+    def piece_runs(self, variable, model_rank, data_rank):
+        """The runs of rank `(model_rank, data_rank)`'s piece that are
+        contiguous in the full value: one for a variable not split by
+        blocks, one per block (at most) for one that is.
+
+        Returns:
+            `[(local, index)]`: the run's slices of the piece (a tuple of
+            `slice`s), and where it sits in the full value
+            (`((start, stop), ...)`, as `piece_index`).
+        """
+        index = self.piece_index(variable, model_rank, data_rank)
+        return self.index_runs(variable, index)
+
+    def index_runs(self, variable, index):
+        """`piece_runs` of the stored piece at `index` (`((start, stop),
+        ...)`, where it sits in the stored layout)."""
+        blocks = self.blocks.get(id(variable), 1)
+        whole = tuple(slice(None) for _ in index)
+        if blocks == 1:
+            return [(whole, index)]
+        axis = self.axes[id(variable)]
+        start, stop = index[axis]
+        size = self.full_shapes[id(variable)][axis]
+        runs = []
+        for (first, last), run in blocked.canonical_ranges(
+            start, stop, size, self.tensor_parallel, blocks
+        ):
+            local, where = list(whole), list(index)
+            local[axis] = slice(first - start, last - start)
+            where[axis] = run
+            runs.append((tuple(local), tuple(where)))
+        return runs
 
     def full_value(self, variable):
         """The unsplit value of a placed variable, as a NumPy array."""

@@ -71,27 +71,46 @@ def bind_plan(model, plan, runtime, sample_batch=None):
                 runtime.local_ranks,
                 layout_map,
                 _held_layers(model, held),
+                runtime.stores_blocks,
             )
 
         bound = planned()
         by_xla = bound.summed_by_xla
+        by_blocks = bound.paired_by_blocks
         if (
-            by_xla
+            (by_xla or by_blocks)
             and isinstance(runtime, MeshRuntime)
+            and not runtime.per_rank_steps
             and runtime.run_steps_per_rank()
         ):
-            logger.info(
-                "Steps run per rank: on global arrays XLA would sum the "
-                "gradients of %s in collectives of its own.",
-                ", ".join(by_xla),
-            )
-            bound = planned()
-            bound.summed_by_xla = by_xla
+            per_rank = planned()
+            if by_xla or per_rank.variable_blocks():
+                logger.info(
+                    "Steps run per rank: on global arrays XLA would sum the "
+                    "gradients of %s in collectives of its own, and the "
+                    "Columns of %s could not pair by blocks.",
+                    ", ".join(by_xla) or "no layer",
+                    ", ".join(by_blocks) or "no layer",
+                )
+                bound = per_rank
+                bound.summed_by_xla = by_xla
+            else:
+                # Its blocks fell back per rank too (code between them
+                # that needs whole values): the steps stay on global arrays.
+                runtime.run_steps_per_rank(per_rank=False)
     elif isinstance(plan, (ShardingPlan, dict, list, tuple)):
         rules = plan.rules if isinstance(plan, ShardingPlan) else plan
         bound = ShardingPlan(rules).bind(model, tensor_parallel)
         bound.sources = {e.layer.path: "user plan" for e in bound.layers}
         _check_not_held(bound, held)
+        if (
+            bound.variable_blocks()
+            and isinstance(runtime, MeshRuntime)
+            and not runtime.per_rank_steps
+        ):
+            # JAX stores blocked splits where its steps run per rank.
+            runtime.run_steps_per_rank()
+        _check_blocks_stored(bound, runtime)
         if runtime.local_ranks and tensor_parallel > 1:
             check_locally(model, bound, sample_batch)
     else:
@@ -140,17 +159,36 @@ def _check_not_held(plan, held):
             )
 
 
+def _check_blocks_stored(plan, runtime):
+    """Refuses a plan that splits by blocks where the runtime cannot."""
+    if runtime.stores_blocks:
+        return
+    for entry in plan.leaf_layers():
+        if getattr(entry.style, "blocks", 1) > 1:
+            raise ShardingError(
+                f"The plan splits layer '{entry.layer.path}' as "
+                f"{entry.style!r}, which this runtime cannot store yet "
+                "(it splits by blocks on torch, TensorFlow and JAX, without "
+                "pipeline stages). "
+                "Use Column(gather_output=True) for it, or plan='auto', "
+                "which does."
+            )
+
+
 def split_model(model, plan, runtime, trainer):
     """Places `model`'s variables as the bound `plan` splits them, runs
     its split layers through the runtime, and prepares `trainer` (the
     `TensorParallelKeras`) to run the steps."""
     axes = {id(variable): axis for variable, axis in plan.split_variables()}
+    blocks = plan.variable_blocks()
     # The losses of the last call (the planner's trace) would keep its
     # graph, and the whole weights, alive.
     clear_added_losses(model)
     runtime.equalize_values(model.variables)
     for variable in model.variables:
-        runtime.placement.place(variable, axes.get(id(variable)))
+        runtime.placement.place(
+            variable, axes.get(id(variable)), blocks.get(id(variable), 1)
+        )
     installed = []
     for part, part_runtime in runtime.stage_plans(plan):
         installed += regions.install(part, part_runtime)

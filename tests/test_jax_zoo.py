@@ -22,6 +22,7 @@ import keras_tp  # noqa: E402
 
 keras_tp.configure_virtual_devices(4)
 
+from tests import blocked_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests import zoo  # noqa: E402
 from tests import zoo_cases  # noqa: E402
@@ -87,6 +88,64 @@ def test_transformer_families_exact_at_two_ranks(name):
         zoo_cases.check_small_layers_whole(name, results)
         gathers = results["collectives"]["all_gather"]["forward"]
         assert gathers == zoo_cases.BLOCKS, results["collectives"]
+
+
+def test_fused_projections_split_by_blocks_in_per_rank_steps(tmp_path):
+    # On global arrays the code between regions would read a blocked
+    # Column's output in its stored layout: the steps run per rank.
+    results = blocked_cases.blocked_results(2, str(tmp_path), swin=False)
+    blocked_cases.check_blocked(results)
+    # No collective of the compiled step goes uncounted: XLA moves no
+    # heads between the devices.
+    tp, hlo = _trained_step_hlo("fused")
+    stats = tp.communication_stats()
+    counts = {
+        kind: _count_hlo(hlo, kind)
+        for kind in ("all-reduce", "all-gather", "collective-permute")
+    }
+    assert counts == {
+        "all-reduce": stats["all_reduce"]["calls"],
+        "all-gather": 0,
+        "collective-permute": 0,
+    }, (counts, stats)
+
+
+def test_swin_attention_pairs_by_blocks_in_per_rank_steps():
+    # Its steps run per rank, where every collective of the compiled step
+    # is counted.
+    blocked_cases.check_swin(measure("swin", 2))
+    tp, hlo = _trained_step_hlo("swin")
+    assert tp.sharding_plan.variable_blocks()
+    stats = tp.communication_stats()
+    counts = {
+        kind: _count_hlo(hlo, kind)
+        for kind in ("all-reduce", "all-gather", "collective-permute")
+    }
+    assert counts == {
+        "all-reduce": stats["all_reduce"]["calls"],
+        "all-gather": stats["all_gather"]["calls"],
+        "collective-permute": 0,
+    }, (counts, stats)
+
+
+def test_fused_projections_split_by_blocks_under_zero3(tmp_path):
+    blocked_cases.check_zero(blocked_cases.zero_results(str(tmp_path)))
+
+
+def test_lora_split_by_blocks_and_a_checkpoint_resharded(tmp_path):
+    blocked_cases.check_reshard(blocked_cases.reshard_results(str(tmp_path)))
+
+
+def test_a_user_plan_splits_by_blocks_but_not_in_pipeline_stages():
+    blocked_cases.check_user_plan(blocked_cases.user_plan_results())
+
+
+def test_a_trace_of_ones_own_refuses_columns_split_by_blocks():
+    # It would run the code between the split layers on global arrays.
+    model, x, _ = zoo.fused()
+    tp = keras_tp.TensorParallelKeras(model, world_size=2)
+    with pytest.raises(keras_tp.ShardingError, match="stored order"):
+        jax.jit(lambda inputs: tp(inputs))(x)
 
 
 def test_a_fused_projection_laid_out_block_by_block_gathers_what_it_counts():

@@ -18,6 +18,7 @@ import keras_tp  # noqa: E402
 
 keras_tp.configure_virtual_devices(4)
 
+from tests import blocked_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests import zoo_cases  # noqa: E402
 
@@ -44,6 +45,28 @@ def test_exact_at_two_replicas(name):
             results,
             zoo_cases.BLOCKS * zoo_cases.SUMMED_PER_BLOCK.get(name, 0),
         )
+
+
+def test_fused_projections_split_by_blocks(tmp_path):
+    results = blocked_cases.blocked_results(2, str(tmp_path))
+    blocked_cases.check_blocked(results)
+    blocked_cases.check_swin(results["swin"])
+
+
+def test_fused_projections_split_by_blocks_under_zero3(tmp_path):
+    blocked_cases.check_zero(blocked_cases.zero_results(str(tmp_path)))
+
+
+def test_fused_projections_gather_in_pipeline_stages():
+    blocked_cases.check_pipeline(blocked_cases.pipeline_results())
+
+
+def test_lora_split_by_blocks_and_a_checkpoint_resharded(tmp_path):
+    blocked_cases.check_reshard(blocked_cases.reshard_results(str(tmp_path)))
+
+
+def test_a_user_plan_splits_by_blocks_but_not_in_pipeline_stages():
+    blocked_cases.check_user_plan(blocked_cases.user_plan_results())
 
 
 def test_a_fused_projection_laid_out_block_by_block_gathers():

@@ -16,7 +16,9 @@ if keras.backend.backend() != "torch":
     )
 
 from keras_tp.launcher import launch  # noqa: E402
+from tests import blocked_cases  # noqa: E402
 from tests import zoo_cases  # noqa: E402
+from tests.torch_scripts import blocked_checks  # noqa: E402
 from tests.torch_scripts import zoo_checks  # noqa: E402
 
 # T5Gemma's attention returns its key/value cache in training too: on a
@@ -179,3 +181,30 @@ def test_weights_a_graph_constant_views_stay_whole(ranks):
     assert list(results["fallbacks"]) == ["text_model/embed_tokens/embedding"]
     refusal = ranks[0]["held_refusal"]
     assert refusal and "text_model/embed_tokens/embedding/embeddings" in refusal
+
+
+@pytest.fixture(scope="module")
+def blocked(tmp_path_factory):
+    return launch(
+        blocked_checks.blocked_checks,
+        world_size=WORLD_SIZE,
+        args=(WORLD_SIZE, str(tmp_path_factory.mktemp("blocked"))),
+        timeout=600,
+    )
+
+
+def test_fused_projections_split_by_blocks(blocked):
+    for rank in blocked:
+        blocked_cases.check_blocked(rank)
+
+
+def test_lora_factors_split_by_blocks(blocked):
+    for rank in blocked:
+        zoo_cases.check_exact(rank["lora"])
+        plan = rank["lora"]["plan"]
+        assert plan["block_0/qkv"] == "Column(gather_output=False, blocks=3)"
+
+
+def test_swin_attention_pairs_by_blocks(blocked):
+    for rank in blocked:
+        blocked_cases.check_swin(rank["swin"])

@@ -801,6 +801,133 @@ def vit(seed=0):
     return model, x, y
 
 
+def swin(seed=0):
+    """A tiny `SwinTransformerImageClassifier`: 32x32 images, 4x4 patches.
+
+    Two stages (2 and 4 heads, widths 16 and 32) of one block each over
+    windows of 4x4 tokens; each window attention projects its queries,
+    keys and values with one `Dense(3 * dim)` laid out block by block
+    (`(..., 3, heads, head_dim)`).
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        A `(model, x, y)` tuple as described in the module docstring.
+    """
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.SwinTransformerBackbone(
+        image_shape=IMAGE_SHAPE,
+        embed_dim=16,
+        depths=(1, 1),
+        num_heads=(2, 4),
+        window_size=4,
+        patch_size=4,
+        mlp_ratio=2.0,
+        dropout_rate=0.0,
+        attention_dropout=0.0,
+        drop_path=0.0,
+        dtype=None,
+    )
+    model = keras_hub.models.SwinTransformerImageClassifier(
+        backbone=backbone, num_classes=NUM_CLASSES, preprocessor=None
+    )
+    x, y = _image_data(seed)
+    return model, x, y
+
+
+@keras.saving.register_keras_serializable(package="keras_tp_zoo")
+class FusedBlock(keras.layers.Layer):
+    """A pre-norm transformer block whose projections are fused block by
+    block: one `Dense(3 * dim)` for the queries, keys and values, reshaped
+    to `(batch, length, 3, heads, head_dim)` as Swin's and ViTDet's, and
+    one `Dense(2 * hidden)` for a SwiGLU MLP's gate and up projections,
+    split in two halves."""
+
+    def __init__(self, dim, num_heads, hidden, **kwargs):
+        super().__init__(**kwargs)
+        self.dim = dim
+        self.num_heads = num_heads
+        self.hidden = hidden
+
+    def build(self, input_shape):
+        self.attention_norm = keras.layers.LayerNormalization(name="norm_1")
+        self.qkv = keras.layers.Dense(3 * self.dim, name="qkv")
+        self.projection = keras.layers.Dense(self.dim, name="projection")
+        self.mlp_norm = keras.layers.LayerNormalization(name="norm_2")
+        self.gate_up = keras.layers.Dense(2 * self.hidden, name="gate_up")
+        self.down = keras.layers.Dense(self.dim, name="down")
+        for layer in (self.attention_norm, self.qkv, self.mlp_norm):
+            layer.build(input_shape)
+        self.projection.build(input_shape)
+        self.gate_up.build(input_shape)
+        self.down.build(tuple(input_shape[:-1]) + (self.hidden,))
+
+    def call(self, x):
+        batch, length = keras.ops.shape(x)[0], keras.ops.shape(x)[1]
+        qkv = self.qkv(self.attention_norm(x))
+        qkv = keras.ops.reshape(qkv, (batch, length, 3, self.num_heads, -1))
+        query, key, value = keras.ops.unstack(
+            keras.ops.transpose(qkv, (2, 0, 3, 1, 4)), axis=0
+        )
+        scale = (self.dim // self.num_heads) ** -0.5
+        scores = keras.ops.matmul(query * scale, keras.ops.swapaxes(key, 2, 3))
+        heads = keras.ops.matmul(keras.ops.softmax(scores, axis=-1), value)
+        heads = keras.ops.reshape(
+            keras.ops.transpose(heads, (0, 2, 1, 3)), (batch, length, -1)
+        )
+        x = x + self.projection(heads)
+        gate, up = keras.ops.split(self.gate_up(self.mlp_norm(x)), 2, axis=-1)
+        return x + self.down(keras.ops.silu(gate) * up)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            dim=self.dim, num_heads=self.num_heads, hidden=self.hidden
+        )
+        return config
+
+
+def fused(seed=0):
+    """A tiny classifier of 2 `FusedBlock`s (width 32, 4 heads, MLP 64)
+    over sequences of 8 float vectors: fused projections laid out block
+    by block, as Swin's and ViTDet's attention and SwiGLU MLPs.
+
+    Args:
+        seed: int. Seed of the weights and the data.
+
+    Returns:
+        `(model, x, y)`: `x` float32 `(BATCH, SEQ_LEN, 32)`, `y` class ids.
+    """
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((SEQ_LEN, 32))
+    x = inputs
+    for index in range(2):
+        x = FusedBlock(32, 4, 64, name=f"block_{index}")(x)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    outputs = keras.layers.Dense(NUM_CLASSES, name="head")(x)
+    model = keras.Model(inputs, outputs)
+    rng = _rng(seed)
+    x = rng.standard_normal((BATCH, SEQ_LEN, 32)).astype("float32")
+    y = rng.integers(0, NUM_CLASSES, size=(BATCH,)).astype("int32")
+    return model, x, y
+
+
+def fused_lora(seed=0):
+    """`fused` with LoRA of rank 4 on its fused projections, their `b`
+    factors random (Keras starts them at zero), split by blocks too."""
+    model, x, y = fused(seed)
+    rng = _rng(seed + 1)
+    for index in range(2):
+        for name in ("qkv", "gate_up"):
+            layer = getattr(model.get_layer(f"block_{index}"), name)
+            layer.enable_lora(4)
+            layer.lora_kernel_b.assign(
+                0.1 * rng.normal(size=layer.lora_kernel_b.shape)
+            )
+    return model, x, y
+
+
 def clip(seed=0):
     """A tiny `CLIPBackbone`: a vision and a text encoder, 4 heads each.
 
@@ -1147,6 +1274,9 @@ ZOO = {
     "roberta": roberta,
     "bert": bert,
     "vit": vit,
+    "swin": swin,
+    "fused": fused,
+    "fused_lora": fused_lora,
     "xlnet": xlnet,
     "bart": bart,
     "t5": t5,

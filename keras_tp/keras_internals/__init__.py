@@ -97,6 +97,7 @@ from keras_tp.keras_internals.scopes import ReadWatcher
 from keras_tp.keras_internals.scopes import StatelessScope
 from keras_tp.keras_internals.scopes import bind_values
 from keras_tp.keras_internals.scopes import get_stateless_scope
+from keras_tp.keras_internals.scopes import in_symbolic_scope
 from keras_tp.keras_internals.scopes import local_shapes
 from keras_tp.keras_internals.scopes import stateful_cond
 from keras_tp.keras_internals.variables import direct_assign
@@ -135,6 +136,7 @@ __all__ = [
     "exclude_from_weight_decay",
     "get_keras_mask",
     "get_stateless_scope",
+    "in_symbolic_scope",
     "graph_constants",
     "input_structure",
     "is_input_node",

@@ -13,13 +13,14 @@ import contextlib
 from keras import ops
 from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.common.stateless_scope import get_stateless_scope
+from keras.src.backend.common.symbolic_scope import in_symbolic_scope
 
 from keras_tp.keras_internals.variables import direct_assign
 from keras_tp.keras_internals.variables import set_reported_shape
 
 # Keras' own scope, and the one active now, for code that binds values
-# itself.
-__all__ = ["StatelessScope", "get_stateless_scope"]
+# itself; whether Keras is only inferring shapes.
+__all__ = ["StatelessScope", "get_stateless_scope", "in_symbolic_scope"]
 
 
 class _LayeredScope(StatelessScope):

@@ -36,6 +36,7 @@ from keras_tp.plan.local_check import keep_needed_counts
 from keras_tp.plan.local_check import on_global_arrays
 from keras_tp.plan.local_check import random_on_split_values
 from keras_tp.plan.planner import Planner
+from keras_tp.plan.rank_widths import add_rank_widths
 from keras_tp.plan.sharding_plan import ShardingPlan
 from keras_tp.plan.styles import Replicate
 from keras_tp.plan.verify import Problem
@@ -51,6 +52,7 @@ def auto_plan(
     layout_map=None,
     sample_batch=None,
     keep_whole=None,
+    blocks=False,
 ):
     """Returns the plan `TensorParallelKeras(model, plan="auto")` applies.
 
@@ -97,6 +99,12 @@ def auto_plan(
             with the reason in `plan.fallbacks` (`TensorParallelKeras`
             passes those whose weights a constant of the model's graph
             reads).
+        blocks: whether a fused projection laid out block by block (a
+            query-key-value projection reshaped to `(..., 3, heads,
+            head_dim)`, a gate-and-up projection) pairs with its Row as
+            `Column(blocks=b)`, each rank holding its part of each block,
+            where the runtime stores such splits (`TensorParallelKeras`
+            passes whether it does); else it gathers its output.
 
     Returns:
         A `ShardingPlan` bound to `model`.
@@ -126,16 +134,28 @@ def auto_plan(
     check_count("tensor_parallel", tensor_parallel)
     trace = tracing.trace_model(model, sample_batch)
     return plan_from_trace(
-        model, tensor_parallel, trace, check_local, layout_map, keep_whole
+        model,
+        tensor_parallel,
+        trace,
+        check_local,
+        layout_map,
+        keep_whole,
+        blocks,
     )
 
 
 def plan_from_trace(
-    model, tensor_parallel, trace, check_local, layout_map=None, keep_whole=None
+    model,
+    tensor_parallel,
+    trace,
+    check_local,
+    layout_map=None,
+    keep_whole=None,
+    blocks=False,
 ):
     """`auto_plan` on a trace of `model` made already (`trace_model`): a
     runtime that plans again for per-rank steps traces the model once."""
-    planner = Planner(model, tensor_parallel, trace, layout_map)
+    planner = Planner(model, tensor_parallel, trace, layout_map, blocks)
     decisions = planner.decide()
     fallbacks = {}
     for path, reason in (keep_whole or {}).items():
@@ -147,10 +167,12 @@ def plan_from_trace(
             plan = _emit(
                 model, tensor_parallel, decisions, fallbacks, planner.reasons
             )
+            plan.paired_by_blocks = list(planner.paired_by_blocks)
             plan.per_rank_counts.update(planner.local_reshapes(decisions))
             group_of = _group_of(decisions)
             add_head_arguments(model, plan, trace)
             add_feature_arguments(model, plan, trace)
+            add_rank_widths(model, plan, trace)
             if check_local:
                 plan.summed_gradients = planner.whole_key_values(decisions)
             # On whole arrays only the attention units run on a rank's
@@ -178,7 +200,9 @@ def plan_from_trace(
                 return plan
             for key, problem in problems.items():
                 planner.demote(decisions, key, problem, fallbacks)
-    return _emit(model, tensor_parallel, decisions, fallbacks, planner.reasons)
+    plan = _emit(model, tensor_parallel, decisions, fallbacks, planner.reasons)
+    plan.paired_by_blocks = list(planner.paired_by_blocks)
+    return plan
 
 
 def _styles(decisions):

@@ -3,6 +3,8 @@
 import numpy as np
 from keras import ops
 
+from keras_tp.blocks import rank_part
+
 # Relative to the largest magnitude of the one-device value: the round-off
 # of a sliced float32 matmul (at most 1e-7 on the keras-hub families) is far
 # below it, a wrong split far above, however small the values (activations
@@ -16,11 +18,14 @@ def as_numpy(x):
     return np.asarray(ops.convert_to_numpy(x))
 
 
-def slice_tensor(variable, parts, axis, rank):
+def slice_tensor(variable, parts, axis, rank, blocks=1):
     """Slice `rank` of `parts` of a variable on `axis` (all of it for
-    `None`), as a tensor of its dtype."""
+    `None`), as a tensor of its dtype: its slice of each of `blocks`
+    blocks where it holds several (`keras_tp.blocks`)."""
     value = as_numpy(variable)
-    if axis is not None:
+    if axis is not None and blocks > 1:
+        value = rank_part(value, axis, rank, parts, blocks)
+    elif axis is not None:
         value = np.array_split(value, parts, axis)[rank]
     return ops.convert_to_tensor(value, dtype=variable.dtype)
 

@@ -25,6 +25,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_tp.blocks import stored_order
 from keras_tp.plan import trace as tracing
 from keras_tp.plan.comparing import as_numpy
 from keras_tp.plan.layers import leaf_handler
@@ -36,9 +37,15 @@ class _Reached(Exception):
     """Stops the run once the Row's input is known."""
 
 
-def carries_rank_parts(model, trace, row, columns, tensor_parallel):
+def carries_rank_parts(
+    model, trace, row, columns, tensor_parallel, blocks=None
+):
     """Whether raw ops carry `columns`' outputs to `row`'s input, each
     rank's part to that rank's part.
+
+    With `blocks`, a Column's output holds that many blocks side by side
+    (a fused projection laid out block by block), and its first rank's
+    part is the first rank's slice of each block.
 
     Args:
         model: the traced model.
@@ -47,6 +54,7 @@ def carries_rank_parts(model, trace, row, columns, tensor_parallel):
         columns: the Column candidates' `Call`s, earlier than `row` in the
             same parent call.
         tensor_parallel: the number of ranks.
+        blocks: `{Column call index: blocks}`; default one block each.
 
     Returns:
         `True` when the first rank's part of the Columns' outputs reaches
@@ -58,7 +66,8 @@ def carries_rank_parts(model, trace, row, columns, tensor_parallel):
     def poisoned_output(index, layer, outputs):
         if index not in replaced:
             return outputs
-        return _first_part_poisoned(layer, outputs, tensor_parallel)
+        count = (blocks or {}).get(index, 1)
+        return _first_part_poisoned(layer, outputs, tensor_parallel, count)
 
     seen = _row_input(model, trace, row, poisoned_output)
     if seen is None:
@@ -149,8 +158,9 @@ def _parts(array, axis, tensor_parallel):
     return np.split(array, [width], axis=axis)
 
 
-def _first_part_poisoned(layer, outputs, tensor_parallel):
-    """`outputs` with the first rank's part of its split axis NaN."""
+def _first_part_poisoned(layer, outputs, tensor_parallel, blocks=1):
+    """`outputs` with the first rank's part of its split axis NaN: the
+    first rank's slice of each of its `blocks` blocks."""
     flat = tracing.flat_tensors(outputs)
     if len(flat) != 1:
         return outputs
@@ -158,8 +168,14 @@ def _first_part_poisoned(layer, outputs, tensor_parallel):
     if not np.issubdtype(value.dtype, np.floating):
         return outputs
     axis = leaf_handler(layer).output_axis(layer, Column(), value.ndim)
-    poisoned = value.copy()
-    _parts(poisoned, axis, tensor_parallel)[0][...] = np.nan
+    size = value.shape[axis]
+    first = stored_order(size, tensor_parallel, blocks)[
+        : size // tensor_parallel
+    ]
+    mask = np.zeros(size, bool)
+    mask[first] = True
+    mask = mask.reshape([-1 if i == axis else 1 for i in range(value.ndim)])
+    poisoned = np.where(mask, np.nan, value).astype(value.dtype)
     poisoned = ops.convert_to_tensor(poisoned, dtype=flat[0].dtype)
     return keras.tree.map_structure(
         lambda t: poisoned if t is flat[0] else t, outputs

@@ -30,6 +30,8 @@ from keras_tp.plan.arguments import feature_arguments
 from keras_tp.plan.arguments import local_arguments
 from keras_tp.plan.attention import call_arguments
 from keras_tp.plan.attention import named_arguments
+from keras_tp.plan.rank_widths import RESHAPE
+from keras_tp.plan.rank_widths import rank_widths
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Row
 
@@ -279,24 +281,27 @@ def _split_heads(entry):
 
 @contextlib.contextmanager
 def local_counts(layer, counts, head_slice):
-    """Inside, `layer`'s attributes read `counts` (`{name: count}`), and
-    its per-head weights (a `HeadAxis` in `counts`) `head_slice(weight,
-    axis)`."""
+    """Inside, `layer`'s attributes read `counts` (`{name: count}`), its
+    per-head weights (a `HeadAxis` in `counts`) `head_slice(weight,
+    axis)`, and its reshapes the rank's widths (`rank_widths`)."""
     weights = [
         (getattr(layer, name), axis)
         for name, axis in counts.items()
         if isinstance(axis, HeadAxis)
     ]
+    widths = counts.get(RESHAPE)
     counts = {
         name: count
         for name, count in counts.items()
-        if not isinstance(count, (HeadAxis, HeadArgument, WholeHeads))
+        if name != RESHAPE
+        and not isinstance(count, (HeadAxis, HeadArgument, WholeHeads))
     }
     with (
         _assigned(layer, counts),
         bind_values(
             (weight, head_slice(weight, int(axis))) for weight, axis in weights
         ),
+        rank_widths(widths),
     ):
         yield
 

@@ -17,6 +17,7 @@ from keras_tp.plan.feature_arguments import add_feature_arguments
 from keras_tp.plan.head_counts import add_head_arguments
 from keras_tp.plan.head_counts import per_rank_counts
 from keras_tp.plan.planner import Planner
+from keras_tp.plan.rank_widths import add_rank_widths
 from keras_tp.plan.sharding_plan import SummedCall
 from keras_tp.plan.styles import Row
 from keras_tp.plan.verify import local_problems
@@ -39,6 +40,7 @@ def check_locally(model, plan, sample_batch=None):
     trace = tracing.trace_model(model, sample_batch)
     add_head_arguments(model, plan, trace)
     add_feature_arguments(model, plan, trace)
+    add_rank_widths(model, plan, trace)
     plan.summed_gradients = _whole_key_values(model, plan, trace)
     problems = counted_problems(model, plan, trace, group_of, random_inputs)
     if problems:

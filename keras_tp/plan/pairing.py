@@ -26,7 +26,8 @@ from keras_tp.plan.styles import Row
 class MegatronPairing:
     """The pairing walk of a `Planner` (which provides `model`, `trace`,
     `tensor_parallel`, `reasons`, `through`, `reshapes`,
-    `split_tensors`, `raw_gated`, `group_of_column` and `_can_split`)."""
+    `split_tensors`, `raw_gated`, `group_of_column`, `split_blocks`,
+    `blocks_of_column`, `paired_by_blocks` and `_can_split`)."""
 
     def _groups(self, calls, candidates, carried):
         """Megatron groups among the direct child calls of one parent.
@@ -156,17 +157,47 @@ class MegatronPairing:
             for c, s in open_columns
             if not s and not any(t is source for t in c.inputs)
         ]
-        if any(self._fits(call, row) for call, _ in opaque) and (
+        columns = [c for c, _ in opaque]
+        if any(self._fits(call, row) for call in columns) and (
             carries_rank_parts(
-                self.model,
-                self.trace,
-                row,
-                [c for c, _ in opaque],
-                self.tensor_parallel,
+                self.model, self.trace, row, columns, self.tensor_parallel
             )
         ):
             return opaque
+        blocks = self._blocks(columns, row)
+        if blocks and carries_rank_parts(
+            self.model, self.trace, row, columns, self.tensor_parallel, blocks
+        ):
+            if not self.split_blocks:
+                self.paired_by_blocks.append(row.layer.path)
+                return []
+            self.blocks_of_column.update(blocks)
+            return opaque
         return []
+
+    def _blocks(self, columns, row):
+        """`{Column call index: blocks}` where `columns` may be fused
+        projections laid out block by block for `row`, else `None`.
+
+        A Column whose output is `b > 1` times as wide as the Row's input
+        (Swin's query-key-value projection, 3 times its attention's width;
+        a gate-and-up projection, twice its down projection's input) may
+        hold `b` blocks side by side, each split over the ranks
+        (`Column(blocks=b)`); one as wide as the Row's input holds one.
+        Whether the code between them reads it so, `carries_rank_parts`
+        tells.
+        """
+        if not row.inputs:
+            return None
+        width = _heads(row.inputs[0], row.layer, Row(), "input_axis")[0]
+        blocks = {}
+        for call in columns:
+            size = _heads(call.outputs[0], call.layer, Column(), "output_axis")
+            count, rest = divmod(size[0], width)
+            if rest or size[0] % (count * self.tensor_parallel):
+                return None
+            blocks[call.index] = count
+        return blocks if max(blocks.values(), default=1) > 1 else None
 
     def _fits(self, column, row):
         """Whether the Row call may read the Column call's split output.

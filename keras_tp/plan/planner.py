@@ -1,33 +1,28 @@
 """The automatic planner's decisions: which style each layer gets.
 
 `Planner.decide()` reads the trace: attention units split by heads,
-Megatron pairs (found by `MegatronPairing`), the model's own layout map,
-expert banks, and fallbacks for the rest; `demote()` falls a group back
-when the local-execution check finds a problem.
+Megatron pairs (found by `MegatronPairing`), the model's own layout map
+(`LayoutMapRules`), expert banks, and fallbacks for the rest; `demote()`
+falls a group back when the local-execution check finds a problem.
 """
-
-import collections
-import logging
-
-import keras
 
 from keras_tp.errors import ShardingError
 from keras_tp.plan.attention import ATTENTION
 from keras_tp.plan.experts import expert_output_axis
 from keras_tp.plan.layers import leaf_handler
+from keras_tp.plan.layout_maps import LayoutMapRules
 from keras_tp.plan.pairing import MegatronPairing
 from keras_tp.plan.sharding_plan import SummedCall
 from keras_tp.plan.sharding_plan import check_shardable
 from keras_tp.plan.sharding_plan import supported_layers
 from keras_tp.plan.styles import Channelwise
 from keras_tp.plan.styles import Column
+from keras_tp.plan.styles import Decision
 from keras_tp.plan.styles import ExpertParallel
 from keras_tp.plan.styles import Replicate
 from keras_tp.plan.styles import Row
 from keras_tp.plan.styles import Vocab
 from keras_tp.tensors import nbytes
-
-logger = logging.getLogger(__name__)
 
 _PAIRED = "auto: Column -> Row"
 # A layer no Megatron pair splits, whose weights are under this share of
@@ -38,49 +33,7 @@ NEGLIGIBLE_SHARE = 0.01
 _FALLBACKS = (Vocab(), Column(gather_output=True), Row(input_is_parallel=False))
 
 
-Decision = collections.namedtuple(
-    "Decision",
-    ["layer", "style", "group", "source", "paired"],
-    defaults=[False],
-)
-Decision.__doc__ = """How one supported layer (or attention unit) is split:
-its style, the id of its Megatron group (layers paired together fall back
-together), what decided it, and whether it is in a Column -> Row pair."""
-
-
-def model_layout_map(model, tensor_parallel):
-    """The `keras.distribution.LayoutMap` the model ships, or `None`.
-
-    keras-hub backbones of some families have a static `get_layout_map`;
-    a task model reaches it through its `backbone`.
-    """
-    owner = model if hasattr(model, "get_layout_map") else None
-    if owner is None:
-        owner = getattr(model, "backbone", None)
-    get_layout_map = getattr(owner, "get_layout_map", None)
-    if get_layout_map is None:
-        return None
-    # The map is only read, never applied: the devices are names.
-    mesh = keras.distribution.DeviceMesh(
-        shape=(1, tensor_parallel),
-        axis_names=("batch", "model"),
-        devices=[f"cpu:{i}" for i in range(tensor_parallel)],
-    )
-    try:
-        return get_layout_map(mesh)
-    except (TypeError, ValueError) as error:
-        logger.info("The layout map of %s is not usable: %s", owner, error)
-        return None
-
-
-def _model_axis(axes):
-    for axis, name in enumerate(axes):
-        if name == "model" or (isinstance(name, tuple) and "model" in name):
-            return axis
-    return None
-
-
-class Planner(MegatronPairing):
+class Planner(LayoutMapRules, MegatronPairing):
     """Decides the style of every splittable layer of a traced model.
 
     Args:
@@ -90,6 +43,7 @@ class Planner(MegatronPairing):
         layout_map: a `keras.distribution.LayoutMap` given as the plan:
             it decides every layer, and what it does not list stays whole.
             `None`: the model's own map decides the layers it lists.
+        blocks: whether fused projections may pair as `Column(blocks=b)`.
     """
 
     def __init__(
@@ -98,6 +52,7 @@ class Planner(MegatronPairing):
         tensor_parallel,
         trace,
         layout_map=None,
+        blocks=False,
     ):
         self.model = model
         self.tensor_parallel = tensor_parallel
@@ -119,6 +74,11 @@ class Planner(MegatronPairing):
         self.raw_gated = set()
         # The Megatron group of each paired Column call, by its index.
         self.group_of_column = {}
+        # Columns paired by blocks (and the Rows that would pair so
+        # where `blocks` is `False`).
+        self.split_blocks = blocks
+        self.blocks_of_column = {}
+        self.paired_by_blocks = []
 
     # Deciding ---------------------------------------------------------
 
@@ -152,8 +112,9 @@ class Planner(MegatronPairing):
                     continue
                 key = id(rows[0].layer)
                 for call in columns:
+                    blocks = self.blocks_of_column.get(call.index, 1)
                     decisions[id(call.layer)] = Decision(
-                        call.layer, Column(), key, _PAIRED, True
+                        call.layer, Column(blocks=blocks), key, _PAIRED, True
                     )
                     for layer in self.through.get(call.index, ()):
                         decisions[id(layer)] = Decision(
@@ -221,93 +182,6 @@ class Planner(MegatronPairing):
             return None
         self.reasons.pop(layer.path, None)
         return ExpertParallel(output_axis=axis)
-
-    def _apply_layout_map(self, decisions, leaves):
-        """The model's own layout map decides the layers it lists.
-
-        keras-hub ships one for some families (`get_layout_map()` on Gemma,
-        Llama, Qwen): the model authors' choice of which weights to split
-        on the `model` axis. A listed layer is split where the map splits
-        it and kept whole where the map does; its style is the Megatron
-        pairing's when the planner found one (a GSPMD layout may name
-        another axis of the same pair, which GSPMD reconciles with extra
-        collectives), else the style of the axis the map names; but a
-        layer the model's map would split alone stays whole where its
-        weights are negligible (`NEGLIGIBLE_SHARE`).
-        """
-        layout_map = self.layout_map or model_layout_map(
-            self.model, self.tensor_parallel
-        )
-        if layout_map is None:
-            return
-        source = "LayoutMap" if self.layout_map else "model layout map"
-        for layer in leaves:
-            handler = leaf_handler(layer)
-            path = handler.primary_variable(layer).path
-            layout = layout_map[path]
-            if layout is None:
-                continue
-            axis = _model_axis(layout.axes)
-            decision = decisions.get(id(layer))
-            if axis is None:
-                self.reasons[layer.path] = f"kept whole by the {source}"
-                decisions[id(layer)] = Decision(
-                    layer, Replicate(), id(layer), source
-                )
-            elif decision is not None and not isinstance(
-                decision.style, Replicate
-            ):
-                split = handler.split_axes(layer, decision.style)
-                axis_note = ""
-                if split[handler.primary_role(layer)] != axis:
-                    axis_note = " (Megatron axis)"
-                decisions[id(layer)] = decision._replace(
-                    source=source + axis_note
-                )
-            else:
-                # A LayoutMap given as the plan is followed to the letter.
-                style = self._style_of_axis(layer, axis)
-                given = self.layout_map is not None
-                if style is not None and (given or not self._negligible(layer)):
-                    decisions[id(layer)] = Decision(
-                        layer, style, id(layer), source
-                    )
-
-    def _keep_unlisted_whole(self, decisions, leaves):
-        """Under a LayoutMap given as the plan, what it does not split on
-        the `model` axis stays whole, as under `ModelParallel` (an
-        attention layer by its query projection's entry); the rest of a
-        Megatron pair whose member stays whole gathers or slices alone."""
-        units = [
-            d.layer for d in decisions.values() if ATTENTION.matches(d.layer)
-        ]
-        broken = set()
-        for layer in leaves + units:
-            if ATTENTION.matches(layer):
-                query = next(iter(ATTENTION.projections(layer).values()))
-                variable = leaf_handler(query).primary_variable(query)
-            else:
-                variable = leaf_handler(layer).primary_variable(layer)
-            layout = self.layout_map[variable.path]
-            if layout is not None and _model_axis(layout.axes) is not None:
-                continue
-            if id(layer) in decisions and decisions[id(layer)].paired:
-                broken.add(decisions[id(layer)].group)
-            decisions[id(layer)] = Decision(
-                layer, Replicate(), id(layer), "LayoutMap"
-            )
-            self.reasons[layer.path] = (
-                f"not split on 'model' by the LayoutMap ({variable.path})"
-            )
-        for key, decision in list(decisions.items()):
-            if decision.paired and decision.group in broken:
-                style = self._fallback_style(decision.layer, ())
-                decisions[key] = Decision(
-                    decision.layer,
-                    style or Replicate(),
-                    key,
-                    "LayoutMap (its Megatron pair stays whole)",
-                )
 
     def _negligible(self, layer):
         """Whether `layer` stays whole rather than split alone, its

@@ -112,6 +112,10 @@ class ShardingPlan:
         # on global arrays, in collectives of its own (`on_global_arrays`):
         # a runtime that can run its steps per rank does so instead.
         self.summed_by_xla = []
+        # Paths of the Row layers whose Columns would pair by blocks
+        # (`Column(blocks=b)`) where the runtime stored such splits: a
+        # runtime that can, by running its steps per rank, does so.
+        self.paired_by_blocks = []
 
     def __repr__(self):
         lines = [
@@ -189,6 +193,21 @@ class ShardingPlan:
                 if axis is not None and role in variables:
                     split.append((variables[role], axis))
         return split
+
+    def variable_blocks(self):
+        """`{id(variable): blocks}` of the split variables of the
+        `Column(blocks=b)` layers (`b > 1`): each rank holds its part of
+        each block (`keras_tp.blocks`)."""
+        blocked = {}
+        for entry in self.leaf_layers():
+            blocks = getattr(entry.style, "blocks", 1)
+            if blocks == 1:
+                continue
+            variables = entry.handler.variables(entry.layer)
+            for role, axis in entry.axes.items():
+                if axis is not None and role in variables:
+                    blocked[id(variables[role])] = blocks
+        return blocked
 
     def variable_axes(self):
         """`{variable_path: (variable, axis)}` of every split variable

@@ -1,5 +1,7 @@
 """Sharding styles: what a layer becomes under tensor parallelism."""
 
+import collections
+
 
 class ShardingStyle:
     """Base class of the styles a `ShardingPlan` assigns to layers."""
@@ -30,17 +32,34 @@ class Column(ShardingStyle):
         gather_output: if `True`, all-gather the output so the next layer
             sees the full features. Leave `False` when a `Row` layer
             consumes the output: it stays sharded and no collective runs.
+        blocks: the number of blocks a fused projection lays side by side
+            on its output features (3 for a query-key-value projection
+            whose output is reshaped to `(..., 3, heads, head_dim)`, 2 for
+            a gate-and-up projection). Each rank holds its part of EACH
+            block, as Megatron splits such a projection by heads; keras_tp
+            stores the variables permuted so (`keras_tp.blocks`), and full
+            values and checkpoints stay in the layer's own layout.
 
     Example:
 
     >>> plan = ShardingPlan({"up/kernel": Column(), "down/kernel": Row()})
     """
 
-    def __init__(self, gather_output=False):
+    def __init__(self, gather_output=False, blocks=1):
         self.gather_output = bool(gather_output)
+        self.blocks = int(blocks)
+        if self.blocks < 1 or (self.blocks > 1 and self.gather_output):
+            raise ValueError(
+                f"Column(blocks={blocks!r}, gather_output={gather_output!r}): "
+                "blocks must be a positive count, and a gathering Column "
+                "gathers its whole output, so it takes blocks=1."
+            )
 
     def _fields(self):
-        return {"gather_output": self.gather_output}
+        fields = {"gather_output": self.gather_output}
+        if self.blocks > 1:
+            fields["blocks"] = self.blocks
+        return fields
 
 
 class Row(ShardingStyle):
@@ -105,3 +124,13 @@ class ExpertParallel(ShardingStyle):
 
     def _fields(self):
         return {"output_axis": self.output_axis}
+
+
+Decision = collections.namedtuple(
+    "Decision",
+    ["layer", "style", "group", "source", "paired"],
+    defaults=[False],
+)
+Decision.__doc__ = """How one supported layer (or attention unit) is split:
+its style, the id of its Megatron group (layers paired together fall back
+together), what decided it, and whether it is in a Column -> Row pair."""

@@ -183,6 +183,7 @@ class _Emulation:
                     self.plan.tensor_parallel,
                     entry.axes.get(role),
                     self.rank,
+                    getattr(entry.style, "blocks", 1),
                 )
                 for role, v in variables.items()
             }

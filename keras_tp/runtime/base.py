@@ -43,6 +43,11 @@ class Runtime(CheckpointPieces):
     # Whether each rank runs the code between split layers on its own
     # slices (so `auto_plan` must check the plan for that).
     local_ranks = True
+    # Whether the runtime stores a variable split by blocks
+    # (`Column(blocks=b)`) permuted, as `keras_tp.blocks` lays it out, in
+    # its steps, full values and checkpoints; elsewhere a fused projection
+    # laid out block by block stays a gathering Column.
+    stores_blocks = False
     # What `compile(jit_compile=...)` defaults to; Keras' "auto" enables XLA
     # where the backend can compile the whole step.
     jit_compile_default = "auto"

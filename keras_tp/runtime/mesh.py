@@ -62,22 +62,28 @@ class MeshRuntime(DataAxisLevels, Runtime):
         if self.sequence_parallel:
             self.adapter = SequenceParallelAdapter(self.adapter)
 
-    def run_steps_per_rank(self):
+    def run_steps_per_rank(self, per_rank=True):
         """Runs every step per rank from now on, as with a data axis.
 
         For a plan whose whole layers get partial gradients that XLA
         would sum on global arrays in collectives of its own
         (`ShardingPlan.summed_by_xla`): per rank, their weights' gradients
-        are summed in counted all-reduces. Called before the model is
-        split; the adapters are made anew for per-rank steps.
+        are summed in counted all-reduces; and for Columns that pair by
+        blocks (`ShardingPlan.paired_by_blocks`). Called before the model
+        is split; the adapters are made anew for per-rank steps.
+
+        Args:
+            per_rank: `False` goes back to global arrays, where a plan
+                made for per-rank steps gained nothing from them (a model
+                without a data axis only).
 
         Returns:
-            Whether the steps run per rank now: not under sequence
-            parallelism, whose shards run on global arrays only.
+            Whether the steps run as asked now: not per rank under
+            sequence parallelism, whose shards run on global arrays only.
         """
-        if self.sequence_parallel:
+        if self.sequence_parallel and per_rank:
             return False
-        self.per_rank_steps = True
+        self.per_rank_steps = per_rank
         self._make_adapters()
         return True
 

@@ -8,6 +8,8 @@ runtime says which ranks live in this process and how to read and write
 one rank's piece.
 """
 
+import numpy as np
+
 
 class CheckpointPieces:
     """The checkpoint side of `Runtime` (a mixin of it)."""
@@ -33,9 +35,11 @@ class CheckpointPieces:
             self._ranks_here()
         ):
             if self._holds_first_copy(variable, model_rank, data_rank):
-                index = self._piece_index(variable, model_rank, data_rank)
                 array = self._read_piece(variable, position)
-                pieces.append((writer, index, array))
+                for local, index in self._piece_runs(
+                    variable, model_rank, data_rank
+                ):
+                    pieces.append((writer, index, array[local]))
         return pieces
 
     def assign_local_pieces(self, variable, read):
@@ -49,8 +53,16 @@ class CheckpointPieces:
         for position, (_, model_rank, data_rank) in enumerate(
             self._ranks_here()
         ):
-            index = self._piece_index(variable, model_rank, data_rank)
-            self._write_piece(variable, position, read(index))
+            runs = self._piece_runs(variable, model_rank, data_rank)
+            if len(runs) == 1:
+                value = read(runs[0][1])
+            else:
+                # Split by blocks: the piece joins a run of each block.
+                value = np.concatenate(
+                    [read(index) for _, index in runs],
+                    self.placement.axes[id(variable)],
+                )
+            self._write_piece(variable, position, value)
 
     def _holds_first_copy(self, variable, model_rank, data_rank):
         if self.placement.is_placed(variable):
@@ -59,10 +71,12 @@ class CheckpointPieces:
             )
         return not (model_rank or data_rank)
 
-    def _piece_index(self, variable, model_rank, data_rank):
+    def _piece_runs(self, variable, model_rank, data_rank):
+        """`Placement.piece_runs`, or the whole of an unplaced variable."""
         if self.placement.is_placed(variable):
-            return self.placement.piece_index(variable, model_rank, data_rank)
-        return tuple((0, int(size)) for size in variable.shape)
+            return self.placement.piece_runs(variable, model_rank, data_rank)
+        whole = tuple(slice(None) for _ in variable.shape)
+        return [(whole, tuple((0, int(size)) for size in variable.shape))]
 
     def _ranks_here(self):
         """`[(writer, model_rank, data_rank)]` of this process's ranks."""

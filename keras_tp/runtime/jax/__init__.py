@@ -42,6 +42,13 @@ class JaxRuntime(
 
     backend = "jax"
 
+    @property
+    def stores_blocks(self):
+        # Only where steps run per rank: on global arrays the code between
+        # regions would read a blocked Column's output in its stored
+        # (permuted) layout.
+        return self.per_rank_steps
+
     def _build(self):
         self._build_mesh()
         # Direct calls `tp(x)`, compiled once per `training` value.

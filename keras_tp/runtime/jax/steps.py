@@ -17,8 +17,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec
 
+from keras_tp.errors import ShardingError
 from keras_tp.keras_internals import StatelessScope
 from keras_tp.keras_internals import bind_values
+from keras_tp.keras_internals import in_symbolic_scope
 from keras_tp.keras_internals import jax_update_metrics
 from keras_tp.keras_internals import local_shapes
 from keras_tp.plan.split_logits import whole_logits
@@ -252,11 +254,23 @@ class MeshSteps:
             v for v in model.variables if self.placement.is_per_replica(v)
         ]
         if not all(map(is_concrete, leaves)):
+            if self.placement.blocks and not in_symbolic_scope():
+                raise ShardingError(
+                    "A model with Columns split by blocks "
+                    "(Column(blocks=b)) was called inside a trace of your "
+                    "own (jax.jit, jax.grad), where the code between its "
+                    "split layers would run on global arrays, which hold "
+                    "those Columns' outputs in their stored order. Call it "
+                    "on concrete arrays, or through fit(), predict() or "
+                    "evaluate(), which run per rank."
+                )
             # Per-replica variables read replica 0's block.
             with bind_values(
                 [(v, self.first_replica_value(v)) for v in stacked]
             ):
                 return super().call_model(model, inputs, training)
+        if self.placement.blocks:
+            return self._call_per_rank(model, inputs, training)
         compiled = self._compiled_calls.get(training)
         if compiled is None:
             compiled = jax.jit(
@@ -268,6 +282,35 @@ class MeshSteps:
             outputs, non_trainable = compiled(values, inputs)
         # A forward pass updates only non-trainable state (BatchNorm
         # statistics, dropout seeds).
+        for variable, value in zip(
+            model.non_trainable_variables, non_trainable
+        ):
+            variable.assign(value)
+        return outputs
+
+    def _call_per_rank(self, model, inputs, training):
+        """A direct call of a model with Columns split by blocks, run per
+        rank as its steps are: on global arrays the code between regions
+        would read a blocked Column's output in its stored layout."""
+        key = ("per rank", training)
+        compiled = self._compiled_calls.get(key)
+        if compiled is None:
+
+            def call(state, data):
+                return model.stateless_call(*state, *data, training=training)
+
+            compiled = jax.jit(
+                lambda state, data: self._per_rank_step(
+                    "predict", model, call, state, data
+                )
+            )
+            self._compiled_calls[key] = compiled
+        state = (
+            [v.value for v in model.trainable_variables],
+            [v.value for v in model.non_trainable_variables],
+        )
+        with self.adapter.stats.recording("predict"):
+            outputs, non_trainable = compiled(state, (inputs,))
         for variable, value in zip(
             model.non_trainable_variables, non_trainable
         ):

@@ -147,11 +147,12 @@ class MeshStorage:
             value = multihost_utils.process_allgather(value, tiled=True)
         value = np.asarray(value)
         if self.placement.is_per_replica(variable):
-            return value[0]
-        return value
+            value = value[0]
+        return self.placement.canonical(variable, value)
 
     def assign_full_value(self, variable, value):
         """Assigns `value`; to every block of a per-replica variable."""
+        value = self.placement.stored(variable, np.asarray(value))
         if self.placement.is_per_replica(variable):
             value = np.asarray(value)
             value = np.broadcast_to(
@@ -164,13 +165,14 @@ class MeshStorage:
 
         One process reads global arrays directly, unless some variables
         hold a block per replica (local SGD), which are written as replica
-        0's. On several hosts the arrays span devices this process cannot
-        read, so every process gathers them, process 0 writes while its
-        variables hold the full values on the host, and all processes wait
-        for it.
+        0's, or are split by blocks (stored permuted). On several hosts
+        the arrays span devices this process cannot read, so every
+        process gathers them, process 0 writes while its variables hold
+        the full values on the host, and all processes wait for it.
         """
         stacked = any(map(self.placement.is_per_replica, variables))
-        if jax.process_count() == 1 and not stacked:
+        permuted = any(id(v) in self.placement.blocks for v in variables)
+        if jax.process_count() == 1 and not (stacked or permuted):
             write()
             return
         full = [self.full_value(v) for v in variables]
@@ -236,10 +238,24 @@ class MeshStorage:
         shape = self.full_shape(variable)
         stacked = self.placement.is_per_replica(variable)
         return [
-            (str(shard.device).replace(":", ""), _index(index, shape), data)
+            (str(shard.device).replace(":", ""), run, data[local])
             for shard, index, data in self._shards(variable)
             if shard.replica_id == 0 and not (stacked and shard.index[0].start)
+            for local, run in self._runs(variable, _index(index, shape))
         ]
+
+    def _runs(self, variable, index):
+        if self.placement.is_placed(variable):
+            return self.placement.index_runs(variable, index)
+        return [(tuple(slice(None) for _ in index), index)]
+
+    def _read_stored(self, variable, index, read):
+        """The stored piece at `index`, from `read` of canonical pieces."""
+        runs = self._runs(variable, index)
+        if len(runs) == 1:
+            return read(runs[0][1])
+        axis = self.placement.axes[id(variable)]
+        return np.concatenate([read(run) for _, run in runs], axis)
 
     def assign_local_pieces(self, variable, read):
         value = variable.value
@@ -252,7 +268,9 @@ class MeshStorage:
             placed = jax.make_array_from_callback(
                 value.shape,
                 value.sharding,
-                lambda index: read(_index(index, value.shape)),
+                lambda index: self._read_stored(
+                    variable, _index(index, value.shape), read
+                ),
             )
             direct_assign(variable, placed)
             return
@@ -260,7 +278,7 @@ class MeshStorage:
         shape = value.shape[1:]
 
         def blocks(index):
-            piece = read(_index(index[1:], shape))
+            piece = self._read_stored(variable, _index(index[1:], shape), read)
             rows = len(range(*index[0].indices(self.data_parallel)))
             return np.broadcast_to(piece[None], (rows,) + piece.shape)
 

@@ -69,6 +69,7 @@ class TensorFlowRuntime(
     """
 
     backend = "tensorflow"
+    stores_blocks = True
     # The replicas run under tf.distribute, which XLA cannot compile as one
     # program (see `run_step`).
     jit_compile_default = False

@@ -45,7 +45,7 @@ class ReplicaStorage:
             variable,
             self.placement.axes[id(variable)],
             data_axis,
-            full=self.full_value(variable),
+            full=self._stored_full_value(variable),
         )
 
     def _store(self, variable, axis, data_axis=None, full=None):
@@ -125,6 +125,11 @@ class ReplicaStorage:
         return (storage,)
 
     def full_value(self, variable):
+        stored = self._stored_full_value(variable)
+        return self.placement.canonical(variable, stored)
+
+    def _stored_full_value(self, variable):
+        """The full value in the layout the replicas store it in."""
         components = self._components(variable)
         axis = self.placement.split_axis(variable)
         data_axis = self.placement.data_axis(variable)
@@ -164,7 +169,7 @@ class ReplicaStorage:
         return list(pieces.numpy())
 
     def assign_full_value(self, variable, value):
-        value = np.asarray(value)
+        value = self.placement.stored(variable, np.asarray(value))
         pieces = self._local_shards(
             value,
             self.placement.split_axis(variable),

@@ -65,6 +65,7 @@ class TorchRuntime(
     """
 
     backend = "torch"
+    stores_blocks = True
     # The sequence shards between the regions, under sequence parallelism.
     _sequence = None
 

@@ -32,6 +32,9 @@ class TorchStageRuntime(TorchRuntime):
     takes the norm over every rank (`job_adapter`), the `copies` (ids of
     an earlier stage's weights) counted at their owner only."""
 
+    # The stage storage places variables without their blocks.
+    stores_blocks = False
+
     def __init__(self, config, groups, job_adapter, copies):
         self._groups = groups
         self._job_adapter = job_adapter

@@ -203,7 +203,8 @@ class ProcessStorage(RankProcess):
 
     def full_value(self, variable):
         value = self.unsplit(variable, parameter_of(variable).detach())
-        return keras.ops.convert_to_numpy(value)
+        value = keras.ops.convert_to_numpy(value)
+        return self.placement.canonical(variable, value)
 
     def assign_full_value(self, variable, value):
         """Assigns this rank's part of `value`.
@@ -212,6 +213,7 @@ class ProcessStorage(RankProcess):
         each takes its part locally without communicating.
         """
         tensor = keras.ops.convert_to_tensor(value, dtype=variable.dtype)
+        tensor = self.placement.stored(variable, tensor)
         axis = self.placement.axes[id(variable)]
         if axis is not None:
             tensor = self.adapter.local_slice(tensor, axis)
@@ -235,9 +237,14 @@ class ProcessStorage(RankProcess):
         ]
         write_on_rank_zero(
             self.rank,
-            ((v, self.unsplit(v, parameter_of(v).detach())) for v in split),
+            ((v, self._unsplit_canonical(v)) for v in split),
             write,
         )
+
+    def _unsplit_canonical(self, variable):
+        """The full value of `variable`, a tensor in its layer's layout."""
+        full = self.unsplit(variable, parameter_of(variable).detach())
+        return self.placement.canonical(variable, full)
 
     def replica_differences(self, variables):
         """Largest difference between the copies of each variable.

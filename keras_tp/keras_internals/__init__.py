@@ -38,11 +38,13 @@ from keras_tp.keras_internals.layers import calls_layers_for_kernel_reads
 from keras_tp.keras_internals.layers import clear_added_losses
 from keras_tp.keras_internals.layers import draw_from_state
 from keras_tp.keras_internals.layers import get_keras_mask
+from keras_tp.keras_internals.layers import keras_reshape
 from keras_tp.keras_internals.layers import own_seed_generators
 from keras_tp.keras_internals.layers import own_trainable_variables
 from keras_tp.keras_internals.layers import own_variables
 from keras_tp.keras_internals.layers import reads_as_matmul
 from keras_tp.keras_internals.layers import reduction_axes
+from keras_tp.keras_internals.layers import reshape_through
 from keras_tp.keras_internals.layers import seed_generators
 from keras_tp.keras_internals.layers import set_batch_moments
 from keras_tp.keras_internals.layers import set_keras_mask
@@ -142,6 +144,7 @@ __all__ = [
     "is_input_node",
     "jax_layout",
     "jax_update_metrics",
+    "keras_reshape",
     "layer_call_nodes",
     "linear_momentum",
     "local_shapes",
@@ -169,6 +172,7 @@ __all__ = [
     "producer_node",
     "reads_as_matmul",
     "reduction_axes",
+    "reshape_through",
     "schedule_at_micro_steps",
     "seed_generators",
     "set_batch_moments",

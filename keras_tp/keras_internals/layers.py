@@ -194,6 +194,17 @@ _CALLING = contextvars.ContextVar("keras_tp_kernel_reads", default=())
 _matmul = keras.ops.matmul
 
 
+# Keras' own `keras.ops.reshape`, which `reshape_through`'s wrapper calls.
+keras_reshape = keras.ops.reshape
+
+
+def reshape_through(wrapper):
+    """Makes `keras.ops.reshape`, as a model's code calls it
+    (`ops.reshape`), call `wrapper`, which defers to `keras_reshape`
+    outside the calls it serves (`keras_tp.plan.rank_widths`)."""
+    keras.ops.reshape = wrapper
+
+
 def calls_layers_for_kernel_reads(layers):
     """Makes `keras.ops.matmul(x, layer.kernel)` call `layer(x)`, for each
     of `layers`, wherever the model's code multiplies by their kernels

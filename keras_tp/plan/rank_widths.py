@@ -33,9 +33,10 @@ import contextvars
 import functools
 import numbers
 
-import keras
 import numpy as np
 
+from keras_tp.keras_internals import keras_reshape
+from keras_tp.keras_internals import reshape_through
 from keras_tp.keras_internals import sublayers
 from keras_tp.plan.styles import Column
 from keras_tp.plan.styles import Row
@@ -47,7 +48,6 @@ RESHAPE = "ops.reshape"
 # The `RankWidths` of the innermost call that reads them, in this thread
 # (TensorFlow's replicas call layers in threads of their own).
 _WIDTHS = contextvars.ContextVar("keras_tp_rank_widths", default=None)
-_reshape = keras.ops.reshape
 
 
 class RankWidths(dict):
@@ -121,7 +121,7 @@ def rank_widths(widths):
     if not widths:
         yield
         return
-    keras.ops.reshape = _reshape_to_rank_widths
+    reshape_through(_reshape_to_rank_widths)
     token = _WIDTHS.set(widths)
     try:
         yield
@@ -129,14 +129,14 @@ def rank_widths(widths):
         _WIDTHS.reset(token)
 
 
-@functools.wraps(_reshape)
+@functools.wraps(keras_reshape)
 def _reshape_to_rank_widths(x, newshape):
     """`keras.ops.reshape`, reading the rank's width inside a call that
     `rank_widths` runs."""
     widths = _WIDTHS.get()
     if widths:
         newshape = _rank_target(x, newshape, widths) or newshape
-    return _reshape(x, newshape)
+    return keras_reshape(x, newshape)
 
 
 def _rank_target(x, target, widths):

@@ -941,6 +941,62 @@ def test_a_layer_called_twice_pairs_alike_at_both_calls():
     assert styles["up"] == keras_tp.Column(gather_output=True), styles
 
 
+class _BranchedBlock(layers.Layer):
+    """An MLP called inside `ops.cond`, whose hidden features a gate the
+    block received multiplies, as SAM3's geometry encoder encodes its box
+    prompts in one branch: JAX traces both branches, even eagerly."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = layers.Dense(32, activation="relu", name="up")
+        self.down = layers.Dense(16, name="down")
+
+    def call(self, x, gate):
+        return keras.ops.cond(
+            keras.ops.shape(x)[0] > 0,
+            lambda: x + self.down(self.up(x) * gate),
+            lambda: x,
+        )
+
+
+def test_layers_a_control_flow_op_traces_stay_whole():
+    # The trace records the branch's calls on tracers: no check can read
+    # or rerun their values, so the pair stays whole, with the reason, and
+    # the model trains as on one device. The check for ranks that hold
+    # their own slices (a data axis) runs through the branch and still
+    # splits the MLP after it.
+    def build():
+        keras.utils.set_random_seed(0)
+        x, gate = keras.Input((16,)), keras.Input((32,))
+        h = _BranchedBlock(name="block")(layers.Dense(16, name="stem")(x), gate)
+        h = layers.Dense(32, activation="relu", name="up2")(h)
+        h = layers.Dense(16, name="down2")(h)
+        return keras.Model([x, gate], layers.Dense(3, name="head")(h))
+
+    plan = keras_tp.auto_plan(build(), 2, check_local=True)
+    styles = {e.layer.path: e.style for e in plan.leaf_layers()}
+    assert styles["up2"] == keras_tp.Column(), (styles, plan.fallbacks)
+    assert styles["down2"] == keras_tp.Row(), (styles, plan.fallbacks)
+    assert "control-flow op" in plan.fallbacks["block/down"]
+
+    rng = np.random.default_rng(0)
+    x = [
+        rng.normal(size=(8, 16)).astype("float32"),
+        rng.normal(size=(8, 32)).astype("float32"),
+    ]
+    y = rng.integers(0, 3, size=(8,))
+    one = build()
+    tp = keras_tp.TensorParallelKeras(build(), world_size=2)
+    assert "control-flow op" in tp.sharding_plan.fallbacks["block/up"]
+    assert "control-flow op" in tp.sharding_plan.fallbacks["block/down"]
+    np.testing.assert_allclose(tp(x), one(x), atol=ATOL)
+    for model in (one, tp):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss_fn())
+        model.fit(x, y, epochs=2, verbose=0)
+    for expected, actual in zip(one.get_weights(), tp.get_weights()):
+        np.testing.assert_allclose(actual, expected, atol=ATOL)
+
+
 class _Frequencies(layers.Layer):
     """Makes its weight when made, as SmolLM3's rotary embedding does."""
 

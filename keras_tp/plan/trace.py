@@ -16,6 +16,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_tp import runtime
 from keras_tp.keras_internals import build_shapes
 from keras_tp.keras_internals import calls_layers_for_kernel_reads
 from keras_tp.keras_internals import input_structure
@@ -101,6 +102,19 @@ class Trace:
             for tensor in call.outputs:
                 if id(tensor) not in known:
                     self.producer.setdefault(id(tensor), call)
+
+    def abstract_layers(self):
+        """`{id(layer): layer}` of the layers with a call that ran on
+        values that do not exist yet: a control-flow op traced it (JAX's
+        `ops.cond` traces both branches; `ops.scan` and `ops.while_loop`
+        trace their bodies). The planner's checks read and rerun the
+        recorded values, which such a call has none of."""
+        found = {}
+        for call in self.calls:
+            values = flat_tensors((call.argument_values, call.result_value))
+            if not all(runtime.holds_values(value) for value in values):
+                found[id(call.layer)] = call.layer
+        return found
 
     def ancestors(self, call):
         """The indices of the calls `call` runs inside, innermost first."""

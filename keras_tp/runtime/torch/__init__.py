@@ -32,6 +32,7 @@ torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK \
 import torch.distributed as dist
 
 from keras_tp.collectives.base import set_process_adapter
+from keras_tp.collectives.torch import is_symbolic
 from keras_tp.keras_internals import draw_from_state
 from keras_tp.keras_internals import seed_generators
 from keras_tp.runtime.mesh import MeshRuntime
@@ -50,8 +51,15 @@ __all__ = [
     "RUNTIME",
     "TorchRuntime",
     "configure_virtual_devices",
+    "holds_values",
     "join_process_group",
 ]
+
+
+def holds_values(value):
+    """Whether `value` is not a meta tensor (Keras infers shapes on the
+    meta device); torch runs control flow eagerly."""
+    return not (hasattr(value, "device") and is_symbolic(value))
 
 
 class TorchRuntime(

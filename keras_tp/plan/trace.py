@@ -16,7 +16,6 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_tp import runtime
 from keras_tp.keras_internals import build_shapes
 from keras_tp.keras_internals import calls_layers_for_kernel_reads
 from keras_tp.keras_internals import input_structure
@@ -109,10 +108,13 @@ class Trace:
         `ops.cond` traces both branches; `ops.scan` and `ops.while_loop`
         trace their bodies). The planner's checks read and rerun the
         recorded values, which such a call has none of."""
+        # Imported here: `keras_tp.runtime` imports this module's probe.
+        from keras_tp.runtime import holds_values
+
         found = {}
         for call in self.calls:
             values = flat_tensors((call.argument_values, call.result_value))
-            if not all(runtime.holds_values(value) for value in values):
+            if not all(holds_values(value) for value in values):
                 found[id(call.layer)] = call.layer
         return found
 

@@ -32,7 +32,6 @@ torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK \
 import torch.distributed as dist
 
 from keras_tp.collectives.base import set_process_adapter
-from keras_tp.collectives.torch import is_symbolic
 from keras_tp.keras_internals import draw_from_state
 from keras_tp.keras_internals import seed_generators
 from keras_tp.runtime.mesh import MeshRuntime
@@ -58,8 +57,10 @@ __all__ = [
 
 def holds_values(value):
     """Whether `value` is not a meta tensor (Keras infers shapes on the
-    meta device); torch runs control flow eagerly."""
-    return not (hasattr(value, "device") and is_symbolic(value))
+    meta device); torch runs control flow eagerly. A NumPy array's
+    `device` is the string "cpu"."""
+    device = getattr(value, "device", None)
+    return getattr(device, "type", None) != "meta"
 
 
 class TorchRuntime(

@@ -941,6 +941,118 @@ def test_a_layer_called_twice_pairs_alike_at_both_calls():
     assert styles["up"] == keras_tp.Column(gather_output=True), styles
 
 
+class _BranchedBlock(layers.Layer):
+    """An MLP called inside `ops.cond`, whose hidden features a gate the
+    block received multiplies, as SAM3's geometry encoder encodes its box
+    prompts in one branch: JAX traces both branches, even eagerly."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = layers.Dense(32, activation="relu", name="up")
+        self.down = layers.Dense(16, name="down")
+
+    def call(self, x, gate):
+        return keras.ops.cond(
+            keras.ops.shape(x)[0] > 0,
+            lambda: x + self.down(self.up(x) * gate),
+            lambda: x,
+        )
+
+
+def test_layers_a_control_flow_op_traces_stay_whole():
+    # The trace records the branch's calls on tracers: no check can read
+    # or rerun their values, so the pair stays whole, with the reason, and
+    # the model trains as on one device. The check for ranks that hold
+    # their own slices (a data axis) runs through the branch and still
+    # splits the MLP after it.
+    def build():
+        keras.utils.set_random_seed(0)
+        x, gate = keras.Input((16,)), keras.Input((32,))
+        h = _BranchedBlock(name="block")(layers.Dense(16, name="stem")(x), gate)
+        h = layers.Dense(32, activation="relu", name="up2")(h)
+        h = layers.Dense(16, name="down2")(h)
+        return keras.Model([x, gate], layers.Dense(3, name="head")(h))
+
+    plan = keras_tp.auto_plan(build(), 2, check_local=True)
+    styles = {e.layer.path: e.style for e in plan.leaf_layers()}
+    assert styles["up2"] == keras_tp.Column(), (styles, plan.fallbacks)
+    assert styles["down2"] == keras_tp.Row(), (styles, plan.fallbacks)
+    assert "control-flow op" in plan.fallbacks["block/down"]
+
+    rng = np.random.default_rng(0)
+    x = [
+        rng.normal(size=(8, 16)).astype("float32"),
+        rng.normal(size=(8, 32)).astype("float32"),
+    ]
+    y = rng.integers(0, 3, size=(8,))
+    one = build()
+    tp = keras_tp.TensorParallelKeras(build(), world_size=2)
+    assert "control-flow op" in tp.sharding_plan.fallbacks["block/up"]
+    assert "control-flow op" in tp.sharding_plan.fallbacks["block/down"]
+    np.testing.assert_allclose(tp(x), one(x), atol=ATOL)
+    for model in (one, tp):
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss_fn())
+        model.fit(x, y, epochs=2, verbose=0)
+    for expected, actual in zip(one.get_weights(), tp.get_weights()):
+        np.testing.assert_allclose(actual, expected, atol=ATOL)
+
+
+class _GridAttention(layers.Layer):
+    """Attention over a grid whose sides, read from the input shape, are
+    as long as its heads count (SAM3's global attention on 4 x 4 patches
+    with 4 heads): only `num_heads` and `hidden_dim` are per rank."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden_dim, self.num_heads, self.head_dim = 32, 4, 8
+        self.projections = [layers.Dense(32, name=n) for n in "qkvo"]
+
+    def build(self, input_shape):
+        self.height, self.width = input_shape[1], input_shape[2]
+        for projection in self.projections:
+            projection.build(input_shape)
+
+    def call(self, x):
+        shape = (-1, self.height * self.width, self.num_heads, self.head_dim)
+        q, k, v = (keras.ops.reshape(p(x), shape) for p in self.projections[:3])
+        out = keras.ops.dot_product_attention(q, k, v)
+        out = keras.ops.reshape(
+            out, (-1, self.height, self.width, self.hidden_dim)
+        )
+        return self.projections[3](out)
+
+
+class _ReshapingMLP(layers.Layer):
+    """An MLP that reshapes its hidden features to their full width: a
+    rank's slice breaks it, whatever the counts."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = layers.Dense(64, name="up")
+        self.down = layers.Dense(32, name="down")
+
+    def call(self, x):
+        return self.down(keras.ops.reshape(self.up(x), (-1, 4, 4, 64)))
+
+
+def test_a_problem_past_a_wrong_count_does_not_keep_the_count():
+    # The grid's sides equal the heads count: the first check halves them
+    # and fails in the attention; leaving them whole, the rank runs on to
+    # the MLP's reshape to its full width. That pair alone falls back; the
+    # attention splits with its right counts.
+    keras.utils.set_random_seed(0)
+    x = keras.Input((4, 4, 32))
+    h = _ReshapingMLP(name="mlp")(_GridAttention(name="grid")(x))
+    model = keras.Model(x, h)
+    plan = keras_tp.auto_plan(model, 2, check_local=True)
+    styles = {e.layer.path: e.style for e in plan.leaf_layers()}
+    assert styles["grid/q"] == keras_tp.Column(), (styles, plan.fallbacks)
+    assert styles["grid/o"] == keras_tp.Row(), (styles, plan.fallbacks)
+    assert set(plan.fallbacks) == {"mlp/up", "mlp/down"}, plan.fallbacks
+    counts = plan.per_rank_counts[model.get_layer("grid")]
+    assert counts == {"hidden_dim": 16, "num_heads": 2}, counts
+
+
 class _Frequencies(layers.Layer):
     """Makes its weight when made, as SmolLM3's rotary embedding does."""
 

@@ -160,6 +160,7 @@ def plan_from_trace(
     fallbacks = {}
     for path, reason in (keep_whole or {}).items():
         planner.demote(decisions, path, Problem(reason, True), fallbacks)
+    _keep_traced_calls_whole(planner, decisions, trace, fallbacks)
     _keep_shared_paths_alike(planner, decisions, fallbacks)
     if tensor_parallel > 1:
         random_inputs = {}
@@ -222,6 +223,30 @@ def _styles(decisions):
         else:
             styles.append((_primary_path(layer), decision.style, decision))
     return styles
+
+
+def _keep_traced_calls_whole(planner, decisions, trace, fallbacks):
+    """Keeps whole the groups of the layers a control-flow op traced.
+
+    JAX's `ops.cond` traces both branches, even on the eager probe batch;
+    `ops.scan` and `ops.while_loop` trace their bodies. A layer called
+    there ran on tracers, not values, and the checks that decide whether
+    raw ops carry each rank's part (`dependence`) and whether each rank's
+    view gives the one-device numbers (`verify`) read and rerun recorded
+    values. Whole, such a layer is right wherever it runs; its group's
+    other layers stay whole with it, so none expects its split.
+    """
+    traced = trace.abstract_layers()
+    if not traced:
+        return
+    problem = Problem(
+        "it runs inside a control-flow op that the backend traces (such as "
+        "ops.cond on JAX), where keras_tp cannot check a split of it",
+        True,
+    )
+    group_of = _group_of(decisions)
+    for group in {group_of[key] for key in traced if key in group_of}:
+        planner.demote(decisions, group, problem, fallbacks)
 
 
 def _keep_shared_paths_alike(planner, decisions, fallbacks):

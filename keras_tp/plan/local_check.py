@@ -176,7 +176,12 @@ def counted_problems(
     turn, then each pair of names, then each is counted alone; then the
     same from the counts with those that are heads only where heads and
     head size swap (`per_rank_counts(..., swapped=True)`); the first plan
-    that passes so is kept. Arguments and result as `local_problems`'.
+    that passes so is kept. A rank's run stops at its first problem, so
+    one that no count causes (another block's reshape) fails every trial
+    that gets that far: where none passes, the trial whose first problem
+    comes latest, past the first check's, is kept with its problems, so
+    that only those fall back and the next check, without them, tries
+    the counts again. Arguments and result as `local_problems`'.
     """
 
     def problems_with(counts):
@@ -197,11 +202,28 @@ def counted_problems(
             for layer in {**swapped, **kept}
         }
         trials += [swapped, *_trials(swapped)]
+    best = kept, problems, _reached(trace, group_of, problems)
     for counts in trials:
-        if not problems_with(counts):
+        left = problems_with(counts)
+        if not left:
             return {}
-    plan.per_rank_counts = kept
+        reached = _reached(trace, group_of, left)
+        if reached > best[2]:
+            best = counts, left, reached
+    plan.per_rank_counts, problems, _ = best
     return problems
+
+
+def _reached(trace, group_of, problems):
+    """How far a rank's run got: the first traced call of a layer of the
+    first of `problems`' groups (-1 for a problem of a layer path, such
+    as tied weights, which the run finds only at its end)."""
+    first = {}
+    for call in trace.calls:
+        group = group_of.get(id(call.layer))
+        if group is not None:
+            first.setdefault(group, call.index)
+    return min((first.get(key, -1) for key in problems), default=-1)
 
 
 def keep_needed_counts(model, plan, trace, group_of, units_only=False):

@@ -102,6 +102,22 @@ class Trace:
                 if id(tensor) not in known:
                     self.producer.setdefault(id(tensor), call)
 
+    def abstract_layers(self):
+        """`{id(layer): layer}` of the layers with a call that ran on
+        values that do not exist yet: a control-flow op traced it (JAX's
+        `ops.cond` traces both branches; `ops.scan` and `ops.while_loop`
+        trace their bodies). The planner's checks read and rerun the
+        recorded values, which such a call has none of."""
+        # Imported here: `keras_tp.runtime` imports this module's probe.
+        from keras_tp.runtime import holds_values
+
+        found = {}
+        for call in self.calls:
+            values = flat_tensors((call.argument_values, call.result_value))
+            if not all(holds_values(value) for value in values):
+                found[id(call.layer)] = call.layer
+        return found
+
     def ancestors(self, call):
         """The indices of the calls `call` runs inside, innermost first."""
         chain = []

@@ -32,6 +32,13 @@ def backend_module():
     return importlib.import_module(_MODULES[backend])
 
 
+def holds_values(value):
+    """Whether a tensor holds values now: not a tracer or graph tensor of a
+    function the backend traces (JAX's `lax.cond` traces both branches),
+    nor a tensor that only carries a shape."""
+    return backend_module().holds_values(value)
+
+
 def make_runtime(model, config):
     """The runtime that runs `model` split as `config` says.
 

@@ -150,7 +150,7 @@ class TensorParallelKeras(
             num_microbatches=num_microbatches,
             pipeline_cuts=pipeline_cuts,
         )
-        check_wrappable(model)
+        check_wrappable(model, config)
         runtime = make_runtime(model, config)
         name = kwargs.pop("name", f"tensor_parallel_{model.name}")
         with runtime.scope():

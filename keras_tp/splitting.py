@@ -10,6 +10,7 @@ from keras_tp import generation
 from keras_tp import partial_gradients
 from keras_tp import regions
 from keras_tp import split_regularizers
+from keras_tp.collectives.sequence import warn_without_sequence_axis
 from keras_tp.errors import ShardingError
 from keras_tp.errors import check_count
 from keras_tp.keras_internals import clear_added_losses
@@ -29,8 +30,9 @@ logger = logging.getLogger(__name__)
 _WRAPPED_MODELS = weakref.WeakSet()
 
 
-def check_wrappable(model):
-    """Raises if `model` is not a built `keras.Model` not yet split."""
+def check_wrappable(model, config):
+    """Raises if `model` is not a built `keras.Model` not yet split; warns
+    where `config`'s sequence parallelism would split nothing of it."""
     if not isinstance(model, keras.Model):
         raise TypeError(
             f"TensorParallelKeras wraps a keras.Model, got {type(model)}."
@@ -46,6 +48,8 @@ def check_wrappable(model):
             f"Model '{model.name}' is not built. Call "
             "`model.build(input_shape)` or run it once on a batch first."
         )
+    if config.sequence_parallel:
+        warn_without_sequence_axis(model)
 
 
 def bind_plan(model, plan, runtime, sample_batch=None):

@@ -99,6 +99,7 @@ from keras_tp.keras_internals.scopes import ReadWatcher
 from keras_tp.keras_internals.scopes import StatelessScope
 from keras_tp.keras_internals.scopes import bind_values
 from keras_tp.keras_internals.scopes import get_stateless_scope
+from keras_tp.keras_internals.scopes import holds_values
 from keras_tp.keras_internals.scopes import in_symbolic_scope
 from keras_tp.keras_internals.scopes import local_shapes
 from keras_tp.keras_internals.scopes import stateful_cond
@@ -138,6 +139,7 @@ __all__ = [
     "exclude_from_weight_decay",
     "get_keras_mask",
     "get_stateless_scope",
+    "holds_values",
     "in_symbolic_scope",
     "graph_constants",
     "input_structure",

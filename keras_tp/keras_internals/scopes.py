@@ -10,10 +10,13 @@ with them, as Keras checks shapes on every assign.
 
 import contextlib
 
+import keras
 from keras import ops
 from keras.src.backend.common.stateless_scope import StatelessScope
 from keras.src.backend.common.stateless_scope import get_stateless_scope
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+from keras.src.utils.jax_utils import is_in_jax_tracing_scope
+from keras.src.utils.module_utils import tensorflow as lazy_tensorflow
 
 from keras_tp.keras_internals.variables import direct_assign
 from keras_tp.keras_internals.variables import set_reported_shape
@@ -152,3 +155,18 @@ class ReadWatcher(StatelessScope):
         if id(variable) in self.watched:
             self.read.append(self.watched[id(variable)])
         return None
+
+
+def holds_values(value):
+    """Whether a tensor holds numbers now, by Keras' own tests: not a
+    tracer of a function the backend traces (JAX's `lax.cond` traces both
+    branches and `lax.scan` its body, even when called eagerly), not a
+    TensorFlow graph tensor, nor a torch "meta" tensor, which only carries
+    a shape (Keras infers shapes on the meta device)."""
+    backend = keras.backend.backend()
+    if backend == "jax":
+        return not is_in_jax_tracing_scope(value)
+    if backend == "tensorflow":
+        return not lazy_tensorflow.is_symbolic_tensor(value)
+    # A NumPy array's `device` is the string "cpu".
+    return getattr(getattr(value, "device", None), "type", None) != "meta"

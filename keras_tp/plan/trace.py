@@ -18,6 +18,7 @@ from keras import ops
 
 from keras_tp.keras_internals import build_shapes
 from keras_tp.keras_internals import calls_layers_for_kernel_reads
+from keras_tp.keras_internals import holds_values
 from keras_tp.keras_internals import input_structure
 from keras_tp.keras_internals import reads_as_matmul
 from keras_tp.plan.attention import input_first
@@ -108,9 +109,6 @@ class Trace:
         `ops.cond` traces both branches; `ops.scan` and `ops.while_loop`
         trace their bodies). The planner's checks read and rerun the
         recorded values, which such a call has none of."""
-        # Imported here: `keras_tp.runtime` imports this module's probe.
-        from keras_tp.runtime import holds_values
-
         found = {}
         for call in self.calls:
             values = flat_tensors((call.argument_values, call.result_value))

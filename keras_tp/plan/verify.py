@@ -28,6 +28,7 @@ import keras
 import numpy as np
 
 from keras_tp.keras_internals import ReadWatcher
+from keras_tp.keras_internals import holds_values
 from keras_tp.keras_internals import own_seed_generators
 from keras_tp.keras_internals import own_trainable_variables
 from keras_tp.keras_internals import own_variables
@@ -393,9 +394,6 @@ class _Emulation:
     def _compare(self, actual, expected, what, group=None, may_split=False):
         """`may_split`: a value may be this rank's slice of the one-device
         value on one axis (a key/value cache returned on split heads)."""
-        # Imported here: `keras_tp.runtime` imports the planner's probe.
-        from keras_tp.runtime import holds_values
-
         if self.problems:
             return
         for a, b in zip(actual, expected):

@@ -11,7 +11,6 @@ import importlib
 
 import keras
 
-from keras_tp.collectives.sequence import warn_without_sequence_axis
 from keras_tp.errors import check_count
 
 _MODULES = {
@@ -32,13 +31,6 @@ def backend_module():
     return importlib.import_module(_MODULES[backend])
 
 
-def holds_values(value):
-    """Whether a tensor holds values now: not a tracer or graph tensor of a
-    function the backend traces (JAX's `lax.cond` traces both branches),
-    nor a tensor that only carries a shape."""
-    return backend_module().holds_values(value)
-
-
 def make_runtime(model, config):
     """The runtime that runs `model` split as `config` says.
 
@@ -51,8 +43,6 @@ def make_runtime(model, config):
         `config.pipeline_parallel > 1`.
     """
     module = backend_module()
-    if config.sequence_parallel:
-        warn_without_sequence_axis(model)
     if config.pipeline_parallel == 1:
         return module.RUNTIME(config)
     pipeline = importlib.import_module(f"{module.__name__}.pipeline")

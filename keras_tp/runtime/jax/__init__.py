@@ -24,8 +24,6 @@ names as the other backends' runtimes:
 - `optimizer`: updates of whole arrays over the data axis.
 """
 
-import jax
-
 from keras_tp.runtime.jax.devices import MeshDevices
 from keras_tp.runtime.jax.devices import configure_virtual_devices
 from keras_tp.runtime.jax.optimizer import MeshUpdates
@@ -34,13 +32,7 @@ from keras_tp.runtime.jax.steps import MeshSteps
 from keras_tp.runtime.jax.storage import MeshStorage
 from keras_tp.runtime.mesh import MeshRuntime
 
-__all__ = ["RUNTIME", "JaxRuntime", "configure_virtual_devices", "holds_values"]
-
-
-def holds_values(value):
-    """Whether `value` is not a tracer (`lax.cond` traces both branches
-    and `lax.scan` its body, even when called eagerly)."""
-    return not isinstance(value, jax.core.Tracer)
+__all__ = ["RUNTIME", "JaxRuntime", "configure_virtual_devices"]
 
 
 class JaxRuntime(

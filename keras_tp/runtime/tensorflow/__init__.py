@@ -27,8 +27,6 @@ other backends' runtimes:
   inputs gathered from `SequenceShard`s.
 """
 
-import tensorflow as tf
-
 from keras_tp.runtime.mesh import MeshRuntime
 from keras_tp.runtime.tensorflow.devices import ReplicaDevices
 from keras_tp.runtime.tensorflow.devices import configure_multi_worker
@@ -49,15 +47,8 @@ __all__ = [
     "TensorParallelOptimizer",
     "configure_multi_worker",
     "configure_virtual_devices",
-    "holds_values",
     "tensor_parallel_class",
 ]
-
-
-def holds_values(value):
-    """Whether `value` is not a graph tensor (`tf.vectorized_map` and
-    `tf.function` trace their bodies)."""
-    return not tf.is_symbolic_tensor(value)
 
 
 class TensorFlowRuntime(

@@ -50,17 +50,8 @@ __all__ = [
     "RUNTIME",
     "TorchRuntime",
     "configure_virtual_devices",
-    "holds_values",
     "join_process_group",
 ]
-
-
-def holds_values(value):
-    """Whether `value` is not a meta tensor (Keras infers shapes on the
-    meta device); torch runs control flow eagerly. A NumPy array's
-    `device` is the string "cpu"."""
-    device = getattr(value, "device", None)
-    return getattr(device, "type", None) != "meta"
 
 
 class TorchRuntime(

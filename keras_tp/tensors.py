@@ -63,6 +63,25 @@ def floats_of(structure):
     return [t for t in keras.tree.flatten(structure) if is_float(t)]
 
 
+def counted_once(sources, gradients):
+    """`gradients` of the tensors `sources` (a structure), each tensor's at
+    its first place only, zeros at its others.
+
+    A model may return one tensor as two of its outputs. A gradient tape
+    gives each place of it the whole gradient, and a backward pass from
+    those places, fed them as output gradients, would add them up again.
+    """
+    seen = set()
+
+    def once(source, gradient):
+        if id(source) in seen:
+            return ops.zeros_like(gradient)
+        seen.add(id(source))
+        return gradient
+
+    return keras.tree.map_structure(once, sources, gradients)
+
+
 def with_floats_replaced(structure):
     """`(floats_of(structure), rebuild)`: `rebuild(new_floats)` is
     `structure` with `new_floats` in their places (a function to

@@ -24,6 +24,7 @@ from keras import layers  # noqa: E402
 
 from tests import generation_cases  # noqa: E402
 from tests import models  # noqa: E402
+from tests import output_cases  # noqa: E402
 from tests import own_loss_cases  # noqa: E402
 from tests import random_cases  # noqa: E402
 from tests import regularizer_cases  # noqa: E402
@@ -167,6 +168,14 @@ def test_regularized_split_layers_report_one_devices_loss():
             data_parallel=2,
             zero_stage=3,
         )
+
+
+def test_a_tensor_returned_twice_trains_as_on_one_device():
+    # Its places' gradients counted once (D-FINE's decoder states): split,
+    # with a data axis, and in a pipeline's last stage.
+    output_cases.check_runs(output_cases.runs(2))
+    output_cases.check_runs(output_cases.runs(4, data_parallel=2))
+    output_cases.check_runs(output_cases.runs(4, pipeline_parallel=2))
 
 
 def test_a_models_own_compute_loss_trains_as_on_one_device():

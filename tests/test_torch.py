@@ -32,6 +32,7 @@ from keras_tp.launcher import RemoteTraceback  # noqa: E402
 from keras_tp.launcher import launch  # noqa: E402
 from tests import generation_cases  # noqa: E402
 from tests import models  # noqa: E402
+from tests import output_cases  # noqa: E402
 from tests import own_loss_cases  # noqa: E402
 from tests import random_cases  # noqa: E402
 from tests import regularizer_cases  # noqa: E402
@@ -172,6 +173,13 @@ def test_generation_matches_one_device(api_run):
     _, ranks = api_run
     for rank in ranks:
         generation_cases.check_runs(rank["generation"], WORLD_SIZE)
+
+
+def test_a_tensor_returned_twice_trains_as_on_one_device(api_run):
+    _, ranks = api_run
+    for rank in ranks:
+        for run in rank["twice_returned"]:  # split, then two stages
+            output_cases.check_runs(run)
 
 
 def test_a_models_own_compute_loss_trains_as_on_one_device(api_run):

@@ -20,6 +20,7 @@ from keras_tp import collectives
 from keras_tp.tensors import nbytes
 from tests import generation_cases
 from tests import models
+from tests import output_cases
 from tests import own_loss_cases
 from tests import random_cases
 from tests import regularizer_cases
@@ -295,6 +296,10 @@ def api_checks(save_path):
     )
     result["generation"] = generation_cases.runs(world_size)
     result["own_loss"] = own_loss_cases.runs(world_size)
+    result["twice_returned"] = [
+        output_cases.runs(world_size),
+        output_cases.runs(world_size, pipeline_parallel=2),
+    ]
     result["regularizers"] = regularizer_cases.runs(world_size)
     return _all_ranks(result)
 

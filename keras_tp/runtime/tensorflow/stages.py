@@ -14,6 +14,7 @@ from keras_tp.pipeline.schedules import BACKWARD
 from keras_tp.pipeline.schedules import FORWARD
 from keras_tp.runtime.tensorflow import added_losses
 from keras_tp.tensors import carried_masks
+from keras_tp.tensors import counted_once
 from keras_tp.tensors import floats_of
 
 
@@ -184,10 +185,13 @@ class TensorFlowStages(StagePrimitives):
                 loss, fraction = loss_function(target[first], outputs[first])
                 seeded = loss * tf.cast(self._seed(), loss.dtype)
             losses.append((loss, fraction))
-            cotangent = tape.gradient(
-                seeded,
+            cotangent = counted_once(
                 predicted,
-                unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                tape.gradient(
+                    seeded,
+                    predicted,
+                    unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                ),
             )
             cotangents.extend([cotangent] * self.tensor_parallel)
         self._loss_cotangents[m] = cotangents

@@ -43,6 +43,7 @@ from keras_tp.keras_internals import tracked_loss
 from keras_tp.runtime.tensorflow import added_losses
 from keras_tp.runtime.tensorflow.optimizer import prepare_optimizer
 from keras_tp.tensors import carried_masks
+from keras_tp.tensors import counted_once
 from keras_tp.tensors import with_masks
 from keras_tp.vocab_parallel import split_head
 
@@ -263,10 +264,13 @@ class ReplicaSteps:
             tf.nest.map_structure(
                 lambda g: g * tf.cast(self.data_parallel, g.dtype), gradient
             )
-            for gradient in loss_tape.gradient(
-                scaled_loss,
+            for gradient in counted_once(
                 rows,
-                unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                loss_tape.gradient(
+                    scaled_loss,
+                    rows,
+                    unconnected_gradients=tf.UnconnectedGradients.ZERO,
+                ),
             )
         ]
 

@@ -32,8 +32,7 @@ from keras_tp.plan.attention import call_arguments
 from keras_tp.plan.attention import named_arguments
 from keras_tp.plan.rank_widths import RESHAPE
 from keras_tp.plan.rank_widths import rank_widths
-from keras_tp.plan.styles import Column
-from keras_tp.plan.styles import Row
+from keras_tp.plan.rank_widths import split_features
 
 # TensorFlow's replicas run a layer's call in threads of their own, at
 # the same time: the first to enter sets the counts, the last to leave
@@ -262,19 +261,11 @@ def _split_heads(entry):
     """`(heads, widths)`: the full length of the heads axis a split
     kernel divides, or the width of its split axis where that folds heads
     and head size into one (a `Dense`'s)."""
-    style = entry.style
-    if isinstance(style, Column) and not style.gather_output:
-        features_after = 1  # the head size
-    elif isinstance(style, Row) and style.input_is_parallel:
-        features_after = 2  # the head size, then the output features
-    else:
+    found = split_features(entry)
+    if found is None:
         return (), ()
-    role = entry.handler.primary_role(entry.layer)
-    axis = entry.axes.get(role)
-    shape = tuple(entry.handler.variables(entry.layer)[role].shape)
-    if axis is None or axis > len(shape) - features_after:
-        return (), ()
-    if axis == len(shape) - features_after:
+    shape, axis, last = found
+    if axis == last:
         return (), (shape[axis],)
     return (shape[axis],), ()
 

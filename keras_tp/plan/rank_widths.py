@@ -95,10 +95,12 @@ def add_rank_widths(model, plan, trace):
             }
 
 
-def _split_width(entry):
-    """The full width of the features a split leaf layer divides (its
-    split axis and the head size after it), or `None` where it gathers
-    or slices (the layer's code then sees whole values)."""
+def split_features(entry):
+    """`(shape, axis, last)` of a split leaf layer whose code sees split
+    features: its primary kernel's shape, the split axis, and the axis of
+    the head size after it (`axis == last` where the split axis folds
+    heads and head size into one, a `Dense`'s); `None` where it gathers or
+    slices (the layer's code then sees whole values)."""
     style = entry.style
     if isinstance(style, Column) and not style.gather_output:
         features_after = 1  # the head size
@@ -109,9 +111,20 @@ def _split_width(entry):
     role = entry.handler.primary_role(entry.layer)
     axis = entry.axes.get(role)
     shape = tuple(entry.handler.variables(entry.layer)[role].shape)
-    if axis is None or axis > len(shape) - features_after:
+    last = len(shape) - features_after
+    if axis is None or axis > last:
         return None
-    return int(np.prod(shape[axis : len(shape) - features_after + 1]))
+    return shape, axis, last
+
+
+def _split_width(entry):
+    """The full width of the features a split leaf layer divides (its
+    split axis and the head size after it), or `None`."""
+    found = split_features(entry)
+    if found is None:
+        return None
+    shape, axis, last = found
+    return int(np.prod(shape[axis : last + 1]))
 
 
 @contextlib.contextmanager

@@ -62,6 +62,14 @@ def _trained_step_hlo(name):
     return tp, jax.jit(tp.train_step).lower(state, (x, y)).compile().as_text()
 
 
+def _compiled_collectives(name):
+    """`(tp, {kind: ops})`: the all-reduces, all-gathers and
+    collective-permutes in zoo `name`'s compiled training step."""
+    tp, hlo = _trained_step_hlo(name)
+    kinds = ("all-reduce", "all-gather", "collective-permute")
+    return tp, {kind: _count_hlo(hlo, kind) for kind in kinds}
+
+
 # CLIP runs on the backends whose ranks hold their own slices (torch,
 # TensorFlow), where its twin variable paths once went wrong; JAX's global
 # arrays were exact, and `test_jax.py` checks the planner's rule for them.
@@ -97,12 +105,8 @@ def test_fused_projections_split_by_blocks_in_per_rank_steps(tmp_path):
     blocked_cases.check_blocked(results)
     # No collective of the compiled step goes uncounted: XLA moves no
     # heads between the devices.
-    tp, hlo = _trained_step_hlo("fused")
+    tp, counts = _compiled_collectives("fused")
     stats = tp.communication_stats()
-    counts = {
-        kind: _count_hlo(hlo, kind)
-        for kind in ("all-reduce", "all-gather", "collective-permute")
-    }
     assert counts == {
         "all-reduce": stats["all_reduce"]["calls"],
         "all-gather": 0,
@@ -114,13 +118,9 @@ def test_swin_attention_pairs_by_blocks_in_per_rank_steps():
     # Its steps run per rank, where every collective of the compiled step
     # is counted.
     blocked_cases.check_swin(measure("swin", 2))
-    tp, hlo = _trained_step_hlo("swin")
+    tp, counts = _compiled_collectives("swin")
     assert tp.sharding_plan.variable_blocks()
     stats = tp.communication_stats()
-    counts = {
-        kind: _count_hlo(hlo, kind)
-        for kind in ("all-reduce", "all-gather", "collective-permute")
-    }
     assert counts == {
         "all-reduce": stats["all_reduce"]["calls"],
         "all-gather": stats["all_gather"]["calls"],

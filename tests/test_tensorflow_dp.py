@@ -52,6 +52,7 @@ from tests.dp_cases import check_norms_with_tensor_parallelism_alone  # noqa: E4
 from tests.dp_cases import check_state_kept_beside_the_variables  # noqa: E402
 from tests.dp_cases import check_zero_memory  # noqa: E402
 from tests.dp_cases import communication_run  # noqa: E402
+from tests.dp_cases import constrained_difference  # noqa: E402
 from tests.dp_cases import constraint_refusal  # noqa: E402
 from tests.dp_cases import global_batch_losses  # noqa: E402
 from tests.dp_cases import lamb_refusal  # noqa: E402
@@ -137,6 +138,8 @@ def test_state_an_optimizer_keeps_beside_its_variables_matches():
     assert "(tensor_parallel=2 shards)" in message
     message = constraint_refusal(2, 1)
     assert "Variable 'down/kernel' has a constraint (MaxNorm)" in message
+    # Each replica constrains its shards (NonNeg: entry by entry).
+    assert constrained_difference(4, 2) <= 1e-5
 
 
 def test_transformer_adamw_clipnorm_schedule_match():

@@ -45,7 +45,7 @@ def prepare_optimizer(runtime, model):
     """
     optimizer = model.optimizer
     if not isinstance(optimizer, TensorParallelOptimizer):
-        _check_optimizer_supported(optimizer, model, runtime)
+        _check_optimizer_supported(optimizer)
         # Built before its first step: on another model's variables.
         check_unbuilt(optimizer)
         for each in _optimizers_run_by(optimizer):
@@ -277,7 +277,7 @@ def _optimizers_run_by(optimizer):
     return optimizers
 
 
-def _check_optimizer_supported(optimizer, model, runtime):
+def _check_optimizer_supported(optimizer):
     if optimizer is None:
         raise ValueError("The model has no optimizer: compile it first.")
     # `compile()` makes the optimizer a CoordinatedOptimizer where replicas
@@ -292,16 +292,6 @@ def _check_optimizer_supported(optimizer, model, runtime):
             "gradient_accumulation_steps=...) to compile() instead, with an "
             "optimizer that does not accumulate itself."
         )
-    for variable in model.trainable_variables:
-        split = runtime.placement.split_axis(variable) is not None or (
-            runtime.zero_stage > 0
-            and runtime.placement.partition_axis(variable) is not None
-        )
-        if split and variable.constraint is not None:
-            raise NotImplementedError(
-                f"Split variable '{variable.path}' has a constraint, which "
-                "would act on one shard; keras_tp does not support it yet."
-            )
 
 
 def _outside_distribution_context(fn):

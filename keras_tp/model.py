@@ -98,7 +98,7 @@ class TensorParallelKeras(
         sample_batch: a few rows of the model's inputs, which the planner
             runs the model on once to trace it and check the plan; by
             default a probe batch made from its input shapes (unknown
-            dimensions 8). Pass one when the model needs other sizes.
+            dimensions 8, else 128, else 1024): pass one if it fails.
 
     Example:
 

@@ -361,15 +361,11 @@ def test_a_keras_hub_task_trains_as_it_compiled_itself():
     )
 
 
-def test_a_model_that_needs_real_sizes_is_traced_on_a_sample_batch():
-    model, x = zoo.moonshine()
-    with pytest.raises(ValueError) as caught:
-        keras_tp.TensorParallelKeras(model, world_size=2)
-    assert "pass sample_batch=" in "".join(caught.value.__notes__)
+def test_a_model_that_needs_real_sizes_is_traced_on_a_larger_probe():
+    # Moonshine's audio encoder fails on 8 samples and 128: the planner
+    # traces it on 1,024 (`PROBE_LENGTHS`) without a sample batch.
     reference, x = zoo.moonshine()
-    tp = keras_tp.TensorParallelKeras(
-        zoo.moonshine()[0], world_size=2, sample_batch=x
-    )
+    tp = keras_tp.TensorParallelKeras(zoo.moonshine()[0], world_size=2)
     assert tp.sharding_plan.leaf_layers()
 
     # The backbone returns its padding masks too: compare the features.
@@ -377,6 +373,46 @@ def test_a_model_that_needs_real_sizes_is_traced_on_a_sample_batch():
         return [o for o in keras.tree.flatten(outputs) if o.dtype != "bool"]
 
     assert models.max_diff(features(tp(x)), features(reference(x))) < 1e-5
+    # A model of one length only fails on every probe: the note says to
+    # pass a sample batch, with which it splits.
+    model, x = fixed_length_model()
+    with pytest.raises(ValueError) as caught:
+        keras_tp.TensorParallelKeras(model, world_size=2)
+    notes = "".join(caught.value.__notes__)
+    assert "each of (8, 128, 1024) in turn" in notes
+    assert "pass sample_batch=" in notes
+    tp = keras_tp.TensorParallelKeras(model, world_size=2, sample_batch=x)
+    assert tp.sharding_plan.leaf_layers()
+    assert models.max_diff(tp(x), model(x)) < 1e-5
+
+
+class AddedPositions(keras.layers.Layer):
+    """Adds a learned table of `length` positions to its inputs."""
+
+    def __init__(self, length, **kwargs):
+        super().__init__(**kwargs)
+        self.length = length
+
+    def build(self, input_shape):
+        self.table = self.add_weight((self.length, input_shape[-1]))
+
+    def call(self, inputs):
+        return inputs + self.table
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+
+def fixed_length_model(length=10):
+    """A Functional model whose unknown sequence length must be `length`
+    (`AddedPositions`), and a batch."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((None, 16))
+    h = AddedPositions(length)(inputs)
+    h = keras.layers.Dense(32, activation="relu")(h)
+    outputs = keras.layers.Dense(16)(h)
+    x = np.random.default_rng(1).normal(size=(2, length, 16))
+    return keras.Model(inputs, outputs), x.astype("float32")
 
 
 # Gemma's attention alone, split by a user's plan: its single key/value

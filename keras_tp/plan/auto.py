@@ -92,9 +92,9 @@ def auto_plan(
             stay whole.
         sample_batch: a few rows of the model's inputs to trace it on;
             default: a probe batch made from its input shapes, with every
-            unknown dimension 8. Pass one when the model needs other
-            sizes (a wide audio convolution, a text length the model
-            fixes).
+            unknown dimension 8 (128, then 1024, where the model fails on
+            8). Pass one when the model needs other sizes (a text length
+            the model fixes).
         keep_whole: `{layer path: reason}` of layers that stay whole,
             with the reason in `plan.fallbacks` (`TensorParallelKeras`
             passes those whose weights a constant of the model's graph

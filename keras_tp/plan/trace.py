@@ -26,6 +26,11 @@ from keras_tp.plan.sharding_plan import walk_layers
 
 logger = logging.getLogger(__name__)
 
+# The sizes of a probe batch's unknown dimensions, tried in turn: small
+# first; larger where a model's layers need them (a convolution wider
+# than 8 samples, a pooling without padding).
+PROBE_LENGTHS = (8, 128, 1024)
+
 _CALL_FIELDS = [
     "index",
     "layer",
@@ -153,7 +158,9 @@ def instrumented(model, wrap):
 def trace_model(model, inputs=None):
     """Runs `model` once on `inputs` and records every layer call.
 
-    Without `inputs` the model runs on `probe_inputs(model)`. Where that
+    Without `inputs` the model runs on `probe_inputs(model)`, its unknown
+    dimensions 8, or larger (`PROBE_LENGTHS`) where the model fails on
+    that (a wide audio convolution, a pooling without padding). Where that
     probe's token ids (all ones) feed an embedding, the model runs again on
     random ids below the smallest vocabulary that reads them: on equal
     tokens every position holds the same values, and a split that mixes
@@ -169,18 +176,29 @@ def trace_model(model, inputs=None):
     """
     if inputs is not None:
         return _routed(model, inputs)
-    probe = probe_inputs(model)
-    try:
-        trace = _routed(model, probe)
-    except Exception as e:
+    for length in PROBE_LENGTHS:
+        probe = probe_inputs(model, length=length)
+        try:
+            trace = _routed(model, probe)
+            break
+        except Exception as e:  # noqa: BLE001 - a larger probe may run
+            error = e
+            logger.debug(
+                "Model '%s' fails on a probe batch of length %d.",
+                model.name,
+                length,
+                exc_info=True,
+            )
+    else:
         shapes = keras.tree.map_structure(lambda t: tuple(t.shape), probe)
-        e.add_note(
-            f"keras_tp traced model '{model.name}' on a probe batch made "
-            f"from its input shapes, {shapes} (unknown dimensions 8). If the "
-            "model needs other sizes, pass sample_batch= (a few rows of real "
-            "inputs) to TensorParallelKeras or keras_tp.auto_plan."
+        error.add_note(
+            f"keras_tp traced model '{model.name}' on probe batches made "
+            f"from its input shapes, {shapes}, its unknown dimensions each "
+            f"of {PROBE_LENGTHS} in turn. If the model needs other sizes, "
+            "pass sample_batch= (a few rows of real inputs) to "
+            "TensorParallelKeras or keras_tp.auto_plan."
         )
-        raise
+        raise error
     varied = _random_token_ids(trace)
     if varied is None:
         return trace
@@ -289,14 +307,14 @@ def is_tensor(value):
     return hasattr(value, "shape") and hasattr(value, "dtype")
 
 
-def probe_inputs(model, batch=2, seed=0):
+def probe_inputs(model, batch=2, seed=0, length=PROBE_LENGTHS[0]):
     """A small batch shaped like `model`'s inputs, made in code.
 
     Float inputs are random normal, so that features differ and a wrong
     split shows in the numbers; integer and boolean inputs (token ids,
     padding masks, segment ids) are ones, valid for any vocabulary
     (`trace_model` then varies the ids an embedding reads).
-    Unknown dimensions other than the batch are 8.
+    Unknown dimensions other than the batch are `length`.
     """
     rng = np.random.default_rng(seed)
 
@@ -304,7 +322,7 @@ def probe_inputs(model, batch=2, seed=0):
         dims = [
             batch if i == 0 and d is None else d for i, d in enumerate(shape)
         ]
-        dims = tuple(8 if d is None else int(d) for d in dims)
+        dims = tuple(length if d is None else int(d) for d in dims)
         dtype = keras.backend.standardize_dtype(dtype)
         if keras.backend.is_float_dtype(dtype):
             value = rng.normal(size=dims).astype("float32")

@@ -164,9 +164,11 @@ def add_head_arguments(model, plan, trace):
     whose every call takes a first argument with one such axis and
     returns its shape (the scores' softmax, an ALiBi bias) may read the
     count from the shape. One that has such an axis by chance (a
-    sequence as long as the heads count), or that computes each head
-    alone (a softmax), is dropped by the plan's check
-    (`local_check.keep_needed_counts`).
+    sequence as long as the heads count, Moonshine's rotary table), or
+    that computes each head alone (a softmax), is dropped by the plan's
+    check: its trials leave each name whole in turn
+    (`local_check.counted_problems`), then `keep_needed_counts` drops
+    those the check passes without.
 
     Args:
         model: the model `plan` is bound to.

@@ -12,7 +12,6 @@ import itertools
 from keras_tp.errors import ShardingError
 from keras_tp.plan import trace as tracing
 from keras_tp.plan.arguments import FeatureArgument
-from keras_tp.plan.arguments import HeadArgument
 from keras_tp.plan.feature_arguments import add_feature_arguments
 from keras_tp.plan.head_counts import add_head_arguments
 from keras_tp.plan.head_counts import per_rank_counts
@@ -244,14 +243,16 @@ def keep_needed_counts(model, plan, trace, group_of, units_only=False):
     """
     for name in sorted(_count_names(plan)):
         kept = plan.per_rank_counts
-        plan.per_rank_counts = _without(kept, [name], arguments=True)
+        plan.per_rank_counts = _without(kept, [name])
         if local_problems(model, plan, trace, group_of, units_only=units_only):
             plan.per_rank_counts = kept
 
 
 def _trials(per_rank_counts):
-    """`per_rank_counts` less each attribute name, each pair of names, and
-    all names but one, in turn."""
+    """`per_rank_counts` less each name (an attribute, or an argument
+    whose shape matched a heads count, which may be so by chance: Moonshine's
+    rotary table, 4 wide beside 4 heads), each pair of names, and all
+    names but one, in turn."""
     names = sorted(
         {name for counts in per_rank_counts.values() for name in counts}
     )
@@ -272,17 +273,14 @@ def _count_names(plan):
     return {name for counts in plan.per_rank_counts.values() for name in counts}
 
 
-def _without(per_rank_counts, names, arguments=False):
-    """`per_rank_counts` less the attributes and weights `names`, and the
-    arguments of every head of those names where `arguments` (a trial
-    keeps them: their shapes matched in every traced call)."""
+def _without(per_rank_counts, names):
+    """`per_rank_counts` less the attributes, weights and head arguments
+    `names`; a `FeatureArgument`, found from the dataflow, stays."""
     kept = {
         layer: {
             n: count
             for n, count in counts.items()
-            if n not in names
-            or (isinstance(count, HeadArgument) and not arguments)
-            or isinstance(count, FeatureArgument)
+            if n not in names or isinstance(count, FeatureArgument)
         }
         for layer, counts in per_rank_counts.items()
     }

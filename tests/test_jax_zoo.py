@@ -19,6 +19,7 @@ if keras.backend.backend() != "jax":
     )
 
 import keras_tp  # noqa: E402
+from keras_tp.plan import trace as tracing  # noqa: E402
 
 keras_tp.configure_virtual_devices(4)
 
@@ -388,6 +389,16 @@ def test_a_model_that_needs_real_sizes_is_traced_on_a_larger_probe():
     tp = keras_tp.TensorParallelKeras(model, world_size=2, sample_batch=x)
     assert tp.sharding_plan.leaf_layers()
     assert models.max_diff(tp(x), model(x)) < 1e-5
+    # A larger probe stays under PROBE_ELEMENTS numbers: with three
+    # unknown dimensions (SAM's masks), 1,024 each is not tried.
+    inputs = keras.Input((None, None, None, 1))
+    volumes = keras.Model(inputs, keras.layers.Dense(2)(inputs))
+    limit = tracing.PROBE_ELEMENTS
+    probe = tracing.probe_inputs(volumes, length=128, max_elements=limit)
+    assert tuple(probe.shape) == (2, 128, 128, 128, 1)
+    assert (
+        tracing.probe_inputs(volumes, length=1024, max_elements=limit) is None
+    )
 
 
 class AddedPositions(keras.layers.Layer):

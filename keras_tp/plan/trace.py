@@ -11,6 +11,7 @@ are not recorded: a tensor no recorded call produced came from such ops.
 import collections
 import contextlib
 import logging
+import math
 
 import keras
 import numpy as np
@@ -30,6 +31,10 @@ logger = logging.getLogger(__name__)
 # first; larger where a model's layers need them (a convolution wider
 # than 8 samples, a pooling without padding).
 PROBE_LENGTHS = (8, 128, 1024)
+# The most numbers a larger probe batch may hold (64 MB of float32): where
+# several of an input's dimensions are unknown (SAM's masks), 1,024 each
+# would not fit.
+PROBE_ELEMENTS = 2**24
 
 _CALL_FIELDS = [
     "index",
@@ -176,8 +181,14 @@ def trace_model(model, inputs=None):
     """
     if inputs is not None:
         return _routed(model, inputs)
+    trace, shapes = None, []
     for length in PROBE_LENGTHS:
-        probe = probe_inputs(model, length=length)
+        # The first probe always runs; a larger one only while it is small.
+        limit = PROBE_ELEMENTS if shapes else None
+        probe = probe_inputs(model, length=length, max_elements=limit)
+        if probe is None:
+            break
+        shapes.append(keras.tree.map_structure(lambda t: tuple(t.shape), probe))
         try:
             trace = _routed(model, probe)
             break
@@ -189,14 +200,13 @@ def trace_model(model, inputs=None):
                 length,
                 exc_info=True,
             )
-    else:
-        shapes = keras.tree.map_structure(lambda t: tuple(t.shape), probe)
+    if trace is None:
         error.add_note(
             f"keras_tp traced model '{model.name}' on probe batches made "
-            f"from its input shapes, {shapes}, its unknown dimensions each "
-            f"of {PROBE_LENGTHS} in turn. If the model needs other sizes, "
-            "pass sample_batch= (a few rows of real inputs) to "
-            "TensorParallelKeras or keras_tp.auto_plan."
+            f"from its input shapes, {shapes[-1]}, its unknown dimensions "
+            f"each of {PROBE_LENGTHS[: len(shapes)]} in turn. If the model "
+            "needs other sizes, pass sample_batch= (a few rows of real "
+            "inputs) to TensorParallelKeras or keras_tp.auto_plan."
         )
         raise error
     varied = _random_token_ids(trace)
@@ -307,22 +317,28 @@ def is_tensor(value):
     return hasattr(value, "shape") and hasattr(value, "dtype")
 
 
-def probe_inputs(model, batch=2, seed=0, length=PROBE_LENGTHS[0]):
+def probe_inputs(
+    model, batch=2, seed=0, length=PROBE_LENGTHS[0], max_elements=None
+):
     """A small batch shaped like `model`'s inputs, made in code.
 
     Float inputs are random normal, so that features differ and a wrong
     split shows in the numbers; integer and boolean inputs (token ids,
     padding masks, segment ids) are ones, valid for any vocabulary
     (`trace_model` then varies the ids an embedding reads).
-    Unknown dimensions other than the batch are `length`.
+    Unknown dimensions other than the batch are `length`; `None` where
+    the batch would hold more than `max_elements` numbers.
     """
     rng = np.random.default_rng(seed)
 
-    def make(shape, dtype):
+    def filled(shape):
         dims = [
             batch if i == 0 and d is None else d for i, d in enumerate(shape)
         ]
-        dims = tuple(length if d is None else int(d) for d in dims)
+        return tuple(length if d is None else int(d) for d in dims)
+
+    def make(shape, dtype):
+        dims = filled(shape)
         dtype = keras.backend.standardize_dtype(dtype)
         if keras.backend.is_float_dtype(dtype):
             value = rng.normal(size=dims).astype("float32")
@@ -334,15 +350,18 @@ def probe_inputs(model, batch=2, seed=0, length=PROBE_LENGTHS[0]):
         symbolic = getattr(model, "inputs", None) or None
         if isinstance(model, keras.Sequential) and symbolic:
             symbolic = symbolic[0]  # Sequential takes one tensor, not a list
+    shapes = build_shapes(model) if symbolic is None else None
+    if shapes and model.built and len(shapes) == 1:
+        symbolic = keras.tree.map_shape_structure(
+            keras.KerasTensor, next(iter(shapes.values()))
+        )
     if symbolic is not None:
+        leaves = keras.tree.flatten(symbolic)
+        size = sum(math.prod(filled(t.shape)) for t in leaves)
+        if max_elements is not None and size > max_elements:
+            return None
         return keras.tree.map_structure(
             lambda t: make(t.shape, t.dtype), symbolic
-        )
-    shapes = build_shapes(model)
-    if model.built and shapes and len(shapes) == 1:
-        shape = next(iter(shapes.values()))
-        return keras.tree.map_shape_structure(
-            lambda s: make(s, "float32"), shape
         )
     raise ValueError(
         f"Model '{model.name}' has no known input shape. Build it first: "

@@ -52,9 +52,9 @@ SUPPORT = {
         # of each replica's `model` group, whatever the data axis and ZeRO.
         "tensorflow": Support(),
         # The shards between the regions are DTensors of each data row's
-        # `model` ranks. ZeRO-3's partitions are gathered over `data`
-        # inside the layers, where the shards would meet them.
-        "torch": Support(zero_stages=(0, 1, 2)),
+        # `model` ranks; a layer called on them reads its whole weights
+        # (ZeRO-3's partitions, gathered over `data`) as replicated ones.
+        "torch": Support(),
         # The regions' shard_maps take and leave sequence shards of global
         # arrays; in a per-rank step (a data axis or ZeRO) every value is
         # local, and the code between regions would need to know which

@@ -86,7 +86,7 @@ def test_compiled_step_runs_the_counted_collectives_in_less_memory():
 
 
 def test_refusals_name_the_fix():
-    with pytest.raises(ValueError, match="or torch with zero_stage at most 2"):
+    with pytest.raises(ValueError, match="or use torch, or JAX with"):
         keras_tp.TensorParallelKeras(
             models.mlp(), world_size=4, data_parallel=2, sequence_parallel=True
         )

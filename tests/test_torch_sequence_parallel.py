@@ -48,13 +48,16 @@ def test_llama_trains_exactly_with_megatron_sp_collectives(results):
     )
 
 
-def test_composes_with_data_parallelism_and_zero():
-    # 2 replicas of 2 tensor-parallel ranks, ZeRO-1 over the replicas:
-    # each replica's shards are DTensors of its own ranks.
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_composes_with_data_parallelism_and_zero(zero_stage):
+    # 2 replicas of 2 tensor-parallel ranks, ZeRO over the replicas: each
+    # replica's shards are DTensors of its own ranks. Under ZeRO-3 a norm
+    # called on a shard reads its gathered weight as a replicated DTensor,
+    # and the regions' inputs are still gathered again for the backward.
     llama = launch(
         sequence_checks.data_parallel_checks,
         world_size=4,
-        args=(2, WORLD_SIZE),
+        args=(2, WORLD_SIZE, zero_stage),
         timeout=900,
     )
     zoo_cases.check_sequence_parallel(

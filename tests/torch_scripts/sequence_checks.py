@@ -39,14 +39,14 @@ def sequence_checks(world_size):
     return results
 
 
-def data_parallel_checks(data_parallel, tensor_parallel):
+def data_parallel_checks(data_parallel, tensor_parallel, zero_stage):
     """Rank 0's Llama results (`zoo_cases.sequence_parallel_results`) with
-    `data_parallel` replicas of `tensor_parallel` ranks under ZeRO-1."""
+    `data_parallel` replicas of `tensor_parallel` ranks under ZeRO."""
     return zoo_cases.sequence_parallel_results(
         "llama",
         data_parallel * tensor_parallel,
         data_parallel=data_parallel,
-        zero_stage=1,
+        zero_stage=zero_stage,
     )
 
 

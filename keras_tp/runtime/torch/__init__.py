@@ -81,7 +81,9 @@ class TorchRuntime(
                 "with one device."
             )
         if self.sequence_parallel:
-            self._sequence = SequenceShards(self.adapter.inner, self._regions)
+            self._sequence = SequenceShards(
+                self.adapter.inner, self._regions, self.placement.data_axes
+            )
 
     def _build(self):
         self._input_widths = {}

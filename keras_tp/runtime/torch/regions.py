@@ -7,9 +7,11 @@ partitions for the call and again for the backward pass; under sequence
 parallelism its inputs enter from the sequence shards (`sequence`).
 """
 
+import collections
 import contextlib
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from keras_tp.collectives.torch import is_symbolic
 
@@ -54,28 +56,40 @@ class ProcessRegions:
             adapter.gather_partitions(p, axis)
             for p, axis in zip(partitions, axes)
         ]
+        # What the layer reads: a layer between the regions called on a
+        # sequence shard, replicated DTensors (a region reads its inputs
+        # whole, and its weights as they are).
+        read = gathered
+        regions = {id(region.layer) for region in self._regions}
+        if self._sequence is not None and id(layer) not in regions:
+            read = self._sequence.replicated_if_on_shards(gathered)
         if is_symbolic(gathered[0]):
             # Keras infers shapes on "meta" tensors: nothing to free.
-            yield gathered
+            yield read
             return
         storages = {
             t.untyped_storage().data_ptr(): i for i, t in enumerate(gathered)
         }
 
+        # The step's own hooks (a sequence shard's regather) take what
+        # these do not: the innermost hooks alone see the saved tensors.
+        outer = None if self._sequence is None else self._sequence.saved
+
         def pack(tensor):
-            index = storages.get(tensor.untyped_storage().data_ptr())
+            # A replicated DTensor (a norm's weight on a sequence shard)
+            # is not packed: a whole layer's weights are small.
+            index = None
+            if not isinstance(tensor, DTensor):
+                index = storages.get(tensor.untyped_storage().data_ptr())
             if index is None:
-                return tensor
-            return (
-                index,
-                tensor.size(),
-                tensor.stride(),
-                tensor.storage_offset(),
+                return tensor if outer is None else outer.pack(tensor)
+            return _SavedPartition(
+                index, tensor.size(), tensor.stride(), tensor.storage_offset()
             )
 
         def unpack(packed):
-            if isinstance(packed, torch.Tensor):
-                return packed
+            if not isinstance(packed, _SavedPartition):
+                return packed if outer is None else outer.unpack(packed)
             index, size, stride, offset = packed
             partition = partitions[index].detach()
             adapter._record("all_gather", partition, "backward", adapter.size())
@@ -83,4 +97,10 @@ class ProcessRegions:
             return full.as_strided(size, stride, offset)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            yield gathered
+            yield read
+
+
+# A gathered partition saved for the backward pass: gathered again there.
+_SavedPartition = collections.namedtuple(
+    "_SavedPartition", "index size stride offset"
+)

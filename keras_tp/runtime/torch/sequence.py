@@ -58,12 +58,17 @@ class SequenceShards:
     Args:
         adapter: the runtime's `model`-axis `TorchCollectiveAdapter`.
         regions: the runtime's installed regions (a list it fills).
+        partitioned: ids of the variables ZeRO-3 partitions (a mapping
+            the placement fills), which their layers gather for a call
+            (`replicated_if_on_shards`).
     """
 
-    def __init__(self, adapter, regions):
+    def __init__(self, adapter, regions, partitioned=()):
         self.adapter = adapter
         self.regions = regions
+        self.partitioned = partitioned
         self._in_step = False
+        self._weights = None
         self._regathered = _RegatheredInputs(adapter)
         # The parameters `make_gradients_whole` watches.
         self._parameters = []
@@ -89,10 +94,12 @@ class SequenceShards:
             for region in self.regions
             for variable, _ in region.variables()
         }
+        held.update(self.partitioned)
+        self._weights = _ReplicatedWeights(self.adapter, held)
         try:
             with (
                 implicit_replication(),
-                _ReplicatedWeights(self.adapter, held),
+                self._weights,
                 _CountedDTensorCollectives(self.adapter),
                 self._regathered,
             ):
@@ -112,6 +119,21 @@ class SequenceShards:
             ) from error
         finally:
             self._in_step = False
+            self._weights = None
+
+    @property
+    def saved(self):
+        """A step's saved tensors hooks (a gathered shard regathered),
+        which a region's own hooks pass what they do not keep."""
+        return self._regathered
+
+    def replicated_if_on_shards(self, values):
+        """`values`, whole weights the layer being called reads (its ZeRO-3
+        partitions, gathered), as replicated `DTensor`s where it is called
+        on a shard, as its other weights are (`_ReplicatedWeights`)."""
+        if self._weights is None or not self._weights.on_shards():
+            return values
+        return [self.adapter.replicated(value) for value in values]
 
     def make_gradients_whole(self, parameters):
         """A weight a region adds to a shard (a Row layer's bias after its
@@ -180,13 +202,16 @@ class _ReplicatedWeights:
 
     Args:
         adapter: the `model`-axis `TorchCollectiveAdapter`.
-        held: ids of the variables the regions hold, which they read.
+        held: ids of the variables the regions hold, which they read, and
+            of ZeRO-3's partitions, which their layers gather.
     """
 
     def __init__(self, adapter, held):
         self.adapter = adapter
         self.held = held
         self._bindings = []
+        # Per layer being called, innermost last: whether on a shard.
+        self._on_shards = []
 
     def __enter__(self):
         # Global module hooks: every Keras layer's call while inside.
@@ -200,16 +225,23 @@ class _ReplicatedWeights:
         for hook in self._hooks:
             hook.remove()
         # A call that raised left its binding open.
+        self._on_shards.clear()
         while self._bindings:
             binding = self._bindings.pop()
             if binding is not None:
                 binding.__exit__(None, None, None)
 
+    def on_shards(self):
+        """Whether the layer being called now is called on a shard."""
+        return bool(self._on_shards) and self._on_shards[-1]
+
     def _enter_layer(self, module, args):
         pairs = []
-        if isinstance(module, keras.layers.Layer) and any(
+        on_shards = isinstance(module, keras.layers.Layer) and any(
             isinstance(x, DTensor) for x in keras.tree.flatten(args)
-        ):
+        )
+        self._on_shards.append(on_shards)
+        if on_shards:
             pairs = [
                 (variable, self.adapter.replicated(variable.value))
                 for variable in own_trainable_variables(module)
@@ -221,6 +253,7 @@ class _ReplicatedWeights:
         self._bindings.append(binding)
 
     def _leave_layer(self, module, args, output):
+        self._on_shards.pop()
         binding = self._bindings.pop()
         if binding is not None:
             binding.__exit__(None, None, None)

@@ -43,6 +43,7 @@ from tests import random_cases  # noqa: E402
 from tests import regularizer_cases  # noqa: E402
 from tests import speaker_cases  # noqa: E402
 from tests import vocab_cases  # noqa: E402
+from tests import zoo_cases  # noqa: E402
 
 TOLERANCE = 1e-5
 FIT_STEPS = 5
@@ -710,6 +711,12 @@ def test_multi_worker_mirrored_strategy_matches_one_device(tmp_path):
         local = [b for b in result["parameter_bytes_per_device"].values() if b]
         assert len(local) == 1
         _check_checkpoint_round_trip(result, [0, 1])
+        # Sequence shards and split logits across the workers: exact,
+        # with Megatron's collectives (see the single-host test).
+        sequence = result["sequence"]
+        zoo_cases.check_sequence_parallel(
+            sequence, sequence["whole_weights"], regathered=True
+        )
     speaker_cases.check_one_speaker(
         [result["one_speaker"] for result in results]
     )

@@ -4,8 +4,10 @@ Trains the test MLP with `TensorParallelKeras` split over the replicas of a
 `MultiWorkerMirroredStrategy` (one per worker process) and, in the same
 process, the plain model on one device; writes the largest differences as
 JSON. Both save a sharded checkpoint to a directory beside the output
-and read it back. `tests/test_tensorflow.py` starts two workers on
-loopback ports; by hand, in two shells (ports of your choice):
+and read it back; then Llama's LM trains with sequence parallelism
+(`zoo_cases.sequence_parallel_results`). `tests/test_tensorflow.py`
+starts two workers on loopback ports; by hand, in two shells (ports of
+your choice):
 
     export KERAS_BACKEND=tensorflow
     CLUSTER='"cluster": {"worker": ["localhost:12345", "localhost:12346"]}'
@@ -44,6 +46,7 @@ import keras_tp  # noqa: E402
 from tests import dp_cases  # noqa: E402
 from tests import models  # noqa: E402
 from tests import speaker_cases  # noqa: E402
+from tests import zoo_cases  # noqa: E402
 
 BATCH = 4
 
@@ -171,6 +174,9 @@ def main(out_path):
     result["one_speaker"] = speaker_cases.one_speaker(
         os.path.dirname(out_path), task
     )
+    # Llama's LM with sequence parallelism, its shards across the workers,
+    # and its loss computed from the vocabulary's split logits.
+    result["sequence"] = zoo_cases.sequence_parallel_results("llama", 2)
     with open(out_path, "w") as f:
         json.dump(result, f)
 

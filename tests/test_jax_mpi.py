@@ -70,3 +70,6 @@ def test_mpirun_processes_train_like_one_device(tmp_path):
         assert result["local_devices"] == 2
         assert len(result["devices"]) == 4  # 2 local + 2 remote devices
         assert result["weights"] <= ATOL
+        # The consistency check compares the rows across the processes:
+        # apart after a local step, equal after the synchronising one.
+        assert result["consistency"] == [False, True]

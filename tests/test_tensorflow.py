@@ -44,6 +44,7 @@ from tests import regularizer_cases  # noqa: E402
 from tests import speaker_cases  # noqa: E402
 from tests import vocab_cases  # noqa: E402
 from tests import zoo_cases  # noqa: E402
+from tests.dp_cases import check_local_sgd_runs  # noqa: E402
 
 TOLERANCE = 1e-5
 FIT_STEPS = 5
@@ -748,6 +749,7 @@ def test_multi_worker_data_parallel_matches_one_device(tmp_path):
         # mask of the masked ones, are gathered; the labels are not.
         assert losses["default_gathers"] == 1, losses
         assert losses["masked_gathers"] == 2, losses
+        check_local_sgd_runs(result["local_sgd"])
 
 
 def _check_rows_run(result, stage, step):

@@ -20,7 +20,8 @@ A second argument, ZeRO stages such as `0,1,3`, trains with
 data_parallel=2 and each of those stages instead: each worker is one
 data-parallel row and reads only its half of each global batch, from a
 `tf.data.Dataset` whose other half is poisoned (NaN inputs, out-of-range
-labels); then `dp_cases.global_batch_losses` with data_parallel=2.
+labels); then `dp_cases.global_batch_losses` with data_parallel=2, and
+`dp_cases.local_sgd_runs`.
 """
 
 import json
@@ -117,6 +118,10 @@ def data_parallel(out_path, zero_stages):
         for stage in zero_stages
     }
     result["losses"] = dp_cases.global_batch_losses(2, 2)
+    # Local SGD and DiLoCo, each worker a replica: between
+    # synchronisations the workers' replicas differ, and the consistency
+    # check compares them across the workers.
+    result["local_sgd"] = dp_cases.local_sgd_runs()
     with open(out_path, "w") as f:
         json.dump(result, f)
 

@@ -207,14 +207,22 @@ class MeshStorage:
 
         Devices holding the same slice of a global array (the data-parallel
         replicas, and the model ranks of a replicated variable) must hold
-        the same numbers.
+        the same numbers. Across processes every process's shards are
+        gathered (`process_allgather`), so that each compares them all.
         """
         differences = {}
         for variable in variables:
+            shards = list(self._shards(variable))
+            keys = np.array(
+                [[(s.start, s.stop) for s in index] for _, index, _ in shards],
+                dtype=float,
+            )
+            data = np.stack([data for _, _, data in shards])
+            if jax.process_count() > 1:
+                keys, data = _of_every_process(keys), _of_every_process(data)
             copies = {}
-            for _, index, data in self._shards(variable):
-                key = tuple((s.start, s.stop) for s in index)
-                copies.setdefault(key, []).append(data)
+            for key, copy in zip(keys, data):
+                copies.setdefault(key.tobytes(), []).append(copy)
             differences[variable.path] = largest_difference(copies)
         return differences
 
@@ -326,3 +334,10 @@ def _index(slices, shape):
         (s.start or 0, size if s.stop is None else s.stop)
         for s, size in zip(slices, shape)
     )
+
+
+def _of_every_process(array):
+    """`array` of every process (all of one shape), concatenated along
+    its first axis in process order."""
+    gathered = np.asarray(multihost_utils.process_allgather(array))
+    return gathered.reshape(jax.process_count() * len(array), *array.shape[1:])

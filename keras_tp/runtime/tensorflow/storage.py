@@ -22,7 +22,6 @@ import tensorflow as tf
 from keras_tp.keras_internals import local_shapes
 from keras_tp.keras_internals import set_stored_value
 from keras_tp.keras_internals import stored_value
-from keras_tp.runtime.base import largest_difference
 from keras_tp.runtime.tensorflow import coordination
 from keras_tp.runtime.tensorflow.devices import HOST
 from keras_tp.runtime.tensorflow.devices import device_name
@@ -292,24 +291,36 @@ class ReplicaStorage:
 
         Replicas holding the same piece (the data-parallel rows for a shard
         or a partition, and the model ranks of a replicated variable) must
-        hold the same numbers.
+        hold the same numbers. Each replica gathers those replicas' copies
+        of its piece, on every worker, and the largest difference is
+        all-reduced over all of them.
         """
-        differences = {}
-        for variable in variables:
-            axis = self.placement.split_axis(variable)
-            data_axis = self.placement.data_axis(variable)
-            copies = {}
-            for replica, component in zip(
-                self._local_replicas, self._components(variable)
-            ):
-                data_rank, model_rank = divmod(replica, self.tensor_parallel)
-                piece = (
-                    model_rank if axis is not None else None,
-                    data_rank if data_axis is not None else None,
-                )
-                copies.setdefault(piece, []).append(component.numpy())
-            differences[variable.path] = largest_difference(copies)
-        return differences
+
+        def differences():
+            worst = []
+            for variable in variables:
+                local = tf.cast(local_read(variable), tf.float32)
+                difference = tf.zeros((), tf.float32)
+                peers = []
+                if self.placement.data_axis(variable) is None:
+                    peers.append(self.data_adapter)
+                if self.placement.split_axis(variable) is None:
+                    peers.append(self.adapter)
+                for adapter in peers:
+                    copies = adapter.all_gather(local[None], axis=0)
+                    difference = tf.maximum(
+                        difference, tf.reduce_max(tf.abs(copies - local))
+                    )
+                worst.append(difference)
+            return self.world_adapter.all_reduce(tf.stack(worst), "max")
+
+        if not variables:
+            return {}
+        worst = self._on_replicas(differences).numpy()
+        return {
+            variable.path: float(difference)
+            for variable, difference in zip(variables, worst)
+        }
 
 
 class ReplicaShapes:

@@ -20,7 +20,7 @@ RANK_SEED_STRIDE = 1_000_003
 FORWARD_CALLS = contextvars.ContextVar("keras_tp_forward_calls", default=None)
 
 
-def per_rank_draws(generators, call, adapter):
+def per_rank_draws(generators, call, runtime):
     """`call`, with `generators` drawing a random stream of their own per rank.
 
     Inside a sharded region the activations are split: attention heads,
@@ -33,7 +33,7 @@ def per_rank_draws(generators, call, adapter):
     Args:
         generators: the `SeedGenerator`s the call draws from.
         call: the per-rank function.
-        adapter: the `model`-axis collective adapter, whose `rank()` is
+        runtime: the runtime whose `model`-axis adapter's `rank()` is
             read inside the call.
 
     Returns:
@@ -43,7 +43,7 @@ def per_rank_draws(generators, call, adapter):
         return call
 
     def shift():
-        return adapter.rank() * RANK_SEED_STRIDE
+        return runtime.adapter.rank() * RANK_SEED_STRIDE
 
     def call_with_rank_draws(*args, **kwargs):
         with shifted_seed_draws(generators, shift):
@@ -64,9 +64,7 @@ def split_random_call(layer, split_calls, runtime):
             mask, as on one device.
     """
     whole_call = layer.call
-    local_call = per_rank_draws(
-        own_seed_generators(layer), whole_call, runtime.adapter
-    )
+    local_call = per_rank_draws(own_seed_generators(layer), whole_call, runtime)
 
     def call(*args, **kwargs):
         calls = FORWARD_CALLS.get()

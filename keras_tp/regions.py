@@ -254,11 +254,18 @@ def _local_weights_of(member):
     return {role: mapping[id(v)] for role, v in variables.items()}
 
 
-def _member_call(member, adapter):
+def _member_call(member, runtime):
+    # The adapter is read at each call: a layer several pipeline stages
+    # call runs on the calling stage's (`CallingStageRegions`).
     def local_call(inputs, *args, **kwargs):
         weights = _local_weights_of(member)
         return member.handler.local_call(
-            member.layer, member.style, adapter, weights, inputs, **kwargs
+            member.layer,
+            member.style,
+            runtime.adapter,
+            weights,
+            inputs,
+            **kwargs,
         )
 
     return local_call
@@ -295,18 +302,17 @@ def install(plan, runtime):
 
     Returns the list of installed `ShardedRegion`s.
     """
-    adapter = runtime.adapter
     regions = []
     for entry in plan.layers:
         if isinstance(entry, ShardedUnit):
             members = list(entry.projections.values())
             for member in members:
-                set_call(member.layer, _member_call(member, adapter))
+                set_call(member.layer, _member_call(member, runtime))
             unit = entry.layer
             region = ShardedRegion(
                 unit,
                 members,
-                per_rank_draws(seed_generators(unit), unit.call, adapter),
+                per_rank_draws(seed_generators(unit), unit.call, runtime),
                 _unit_output_axes(unit, members, runtime.full_shape),
                 runtime.full_shape,
                 head_arguments(plan.per_rank_counts.get(unit, {})),
@@ -323,7 +329,7 @@ def install(plan, runtime):
             region = ShardedRegion(
                 entry.layer,
                 [entry],
-                _member_call(entry, adapter),
+                _member_call(entry, runtime),
                 _leaf_output_axes(entry),
                 runtime.full_shape,
                 {},

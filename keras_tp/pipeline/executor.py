@@ -45,12 +45,6 @@ class StagePrimitives:
             self.pipeline.schedule, self.num_stages, self.num_microbatches
         )
 
-    def microbatches(self, x, y):
-        """`(inputs, targets)`: per micro-batch, in order, the first
-        stage's inputs and the last stage's targets (`None` without `y`),
-        as `split` cuts them."""
-        return self.split(x), None if y is None else self.split(y)
-
     def split(self, tree):
         """Per micro-batch, its part of the batch `tree`: the `m`-th slice
         of each of the batch's `replicas` rows, row by row."""
@@ -137,7 +131,9 @@ def run_schedule(primitives, order, x, y, infer=False):
     actions, leaving the gradients there (with `infer`, forward passes
     only); returns `primitives.joined`'s."""
     last = primitives.num_stages - 1
-    inputs, targets = primitives.microbatches(x, y)
+    # Per micro-batch, the first stage's inputs and the last's targets.
+    inputs = primitives.split(x)
+    targets = None if y is None else primitives.split(y)
     # What a stage of this process sent, by the action that takes it.
     held = {(0, FORWARD, m): part for m, part in enumerate(inputs)}
     losses, predictions = [], [None] * len(inputs)

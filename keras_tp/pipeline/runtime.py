@@ -386,15 +386,14 @@ class PipelineRuntime(Runtime):
 class CallingStageRegions:
     """Runs the split layers that several stages call (a tied embedding)
     on the calling stage's devices with its copy of the weights: what a
-    region reads of its runtime, its `adapter` too, is the calling
-    stage's; the owner's (first in `runtimes`) where `calling()` is
-    `None` (Keras' symbolic build, a direct call)."""
+    region reads of its runtime, at each call, its `adapter` too, is the
+    calling stage's; the owner's (first in `runtimes`) where `calling()`
+    is `None` (Keras' symbolic build, a direct call)."""
 
     def __init__(self, runtimes, calling):
         self.runtimes = runtimes
         self._owner = next(iter(runtimes.values()))
         self._stage = calling
-        self.adapter = _CallingStageAdapter(self)
 
     def calling_runtime(self):
         """The runtime of the stage whose work is issued now."""
@@ -410,16 +409,6 @@ class CallingStageRegions:
 
     def __getattr__(self, name):
         return getattr(self.calling_runtime(), name)
-
-
-class _CallingStageAdapter:
-    """The calling stage's runtime's collective adapter, read at each use."""
-
-    def __init__(self, regions):
-        self._regions = regions
-
-    def __getattr__(self, name):
-        return getattr(self._regions.calling_runtime().adapter, name)
 
 
 def _check_layers(model):

@@ -48,21 +48,23 @@ def test_llama_trains_exactly_with_megatron_sp_collectives(results):
     )
 
 
-@pytest.mark.parametrize("zero_stage", [1, 3])
-def test_composes_with_data_parallelism_and_zero(zero_stage):
-    # 2 replicas of 2 tensor-parallel ranks, ZeRO over the replicas: each
-    # replica's shards are DTensors of its own ranks. Under ZeRO-3 a norm
-    # called on a shard reads its gathered weight as a replicated DTensor,
-    # and the regions' inputs are still gathered again for the backward.
-    llama = launch(
+def test_composes_with_data_parallelism_and_zero():
+    # 2 replicas of 2 tensor-parallel ranks, ZeRO-1 and ZeRO-3 over the
+    # replicas: each replica's shards are DTensors of its own ranks. Under
+    # ZeRO-3 a norm called on a shard reads its gathered weight as a
+    # replicated DTensor, and the regions' inputs are still gathered
+    # again for the backward pass.
+    by_stage = launch(
         sequence_checks.data_parallel_checks,
         world_size=4,
-        args=(2, WORLD_SIZE, zero_stage),
+        args=(2, WORLD_SIZE, (1, 3)),
         timeout=900,
     )
-    zoo_cases.check_sequence_parallel(
-        llama, llama["whole_weights"], regathered=True
-    )
+    assert sorted(by_stage) == [1, 3]
+    for llama in by_stage.values():
+        zoo_cases.check_sequence_parallel(
+            llama, llama["whole_weights"], regathered=True
+        )
 
 
 def test_mixture_of_experts_trains_exactly(results):

@@ -39,15 +39,19 @@ def sequence_checks(world_size):
     return results
 
 
-def data_parallel_checks(data_parallel, tensor_parallel, zero_stage):
+def data_parallel_checks(data_parallel, tensor_parallel, zero_stages):
     """Rank 0's Llama results (`zoo_cases.sequence_parallel_results`) with
-    `data_parallel` replicas of `tensor_parallel` ranks under ZeRO."""
-    return zoo_cases.sequence_parallel_results(
-        "llama",
-        data_parallel * tensor_parallel,
-        data_parallel=data_parallel,
-        zero_stage=zero_stage,
-    )
+    `data_parallel` replicas of `tensor_parallel` ranks, by ZeRO stage of
+    `zero_stages` (one launch for all: starting processes is slow)."""
+    return {
+        stage: zoo_cases.sequence_parallel_results(
+            "llama",
+            data_parallel * tensor_parallel,
+            data_parallel=data_parallel,
+            zero_stage=stage,
+        )
+        for stage in zero_stages
+    }
 
 
 def _refusal(name, world_size):

@@ -25,3 +25,16 @@ def pytest_collection_finish(session):
     # process. What exists once the test modules are imported lives for
     # the session, so later collections skip it.
     gc.freeze()
+
+
+
+
+def pytest_runtest_teardown(item, nextitem):
+    # What outlives a test (JAX keeps every traced program in caches of its
+    # own: about 30,000 objects a test) is frozen too, once the test's own
+    # garbage is collected: else each full collection walks it all again.
+    # Keras' int8 quantization collects once a layer: 37 s of its test's
+    # 41 s after 40 other tests, 6 s with this; the JAX zoo's file takes
+    # 240 s instead of 258, at the same peak memory.
+    gc.collect()
+    gc.freeze()

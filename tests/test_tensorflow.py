@@ -657,9 +657,13 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _multi_worker_results(tmp_path, *args):
-    """Runs `tests/tf_scripts/multi_worker.py` with `args` on two workers
-    on loopback ports; returns each worker's results, in task order."""
+@pytest.fixture(scope="module")
+def multi_worker(tmp_path_factory):
+    """Each worker's results of `tests/tf_scripts/multi_worker.py`, in task
+    order, run once for the tests below on two workers on loopback ports:
+    the ZeRO stages of `_MULTI_WORKER_STEP` with data_parallel=2."""
+    tmp_path = tmp_path_factory.mktemp("multi_worker")
+    stages = ",".join(str(stage) for stage in _MULTI_WORKER_STEP)
     script = os.path.join(
         os.path.dirname(__file__), "tf_scripts", "multi_worker.py"
     )
@@ -676,7 +680,7 @@ def _multi_worker_results(tmp_path, *args):
         out = tmp_path / f"worker{index}.json"
         log = open(tmp_path / f"worker{index}.log", "w")
         process = subprocess.Popen(
-            [sys.executable, script, str(out), *args],
+            [sys.executable, script, str(out), stages],
             env=env,
             stdout=log,
             stderr=log,
@@ -702,8 +706,8 @@ def _check_checkpoint_round_trip(result, replicas):
     assert result["checkpoint_reload_diff"] == 0.0
 
 
-def test_multi_worker_mirrored_strategy_matches_one_device(tmp_path):
-    results = _multi_worker_results(tmp_path)
+def test_multi_worker_mirrored_strategy_matches_one_device(multi_worker):
+    results = [worker["tensor_parallel"] for worker in multi_worker]
     for result in results:
         assert result["world_size"] == 2
         assert result["weight_diff"] <= TOLERANCE
@@ -736,9 +740,8 @@ _MULTI_WORKER_STEP = {
 }
 
 
-def test_multi_worker_data_parallel_matches_one_device(tmp_path):
-    stages = ",".join(str(stage) for stage in _MULTI_WORKER_STEP)
-    for result in _multi_worker_results(tmp_path, stages):
+def test_multi_worker_data_parallel_matches_one_device(multi_worker):
+    for result in (worker["data_parallel"] for worker in multi_worker):
         for stage, step in _MULTI_WORKER_STEP.items():
             _check_rows_run(result[str(stage)], stage, step)
         losses = result["losses"]

@@ -12,16 +12,18 @@ your choice):
     export KERAS_BACKEND=tensorflow
     CLUSTER='"cluster": {"worker": ["localhost:12345", "localhost:12346"]}'
     TF_CONFIG="{$CLUSTER, \"task\": {\"type\": \"worker\", \"index\": 0}}" \
-        python tests/tf_scripts/multi_worker.py /tmp/worker0.json
+        python tests/tf_scripts/multi_worker.py /tmp/worker0.json 0,1,3
     TF_CONFIG="{$CLUSTER, \"task\": {\"type\": \"worker\", \"index\": 1}}" \
-        python tests/tf_scripts/multi_worker.py /tmp/worker1.json
+        python tests/tf_scripts/multi_worker.py /tmp/worker1.json 0,1,3
 
-A second argument, ZeRO stages such as `0,1,3`, trains with
-data_parallel=2 and each of those stages instead: each worker is one
-data-parallel row and reads only its half of each global batch, from a
-`tf.data.Dataset` whose other half is poisoned (NaN inputs, out-of-range
-labels); then `dp_cases.global_batch_losses` with data_parallel=2, and
-`dp_cases.local_sgd_runs`.
+Then, in the same processes (starting workers takes longer than any of
+this), it trains with data_parallel=2 and each of the ZeRO stages of the
+second argument: each worker is one data-parallel row and reads only its
+half of each global batch, from a `tf.data.Dataset` whose other half is
+poisoned (NaN inputs, out-of-range labels); then
+`dp_cases.global_batch_losses` with data_parallel=2, and
+`dp_cases.local_sgd_runs`. The JSON holds `{"tensor_parallel": ...,
+"data_parallel": ...}`.
 """
 
 import json
@@ -110,7 +112,8 @@ def data_parallel(out_path, zero_stages):
     of `zero_stages` (one after the other, as every worker builds them) on
     the rows of each global batch of `BATCH` that are its half, and
     compares with the plain model on one device; then the losses of
-    `dp_cases.global_batch_losses`, on whole NumPy batches."""
+    `dp_cases.global_batch_losses`, on whole NumPy batches, and local SGD
+    and DiLoCo."""
     x, y = models.data_for("mlp", batch=20)
     reference = _trained_reference(x, y)
     result = {
@@ -122,8 +125,7 @@ def data_parallel(out_path, zero_stages):
     # synchronisations the workers' replicas differ, and the consistency
     # check compares them across the workers.
     result["local_sgd"] = dp_cases.local_sgd_runs()
-    with open(out_path, "w") as f:
-        json.dump(result, f)
+    return result
 
 
 def _rows_run(out_path, zero_stage, reference, x, y):
@@ -159,7 +161,8 @@ def _rows_run(out_path, zero_stage, reference, x, y):
     return result
 
 
-def main(out_path):
+def tensor_parallel(out_path):
+    """The MLP split over the workers, then Llama's sequence shards."""
     task = strategy.cluster_resolver.task_id
     x, y = models.data_for("mlp", batch=20)
     reference = _trained_reference(x, y)
@@ -182,12 +185,14 @@ def main(out_path):
     # Llama's LM with sequence parallelism, its shards across the workers,
     # and its loss computed from the vocabulary's split logits.
     result["sequence"] = zoo_cases.sequence_parallel_results("llama", 2)
-    with open(out_path, "w") as f:
-        json.dump(result, f)
+    return result
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2:
-        data_parallel(sys.argv[1], [int(s) for s in sys.argv[2].split(",")])
-    else:
-        main(sys.argv[1])
+    out, stages = sys.argv[1], [int(s) for s in sys.argv[2].split(",")]
+    results = {
+        "tensor_parallel": tensor_parallel(out),
+        "data_parallel": data_parallel(out, stages),
+    }
+    with open(out, "w") as f:
+        json.dump(results, f)

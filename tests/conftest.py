@@ -27,8 +27,6 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
-
-
 def pytest_runtest_teardown(item, nextitem):
     # What outlives a test (JAX keeps every traced program in caches of its
     # own: about 30,000 objects a test) is frozen too, once the test's own

@@ -11,6 +11,8 @@ import contextlib
 
 from keras import ops
 
+from keras_tp.parallel.loss_scaling import loss_scale
+from keras_tp.parallel.loss_scaling import unscaled
 from keras_tp.tensors import scaled
 
 
@@ -153,6 +155,32 @@ def global_scale(norm, global_clip_norm):
     to `global_clip_norm` (Keras' `clip_by_global_norm`)."""
     scale = global_clip_norm * ops.minimum(1.0 / norm, 1.0 / global_clip_norm)
     return scale + (norm - norm)
+
+
+def takes_global_norm(optimizer):
+    """Whether an update in parts (a pipeline's stages) takes the norm of
+    every part's gradients: to clip them by `optimizer`'s
+    `global_clipnorm`, or to check its loss scale's finiteness."""
+    return bool(unscaled(optimizer).global_clipnorm) or (
+        loss_scale(optimizer) is not None
+    )
+
+
+def parts_factor(optimizer, squares, scale):
+    """`(factor, finite)` from each part's squared gradient norm in
+    `squares` (on one device): what every part multiplies its gradients
+    by, `optimizer`'s global clip of their norm and the unscaling by a
+    loss scale's value `scale` (`None` for neither); whether their norm
+    is finite."""
+    total = sum(squares[1:], squares[0])
+    clip = unscaled(optimizer).global_clipnorm
+    factor = None
+    if clip:
+        norm = ops.sqrt(total) if scale is None else ops.sqrt(total) / scale
+        factor = global_scale(norm, clip)
+    if scale is not None:
+        factor = (1.0 if factor is None else factor) / scale
+    return factor, ops.isfinite(total)
 
 
 @contextlib.contextmanager

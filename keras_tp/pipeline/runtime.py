@@ -16,8 +16,6 @@ from keras_tp.parallel.batch_loss import adds_losses
 from keras_tp.parallel.batch_loss import averages_over_rows
 from keras_tp.parallel.batch_loss import kept_fraction
 from keras_tp.parallel.batch_loss import warn_of_added_losses
-from keras_tp.parallel.clipping import global_scale
-from keras_tp.parallel.loss_scaling import loss_scale
 from keras_tp.parallel.loss_scaling import unscaled
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.cutting import split_stages
@@ -196,14 +194,6 @@ class PipelineRuntime(Runtime):
         """The measured `(start, end)` of each action of `trained_order`."""
         raise NotImplementedError
 
-    @property
-    def peak_activations(self):
-        """Per stage, the most micro-batches whose activations it held at
-        once in the last training step."""
-        if self.trained_order is None:
-            return []
-        return schedules.peak_activations(self.trained_order)
-
     def check_compiled(self, trainer):
         """Refuses, when the model is compiled, what a pipeline would
         compute differently from Keras."""
@@ -243,37 +233,11 @@ class PipelineRuntime(Runtime):
                     stacklevel=3,
                 )
 
-    def loss_scale(self):
-        """The compiled `LossScaleOptimizer`'s scale, `None` without one."""
-        return loss_scale(getattr(self.trainer, "optimizer", None))
-
     def loss_seed(self):
         """What the backward passes seed the loss's gradient with: the
         compiled optimizer's `scale_loss` of 1 (a loss scale, or a
         `loss_scale_factor` its `apply` divides out)."""
         return self.trainer.optimizer.scale_loss(ops.ones(()))
-
-    def takes_global_norm(self):
-        """Whether the updates take the norm of every stage's gradients:
-        to clip them, or to check a loss scale's finiteness."""
-        clip = unscaled(self.trainer.optimizer).global_clipnorm
-        return bool(clip) or self.loss_scale() is not None
-
-    def gradient_factor(self, squares, scale):
-        """`(factor, finite)` of each stage's squared gradient norm, on the
-        last stage's devices, in `squares`: what every stage multiplies
-        its synchronised gradients by, the global clip's factor of their
-        norm, both unscaled by a loss scale's value `scale` (`None` for
-        neither); whether their norm is finite."""
-        total = sum(squares[1:], squares[0])
-        clip = unscaled(self.trainer.optimizer).global_clipnorm
-        factor = None
-        if clip:
-            norm = ops.sqrt(total) if scale is None else ops.sqrt(total) / scale
-            factor = global_scale(norm, clip)
-        if scale is not None:
-            factor = (1.0 if factor is None else factor) / scale
-        return factor, ops.isfinite(total)
 
     def microbatches(self, batch_size):
         """The number of micro-batches for a batch of `batch_size`."""

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import keras_tp
 from keras_tp.demo.models import transformer_lm
 from keras_tp.pipeline import bubble_fraction
+from keras_tp.pipeline import peak_activations
 from keras_tp.runtime.torch.storage import parameter_of
 from tests import checkpoint_cases
 from tests import models
@@ -235,7 +236,7 @@ def mlp_run(schedule, loss, expected, x, y, path=None):
     result["weights_error"] = _weights_error(tp, expected["weights"])
     result["sent"] = tp.communication_stats(axis="pipe")
     result["kinds"] = [kind for kind, *_ in tp._runtime.timeline]
-    result["peak"] = tp._runtime.peak_activations
+    result["peak"] = peak_activations(tp._runtime.trained_order)
     timeline = tp.pipeline_timeline()
     result["timeline"] = [
         [(span.action.kind, span.start, span.end) for span in spans]

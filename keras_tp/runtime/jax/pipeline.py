@@ -12,6 +12,9 @@ from keras_tp.keras_internals import accumulated_gradient
 from keras_tp.keras_internals import clipping_by
 from keras_tp.keras_internals import jax_update_metrics
 from keras_tp.keras_internals import updating_only
+from keras_tp.parallel.clipping import parts_factor
+from keras_tp.parallel.clipping import takes_global_norm
+from keras_tp.parallel.loss_scaling import loss_scale
 from keras_tp.parallel.loss_scaling import next_scale
 from keras_tp.parallel.loss_scaling import unscaled
 from keras_tp.pipeline.executor import run_forward
@@ -213,11 +216,11 @@ class JaxPipelineRuntime(PipelineRuntime):
         # Averaged over the stage's replicas (ZeRO-1: each partition).
         owned = [u.synchronise(g) for u, g in zip(self._updates, owned)]
         clips, finite = [None] * len(owned), None
-        if self.takes_global_norm():
+        if takes_global_norm(trainer.optimizer):
             owned, clips, finite = self._globally_clipped(owned, values)
         # With a loss scale, every stage keeps its values where the
         # gradients overflowed anywhere, decided on the devices.
-        scaled = self.loss_scale() is not None
+        scaled = loss_scale(trainer.optimizer) is not None
         for stage, (update, grads) in enumerate(zip(self._updates, owned)):
             applies = self.sent(finite, stage, "optimizer") if scaled else None
             new = update.update(
@@ -248,7 +251,7 @@ class JaxPipelineRuntime(PipelineRuntime):
         clips (with accumulation, the accumulated mean) by the norm over
         every stage, or `None`s without `global_clipnorm`; and whether
         that norm is finite, on the last stage's devices."""
-        scale = self.loss_scale()
+        scale = loss_scale(self.trainer.optimizer)
         if scale is not None:
             inverse = 1 / values[id(scale)]
             owned = [
@@ -267,7 +270,7 @@ class JaxPipelineRuntime(PipelineRuntime):
             squares.append(
                 self.sent(update.squared_norm(grads), -1, "optimizer")
             )
-        factor, finite = self.gradient_factor(squares, None)
+        factor, finite = parts_factor(optimizer, squares, None)
         clips = [self.sent(factor, s, "optimizer") for s in range(len(owned))]
         return owned, clips, finite
 

@@ -15,6 +15,8 @@ from keras_tp.keras_internals import mixed_class
 from keras_tp.keras_internals import step_counter
 from keras_tp.keras_internals import weight_decay_excluded
 from keras_tp.parallel.clipping import global_norm_taken
+from keras_tp.parallel.clipping import parts_factor
+from keras_tp.parallel.clipping import takes_global_norm
 from keras_tp.parallel.loss_scaling import loss_scale
 from keras_tp.parallel.loss_scaling import next_scale
 from keras_tp.parallel.loss_scaling import unscaled
@@ -161,9 +163,10 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         loss, y_pred = stages.step(x, targets)
         self.trained_order = stages.order
         owned = self._owned_gradients(stages)
-        compiled, scaler = self.trainer.optimizer, self.loss_scale()
+        compiled = self.trainer.optimizer
+        scaler = loss_scale(compiled)
         scale = finite = None
-        if self.takes_global_norm():
+        if takes_global_norm(compiled):
             owned, scale, finite = self._globally_clipped(owned)
         # A step whose gradients overflowed anywhere is skipped everywhere.
         skips = None if scaler is None else finite
@@ -201,7 +204,7 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
     def _globally_clipped(self, owned):
         """`(gradients, scale, finite)`: by replica, each stage's gradients
         (synchronised where `global_clipnorm` clips them); the factor that
-        clips and unscales them (`gradient_factor`); whether they are
+        clips and unscales them (`parts_factor`); whether they are
         finite. The last stage's first device adds the squared norms."""
         synchronised, squares = [], []
         for index, runtime in enumerate(self.stage_runtimes):
@@ -229,7 +232,9 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
                 "send", 4 * len(runtime.devices), "optimizer", "pipe"
             )
         with tf.device(self.stage_runtimes[-1].devices[0]):
-            scale, finite = self.gradient_factor(squares, self.loss_scale())
+            optimizer = self.trainer.optimizer
+            scale = loss_scale(optimizer)
+            scale, finite = parts_factor(optimizer, squares, scale)
             return list(zip(*synchronised)), scale, finite
 
     def _update(self, index, gradients, scale=None, finite=None):

@@ -10,8 +10,7 @@ from keras_tp.pipeline.schedules import BACKWARD
 class WeightOwners:
     """The owning stage of each variable, by id (`stage_of`; optimizer
     slots join their variable's), and the stages of each variable several
-    use, the owner first (`shared_stages`). Raises `ValueError` for a
-    variable of `model` that no stage uses."""
+    use, the owner first (`shared_stages`)."""
 
     def __init__(self, stage_models, model):
         self.stage_models = list(stage_models)
@@ -25,13 +24,6 @@ class WeightOwners:
                     stages = self.shared_stages.setdefault(key, [owner])
                     if index not in stages:
                         stages.append(index)
-        strays = [v.path for v in model.variables if id(v) not in self.stage_of]
-        if strays:
-            raise ValueError(
-                f"Variables {strays} of model '{model.name}' are used by no "
-                "layer of its graph, so no pipeline stage holds them. Remove "
-                "the layers that own them from the model."
-            )
 
     def adopt(self, variable, reference):
         """Gives `variable` (an optimizer slot) the stages of `reference`;
@@ -41,10 +33,19 @@ class WeightOwners:
         self.stage_of[id(variable)] = self.stage_of[id(reference)]
         return self.stage_of[id(variable)]
 
-    def check_regularizers(self):
-        """Refuses a regularizer on a weight several stages hold (a tied
-        embedding), whose penalty each would add."""
-        for variable in self.model.trainable_weights:
+    def check_variables(self):
+        """Refuses a variable of the model no stage holds, and a
+        regularizer on a weight several stages hold (a tied embedding),
+        whose penalty each would add."""
+        model = self.model
+        strays = [v.path for v in model.variables if id(v) not in self.stage_of]
+        if strays:
+            raise ValueError(
+                f"Variables {strays} of model '{model.name}' are used by no "
+                "layer of its graph, so no pipeline stage holds them. Remove "
+                "the layers that own them from the model."
+            )
+        for variable in model.trainable_weights:
             stages = self.shared_stages.get(id(variable))
             if variable.regularizer is not None and stages:
                 raise ValueError(

@@ -19,7 +19,6 @@ from keras_tp.parallel.batch_loss import warn_of_added_losses
 from keras_tp.parallel.loss_scaling import unscaled
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.cutting import split_stages
-from keras_tp.pipeline.ownership import WeightOwners
 from keras_tp.placement import Placement
 from keras_tp.runtime.base import Runtime
 from keras_tp.stats import CommunicationStats
@@ -77,9 +76,9 @@ class PipelineRuntime(Runtime):
             # arrives as each rank's shard), which its split layers check.
             for stage_model in self.stage_models[1:]:
                 stage_model.input_spec = None
-        self.owners = WeightOwners(self.stage_models, model)
+        self.owners = self.split.owners
         self.stage_of = self.owners.stage_of
-        self.owners.check_regularizers()
+        self.owners.check_variables()
         # Whether each stage's layers add losses (regularizers, add_loss),
         # which its passes add, per micro-batch, to the compiled loss.
         self.adding_stages = [adds_losses(m) for m in self.stage_models]

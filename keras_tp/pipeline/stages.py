@@ -6,6 +6,7 @@ import dataclasses
 import keras
 
 from keras_tp import tensors
+from keras_tp.pipeline.ownership import WeightOwners
 
 
 @dataclasses.dataclass(eq=False)
@@ -134,6 +135,7 @@ class StageSplit:
             a stage (where the fewest activations cross), in order.
         shared_weights: `{weight path: [stage indices]}` of the weights
             several stages use (a tied embedding's).
+        owners: the `WeightOwners` of the stages' variables.
     """
 
     def __init__(self, model, stages, boundaries, cut_points, balance):
@@ -143,15 +145,16 @@ class StageSplit:
         self.cut_points = cut_points
         self.balance = balance
         self.candidate_cut_points = []
-        self.shared_weights = {}
-        for variable in model.weights:
-            using = [
-                stage.index
-                for stage in stages
-                if any(v is variable for v in stage.model.weights)
-            ]
-            if len(using) > 1:
-                self.shared_weights[variable.path] = using
+        self.owners = WeightOwners([stage.model for stage in stages], model)
+
+    @property
+    def shared_weights(self):
+        shared = self.owners.shared_stages
+        return {
+            v.path: list(shared[id(v)])
+            for v in self.model.weights
+            if id(v) in shared
+        }
 
     @property
     def num_stages(self):

@@ -165,13 +165,13 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
         owned = self._owned_gradients(stages)
         compiled = self.trainer.optimizer
         scaler = loss_scale(compiled)
-        scale = finite = None
+        factor = finite = None
         if takes_global_norm(compiled):
-            owned, scale, finite = self._globally_clipped(owned)
+            owned, factor, finite = self._globally_clipped(owned, scaler)
         # A step whose gradients overflowed anywhere is skipped everywhere.
         skips = None if scaler is None else finite
         for stage in range(self.pipeline_parallel):
-            self._update(stage, owned, scale, skips)
+            self._update(stage, owned, factor, skips)
         counted = 1 if scaler is None else tf.cast(finite, "int64")
         step_counter(unscaled(compiled)).assign_add(counted)
         if scaler is not None:
@@ -201,11 +201,12 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             for r in range(self.data_parallel * self.tensor_parallel)
         ]
 
-    def _globally_clipped(self, owned):
-        """`(gradients, scale, finite)`: by replica, each stage's gradients
+    def _globally_clipped(self, owned, scale):
+        """`(gradients, factor, finite)`: by replica, each stage's gradients
         (synchronised where `global_clipnorm` clips them); the factor that
-        clips and unscales them (`parts_factor`); whether they are
-        finite. The last stage's first device adds the squared norms."""
+        clips them and unscales them by the loss `scale` (`parts_factor`);
+        whether they are finite. The last stage's first device adds the
+        squared norms."""
         synchronised, squares = [], []
         for index, runtime in enumerate(self.stage_runtimes):
             stage = self.stage_optimizers[index]
@@ -233,13 +234,12 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
             )
         with tf.device(self.stage_runtimes[-1].devices[0]):
             optimizer = self.trainer.optimizer
-            scale = loss_scale(optimizer)
-            scale, finite = parts_factor(optimizer, squares, scale)
-            return list(zip(*synchronised)), scale, finite
+            factor, finite = parts_factor(optimizer, squares, scale)
+            return list(zip(*synchronised)), factor, finite
 
-    def _update(self, index, gradients, scale=None, finite=None):
+    def _update(self, index, gradients, factor=None, finite=None):
         """Stage `index`'s update on each of its replicas from `gradients`
-        (times a `scale`, where given), with the compiled optimizer's step
+        (times a `factor`, where given), with the compiled optimizer's step
         count and learning rate; skipped unless `finite`, where given."""
         runtime = self.stage_runtimes[index]
         stage = self.stage_optimizers[index]
@@ -253,8 +253,8 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
                 optimizer.learning_rate.assign(compiled.learning_rate)
             grads = gradients[runtime.replica_id()][index]
             variables = stage.trainable_variables
-            if scale is not None:
-                grads = scaled(grads, scale)
+            if factor is not None:
+                grads = scaled(grads, factor)
             # Without clipping the optimizer synchronises the gradients.
             clips = self._clips()
             taken = contextlib.nullcontext()

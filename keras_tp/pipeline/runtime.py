@@ -16,7 +16,6 @@ from keras_tp.parallel.batch_loss import adds_losses
 from keras_tp.parallel.batch_loss import averages_over_rows
 from keras_tp.parallel.batch_loss import kept_fraction
 from keras_tp.parallel.batch_loss import warn_of_added_losses
-from keras_tp.parallel.loss_scaling import unscaled
 from keras_tp.pipeline import schedules
 from keras_tp.pipeline.cutting import split_stages
 from keras_tp.placement import Placement
@@ -54,8 +53,6 @@ class PipelineRuntime(Runtime):
     trained_order = None
     # Each stage's update is the backend's (see `Runtime`).
     coordinating_runtime = None
-    # Whether `global_clipnorm` clips accumulated gradients.
-    clips_accumulated_gradients = False
 
     def __init__(self, model, config):
         super().__init__(config)
@@ -201,18 +198,6 @@ class PipelineRuntime(Runtime):
                 "pipeline_parallel issues each stage's work from Python, so "
                 "the step is not one compiled program: call "
                 "`compile(..., jit_compile=False)` (the default)."
-            )
-        optimizer = unscaled(trainer.optimizer)
-        accumulating = getattr(optimizer, "gradient_accumulation_steps", None)
-        clipping = getattr(optimizer, "global_clipnorm", None)
-        if clipping and accumulating and not self.clips_accumulated_gradients:
-            raise ValueError(
-                f"A pipeline on {self.backend} takes global_clipnorm over "
-                "every stage's gradients at each step, but Keras clips "
-                "accumulated gradients (gradient_accumulation_steps) once "
-                "they are applied. Pass one of the two, or use the torch "
-                "or JAX backend, whose pipelines clip the accumulated "
-                "gradients."
             )
         for loss in keras.tree.flatten(trainer.loss):
             name = getattr(loss, "name", getattr(loss, "__name__", loss))

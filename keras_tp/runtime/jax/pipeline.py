@@ -44,7 +44,6 @@ class JaxPipelineRuntime(PipelineRuntime):
     calling_stage = staticmethod(TRACING_STAGE.get)
     # Each stage's update runs on its whole arrays (`_update_of`).
     updates_pieces = False
-    clips_accumulated_gradients = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -101,9 +101,18 @@ class TensorFlowPipelineRuntime(StageStorage, PipelineRuntime):
     def check_compiled(self, trainer):
         super().check_compiled(trainer)
         optimizer = trainer.optimizer
+        averaging = unscaled(optimizer)
+        # The stages' updates take one norm at each step (`_update`).
+        if averaging.global_clipnorm and averaging.gradient_accumulation_steps:
+            raise ValueError(
+                "A pipeline on TensorFlow takes global_clipnorm over every "
+                "stage's gradients at each step, but Keras clips accumulated "
+                "gradients (gradient_accumulation_steps) once they are "
+                "applied. Pass one of the two, or use the torch or JAX "
+                "backend, whose pipelines clip the accumulated gradients."
+            )
         # Keras' end of fit() finalizes the compiled optimizer (a loss
         # scale's, the one it wraps).
-        averaging = unscaled(optimizer)
         if averaging.use_ema and not isinstance(averaging, _FinalizesStages):
             finalizing = type(averaging)
             finalizing = mixed_class(_FinalizesStages, "StagesOf", finalizing)

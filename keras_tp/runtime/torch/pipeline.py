@@ -66,7 +66,6 @@ class TorchPipelineRuntime(RankProcess, StageStorage, PipelineRuntime):
     backend = "torch"
     # Each rank runs the code between split layers on its own tensors.
     local_ranks = True
-    clips_accumulated_gradients = True
 
     def __init__(self, model, config):
         join_ranks(

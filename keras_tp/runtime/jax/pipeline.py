@@ -214,14 +214,15 @@ class JaxPipelineRuntime(PipelineRuntime):
             self._updates = [self._update_of(s, shared) for s in stages]
         # Averaged over the stage's replicas (ZeRO-1: each partition).
         owned = [u.synchronise(g) for u, g in zip(self._updates, owned)]
+        scale = loss_scale(trainer.optimizer)
         clips, finite = [None] * len(owned), None
         if takes_global_norm(trainer.optimizer):
-            owned, clips, finite = self._globally_clipped(owned, values)
+            owned, clips, finite = self._globally_clipped(owned, values, scale)
         # With a loss scale, every stage keeps its values where the
         # gradients overflowed anywhere, decided on the devices.
-        scaled = loss_scale(trainer.optimizer) is not None
+        skips = scale is not None
         for stage, (update, grads) in enumerate(zip(self._updates, owned)):
-            applies = self.sent(finite, stage, "optimizer") if scaled else None
+            applies = self.sent(finite, stage, "optimizer") if skips else None
             new = update.update(
                 [values[id(v)] for v in update.variables],
                 [values[id(v)] for v in update.slots],
@@ -233,9 +234,9 @@ class JaxPipelineRuntime(PipelineRuntime):
             values.update(zip(map(id, update.variables), new[0]))
             values.update(zip(map(id, update.slots), new[1]))
             values.update((id(shared[i]), value) for i, value in new[2].items())
-        if scaled:
+        if skips:
             scaler = trainer.optimizer
-            scale, counter = scaler.dynamic_scale, scaler.step_counter
+            counter = scaler.step_counter
             values[id(scale)], values[id(counter)] = next_scale(
                 scaler, finite, values[id(scale)], values[id(counter)]
             )
@@ -244,13 +245,12 @@ class JaxPipelineRuntime(PipelineRuntime):
             [values[id(v)] for v in optimizer_variables],
         )
 
-    def _globally_clipped(self, owned, values):
+    def _globally_clipped(self, owned, values, scale):
         """`(gradients, clips, finite)`: each stage's gradients, unscaled by
         a loss scale; per stage, the factor that clips what its optimizer
         clips (with accumulation, the accumulated mean) by the norm over
         every stage, or `None`s without `global_clipnorm`; and whether
         that norm is finite, on the last stage's devices."""
-        scale = loss_scale(self.trainer.optimizer)
         if scale is not None:
             inverse = 1 / values[id(scale)]
             owned = [
